@@ -1,0 +1,204 @@
+"""Offloading policies as plain decisions: what to copy, what to execute, what to keep.
+
+Data in, data out, no timing and no tensors: the executor performs a :class:`Planner`'s
+decisions with real copies and the simulator times the very same decisions, so
+cross-validation tests the timing model rather than two re-implementations of a policy.
+
+The life of one MoE layer ``l`` of one decode step, as both sides drive it:
+
+1. ``prefetch(l, predicted)`` at the end of layer ``l-1``'s router: experts to copy ahead.
+2. ``route(l, true, predicted)`` at the end of layer ``l``'s router: experts to copy now
+   (misses) and experts to execute.
+3. ``finish(l)`` after layer ``l``'s experts ran: the cross-token cache keeps what it will.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from moesim.errors import MoesimError
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    prefetch: bool  # copies a predicted set one layer ahead
+    speculative: bool  # executes the predicted experts instead of the true ones
+    oracle: bool  # the prediction is the true next-layer set (an upper bound)
+    offload: bool  # experts live in host memory (False: all resident on the device)
+    exact: bool  # outputs equal the all-resident model's
+    summary: str
+
+
+POLICIES: dict[str, Policy] = {
+    p.name: p
+    for p in [
+        Policy("all-resident", False, False, False, False, True,
+               "every expert on the device; no copies (the reference without offloading)"),
+        Policy("on-demand", False, False, False, True, True,
+               "after each router, copy the missing top-k experts and wait for them"),
+        Policy("prefetch-spec", True, True, False, True, False,
+               "copy the predicted next-layer experts ahead and execute them (speculative "
+               "execution: no miss penalty, outputs may change)"),
+        Policy("prefetch-fom", True, False, False, True, True,
+               "copy the predicted experts ahead; copy the mispredicted ones on demand "
+               "(fetch-on-miss: exact outputs)"),
+        Policy("oracle", True, False, True, True, True,
+               "prefetch the true next-layer experts (a perfect predictor: the upper bound of prefetching)"),
+    ]
+}
+ALIASES = {"prefetch": "prefetch-fom", "resident": "all-resident", "ondemand": "on-demand"}
+EVICTIONS = ("lru", "lfu")
+
+
+def get_policy(name: str) -> Policy:
+    key = ALIASES.get(name.strip().lower(), name.strip().lower())
+    if key not in POLICIES:
+        raise MoesimError(f"unknown policy {name!r}; known: {', '.join(POLICIES)} (alias: prefetch = prefetch-fom)")
+    return POLICIES[key]
+
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+class ExpertCache:
+    """Cross-token device cache of experts, keyed by (layer, expert), with LRU or LFU eviction.
+
+    LFU breaks ties by least recent use. Keys in ``protect`` are never evicted: a plan
+    that skipped copying an expert because it was cached relies on it staying there.
+    """
+
+    def __init__(self, capacity: int, eviction: str = "lru") -> None:
+        if capacity < 0:
+            raise MoesimError(f"cache capacity must be >= 0 experts, got {capacity}")
+        if eviction not in EVICTIONS:
+            raise MoesimError(f"unknown eviction policy {eviction!r}; known: {', '.join(EVICTIONS)}")
+        self.capacity = capacity
+        self.eviction = eviction
+        self._lru: OrderedDict[Key, None] = OrderedDict()
+        self._count: dict[Key, int] = {}
+        self._heap: list[tuple[int, int, Key]] = []  # (count, tick, key), lazily cleaned
+        self._tick = 0
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._lru
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def keys(self) -> list[Key]:
+        return list(self._lru)
+
+    def use(self, key: Key) -> None:
+        """Record a use of a resident key, or admit it (evicting if full)."""
+        self._tick += 1
+        if key in self._lru:
+            self._lru.move_to_end(key)
+            self._count[key] += 1
+        else:
+            self._lru[key] = None
+            self._count[key] = 1
+        if self.eviction == "lfu":
+            heapq.heappush(self._heap, (self._count[key], self._tick, key))
+
+    def evict_for(self, n_new: int, protect: set[Key]) -> list[Key]:
+        """Evict until ``n_new`` more keys fit; returns the evicted keys."""
+        evicted: list[Key] = []
+        while len(self._lru) + n_new > self.capacity:
+            victim = self._victim(protect)
+            if victim is None:
+                break
+            del self._lru[victim]
+            del self._count[victim]
+            evicted.append(victim)
+        return evicted
+
+    def _victim(self, protect: set[Key]) -> Key | None:
+        if self.eviction == "lru":
+            return next((k for k in self._lru if k not in protect), None)
+        skipped = []
+        victim = None
+        while self._heap:
+            count, tick, key = heapq.heappop(self._heap)
+            if self._count.get(key) != count:
+                continue  # stale entry
+            if key in protect:
+                skipped.append((count, tick, key))
+                continue
+            victim = key
+            break
+        for item in skipped:
+            heapq.heappush(self._heap, item)
+        return victim
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What one layer does after its router: copy ``demand`` now, then run ``execute``."""
+
+    demand: tuple[int, ...]
+    execute: tuple[int, ...]
+    cache_hits: int  # executed experts that were already in the cross-token cache
+    prefetch_hits: int  # executed experts that a prefetch brought in
+
+
+class Planner:
+    """Online policy decisions for one decode stream (see the module docstring).
+
+    ``cache_experts`` > 0 adds a cross-token cache of that many experts; executed experts
+    enter it after their layer ran. Without a cache every layer copies every expert it
+    does not already hold in its (double-buffered) slot set.
+    """
+
+    def __init__(self, policy: Policy | str, cache_experts: int = 0, eviction: str = "lru") -> None:
+        self.policy = get_policy(policy) if isinstance(policy, str) else policy
+        self.cache = ExpertCache(cache_experts, eviction) if cache_experts > 0 else None
+        self._slots: dict[int, set[int]] = {}  # layer -> experts prefetched into its slot set
+        self._protect: set[Key] = set()
+
+    def _cached(self, layer: int, expert: int) -> bool:
+        return self.cache is not None and (layer, expert) in self.cache
+
+    def prefetch(self, layer: int, predicted: Iterable[int] | None) -> list[int]:
+        """Experts to copy now, ahead of ``layer``; ``predicted`` is None where no prediction ran."""
+        if not (self.policy.offload and self.policy.prefetch) or predicted is None:
+            return []
+        want = list(dict.fromkeys(predicted))
+        load = [e for e in want if not self._cached(layer, e)]
+        self._protect.update((layer, e) for e in want if self._cached(layer, e))
+        self._slots[layer] = set(load)
+        return load
+
+    def route(self, layer: int, true: Iterable[int], predicted: Iterable[int] | None) -> LayerPlan:
+        """At ``layer``'s router: what to copy on demand and what to execute."""
+        true = list(dict.fromkeys(true))
+        slots = self._slots.get(layer, set())
+        if self.policy.speculative and predicted is not None and layer in self._slots:
+            execute = list(dict.fromkeys(predicted))
+        else:
+            execute = true
+        if not self.policy.offload:
+            return LayerPlan((), tuple(execute), 0, 0)
+        cache_hits = sum(1 for e in execute if e not in slots and self._cached(layer, e))
+        demand = tuple(e for e in execute if e not in slots and not self._cached(layer, e))
+        prefetch_hits = sum(1 for e in execute if e in slots)
+        return LayerPlan(demand, tuple(execute), cache_hits, prefetch_hits)
+
+    def finish(self, layer: int, plan: LayerPlan) -> None:
+        """After ``layer`` ran: release its slots and let the cache keep what it executed."""
+        self._slots.pop(layer, None)
+        self._protect = {k for k in self._protect if k[0] != layer}
+        if self.cache is None:
+            return
+        new = [e for e in plan.execute if (layer, e) not in self.cache]
+        self.cache.evict_for(len(new), self._protect)
+        room = self.cache.capacity - len(self.cache)
+        for e in plan.execute:
+            if (layer, e) in self.cache:
+                self.cache.use((layer, e))
+            elif room > 0:
+                self.cache.use((layer, e))
+                room -= 1

@@ -1,0 +1,8 @@
+"""The simulator: replays traces against hardware profiles (SimPy reference + fast path).
+
+Importing it never imports torch.
+"""
+
+from sim.simulate import SimResult, simulate
+
+__all__ = ["SimResult", "simulate"]

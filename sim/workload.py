@@ -1,0 +1,74 @@
+"""The input both timing engines share: per-step, per-layer work in seconds and experts.
+
+A :class:`Workload` is a plan laid over the model's layers with compute times attached;
+a :class:`Link` is the host-to-device copy engine. The SimPy model and the fast path
+take exactly these two and must agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moesim.hardware import HardwareProfile
+from moesim.models import ModelSpec
+from sim.costs import Costs
+from sim.plan import Plan
+
+
+@dataclass(frozen=True)
+class Link:
+    """Host-to-device copies: one FIFO engine, each expert a transfer of
+    ``latency + expert_bytes / bandwidth`` seconds (one contiguous buffer per expert)."""
+
+    bandwidth: float  # bytes/s
+    latency: float  # seconds per transfer
+    expert_bytes: int
+
+    @property
+    def per_expert(self) -> float:
+        return self.latency + self.expert_bytes / self.bandwidth
+
+    @classmethod
+    def from_profile(cls, hw: HardwareProfile, spec: ModelSpec) -> Link:
+        return cls(hw.link_bw, hw.transfer_latency, spec.expert_bytes)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Arrays over [step, model layer] (``other`` over steps).
+
+    At layer l of step t the compute stream runs ``attn`` (attention and router), then
+    issues ``demand`` expert copies for layer l and ``prefetch_next`` copies for the next
+    layer, waits for layer l's copies, and runs ``experts`` seconds of expert compute.
+    """
+
+    attn: np.ndarray
+    experts: np.ndarray
+    demand: np.ndarray
+    prefetch_next: np.ndarray
+    other: np.ndarray
+    compute_source: str
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.attn.shape
+
+    @property
+    def compute_per_token(self) -> np.ndarray:
+        return self.attn.sum(1) + self.experts.sum(1) + self.other
+
+
+def make_workload(spec: ModelSpec, plan: Plan, costs: Costs) -> Workload:
+    t, n_layers = costs.attn.shape
+    moe = list(spec.moe_layers)
+    experts = np.zeros((t, n_layers))
+    demand = np.zeros((t, n_layers), np.int32)
+    prefetch_next = np.zeros((t, n_layers), np.int32)
+    experts[:, moe] = costs.expert_compute(plan.execute, plan.assign)
+    demand[:, moe] = plan.demand
+    for m in range(1, len(moe)):
+        # Layer m's prefetch is issued at the end of the model layer just before it.
+        prefetch_next[:, moe[m] - 1] = plan.prefetch[:, m]
+    return Workload(costs.attn, experts, demand, prefetch_next, costs.other, costs.source)

@@ -1,0 +1,230 @@
+"""Trace format v1: the contract between the executor, the simulator and users.
+
+One compressed ``.npz`` file (no pickles) holding a JSON header and numpy arrays; every
+field and unit is documented in ``docs/trace-format.md``. :func:`read_trace` checks
+version, shapes and ranges and rejects a corrupt, truncated or inconsistent file with a
+one-line :class:`~moesim.errors.MoesimError`.
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moesim.atomic import atomic_write
+from moesim.errors import MoesimError
+from moesim.models import ModelSpec
+
+FORMAT = "moesim-trace"
+VERSION = 1
+
+#: Routing arrays, all [tokens, moe_layers, batch, top_k].
+ROUTING = ("true_ids", "true_gates", "pred_ids", "pred_gates", "exec_ids")
+#: Optional measured timings, in seconds (shapes in docs/trace-format.md).
+TIMING_2D = {"attn_s": "layers", "expert_s": "moe", "stall_s": "moe"}
+TIMING_1D = ("other_s", "tpot_s")
+COPY_FIELDS = ("copy_token", "copy_layer", "copy_expert", "copy_bytes", "copy_kind",
+               "copy_issue_s", "copy_start_s", "copy_end_s")
+COPY_KINDS = ("prefetch", "demand")
+
+
+@dataclass
+class Trace:
+    """A decode run: routing per step and MoE layer, optional measured timings.
+
+    ``header['model']`` is the model spec; ``pred_ids`` is -1 where no prediction ran
+    (always at the first MoE layer); ``timings`` is empty when nothing was measured.
+    """
+
+    header: dict[str, Any]
+    prompt_ids: np.ndarray  # int32 [batch, prompt_len]
+    token_ids: np.ndarray  # int32 [batch, tokens]
+    true_ids: np.ndarray  # int16 [tokens, moe_layers, batch, top_k]
+    true_gates: np.ndarray  # float32, same shape
+    pred_ids: np.ndarray  # int16, same shape, -1 = no prediction
+    pred_gates: np.ndarray  # float32, same shape, 0 where no prediction
+    exec_ids: np.ndarray  # int16, same shape: what the recorded run executed
+    timings: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def model(self) -> ModelSpec:
+        return ModelSpec.from_dict(self.header["model"])
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.true_ids.shape[0])
+
+    @property
+    def batch(self) -> int:
+        return int(self.true_ids.shape[2])
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.header.get("prompt_len", self.prompt_ids.shape[1]))
+
+    @property
+    def measured(self) -> bool:
+        return "tpot_s" in self.timings
+
+    @property
+    def synthetic(self) -> bool:
+        return bool(self.header.get("synthetic", False))
+
+    def head(self, n: int) -> Trace:
+        """The first ``n`` decode steps (an interrupted run keeps what it finished)."""
+        t = dict(self.timings)
+        if "copy_token" in t:
+            keep = t["copy_token"] < n
+            t.update({k: t[k][keep] for k in COPY_FIELDS})
+        for k in (*TIMING_2D, *TIMING_1D):
+            if k in t:
+                t[k] = t[k][:n]
+        header = {**self.header, "n_tokens": n}
+        return Trace(header, self.prompt_ids, self.token_ids[:, :n],
+                     *(getattr(self, a)[:n] for a in ROUTING), timings=t)
+
+
+def write_trace(trace: Trace, path: str | Path) -> Path:
+    """Validate and write ``trace`` atomically (temp file, then rename)."""
+    trace.header.setdefault("format", FORMAT)
+    trace.header.setdefault("version", VERSION)
+    trace.header["n_tokens"] = trace.n_tokens
+    trace.header["batch"] = trace.batch
+    validate(trace, str(path))
+    arrays = {
+        "header": np.frombuffer(json.dumps(trace.header, sort_keys=True).encode(), dtype=np.uint8),
+        "prompt_ids": trace.prompt_ids.astype(np.int32),
+        "token_ids": trace.token_ids.astype(np.int32),
+        **{a: getattr(trace, a) for a in ROUTING},
+        **trace.timings,
+    }
+    return atomic_write(path, lambda f: np.savez_compressed(f, **arrays))
+
+
+def read_trace(path: str | Path) -> Trace:
+    """Read and check a trace; any problem is a one-line MoesimError naming the file."""
+    path = Path(path)
+    where = str(path)
+    if not path.is_file():
+        raise MoesimError(f"trace {where} does not exist")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            data = {k: z[k] for k in z.files}
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError, zlib.error) as e:
+        raise MoesimError(f"{where}: not a readable moesim trace (corrupt or truncated: {e})") from None
+    if "header" not in data:
+        raise MoesimError(f"{where}: not a moesim trace (no header)")
+    try:
+        header = json.loads(bytes(data.pop("header")).decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MoesimError(f"{where}: trace header is not valid JSON ({e})") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise MoesimError(f"{where}: not a moesim trace (format is {header.get('format') if isinstance(header, dict) else None!r})")
+    version = header.get("version")
+    if version != VERSION:
+        raise MoesimError(f"{where}: trace format version {version!r}; this moesim reads version {VERSION}")
+    missing = [k for k in ("prompt_ids", "token_ids", *ROUTING) if k not in data]
+    if missing:
+        raise MoesimError(f"{where}: trace lacks array(s) {', '.join(missing)}")
+    core = {k: data.pop(k) for k in ("prompt_ids", "token_ids", *ROUTING)}
+    unknown = set(data) - set(TIMING_2D) - set(TIMING_1D) - set(COPY_FIELDS)
+    if unknown:
+        raise MoesimError(f"{where}: trace has unknown array(s) {', '.join(sorted(unknown))}")
+    trace = Trace(header, timings=data, **core)
+    validate(trace, where)
+    return trace
+
+
+def validate(trace: Trace, where: str) -> None:
+    """Check shapes, dtypes, ranges and header consistency; raise a one-line error."""
+
+    def bad(msg: str) -> MoesimError:
+        return MoesimError(f"{where}: {msg}")
+
+    h = trace.header
+    if "model" not in h:
+        raise bad("header has no model spec")
+    spec = ModelSpec.from_dict(h["model"]) if isinstance(h["model"], dict) else None
+    if spec is None:
+        raise bad("header model is not an object")
+    for k in ROUTING:
+        a = getattr(trace, k)
+        if a.ndim != 4:
+            raise bad(f"{k} must be 4-D [tokens, moe_layers, batch, top_k], got shape {a.shape}")
+    shape = trace.true_ids.shape
+    t, m, b, k = shape
+    if t == 0:
+        raise bad("trace holds no decode step")
+    if m != spec.n_moe_layers or k != spec.top_k:
+        raise bad(f"routing shape {shape} does not match model {spec.name} "
+                  f"({spec.n_moe_layers} MoE layers, top-{spec.top_k})")
+    for k_ in ROUTING:
+        a = getattr(trace, k_)
+        if a.shape != shape:
+            raise bad(f"{k_} has shape {a.shape}, expected {shape}")
+        kind = "f" if k_.endswith("gates") else "i"
+        if a.dtype.kind != kind:
+            raise bad(f"{k_} has dtype {a.dtype}, expected {'float' if kind == 'f' else 'integer'}")
+    if h.get("n_tokens", t) != t:
+        raise bad(f"header says {h.get('n_tokens')} tokens but arrays hold {t} (truncated?)")
+    e = spec.n_experts
+    if trace.true_ids.min() < 0 or trace.true_ids.max() >= e:
+        raise bad(f"true_ids outside [0, {e})")
+    for k_ in ("pred_ids", "exec_ids"):
+        a = getattr(trace, k_)
+        if a.min() < -1 or a.max() >= e:
+            raise bad(f"{k_} outside [-1, {e})")
+    srt = np.sort(trace.true_ids, axis=-1)
+    if k > 1 and (srt[..., 1:] == srt[..., :-1]).any():
+        raise bad("true_ids repeats an expert within one token's top-k")
+    for k_ in ("true_gates", "pred_gates"):
+        g = getattr(trace, k_)
+        if not np.isfinite(g).all() or g.min() < 0 or g.max() > 1 + 1e-5:
+            raise bad(f"{k_} must be finite and in [0, 1]")
+    for k_ in ("prompt_ids", "token_ids"):
+        ids = getattr(trace, k_)
+        if ids.ndim != 2 or ids.shape[0] != b:
+            raise bad(f"{k_} must be [batch={b}, n], got shape {ids.shape}")
+        if ids.size and (ids.min() < 0 or ids.max() >= spec.vocab):
+            raise bad(f"{k_} outside the vocabulary [0, {spec.vocab})")
+    if trace.token_ids.shape[1] != t:
+        raise bad(f"token_ids holds {trace.token_ids.shape[1]} tokens, routing {t}")
+    _validate_timings(trace, spec, bad)
+
+
+def _validate_timings(trace: Trace, spec: ModelSpec, bad) -> None:
+    tm = trace.timings
+    t = trace.n_tokens
+    dims = {"layers": spec.n_layers, "moe": spec.n_moe_layers}
+    for k, d in TIMING_2D.items():
+        if k in tm and tm[k].shape != (t, dims[d]):
+            raise bad(f"{k} has shape {tm[k].shape}, expected {(t, dims[d])}")
+    for k in TIMING_1D:
+        if k in tm and tm[k].shape != (t,):
+            raise bad(f"{k} has shape {tm[k].shape}, expected {(t,)}")
+    present = [k for k in COPY_FIELDS if k in tm]
+    if present and len(present) != len(COPY_FIELDS):
+        raise bad(f"copy records are incomplete (missing {', '.join(set(COPY_FIELDS) - set(present))})")
+    if present:
+        n = tm["copy_token"].shape
+        if any(tm[k].shape != n or tm[k].ndim != 1 for k in COPY_FIELDS):
+            raise bad("copy record arrays differ in length")
+        if n[0] and (tm["copy_token"].min() < 0 or tm["copy_token"].max() >= t):
+            raise bad("copy_token outside the trace's steps")
+        if n[0] and (tm["copy_expert"].min() < 0 or tm["copy_expert"].max() >= spec.n_experts):
+            raise bad("copy_expert outside the model's experts")
+        if n[0] and (tm["copy_layer"].min() < 0 or tm["copy_layer"].max() >= spec.n_layers):
+            raise bad("copy_layer outside the model's layers")
+        if n[0] and ((tm["copy_start_s"] < tm["copy_issue_s"] - 1e-9).any()
+                     or (tm["copy_end_s"] < tm["copy_start_s"]).any()):
+            raise bad("copy times out of order (need issue <= start <= end)")
+    for k, a in tm.items():
+        if a.dtype.kind == "f" and (not np.isfinite(a).all() or (a.size and a.min() < 0)):
+            raise bad(f"{k} must be finite and non-negative")
+
