@@ -34,10 +34,15 @@ def cache_capacity(spec: ModelSpec, cache_gib: float = 0.0, cache_experts: int =
 
 
 def pick_costs(trace: Trace, spec: ModelSpec, hw: HardwareProfile, timing: str) -> Costs:
-    """Measured compute times when asked or available (``auto``), else the roofline."""
+    """Compute times from the trace's measurements or from the profile's roofline.
+
+    ``auto`` uses the measurements when the trace has them and was recorded on ``hw``
+    (measured times belong to the machine that measured them), else the roofline.
+    """
     if timing not in TIMINGS:
         raise MoesimError(f"unknown timing source {timing!r}; known: {', '.join(TIMINGS)}")
-    if timing == "measured" or (timing == "auto" and "expert_s" in trace.timings):
+    recorded_on = trace.header.get("recorded", {}).get("hw_profile")
+    if timing == "measured" or (timing == "auto" and "expert_s" in trace.timings and recorded_on == hw.name):
         # Charge other policies at the recorded run's measured per-expert rate.
         recorded = trace.header.get("policy", {}).get("name")
         recorded_plan = build_plan(trace, recorded if recorded in POLICIES else "on-demand")
@@ -167,7 +172,7 @@ def simulate(
     tpot = np.diff(ends, prepend=0.0)
     config = {
         "model": spec.name, "hw": hw.name, "policy": pol.name, "cache_experts": capacity,
-        "cache_gib": round(capacity * spec.expert_bytes / 2**30, 3), "eviction": eviction if capacity else "-",
+        "cache_gib": round(capacity * spec.expert_bytes / 2**30, 2), "eviction": eviction if capacity else "-",
         "link_gbps": hw["h2d_pinned_gbs"], "batch": trace.batch, "engine": engine, "timing": costs.source,
         "synthetic_trace": trace.synthetic,
     }

@@ -1,0 +1,3 @@
+from moesim.cli import main
+
+main()

@@ -1,0 +1,370 @@
+"""The ``moesim`` command line: models, hw, synth, replay, whatif.
+
+Every user error ends as one line on stderr and exit code 2 (see :func:`main`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from moesim.errors import MoesimError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode="markdown",
+    help="""How fast will this MoE decode on this hardware, with which offloading policy, and why?
+
+moesim models MoE decoding with expert weights in host memory: it replays routing traces
+against hardware profiles (SimPy discrete-event model, plus a fast path for sweeps).
+
+**Start here:** `moesim whatif` (no arguments) sweeps Qwen3-30B-A3B on three GPUs under
+every policy and writes a report to reports/whatif/.
+
+**Examples:**
+
+* `moesim models` - the model catalogue with byte accounting
+* `moesim hw h200` - a hardware profile, every figure with its source
+* `moesim synth --model olmoe-1b-7b --tokens 512 --out olmoe.npz` - a synthetic trace
+* `moesim replay olmoe.npz --hw a6000 --policy on-demand,prefetch,oracle --out reports/olmoe`
+* `moesim whatif --model qwen3-30b-a3b --hw a6000,gh200 --link-gbps 16,32,64 --cache-gib 0,8,24`
+""",
+)
+out = Console(width=None if sys.stdout.isatty() else 200)  # pipes and files get whole tables
+err = Console(stderr=True)
+
+
+def _split(value: str, option: str) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if not items:
+        raise MoesimError(f"{option}: give at least one value")
+    return items
+
+
+def _floats(value: str, option: str) -> list[float]:
+    try:
+        return [float(v) for v in _split(value, option)]
+    except ValueError:
+        raise MoesimError(f"{option}: {value!r} is not a comma-separated list of numbers") from None
+
+
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+# --------------------------------------------------------------------------------------
+# models, hw
+# --------------------------------------------------------------------------------------
+
+
+@app.command()
+def models(
+    model: Annotated[list[str] | None, typer.Argument(help="Catalogue names or model directories (config.json); all if omitted.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """List MoE models with their geometry and exact byte accounting.
+
+    Sizes in decimal GB/MB. "per token" is what one decoded token touches at batch 1:
+    every non-expert weight plus top-k experts in every MoE layer (no KV cache).
+
+    Examples: `moesim models`, `moesim models qwen3-30b-a3b --json`,
+    `moesim models ~/models/Qwen3-30B-A3B` (reads its config.json).
+    """
+    from moesim.models import CATALOGUE, get_model
+
+    specs = [get_model(m) for m in model] if model else list(CATALOGUE.values())
+    rows = []
+    for s in specs:
+        rows.append({
+            "model": s.name, "layers": s.n_layers, "moe_layers": s.n_moe_layers, "experts": s.n_experts,
+            "shared": s.n_shared, "top_k": s.top_k, "hidden": s.hidden, "expert_inter": s.expert_inter,
+            "expert_dtype": s.expert_dtype, "expert_bytes": s.expert_bytes,
+            "layer_expert_bytes": s.layer_expert_bytes, "all_expert_bytes": s.all_expert_bytes,
+            "non_expert_bytes": s.non_expert_bytes, "bytes_per_token": s.bytes_per_token(),
+        })
+    if as_json:
+        _print_json({"models": rows, "specs": [s.to_dict() for s in specs]})
+        return
+    t = Table(title="MoE models (sizes in decimal units)")
+    for c in ("model", "layers (MoE)", "experts + shared", "top-k", "hidden / inter", "expert dtype",
+              "MB / expert", "GB / layer", "GB experts", "GB non-expert", "GB / token"):
+        t.add_column(c, justify="right" if c != "model" else "left")
+    for r in rows:
+        t.add_row(r["model"], f"{r['layers']} ({r['moe_layers']})", f"{r['experts']} + {r['shared']}", str(r["top_k"]),
+                  f"{r['hidden']} / {r['expert_inter']}", r["expert_dtype"], f"{r['expert_bytes'] / 1e6:.2f}",
+                  f"{r['layer_expert_bytes'] / 1e9:.3f}", f"{r['all_expert_bytes'] / 1e9:.1f}",
+                  f"{r['non_expert_bytes'] / 1e9:.2f}", f"{r['bytes_per_token'] / 1e9:.2f}")
+    out.print(t)
+
+
+@app.command()
+def hw(
+    profile: Annotated[str | None, typer.Argument(help="A built-in profile name or a .toml path; all if omitted.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """List hardware profiles, or show one with the kind and source of every figure.
+
+    Profiles are TOML files (docs/hwprofile-format.md); any command's `--hw` also takes
+    the path of your own. Examples: `moesim hw`, `moesim hw gh200`, `moesim hw my-box.toml`.
+    """
+    from moesim.hardware import FIGURES, builtin_profiles, get_profile
+
+    if profile:
+        p = get_profile(profile)
+        if as_json:
+            _print_json({"name": p.name, "description": p.description, "link": p.link,
+                         "figures": {k: vars(f) for k, f in p.figures.items()}})
+            return
+        t = Table(title=f"{p.name}: {p.description} (link: {p.link})")
+        for c in ("figure", "value", "unit", "kind", "source"):
+            t.add_column(c)
+        for k, f in p.figures.items():
+            t.add_row(k, f"{f.value:g}", FIGURES[k][0], f.kind, f.source)
+        out.print(t)
+        return
+    profiles = [get_profile(n) for n in builtin_profiles()]
+    if as_json:
+        _print_json([{"name": p.name, "link": p.link, **{k: f.value for k, f in p.figures.items()}} for p in profiles])
+        return
+    t = Table(title="Hardware profiles (show one with `moesim hw NAME` for sources)")
+    for c in ("name", "link", "device GB", "HBM GB/s (achievable)", "bf16 TFLOP/s", "H2D pinned GB/s", "latency us", "description"):
+        t.add_column(c)
+    for p in profiles:
+        t.add_row(p.name, p.link, f"{p['device_memory_gb']:g}", f"{p['mem_bw_achievable_gbs']:g}",
+                  f"{p['bf16_tflops']:g}", f"{p['h2d_pinned_gbs']:g}", f"{p['transfer_latency_us']:g}", p.description)
+    out.print(t)
+
+
+# --------------------------------------------------------------------------------------
+# synth
+# --------------------------------------------------------------------------------------
+
+
+@app.command()
+def synth(
+    model: Annotated[str, typer.Option(help="Catalogue name or model directory.")] = "qwen3-30b-a3b",
+    out_path: Annotated[Path, typer.Option("--out", help="Trace file to write (.npz).")] = Path("traces/synthetic.npz"),
+    tokens: Annotated[int, typer.Option(help="Decode steps.")] = 256,
+    batch: Annotated[int, typer.Option(help="Sequences decoded together.")] = 1,
+    prompt_len: Annotated[int, typer.Option(help="Prompt tokens before decoding (sets KV-cache length and TTFT).")] = 128,
+    skew: Annotated[float, typer.Option(help="Zipf exponent of each layer's expert popularity (0 = uniform).")] = 1.0,
+    reuse: Annotated[float, typer.Option(help="Chance a token's expert is used again by the next token at that layer.")] = 0.3,
+    hit_rate: Annotated[float, typer.Option(help="Per-expert prediction hit rate on most layers.")] = 0.85,
+    early_hit_rate: Annotated[float, typer.Option(help="Hit rate on the first --early-layers MoE layers.")] = 0.5,
+    early_layers: Annotated[int, typer.Option(help="How many early MoE layers predict poorly.")] = 2,
+    seed: Annotated[int, typer.Option(help="Random seed (same seed, same trace).")] = 0,
+) -> None:
+    """Write a **synthetic** routing trace (marked synthetic in its header).
+
+    Skewed per-layer popularity, token-to-token reuse and a per-layer prediction hit
+    rate stand in for real routing, so every policy can be simulated before a real
+    trace exists. Example: `moesim synth --model olmoe-1b-7b --tokens 512 --out olmoe.npz`.
+    """
+    from moesim.models import get_model
+    from traces.format import write_trace
+    from traces.synthetic import SyntheticParams, synthetic_trace
+
+    params = SyntheticParams(tokens, batch, prompt_len, skew, reuse, hit_rate, early_hit_rate, early_layers, seed)
+    trace = synthetic_trace(get_model(model), params)
+    path = write_trace(trace, out_path)
+    err.print(f"wrote synthetic trace {path} ({tokens} steps of {trace.model.name}, batch {batch})")
+
+
+# --------------------------------------------------------------------------------------
+# replay
+# --------------------------------------------------------------------------------------
+
+SUMMARY_COLS = (("policy", "policy"), ("tpot_ms", "TPOT ms"), ("tpot_p99_ms", "p99 ms"), ("tokens_per_s", "tok/s"),
+                ("compute_ms", "compute"), ("copy_ms", "copy"), ("stall_ms", "stall"),
+                ("overlap_bound_ms", "overlap bound"), ("serial_bound_ms", "serial bound"),
+                ("experts_loaded_per_token", "loads/token"), ("gb_moved_per_token", "GB/token"),
+                ("cache_hit_rate", "cache hit"), ("prefetch_hit_rate", "prefetch hit"), ("ttft_ms", "TTFT ms"))
+WHATIF_COLS = (("model", "model"), ("hw", "hw"), ("policy", "policy"), ("link_gbps", "link GB/s"),
+               ("cache_gib", "cache GiB"), ("fits", "fits"), ("tpot_ms", "TPOT ms"), ("tokens_per_s", "tok/s"),
+               ("compute_ms", "compute"), ("copy_ms", "copy"), ("stall_ms", "stall"),
+               ("gb_moved_per_token", "GB/token"), ("ttft_ms", "TTFT ms"), ("bound", "bound"))
+
+
+def _results_table(rows: list[dict[str, Any]], title: str, cols: tuple[tuple[str, str], ...] = SUMMARY_COLS) -> Table:
+    t = Table(title=title)
+    for _, label in cols:
+        t.add_column(label, justify="right")
+    for r in rows:
+        t.add_row(*[f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k]) for k, _ in cols])
+    return t
+
+
+def _why(r: dict[str, Any]) -> str:
+    """One sentence on what bounds a configuration."""
+    from moesim.policy import get_policy
+
+    caveat = "" if get_policy(r["policy"]).exact else " (speculative execution: outputs may differ from exact decoding)"
+    if r["copy_ms"] == 0:
+        return f"compute-bound: no expert copies; {r['compute_ms']:.3g} ms of compute per token{caveat}"
+    share = r["stall_ms"] / r["tpot_ms"]
+    bound = "copy-bound" if r["copy_ms"] > r["compute_ms"] else "compute-bound"
+    return (f"{bound}: copies take {r['copy_ms']:.3g} ms and compute {r['compute_ms']:.3g} ms per token; "
+            f"{share:.0%} of the step waits on the link (ideal overlap would give {r['overlap_bound_ms']:.3g} ms){caveat}")
+
+
+@app.command()
+def replay(
+    trace_path: Annotated[Path, typer.Argument(metavar="TRACE", help="A trace file (.npz, format v1).")],
+    hw_name: Annotated[str, typer.Option("--hw", help="Hardware profile name or .toml path.")] = "a6000",
+    policy: Annotated[str, typer.Option(help="Comma-separated policies: all-resident, on-demand, prefetch-spec, "
+                                              "prefetch-fom (alias prefetch), oracle.")] = "on-demand,prefetch-fom,prefetch-spec,oracle",
+    cache_gib: Annotated[float, typer.Option(help="Cross-token expert cache on the device, GiB (0 = none).")] = 0.0,
+    cache_experts: Annotated[int, typer.Option(help="The same cache sized in experts instead.")] = 0,
+    eviction: Annotated[str, typer.Option(help="Cache eviction: lru or lfu.")] = "lru",
+    link_gbps: Annotated[float | None, typer.Option(help="Override the profile's pinned host-to-device GB/s.")] = None,
+    engine: Annotated[str, typer.Option(help="simpy (the reference) or fast (the recurrence).")] = "simpy",
+    timing: Annotated[str, typer.Option(help="Compute times: auto (measured if the trace has them for this hw), "
+                                              "profile (roofline) or measured.")] = "auto",
+    model: Annotated[str | None, typer.Option(help="Check the trace against this model (errors on mismatch).")] = None,
+    step: Annotated[int, typer.Option(help="Which decode step the report's timeline shows.")] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")] = False,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Write a report here: HTML, PNGs, CSV, Chrome trace.")] = None,
+) -> None:
+    """Replay a trace under one or more policies on a hardware profile.
+
+    Prints TPOT (mean, p99, tokens/s), its compute / copy / stall breakdown, the bounds
+    (serial copy+compute; ideal overlap), bytes moved, hit rates and TTFT.
+
+    Example: `moesim replay run.npz --hw h100-sxm --policy on-demand,prefetch --cache-gib 8 --out reports/run`
+    """
+    from moesim.hardware import get_profile
+    from moesim.models import get_model
+    from sim.simulate import simulate
+    from traces.format import read_trace
+
+    trace = read_trace(trace_path)
+    if model is not None:
+        want, got = get_model(model), trace.model
+        if (want.n_moe_layers, want.n_experts, want.top_k) != (got.n_moe_layers, got.n_experts, got.top_k):
+            raise MoesimError(f"{trace_path} was recorded for {got.name} ({got.n_moe_layers} MoE layers, "
+                              f"{got.n_experts} experts, top-{got.top_k}), not {want.name}")
+    profile = get_profile(hw_name)
+    if not 0 <= step < trace.n_tokens:
+        raise MoesimError(f"--step {step} outside the trace's {trace.n_tokens} steps")
+    results = [simulate(trace, profile, p, cache_gib=cache_gib, cache_experts=cache_experts, eviction=eviction,
+                        engine=engine, timing=timing, link_gbps=link_gbps) for p in _split(policy, "--policy")]
+    rows = [r.summary() for r in results]
+    if as_json:
+        _print_json(rows)
+    else:
+        src = "synthetic trace" if trace.synthetic else "trace"
+        out.print(_results_table(rows, f"{trace.model.name} on {profile.name}, {trace.n_tokens} steps "
+                                       f"({src}; compute: {rows[0]['timing']}; engine: {engine})"))
+        for r in rows:
+            out.print(f"[bold]{r['policy']}[/bold]: {_why(r)}")
+    if out_dir is not None:
+        from reports.replay import write_replay_report
+
+        page = write_replay_report(trace, trace_path, profile, results, out_dir, step)
+        err.print(f"report: {page}")
+
+
+# --------------------------------------------------------------------------------------
+# whatif
+# --------------------------------------------------------------------------------------
+
+
+@app.command()
+def whatif(
+    trace_path: Annotated[Path | None, typer.Option("--trace", help="Sweep over this trace (else a synthetic one per model).")] = None,
+    model: Annotated[str, typer.Option(help="Comma-separated models (ignored with --trace: the trace's model).")] = "qwen3-30b-a3b",
+    hw_names: Annotated[str, typer.Option("--hw", help="Comma-separated hardware profiles or .toml paths.")] = "a6000,h100-sxm,gh200",
+    policy: Annotated[str, typer.Option(help="Comma-separated policies.")] = "on-demand,prefetch-fom,prefetch-spec,oracle,all-resident",
+    link_gbps: Annotated[str | None, typer.Option(help="Comma-separated host-to-device GB/s (default: each profile's own).")] = None,
+    cache_gib: Annotated[str, typer.Option(help="Comma-separated cross-token cache sizes, GiB.")] = "0,8,16",
+    eviction: Annotated[str, typer.Option(help="Cache eviction: lru or lfu.")] = "lru",
+    tokens: Annotated[int, typer.Option(help="Decode steps of the synthetic trace.")] = 256,
+    prompt_len: Annotated[int, typer.Option(help="Prompt length of the synthetic trace.")] = 128,
+    batch: Annotated[int, typer.Option(help="Batch size of the synthetic trace.")] = 1,
+    goal: Annotated[str, typer.Option(help="What 'best' means: tpot, p99, ttft or bytes.")] = "tpot",
+    engine: Annotated[str, typer.Option(help="fast (default for sweeps) or simpy.")] = "fast",
+    jobs: Annotated[int, typer.Option(help="Worker processes (0 = all cores).")] = 0,
+    top: Annotated[int, typer.Option(help="Rows to print (all go to the CSV).")] = 15,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")] = False,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Report folder: HTML, PNG heatmaps and breakdown, CSV.")] = Path("reports/whatif"),
+) -> None:
+    """Sweep models x hardware x policies x link bandwidth x cache size; find the best.
+
+    Without `--trace` each model gets a **synthetic** trace (see `moesim synth`).
+    Configurations that do not fit in device memory are marked and never chosen as best.
+
+    Example: `moesim whatif --model qwen3-30b-a3b --hw a6000,gh200 --policy on-demand,prefetch,oracle
+    --link-gbps 16,32,64 --cache-gib 0,8,24`
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from moesim.hardware import get_profile
+    from moesim.models import get_model
+    from sim.whatif import GOALS, Sweep, best, run_sweep
+    from traces.format import read_trace
+    from traces.synthetic import SyntheticParams, synthetic_trace
+
+    if goal not in GOALS:
+        raise MoesimError(f"unknown goal {goal!r}; known: {', '.join(GOALS)}")
+    if trace_path is not None:
+        trace = read_trace(trace_path)
+        traces = {trace.model.name: trace}
+    else:
+        params = SyntheticParams(tokens=tokens, batch=batch, prompt_len=prompt_len)
+        traces = {}
+        for m in _split(model, "--model"):
+            spec = get_model(m)
+            traces[spec.name] = synthetic_trace(spec, params)
+    sweep = Sweep(traces, [get_profile(h) for h in _split(hw_names, "--hw")], _split(policy, "--policy"),
+                  _floats(link_gbps, "--link-gbps") if link_gbps else [None], _floats(cache_gib, "--cache-gib"),
+                  eviction, engine)
+    with Progress(TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TextColumn("groups"),
+                  TimeElapsedColumn(), console=err, transient=True, disable=as_json) as bar:
+        task = bar.add_task("sweep", total=len(sweep.groups()))
+        rows = run_sweep(sweep, jobs or None, lambda done, total: bar.update(task, completed=done))
+    for r in rows:
+        r["bound"] = "copy" if r["copy_ms"] > r["compute_ms"] else "compute"
+    winner = best(rows, goal)
+    key = GOALS[goal][0]
+    if as_json:
+        _print_json({"goal": goal, "best": winner, "rows": rows})
+    else:
+        shown = sorted(rows, key=lambda r: (not r["fits"], r[key]))[:top]
+        synthetic = any(t.synthetic for t in traces.values())
+        out.print(_results_table(shown, f"what-if: {sweep.size} configurations, best {min(top, len(rows))} by {goal}"
+                                        f"{' (synthetic traces)' if synthetic else ''}", WHATIF_COLS))
+        for h in sweep.hws:
+            b = best([r for r in rows if r["hw"] == h.name], goal)
+            if b is not None:
+                out.print(f"on {h.name}: best is {b['policy']} (link {b['link_gbps']:g} GB/s, cache {b['cache_gib']:g} GiB)"
+                          f" at {b['tpot_ms']:.3g} ms/token; {_why(b)}")
+            else:
+                out.print(f"on {h.name}: no configuration fits in {h['device_memory_gb']:g} GB of device memory")
+        if winner:
+            out.print(f"[bold green]best for {GOALS[goal][1]}:[/bold green] {winner['model']} on {winner['hw']}, "
+                      f"{winner['policy']}, link {winner['link_gbps']:g} GB/s, cache {winner['cache_gib']:g} GiB: "
+                      f"{winner['tpot_ms']:.3g} ms/token ({winner['tokens_per_s']:.3g} tok/s)")
+            out.print(f"why: {_why(winner)}")
+        else:
+            out.print("[bold red]no configuration fits in device memory[/bold red]")
+    if out_dir is not None:
+        from reports.whatif import write_whatif_report
+
+        page = write_whatif_report(rows, winner, goal, sweep, out_dir)
+        err.print(f"report: {page}")
+
+
+def main() -> None:
+    """Console entry point: user errors become one line and exit code 2."""
+    try:
+        app()
+    except MoesimError as e:
+        err.print(f"error: {e}", highlight=False, markup=False, soft_wrap=True)
+        sys.exit(2)

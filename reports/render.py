@@ -1,0 +1,174 @@
+"""Figures (PNG, matplotlib), self-contained HTML pages and Chrome/Perfetto traces.
+
+Every figure function takes plain rows or spans and a caption that says what was
+simulated or measured, on what; pages embed their images, so one HTML file is the report.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import io
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from moesim.atomic import atomic_write, atomic_write_text  # noqa: E402
+
+COLORS = {"compute": "#4C72B0", "stall": "#C44E52", "copy": "#DD8452", "bound": "#55A868"}
+
+
+def _save(fig: plt.Figure, path: Path) -> Path:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return atomic_write(path, lambda f: f.write(buf.getvalue()))
+
+
+def breakdown_png(rows: Sequence[dict[str, Any]], labels: Sequence[str], path: Path, title: str) -> Path:
+    """Stacked compute + stall (= TPOT) per configuration, with copy time and the bounds."""
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(rows) + 2), 3.8))
+    x = range(len(rows))
+    comp = [r["compute_ms"] for r in rows]
+    stall = [r["stall_ms"] for r in rows]
+    ax.bar(x, comp, color=COLORS["compute"], label="compute")
+    ax.bar(x, stall, bottom=comp, color=COLORS["stall"], label="stall (waiting for copies)")
+    ax.scatter(x, [r["copy_ms"] for r in rows], marker="_", s=600, color=COLORS["copy"], zorder=3,
+               label="copy-engine time")
+    ax.scatter(x, [r["overlap_bound_ms"] for r in rows], marker="v", color=COLORS["bound"], zorder=3,
+               label="ideal-overlap bound")
+    ax.set_xticks(list(x), labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("ms per output token")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.grid(axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def timeline_png(spans: Sequence[Any], step: int, path: Path, title: str) -> Path:
+    """One decode step as a profiler view: compute stream and copy engine side by side."""
+    mine = [s for s in spans if s.step == step]
+    if not mine:
+        raise ValueError(f"no spans recorded for step {step}")
+    t0 = min(s.start for s in mine)
+    fig, ax = plt.subplots(figsize=(11, 2.6))
+    lanes = {"compute": 1, "copy": 0}
+    for s in mine:
+        kind = "copy" if s.lane == "copy" else ("compute" if s.name.startswith("attn") else "stall")
+        color = {"copy": COLORS["copy"], "compute": "#8DA0CB", "stall": COLORS["compute"]}[kind]
+        if s.name.startswith("prefetch"):
+            color = "#E6AB02"
+        ax.broken_barh([((s.start - t0) * 1e3, (s.end - s.start) * 1e3)], (lanes[s.lane] - 0.4, 0.8),
+                       facecolors=color, edgecolors="white", linewidth=0.3)
+    ax.set_yticks([0, 1], ["copy engine", "compute stream"])
+    ax.set_xlabel("ms since the step started")
+    ax.set_title(title, fontsize=10)
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color="#8DA0CB", label="attention + router"), Patch(color=COLORS["compute"], label="experts"),
+                       Patch(color=COLORS["copy"], label="on-demand copy"), Patch(color="#E6AB02", label="prefetch copy")],
+              fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.3))
+    return _save(fig, path)
+
+
+def heatmap_png(rows: Sequence[dict[str, Any]], path: Path, title: str, value: str = "tpot_ms",
+                best: dict[str, Any] | None = None) -> Path:
+    """``value`` over link bandwidth x cache size, one panel per (hardware, policy)."""
+    panels = sorted({(r["hw"], r["policy"]) for r in rows})[:16]
+    ncol = min(4, len(panels))
+    nrow = -(-len(panels) // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(3.3 * ncol, 2.9 * nrow), squeeze=False, layout="constrained")
+    vmin, vmax = min(r[value] for r in rows), max(r[value] for r in rows)
+    im = None
+    for ax, (hw, pol) in zip(axes.flat, panels, strict=False):
+        mine = [r for r in rows if (r["hw"], r["policy"]) == (hw, pol)]
+        links = sorted({r["link_gbps"] for r in mine})
+        caches = sorted({r["cache_gib"] for r in mine})
+        grid = [[float("nan")] * len(links) for _ in caches]
+        for r in mine:
+            grid[caches.index(r["cache_gib"])][links.index(r["link_gbps"])] = r[value]
+        im = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis_r", vmin=vmin, vmax=vmax)
+        ax.set_xticks(range(len(links)), [f"{g:g}" for g in links], fontsize=7)
+        ax.set_yticks(range(len(caches)), [f"{c:g}" for c in caches], fontsize=7)
+        ax.set_title(f"{hw} / {pol}", fontsize=8)
+        ax.set_xlabel("link GB/s", fontsize=7)
+        ax.set_ylabel("cache GiB", fontsize=7)
+        for yi, row in enumerate(grid):
+            for xi, v in enumerate(row):
+                if v == v:  # not NaN
+                    dark = (v - vmin) > 0.5 * (vmax - vmin)
+                    ax.text(xi, yi, f"{v:.3g}", ha="center", va="center", fontsize=6.5,
+                            color="white" if dark else "black")
+        if best and (best["hw"], best["policy"]) == (hw, pol):
+            ax.scatter([links.index(best["link_gbps"])], [caches.index(best["cache_gib"])], marker="*", s=260,
+                       color="#FFD700", edgecolors="black", zorder=3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    if im is not None:
+        fig.colorbar(im, ax=axes, shrink=0.8, label=value)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
+
+
+def chrome_trace(spans: Sequence[Any], path: Path, name: str = "moesim simulated") -> Path:
+    """Spans as Chrome/Perfetto trace JSON (open in ui.perfetto.dev or chrome://tracing)."""
+    tid = {"compute": 1, "copy": 2}
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": name}},
+        {"ph": "M", "pid": 1, "tid": 1, "name": "thread_name", "args": {"name": "compute stream"}},
+        {"ph": "M", "pid": 1, "tid": 2, "name": "thread_name", "args": {"name": "copy engine (H2D)"}},
+    ]
+    for s in spans:
+        events.append({"ph": "X", "pid": 1, "tid": tid[s.lane], "name": s.name, "ts": s.start * 1e6,
+                       "dur": (s.end - s.start) * 1e6, "args": {"step": s.step, "layer": s.layer}})
+    return atomic_write_text(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+
+
+def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> Path:
+    buf = io.StringIO()
+    cols = list(rows[0]) if rows else []
+    w = csv.DictWriter(buf, fieldnames=cols)
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    return atomic_write_text(path, buf.getvalue())
+
+
+def _table_html(rows: Sequence[dict[str, Any]], cols: Sequence[str]) -> str:
+    def cell(v: Any) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else html.escape(str(v))
+
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(f"<td>{cell(r.get(c, ''))}</td>" for c in cols) + "</tr>" for r in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def write_html(path: Path, title: str, intro: str, sections: Sequence[dict[str, Any]]) -> Path:
+    """A self-contained page. Each section: ``heading``, ``text``, and optionally ``image``
+    (a PNG path, embedded as base64) with ``caption``, or ``rows`` + ``cols`` for a table."""
+    parts = [f"<h1>{html.escape(title)}</h1><p>{intro}</p>"]
+    for s in sections:
+        parts.append(f"<h2>{html.escape(s['heading'])}</h2>")
+        if s.get("text"):
+            parts.append(f"<p>{s['text']}</p>")
+        if s.get("image"):
+            data = base64.b64encode(Path(s["image"]).read_bytes()).decode()
+            alt = html.escape(s.get("caption", s["heading"]))
+            parts.append(f'<figure><img alt="{alt}" src="data:image/png;base64,{data}">'
+                         f"<figcaption>{html.escape(s.get('caption', ''))}</figcaption></figure>")
+        if s.get("rows") is not None:
+            parts.append(_table_html(s["rows"], s["cols"]))
+    style = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
+             "table{border-collapse:collapse;font-size:12px;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 6px;"
+             "text-align:right}th{background:#f3f3f3}figure{margin:1em 0}img{max-width:100%}"
+             "figcaption{font-size:13px;color:#555}")
+    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{style}</style></head><body>{''.join(parts)}</body></html>")
+    return atomic_write_text(path, page)

@@ -1,0 +1,51 @@
+"""The report of ``moesim whatif --out DIR``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from moesim.atomic import atomic_write_text
+from reports.render import breakdown_png, heatmap_png, write_csv, write_html
+from sim.whatif import GOALS, Sweep
+
+COLS = ["model", "hw", "policy", "link_gbps", "cache_gib", "fits", "tpot_ms", "tpot_p99_ms", "compute_ms", "copy_ms",
+        "stall_ms", "gb_moved_per_token", "cache_hit_rate", "ttft_ms", "bound"]
+
+
+def write_whatif_report(rows: list[dict[str, Any]], winner: dict[str, Any] | None, goal: str, sweep: Sweep,
+                        out: Path) -> Path:
+    out = Path(out)
+    key = GOALS[goal][0]
+    synthetic = any(t.synthetic for t in sweep.traces.values())
+    src = "synthetic traces" if synthetic else "recorded traces"
+    what = (f"All figures simulated ({sweep.engine} engine) from {src} of {', '.join(sweep.traces)}; "
+            f"hardware figures from the profiles ({', '.join(h.name for h in sweep.hws)}); nothing here was measured")
+    write_csv(rows, out / "whatif.csv")
+    atomic_write_text(out / "whatif.json", json.dumps({"goal": goal, "best": winner, "rows": rows}, indent=2))
+    # Per (model, hw, policy): its best row, for the breakdown figure.
+    bests: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        k = (r["model"], r["hw"], r["policy"])
+        if k not in bests or r[key] < bests[k][key]:
+            bests[k] = r
+    shown = sorted(bests.values(), key=lambda r: (r["model"], r["hw"], r["policy"]))[:24]
+    breakdown_png(shown, [f"{r['hw']}\n{r['policy']}" for r in shown], out / "breakdown.png",
+                  "TPOT breakdown, best link/cache setting per hardware and policy (simulated)")
+    sections = []
+    if winner:
+        sections.append({"heading": "Best configuration",
+                         "text": f"For {GOALS[goal][1]}: {winner['model']} on {winner['hw']}, {winner['policy']}, "
+                                 f"link {winner['link_gbps']:g} GB/s, cache {winner['cache_gib']:g} GiB: "
+                                 f"{winner['tpot_ms']:.3g} ms per token, {winner['ttft_ms']:.3g} ms to first token."})
+    sections.append({"heading": "TPOT breakdown", "image": out / "breakdown.png",
+                     "caption": f"Compute plus stall equals TPOT. {what}."})
+    offloaded = [r for r in rows if r["policy"] != "all-resident"]
+    if offloaded and len({r["link_gbps"] for r in offloaded}) * len({r["cache_gib"] for r in offloaded}) > 1:
+        heatmap_png(offloaded, out / "heatmap.png", f"{key} over link bandwidth x cache size (simulated)", key, winner)
+        sections.append({"heading": "Link bandwidth x cache size", "image": out / "heatmap.png",
+                         "caption": f"{key} per cell; a gold star marks the best configuration (oracle is a bound, never chosen). {what}."})
+    sections.append({"heading": "All configurations", "rows": sorted(rows, key=lambda r: (not r["fits"], r[key])),
+                     "cols": COLS})
+    return write_html(out / "report.html", "moesim what-if", what + ".", sections)
