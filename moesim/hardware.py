@@ -114,9 +114,9 @@ def _q(s: str) -> str:
 def _check_value(where: str, key: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise MoesimError(f"{where}: figure {key!r} must be a number, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        if not (key == "layer_overhead_us" and value == 0):
-            raise MoesimError(f"{where}: figure {key!r} must be positive and finite, got {value}")
+    zero_ok = key == "layer_overhead_us" and value == 0
+    if (not math.isfinite(value) or value <= 0) and not zero_ok:
+        raise MoesimError(f"{where}: figure {key!r} must be positive and finite, got {value}")
     if key == "compute_efficiency" and value > 1:
         raise MoesimError(f"{where}: compute_efficiency is a fraction of peak; got {value} > 1")
 

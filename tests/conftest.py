@@ -1,0 +1,38 @@
+"""Shared fixtures: small models and traces that every test can afford."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moesim.models import Attention, ModelSpec, get_model
+from traces.format import FORMAT, VERSION, Trace
+from traces.synthetic import SyntheticParams, synthetic_trace
+
+
+def two_layer_spec() -> ModelSpec:
+    """Two MoE layers of 4 experts, top-2; an expert is 3 * 8 * 4 * 2 = 192 bytes."""
+    return ModelSpec("two", n_layers=2, n_experts=4, top_k=2, hidden=8, expert_inter=4, vocab=16,
+                     attention=Attention("gqa", 2, 1, 4))
+
+
+def hand_trace(spec: ModelSpec, true: list, pred: list) -> Trace:
+    """A one-sequence trace from nested lists [step][layer][k] of expert ids."""
+    true_ids = np.array(true, np.int16)[:, :, None, :]
+    pred_ids = np.array(pred, np.int16)[:, :, None, :]
+    t = true_ids.shape[0]
+    gates = np.full(true_ids.shape, 1 / spec.top_k, np.float32)
+    header = {"format": FORMAT, "version": VERSION, "model": spec.to_dict(), "policy": {"name": "none"},
+              "prompt_len": 0, "n_tokens": t, "batch": 1, "synthetic": True}
+    return Trace(header, np.zeros((1, 0), np.int32), np.zeros((1, t), np.int32), true_ids, gates, pred_ids,
+                 np.where(pred_ids >= 0, gates, 0).astype(np.float32), true_ids.copy())
+
+
+@pytest.fixture
+def tiny_trace() -> Trace:
+    return synthetic_trace(get_model("tiny"), SyntheticParams(tokens=24, prompt_len=8, seed=3))
+
+
+@pytest.fixture
+def qwen_trace() -> Trace:
+    return synthetic_trace(get_model("qwen3-30b-a3b"), SyntheticParams(tokens=16, prompt_len=32, seed=1))

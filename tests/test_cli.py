@@ -1,0 +1,114 @@
+"""The command line, run as a user runs it: a separate process, exit codes, stderr."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moesim.models import get_model
+from traces.format import write_trace
+from traces.synthetic import SyntheticParams, synthetic_trace
+
+
+def moesim(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "moesim", *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def olmoe_trace(tmp_path_factory):
+    path = tmp_path_factory.mktemp("traces") / "olmoe.npz"
+    write_trace(synthetic_trace(get_model("olmoe-1b-7b"), SyntheticParams(tokens=24, prompt_len=16)), path)
+    return path
+
+
+def test_help_teaches_with_examples():
+    top = moesim("--help")
+    assert top.returncode == 0 and "moesim whatif" in top.stdout
+    for cmd in ("models", "hw", "synth", "replay", "whatif"):
+        r = moesim(cmd, "--help")
+        assert r.returncode == 0, cmd
+        assert "Example" in r.stdout, cmd
+
+
+def test_models_lists_the_catalogue_with_byte_accounting():
+    r = moesim("models", "--json")
+    rows = {m["model"]: m for m in json.loads(r.stdout)["models"]}
+    assert rows["qwen3-30b-a3b"]["expert_bytes"] == 9_437_184
+    assert "mixtral-8x7b" in moesim("models").stdout
+
+
+def test_hw_shows_sources():
+    r = moesim("hw", "h100-sxm", "--json")
+    figs = json.loads(r.stdout)["figures"]
+    assert figs["h2d_pinned_gbs"]["value"] == 55.4 and figs["h2d_pinned_gbs"]["kind"] == "measured"
+    assert "gh200" in moesim("hw").stdout
+
+
+def test_replay_json_and_report(olmoe_trace, tmp_path):
+    r = moesim("replay", olmoe_trace, "--hw", "a6000", "--policy", "on-demand,prefetch", "--json",
+               "--out", tmp_path / "rep")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert [row["policy"] for row in rows] == ["on-demand", "prefetch-fom"]
+    assert rows[0]["synthetic_trace"] is True
+    for f in ("report.html", "breakdown.png", "timeline.png", "summary.csv", "simulated.trace.json"):
+        assert (tmp_path / "rep" / f).stat().st_size > 0, f
+    chrome = json.loads((tmp_path / "rep" / "simulated.trace.json").read_text())
+    assert {e["tid"] for e in chrome["traceEvents"] if e["ph"] == "X"} == {1, 2}
+
+
+def test_synth_then_whatif_over_the_trace(tmp_path):
+    trace = tmp_path / "t.npz"
+    assert moesim("synth", "--model", "tiny", "--tokens", 20, "--out", trace).returncode == 0
+    r = moesim("whatif", "--trace", trace, "--hw", "a6000,gh200", "--policy", "on-demand,prefetch,oracle",
+               "--link-gbps", "16,32", "--cache-gib", "0,0.0001", "--json", "--out", tmp_path / "w", "--jobs", 1)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["rows"]) == 2 * 3 * 2 * 2
+    assert out["best"]["policy"] != "oracle"
+    assert (tmp_path / "w" / "heatmap.png").exists() and (tmp_path / "w" / "whatif.csv").exists()
+
+
+@pytest.mark.slow
+def test_whatif_with_no_arguments_answers_and_writes_a_report(tmp_path):
+    r = moesim("whatif", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "best for lowest mean time per output token" in r.stdout
+    assert (tmp_path / "reports" / "whatif" / "report.html").exists()
+
+
+def _assert_one_line_error(r, text):
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    assert text in lines[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_bad_inputs_get_one_line_errors(tmp_path, olmoe_trace):
+    bad_toml = tmp_path / "bad.toml"
+    bad_toml.write_text('name = "x"\nlink = "pcie4"\n[figures]\n')
+    junk = tmp_path / "junk.npz"
+    junk.write_bytes(b"\x00" * 100)
+    cut = tmp_path / "cut.npz"
+    cut.write_bytes(olmoe_trace.read_bytes()[:2000])
+    cases = [
+        (("models", "gpt-7"), "unknown model 'gpt-7'"),
+        (("hw", "tpu9"), "unknown hardware profile"),
+        (("hw", bad_toml), "missing required figure"),
+        (("replay", junk), "not a readable moesim trace"),
+        (("replay", cut), "corrupt or truncated"),
+        (("replay", tmp_path / "missing.npz"), "does not exist"),
+        (("replay", olmoe_trace, "--policy", "yolo"), "unknown policy"),
+        (("replay", olmoe_trace, "--link-gbps", "-5"), "must be positive"),
+        (("replay", olmoe_trace, "--model", "qwen3-30b-a3b"), "was recorded for olmoe-1b-7b"),
+        (("replay", olmoe_trace, "--cache-gib", "-1"), "cache size must be >= 0"),
+        (("replay", olmoe_trace, "--engine", "warp"), "unknown engine"),
+        (("whatif", "--link-gbps", "16,fast", "--out", tmp_path / "w"), "not a comma-separated list of numbers"),
+        (("whatif", "--goal", "happiness"), "unknown goal"),
+        (("synth", "--model", "tiny", "--hit-rate", "2", "--out", tmp_path / "x.npz"), "hit_rate must be in [0, 1]"),
+    ]
+    for args, text in cases:
+        _assert_one_line_error(moesim(*args), text)

@@ -1,0 +1,71 @@
+import pytest
+
+from moesim.errors import MoesimError
+from moesim.hardware import builtin_profiles, get_profile, load_profile
+
+REQUIRED = {"a6000", "a100-pcie", "h100-sxm", "h100-pcie", "h200", "gh200", "rtx4090", "l40s"}
+
+
+def test_every_builtin_profile_loads_and_says_where_its_figures_come_from():
+    names = set(builtin_profiles())
+    assert REQUIRED <= names
+    for name in names:
+        p = get_profile(name)
+        assert p.name == name
+        for key, fig in p.figures.items():
+            assert fig.source, key
+            assert fig.kind in ("datasheet", "measured", "estimate", "fitted")
+
+
+def test_profile_figures_are_the_reference_numbers():
+    assert get_profile("h100-sxm")["h2d_pinned_gbs"] == 55.4
+    assert get_profile("gh200").link == "nvlink-c2c"
+    assert get_profile("h200")["mem_bw_peak_gbs"] == 4800
+    assert get_profile("a6000").link_bw == 25e9
+
+
+def test_profile_round_trips_through_toml(tmp_path):
+    p = get_profile("gh200")
+    path = tmp_path / "mine.toml"
+    path.write_text(p.to_toml())
+    q = get_profile(str(path))
+    assert q.figures == p.figures and q.link == p.link
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "p.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.replace("h2d_pinned_gbs = { value = 25.0", "h2d_pinned_gbs = { value = 0"), "must be positive"),
+    (lambda t: t.replace("bf16_tflops = { value = 154.8", "bf16_tflops = { value = -3"), "must be positive"),
+    (lambda t: "\n".join(line for line in t.splitlines() if not line.startswith("copy_engines")), "missing required figure"),
+    (lambda t: t.replace("[figures]", "colour = \"red\"\n[figures]"), "unknown key"),
+    (lambda t: t + "warp_drive = { value = 1, kind = \"estimate\", source = \"x\" }\n", "unknown figure"),
+    (lambda t: t.replace('kind = "datasheet"', 'kind = "rumour"', 1), "kind 'rumour'"),
+    (lambda t: t.replace('link = "pcie4"', 'link = "carrier-pigeon"'), "link 'carrier-pigeon'"),
+    (lambda t: t.replace("[figures]", "[figures"), "not valid TOML"),
+    (lambda t: t.replace("compute_efficiency = { value = 0.6", "compute_efficiency = { value = 3"), "fraction"),
+])
+def test_bad_profiles_get_one_line_errors(tmp_path, edit, message):
+    good = get_profile("a6000").to_toml()
+    path = _write(tmp_path, edit(good))
+    with pytest.raises(MoesimError, match=message) as e:
+        load_profile(path)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_profile_name():
+    with pytest.raises(MoesimError, match="unknown hardware profile 'tpu9'"):
+        get_profile("tpu9")
+    with pytest.raises(MoesimError, match="does not exist"):
+        get_profile("/nonexistent/x.toml")
+
+
+def test_with_figure_validates():
+    p = get_profile("a6000")
+    assert p.with_figure("h2d_pinned_gbs", 64).link_bw == 64e9
+    with pytest.raises(MoesimError):
+        p.with_figure("h2d_pinned_gbs", 0)

@@ -1,0 +1,69 @@
+import pytest
+
+from moesim.errors import MoesimError
+from moesim.policy import POLICIES, ExpertCache, Planner, get_policy
+
+
+def test_policy_registry_and_aliases():
+    assert set(POLICIES) == {"all-resident", "on-demand", "prefetch-spec", "prefetch-fom", "oracle"}
+    assert get_policy("prefetch").name == "prefetch-fom"
+    with pytest.raises(MoesimError, match="unknown policy"):
+        get_policy("yolo")
+
+
+def test_lru_evicts_least_recently_used():
+    c = ExpertCache(2, "lru")
+    c.use((0, 1))
+    c.use((0, 2))
+    c.use((0, 1))  # 2 is now the least recent
+    assert c.evict_for(1, set()) == [(0, 2)]
+
+
+def test_lfu_evicts_least_frequently_used_and_respects_protection():
+    c = ExpertCache(3, "lfu")
+    for key, uses in (((0, 1), 3), ((0, 2), 1), ((0, 3), 2)):
+        for _ in range(uses):
+            c.use(key)
+    assert c.evict_for(1, {(0, 2)}) == [(0, 3)]  # (0, 2) is rarest but protected
+    assert (0, 2) in c and (0, 1) in c
+
+
+def test_on_demand_copies_the_true_experts_after_the_router():
+    p = Planner("on-demand")
+    assert p.prefetch(1, [1, 2]) == []
+    plan = p.route(1, [3, 4], [1, 2])
+    assert plan.demand == (3, 4) and plan.execute == (3, 4)
+
+
+def test_fetch_on_miss_copies_only_the_misses():
+    p = Planner("prefetch-fom")
+    assert p.prefetch(1, [1, 2]) == [1, 2]
+    plan = p.route(1, [2, 3], [1, 2])
+    assert plan.demand == (3,) and plan.execute == (2, 3) and plan.prefetch_hits == 1
+
+
+def test_speculative_execution_runs_the_prediction():
+    p = Planner("prefetch-spec")
+    p.prefetch(1, [1, 2])
+    plan = p.route(1, [2, 3], [1, 2])
+    assert plan.demand == () and plan.execute == (1, 2)
+
+
+def test_first_layer_without_prediction_is_on_demand_even_when_speculative():
+    plan = Planner("prefetch-spec").route(0, [5, 6], None)
+    assert plan.demand == (5, 6) and plan.execute == (5, 6)
+
+
+def test_cache_hits_skip_copies_and_cached_experts_are_not_evicted_while_planned():
+    p = Planner("prefetch-fom", cache_experts=2)
+    plan = p.route(0, [1, 2], None)
+    p.finish(0, plan)  # cache: (0,1), (0,2)
+    assert p.prefetch(0, [1, 5]) == [5]  # (0, 1) is cached: no copy, and now protected
+    plan = p.route(0, [1, 5], [1, 5])
+    assert plan.cache_hits == 1 and plan.demand == ()
+
+
+def test_all_resident_never_copies():
+    p = Planner("all-resident", cache_experts=0)
+    assert p.prefetch(1, [1]) == []
+    assert p.route(1, [1, 2], [1]).demand == ()
