@@ -47,8 +47,8 @@ def main() -> None:
         plan = build_plan(trace, policy)
         work = make_workload(spec, plan, roofline_costs(spec, hw, args.tokens, trace.prompt_len))
         link = Link.from_profile(hw, spec)
-        simpy_rate = steps / best_of(lambda w=work: run_simpy(w, link))
-        fast_rate = steps / best_of(lambda w=work: run_fast(w, link))
+        simpy_rate = steps / best_of(lambda w=work, k=link: run_simpy(w, k))
+        fast_rate = steps / best_of(lambda w=work, k=link: run_fast(w, k))
         print(f"{policy:13s} SimPy {simpy_rate / 1e3:8.0f}k layer-steps/s (target 150k: {simpy_rate / 150e3:4.2f}x)   "
               f"fast path {fast_rate / 1e6:5.2f}M layer-steps/s (target 3M: {fast_rate / 3e6:4.2f}x)   "
               f"plan {plan_s:.2f} s")

@@ -185,7 +185,8 @@ SUMMARY_COLS = (("policy", "policy"), ("tpot_ms", "TPOT ms"), ("tpot_p99_ms", "p
                 ("compute_ms", "compute"), ("copy_ms", "copy"), ("stall_ms", "stall"),
                 ("overlap_bound_ms", "overlap bound"), ("serial_bound_ms", "serial bound"),
                 ("experts_loaded_per_token", "loads/token"), ("gb_moved_per_token", "GB/token"),
-                ("cache_hit_rate", "cache hit"), ("prefetch_hit_rate", "prefetch hit"), ("ttft_ms", "TTFT ms"))
+                ("cache_hit_rate", "cache hit"), ("prefetch_hit_rate", "prefetched"), ("pred_recall", "pred recall"),
+                ("ttft_ms", "TTFT ms"))
 WHATIF_COLS = (("model", "model"), ("hw", "hw"), ("policy", "policy"), ("link_gbps", "link GB/s"),
                ("cache_gib", "cache GiB"), ("fits", "fits"), ("tpot_ms", "TPOT ms"), ("tokens_per_s", "tok/s"),
                ("compute_ms", "compute"), ("copy_ms", "copy"), ("stall_ms", "stall"),

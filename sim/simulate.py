@@ -91,6 +91,7 @@ class SimResult:
     plan: Plan
     expert_bytes: int
     ttft: float
+    pred_recall: float  # the trace's prediction hit rate (recall@k), layers with a prediction
     spans: list[Span] = field(default_factory=list)
 
     @property
@@ -126,6 +127,7 @@ class SimResult:
             "gb_moved_per_token": float(loads.mean() * self.expert_bytes / 1e9),
             "cache_hit_rate": float(p.cache_hits.sum() / executed),
             "prefetch_hit_rate": float(p.prefetch_hits.sum() / executed),
+            "pred_recall": self.pred_recall,
             "ttft_ms": float(self.ttft * ms),
         }
 
@@ -179,4 +181,16 @@ def simulate(
     ttft = trace.header.get("prefill_s") if costs.source.startswith("measured") else None
     if ttft is None:
         ttft = prefill_time(spec, hw, trace.prompt_len, pol.offload, trace.batch)
-    return SimResult(config, tpot, work.compute_per_token, copy, stall, plan, spec.expert_bytes, float(ttft), spans)
+    return SimResult(config, tpot, work.compute_per_token, copy, stall, plan, spec.expert_bytes, float(ttft),
+                     prediction_recall(trace), spans)
+
+
+def prediction_recall(trace: Trace) -> float:
+    """Mean recall@k of the recorded predictions (share of true experts predicted), over
+    the (step, layer, sequence) rows that have a prediction; NaN when none has."""
+    pred, true = trace.pred_ids, trace.true_ids
+    has = (pred >= 0).any(-1)
+    if not has.any():
+        return float("nan")
+    hits = (pred[..., :, None] == true[..., None, :]).any(-1).sum(-1) / true.shape[-1]
+    return float(hits[has].mean())

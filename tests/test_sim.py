@@ -199,3 +199,12 @@ def test_simpy_records_a_timeline(tiny_trace):
     assert all(s.end >= s.start for s in r.spans)
     copies = [s for s in r.spans if s.lane == "copy"]
     assert all(a.end <= b.start + 1e-15 for a, b in zip(copies, copies[1:], strict=False))  # one FIFO engine
+
+
+def test_prediction_recall_is_the_traces_hit_rate():
+    from sim.simulate import prediction_recall
+
+    trace = synthetic_trace(get_model("olmoe-1b-7b"), SyntheticParams(tokens=200, hit_rate=0.7, early_layers=0))
+    assert prediction_recall(trace) == pytest.approx(0.7, abs=0.02)
+    perfect = synthetic_trace(get_model("tiny"), SyntheticParams(tokens=20, hit_rate=1.0, early_hit_rate=1.0))
+    assert prediction_recall(perfect) == 1.0
