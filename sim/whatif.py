@@ -86,6 +86,7 @@ def _run_group(sweep: Sweep, model: str, policy: str, cache_gib: float) -> list[
             r = simulate(trace, hw, policy, cache_experts=capacity, eviction=sweep.eviction,
                          engine=sweep.engine, link_gbps=gbps, plan=plan, costs=costs)
             row = r.summary()
+            row["cache_gib"] = cache_gib if capacity else 0.0  # as asked; cache_experts is what fits
             need = device_bytes_needed(spec, policy, capacity, trace.batch, trace.prompt_len + trace.n_tokens)
             row["device_gb_needed"] = need / 1e9
             row["fits"] = need <= hw["device_memory_gb"] * 1e9
