@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Annotated, Any
 
+import numpy as np
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -360,6 +361,239 @@ def whatif(
 
         page = write_whatif_report(rows, winner, goal, sweep, out_dir)
         err.print(f"report: {page}")
+
+
+SHIPPED_MODEL = "moe-stdlib"
+DEFAULT_PROMPT = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n"
+
+
+def _load_exec_model(model: str, layers: int | None, dtype: str, device: str, seed: int):
+    """(model, synthetic?, where it came from): a checkpoint directory, the shipped
+    learned-routing model, or a catalogue geometry with seeded random weights."""
+    import torch
+
+    from executor.model import ExecConfig, load_checkpoint, random_model
+    from moesim.models import CATALOGUE, get_model
+
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(dtype)
+    if dt is None:
+        raise MoesimError(f"unknown dtype {dtype!r}; use fp32 or bf16")
+    dev = torch.device(device)
+    pin = dev.type == "cuda"
+    path = _shipped_model() if model == SHIPPED_MODEL else Path(model)
+    if path.is_dir():
+        m = load_checkpoint(path, dt, pin=pin).to(dev)
+        if layers:
+            raise MoesimError("--layers applies to catalogue models, not checkpoints")
+        return m, False, str(path)
+    if model.lower() not in CATALOGUE:
+        get_model(model)  # raises the standard unknown-model error
+    spec = get_model(model)
+    if layers:
+        spec = spec.with_layers(layers)
+    m = random_model(ExecConfig(spec, rope_theta=1e6), seed=seed, dtype=dt, pin=pin)
+    return m.to(dev), True, f"catalogue {model} with seeded random weights (synthetic)"
+
+
+def _shipped_model() -> Path:
+    import executor
+
+    return Path(executor.__file__).parent / "checkpoints" / SHIPPED_MODEL
+
+
+def _prompt_ids(model, text: str, prompt_len: int, batch: int, seed: int):
+    import torch
+
+    if model.spec.vocab == 256:  # byte-level: the prompt text itself
+        ids = torch.tensor(list(text.encode()), dtype=torch.long)
+    else:
+        ids = torch.randint(0, model.spec.vocab, (prompt_len,), generator=torch.Generator().manual_seed(seed))
+    if ids.numel() == 0:
+        raise MoesimError("empty prompt")
+    return ids.view(1, -1).repeat(batch, 1)
+
+
+@app.command()
+def profile(
+    model: Annotated[str, typer.Option(help="A checkpoint directory, 'moe-stdlib' (the shipped learned-routing model) "
+                                            "or a catalogue name (seeded random weights: synthetic).")] = SHIPPED_MODEL,
+    policy: Annotated[str, typer.Option(help="all-resident, on-demand, prefetch-spec, prefetch-fom (alias prefetch), oracle.")] = "prefetch-fom",
+    predictor: Annotated[str, typer.Option(help="For prefetch policies: quasi (quasi-hidden state with default vectors) "
+                                                "stale (this layer's router input) or oracle (true ids from an exact pre-pass).")] = "quasi",
+    device: Annotated[str, typer.Option(help="cpu (emulated link) or cuda.")] = "cpu",
+    hw_name: Annotated[str, typer.Option("--hw", help="Profile whose link the CPU emulated link imitates (and recorded in the trace).")] = "a6000",
+    link_gbps: Annotated[float | None, typer.Option(help="Override the profile's host-to-device GB/s.")] = None,
+    tokens: Annotated[int, typer.Option(help="Decode steps.")] = 64,
+    batch: Annotated[int, typer.Option(help="Sequences decoded together.")] = 1,
+    prompt: Annotated[str, typer.Option(help="Prompt text (byte-level models); other models get --prompt-len random ids.")] = DEFAULT_PROMPT,
+    prompt_len: Annotated[int, typer.Option(help="Prompt length for non-byte models.")] = 32,
+    cache_gib: Annotated[float, typer.Option(help="Cross-token expert cache, GiB.")] = 0.0,
+    cache_experts: Annotated[int, typer.Option(help="The same cache in experts.")] = 0,
+    eviction: Annotated[str, typer.Option(help="lru or lfu.")] = "lru",
+    layers: Annotated[int | None, typer.Option(help="Keep only the first N layers of a catalogue model (to fit memory).")] = None,
+    dtype: Annotated[str, typer.Option(help="fp32 or bf16.")] = "fp32",
+    temperature: Annotated[float, typer.Option(help="0 = greedy; else sampling temperature.")] = 0.0,
+    seed: Annotated[int, typer.Option(help="Seed for weights of synthetic models, prompts and sampling.")] = 0,
+    fidelity_tokens: Annotated[int, typer.Option(help="For speculative policies: tokens of the fixed evaluation text "
+                                                      "over which agreement and KL are measured (0 = skip).")] = 128,
+    threads: Annotated[int, typer.Option(help="torch threads for compute (the emulated link uses its own thread).")] = 1,
+    out_path: Annotated[Path, typer.Option("--out", help="Trace file to write.")] = Path("traces/profile.npz"),
+) -> None:
+    """Decode with the reference executor under a policy and record a trace v1.
+
+    Routing, predictions, executed experts, per-layer timings (attention and router,
+    expert compute, stalls, every copy's bytes and issue/start/end), per-token TPOT, the
+    machine, per-layer hit rate and rank alignment, and for speculative policies the
+    output fidelity against exact execution. On CPU an emulated link, paced to the
+    profile's bandwidth and latency, moves the experts. Ctrl-C keeps the finished tokens.
+
+    Example: `moesim profile --policy prefetch-fom --hw a6000 --link-gbps 2 --tokens 64 --out run.npz`,
+    then `moesim replay run.npz --hw a6000 --link-gbps 2`.
+    """
+    import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from executor.profile import (
+        ProfileSettings,
+        build_trace,
+        calibrate,
+        check_device,
+        fidelity,
+        generate,
+        load_default_vectors,
+    )
+    from moesim.hardware import get_profile
+    from moesim.policy import get_policy
+    from sim.simulate import cache_capacity
+    from traces.format import write_trace
+
+    if tokens < 1 or batch < 1 or threads < 1:
+        raise MoesimError("--tokens, --batch and --threads must be >= 1")
+    torch.set_num_threads(threads)
+    dev = check_device(device)
+    hw_profile = get_profile(hw_name)
+    if link_gbps is not None:
+        hw_profile = hw_profile.with_figure("h2d_pinned_gbs", link_gbps)
+    pol = get_policy(policy)
+    m, synthetic, source = _load_exec_model(model, layers, dtype, device, seed)
+    capacity = cache_capacity(m.spec, cache_gib, cache_experts) if pol.offload else 0
+    st = ProfileSettings(pol.name, predictor, capacity, eviction, tokens, temperature, seed)
+    dv = None
+    if pol.prefetch and not pol.oracle and predictor == "quasi":
+        dv = None if synthetic else load_default_vectors(Path(source))
+        if dv is None:
+            if not synthetic:
+                raise MoesimError(f"{source} has no default vectors; run `moesim calibrate --model {model}` first")
+            dv = calibrate(m, torch.randint(0, m.spec.vocab, (1024,), generator=torch.Generator().manual_seed(seed)))
+        dv = dv.to(dev)
+    ids = _prompt_ids(m, prompt, prompt_len, batch, seed)
+    with Progress(TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err,
+                  transient=True) as bar:
+        task = bar.add_task("decode", total=tokens)
+        prefill_s, records, out = generate(m, ids, st, hw_profile, dv, progress=lambda i, n: bar.update(task, completed=i))
+    extra = {}
+    if pol.speculative and fidelity_tokens > 0 and len(records) == tokens:
+        text = _shipped_eval_text(m.spec.vocab, fidelity_tokens + 1, seed)
+        extra["fidelity"] = fidelity(m, st, hw_profile, dv, text)
+    trace = build_trace(m, ids, st, hw_profile, prefill_s, records, out, device, synthetic, source, extra)
+    write_trace(trace, out_path)
+    t = trace.timings["tpot_s"]
+    note = "" if len(records) == tokens else f" (interrupted: kept {len(records)} of {tokens} steps)"
+    rec = [x for x in trace.header["metrics"]["recall_at_k"] if x == x]
+    err.print(f"wrote {out_path}{note}: {len(records)} steps, TPOT {t.mean() * 1e3:.3g} ms mean "
+              f"(p90 {np.percentile(t, 90) * 1e3:.3g}), TTFT {prefill_s * 1e3:.3g} ms"
+              + (f", prediction recall@k {sum(rec) / len(rec):.3f}" if rec else "")
+              + (f", fidelity: agreement {extra['fidelity']['next_token_agreement']:.3f}, "
+                 f"KL {extra['fidelity']['mean_kl']:.2e}" if "fidelity" in extra else ""))
+
+
+def _shipped_eval_text(vocab: int, n: int, seed: int):
+    """A fixed evaluation text: this file's source as bytes for byte-level models (the
+    same for every run), else seeded random ids."""
+    import torch
+
+    if vocab == 256:
+        data = Path(__file__).read_bytes()[:n]
+        return torch.tensor(list(data), dtype=torch.long).view(1, -1)
+    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed + 7))
+
+
+@app.command()
+def calibrate(
+    model: Annotated[str, typer.Option(help="Checkpoint directory, or 'moe-stdlib'.")] = SHIPPED_MODEL,
+    text: Annotated[Path | None, typer.Option(help="Calibration text file (byte-level models); default: the "
+                                                   "held-out tail of the Python standard library corpus.")] = None,
+    tokens: Annotated[int, typer.Option(help="Tokens of calibration text to run.")] = 32768,
+) -> None:
+    """Compute the default vectors (per layer and expert, the mean expert output) that the
+    quasi-hidden predictor needs, and store them beside the model with what was used.
+
+    Example: `moesim calibrate --model moe-stdlib`
+    """
+    import torch
+
+    from executor.model import load_checkpoint
+    from executor.profile import calibrate as run_calibrate
+    from executor.profile import save_default_vectors
+
+    path = _shipped_model() if model == SHIPPED_MODEL else Path(model)
+    if not path.is_dir():
+        raise MoesimError(f"{model} is not a checkpoint directory")
+    m = load_checkpoint(path)
+    if m.spec.vocab != 256:
+        raise MoesimError("calibrate reads text as bytes: it needs a byte-level (256-token) model")
+    if text is not None:
+        try:
+            data, what = text.read_bytes(), str(text)
+        except OSError as e:
+            raise MoesimError(f"cannot read {text}: {e.strerror}") from None
+    else:
+        from executor.train import stdlib_corpus
+
+        corpus, desc = stdlib_corpus()
+        data = corpus[int(len(corpus) * 0.95):]
+        what = f"held-out last 5% of {desc['corpus']}, Python {desc['python']}"
+    ids = torch.tensor(list(data[:tokens]), dtype=torch.long)
+    if ids.numel() < 2:
+        raise MoesimError("calibration text is empty")
+    torch.set_num_threads(2)
+    dv = run_calibrate(m, ids)
+    save_default_vectors(path, dv, {"text": what, "tokens": int(ids.numel()), "command": f"moesim calibrate --model {model}"
+                                    + (f" --text {text}" if text else "") + f" --tokens {tokens}"})
+    err.print(f"wrote {path / 'default_vectors.safetensors'} from {ids.numel()} tokens of {what}")
+
+
+@app.command()
+def train(
+    out_dir: Annotated[Path, typer.Option("--out", help="Checkpoint folder to write.")] = Path("executor/checkpoints/moe-stdlib"),
+    steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 4000,
+    batch: Annotated[int, typer.Option(help="Sequences per step.")] = 16,
+    seq: Annotated[int, typer.Option(help="Bytes per sequence.")] = 128,
+    lr: Annotated[float, typer.Option(help="Peak learning rate (cosine decay, 100 warm-up steps).")] = 3e-3,
+    aux_coef: Annotated[float, typer.Option(help="Weight of the load-balancing loss.")] = 0.01,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    threads: Annotated[int, typer.Option(help="CPU threads for torch.")] = 1,
+) -> None:
+    """Train the small learned-routing MoE (4 layers, 32 experts, top-4, bytes) on the
+    Python standard library's source, on the CPU.
+
+    Writes a Hugging Face style checkpoint plus training.json (this command, the data,
+    the loss curve) and loss.png. The shipped checkpoint took about 25 minutes on 2 cores.
+    Example: `moesim train --out /tmp/moe-stdlib --steps 200`
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from executor.train import train as run_train
+
+    if min(steps, batch, seq, threads) < 1 or lr <= 0 or aux_coef < 0:
+        raise MoesimError("steps, batch, seq and threads must be >= 1, lr > 0, aux-coef >= 0")
+    with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[loss]}"),
+                  TimeRemainingColumn(), console=err) as bar:
+        task = bar.add_task("train", total=steps, loss="")
+        record = run_train(out_dir, steps, batch, seq, lr, aux_coef, seed, threads,
+                           lambda i, n, loss: bar.update(task, completed=i, loss=f"loss {loss:.3f}"))
+    err.print(f"wrote {out_dir}: held-out loss {record['final_eval_loss_nats_per_byte']} nats/byte "
+              f"after {record['wall_seconds']} s")
 
 
 def main() -> None:

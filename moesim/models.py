@@ -330,7 +330,7 @@ CATALOGUE: dict[str, ModelSpec] = {
         ),
         ModelSpec(
             "tiny", n_layers=4, n_experts=16, top_k=2, hidden=64, expert_inter=32, vocab=256,
-            attention=Attention("gqa", 4, 2, 16), source="moesim test model (not a real model)",
+            attention=Attention("gqa", 4, 2, 16, qk_norm=True), source="moesim test model (not a real model)",
         ),
     ]
 }

@@ -187,18 +187,26 @@ class Planner:
         prefetch_hits = sum(1 for e in execute if e in slots)
         return LayerPlan(demand, tuple(execute), cache_hits, prefetch_hits)
 
-    def finish(self, layer: int, plan: LayerPlan) -> None:
-        """After ``layer`` ran: release its slots and let the cache keep what it executed."""
+    def finish(self, layer: int, plan: LayerPlan) -> tuple[list[int], list[Key]]:
+        """After ``layer`` ran: release its slots and let the cache keep what it executed.
+
+        Returns (experts of this layer the cache newly keeps, keys it evicted), so the
+        executor knows which device buffers stay and which it may reuse.
+        """
         self._slots.pop(layer, None)
         self._protect = {k for k in self._protect if k[0] != layer}
         if self.cache is None:
-            return
+            return [], []
         new = [e for e in plan.execute if (layer, e) not in self.cache]
-        self.cache.evict_for(len(new), self._protect)
+        in_use = {(layer, e) for e in plan.execute}  # never evict what this layer just used
+        evicted = self.cache.evict_for(len(new), self._protect | in_use)
         room = self.cache.capacity - len(self.cache)
+        admitted = []
         for e in plan.execute:
             if (layer, e) in self.cache:
                 self.cache.use((layer, e))
             elif room > 0:
                 self.cache.use((layer, e))
+                admitted.append(e)
                 room -= 1
+        return admitted, evicted

@@ -67,3 +67,15 @@ def test_all_resident_never_copies():
     p = Planner("all-resident", cache_experts=0)
     assert p.prefetch(1, [1]) == []
     assert p.route(1, [1, 2], [1]).demand == ()
+
+
+def test_the_cache_never_evicts_an_expert_the_layer_just_used():
+    p = Planner("on-demand", cache_experts=2, eviction="lfu")
+    for _ in range(3):
+        p.finish(0, p.route(0, [1], None))
+    p.finish(0, p.route(0, [2], None))  # counts: (0,1) x3, (0,2) x1
+    plan = p.route(0, [2, 3], None)  # (0,2) hits; (0,3) needs room
+    assert plan.cache_hits == 1
+    admitted, evicted = p.finish(0, plan)
+    assert evicted == [(0, 1)] and admitted == [3]  # not (0,2), the rarest but just used
+    assert (0, 2) in p.cache and (0, 3) in p.cache

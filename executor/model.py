@@ -1,0 +1,377 @@
+"""A readable Qwen3-MoE-family decoder (Qwen3-MoE, Mixtral, OLMoE) in one file.
+
+Pre-norm blocks: RMSNorm -> grouped-query attention with RoPE and a KV cache -> residual
+-> RMSNorm -> softmax top-k router -> SwiGLU experts -> residual. Geometry comes from
+:class:`moesim.models.ModelSpec` (the one source of truth); this file adds only what
+executing needs (RoPE base, norm epsilon, q/k-norm flavour).
+
+Each expert's weights are one flat, contiguous tensor ``[gate; up; down]`` so that moving
+an expert is one copy; :func:`expert_forward` computes an expert from such a buffer
+wherever it lives (resident table, device slot or host store).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moesim.errors import MoesimError
+from moesim.models import ModelSpec, from_hf_config
+
+FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class ExecConfig:
+    """A model spec plus the few numbers execution needs beyond geometry."""
+
+    spec: ModelSpec
+    rope_theta: float = 1e6
+    rms_eps: float = 1e-6
+    max_seq_len: int = 4096
+
+    def __post_init__(self) -> None:
+        s = self.spec
+        if s.attention.kind != "gqa" or s.dense_layers or s.n_shared or s.expert_dtype not in TORCH_DTYPES:
+            raise MoesimError(f"the executor runs GQA models with only routed bf16/fp32 experts ({', '.join(FAMILIES)}); "
+                              f"{s.name} is not one")
+
+    def with_dtype(self, dtype: torch.dtype) -> ExecConfig:
+        """The same model stored in ``dtype``: the spec's byte accounting follows (one source of truth)."""
+        name = next(k for k, v in TORCH_DTYPES.items() if v == dtype)
+        return replace(self, spec=replace(self.spec, expert_dtype=name, dense_dtype=name))
+
+    @property
+    def qk_norm(self) -> str:
+        """``head``: RMSNorm per head (Qwen3); ``full``: over all heads (OLMoE); ``none``."""
+        if not self.spec.attention.qk_norm:
+            return "none"
+        return "full" if self.spec.family == "olmoe" else "head"
+
+    @classmethod
+    def from_hf(cls, model_dir: str | Path) -> ExecConfig:
+        path = Path(model_dir) / "config.json"
+        spec = from_hf_config(path)
+        if spec.family not in FAMILIES:
+            raise MoesimError(f"{path}: model_type {spec.family!r} is not executable; supported: {', '.join(FAMILIES)}")
+        cfg = json.loads(path.read_text())
+        theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 1e4
+        return cls(spec, float(theta), float(cfg.get("rms_norm_eps", 1e-6)),
+                   int(cfg.get("max_position_embeddings", 4096)))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_tables(head_dim: int, positions: Tensor, theta: float) -> tuple[Tensor, Tensor]:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    freqs = positions.float()[:, None] * inv[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``x``: [batch, heads, seq, head_dim]; rotate-half convention (Hugging Face)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos.to(x.dtype) + rotated * sin.to(x.dtype))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ExecConfig) -> None:
+        super().__init__()
+        a, h = cfg.spec.attention, cfg.spec.hidden
+        self.n_heads, self.n_kv, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
+        self.q_proj = nn.Linear(h, a.n_heads * a.head_dim, bias=a.bias)
+        self.k_proj = nn.Linear(h, a.n_kv_heads * a.head_dim, bias=a.bias)
+        self.v_proj = nn.Linear(h, a.n_kv_heads * a.head_dim, bias=a.bias)
+        self.o_proj = nn.Linear(a.n_heads * a.head_dim, h, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if self.qk_norm == "head":
+            self.q_norm, self.k_norm = RMSNorm(a.head_dim, cfg.rms_eps), RMSNorm(a.head_dim, cfg.rms_eps)
+        elif self.qk_norm == "full":
+            self.q_norm = RMSNorm(a.n_heads * a.head_dim, cfg.rms_eps)
+            self.k_norm = RMSNorm(a.n_kv_heads * a.head_dim, cfg.rms_eps)
+        self.theta = cfg.rope_theta
+
+    def forward(self, x: Tensor, cache: KVCache | None, layer: int, start: int) -> Tensor:
+        """``cache`` None: attend within ``x`` only (training)."""
+        b, t, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, t, self.n_heads, self.head_dim)
+        k = k.view(b, t, self.n_kv, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        cos, sin = rope_tables(self.head_dim, torch.arange(start, start + t, device=x.device), self.theta)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(layer, start, k, v)
+        groups = self.n_heads // self.n_kv
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        # Causal within the new tokens; every cached token is visible.
+        mask = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(diagonal=start)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class KVCache:
+    """Preallocated keys and values per layer: [batch, kv_heads, max_len, head_dim]."""
+
+    def __init__(self, cfg: ExecConfig, batch: int, max_len: int, device: torch.device, dtype: torch.dtype) -> None:
+        a = cfg.spec.attention
+        shape = (batch, a.n_kv_heads, max_len, a.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.spec.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.spec.n_layers)]
+        self.max_len = max_len
+
+    def update(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        end = start + k.shape[2]
+        if end > self.max_len:
+            raise MoesimError(f"sequence of {end} tokens exceeds the KV cache of {self.max_len}")
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+def expert_forward(w: Tensor, x: Tensor, hidden: int, inter: int) -> Tensor:
+    """SwiGLU expert from one flat buffer ``[gate (inter x hidden); up; down (hidden x inter)]``."""
+    n = inter * hidden
+    gate_up = w[: 2 * n].view(2 * inter, hidden)
+    down = w[2 * n:].view(hidden, inter)
+    g, u = (x @ gate_up.T).split(inter, dim=-1)
+    return (F.silu(g) * u) @ down.T
+
+
+def route(logits: Tensor, top_k: int, renorm: bool) -> tuple[Tensor, Tensor]:
+    """Softmax top-k router: (ids, gates), largest gate first; gates renormalised if asked."""
+    probs = logits.float().softmax(-1)
+    gates, ids = probs.topk(top_k, dim=-1)
+    if renorm:
+        gates = gates / gates.sum(-1, keepdim=True)
+    return ids, gates
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ExecConfig) -> None:
+        super().__init__()
+        s = cfg.spec
+        self.input_layernorm = RMSNorm(s.hidden, cfg.rms_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(s.hidden, cfg.rms_eps)
+        self.gate = nn.Linear(s.hidden, s.n_experts, bias=False)  # the router
+
+
+class MoEModel(nn.Module):
+    """Embeddings, blocks and LM head. Experts are not parameters: they live in
+    ``self.experts[layer][expert]`` (flat buffers) so an offload engine can place them."""
+
+    def __init__(self, cfg: ExecConfig) -> None:
+        super().__init__()
+        s = cfg.spec
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(s.vocab, s.hidden)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(s.n_layers))
+        self.norm = RMSNorm(s.hidden, cfg.rms_eps)
+        self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False)
+        if s.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.experts: list[list[Tensor]] = []
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.cfg.spec
+
+    def moe(self, layer: int, x: Tensor, ids: Tensor, gates: Tensor, weights: list[Tensor] | None = None) -> Tensor:
+        """Mix the experts ``ids`` [tokens, k] with ``gates`` for tokens ``x`` [tokens, hidden].
+        ``weights`` maps expert id -> flat buffer (default: the resident table)."""
+        weights = weights if weights is not None else self.experts[layer]
+        s = self.spec
+        out = torch.zeros_like(x)
+        flat_ids = ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=s.n_experts).tolist()
+        rows = (order // ids.shape[1])
+        cols = order % ids.shape[1]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            r, c = rows[start:start + n], cols[start:start + n]
+            start += n
+            y = expert_forward(weights[e], x[r], s.hidden, s.expert_inter)
+            out.index_add_(0, r, y * gates[r, c, None].to(y.dtype))
+        return out
+
+    @torch.no_grad()
+    def forward(self, tokens: Tensor, cache: KVCache, start: int) -> Tensor:
+        """Plain all-resident forward over ``tokens`` [batch, seq] -> logits [batch, seq, vocab]."""
+        h = self.embed_tokens(tokens)
+        b, t, d = h.shape
+        for i, blk in enumerate(self.layers):
+            h = h + blk.self_attn(blk.input_layernorm(h), cache, i, start)
+            x = blk.post_attention_layernorm(h).reshape(b * t, d)
+            ids, gates = route(blk.gate(x), self.spec.top_k, self.spec.norm_topk_prob)
+            h = h + self.moe(i, x, ids, gates).view(b, t, d)
+        return self.lm_head(self.norm(h))
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        p = self.embed_tokens.weight
+        return KVCache(self.cfg, batch, max_len, p.device, p.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# Construction: random (synthetic) weights, or a Hugging Face checkpoint directory
+# --------------------------------------------------------------------------------------
+
+# Per-expert on-disk names for each family: (gate, up, down).
+_EXPERT_KEYS = {
+    "qwen3_moe": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj"),
+    "olmoe": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj"),
+    "mixtral": ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3", "block_sparse_moe.experts.{e}.w2"),
+}
+_ROUTER_KEY = {"qwen3_moe": "mlp.gate", "olmoe": "mlp.gate", "mixtral": "block_sparse_moe.gate"}
+
+
+def random_model(cfg: ExecConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 expert_device: str | torch.device = "cpu", pin: bool = False) -> MoEModel:
+    """Seeded random weights (std 0.02): a **synthetic** model of any catalogue geometry."""
+    cfg = cfg.with_dtype(dtype)
+    torch.manual_seed(seed)
+    model = MoEModel(cfg)
+    for p in model.parameters():
+        if p.dim() > 1:
+            nn.init.normal_(p, std=0.02)
+    model.to(dtype)
+    s = cfg.spec
+    g = torch.Generator().manual_seed(seed + 1)
+    n = s.expert_weights
+    model.experts = [[_store((torch.randn(n, generator=g) * 0.02).to(dtype), expert_device, pin)
+                      for _ in range(s.n_experts)] for _ in range(s.n_layers)]
+    return model
+
+
+def _store(t: Tensor, device: str | torch.device, pin: bool) -> Tensor:
+    t = t.contiguous()
+    if str(device) != "cpu":
+        return t.to(device)
+    return t.pin_memory() if pin else t
+
+
+def load_checkpoint(model_dir: str | Path, dtype: torch.dtype = torch.float32,
+                    expert_device: str | torch.device = "cpu", pin: bool = False) -> MoEModel:
+    """Load ``config.json`` plus (sharded) ``*.safetensors`` in the hub's per-expert layout."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    cfg = ExecConfig.from_hf(model_dir).with_dtype(dtype)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise MoesimError(f"{model_dir}: no *.safetensors files")
+    tensors: dict[str, Tensor] = {}
+    try:
+        for f in files:
+            with safe_open(str(f), "pt") as st:
+                for k in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    tensors[k] = st.get_tensor(k)
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise MoesimError(f"{model_dir}: cannot read checkpoint ({e})") from None
+    s, fam = cfg.spec, cfg.spec.family
+    model = MoEModel(cfg)
+    state = {}
+    for name in model.state_dict():
+        key = f"model.{name}" if not name.startswith("lm_head") else name
+        key = key.replace(".gate.weight", f".{_ROUTER_KEY[fam]}.weight")
+        if key not in tensors:
+            if name == "lm_head.weight" and s.tie_embeddings:
+                continue
+            raise MoesimError(f"{model_dir}: checkpoint lacks {key}")
+        state[name] = tensors[key]
+    model.load_state_dict(state, strict=not s.tie_embeddings)
+    model.to(dtype)
+    experts = []
+    for layer in range(s.n_layers):
+        row = []
+        for e in range(s.n_experts):
+            parts = []
+            for pat in _EXPERT_KEYS[fam]:
+                key = f"model.layers.{layer}.{pat.format(e=e)}.weight"
+                if key not in tensors:
+                    raise MoesimError(f"{model_dir}: checkpoint lacks {key}")
+                parts.append(tensors[key].reshape(-1))
+            row.append(_store(torch.cat(parts).to(dtype), expert_device, pin))
+        experts.append(row)
+    model.experts = experts
+    return model
+
+
+def save_checkpoint(model: MoEModel, model_dir: str | Path, extra_config: dict | None = None,
+                    dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write a Hugging Face style checkpoint (qwen3_moe layout) that :func:`load_checkpoint` reads."""
+    from safetensors.torch import save_file
+
+    s, cfg = model.spec, model.cfg
+    if cfg.qk_norm != "head":
+        raise MoesimError(f"save_checkpoint writes the qwen3_moe layout, which needs per-head q/k norms; {s.name} has none")
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, t in model.state_dict().items():
+        key = f"model.{name}" if not name.startswith("lm_head") else name
+        tensors[key.replace(".gate.weight", ".mlp.gate.weight")] = t.to(dtype).contiguous()
+    n = s.expert_inter * s.hidden
+    for layer, row in enumerate(model.experts):
+        for e, w in enumerate(row):
+            w = w.to("cpu", dtype)
+            pre = f"model.layers.{layer}.mlp.experts.{e}"
+            tensors[f"{pre}.gate_proj.weight"] = w[:n].view(s.expert_inter, s.hidden).clone()
+            tensors[f"{pre}.up_proj.weight"] = w[n:2 * n].view(s.expert_inter, s.hidden).clone()
+            tensors[f"{pre}.down_proj.weight"] = w[2 * n:].view(s.hidden, s.expert_inter).clone()
+    a = s.attention
+    config = {
+        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": s.n_layers,
+        "num_experts": s.n_experts, "num_experts_per_tok": s.top_k, "hidden_size": s.hidden,
+        "moe_intermediate_size": s.expert_inter, "intermediate_size": s.expert_inter * s.top_k,
+        "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim,
+        "vocab_size": s.vocab, "rms_norm_eps": cfg.rms_eps, "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_seq_len, "norm_topk_prob": s.norm_topk_prob,
+        "tie_word_embeddings": s.tie_embeddings, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "attention_bias": False, "hidden_act": "silu", "torch_dtype": str(dtype).removeprefix("torch."),
+        **(extra_config or {}),
+    }
+    save_file(tensors, str(model_dir / "model.safetensors"))
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def count_params(model: MoEModel) -> int:
+    return sum(p.numel() for p in model.parameters()) + sum(w.numel() for row in model.experts for w in row)
+
+
+def log_softmax_kl(p_logits: Tensor, q_logits: Tensor) -> Tensor:
+    """KL(p || q) between two logit tensors, per row (for output-fidelity metrics)."""
+    p = p_logits.float().log_softmax(-1)
+    q = q_logits.float().log_softmax(-1)
+    return (p.exp() * (p - q)).sum(-1)
+
+
+__all__ = ["ExecConfig", "MoEModel", "KVCache", "expert_forward", "route", "random_model", "load_checkpoint",
+           "save_checkpoint", "count_params", "log_softmax_kl"]

@@ -1,0 +1,234 @@
+"""Decode under a policy and record a trace v1: routing, predictions, timings, metrics.
+
+Also the default-vector calibration the quasi-hidden predictor needs, and the output
+fidelity of speculative execution (next-token agreement and KL against exact execution).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from executor.model import MoEModel, expert_forward, log_softmax_kl, route
+from executor.runtime import OffloadedDecoder, StepRecord, make_transport
+from moesim import __version__
+from moesim.atomic import atomic_write, atomic_write_text
+from moesim.errors import MoesimError
+from moesim.hardware import HardwareProfile
+from traces.format import COPY_KINDS, FORMAT, VERSION, Trace
+
+DEFAULT_VECTORS = "default_vectors.safetensors"
+
+
+# --------------------------------------------------------------------------------------
+# Default vectors
+# --------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def calibrate(model: MoEModel, tokens: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """Per layer and expert, the mean output of the expert over the tokens routed to it
+    (zero for an expert never chosen): the default vectors ``d_{l,e}``. [L, E, hidden], fp32."""
+    s = model.spec
+    sums = torch.zeros(s.n_layers, s.n_experts, s.hidden)
+    counts = torch.zeros(s.n_layers, s.n_experts)
+    for i in range(0, tokens.numel() - 1, chunk):
+        x_tok = tokens[i:i + chunk].view(1, -1).to(model.embed_tokens.weight.device)
+        h = model.embed_tokens(x_tok)
+        for layer, blk in enumerate(model.layers):
+            h = h + blk.self_attn(blk.input_layernorm(h), None, layer, 0)
+            x = blk.post_attention_layernorm(h).reshape(-1, s.hidden)
+            ids, gates = route(blk.gate(x), s.top_k, s.norm_topk_prob)
+            out = torch.zeros_like(x)
+            for e in ids.unique().tolist():
+                rows, cols = (ids == e).nonzero(as_tuple=True)
+                y = expert_forward(model.experts[layer][e].to(x.device), x[rows], s.hidden, s.expert_inter)
+                sums[layer, e] += y.float().sum(0).cpu()
+                counts[layer, e] += rows.numel()
+                out.index_add_(0, rows, y * gates[rows, cols, None].to(y.dtype))
+            h = h + out.view_as(h)
+    return sums / counts.clamp(min=1)[..., None]
+
+
+def save_default_vectors(model_dir: Path, dv: torch.Tensor, description: dict) -> None:
+    from safetensors.torch import save
+
+    data = save({"default_vectors": dv.contiguous()})
+    atomic_write(model_dir / DEFAULT_VECTORS, lambda f: f.write(data))
+    atomic_write_text(model_dir / "calibration.json", json.dumps(description, indent=2) + "\n")
+
+
+def load_default_vectors(model_dir: Path) -> torch.Tensor | None:
+    path = Path(model_dir) / DEFAULT_VECTORS
+    if not path.exists():
+        return None
+    from safetensors.torch import load_file
+
+    return load_file(str(path))["default_vectors"]
+
+
+# --------------------------------------------------------------------------------------
+# Decoding and recording
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class ProfileSettings:
+    policy: str = "on-demand"
+    predictor: str = "quasi"
+    cache_experts: int = 0
+    eviction: str = "lru"
+    tokens: int = 32
+    temperature: float = 0.0  # 0 = greedy
+    seed: int = 0
+
+
+def _next_token(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> torch.Tensor:
+    if temperature <= 0:
+        return logits.argmax(-1, keepdim=True)
+    probs = (logits.float() / temperature).softmax(-1).cpu()
+    return torch.multinomial(probs, 1, generator=gen).to(logits.device)
+
+
+def _decoder(model: MoEModel, st: ProfileSettings, hw: HardwareProfile, batch: int, dv, policy: str | None = None):
+    transport = make_transport(model.embed_tokens.weight.device, hw.link_bw, hw.transfer_latency)
+    return OffloadedDecoder(model, policy or st.policy, transport, predictor=st.predictor, default_vectors=dv,
+                            cache_experts=st.cache_experts, eviction=st.eviction, batch=batch)
+
+
+def generate(model: MoEModel, prompt: torch.Tensor, st: ProfileSettings, hw: HardwareProfile,
+             dv: torch.Tensor | None = None, forced: torch.Tensor | None = None, policy: str | None = None,
+             progress: Callable[[int, int], None] | None = None) -> tuple[float, list[StepRecord], list[torch.Tensor]]:
+    """Prefill ``prompt`` [B, P], then decode ``st.tokens`` steps (or feed ``forced`` [B, T]
+    tokens: teacher forcing). Returns (prefill seconds, step records, generated tokens).
+    Ctrl-C stops after the last finished step and returns what was done."""
+    policy = policy or st.policy
+    b, p = prompt.shape
+    n = forced.shape[1] if forced is not None else st.tokens
+    dec = _decoder(model, st, hw, b, dv, policy)
+    if dec.policy.prefetch and dec.predictor == "oracle":  # the true routing of every step, from an exact, untimed pre-pass
+        _, pre, _ = generate(model, prompt, st, hw, dv, forced, "on-demand")
+        dec.oracle_routes = [(r.true_ids, r.true_gates) for r in pre]
+    gen = torch.Generator().manual_seed(st.seed)
+    cache = model.new_cache(b, p + n + 1)
+    records: list[StepRecord] = []
+    out: list[torch.Tensor] = []
+    try:
+        pre_rec = dec.step(prompt.to(dec.device), cache, 0, prefill=True)
+        tok = _next_token(pre_rec.logits, st.temperature, gen)
+        for i in range(n):
+            if forced is not None:
+                tok = forced[:, i:i + 1].to(dec.device)
+            out.append(tok.cpu())
+            rec = dec.step(tok, cache, p + i, i)
+            records.append(rec)
+            tok = _next_token(rec.logits, st.temperature, gen)
+            if progress:
+                progress(i + 1, n)
+    except KeyboardInterrupt:
+        if not records:
+            raise
+    finally:
+        dec.transport.close()
+    return pre_rec.tpot_s, records, out
+
+
+def fidelity(model: MoEModel, st: ProfileSettings, hw: HardwareProfile, dv, eval_tokens: torch.Tensor) -> dict:
+    """Speculative output against exact output, teacher-forced over ``eval_tokens`` [1, T]:
+    next-token agreement and mean KL(exact || policy) of the output distributions."""
+    prompt, forced = eval_tokens[:, :1], eval_tokens[:, 1:]
+    _, exact, _ = generate(model, prompt, st, hw, dv, forced, "all-resident")
+    _, spec, _ = generate(model, prompt, st, hw, dv, forced)
+    a = torch.stack([r.logits for r in exact]).reshape(-1, model.spec.vocab)
+    b = torch.stack([r.logits for r in spec]).reshape(-1, model.spec.vocab)
+    return {"tokens": int(a.shape[0]), "next_token_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
+            "mean_kl": float(log_softmax_kl(a, b).mean())}
+
+
+def routing_metrics(true_ids: np.ndarray, pred_ids: np.ndarray) -> dict:
+    """Per MoE layer: recall@k of the prediction and rank alignment (is the true expert
+    with the largest gate predicted). ``[T, M, B, k]`` arrays; NaN where nothing was predicted."""
+    has = (pred_ids >= 0).any(-1)
+    hit = (pred_ids[..., :, None] == true_ids[..., None, :]).any(-2)  # [T, M, B, k] per true expert
+    recall, align = [], []
+    for m in range(true_ids.shape[1]):
+        sel = has[:, m]
+        recall.append(float(hit[:, m][sel].mean()) if sel.any() else float("nan"))
+        align.append(float(hit[:, m, :, 0][sel].mean()) if sel.any() else float("nan"))
+    return {"recall_at_k": recall, "rank_alignment": align}
+
+
+def build_trace(model: MoEModel, prompt: torch.Tensor, st: ProfileSettings, hw: HardwareProfile,
+                prefill_s: float, records: list[StepRecord], out: list[torch.Tensor], device: str,
+                synthetic: bool, model_source: str, extra: dict | None = None) -> Trace:
+    s = model.spec
+    b = prompt.shape[0]
+
+    def stack(name: str) -> np.ndarray:  # [T, L, B*1, k] -> [T, M, B, k]
+        return np.stack([getattr(r, name) for r in records]).reshape(len(records), s.n_layers, b, s.top_k)
+
+    true_ids, pred_ids = stack("true_ids"), stack("pred_ids")
+    copies = [c for i, r in enumerate(records) for c in [(i, c) for c in r.copies]]
+    timings = {
+        "attn_s": np.stack([r.attn_s for r in records]), "expert_s": np.stack([r.expert_s for r in records]),
+        "stall_s": np.stack([r.stall_s for r in records]), "other_s": np.array([r.other_s for r in records]),
+        "tpot_s": np.array([r.tpot_s for r in records]),
+        "copy_token": np.array([i for i, _ in copies], np.int32),
+        "copy_layer": np.array([c.layer for _, c in copies], np.int16),
+        "copy_expert": np.array([c.expert for _, c in copies], np.int16),
+        "copy_bytes": np.array([c.nbytes for _, c in copies], np.int64),
+        "copy_kind": np.array([c.kind for _, c in copies], np.uint8),
+        "copy_issue_s": np.array([max(c.issue, 0.0) for _, c in copies]),
+        "copy_start_s": np.array([max(c.start, c.issue, 0.0) for _, c in copies]),
+        "copy_end_s": np.array([max(c.end, c.start, c.issue, 0.0) for _, c in copies]),
+    }
+    header = {
+        "format": FORMAT, "version": VERSION, "model": s.to_dict(),
+        "policy": {"name": st.policy, "params": {"predictor": st.predictor, "cache_experts": st.cache_experts,
+                                                  "eviction": st.eviction, "temperature": st.temperature}},
+        "prompt_len": int(prompt.shape[1]), "n_tokens": len(records), "batch": b, "seed": st.seed,
+        "synthetic": synthetic, "prefill_s": prefill_s,
+        "recorded": {"tool": f"moesim {__version__}", "how": "moesim profile (reference executor)",
+                     "host": socket.gethostname(), "device": _device_name(device), "hw_profile": hw.name,
+                     "link_gbps": hw["h2d_pinned_gbs"], "latency_us": hw["transfer_latency_us"],
+                     "transport": "cuda copy stream" if device.startswith("cuda") else "emulated link (CPU thread)",
+                     "model_source": model_source, "torch": torch.__version__, "threads": torch.get_num_threads(),
+                     "created": datetime.now(UTC).isoformat(timespec="seconds"), "copy_kinds": list(COPY_KINDS)},
+        "metrics": {**routing_metrics(true_ids, pred_ids), **(extra or {})},
+    }
+    token_ids = torch.cat(out, 1).numpy().astype(np.int32) if out else np.zeros((b, 0), np.int32)
+    return Trace(header, prompt.cpu().numpy().astype(np.int32), token_ids, true_ids,
+                 stack("true_gates").astype(np.float32), pred_ids, stack("pred_gates").astype(np.float32),
+                 stack("exec_ids"), timings)
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name(torch.device(device))
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            h = pynvml.nvmlDeviceGetHandleByIndex(torch.device(device).index or 0)
+            gen, width = pynvml.nvmlDeviceGetCurrPcieLinkGeneration(h), pynvml.nvmlDeviceGetCurrPcieLinkWidth(h)
+            return f"{name} (PCIe gen {gen} x{width} now)"
+        except Exception:  # NVML is optional: the name from torch is enough
+            return name
+    return f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def check_device(device: str) -> torch.device:
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise MoesimError(f"unknown device {device!r}; use cpu or cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise MoesimError("--device cuda, but this machine has no CUDA device (use --device cpu: emulated link)")
+    return torch.device(device)

@@ -1,0 +1,155 @@
+"""Train the small learned-routing MoE that tests and validation use for real routing.
+
+Random weights route meaninglessly, so prediction hit rates measured on them mean
+nothing. This trains a Qwen3-MoE-style model (byte-level vocabulary, load-balancing
+loss) on a corpus every machine has offline: the Python standard library's own source.
+The checkpoint is written in the Hugging Face layout with ``training.json`` (command,
+data, loss curve) and ``loss.png`` beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from executor.model import ExecConfig, MoEModel, count_params, route, save_checkpoint
+from moesim.atomic import atomic_write_text
+from moesim.models import Attention, ModelSpec
+
+STDLIB_SPEC = ModelSpec(
+    "moe-stdlib", n_layers=4, n_experts=32, top_k=4, hidden=128, expert_inter=64, vocab=256,
+    attention=Attention("gqa", 4, 2, 32, qk_norm=True), norm_topk_prob=True,
+    source="trained by moesim (executor/train.py) on the Python standard library's source",
+)
+
+
+def stdlib_corpus() -> tuple[bytes, dict]:
+    """All ``*.py`` files of this Python's standard library (no site-packages, no tests),
+    sorted by path and joined; the description records exactly what was read."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py")
+                   if "site-packages" not in p.parts and "test" not in p.parts and "tests" not in p.parts
+                   and "idlelib" not in p.parts)
+    data = b"\n".join(p.read_bytes() for p in files)
+    return data, {"corpus": "Python standard library source (*.py, excluding test/, tests/, idlelib/, site-packages/)",
+                  "python": sys.version.split()[0], "root": str(root), "files": len(files), "bytes": len(data)}
+
+
+def batches(data: torch.Tensor, batch: int, seq: int, gen: torch.Generator):
+    while True:
+        starts = torch.randint(0, data.numel() - seq - 1, (batch,), generator=gen)
+        chunk = torch.stack([data[s:s + seq + 1] for s in starts.tolist()]).long()
+        yield chunk[:, :-1], chunk[:, 1:]
+
+
+def forward_train(model: MoEModel, experts: list[torch.nn.Parameter], tokens: torch.Tensor):
+    """Differentiable forward: (logits, load-balancing loss summed over layers)."""
+    s = model.spec
+    h = model.embed_tokens(tokens)
+    b, t, d = h.shape
+    aux = h.new_zeros(())
+    for i, blk in enumerate(model.layers):
+        h = h + blk.self_attn(blk.input_layernorm(h), None, i, 0)
+        x = blk.post_attention_layernorm(h).reshape(b * t, d)
+        logits = blk.gate(x)
+        ids, gates = route(logits, s.top_k, s.norm_topk_prob)
+        probs = logits.float().softmax(-1)
+        frac = torch.bincount(ids.reshape(-1), minlength=s.n_experts).float() / ids.numel()
+        aux = aux + s.n_experts * (frac * probs.mean(0)).sum()  # Switch-Transformer balance loss
+        h = h + model.moe(i, x, ids, gates, list(experts[i])).view(b, t, d)
+    return model.lm_head(model.norm(h)), aux
+
+
+def train(out: Path, steps: int = 3000, batch: int = 16, seq: int = 128, lr: float = 3e-3, aux_coef: float = 0.01,
+          seed: int = 0, threads: int = 1, progress=None) -> dict:
+    torch.manual_seed(seed)
+    torch.set_num_threads(threads)
+    data, desc = stdlib_corpus()
+    ids = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    split = int(ids.numel() * 0.95)
+    train_ids, eval_ids = ids[:split], ids[split:]
+    cfg = ExecConfig(STDLIB_SPEC, rope_theta=1e4, rms_eps=1e-6, max_seq_len=1024)
+    model = MoEModel(cfg)
+    for p in model.parameters():
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, std=0.02)
+    s = cfg.spec
+    experts = [torch.nn.Parameter(torch.randn(s.n_experts, s.expert_weights) * 0.02) for _ in range(s.n_layers)]
+    params = list(model.parameters()) + experts
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(seed)
+    it = batches(train_ids, batch, seq, gen)
+    curve, evals = [], []
+    t0 = time.time()
+
+    def evaluate() -> float:
+        eg = torch.Generator().manual_seed(1234)
+        ev = batches(eval_ids, 8, seq, eg)
+        with torch.no_grad():
+            losses = [F.cross_entropy(forward_train(model, experts, x)[0].reshape(-1, 256), y.reshape(-1)).item()
+                      for x, y in (next(ev) for _ in range(8))]
+        return sum(losses) / len(losses)
+
+    for step in range(1, steps + 1):
+        warm = min(1.0, step / 100)
+        for g in opt.param_groups:
+            g["lr"] = lr * warm * 0.5 * (1 + math.cos(math.pi * step / steps))
+        x, y = next(it)
+        logits, aux = forward_train(model, experts, x)
+        loss = F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        (loss + aux_coef * aux).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if step % 25 == 0 or step == 1:
+            curve.append({"step": step, "loss": round(loss.item(), 4), "aux": round(aux.item() / s.n_layers, 4),
+                          "seconds": round(time.time() - t0, 1)})
+        if step % 500 == 0 or step == steps:
+            evals.append({"step": step, "eval_loss": round(evaluate(), 4)})
+        if progress:
+            progress(step, steps, loss.item())
+    model.experts = [[w.detach().clone() for w in layer] for layer in experts]
+    record = {
+        "command": f"moesim train --out {out} --steps {steps} --batch {batch} --seq {seq} --lr {lr} "
+                   f"--aux-coef {aux_coef} --seed {seed} --threads {threads}",
+        "data": {**desc, "train_bytes": split, "eval_bytes": ids.numel() - split, "vocabulary": "bytes (256)"},
+        "model": s.to_dict(), "parameters": count_params(model), "steps": steps, "tokens_seen": steps * batch * seq,
+        "wall_seconds": round(time.time() - t0, 1), "threads": threads, "machine": _machine(),
+        "final_eval_loss_nats_per_byte": evals[-1]["eval_loss"], "curve": curve, "evals": evals,
+    }
+    save_checkpoint(model, out, extra_config={"moesim_synthetic": False})
+    atomic_write_text(out / "training.json", json.dumps(record, indent=2) + "\n")
+    _plot(record, out / "loss.png")
+    return record
+
+
+def _machine() -> str:
+    import os
+    import platform
+
+    return f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, torch {torch.__version__}".strip()
+
+
+def _plot(record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([c["step"] for c in record["curve"]], [c["loss"] for c in record["curve"]], label="train (batch)")
+    ax.plot([e["step"] for e in record["evals"]], [e["eval_loss"] for e in record["evals"]], "o-", label="held-out 5%")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy, nats per byte")
+    ax.set_title(f"moe-stdlib: {record['parameters'] / 1e6:.1f}M parameters, Python stdlib bytes", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)

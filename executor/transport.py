@@ -1,0 +1,145 @@
+"""Moving experts host-to-device: one interface, two transports.
+
+- :class:`CudaTransport`: a dedicated high-priority copy stream, non-blocking copies from
+  pinned memory, one CUDA event per copy; the compute stream waits on events on the
+  device, so waiting never blocks the host. Timings come from events, read once a step.
+- :class:`EmulatedLink` (CPU): a copy worker thread that really copies into the slot
+  tensors and paces each transfer to ``latency + bytes / bandwidth`` on an ideal FIFO
+  clock, so overlap, stalls and contention are real, measurable behaviour without a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Transfer:
+    """One expert copy. Times are seconds on the transport's clock (see ``now``)."""
+
+    layer: int
+    expert: int
+    nbytes: int
+    kind: int  # 0 = prefetch, 1 = on demand
+    issue: float = 0.0
+    start: float = 0.0
+    end: float = 0.0
+    done: threading.Event = field(default_factory=threading.Event)
+    event: object = None  # CUDA event recorded after the copy
+
+
+class EmulatedLink:
+    """A FIFO copy engine in a thread, paced to a link's bandwidth and per-transfer latency.
+
+    The worker keeps an ideal clock: a transfer starts at ``max(issue, previous end)`` and
+    ends ``latency + bytes / bandwidth`` later (or when the real copy finishes, if that is
+    later); the worker copies, sleeps until that end and signals. Wake-up and sleep
+    overshoot delay the signal but never the clock, so they do not accumulate over
+    back-to-back transfers.
+    """
+
+    def __init__(self, bandwidth: float, latency: float) -> None:
+        if bandwidth <= 0 or latency < 0:
+            raise ValueError("bandwidth must be > 0 and latency >= 0")
+        self.bandwidth, self.latency = bandwidth, latency
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._clock = 0.0
+        self._thread = threading.Thread(target=self._run, name="moesim-emulated-link", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def now() -> float:
+        return time.perf_counter()
+
+    def copy(self, dst: Tensor, src: Tensor, t: Transfer) -> Transfer:
+        t.issue = self.now()
+        self._q.put((dst, src, t))
+        return t
+
+    def wait(self, transfers: list[Transfer]) -> None:
+        for t in transfers:
+            t.done.wait()
+
+    def _run(self) -> None:
+        _tight_timer_slack()
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            dst, src, t = item
+            t.start = max(t.issue, self._clock)  # the link's clock, not the worker's wake-up
+            dst.copy_(src)
+            t.end = max(t.start + self.latency + t.nbytes / self.bandwidth, self.now())  # late if memcpy is slower
+            self._clock = t.end
+            remaining = t.end - self.now()
+            if remaining > 0:
+                time.sleep(remaining)
+            t.done.set()
+
+    def finish_step(self, transfers: list[Transfer]) -> None:
+        """Nothing to resolve: times were taken on the host clock."""
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=5)
+
+
+def _tight_timer_slack() -> None:
+    """Ask Linux for 1 us timer slack on this thread (default 50 us) so sleeps end on time."""
+    try:
+        ctypes.CDLL(None).prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK, nanoseconds
+    except (OSError, AttributeError):
+        pass
+
+
+class CudaTransport:
+    """Copies on a high-priority side stream; dependencies through events, never host waits."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device, priority=-1)
+        self.origin: torch.cuda.Event | None = None
+
+    def start_step(self, origin: torch.cuda.Event) -> None:
+        """``origin``: an event on the compute stream marking the step's start (time zero)."""
+        self.origin = origin
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def copy(self, dst: Tensor, src: Tensor, t: Transfer) -> Transfer:
+        issue = torch.cuda.Event(enable_timing=True)
+        issue.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self.stream)
+            dst.copy_(src, non_blocking=True)  # src is pinned: a true async DMA
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(self.stream)
+        t.event = (issue, start, end)
+        return t
+
+    def wait(self, transfers: list[Transfer]) -> None:
+        """Make the compute stream wait for the copies (device-side; the host goes on)."""
+        compute = torch.cuda.current_stream(self.device)
+        for t in transfers:
+            compute.wait_event(t.event[2])
+
+    def finish_step(self, transfers: list[Transfer]) -> None:
+        """After the step's end event has completed: convert event times to seconds."""
+        for t in transfers:
+            issue, start, end = t.event
+            t.issue = self.origin.elapsed_time(issue) / 1e3
+            t.start = self.origin.elapsed_time(start) / 1e3
+            t.end = self.origin.elapsed_time(end) / 1e3
+            t.event = None
+
+    def close(self) -> None:
+        self.stream.synchronize()

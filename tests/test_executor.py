@@ -1,0 +1,125 @@
+"""The reference executor: exact policies are exact, the emulated link keeps time, traces
+round-trip. Runs on the CPU with the emulated link (and on CUDA when present)."""
+
+import statistics
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from executor.model import ExecConfig, random_model  # noqa: E402
+from executor.profile import ProfileSettings, build_trace, calibrate, generate  # noqa: E402
+from executor.transport import EmulatedLink, Transfer  # noqa: E402
+from moesim.hardware import get_profile  # noqa: E402
+from moesim.models import get_model  # noqa: E402
+from traces.format import read_trace, write_trace  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    # Larger weights than the default init, so that experts matter and routing is not a tie.
+    model = random_model(ExecConfig(get_model("tiny"), rope_theta=1e4), seed=1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+        model.experts = [[w * 15 for w in row] for row in model.experts]
+    dv = calibrate(model, torch.randint(0, 256, (512,), generator=torch.Generator().manual_seed(0)))
+    return model, dv
+
+
+HW = get_profile("a6000").with_figure("h2d_pinned_gbs", 0.2)
+PROMPT = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(5))
+
+
+def _tokens(model, dv, **kw):
+    st = ProfileSettings(tokens=10, **kw)
+    _, records, out = generate(model, PROMPT, st, HW, dv)
+    return torch.cat(out, 1), records
+
+
+@pytest.mark.parametrize("policy, predictor, cache", [
+    ("on-demand", "quasi", 0), ("prefetch-fom", "quasi", 0), ("prefetch-fom", "stale", 0), ("oracle", "quasi", 0),
+    ("prefetch-spec", "oracle", 0), ("on-demand", "quasi", 10), ("prefetch-fom", "quasi", 20),
+    ("prefetch-spec", "oracle", 12),
+])
+def test_exact_policies_decode_the_all_resident_tokens(tiny, policy, predictor, cache):
+    model, dv = tiny
+    ref, ref_rec = _tokens(model, dv, policy="all-resident")
+    got, rec = _tokens(model, dv, policy=policy, predictor=predictor, cache_experts=cache, eviction="lfu")
+    assert torch.equal(got, ref)
+    torch.testing.assert_close(rec[-1].logits, ref_rec[-1].logits, rtol=1e-5, atol=1e-5)
+
+
+def test_speculative_execution_with_a_real_predictor_changes_the_output(tiny):
+    model, dv = tiny
+    _, ref = _tokens(model, dv, policy="all-resident")
+    _, spec = _tokens(model, dv, policy="prefetch-spec", predictor="stale")
+    # The test model is random, so its predictions are poor and the outputs must move.
+    assert not torch.allclose(spec[-1].logits, ref[-1].logits)
+
+
+def test_policies_copy_what_the_shared_planner_decides(tiny):
+    model, dv = tiny
+    _, on_demand = _tokens(model, dv, policy="on-demand")
+    _, resident = _tokens(model, dv, policy="all-resident")
+    assert all(not r.copies for r in resident)
+    for r in on_demand:  # every step copies each layer's union of the batch's true experts
+        per_layer = [len({int(e) for e in r.true_ids[layer].ravel()}) for layer in range(4)]
+        assert len(r.copies) == sum(per_layer)
+        assert all(c.kind == 1 for c in r.copies)
+    _, cached = _tokens(model, dv, policy="on-demand", cache_experts=64)  # every expert fits: later steps copy less
+    assert sum(len(r.copies) for r in cached) < sum(len(r.copies) for r in on_demand)
+
+
+def test_emulated_link_paces_to_latency_plus_bytes_over_bandwidth():
+    link = EmulatedLink(bandwidth=2e9, latency=50e-6)
+    src = torch.zeros(2_000_000)  # 8 MB: 4 ms at 2 GB/s
+    dst = torch.empty_like(src)
+    ideal = 50e-6 + src.numel() * 4 / 2e9
+    ratios = []
+    for _ in range(7):
+        t = Transfer(0, 0, src.numel() * 4, 1)
+        t0 = time.perf_counter()
+        link.copy(dst, src, t)
+        link.wait([t])
+        ratios.append((time.perf_counter() - t0) / ideal)
+    link.close()
+    assert torch.equal(dst, src)
+    assert statistics.median(ratios) == pytest.approx(1.0, abs=0.05)
+
+
+def test_trace_records_timings_and_round_trips(tiny, tmp_path):
+    model, dv = tiny
+    st = ProfileSettings(policy="prefetch-fom", tokens=6)
+    prefill, records, out = generate(model, PROMPT, st, HW, dv)
+    trace = build_trace(model, PROMPT, st, HW, prefill, records, out, "cpu", True, "test model")
+    back = read_trace(write_trace(trace, tmp_path / "run.npz"))
+    assert back.measured and back.n_tokens == 6 and back.batch == 2
+    tm = back.timings
+    np.testing.assert_array_equal(back.true_ids, trace.true_ids)
+    assert (tm["tpot_s"] > 0).all() and (tm["copy_end_s"] >= tm["copy_start_s"]).all()
+    # The parts of a step add up to the step (measured with one clock).
+    parts = tm["attn_s"].sum(1) + tm["expert_s"].sum(1) + tm["stall_s"].sum(1) + tm["other_s"]
+    np.testing.assert_allclose(parts, tm["tpot_s"], rtol=0.02)
+    assert back.header["recorded"]["hw_profile"] == "a6000" and back.header["synthetic"] is True
+    assert len(back.header["metrics"]["recall_at_k"]) == 4
+
+
+def test_interrupted_run_keeps_finished_steps(tiny, tmp_path):
+    model, dv = tiny
+
+    def stop_after_three(i, n):
+        if i == 3:
+            raise KeyboardInterrupt
+
+    st = ProfileSettings(policy="on-demand", tokens=10)
+    prefill, records, out = generate(model, PROMPT, st, HW, dv, progress=stop_after_three)
+    assert len(records) == 3
+    trace = build_trace(model, PROMPT, st, HW, prefill, records, out, "cpu", True, "test model")
+    assert read_trace(write_trace(trace, tmp_path / "cut.npz")).n_tokens == 3
