@@ -103,10 +103,14 @@ class OffloadedDecoder:
         n_slots = (2 * per_layer + (cache_experts if self.policy.offload else 0)) if self.policy.offload else 0
         self.pool = torch.empty((n_slots, s.expert_weights), device=self.device, dtype=self.dtype)
         self.free = list(range(n_slots))
+        self.freed_after: dict[int, object] = {}  # CUDA: slot -> event after the last kernel that read it
         self.where: dict[tuple[int, int], int] = {}
         self.loaded: dict[int, list[int]] = defaultdict(list)
         self.oracle_routes: list[tuple[np.ndarray, np.ndarray]] | None = None  # per step (ids, gates) [L, B, k]
         self.timer = Timer(self.device)
+        self.resident = model.experts
+        if not self.policy.offload and model.experts and model.experts[0][0].device != self.device:
+            self.resident = [[w.to(self.device) for w in row] for row in model.experts]  # resident means resident
 
     # -- expert placement ---------------------------------------------------------------
     def _issue(self, layer: int, experts: list[int], kind: int, out: list[Transfer]) -> None:
@@ -118,21 +122,29 @@ class OffloadedDecoder:
             self.where[(layer, e)] = slot
             self.loaded[layer].append(e)
             t = Transfer(layer, e, src[e].numel() * src[e].element_size(), kind)
-            out.append(self.transport.copy(self.pool[slot], src[e], t))
+            out.append(self.transport.copy(self.pool[slot], src[e], t, after=self.freed_after.pop(slot, None)))
 
     def _weights(self, layer: int) -> dict[int, Tensor] | list[Tensor]:
         if not self.policy.offload:
-            return self.model.experts[layer]
+            return self.resident[layer]
         return {e: self.pool[slot] for (lay, e), slot in self.where.items() if lay == layer}
 
-    def _release(self, layer: int, admitted: list[int], evicted: list[tuple[int, int]]) -> None:
+    def _release(self, layer: int, evicted: list[tuple[int, int]]) -> None:
+        """Return the slots the planner no longer needs. On CUDA a slot is reused only after
+        the kernels that read it (queued on the compute stream) are done: the next copy
+        into it waits on this event."""
         cache = self.planner.cache
-        for e in self.loaded.pop(layer, []):
-            if cache is None or (layer, e) not in cache:
-                self.free.append(self.where.pop((layer, e)))
-        for key in evicted:
-            if key in self.where:
-                self.free.append(self.where.pop(key))
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        freed = [self.where.pop((layer, e)) for e in self.loaded.pop(layer, [])
+                 if cache is None or (layer, e) not in cache]
+        freed += [self.where.pop(key) for key in evicted if key in self.where]
+        for slot in freed:
+            if done is not None:
+                self.freed_after[slot] = done
+            self.free.append(slot)
 
     # -- prediction -----------------------------------------------------------------------
     def _predict(self, layer: int, resid: Tensor, x: Tensor, ids: Tensor, gates: Tensor) -> tuple[Tensor, Tensor]:
@@ -209,8 +221,8 @@ class OffloadedDecoder:
             rec.exec_ids[layer] = run_ids
             h = h + _apply_experts(x, run_ids, run_gates, self._weights(layer), s.hidden, s.expert_inter).view_as(h)
             t3 = tm.mark()
-            admitted, evicted = self.planner.finish(layer, plan)
-            self._release(layer, admitted, evicted)
+            _, evicted = self.planner.finish(layer, plan)
+            self._release(layer, evicted)
             rec.copies += demand + prefetch
             pending = prefetch
             marks.append((t0, t1, t2, t3))

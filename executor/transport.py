@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import queue
 import threading
@@ -58,7 +59,8 @@ class EmulatedLink:
     def now() -> float:
         return time.perf_counter()
 
-    def copy(self, dst: Tensor, src: Tensor, t: Transfer) -> Transfer:
+    def copy(self, dst: Tensor, src: Tensor, t: Transfer, after=None) -> Transfer:
+        """Queue a copy (``after`` is for CUDA; on the host the slot is already free)."""
         t.issue = self.now()
         self._q.put((dst, src, t))
         return t
@@ -93,10 +95,8 @@ class EmulatedLink:
 
 def _tight_timer_slack() -> None:
     """Ask Linux for 1 us timer slack on this thread (default 50 us) so sleeps end on time."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK, nanoseconds
-    except (OSError, AttributeError):
-        pass
 
 
 class CudaTransport:
@@ -114,10 +114,14 @@ class CudaTransport:
     def now(self) -> float:
         return time.perf_counter()
 
-    def copy(self, dst: Tensor, src: Tensor, t: Transfer) -> Transfer:
+    def copy(self, dst: Tensor, src: Tensor, t: Transfer, after: torch.cuda.Event | None = None) -> Transfer:
+        """Queue ``dst.copy_(src)`` on the copy stream; ``after``: wait for the compute stream
+        to finish reading ``dst`` first (a reused slot)."""
         issue = torch.cuda.Event(enable_timing=True)
         issue.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_event(after)
             start = torch.cuda.Event(enable_timing=True)
             start.record(self.stream)
             dst.copy_(src, non_blocking=True)  # src is pinned: a true async DMA

@@ -112,3 +112,31 @@ def test_bad_inputs_get_one_line_errors(tmp_path, olmoe_trace):
     ]
     for args, text in cases:
         _assert_one_line_error(moesim(*args), text)
+
+
+def test_profile_records_a_trace_that_replays(tmp_path):
+    trace = tmp_path / "run.npz"
+    r = moesim("profile", "--model", "tiny", "--policy", "prefetch-spec", "--predictor", "stale", "--link-gbps", "0.5",
+               "--tokens", 6, "--fidelity-tokens", 8, "--out", trace)
+    assert r.returncode == 0, r.stderr
+    assert "fidelity: agreement" in r.stderr
+    rep = moesim("replay", trace, "--hw", "a6000", "--link-gbps", "0.5", "--policy", "prefetch-spec", "--json")
+    row = json.loads(rep.stdout)[0]
+    assert row["timing"] == "measured (trace)" and row["tokens"] == 6
+
+
+def test_profile_and_calibrate_errors_are_one_line(tmp_path):
+    cases = [
+        (("profile", "--model", "tiny", "--device", "tpu"), "unknown device"),
+        (("profile", "--model", "gpt-9"), "unknown model"),
+        (("profile", "--model", "deepseek-v3", "--layers", "4"), "executor runs GQA models"),
+        (("profile", "--model", "tiny", "--predictor", "tea-leaves"), "unknown predictor"),
+        (("profile", "--model", "tiny", "--tokens", "0"), "must be >= 1"),
+        (("calibrate", "--model", tmp_path / "nowhere"), "not a checkpoint directory"),
+    ]
+    import torch
+
+    if not torch.cuda.is_available():
+        cases.append((("profile", "--model", "tiny", "--device", "cuda"), "no CUDA device"))
+    for args, text in cases:
+        _assert_one_line_error(moesim(*args), text)

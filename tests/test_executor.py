@@ -19,9 +19,11 @@ from traces.format import read_trace, write_trace  # noqa: E402
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-@pytest.fixture(scope="module")
-def tiny():
+@pytest.fixture(scope="module", params=DEVICES)
+def tiny(request):
+    """The tiny model on each device present (CUDA: experts pinned in host memory)."""
     torch.set_num_threads(1)
+    device = torch.device(request.param)
     # Larger weights than the default init, so that experts matter and routing is not a tie.
     model = random_model(ExecConfig(get_model("tiny"), rope_theta=1e4), seed=1)
     with torch.no_grad():
@@ -30,7 +32,9 @@ def tiny():
                 p.normal_(0, 0.3)
         model.experts = [[w * 15 for w in row] for row in model.experts]
     dv = calibrate(model, torch.randint(0, 256, (512,), generator=torch.Generator().manual_seed(0)))
-    return model, dv
+    if device.type == "cuda":
+        model.experts = [[w.pin_memory() for w in row] for row in model.experts]
+    return model.to(device), dv.to(device)
 
 
 HW = get_profile("a6000").with_figure("h2d_pinned_gbs", 0.2)

@@ -56,9 +56,9 @@ def test_synthetic_model_round_trips_through_a_checkpoint(tmp_path):
 def test_unsupported_and_broken_checkpoints(tmp_path):
     with pytest.raises(MoesimError, match="not one"):
         ExecConfig(get_model("deepseek-v3"))
-    (tmp_path / "config.json").write_text((FAMILIES and '{"model_type": "qwen3_moe", "num_hidden_layers": 1, '
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe", "num_hidden_layers": 1, '
                                            '"num_experts": 2, "num_experts_per_tok": 1, "hidden_size": 8, '
-                                           '"moe_intermediate_size": 4, "num_attention_heads": 2, "vocab_size": 8}'))
+                                           '"moe_intermediate_size": 4, "num_attention_heads": 2, "vocab_size": 8}')
     with pytest.raises(MoesimError, match="no \\*.safetensors"):
         load_checkpoint(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"garbage")
