@@ -95,6 +95,7 @@ class OffloadedDecoder:
         if self.policy.prefetch and predictor == "quasi" and default_vectors is None:
             raise MoesimError("the quasi-hidden predictor needs default vectors (moesim calibrate)")
         self.predictor, self.dv = predictor, default_vectors
+        self.can_predict = predictor == "stale" or (predictor == "quasi" and default_vectors is not None)
         s = model.spec
         p = model.embed_tokens.weight
         self.device, self.dtype = p.device, p.dtype
@@ -189,7 +190,9 @@ class OffloadedDecoder:
             ids, gates = route(blk.gate(x), k, s.norm_topk_prob)
             pred_here, pred_host = pred_next, pred_next_host
             pred_next = pred_next_host = None
-            if self.policy.prefetch and not prefill and layer + 1 < L:
+            # Offloading policies all run the predictor: prefetchers use it, on-demand records
+            # it (its cost stays in attn_s) so its trace can predict the prefetching policies.
+            if self.policy.offload and not prefill and layer + 1 < L and (self.policy.prefetch or self.can_predict):
                 if self.predictor == "oracle":
                     ids_o, gates_o = self.oracle_routes[step_index]
                     pred_next = (torch.as_tensor(ids_o[layer + 1].astype(np.int64), device=self.device),

@@ -219,7 +219,8 @@ def _why(r: dict[str, Any]) -> str:
 @app.command()
 def replay(
     trace_path: Annotated[Path, typer.Argument(metavar="TRACE", help="A trace file (.npz, format v1).")],
-    hw_name: Annotated[str, typer.Option("--hw", help="Hardware profile name or .toml path.")] = "a6000",
+    hw_name: Annotated[str | None, typer.Option("--hw", help="Hardware profile name or .toml path "
+                                                         "(default: the one the trace was recorded on, else a6000).")] = None,
     policy: Annotated[str, typer.Option(help="Comma-separated policies: all-resident, on-demand, prefetch-spec, "
                                               "prefetch-fom (alias prefetch), oracle.")] = "on-demand,prefetch-fom,prefetch-spec,oracle",
     cache_gib: Annotated[float, typer.Option(help="Cross-token expert cache on the device, GiB (0 = none).")] = 0.0,
@@ -231,6 +232,8 @@ def replay(
                                               "profile (roofline) or measured.")] = "auto",
     model: Annotated[str | None, typer.Option(help="Check the trace against this model (errors on mismatch).")] = None,
     step: Annotated[int, typer.Option(help="Which decode step the report's timeline shows.")] = 1,
+    validate: Annotated[bool, typer.Option("--validate", help="Compare with the trace's measured TPOT: replay its recorded "
+                                                              "policy on its recorded profile and link, with its measured compute.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")] = False,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Write a report here: HTML, PNGs, CSV, Chrome trace.")] = None,
 ) -> None:
@@ -247,6 +250,10 @@ def replay(
     from traces.format import read_trace
 
     trace = read_trace(trace_path)
+    if validate:
+        _validate(trace, trace_path, hw_name, engine, as_json, out_dir)
+        return
+    hw_name = hw_name or trace.header.get("recorded", {}).get("hw_profile") or "a6000"
     if model is not None:
         want, got = get_model(model), trace.model
         if (want.n_moe_layers, want.n_experts, want.top_k) != (got.n_moe_layers, got.n_experts, got.top_k):
@@ -270,6 +277,32 @@ def replay(
         from reports.replay import write_replay_report
 
         page = write_replay_report(trace, trace_path, profile, results, out_dir, step)
+        err.print(f"report: {page}")
+
+
+def _validate(trace, trace_path: Path, hw_name: str | None, engine: str, as_json: bool, out_dir: Path | None) -> None:
+    from moesim.hardware import get_profile
+    from sim.validate import recorded_profile, validate_trace
+
+    hw_profile = get_profile(hw_name) if hw_name else None
+    stats_, result = validate_trace(trace, hw_profile, engine=engine)
+    if as_json:
+        _print_json(stats_)
+    else:
+        t = Table(title=f"{trace_path.name}: simulated against measured TPOT ({stats_['policy']}, "
+                        f"{stats_['tokens']} tokens after 1 warm-up step)")
+        for c in ("measured ms", "predicted ms", "error of mean", "per-token MAPE", "bias", "p50 |err|", "p90 |err|",
+                  f"TOST +-{stats_['tost_margin']:.0%}"):
+            t.add_column(c, justify="right")
+        t.add_row(f"{stats_['measured_ms']:.3f}", f"{stats_['predicted_ms']:.3f}", f"{stats_['error']:+.2%}",
+                  f"{stats_['mape']:.2%}", f"{stats_['bias']:+.2%}", f"{stats_['p50_abs_error']:.2%}",
+                  f"{stats_['p90_abs_error']:.2%}",
+                  f"{'equivalent' if stats_['equivalent'] else 'not shown'} (p={stats_['tost_p']:.3g})")
+        out.print(t)
+    if out_dir is not None:
+        from reports.validation import write_single_validation
+
+        page = write_single_validation(trace, trace_path, recorded_profile(trace, hw_profile), stats_, result, out_dir)
         err.print(f"report: {page}")
 
 
@@ -437,7 +470,11 @@ def profile(
     fidelity_tokens: Annotated[int, typer.Option(help="For speculative policies: tokens of the fixed evaluation text "
                                                       "over which agreement and KL are measured (0 = skip).")] = 128,
     threads: Annotated[int, typer.Option(help="torch threads for compute (the emulated link uses its own thread).")] = 1,
-    out_path: Annotated[Path, typer.Option("--out", help="Trace file to write.")] = Path("traces/profile.npz"),
+    out_path: Annotated[Path | None, typer.Option("--out", help="Trace file to write (default traces/profile.npz; "
+                                                               "with --hardware, hwprofiles/NAME.toml).")] = None,
+    hardware: Annotated[bool, typer.Option("--hardware", help="Instead of decoding: microbenchmark this machine "
+                                                              "(--device) and write a hardware profile.")] = False,
+    name: Annotated[str | None, typer.Option(help="With --hardware: the profile's name.")] = None,
 ) -> None:
     """Decode with the reference executor under a policy and record a trace v1.
 
@@ -447,10 +484,18 @@ def profile(
     output fidelity against exact execution. On CPU an emulated link, paced to the
     profile's bandwidth and latency, moves the experts. Ctrl-C keeps the finished tokens.
 
-    Example: `moesim profile --policy prefetch-fom --hw a6000 --link-gbps 2 --tokens 64 --out run.npz`,
-    then `moesim replay run.npz --hw a6000 --link-gbps 2`.
+    With `--hardware` it measures the machine instead (CUDA: host-to-device bandwidth and
+    latency, device bandwidth, bf16 GEMM, launch overhead, NVML facts; CPU: matmul, memory,
+    op overhead, the emulated link's limits) and writes a profile marked measured.
+
+    Examples: `moesim profile --policy prefetch-fom --hw a6000 --link-gbps 2 --tokens 64 --out run.npz`,
+    then `moesim replay run.npz --validate`; `moesim profile --hardware --out hwprofiles/mybox.toml`.
     """
     import torch
+
+    if hardware:
+        _profile_hardware(device, name, out_path, threads)
+        return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from executor.profile import (
@@ -496,6 +541,7 @@ def profile(
         text = _shipped_eval_text(m.spec.vocab, fidelity_tokens + 1, seed)
         extra["fidelity"] = fidelity(m, st, hw_profile, dv, text)
     trace = build_trace(m, ids, st, hw_profile, prefill_s, records, out, device, synthetic, source, extra)
+    out_path = out_path or Path("traces/profile.npz")
     write_trace(trace, out_path)
     t = trace.timings["tpot_s"]
     note = "" if len(records) == tokens else f" (interrupted: kept {len(records)} of {tokens} steps)"
@@ -505,6 +551,33 @@ def profile(
               + (f", prediction recall@k {sum(rec) / len(rec):.3f}" if rec else "")
               + (f", fidelity: agreement {extra['fidelity']['next_token_agreement']:.3f}, "
                  f"KL {extra['fidelity']['mean_kl']:.2e}" if "fidelity" in extra else ""))
+
+
+def _profile_hardware(device: str, name: str | None, out_path: Path | None, threads: int) -> None:
+    import torch
+
+    from executor.hwbench import measure
+    from executor.profile import check_device
+    from moesim.atomic import atomic_write_text
+    from moesim.hardware import get_profile
+
+    torch.set_num_threads(threads)
+    check_device(device)
+    with err.status("measuring") as status:
+        prof = measure(device, name, lambda what: status.update(f"measuring: {what}"))
+    path = out_path or Path("hwprofiles") / f"{prof.name}.toml"
+    if path.suffix != ".toml":
+        raise MoesimError(f"--out {path}: a hardware profile is a .toml file")
+    atomic_write_text(path, f"# {prof.description}\n" + prof.to_toml())
+    get_profile(str(path))  # what we wrote must load
+    t = Table(title=f"{prof.name} ({prof.link}), written to {path}")
+    for c in ("figure", "value", "unit", "how"):
+        t.add_column(c)
+    from moesim.hardware import FIGURES
+
+    for k, f in prof.figures.items():
+        t.add_row(k, f"{f.value:g}", FIGURES[k][0], f.source.split(": ", 1)[-1])
+    out.print(t)
 
 
 def _shipped_eval_text(vocab: int, n: int, seed: int):
@@ -561,6 +634,81 @@ def calibrate(
     save_default_vectors(path, dv, {"text": what, "tokens": int(ids.numel()), "command": f"moesim calibrate --model {model}"
                                     + (f" --text {text}" if text else "") + f" --tokens {tokens}"})
     err.print(f"wrote {path / 'default_vectors.safetensors'} from {ids.numel()} tokens of {what}")
+
+
+@app.command()
+def fit(
+    trace_path: Annotated[Path, typer.Argument(metavar="TRACE", help="An executor trace with measured timings (batch 1).")],
+    hw_name: Annotated[str | None, typer.Option("--hw", help="Base profile (default: the one the trace was recorded on).")] = None,
+    out_path: Annotated[Path | None, typer.Option("--out", help="Write the fitted profile here (.toml).")] = None,
+    name: Annotated[str | None, typer.Option(help="Name of the fitted profile.")] = None,
+) -> None:
+    """Fit the simulator's compute model (achievable bandwidth, launch cost, per-layer
+    overhead) to a trace's measured times and report the quality of the fit.
+
+    Example: `moesim fit run.npz --out hwprofiles/mybox-fitted.toml`, then
+    `moesim whatif --hw hwprofiles/mybox-fitted.toml ...` predicts without measured times.
+    """
+    from moesim.atomic import atomic_write_text
+    from moesim.hardware import get_profile
+    from sim.fit import fit_profile
+    from traces.format import read_trace
+
+    trace = read_trace(trace_path)
+    base = get_profile(hw_name or trace.header.get("recorded", {}).get("hw_profile") or "a6000")
+    prof, quality = fit_profile(trace, base, name)
+    if out_path is not None:
+        if out_path.suffix != ".toml":
+            raise MoesimError(f"--out {out_path}: a hardware profile is a .toml file")
+        atomic_write_text(out_path, f"# {prof.description}\n" + prof.to_toml())
+        err.print(f"wrote {out_path}")
+    t = Table(title=f"compute model fitted to {trace_path.name} ({quality['blocks']} blocks)")
+    for c in ("achievable GB/s", "launch us", "layer overhead us", "R^2", "block MAE us", "block MAPE",
+              "TPOT error, fitted profile"):
+        t.add_column(c, justify="right")
+    t.add_row(f"{quality['mem_bw_achievable_gbs']:.3g}", f"{quality['kernel_launch_us']:.3g}",
+              f"{quality['layer_overhead_us']:.3g}", f"{quality['r2']:.3f}", f"{quality['block_mae_us']:.3g}",
+              f"{quality['block_mape']:.1%}", f"{quality['tpot_error_with_fitted_profile']:+.2%}")
+    out.print(t)
+
+
+@app.command()
+def validate(
+    out_dir: Annotated[Path, typer.Option("--out", help="Report folder: error table, scatter, timelines, traces.")] = Path("reports/validation"),
+    tokens: Annotated[int, typer.Option(help="Decode steps per run.")] = 32,
+    model: Annotated[str | None, typer.Option(help="Only this suite model (moe-stdlib or the synthetic one).")] = None,
+) -> None:
+    """Run the validation suite: the simulator against the executor on this machine (CPU,
+    emulated link): 2 models x 3 link bandwidths x 4 policies, same-policy replay and
+    policy transfer (predicted from the on-demand trace alone), with an error table.
+
+    Example: `moesim validate --out reports/validation`
+    """
+    from executor.validation import machine, run_suite
+    from reports.validation import write_suite_report
+    from sim.validate import recorded_profile
+
+    if tokens < 3:
+        raise MoesimError("--tokens must be >= 3 (the first step is warm-up)")
+    with err.status("validating") as status:
+        rows, traces, summary = run_suite(out_dir, _shipped_model(), tokens, [model] if model else None,
+                                          lambda what: status.update(f"validating: {what}"))
+    if not rows:
+        raise MoesimError(f"no suite model called {model!r}")
+    t = Table(title=f"simulated vs measured mean TPOT ({machine()})")
+    for c in ("model", "link GB/s", "policy", "case", "measured ms", "simulated ms", "error", "per-token MAPE", "TOST +-5%"):
+        t.add_column(c, justify="right")
+    for r in rows:
+        t.add_row(r["model"], f"{r['link_gbps']:g}", r["policy"], r["case"], f"{r['measured_ms']:.3g}",
+                  f"{r['predicted_ms']:.3g}", f"{r['error']:+.2%}", f"{r['mape']:.2%}",
+                  "equivalent" if r["equivalent"] else "not shown")
+    out.print(t)
+    for k, v in summary.items():
+        out.print(f"[bold]{k}[/bold]: {v}")
+    example = next((tr for k, tr in traces.items() if k.endswith("prefetch-fom")), None)
+    page = write_suite_report(rows, traces, summary, out_dir,
+                              (example, recorded_profile(example)) if example is not None else None, machine())
+    err.print(f"report: {page}")
 
 
 @app.command()

@@ -165,7 +165,14 @@ def write_html(path: Path, title: str, intro: str, sections: Sequence[dict[str, 
                          f"<figcaption>{html.escape(s.get('caption', ''))}</figcaption></figure>")
         if s.get("rows") is not None:
             parts.append(_table_html(s["rows"], s["cols"]))
+    # A self-check a browser runs on load: how many images decoded (tests read it back).
+    parts.append("<footer id='render-check'>images rendered: (needs JavaScript)</footer><script>"
+                 "window.addEventListener('load',()=>{const im=[...document.images];"
+                 "const ok=im.filter(i=>i.complete&&i.naturalWidth>0).length;"
+                 "document.getElementById('render-check').textContent='images rendered: '+ok+'/'+im.length;});"
+                 "</script>")
     style = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
+             "footer{font-size:11px;color:#888;margin-top:2em}"
              "table{border-collapse:collapse;font-size:12px;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 6px;"
              "text-align:right}th{background:#f3f3f3}figure{margin:1em 0}img{max-width:100%}"
              "figcaption{font-size:13px;color:#555}")

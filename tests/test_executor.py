@@ -127,3 +127,16 @@ def test_interrupted_run_keeps_finished_steps(tiny, tmp_path):
     assert len(records) == 3
     trace = build_trace(model, PROMPT, st, HW, prefill, records, out, "cpu", True, "test model")
     assert read_trace(write_trace(trace, tmp_path / "cut.npz")).n_tokens == 3
+
+
+def test_gpu_validation_script_runs_in_smoke_mode(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "executor.gpu_validate", "--smoke", "--tokens", "3", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert len(summary["runs"]) == 8 and all(row["tpot_ms"] > 0 for row in summary["runs"])
+    assert read_trace(tmp_path / "oracle-quasi-cache0.npz").measured

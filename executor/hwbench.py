@@ -1,0 +1,183 @@
+"""Measure this machine and write a hardware profile (``moesim profile --hardware``).
+
+CUDA: host-to-device bandwidth from pinned and pageable memory and the per-transfer
+latency (a line fitted over transfer sizes), device-memory bandwidth, bf16 GEMM and
+GEMV rates, kernel-launch overhead, and NVML facts. CPU: matmul and memory figures, the
+per-op dispatch overhead, and what the emulated link can do (its fastest copy rate and
+the thread hand-off latency). Every figure is marked measured, with when and on what.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+import numpy as np
+import torch
+
+from moesim.hardware import FIGURES, Figure, HardwareProfile
+
+Step = Callable[[str], None]
+
+
+def _best(fn: Callable[[], None], repeat: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _fit_line(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
+    """time = latency + bytes / bandwidth, least squares; returns (bandwidth B/s, latency s)."""
+    slope, intercept = np.polyfit(np.array(sizes, float), np.array(seconds, float), 1)
+    return 1.0 / slope, max(float(intercept), 1e-7)
+
+
+def measure_cpu(step: Step) -> tuple[dict[str, tuple[float, str]], dict[str, str]]:
+    from executor.transport import EmulatedLink, Transfer
+
+    figs: dict[str, tuple[float, str]] = {}
+    n = 1024
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    step("fp32 / bf16 matmul")
+    figs["bf16_tflops"] = (2 * n**3 / _best(lambda: a.bfloat16() @ b.bfloat16()) / 1e12, "bf16 GEMM 1024^3 (incl. casts)")
+    fp32 = 2 * n**3 / _best(lambda: a @ b) / 1e12
+    step("memory bandwidth")
+    big = torch.empty(64 * 2**20 // 4)
+    dst = torch.empty_like(big)
+    copy_bw = 2 * big.numel() * 4 / _best(lambda: dst.copy_(big))
+    w, x = torch.randn(4096, 4096), torch.randn(4096)
+    gemv_bw = w.numel() * 4 / _best(lambda: w @ x)
+    figs["mem_bw_peak_gbs"] = (max(copy_bw, gemv_bw) / 1e9, "highest of a 64 MiB copy (read+write) and an fp32 GEMV")
+    figs["mem_bw_achievable_gbs"] = (gemv_bw / 1e9, "fp32 GEMV 4096x4096: weight bytes / time")
+    figs["host_mem_bw_gbs"] = (copy_bw / 1e9, "64 MiB tensor copy, read + write bytes / time")
+    step("per-op overhead")
+    s = torch.zeros(1)
+    reps = 2000
+
+    def ops():
+        for _ in range(reps):
+            s.add_(1)
+
+    figs["kernel_launch_us"] = (_best(ops) / reps * 1e6, "one tiny torch op (dispatch overhead)")
+    step("emulated link")
+    link = EmulatedLink(1e15, 0.0)  # unpaced: measures the thread hand-off and the real copy rate
+    src, sink = torch.zeros(256), torch.empty(256)
+    lat = []
+    for _ in range(50):
+        t = Transfer(0, 0, 1024, 1)
+        t0 = time.perf_counter()
+        link.copy(sink, src, t)
+        link.wait([t])
+        lat.append(time.perf_counter() - t0)
+    link.close()
+    figs["transfer_latency_us"] = (float(np.median(lat)) * 1e6, "emulated link: median hand-off of a 1 KiB copy")
+    figs["h2d_pinned_gbs"] = (copy_bw / 2 / 1e9, "fastest the emulated link can copy (memcpy rate, one thread)")
+    figs["h2d_pageable_gbs"] = figs["h2d_pinned_gbs"]
+    figs["device_memory_gb"] = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, "physical memory")
+    figs["copy_engines"] = (1, "the emulated link is one thread")
+    figs["compute_efficiency"] = (1.0, "rates above are measured, already achievable")
+    facts = {"cpu": platform.processor() or platform.machine(), "cores": str(os.cpu_count()),
+             "torch_threads": str(torch.get_num_threads()), "fp32_tflops": f"{fp32:.4f}"}
+    return figs, facts
+
+
+def measure_cuda(device: torch.device, step: Step) -> tuple[dict[str, tuple[float, str]], dict[str, str]]:
+    figs: dict[str, tuple[float, str]] = {}
+    torch.cuda.set_device(device)
+    stream = torch.cuda.Stream(priority=-1)
+
+    def timed(fn: Callable[[], None], repeat: int = 5, on: torch.cuda.Stream | None = None) -> float:
+        s = on or torch.cuda.current_stream()
+        fn()
+        best = float("inf")
+        for _ in range(repeat):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(s)
+            with torch.cuda.stream(s):
+                fn()
+            b.record(s)
+            b.synchronize()
+            best = min(best, a.elapsed_time(b) / 1e3)
+        return best
+
+    sizes = [2**16, 2**20, 2**24, 2**28]
+    for kind, pinned in (("pinned", True), ("pageable", False)):
+        step(f"host-to-device, {kind}")
+        secs = []
+        for n in sizes:
+            src = torch.empty(n, dtype=torch.uint8)
+            src = src.pin_memory() if pinned else src
+            dst = torch.empty(n, dtype=torch.uint8, device=device)
+            secs.append(timed(lambda d=dst, s_=src, p=pinned: d.copy_(s_, non_blocking=p), on=stream))
+        bw, lat = _fit_line(sizes, secs)
+        figs[f"h2d_{kind}_gbs"] = (sizes[-1] / secs[-1] / 1e9, f"copy-stream H2D of 256 MiB ({kind}); fitted line {bw / 1e9:.1f} GB/s")
+        if pinned:
+            figs["transfer_latency_us"] = (lat * 1e6, "intercept of time = latency + bytes/bw over 64 KiB-256 MiB, pinned")
+    step("device memory bandwidth")
+    a = torch.empty(2**30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    dbw = 2 * a.numel() / timed(lambda: b.copy_(a))
+    figs["mem_bw_achievable_gbs"] = (dbw / 1e9, "1 GiB device-to-device copy, read + write bytes / time")
+    step("bf16 GEMM and GEMV")
+    m = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    figs["bf16_tflops"] = (2 * 8192**3 / timed(lambda: m @ m) / 1e12, "bf16 GEMM 8192^3")
+    v = torch.randn(8192, device=device, dtype=torch.bfloat16)
+    gemv = m.numel() * 2 / timed(lambda: m @ v)
+    step("kernel launch")
+    t = torch.zeros(1, device=device)
+    reps = 1000
+
+    def launches():
+        for _ in range(reps):
+            t.add_(1)
+
+    figs["kernel_launch_us"] = (timed(launches) / reps * 1e6, "1000 tiny kernels back to back, per kernel")
+    props = torch.cuda.get_device_properties(device)
+    figs["device_memory_gb"] = (props.total_memory / 1e9, "torch.cuda.get_device_properties")
+    figs["copy_engines"] = (max(1, getattr(props, "async_engine_count", 1) or 1), "device properties (async engines)")
+    figs["compute_efficiency"] = (1.0, "bf16_tflops above is measured, already achievable")
+    figs["mem_bw_peak_gbs"] = (max(dbw, gemv) / 1e9, "highest measured device bandwidth (no datasheet read)")
+    figs["host_mem_bw_gbs"] = (figs["h2d_pinned_gbs"][0], "not measured separately: the pinned H2D rate is a floor")
+    facts = {"gpu": props.name, "bf16_gemv_gbs": f"{gemv / 1e9:.0f}"}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+        facts.update({
+            "nvml_name": str(pynvml.nvmlDeviceGetName(h)),
+            "memory_total_gb": f"{pynvml.nvmlDeviceGetMemoryInfo(h).total / 1e9:.1f}",
+            "pcie_max": f"gen {pynvml.nvmlDeviceGetMaxPcieLinkGeneration(h)} x{pynvml.nvmlDeviceGetMaxPcieLinkWidth(h)}",
+            "pcie_now": f"gen {pynvml.nvmlDeviceGetCurrPcieLinkGeneration(h)} x{pynvml.nvmlDeviceGetCurrPcieLinkWidth(h)}",
+            "sm_clock_mhz": str(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
+            "mem_clock_mhz": str(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM)),
+        })
+    except Exception as e:  # NVML is optional: the profile still has every measured figure
+        facts["nvml"] = f"unavailable ({type(e).__name__})"
+    return figs, facts
+
+
+def measure(device: str, name: str | None, step: Step) -> HardwareProfile:
+    dev = torch.device(device)
+    figs, facts = measure_cuda(dev, step) if dev.type == "cuda" else measure_cpu(step)
+    when = datetime.now(UTC).isoformat(timespec="seconds")
+    host = socket.gethostname()
+    what = facts.get("gpu") or facts.get("cpu")
+    figures = {k: Figure(round(float(figs[k][0]), 4) if k != "copy_engines" else int(figs[k][0]), "measured",
+                         f"moesim profile --hardware on {host} ({what}), {when}: {figs[k][1]}")
+               for k in FIGURES if k in figs}
+    desc = f"measured on {host}: " + ", ".join(f"{k} {v}" for k, v in facts.items())
+    link = "emulated" if dev.type == "cpu" else "pcie5"
+    if dev.type == "cuda" and "GH200" in facts.get("gpu", ""):
+        link = "nvlink-c2c"
+    elif dev.type == "cuda" and "pcie_max" in facts:
+        link = {"gen 3": "pcie3", "gen 4": "pcie4", "gen 5": "pcie5"}.get(facts["pcie_max"].split(" x")[0], "pcie5")
+    return HardwareProfile(name or f"measured-{host}-{dev.type}", desc, link, figures)

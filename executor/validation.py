@@ -1,0 +1,117 @@
+"""The built-in validation suite: the simulator against the executor on this machine.
+
+For each model and emulated link bandwidth, the executor decodes under four policies and
+records traces. Two kinds of case are scored:
+
+- **same-policy**: replay a run's own trace (its measured compute times, its link) and
+  compare the predicted mean TPOT with the measured one;
+- **policy transfer**: from the *on-demand* trace alone, predict the other policies'
+  TPOT, then compare with what the executor measured running them.
+
+Models: the shipped learned-routing model (``moe-stdlib``) and a synthetic geometry
+whose experts are large enough for millisecond-scale copies on a CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from executor.model import ExecConfig, MoEModel, load_checkpoint, random_model
+from executor.profile import ProfileSettings, build_trace, calibrate, generate, load_default_vectors
+from moesim.hardware import get_profile
+from moesim.models import Attention, ModelSpec
+from sim.simulate import simulate
+from sim.validate import error_stats, recorded_profile, validate_trace
+from traces.format import Trace, write_trace
+
+POLICIES = ("on-demand", "prefetch-fom", "prefetch-spec", "oracle")
+SYNTHETIC_SPEC = ModelSpec("synthetic-1024x512", n_layers=6, n_experts=16, top_k=4, hidden=1024, expert_inter=512,
+                           vocab=1024, attention=Attention("gqa", 8, 4, 128, qk_norm=True),
+                           source="moesim validation geometry with seeded random weights (synthetic)")
+PROMPT = b"import os\nimport sys\n\ndef main(argv):\n    for name in sorted(os.listdir(argv[1])):\n"
+
+
+def suite_models(shipped: Path) -> list[tuple[str, Callable[[], tuple[MoEModel, torch.Tensor, bool]], list[float]]]:
+    """(name, loader, link bandwidths in GB/s): bandwidths put copies and compute of each
+    model on the same order on a CPU core."""
+
+    def learned():
+        m = load_checkpoint(shipped)
+        dv = load_default_vectors(shipped)
+        if dv is None:
+            raise FileNotFoundError(f"{shipped} has no default vectors; run moesim calibrate")
+        return m, dv, False
+
+    def synthetic():
+        m = random_model(ExecConfig(SYNTHETIC_SPEC, rope_theta=1e4), seed=0)
+        dv = calibrate(m, torch.randint(0, SYNTHETIC_SPEC.vocab, (512,), generator=torch.Generator().manual_seed(1)))
+        return m, dv, True
+
+    return [("moe-stdlib", learned, [0.25, 0.5, 1.0]), (SYNTHETIC_SPEC.name, synthetic, [2.0, 4.0, 8.0])]
+
+
+def run_suite(out: Path, shipped: Path, tokens: int = 32, models: list[str] | None = None,
+              progress: Callable[[str], None] | None = None) -> tuple[list[dict[str, Any]], dict[str, Trace], dict]:
+    torch.set_num_threads(1)
+    rows: list[dict[str, Any]] = []
+    traces: dict[str, Trace] = {}
+    for name, load, links in suite_models(shipped):
+        if models and name not in models:
+            continue
+        model, dv, synthetic = load()
+        vocab = model.spec.vocab
+        ids = [b % vocab for b in PROMPT]
+        prompt = torch.tensor(ids).view(1, -1)
+        for gbps in links:
+            hw = get_profile("a6000").with_figure("h2d_pinned_gbs", gbps, "estimate", "validation suite link")
+            runs: dict[str, Trace] = {}
+            for policy in POLICIES:
+                if progress:
+                    progress(f"{name}, {gbps:g} GB/s, {policy}")
+                st = ProfileSettings(policy=policy, predictor="quasi", tokens=tokens)
+                generate(model, prompt, ProfileSettings(policy=policy, tokens=2), hw, dv)  # warm-up
+                prefill, records, out_tokens = generate(model, prompt, st, hw, dv)
+                tr = build_trace(model, prompt, st, hw, prefill, records, out_tokens, "cpu", synthetic, name)
+                key = f"{name}-{gbps:g}gbps-{policy}"
+                write_trace(tr, out / "traces" / f"{key}.npz")
+                runs[policy] = traces[key] = tr
+            base = runs["on-demand"]
+            for policy, tr in runs.items():
+                tm = tr.timings
+                measured = {"measured_compute_ms": float((tm["attn_s"].sum(1) + tm["expert_s"].sum(1) + tm["other_s"])[1:].mean() * 1e3),
+                            "measured_copy_ms": float(len(tm["copy_bytes"]) / tr.n_tokens
+                                                      * (hw.transfer_latency + model.spec.expert_bytes / hw.link_bw) * 1e3)}
+                same, _ = validate_trace(tr)
+                rows.append({"model": name, "link_gbps": gbps, "policy": policy, "case": "same-policy", **measured,
+                             **_short(same)})
+                if policy != "on-demand":
+                    pred = simulate(base, recorded_profile(base), policy, timing="measured").tpot[1:]
+                    stats_ = error_stats(tr.timings["tpot_s"][1:], pred[: tr.n_tokens - 1])
+                    rows.append({"model": name, "link_gbps": gbps, "policy": policy, "case": "transfer from on-demand",
+                                 **measured, **_short(stats_)})
+    return rows, traces, summarise(rows)
+
+
+def _short(s: dict[str, Any]) -> dict[str, Any]:
+    return {k: s[k] for k in ("measured_ms", "predicted_ms", "error", "mape", "bias", "tost_p", "equivalent")}
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out = {}
+    for case, target in (("same-policy", 0.03), ("transfer from on-demand", 0.05)):
+        errs = np.array([abs(r["error"]) for r in rows if r["case"] == case])
+        if errs.size:
+            out[f"{case}: mean |error|"] = f"{errs.mean():.2%} over {errs.size} cases (target <= {target:.0%}), " \
+                                           f"max {errs.max():.2%}"
+    return out
+
+
+def machine() -> str:
+    return f"{platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__} (1 compute thread + link thread)"

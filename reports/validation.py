@@ -1,0 +1,201 @@
+"""Reports that put measurements next to predictions: one trace (``replay --validate``)
+and the validation suite (``moesim validate``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from moesim.atomic import atomic_write_text  # noqa: E402
+from moesim.hardware import HardwareProfile  # noqa: E402
+from reports.render import COLORS, _save, breakdown_png, write_csv, write_html  # noqa: E402
+from sim.engine import Span  # noqa: E402
+from sim.simulate import SimResult, simulate  # noqa: E402
+from traces.format import COPY_KINDS, Trace  # noqa: E402
+
+
+def measured_spans(trace: Trace, step: int) -> list[Span]:
+    """One step's measured timeline: compute intervals laid end to end from the per-layer
+    durations (attention, stall, experts), copies from their recorded start and end."""
+    tm = trace.timings
+    spans, t = [], 0.0
+    moe = list(trace.model.moe_layers)
+    for layer in range(trace.model.n_layers):
+        a = float(tm["attn_s"][step, layer])
+        spans.append(Span("compute", f"attn L{layer}", t, t + a, step, layer))
+        t += a
+        if layer in moe:
+            m = moe.index(layer)
+            t += float(tm["stall_s"][step, m])
+            g = float(tm["expert_s"][step, m])
+            spans.append(Span("compute", f"experts L{layer}", t, t + g, step, layer))
+            t += g
+    sel = tm["copy_token"] == step
+    for layer, kind, start, end in zip(tm["copy_layer"][sel], tm["copy_kind"][sel], tm["copy_start_s"][sel],
+                                       tm["copy_end_s"][sel], strict=True):
+        spans.append(Span("copy", f"{COPY_KINDS[int(kind)]} L{int(layer)}", float(start), float(end), step, int(layer)))
+    return spans
+
+
+def timeline_pair_png(measured: list[Span], simulated: list[Span], path: Path, title: str) -> Path:
+    """Measured (top pair of lanes) and simulated (bottom pair) timelines of the same step."""
+    fig, ax = plt.subplots(figsize=(11, 3.4))
+    t0_sim = min(s.start for s in simulated)
+    lanes = {("measured", "compute"): 3, ("measured", "copy"): 2, ("simulated", "compute"): 1, ("simulated", "copy"): 0}
+    for source, spans, t0 in (("measured", measured, 0.0), ("simulated", simulated, t0_sim)):
+        for s in spans:
+            color = (COLORS["copy"] if not s.name.startswith("prefetch") else "#E6AB02") if s.lane == "copy" else \
+                ("#8DA0CB" if s.name.startswith("attn") else COLORS["compute"])
+            ax.broken_barh([((s.start - t0) * 1e3, max(s.end - s.start, 1e-9) * 1e3)],
+                           (lanes[(source, s.lane)] - 0.4, 0.8), facecolors=color, edgecolors="white", linewidth=0.3)
+    ax.set_yticks(range(4), ["simulated copy", "simulated compute", "measured copy", "measured compute"])
+    ax.set_xlabel("ms since the step started")
+    ax.set_title(title, fontsize=10)
+    return _save(fig, path)
+
+
+def scatter_png(points: list[dict[str, Any]], path: Path, title: str, key: str = "kind") -> Path:
+    """Predicted against measured TPOT with the identity line and +-5% band."""
+    fig, ax = plt.subplots(figsize=(5.2, 4.6))
+    kinds = sorted({p[key] for p in points})
+    for kind, marker in zip(kinds, "os^Dv<>", strict=False):
+        pts = [p for p in points if p[key] == kind]
+        ax.scatter([p["measured_ms"] for p in pts], [p["predicted_ms"] for p in pts], marker=marker, label=kind, alpha=0.8)
+    lo = min(min(p["measured_ms"], p["predicted_ms"]) for p in points) * 0.9
+    hi = max(max(p["measured_ms"], p["predicted_ms"]) for p in points) * 1.1
+    xs = np.linspace(lo, hi, 50)
+    ax.plot(xs, xs, "k-", lw=1, label="identity")
+    ax.fill_between(xs, xs * 0.95, xs * 1.05, color="grey", alpha=0.15, label="+-5%")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured TPOT, ms")
+    ax.set_ylabel("simulated TPOT, ms")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, which="both")
+    return _save(fig, path)
+
+
+def per_token_png(measured: np.ndarray, predicted: np.ndarray, path: Path, title: str) -> Path:
+    fig, ax = plt.subplots(figsize=(8, 3))
+    ax.plot(measured * 1e3, label="measured", lw=1.2)
+    ax.plot(predicted * 1e3, label="simulated", lw=1.2, ls="--")
+    ax.set_xlabel("decode step")
+    ax.set_ylabel("TPOT, ms")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def hit_rate_png(traces: dict[str, Trace], path: Path, title: str) -> Path:
+    """Per-layer prediction recall@k and rank alignment, from the traces' metrics."""
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    for label, tr in traces.items():
+        met = tr.header.get("metrics", {})
+        rec, al = met.get("recall_at_k"), met.get("rank_alignment")
+        if rec:
+            ax.plot(range(len(rec)), rec, "o-", label=f"{label}: recall@k")
+            ax.plot(range(len(al)), al, "s--", label=f"{label}: rank alignment")
+    ax.set_xlabel("MoE layer")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def chrome_pair(measured: list[Span], simulated: list[Span], path: Path) -> Path:
+    """Measured and simulated timelines as two processes of one Chrome/Perfetto trace."""
+    events: list[dict[str, Any]] = []
+    for pid, (name, spans) in enumerate((("measured", measured), ("simulated", simulated)), start=1):
+        t0 = min(s.start for s in spans) if spans else 0.0
+        events.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"moesim {name}"}})
+        for tid, lane in ((1, "compute"), (2, "copy")):
+            events.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name",
+                           "args": {"name": "compute stream" if lane == "compute" else "copy engine (H2D)"}})
+        for s in spans:
+            events.append({"ph": "X", "pid": pid, "tid": 1 if s.lane == "compute" else 2, "name": s.name,
+                           "ts": (s.start - t0) * 1e6, "dur": (s.end - s.start) * 1e6,
+                           "args": {"step": s.step, "layer": s.layer}})
+    return atomic_write_text(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+
+
+def write_single_validation(trace: Trace, trace_path: Path, hw: HardwareProfile, stats_: dict[str, Any],
+                            result: SimResult, out: Path) -> Path:
+    out = Path(out)
+    step = min(1, trace.n_tokens - 1)
+    atomic_write_text(out / "validation.json", json.dumps(stats_, indent=2))
+    per_token_png(trace.timings["tpot_s"], result.tpot, out / "per_token.png",
+                  f"{trace.model.name}, {stats_['policy']}: measured vs simulated per step")
+    cfg = result.config
+    sim = simulate(trace.head(step + 1), hw, cfg["policy"], cache_experts=cfg["cache_experts"],
+                   eviction=cfg["eviction"] if cfg["cache_experts"] else "lru", timing="measured", record=True)
+    meas = measured_spans(trace, step)
+    timeline_pair_png(meas, sim.spans, out / "timeline.png", f"step {step}: measured and simulated")
+    chrome_pair(meas, [s for s in sim.spans if s.step == step], out / "timelines.trace.json")
+    what = (f"measured by the executor ({trace.header.get('recorded', {}).get('transport', '?')}, "
+            f"{trace.header.get('recorded', {}).get('device', '?')}); simulated by the SimPy model from the trace's "
+            f"measured compute times and the recorded link ({hw['h2d_pinned_gbs']:g} GB/s, "
+            f"{hw['transfer_latency_us']:g} us a transfer)")
+    sections = [
+        {"heading": "Error", "rows": [stats_], "cols": ["policy", "tokens", "measured_ms", "predicted_ms", "error", "mape",
+                                                        "bias", "p50_abs_error", "p90_abs_error", "tost_p", "equivalent"]},
+        {"heading": "Per step", "image": out / "per_token.png", "caption": f"TPOT per decode step; {what}."},
+        {"heading": "Timeline", "image": out / "timeline.png",
+         "caption": f"One step, compute stream and copy engine; measured compute intervals are laid end to end from "
+                    f"per-layer durations; {what}. Both as a Chrome/Perfetto trace: timelines.trace.json."},
+    ]
+    return write_html(out / "report.html", f"moesim validation: {trace_path.name}", what + ".", sections)
+
+
+def write_suite_report(rows: list[dict[str, Any]], traces: dict[str, Trace], summary: dict[str, Any], out: Path,
+                       example: tuple[Trace, HardwareProfile] | None, machine: str) -> Path:
+    out = Path(out)
+    write_csv(rows, out / "errors.csv")
+    atomic_write_text(out / "summary.json", json.dumps({"summary": summary, "rows": rows}, indent=2))
+    points = [{**r, "kind": r["case"]} for r in rows]
+    scatter_png(points, out / "scatter.png", f"simulated vs measured mean TPOT, {len(rows)} cases ({machine})")
+    same = [r for r in rows if r["case"] == "same-policy"]
+    breakdown_rows = [{"compute_ms": r["measured_compute_ms"], "stall_ms": r["measured_ms"] - r["measured_compute_ms"],
+                       "copy_ms": r["measured_copy_ms"], "overlap_bound_ms": max(r["measured_compute_ms"], r["measured_copy_ms"])}
+                      for r in same]
+    breakdown_png(breakdown_rows, [f"{r['model']}\n{r['link_gbps']:g} GB/s {r['policy']}" for r in same],
+                  out / "breakdown.png", "measured TPOT breakdown per policy (executor, CPU, emulated link)")
+    learned = {k: v for k, v in traces.items() if "prefetch-fom" in k and not v.synthetic}
+    sections = [
+        {"heading": "Summary", "text": " ".join(f"{k}: {v}." for k, v in summary.items())},
+        {"heading": "Predicted against measured", "image": out / "scatter.png",
+         "caption": f"Each point is one case: the executor's measured mean TPOT (x) and the SimPy model's prediction (y). "
+                    f"same-policy: replay of the run's own trace; transfer: predicted from the on-demand trace of the same "
+                    f"model and link, then measured by running that policy. All on {machine}, CPU with the emulated link."},
+        {"heading": "Measured breakdown", "image": out / "breakdown.png",
+         "caption": "Measured compute plus stall equals measured TPOT; the copy-engine time and max(compute, copy) are marked. "
+                    "Executor measurements, CPU, emulated link."},
+    ]
+    if learned:
+        hit_rate_png(learned, out / "hit_rate.png", "per-layer prediction recall@k and rank alignment (learned-routing model)")
+        sections.append({"heading": "Prediction quality", "image": out / "hit_rate.png",
+                         "caption": "Measured on the learned-routing model moe-stdlib by the executor (quasi-hidden-state "
+                                    "predictor), per MoE layer; layer 0 has no prediction."})
+    if example is not None:
+        tr, hw = example
+        step = min(1, tr.n_tokens - 1)
+        sim = simulate(tr.head(step + 1), hw, tr.header["policy"]["name"], timing="measured", record=True)
+        meas = measured_spans(tr, step)
+        timeline_pair_png(meas, sim.spans, out / "timeline.png", f"{tr.model.name}, {tr.header['policy']['name']}, step {step}")
+        chrome_pair(meas, [s for s in sim.spans if s.step == step], out / "timelines.trace.json")
+        sections.append({"heading": "One step, measured and simulated", "image": out / "timeline.png",
+                         "caption": "Compute stream and copy engine, measured by the executor (compute intervals laid end to "
+                                    "end from per-layer durations) and simulated by the SimPy model from that trace. "
+                                    "Chrome/Perfetto trace: timelines.trace.json."})
+    sections.append({"heading": "All cases", "rows": rows, "cols": [
+        "model", "link_gbps", "policy", "case", "measured_ms", "predicted_ms", "error", "mape", "equivalent"]})
+    return write_html(out / "report.html", "moesim validation suite", f"Simulator against executor on {machine}.", sections)

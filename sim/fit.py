@@ -1,0 +1,86 @@
+"""Calibrate the roofline compute model from an executor trace.
+
+Unknowns: achievable memory bandwidth ``bw``, kernel-launch cost ``launch`` and the fixed
+per-layer overhead ``overhead``. At batch 1 every block is memory-bound, so measured times
+are linear in them (non-negative least squares over every layer of every step):
+
+- attention block of layer l at context c: ``(resident_l + kv * c) / bw + 10 * launch + overhead``
+- one routed expert: ``expert_bytes / bw + 3 * launch``
+- LM head: ``head_bytes / bw + 3 * launch``
+
+The fit is reported with R^2 and the mean absolute error of the fitted block times,
+and of TPOT when the trace is replayed with the fitted profile instead of its own times.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from scipy.optimize import nnls
+
+from moesim.errors import MoesimError
+from moesim.hardware import HardwareProfile
+from sim.costs import KERNELS_ATTENTION, KERNELS_EXPERT, KERNELS_HEAD
+from sim.plan import build_plan
+from sim.simulate import POLICIES, simulate
+from traces.format import Trace
+
+
+def fit_profile(trace: Trace, base: HardwareProfile, name: str | None = None) -> tuple[HardwareProfile, dict[str, Any]]:
+    if not trace.measured:
+        raise MoesimError("the trace has no measured timings to fit (record one with moesim profile)")
+    if trace.batch != 1:
+        raise MoesimError("fitting uses batch-1 traces (every block memory-bound)")
+    spec = trace.model
+    tm = trace.timings
+    rows, y = [], []
+    ctx0 = trace.prompt_len
+    for t in range(trace.n_tokens):
+        for layer in range(spec.n_layers):
+            nbytes = spec.layer_resident_bytes(layer) + spec.kv_bytes_per_token_layer * (ctx0 + t)
+            rows.append((nbytes, KERNELS_ATTENTION, 1.0))
+            y.append(tm["attn_s"][t, layer])
+    recorded = trace.header.get("policy", {}).get("name")
+    n_exec = build_plan(trace, recorded if recorded in POLICIES else "on-demand").execute
+    for t in range(trace.n_tokens):
+        for m in range(spec.n_moe_layers):
+            n = int(n_exec[t, m])
+            rows.append((n * spec.expert_bytes, n * KERNELS_EXPERT, 0.0))
+            y.append(tm["expert_s"][t, m])
+    head = spec.embedding_bytes / (1 if spec.tie_embeddings else 2)
+    for t in range(trace.n_tokens):
+        rows.append((head, KERNELS_HEAD, 0.0))
+        y.append(tm["other_s"][t])
+    a, y = np.array(rows, float), np.array(y, float)
+    scale = a.max(0)
+    scale[scale == 0] = 1
+    coef, _ = nnls(a / scale, y)
+    inv_bw, launch, overhead = coef / scale
+    if inv_bw <= 0:
+        raise MoesimError("the trace's times do not grow with bytes: cannot fit a bandwidth (too few bytes per block?)")
+    fitted = a @ (coef / scale)
+    r2 = 1 - ((y - fitted) ** 2).sum() / ((y - y.mean()) ** 2).sum()
+    src = f"moesim fit of {trace.header.get('recorded', {}).get('device', 'a trace')}"
+    bw_gbs = 1 / inv_bw / 1e9
+    prof = base.with_figure("mem_bw_achievable_gbs", bw_gbs, "fitted", src)
+    if bw_gbs > prof["mem_bw_peak_gbs"]:
+        prof = prof.with_figure("mem_bw_peak_gbs", bw_gbs, "fitted", src + " (exceeded the base profile's peak)")
+    prof = prof.with_figure("kernel_launch_us", max(launch * 1e6, 1e-3), "fitted", src)
+    prof = prof.with_figure("layer_overhead_us", overhead * 1e6, "fitted", src)
+    if name:
+        from dataclasses import replace
+
+        prof = replace(prof, name=name, description=f"{base.description}; compute model fitted to a trace")
+    replay = simulate(trace, prof, recorded if recorded in POLICIES else "on-demand", timing="profile",
+                      cache_experts=trace.header.get("policy", {}).get("params", {}).get("cache_experts", 0),
+                      link_gbps=trace.header.get("recorded", {}).get("link_gbps"))
+    measured = tm["tpot_s"][1:]
+    quality = {
+        "blocks": int(y.size), "r2": float(r2),
+        "block_mae_us": float(np.abs(y - fitted).mean() * 1e6),
+        "block_mape": float(np.abs((y - fitted) / np.maximum(y, 1e-12)).mean()),
+        "tpot_error_with_fitted_profile": float(replay.tpot[1:].mean() / measured.mean() - 1),
+        "mem_bw_achievable_gbs": bw_gbs, "kernel_launch_us": launch * 1e6, "layer_overhead_us": overhead * 1e6,
+    }
+    return prof, quality

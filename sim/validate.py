@@ -1,0 +1,78 @@
+"""The simulator judged against measurements: error statistics and an equivalence test.
+
+A prediction is compared per token (``predicted[t] / measured[t] - 1``) and overall
+(ratio of means). Equivalence uses TOST (two one-sided t-tests) on the per-token
+relative errors against a margin (default +-5%): "equivalent" means both one-sided
+nulls (mean error <= -margin, mean error >= +margin) are rejected at ``alpha``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from scipy import stats
+
+from moesim.errors import MoesimError
+from moesim.hardware import HardwareProfile, get_profile
+from sim.simulate import SimResult, simulate
+from traces.format import Trace
+
+
+def error_stats(measured: np.ndarray, predicted: np.ndarray, margin: float = 0.05, alpha: float = 0.05) -> dict[str, Any]:
+    measured, predicted = np.asarray(measured, float), np.asarray(predicted, float)
+    if measured.shape != predicted.shape or measured.size == 0:
+        raise MoesimError("measured and predicted need the same, non-empty shape")
+    err = predicted / measured - 1
+    out = {
+        "tokens": int(err.size),
+        "measured_ms": float(measured.mean() * 1e3),
+        "predicted_ms": float(predicted.mean() * 1e3),
+        "error": float(predicted.mean() / measured.mean() - 1),  # error of the mean TPOT
+        "mape": float(np.abs(err).mean()),  # per-token mean absolute percentage error
+        "bias": float(err.mean()),
+        "p50_abs_error": float(np.percentile(np.abs(err), 50)),
+        "p90_abs_error": float(np.percentile(np.abs(err), 90)),
+        "tost_margin": margin,
+    }
+    if err.size >= 3 and err.std() > 0:
+        lower = stats.ttest_1samp(err, -margin, alternative="greater").pvalue
+        upper = stats.ttest_1samp(err, margin, alternative="less").pvalue
+        out["tost_p"] = float(max(lower, upper))
+        out["equivalent"] = bool(out["tost_p"] < alpha)
+    else:
+        out["tost_p"] = float("nan")
+        out["equivalent"] = bool(abs(out["error"]) < margin)
+    return out
+
+
+def recorded_profile(trace: Trace, hw: HardwareProfile | None = None) -> HardwareProfile:
+    """The profile the trace was recorded against, with the link figures it recorded."""
+    rec = trace.header.get("recorded", {})
+    if hw is None:
+        name = rec.get("hw_profile")
+        if not name:
+            raise MoesimError("the trace does not say which hardware profile recorded it; pass --hw")
+        hw = get_profile(name)
+    if "link_gbps" in rec:
+        hw = hw.with_figure("h2d_pinned_gbs", rec["link_gbps"], "measured", "the trace's recorded link")
+    if "latency_us" in rec:
+        hw = hw.with_figure("transfer_latency_us", rec["latency_us"], "measured", "the trace's recorded link")
+    return hw
+
+
+def validate_trace(trace: Trace, hw: HardwareProfile | None = None, policy: str | None = None,
+                   engine: str = "simpy", skip: int = 1, **kw) -> tuple[dict[str, Any], SimResult]:
+    """Replay a measured trace on the profile that recorded it (same policy unless
+    ``policy``) and compare per token. ``skip`` first steps are warm-up and not scored."""
+    if not trace.measured:
+        raise MoesimError("the trace has no measured timings to validate against (record one with moesim profile)")
+    rec_policy = trace.header.get("policy", {})
+    params = rec_policy.get("params", {})
+    policy = policy or rec_policy.get("name")
+    kw.setdefault("cache_experts", params.get("cache_experts", 0))
+    kw.setdefault("eviction", params.get("eviction", "lru"))
+    result = simulate(trace, recorded_profile(trace, hw), policy, engine=engine, timing="measured", **kw)
+    skip = min(skip, trace.n_tokens - 1)
+    stats_ = error_stats(trace.timings["tpot_s"][skip:], result.tpot[skip:])
+    return {"policy": result.config["policy"], "recorded_policy": rec_policy.get("name"), **stats_}, result
