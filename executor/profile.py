@@ -99,22 +99,24 @@ def _next_token(logits: torch.Tensor, temperature: float, gen: torch.Generator) 
     return torch.multinomial(probs, 1, generator=gen).to(logits.device)
 
 
-def _decoder(model: MoEModel, st: ProfileSettings, hw: HardwareProfile, batch: int, dv, policy: str | None = None):
+def _decoder(model: MoEModel, st: ProfileSettings, hw: HardwareProfile, batch: int, dv, policy: str | None = None,
+             estimator=None):
     transport = make_transport(model.embed_tokens.weight.device, hw.link_bw, hw.transfer_latency)
     return OffloadedDecoder(model, policy or st.policy, transport, predictor=st.predictor, default_vectors=dv,
-                            cache_experts=st.cache_experts, eviction=st.eviction, batch=batch)
+                            cache_experts=st.cache_experts, eviction=st.eviction, batch=batch, estimator=estimator)
 
 
 def generate(model: MoEModel, prompt: torch.Tensor, st: ProfileSettings, hw: HardwareProfile,
              dv: torch.Tensor | None = None, forced: torch.Tensor | None = None, policy: str | None = None,
-             progress: Callable[[int, int], None] | None = None) -> tuple[float, list[StepRecord], list[torch.Tensor]]:
+             progress: Callable[[int, int], None] | None = None,
+             estimator=None) -> tuple[float, list[StepRecord], list[torch.Tensor]]:
     """Prefill ``prompt`` [B, P], then decode ``st.tokens`` steps (or feed ``forced`` [B, T]
     tokens: teacher forcing). Returns (prefill seconds, step records, generated tokens).
     Ctrl-C stops after the last finished step and returns what was done."""
     policy = policy or st.policy
     b, p = prompt.shape
     n = forced.shape[1] if forced is not None else st.tokens
-    dec = _decoder(model, st, hw, b, dv, policy)
+    dec = _decoder(model, st, hw, b, dv, policy, estimator)
     if dec.policy.prefetch and dec.predictor == "oracle":  # the true routing of every step, from an exact, untimed pre-pass
         _, pre, _ = generate(model, prompt, st, hw, dv, forced, "on-demand")
         dec.oracle_routes = [(r.true_ids, r.true_gates) for r in pre]
@@ -142,12 +144,13 @@ def generate(model: MoEModel, prompt: torch.Tensor, st: ProfileSettings, hw: Har
     return pre_rec.tpot_s, records, out
 
 
-def fidelity(model: MoEModel, st: ProfileSettings, hw: HardwareProfile, dv, eval_tokens: torch.Tensor) -> dict:
+def fidelity(model: MoEModel, st: ProfileSettings, hw: HardwareProfile, dv, eval_tokens: torch.Tensor,
+             estimator=None) -> dict:
     """Speculative output against exact output, teacher-forced over ``eval_tokens`` [1, T]:
     next-token agreement and mean KL(exact || policy) of the output distributions."""
     prompt, forced = eval_tokens[:, :1], eval_tokens[:, 1:]
     _, exact, _ = generate(model, prompt, st, hw, dv, forced, "all-resident")
-    _, spec, _ = generate(model, prompt, st, hw, dv, forced)
+    _, spec, _ = generate(model, prompt, st, hw, dv, forced, estimator=estimator)
     a = torch.stack([r.logits for r in exact]).reshape(-1, model.spec.vocab)
     b = torch.stack([r.logits for r in spec]).reshape(-1, model.spec.vocab)
     return {"tokens": int(a.shape[0]), "next_token_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
@@ -180,7 +183,8 @@ def build_trace(model: MoEModel, prompt: torch.Tensor, st: ProfileSettings, hw: 
     copies = [c for i, r in enumerate(records) for c in [(i, c) for c in r.copies]]
     timings = {
         "attn_s": np.stack([r.attn_s for r in records]), "expert_s": np.stack([r.expert_s for r in records]),
-        "stall_s": np.stack([r.stall_s for r in records]), "other_s": np.array([r.other_s for r in records]),
+        "stall_s": np.stack([r.stall_s for r in records]), "predict_s": np.stack([r.predict_s for r in records]),
+        "other_s": np.array([r.other_s for r in records]),
         "tpot_s": np.array([r.tpot_s for r in records]),
         "copy_token": np.array([i for i, _ in copies], np.int32),
         "copy_layer": np.array([c.layer for _, c in copies], np.int16),

@@ -33,7 +33,7 @@ from executor.transport import CudaTransport, EmulatedLink, Transfer
 from moesim.errors import MoesimError
 from moesim.policy import Planner, get_policy
 
-PREDICTORS = ("quasi", "stale", "oracle")
+PREDICTORS = ("quasi", "stale", "oracle", "estimator", "hybrid")
 
 
 @dataclass
@@ -45,9 +45,10 @@ class StepRecord:
     pred_ids: np.ndarray  # -1 where no prediction
     pred_gates: np.ndarray
     exec_ids: np.ndarray
-    attn_s: np.ndarray  # [L]
+    attn_s: np.ndarray  # [L] attention, router, prediction and planning
     expert_s: np.ndarray
     stall_s: np.ndarray
+    predict_s: np.ndarray  # [L] the prediction alone (part of attn_s)
     other_s: float = 0.0
     tpot_s: float = 0.0
     copies: list[Transfer] = field(default_factory=list)
@@ -86,16 +87,20 @@ class OffloadedDecoder:
 
     def __init__(self, model: MoEModel, policy: str, transport, *, predictor: str = "quasi",
                  default_vectors: Tensor | None = None, cache_experts: int = 0, eviction: str = "lru",
-                 batch: int = 1) -> None:
+                 batch: int = 1, estimator: tuple[torch.nn.Module, list[str]] | None = None) -> None:
         self.model, self.policy, self.transport = model, get_policy(policy), transport
         if predictor not in PREDICTORS:
             raise MoesimError(f"unknown predictor {predictor!r}; known: {', '.join(PREDICTORS)}")
         if self.policy.oracle:
             predictor = "oracle"
-        if self.policy.prefetch and predictor == "quasi" and default_vectors is None:
-            raise MoesimError("the quasi-hidden predictor needs default vectors (moesim calibrate)")
+        if self.policy.prefetch and predictor in ("quasi", "estimator", "hybrid") and default_vectors is None:
+            raise MoesimError(f"the {predictor} predictor needs default vectors (moesim calibrate)")
+        if self.policy.prefetch and predictor in ("estimator", "hybrid") and estimator is None:
+            raise MoesimError(f"the {predictor} predictor needs a trained estimator (moesim train-estimator)")
+        self.estimator = estimator
         self.predictor, self.dv = predictor, default_vectors
-        self.can_predict = predictor == "stale" or (predictor == "quasi" and default_vectors is not None)
+        self.can_predict = predictor == "stale" or (default_vectors is not None and (
+            predictor == "quasi" or (predictor in ("estimator", "hybrid") and estimator is not None)))
         s = model.spec
         p = model.embed_tokens.weight
         self.device, self.dtype = p.device, p.dtype
@@ -156,7 +161,14 @@ class OffloadedDecoder:
             return route(nxt.gate(x), s.top_k, s.norm_topk_prob)
         d = (self.dv[layer][ids] * gates[..., None].to(self.dv.dtype)).sum(1)  # router-weighted default vectors
         q = nxt.post_attention_layernorm(resid + d.to(resid.dtype))
+        use = self.predictor if self.predictor != "hybrid" else self.estimator[1][layer]
+        if use == "estimator":
+            return route(self.estimator[0](q.to(self.est_dtype), layer), s.top_k, s.norm_topk_prob)
         return route(nxt.gate(q), s.top_k, s.norm_topk_prob)
+
+    @property
+    def est_dtype(self) -> torch.dtype:
+        return next(self.estimator[0].parameters()).dtype
 
     # -- one step -------------------------------------------------------------------------
     @torch.no_grad()
@@ -174,7 +186,8 @@ class OffloadedDecoder:
             t_start = tm.mark()
         shape = (L, b * t, k)
         rec = StepRecord(np.full(shape, -1, np.int16), np.zeros(shape, np.float32), np.full(shape, -1, np.int16),
-                         np.zeros(shape, np.float32), np.full(shape, -1, np.int16), np.zeros(L), np.zeros(L), np.zeros(L))
+                         np.zeros(shape, np.float32), np.full(shape, -1, np.int16), np.zeros(L), np.zeros(L), np.zeros(L),
+                         np.zeros(L))
         true_gates: list[Tensor] = []  # kept on the device, copied once at the end of the step
         pred_gates: dict[int, Tensor] = {}
         h = m.embed_tokens(tokens)
@@ -190,6 +203,7 @@ class OffloadedDecoder:
             ids, gates = route(blk.gate(x), k, s.norm_topk_prob)
             pred_here, pred_host = pred_next, pred_next_host
             pred_next = pred_next_host = None
+            tp0 = tm.mark()
             # Offloading policies all run the predictor: prefetchers use it, on-demand records
             # it (its cost stays in attn_s) so its trace can predict the prefetching policies.
             if self.policy.offload and not prefill and layer + 1 < L and (self.policy.prefetch or self.can_predict):
@@ -199,6 +213,7 @@ class OffloadedDecoder:
                                  torch.as_tensor(gates_o[layer + 1], device=self.device))
                 else:
                     pred_next = self._predict(layer, h.reshape(b * t, -1), x, ids, gates)
+            tp1 = tm.mark()
             # The one host synchronisation of the layer: true ids and the next layer's prediction.
             both = torch.cat([ids, pred_next[0]], 1) if pred_next is not None else ids
             host = both.cpu().numpy()
@@ -228,7 +243,7 @@ class OffloadedDecoder:
             self._release(layer, evicted)
             rec.copies += demand + prefetch
             pending = prefetch
-            marks.append((t0, t1, t2, t3))
+            marks.append((t0, t1, t2, t3, tp0, tp1))
         logits = m.lm_head(m.norm(h))[:, -1]
         t_end = tm.mark()
         rec.true_gates[:] = torch.stack(true_gates).float().cpu().numpy()
@@ -237,7 +252,8 @@ class OffloadedDecoder:
         if tm.cuda:
             t_end.synchronize()
             self.transport.finish_step(rec.copies)
-        for layer, (t0, t1, t2, t3) in enumerate(marks):
+        for layer, (t0, t1, t2, t3, tp0, tp1) in enumerate(marks):
+            rec.predict_s[layer] = tm.seconds(tp0, tp1)
             rec.attn_s[layer] = tm.seconds(t0, t1)
             rec.stall_s[layer] = tm.seconds(t1, t2)
             rec.expert_s[layer] = tm.seconds(t2, t3)

@@ -452,7 +452,9 @@ def profile(
                                             "or a catalogue name (seeded random weights: synthetic).")] = SHIPPED_MODEL,
     policy: Annotated[str, typer.Option(help="all-resident, on-demand, prefetch-spec, prefetch-fom (alias prefetch), oracle.")] = "prefetch-fom",
     predictor: Annotated[str, typer.Option(help="For prefetch policies: quasi (quasi-hidden state with default vectors) "
-                                                "stale (this layer's router input) or oracle (true ids from an exact pre-pass).")] = "quasi",
+                                                "stale (this layer's router input), oracle (true ids from an exact pre-pass), "
+                                                "estimator (the trained neural estimator) or hybrid (per layer, the better "
+                                                "of quasi and estimator on held-out text).")] = "quasi",
     device: Annotated[str, typer.Option(help="cpu (emulated link) or cuda.")] = "cpu",
     hw_name: Annotated[str, typer.Option("--hw", help="Profile whose link the CPU emulated link imitates (and recorded in the trace).")] = "a6000",
     link_gbps: Annotated[float | None, typer.Option(help="Override the profile's host-to-device GB/s.")] = None,
@@ -523,23 +525,32 @@ def profile(
     m, synthetic, source = _load_exec_model(model, layers, dtype, device, seed)
     capacity = cache_capacity(m.spec, cache_gib, cache_experts) if pol.offload else 0
     st = ProfileSettings(pol.name, predictor, capacity, eviction, tokens, temperature, seed)
-    dv = None
-    if pol.prefetch and not pol.oracle and predictor == "quasi":
+    dv, est = None, None
+    if predictor in ("estimator", "hybrid"):
+        from executor.estimator import load_estimator
+
+        est = None if synthetic else load_estimator(Path(source))
+        if est is None:
+            raise MoesimError(f"{model} has no trained estimator; run `moesim train-estimator --model {model}` first")
+        est = (est[0].to(dev), est[1])
+    if pol.offload and not pol.oracle and predictor in ("quasi", "estimator", "hybrid"):
+        # Prefetchers need default vectors; on-demand uses them, when present, to record predictions.
         dv = None if synthetic else load_default_vectors(Path(source))
-        if dv is None:
-            if not synthetic:
-                raise MoesimError(f"{source} has no default vectors; run `moesim calibrate --model {model}` first")
+        if dv is None and synthetic:
             dv = calibrate(m, torch.randint(0, m.spec.vocab, (1024,), generator=torch.Generator().manual_seed(seed)))
-        dv = dv.to(dev)
+        if dv is None and pol.prefetch:
+            raise MoesimError(f"{source} has no default vectors; run `moesim calibrate --model {model}` first")
+        dv = dv.to(dev) if dv is not None else None
     ids = _prompt_ids(m, prompt, prompt_len, batch, seed)
     with Progress(TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err,
                   transient=True) as bar:
         task = bar.add_task("decode", total=tokens)
-        prefill_s, records, out = generate(m, ids, st, hw_profile, dv, progress=lambda i, n: bar.update(task, completed=i))
+        prefill_s, records, out = generate(m, ids, st, hw_profile, dv, progress=lambda i, n: bar.update(task, completed=i),
+                                           estimator=est)
     extra = {}
     if pol.speculative and fidelity_tokens > 0 and len(records) == tokens:
         text = _shipped_eval_text(m.spec.vocab, fidelity_tokens + 1, seed)
-        extra["fidelity"] = fidelity(m, st, hw_profile, dv, text)
+        extra["fidelity"] = fidelity(m, st, hw_profile, dv, text, est)
     trace = build_trace(m, ids, st, hw_profile, prefill_s, records, out, device, synthetic, source, extra)
     out_path = out_path or Path("traces/profile.npz")
     write_trace(trace, out_path)
@@ -709,6 +720,65 @@ def validate(
     page = write_suite_report(rows, traces, summary, out_dir,
                               (example, recorded_profile(example)) if example is not None else None, machine())
     err.print(f"report: {page}")
+
+
+@app.command("train-estimator")
+def train_estimator_cmd(
+    model: Annotated[str, typer.Option(help="Checkpoint directory with default vectors, or 'moe-stdlib'.")] = SHIPPED_MODEL,
+    tokens: Annotated[int, typer.Option(help="Training tokens of the corpus (each gives one example per layer).")] = 65536,
+    eval_tokens: Annotated[int, typer.Option(help="Held-out tokens for evaluation and the hybrid choice.")] = 16384,
+    epochs: Annotated[int, typer.Option(help="Passes over the training examples (a checkpoint after each).")] = 6,
+    width: Annotated[int, typer.Option(help="Hidden width of the estimator.")] = 256,
+    lr: Annotated[float, typer.Option(help="Learning rate (AdamW).")] = 3e-3,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+) -> None:
+    """Train the neural expert estimator by distillation and choose the hybrid predictor.
+
+    The estimator maps the quasi-hidden state of layer l (plus a learned per-layer
+    embedding) to layer l+1's router logits, trained with KL divergence to the true
+    router's distribution on the model's own activations over the Python standard
+    library's source (the training split); held-out text decides, per layer, whether
+    the hybrid predictor uses the estimator or the router. Written beside the model:
+    estimator.safetensors and estimator.json (record, per-layer recall, curve).
+
+    Example: `moesim train-estimator --model moe-stdlib`
+    """
+    import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from executor.estimator import train_estimator
+    from executor.model import load_checkpoint
+    from executor.profile import load_default_vectors
+    from executor.train import stdlib_corpus
+
+    path = _shipped_model() if model == SHIPPED_MODEL else Path(model)
+    if not path.is_dir():
+        raise MoesimError(f"{model} is not a checkpoint directory")
+    if min(tokens, eval_tokens, epochs, width) < 1 or lr <= 0:
+        raise MoesimError("tokens, eval-tokens, epochs and width must be >= 1 and lr > 0")
+    m = load_checkpoint(path)
+    dv = load_default_vectors(path)
+    if dv is None:
+        raise MoesimError(f"{model} has no default vectors; run `moesim calibrate --model {model}` first")
+    if m.spec.vocab != 256:
+        raise MoesimError("train-estimator reads the corpus as bytes: it needs a byte-level (256-token) model")
+    torch.set_num_threads(2)
+    corpus, _ = stdlib_corpus()
+    split = int(len(corpus) * 0.95)
+    train_ids = torch.tensor(list(corpus[:tokens]), dtype=torch.long)
+    eval_ids = torch.tensor(list(corpus[split:split + eval_tokens]), dtype=torch.long)
+    with Progress(TextColumn("training estimator"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[kl]}"),
+                  TimeRemainingColumn(), console=err) as bar:
+        task = bar.add_task("est", total=None, kl="collecting activations")
+        rec = train_estimator(m, dv, train_ids, eval_ids, path, epochs, width, lr, seed=seed,
+                              progress=lambda i, n, loss: bar.update(task, completed=i, total=n, kl=f"KL {loss:.3f}"))
+    t = Table(title=f"held-out recall@{m.spec.top_k} predicting layer l+1 ({rec['parameters']} estimator parameters, "
+                    f"{rec['train_seconds']} s training)")
+    for c in ("from layer", "router (quasi-hidden)", "estimator", "hybrid uses"):
+        t.add_column(c, justify="right")
+    for i, (r, e, h) in enumerate(zip(rec["router_recall_at_k"], rec["estimator_recall_at_k"], rec["hybrid"], strict=True)):
+        t.add_row(str(i), f"{r:.3f}", f"{e:.3f}", h)
+    out.print(t)
 
 
 @app.command()

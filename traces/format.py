@@ -27,7 +27,7 @@ VERSION = 1
 #: Routing arrays, all [tokens, moe_layers, batch, top_k].
 ROUTING = ("true_ids", "true_gates", "pred_ids", "pred_gates", "exec_ids")
 #: Optional measured timings, in seconds (shapes in docs/trace-format.md).
-TIMING_2D = {"attn_s": "layers", "expert_s": "moe", "stall_s": "moe"}
+TIMING_2D = {"attn_s": "layers", "expert_s": "moe", "stall_s": "moe", "predict_s": "layers"}
 TIMING_1D = ("other_s", "tpot_s")
 COPY_FIELDS = ("copy_token", "copy_layer", "copy_expert", "copy_bytes", "copy_kind",
                "copy_issue_s", "copy_start_s", "copy_end_s")
