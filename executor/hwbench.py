@@ -40,6 +40,37 @@ def _fit_line(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
     return 1.0 / slope, max(float(intercept), 1e-7)
 
 
+def cpu_interference(copy_gbs: float, repeats: int = 5) -> float:
+    """How much slower memory-bound compute (fp32 GEMVs over a 16 MiB matrix, one thread)
+    runs while the emulated link copies back to back at its full memcpy rate ``copy_gbs``:
+    median over ``repeats`` of t_with / t_alone - 1. On a CPU both stream DRAM."""
+    from executor.transport import EmulatedLink, Transfer
+
+    w, x = torch.randn(2048, 2048), torch.randn(2048)
+    acc = torch.zeros(2048)
+
+    def work():
+        for _ in range(40):
+            acc.add_(w @ x)
+
+    link = EmulatedLink(1e15, 0.0)  # unpaced: the memcpy runs as fast as it can
+    src = torch.zeros(2**18)  # 1 MiB
+    dsts = [torch.empty_like(src) for _ in range(4)]
+    ratios = []
+    for _ in range(repeats):
+        alone = _best(work, 2)
+        n_batches = int(alone * 3 * copy_gbs * 1e9 / (4 * 2**20)) + 8  # keep the link busy past the work
+        last = []
+        for _ in range(n_batches):
+            last = link.copy_batch([(d, src, Transfer(0, 0, 2**20, 0), None) for d in dsts])
+        t0 = time.perf_counter()
+        work()
+        ratios.append((time.perf_counter() - t0) / alone - 1)
+        link.wait(last)
+    link.close()
+    return max(0.0, float(np.median(ratios)))
+
+
 def measure_cpu(step: Step) -> tuple[dict[str, tuple[float, str]], dict[str, str]]:
     from executor.transport import EmulatedLink, Transfer
 
@@ -74,12 +105,16 @@ def measure_cpu(step: Step) -> tuple[dict[str, tuple[float, str]], dict[str, str
     for _ in range(50):
         t = Transfer(0, 0, 1024, 1)
         t0 = time.perf_counter()
-        link.copy(sink, src, t)
+        link.copy_batch([(sink, src, t, None)])
         link.wait([t])
         lat.append(time.perf_counter() - t0)
     link.close()
     figs["transfer_latency_us"] = (float(np.median(lat)) * 1e6, "emulated link: median hand-off of a 1 KiB copy")
     figs["h2d_pinned_gbs"] = (copy_bw / 2 / 1e9, "fastest the emulated link can copy (memcpy rate, one thread)")
+    step("copy/compute interference")
+    figs["copy_interference"] = (cpu_interference(copy_bw / 2 / 1e9), "slowdown of fp32 GEMVs over 16 MiB while the "
+                                 "emulated link copies back to back (median t_with / t_alone - 1)")
+    figs["copy_interference_gbs"] = (copy_bw / 2 / 1e9, "the memcpy rate the interference was measured at")
     figs["h2d_pageable_gbs"] = figs["h2d_pinned_gbs"]
     figs["device_memory_gb"] = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, "physical memory")
     figs["copy_engines"] = (1, "the emulated link is one thread")
@@ -140,6 +175,16 @@ def measure_cuda(device: torch.device, step: Step) -> tuple[dict[str, tuple[floa
             t.add_(1)
 
     figs["kernel_launch_us"] = (timed(launches) / reps * 1e6, "1000 tiny kernels back to back, per kernel")
+    step("copy/compute interference")
+    host = torch.empty(2**30, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(2**30, dtype=torch.uint8, device=device)
+    alone = timed(lambda: [m @ v for _ in range(20)])
+    with torch.cuda.stream(stream):
+        dev.copy_(host, non_blocking=True)  # ~20 ms of DMA on PCIe 5 while the GEMVs run
+    withcopy = timed(lambda: [m @ v for _ in range(20)], repeat=1)
+    torch.cuda.synchronize()
+    figs["copy_interference"] = (max(0.0, withcopy / alone - 1), "bf16 GEMV slowdown during a 1 GiB pinned H2D copy")
+    figs["copy_interference_gbs"] = (figs["h2d_pinned_gbs"][0], "the H2D rate during that copy")
     props = torch.cuda.get_device_properties(device)
     figs["device_memory_gb"] = (props.total_memory / 1e9, "torch.cuda.get_device_properties")
     figs["copy_engines"] = (max(1, getattr(props, "async_engine_count", 1) or 1), "device properties (async engines)")

@@ -121,6 +121,7 @@ class OffloadedDecoder:
     # -- expert placement ---------------------------------------------------------------
     def _issue(self, layer: int, experts: list[int], kind: int, out: list[Transfer]) -> None:
         src = self.model.experts[layer]
+        batch = []
         for e in experts:
             if not self.free:
                 raise RuntimeError("expert slot pool exhausted (planner and pool disagree)")
@@ -128,7 +129,8 @@ class OffloadedDecoder:
             self.where[(layer, e)] = slot
             self.loaded[layer].append(e)
             t = Transfer(layer, e, src[e].numel() * src[e].element_size(), kind)
-            out.append(self.transport.copy(self.pool[slot], src[e], t, after=self.freed_after.pop(slot, None)))
+            batch.append((self.pool[slot], src[e], t, self.freed_after.pop(slot, None)))
+        out += self.transport.copy_batch(batch)
 
     def _weights(self, layer: int) -> dict[int, Tensor] | list[Tensor]:
         if not self.policy.offload:

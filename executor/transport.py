@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -50,6 +51,9 @@ class EmulatedLink:
         if bandwidth <= 0 or latency < 0:
             raise ValueError("bandwidth must be > 0 and latency >= 0")
         self.bandwidth, self.latency = bandwidth, latency
+        # The link thread must get the interpreter lock promptly when a copy lands; the
+        # default 5 ms switch interval would add up to 5 ms to a signal. Process-wide.
+        sys.setswitchinterval(min(sys.getswitchinterval(), 5e-5))
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._clock = 0.0
         self._thread = threading.Thread(target=self._run, name="moesim-emulated-link", daemon=True)
@@ -59,11 +63,18 @@ class EmulatedLink:
     def now() -> float:
         return time.perf_counter()
 
-    def copy(self, dst: Tensor, src: Tensor, t: Transfer, after=None) -> Transfer:
-        """Queue a copy (``after`` is for CUDA; on the host the slot is already free)."""
-        t.issue = self.now()
-        self._q.put((dst, src, t))
-        return t
+    def copy_batch(self, items: list[tuple[Tensor, Tensor, Transfer, object]]) -> list[Transfer]:
+        """Queue ``(dst, src, transfer, after)`` copies that are waited for together (one
+        layer's experts): one hand-off and one signal for the batch, so the link thread
+        takes the interpreter lock a few times a layer, not a few times an expert."""
+        if not items:
+            return []
+        done = threading.Event()
+        now = self.now()
+        for _, _, t, _ in items:
+            t.issue, t.done = now, done
+        self._q.put(items)
+        return [t for _, _, t, _ in items]
 
     def wait(self, transfers: list[Transfer]) -> None:
         for t in transfers:
@@ -72,18 +83,18 @@ class EmulatedLink:
     def _run(self) -> None:
         _tight_timer_slack()
         while True:
-            item = self._q.get()
-            if item is None:
+            items = self._q.get()
+            if items is None:
                 return
-            dst, src, t = item
-            t.start = max(t.issue, self._clock)  # the link's clock, not the worker's wake-up
-            dst.copy_(src)
-            t.end = max(t.start + self.latency + t.nbytes / self.bandwidth, self.now())  # late if memcpy is slower
-            self._clock = t.end
-            remaining = t.end - self.now()
+            for dst, src, t, _ in items:
+                t.start = max(t.issue, self._clock)  # the link's clock, not the worker's wake-up
+                dst.copy_(src)
+                t.end = max(t.start + self.latency + t.nbytes / self.bandwidth, self.now())  # late if memcpy is slower
+                self._clock = t.end
+            remaining = self._clock - self.now()
             if remaining > 0:
                 time.sleep(remaining)
-            t.done.set()
+            items[0][2].done.set()
 
     def finish_step(self, transfers: list[Transfer]) -> None:
         """Nothing to resolve: times were taken on the host clock."""
@@ -114,21 +125,24 @@ class CudaTransport:
     def now(self) -> float:
         return time.perf_counter()
 
-    def copy(self, dst: Tensor, src: Tensor, t: Transfer, after: torch.cuda.Event | None = None) -> Transfer:
-        """Queue ``dst.copy_(src)`` on the copy stream; ``after``: wait for the compute stream
-        to finish reading ``dst`` first (a reused slot)."""
+    def copy_batch(self, items: list[tuple[Tensor, Tensor, Transfer, torch.cuda.Event | None]]) -> list[Transfer]:
+        """Queue ``dst.copy_(src)`` per item on the copy stream; ``after`` (per item): wait for
+        the compute stream to finish reading ``dst`` first (a reused slot)."""
+        if not items:
+            return []
         issue = torch.cuda.Event(enable_timing=True)
         issue.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            if after is not None:
-                self.stream.wait_event(after)
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(self.stream)
-            dst.copy_(src, non_blocking=True)  # src is pinned: a true async DMA
-            end = torch.cuda.Event(enable_timing=True)
-            end.record(self.stream)
-        t.event = (issue, start, end)
-        return t
+            for dst, src, t, after in items:
+                if after is not None:
+                    self.stream.wait_event(after)
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(self.stream)
+                dst.copy_(src, non_blocking=True)  # src is pinned: a true async DMA
+                end = torch.cuda.Event(enable_timing=True)
+                end.record(self.stream)
+                t.event = (issue, start, end)
+        return [t for _, _, t, _ in items]
 
     def wait(self, transfers: list[Transfer]) -> None:
         """Make the compute stream wait for the copies (device-side; the host goes on)."""

@@ -25,7 +25,7 @@ import torch
 
 from executor.model import ExecConfig, MoEModel, load_checkpoint, random_model
 from executor.profile import ProfileSettings, build_trace, calibrate, generate, load_default_vectors
-from moesim.hardware import get_profile
+from moesim.hardware import HardwareProfile, get_profile
 from moesim.models import Attention, ModelSpec
 from sim.simulate import simulate
 from sim.validate import error_stats, recorded_profile, validate_trace
@@ -57,9 +57,28 @@ def suite_models(shipped: Path) -> list[tuple[str, Callable[[], tuple[MoEModel, 
     return [("moe-stdlib", learned, [0.25, 0.5, 1.0]), (SYNTHETIC_SPEC.name, synthetic, [2.0, 4.0, 8.0])]
 
 
+def machine_profile() -> HardwareProfile:
+    """What the simulator knows of this machine beyond each trace's recorded link: how much
+    compute slows while the emulated link copies, measured here (executor/hwbench.py)."""
+    from executor.hwbench import cpu_interference
+
+    from executor.hwbench import _best
+
+    big = torch.zeros(16 * 2**20 // 4)
+    dst = torch.zeros_like(big)
+    copy_gbs = big.numel() * 4 / _best(lambda: dst.copy_(big)) / 1e9  # what the link thread's memcpy reaches
+    alpha = cpu_interference(copy_gbs)
+    src = "measured by moesim validate on this machine (executor/hwbench.py)"
+    return (get_profile("a6000").with_figure("copy_interference", alpha, "measured", src)
+            .with_figure("copy_interference_gbs", copy_gbs, "measured", src))
+
+
 def run_suite(out: Path, shipped: Path, tokens: int = 32, models: list[str] | None = None,
               progress: Callable[[str], None] | None = None) -> tuple[list[dict[str, Any]], dict[str, Trace], dict]:
     torch.set_num_threads(1)
+    if progress:
+        progress("measuring copy/compute interference")
+    machine_hw = machine_profile()
     rows: list[dict[str, Any]] = []
     traces: dict[str, Trace] = {}
     for name, load, links in suite_models(shipped):
@@ -88,15 +107,19 @@ def run_suite(out: Path, shipped: Path, tokens: int = 32, models: list[str] | No
                 measured = {"measured_compute_ms": float((tm["attn_s"].sum(1) + tm["expert_s"].sum(1) + tm["other_s"])[1:].mean() * 1e3),
                             "measured_copy_ms": float(len(tm["copy_bytes"]) / tr.n_tokens
                                                       * (hw.transfer_latency + model.spec.expert_bytes / hw.link_bw) * 1e3)}
-                same, _ = validate_trace(tr)
+                same, _ = validate_trace(tr, machine_hw)
                 rows.append({"model": name, "link_gbps": gbps, "policy": policy, "case": "same-policy", **measured,
                              **_short(same)})
                 if policy != "on-demand":
-                    pred = simulate(base, recorded_profile(base), policy, timing="measured").tpot[1:]
+                    pred = simulate(base, recorded_profile(base, machine_hw), policy, timing="measured").tpot[1:]
                     stats_ = error_stats(tr.timings["tpot_s"][1:], pred[: tr.n_tokens - 1])
                     rows.append({"model": name, "link_gbps": gbps, "policy": policy, "case": "transfer from on-demand",
                                  **measured, **_short(stats_)})
-    return rows, traces, summarise(rows)
+    summary = summarise(rows)
+    summary["copy/compute interference (measured)"] = (
+        f"{machine_hw['copy_interference']:.1%} compute slowdown at {machine_hw['copy_interference_gbs']:.1f} GB/s "
+        "of back-to-back copying, scaled by each link's rate")
+    return rows, traces, summary
 
 
 def _short(s: dict[str, Any]) -> dict[str, Any]:

@@ -605,8 +605,9 @@ def _shipped_eval_text(vocab: int, n: int, seed: int):
 @app.command()
 def calibrate(
     model: Annotated[str, typer.Option(help="Checkpoint directory, or 'moe-stdlib'.")] = SHIPPED_MODEL,
-    text: Annotated[Path | None, typer.Option(help="Calibration text file (byte-level models); default: the "
-                                                   "held-out tail of the Python standard library corpus.")] = None,
+    text: Annotated[Path | None, typer.Option(help="Calibration text file (byte-level models); default: the start of "
+                                                   "the training split of the Python standard library corpus (the "
+                                                   "held-out tail stays unseen for evaluation).")] = None,
     tokens: Annotated[int, typer.Option(help="Tokens of calibration text to run.")] = 32768,
 ) -> None:
     """Compute the default vectors (per layer and expert, the mean expert output) that the
@@ -635,8 +636,8 @@ def calibrate(
         from executor.train import stdlib_corpus
 
         corpus, desc = stdlib_corpus()
-        data = corpus[int(len(corpus) * 0.95):]
-        what = f"held-out last 5% of {desc['corpus']}, Python {desc['python']}"
+        data = corpus[: int(len(corpus) * 0.95)]
+        what = f"start of the training split (first 95%) of {desc['corpus']}, Python {desc['python']}"
     ids = torch.tensor(list(data[:tokens]), dtype=torch.long)
     if ids.numel() < 2:
         raise MoesimError("calibration text is empty")

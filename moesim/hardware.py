@@ -34,6 +34,8 @@ FIGURES: dict[str, tuple[str, bool, bool, str]] = {
     "kernel_launch_us": ("us", True, False, "fixed cost of one kernel launch"),
     "host_mem_bw_gbs": ("GB/s", True, False, "host memory bandwidth"),
     "layer_overhead_us": ("us", False, False, "fixed framework cost per layer (calibration)"),
+    "copy_interference": ("fraction", False, False, "compute slowdown while host-to-device copies run (0 = none)"),
+    "copy_interference_gbs": ("GB/s", False, False, "link rate at which copy_interference was measured"),
 }
 TOP_KEYS = {"name", "description", "link", "figures"}
 
@@ -91,6 +93,14 @@ class HardwareProfile:
     def layer_overhead(self) -> float:
         return self.get("layer_overhead_us") * 1e-6
 
+    @property
+    def interference(self) -> float:
+        """Compute slowdown while the link copies: ``copy_interference``, scaled by how busy
+        the link's memory traffic is relative to the rate it was measured at (a copy
+        engine pacing below that rate moves fewer bytes a second and disturbs less)."""
+        alpha = self.get("copy_interference")
+        at = self.get("copy_interference_gbs")
+        return alpha * min(1.0, self["h2d_pinned_gbs"] / at) if alpha and at else alpha
     def with_figure(self, key: str, value: float, kind: str = "estimate", source: str = "what-if") -> HardwareProfile:
         """A copy with one figure replaced (what-if sweeps change link bandwidth this way)."""
         _check_value(self.name, key, value)
@@ -114,7 +124,7 @@ def _q(s: str) -> str:
 def _check_value(where: str, key: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise MoesimError(f"{where}: figure {key!r} must be a number, got {value!r}")
-    zero_ok = key == "layer_overhead_us" and value == 0
+    zero_ok = key in ("layer_overhead_us", "copy_interference") and value == 0
     if (not math.isfinite(value) or value <= 0) and not zero_ok:
         raise MoesimError(f"{where}: figure {key!r} must be positive and finite, got {value}")
     if key == "compute_efficiency" and value > 1:

@@ -43,12 +43,14 @@ class CopyEngine:
         self.env, self.link, self.spans = env, link, spans
         self.queue: deque[tuple[int, simpy.Event, str, int, int]] = deque()
         self.issued = 0.0  # seconds of transfer work submitted so far
+        self.busy_until = 0.0  # when the last queued transfer will end (FIFO, fixed durations)
         self._wake: simpy.Event | None = None
         env.process(self._serve())
 
     def submit(self, n_experts: int, name: str, step: int, layer: int) -> simpy.Event:
         done = self.env.event()
         self.issued += n_experts * self.link.per_expert
+        self.busy_until = max(self.busy_until, self.env.now) + n_experts * self.link.per_expert
         self.queue.append((n_experts, done, name, step, layer))
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
@@ -88,6 +90,13 @@ class ComputeStream:
         demand, prefetch = w.demand.tolist(), w.prefetch_next.tolist()
         rows = zip(w.attn.tolist(), demand, prefetch, w.experts.tolist(), w.other.tolist())
         pending = 0.0  # compute issued to the stream but not yet simulated
+
+        timeout = env.timeout
+        if copier.link.interference:
+            def timeout(work: float):
+                """``work`` seconds of compute, slowed while the copy engine is busy."""
+                return env.timeout(copier.link.compute_end(env.now, work, copier.busy_until) - env.now)
+
         next_ready: simpy.Event | None = None
         for step, (attn, dem, pf, experts, other) in enumerate(rows):
             issued0, stalled = copier.issued, 0.0
@@ -96,7 +105,7 @@ class ComputeStream:
                 pending += attn[layer]
                 if dem[layer] or pf[layer] or ready is not None or spans is not None:
                     start = env.now
-                    yield env.timeout(pending)  # to the end of layer's router
+                    yield timeout(pending)  # to the end of layer's router
                     pending = 0.0
                     if spans is not None:
                         spans.append(Span("compute", f"attn L{layer}", start, env.now, step, layer))
@@ -111,12 +120,12 @@ class ComputeStream:
                 pending += experts[layer]
                 if spans is not None and experts[layer]:
                     start = env.now
-                    yield env.timeout(pending)
+                    yield timeout(pending)
                     pending = 0.0
                     spans.append(Span("compute", f"experts L{layer}", start, env.now, step, layer))
             pending += other
             start = env.now
-            yield env.timeout(pending)
+            yield timeout(pending)
             pending = 0.0
             if spans is not None:
                 spans.append(Span("compute", "lm head", start, env.now, step, -1))

@@ -19,6 +19,8 @@ def run_fast(w: Workload, link: Link) -> tuple[np.ndarray, np.ndarray, np.ndarra
     demand_s, prefetch_s = w.demand * per, w.prefetch_next * per
     copied = demand_s.sum(1) + prefetch_s.sum(1)
     rows = zip(w.attn.tolist(), demand_s.tolist(), prefetch_s.tolist(), w.experts.tolist(), w.other.tolist())
+    if link.interference:
+        return _run_interfered(w, link, demand_s.tolist(), prefetch_s.tolist(), copied)
     ends, stalls = [], []
     t = link_free = 0.0
     for attn, demand, prefetch, experts, other in rows:
@@ -43,6 +45,35 @@ def run_fast(w: Workload, link: Link) -> tuple[np.ndarray, np.ndarray, np.ndarra
                 t = ready
             t += g
         t += other
+        ends.append(t)
+        stalls.append(stalled)
+    return np.array(ends), copied, np.array(stalls)
+
+
+def _run_interfered(w: Workload, link: Link, demand: list, prefetch: list, copied: np.ndarray):
+    """The same recurrence with compute slowed while the link is busy (kept apart so the
+    common case stays a tight loop)."""
+    run = link.compute_end
+    ends, stalls = [], []
+    t = link_free = 0.0
+    for attn, dem, pf, experts, other in zip(w.attn.tolist(), demand, prefetch, w.experts.tolist(), w.other.tolist()):
+        stalled = ready_next = 0.0
+        for a, d, f, g in zip(attn, dem, pf, experts):
+            t = run(t, a, link_free)
+            ready = ready_next
+            if d:
+                link_free = max(link_free, t) + d
+                ready = link_free
+            if f:
+                link_free = max(link_free, t) + f
+                ready_next = link_free
+            else:
+                ready_next = 0.0
+            if ready > t:
+                stalled += ready - t
+                t = ready
+            t = run(t, g, link_free)
+        t = run(t, other, link_free)
         ends.append(t)
         stalls.append(stalled)
     return np.array(ends), copied, np.array(stalls)

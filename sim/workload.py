@@ -25,6 +25,7 @@ class Link:
     bandwidth: float  # bytes/s
     latency: float  # seconds per transfer
     expert_bytes: int
+    interference: float = 0.0  # compute runs (1 + interference) times slower while the link copies
 
     @property
     def per_expert(self) -> float:
@@ -32,7 +33,19 @@ class Link:
 
     @classmethod
     def from_profile(cls, hw: HardwareProfile, spec: ModelSpec) -> Link:
-        return cls(hw.link_bw, hw.transfer_latency, spec.expert_bytes)
+        return cls(hw.link_bw, hw.transfer_latency, spec.expert_bytes, hw.interference)
+
+    def compute_end(self, t: float, work: float, link_free: float) -> float:
+        """When ``work`` seconds of compute started at ``t`` end, if it runs slower while the
+        link is busy until ``link_free`` (no copy is issued in between, so the link is busy
+        on [t, link_free) and idle after)."""
+        slow = 1.0 + self.interference
+        if slow == 1.0 or link_free <= t:
+            return t + work
+        busy = link_free - t
+        if work * slow <= busy:
+            return t + work * slow
+        return link_free + work - busy / slow
 
 
 @dataclass(frozen=True)

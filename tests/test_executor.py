@@ -90,7 +90,7 @@ def test_emulated_link_paces_to_latency_plus_bytes_over_bandwidth():
     for _ in range(7):
         t = Transfer(0, 0, src.numel() * 4, 1)
         t0 = time.perf_counter()
-        link.copy(dst, src, t)
+        link.copy_batch([(dst, src, t, None)])
         link.wait([t])
         ratios.append((time.perf_counter() - t0) / ideal)
     link.close()

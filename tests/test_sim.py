@@ -70,6 +70,7 @@ configs = st.fixed_dictionaries({
     "eviction": st.sampled_from(["lru", "lfu"]),
     "link_gbps": st.floats(0.5, 500),
     "hw": st.sampled_from(["a6000", "gh200", "h100-pcie"]),
+    "interference": st.sampled_from([0.0, 0.0, 0.3]),
 })
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -82,7 +83,10 @@ def _trace(c):
 def _run(trace, c, policy, engine="fast", **kw):
     kw.setdefault("cache_experts", c["cache"])
     kw.setdefault("link_gbps", c["link_gbps"])
-    return simulate(trace, get_profile(c["hw"]), policy, eviction=c["eviction"], engine=engine, **kw)
+    hw = get_profile(c["hw"])
+    if c["interference"]:
+        hw = hw.with_figure("copy_interference", c["interference"])
+    return simulate(trace, hw, policy, eviction=c["eviction"], engine=engine, **kw)
 
 
 @SETTINGS
@@ -121,6 +125,17 @@ def test_more_link_bandwidth_never_hurts(c, factor):
         fast = _run(trace, c, policy, link_gbps=c["link_gbps"] * factor)
         ends_slow, ends_fast = np.cumsum(slow.tpot), np.cumsum(fast.tpot)
         assert (ends_fast <= ends_slow * (1 + 1e-12)).all()
+
+
+def test_compute_slows_while_the_link_copies():
+    """Worked by hand: 1 s of compute at t=0, link busy until 1 s, compute 2x slower meanwhile:
+    0.5 s of work done by t=1, the remaining 0.5 s at full speed: ends at 1.5 s."""
+    link = Link(1.0, 0.0, 1, interference=1.0)
+    assert link.compute_end(0.0, 1.0, 1.0) == pytest.approx(1.5)
+    assert link.compute_end(0.0, 0.25, 1.0) == pytest.approx(0.5)  # entirely inside the busy window
+    assert link.compute_end(2.0, 1.0, 1.0) == pytest.approx(3.0)  # link already idle
+    hw = get_profile("a6000").with_figure("copy_interference", 0.2).with_figure("copy_interference_gbs", 50)
+    assert hw.interference == pytest.approx(0.2 * 25 / 50)  # scaled by the link's rate
 
 
 @SETTINGS
