@@ -327,7 +327,9 @@ def load_checkpoint(model_dir: str | Path, dtype: torch.dtype = torch.float32,
 def save_checkpoint(model: MoEModel, model_dir: str | Path, extra_config: dict | None = None,
                     dtype: torch.dtype = torch.bfloat16) -> None:
     """Write a Hugging Face style checkpoint (qwen3_moe layout) that :func:`load_checkpoint` reads."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
+
+    from moesim.atomic import atomic_write, atomic_write_text
 
     s, cfg = model.spec, model.cfg
     if cfg.qk_norm != "head":
@@ -358,8 +360,9 @@ def save_checkpoint(model: MoEModel, model_dir: str | Path, extra_config: dict |
         "attention_bias": False, "hidden_act": "silu", "torch_dtype": str(dtype).removeprefix("torch."),
         **(extra_config or {}),
     }
-    save_file(tensors, str(model_dir / "model.safetensors"))
-    (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    data = save(tensors)
+    atomic_write(model_dir / "model.safetensors", lambda f: f.write(data))
+    atomic_write_text(model_dir / "config.json", json.dumps(config, indent=2) + "\n")
 
 
 def count_params(model: MoEModel) -> int:
