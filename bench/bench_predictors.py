@@ -25,9 +25,17 @@ import torch  # noqa: E402
 
 from executor.estimator import RECORD_FILE, load_estimator  # noqa: E402
 from executor.model import load_checkpoint  # noqa: E402
-from executor.profile import ProfileSettings, build_trace, fidelity, generate, load_default_vectors  # noqa: E402
+from executor.profile import (  # noqa: E402
+    DEFAULT_PROMPT,
+    ProfileSettings,
+    build_trace,
+    eval_text,
+    fidelity,
+    generate,
+    load_default_vectors,
+    shipped_model,
+)
 from moesim.atomic import atomic_write_text  # noqa: E402
-from moesim.cli import DEFAULT_PROMPT, _shipped_eval_text, _shipped_model  # noqa: E402
 from moesim.hardware import get_profile  # noqa: E402
 from reports.render import _save, write_html  # noqa: E402
 from sim.validate import validate_trace  # noqa: E402
@@ -44,14 +52,14 @@ def main() -> None:
     ap.add_argument("--fidelity-tokens", type=int, default=256)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    path = _shipped_model()
+    path = shipped_model()
     model, dv, est = load_checkpoint(path), load_default_vectors(path), load_estimator(path)
     if dv is None or est is None:
         raise SystemExit("run `moesim calibrate` and `moesim train-estimator` first")
     record = json.loads((path / RECORD_FILE).read_text())
     hw = get_profile("a6000").with_figure("h2d_pinned_gbs", args.link_gbps)
     prompt = torch.tensor(list(DEFAULT_PROMPT.encode())).view(1, -1)
-    text = _shipped_eval_text(256, args.fidelity_tokens + 1, 0)
+    text = eval_text(256, args.fidelity_tokens + 1, 0)
     rows, recalls = [], {}
     for predictor in PREDICTORS:
         for policy in ("prefetch-fom", "prefetch-spec"):

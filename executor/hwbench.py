@@ -24,7 +24,7 @@ from moesim.hardware import FIGURES, Figure, HardwareProfile
 Step = Callable[[str], None]
 
 
-def _best(fn: Callable[[], None], repeat: int = 5) -> float:
+def best_time(fn: Callable[[], None], repeat: int = 5) -> float:
     fn()
     times = []
     for _ in range(repeat):
@@ -58,7 +58,7 @@ def cpu_interference(copy_gbs: float, repeats: int = 5) -> float:
     dsts = [torch.empty_like(src) for _ in range(4)]
     ratios = []
     for _ in range(repeats):
-        alone = _best(work, 2)
+        alone = best_time(work, 2)
         n_batches = int(alone * 3 * copy_gbs * 1e9 / (4 * 2**20)) + 8  # keep the link busy past the work
         last = []
         for _ in range(n_batches):
@@ -78,14 +78,14 @@ def measure_cpu(step: Step) -> tuple[dict[str, tuple[float, str]], dict[str, str
     n = 1024
     a, b = torch.randn(n, n), torch.randn(n, n)
     step("fp32 / bf16 matmul")
-    figs["bf16_tflops"] = (2 * n**3 / _best(lambda: a.bfloat16() @ b.bfloat16()) / 1e12, "bf16 GEMM 1024^3 (incl. casts)")
-    fp32 = 2 * n**3 / _best(lambda: a @ b) / 1e12
+    figs["bf16_tflops"] = (2 * n**3 / best_time(lambda: a.bfloat16() @ b.bfloat16()) / 1e12, "bf16 GEMM 1024^3 (incl. casts)")
+    fp32 = 2 * n**3 / best_time(lambda: a @ b) / 1e12
     step("memory bandwidth")
     big = torch.empty(64 * 2**20 // 4)
     dst = torch.empty_like(big)
-    copy_bw = 2 * big.numel() * 4 / _best(lambda: dst.copy_(big))
+    copy_bw = 2 * big.numel() * 4 / best_time(lambda: dst.copy_(big))
     w, x = torch.randn(4096, 4096), torch.randn(4096)
-    gemv_bw = w.numel() * 4 / _best(lambda: w @ x)
+    gemv_bw = w.numel() * 4 / best_time(lambda: w @ x)
     figs["mem_bw_peak_gbs"] = (max(copy_bw, gemv_bw) / 1e9, "highest of a 64 MiB copy (read+write) and an fp32 GEMV")
     figs["mem_bw_achievable_gbs"] = (gemv_bw / 1e9, "fp32 GEMV 4096x4096: weight bytes / time")
     figs["host_mem_bw_gbs"] = (copy_bw / 1e9, "64 MiB tensor copy, read + write bytes / time")
@@ -97,7 +97,7 @@ def measure_cpu(step: Step) -> tuple[dict[str, tuple[float, str]], dict[str, str
         for _ in range(reps):
             s.add_(1)
 
-    figs["kernel_launch_us"] = (_best(ops) / reps * 1e6, "one tiny torch op (dispatch overhead)")
+    figs["kernel_launch_us"] = (best_time(ops) / reps * 1e6, "one tiny torch op (dispatch overhead)")
     step("emulated link")
     link = EmulatedLink(1e15, 0.0)  # unpaced: measures the thread hand-off and the real copy rate
     src, sink = torch.zeros(256), torch.empty(256)

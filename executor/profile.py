@@ -27,6 +27,21 @@ from moesim.hardware import HardwareProfile
 from traces.format import COPY_KINDS, FORMAT, VERSION, Trace
 
 DEFAULT_VECTORS = "default_vectors.safetensors"
+DEFAULT_PROMPT = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n"
+
+
+def shipped_model() -> Path:
+    """The learned-routing checkpoint that ships with moesim (executor/checkpoints/moe-stdlib)."""
+    return Path(__file__).parent / "checkpoints" / "moe-stdlib"
+
+
+def eval_text(vocab: int, n: int, seed: int) -> torch.Tensor:
+    """A fixed evaluation text [1, n] for fidelity: the start of this file's source as bytes
+    for byte-level models (the same on every machine), else seeded random ids."""
+    if vocab == 256:
+        data = Path(__file__).read_bytes()[:n]
+        return torch.tensor(list(data), dtype=torch.long).view(1, -1)
+    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed + 7))
 
 
 # --------------------------------------------------------------------------------------

@@ -60,13 +60,11 @@ def suite_models(shipped: Path) -> list[tuple[str, Callable[[], tuple[MoEModel, 
 def machine_profile() -> HardwareProfile:
     """What the simulator knows of this machine beyond each trace's recorded link: how much
     compute slows while the emulated link copies, measured here (executor/hwbench.py)."""
-    from executor.hwbench import cpu_interference
-
-    from executor.hwbench import _best
+    from executor.hwbench import best_time, cpu_interference
 
     big = torch.zeros(16 * 2**20 // 4)
     dst = torch.zeros_like(big)
-    copy_gbs = big.numel() * 4 / _best(lambda: dst.copy_(big)) / 1e9  # what the link thread's memcpy reaches
+    copy_gbs = big.numel() * 4 / best_time(lambda: dst.copy_(big)) / 1e9  # what the link thread's memcpy reaches
     alpha = cpu_interference(copy_gbs)
     src = "measured by moesim validate on this machine (executor/hwbench.py)"
     return (get_profile("a6000").with_figure("copy_interference", alpha, "measured", src)

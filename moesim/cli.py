@@ -36,6 +36,9 @@ every policy and writes a report to reports/whatif/.
 * `moesim synth --model olmoe-1b-7b --tokens 512 --out olmoe.npz` - a synthetic trace
 * `moesim replay olmoe.npz --hw a6000 --policy on-demand,prefetch,oracle --out reports/olmoe`
 * `moesim whatif --model qwen3-30b-a3b --hw a6000,gh200 --link-gbps 16,32,64 --cache-gib 0,8,24`
+* `moesim profile --policy prefetch-fom --link-gbps 0.5 --out run.npz` - decode with the reference executor
+* `moesim replay run.npz --validate` - the simulator against that measurement
+* `moesim validate` - the validation suite on this machine
 """,
 )
 out = Console(width=None if sys.stdout.isatty() else 200)  # pipes and files get whole tables
@@ -397,7 +400,12 @@ def whatif(
 
 
 SHIPPED_MODEL = "moe-stdlib"
-DEFAULT_PROMPT = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n"
+
+
+def _shipped_model() -> Path:
+    from executor.profile import shipped_model
+
+    return shipped_model()
 
 
 def _load_exec_model(model: str, layers: int | None, dtype: str, device: str, seed: int):
@@ -428,12 +436,6 @@ def _load_exec_model(model: str, layers: int | None, dtype: str, device: str, se
     return m.to(dev), True, f"catalogue {model} with seeded random weights (synthetic)"
 
 
-def _shipped_model() -> Path:
-    import executor
-
-    return Path(executor.__file__).parent / "checkpoints" / SHIPPED_MODEL
-
-
 def _prompt_ids(model, text: str, prompt_len: int, batch: int, seed: int):
     import torch
 
@@ -460,7 +462,8 @@ def profile(
     link_gbps: Annotated[float | None, typer.Option(help="Override the profile's host-to-device GB/s.")] = None,
     tokens: Annotated[int, typer.Option(help="Decode steps.")] = 64,
     batch: Annotated[int, typer.Option(help="Sequences decoded together.")] = 1,
-    prompt: Annotated[str, typer.Option(help="Prompt text (byte-level models); other models get --prompt-len random ids.")] = DEFAULT_PROMPT,
+    prompt: Annotated[str | None, typer.Option(help="Prompt text (byte-level models; default: a Python snippet); "
+                                                    "other models get --prompt-len random ids.")] = None,
     prompt_len: Annotated[int, typer.Option(help="Prompt length for non-byte models.")] = 32,
     cache_gib: Annotated[float, typer.Option(help="Cross-token expert cache, GiB.")] = 0.0,
     cache_experts: Annotated[int, typer.Option(help="The same cache in experts.")] = 0,
@@ -501,10 +504,12 @@ def profile(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from executor.profile import (
+        DEFAULT_PROMPT,
         ProfileSettings,
         build_trace,
         calibrate,
         check_device,
+        eval_text,
         fidelity,
         generate,
         load_default_vectors,
@@ -541,7 +546,7 @@ def profile(
         if dv is None and pol.prefetch:
             raise MoesimError(f"{source} has no default vectors; run `moesim calibrate --model {model}` first")
         dv = dv.to(dev) if dv is not None else None
-    ids = _prompt_ids(m, prompt, prompt_len, batch, seed)
+    ids = _prompt_ids(m, prompt if prompt is not None else DEFAULT_PROMPT, prompt_len, batch, seed)
     with Progress(TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err,
                   transient=True) as bar:
         task = bar.add_task("decode", total=tokens)
@@ -549,7 +554,7 @@ def profile(
                                            estimator=est)
     extra = {}
     if pol.speculative and fidelity_tokens > 0 and len(records) == tokens:
-        text = _shipped_eval_text(m.spec.vocab, fidelity_tokens + 1, seed)
+        text = eval_text(m.spec.vocab, fidelity_tokens + 1, seed)
         extra["fidelity"] = fidelity(m, st, hw_profile, dv, text, est)
     trace = build_trace(m, ids, st, hw_profile, prefill_s, records, out, device, synthetic, source, extra)
     out_path = out_path or Path("traces/profile.npz")
@@ -589,17 +594,6 @@ def _profile_hardware(device: str, name: str | None, out_path: Path | None, thre
     for k, f in prof.figures.items():
         t.add_row(k, f"{f.value:g}", FIGURES[k][0], f.source.split(": ", 1)[-1])
     out.print(t)
-
-
-def _shipped_eval_text(vocab: int, n: int, seed: int):
-    """A fixed evaluation text: this file's source as bytes for byte-level models (the
-    same for every run), else seeded random ids."""
-    import torch
-
-    if vocab == 256:
-        data = Path(__file__).read_bytes()[:n]
-        return torch.tensor(list(data), dtype=torch.long).view(1, -1)
-    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed + 7))
 
 
 @app.command()
