@@ -14,6 +14,7 @@ import time
 
 from moesim.hardware import get_profile
 from moesim.models import get_model
+from moesim.timing import best_time
 from sim.costs import roofline_costs
 from sim.engine import run_simpy
 from sim.fastpath import run_fast
@@ -21,15 +22,6 @@ from sim.plan import build_plan
 from sim.whatif import Sweep, run_sweep
 from sim.workload import Link, make_workload
 from traces.synthetic import SyntheticParams, synthetic_trace
-
-
-def best_of(fn, repeat: int = 3) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def main() -> None:
@@ -43,12 +35,12 @@ def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
           f"synthetic {spec.name} trace, {args.tokens} tokens x {spec.n_layers} layers = {steps} layer-steps")
     for policy in ("on-demand", "prefetch-fom"):
-        plan_s = best_of(lambda p=policy: build_plan(trace, p), 1)
+        plan_s = best_time(lambda p=policy: build_plan(trace, p), 1, warmup=False)
         plan = build_plan(trace, policy)
         work = make_workload(spec, plan, roofline_costs(spec, hw, args.tokens, trace.prompt_len))
         link = Link.from_profile(hw, spec)
-        simpy_rate = steps / best_of(lambda w=work, k=link: run_simpy(w, k))
-        fast_rate = steps / best_of(lambda w=work, k=link: run_fast(w, k))
+        simpy_rate = steps / best_time(lambda w=work, k=link: run_simpy(w, k))
+        fast_rate = steps / best_time(lambda w=work, k=link: run_fast(w, k))
         print(f"{policy:13s} SimPy {simpy_rate / 1e3:8.0f}k layer-steps/s (target 150k: {simpy_rate / 150e3:4.2f}x)   "
               f"fast path {fast_rate / 1e6:5.2f}M layer-steps/s (target 3M: {fast_rate / 3e6:4.2f}x)   "
               f"plan {plan_s:.2f} s")

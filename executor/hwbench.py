@@ -20,18 +20,19 @@ import numpy as np
 import torch
 
 from moesim.hardware import FIGURES, Figure, HardwareProfile
+from moesim.timing import best_time
 
 Step = Callable[[str], None]
 
 
-def best_time(fn: Callable[[], None], repeat: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+def _tiny_ops(t: torch.Tensor, reps: int) -> Callable[[], None]:
+    """``reps`` one-element adds: what one op costs to dispatch (CPU) or launch (CUDA)."""
+
+    def run() -> None:
+        for _ in range(reps):
+            t.add_(1)
+
+    return run
 
 
 def _fit_line(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
@@ -90,14 +91,9 @@ def measure_cpu(step: Step) -> tuple[dict[str, tuple[float, str]], dict[str, str
     figs["mem_bw_achievable_gbs"] = (gemv_bw / 1e9, "fp32 GEMV 4096x4096: weight bytes / time")
     figs["host_mem_bw_gbs"] = (copy_bw / 1e9, "64 MiB tensor copy, read + write bytes / time")
     step("per-op overhead")
-    s = torch.zeros(1)
     reps = 2000
-
-    def ops():
-        for _ in range(reps):
-            s.add_(1)
-
-    figs["kernel_launch_us"] = (best_time(ops) / reps * 1e6, "one tiny torch op (dispatch overhead)")
+    figs["kernel_launch_us"] = (best_time(_tiny_ops(torch.zeros(1), reps)) / reps * 1e6,
+                                "one tiny torch op (dispatch overhead)")
     step("emulated link")
     link = EmulatedLink(1e15, 0.0)  # unpaced: measures the thread hand-off and the real copy rate
     src, sink = torch.zeros(256), torch.empty(256)
@@ -167,14 +163,9 @@ def measure_cuda(device: torch.device, step: Step) -> tuple[dict[str, tuple[floa
     v = torch.randn(8192, device=device, dtype=torch.bfloat16)
     gemv = m.numel() * 2 / timed(lambda: m @ v)
     step("kernel launch")
-    t = torch.zeros(1, device=device)
     reps = 1000
-
-    def launches():
-        for _ in range(reps):
-            t.add_(1)
-
-    figs["kernel_launch_us"] = (timed(launches) / reps * 1e6, "1000 tiny kernels back to back, per kernel")
+    figs["kernel_launch_us"] = (timed(_tiny_ops(torch.zeros(1, device=device), reps)) / reps * 1e6,
+                                "1000 tiny kernels back to back, per kernel")
     step("copy/compute interference")
     host = torch.empty(2**30, dtype=torch.uint8).pin_memory()
     dev = torch.empty(2**30, dtype=torch.uint8, device=device)

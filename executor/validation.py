@@ -60,7 +60,8 @@ def suite_models(shipped: Path) -> list[tuple[str, Callable[[], tuple[MoEModel, 
 def machine_profile() -> HardwareProfile:
     """What the simulator knows of this machine beyond each trace's recorded link: how much
     compute slows while the emulated link copies, measured here (executor/hwbench.py)."""
-    from executor.hwbench import best_time, cpu_interference
+    from executor.hwbench import cpu_interference
+    from moesim.timing import best_time
 
     big = torch.zeros(16 * 2**20 // 4)
     dst = torch.zeros_like(big)
