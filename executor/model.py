@@ -110,8 +110,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(a.n_kv_heads * a.head_dim, cfg.rms_eps)
         self.theta = cfg.rope_theta
 
-    def forward(self, x: Tensor, cache: KVCache | None, layer: int, start: int) -> Tensor:
-        """``cache`` None: attend within ``x`` only (training)."""
+    def forward(self, x: Tensor, cache: KVCache | None, layer: int, start: int, tree: TreeMask | None = None) -> Tensor:
+        """``cache`` None: attend within ``x`` only (training). ``tree``: the new tokens are
+        a candidate tree (speculative decoding), each at its own position and seeing only
+        the cached prefix and its ancestors."""
         b, t, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm == "full":
@@ -122,16 +124,44 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        cos, sin = rope_tables(self.head_dim, torch.arange(start, start + t, device=x.device), self.theta)
+        positions = tree.positions if tree is not None else torch.arange(start, start + t, device=x.device)
+        cos, sin = rope_tables(self.head_dim, positions, self.theta)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, start, k, v)
         groups = self.n_heads // self.n_kv
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        # Causal within the new tokens; every cached token is visible.
-        mask = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(diagonal=start)
+        if tree is not None:
+            mask = tree.mask
+        else:  # causal within the new tokens; every cached token is visible
+            mask = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(diagonal=start)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+@dataclass(frozen=True)
+class TreeMask:
+    """Attention of ``t`` tree tokens placed after ``start`` cached ones: ``positions`` [t]
+    (RoPE positions: start + depth) and ``mask`` [t, start + t] (prefix and ancestors)."""
+
+    positions: Tensor
+    mask: Tensor
+
+    @classmethod
+    def from_parents(cls, parents: list[int], start: int, device: torch.device | str = "cpu") -> TreeMask:
+        """``parents[i]`` is the index of token i's parent among the new tokens (-1: none)."""
+        t = len(parents)
+        mask = torch.zeros(t, start + t, dtype=torch.bool)
+        mask[:, :start] = True
+        depth = [0] * t
+        for i, p in enumerate(parents):
+            if p >= i:
+                raise ValueError("a parent must come before its child")
+            depth[i] = depth[p] + 1 if p >= 0 else 0
+            mask[i, start + i] = True
+            if p >= 0:
+                mask[i, start:] |= mask[p, start:]
+        return cls(torch.tensor(depth, device=device) + start, mask.to(device))
 
 
 class KVCache:
@@ -151,6 +181,15 @@ class KVCache:
         self.k[layer][:, :, start:end] = k
         self.v[layer][:, :, start:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def keep(self, start: int, rows: list[int]) -> None:
+        """After verifying a tree written at ``start``: keep only the tokens at offsets
+        ``rows`` (increasing: the accepted path), moved to ``start, start + 1, ...``."""
+        for k, v in zip(self.k, self.v, strict=True):
+            for j, r in enumerate(rows):
+                if r != j:
+                    k[:, :, start + j] = k[:, :, start + r]
+                    v[:, :, start + j] = v[:, :, start + r]
 
 
 def expert_forward(w: Tensor, x: Tensor, hidden: int, inter: int) -> Tensor:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from executor.model import MoEModel, expert_forward, route
+from executor.model import MoEModel, TreeMask, expert_forward, route
 from executor.transport import CudaTransport, EmulatedLink, Transfer
 from moesim.errors import MoesimError
 from moesim.policy import Planner, get_policy
@@ -52,7 +52,8 @@ class StepRecord:
     other_s: float = 0.0
     tpot_s: float = 0.0
     copies: list[Transfer] = field(default_factory=list)
-    logits: Tensor | None = None
+    logits: Tensor | None = None  # [B, vocab] after the last token
+    all_logits: Tensor | None = None  # [B, t, vocab] after every token (tree verification only)
 
 
 class Timer:
@@ -174,10 +175,13 @@ class OffloadedDecoder:
 
     # -- one step -------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, tokens: Tensor, cache, pos: int, step_index: int = 0, prefill: bool = False) -> StepRecord:
+    def step(self, tokens: Tensor, cache, pos: int, step_index: int = 0, prefill: bool = False,
+             tree: TreeMask | None = None, predicted: list[list[int]] | None = None) -> StepRecord:
         """Run ``tokens`` [B, t] at position ``pos``: one decode step (t = 1), or the prefill
         of a prompt (``prefill``: no prediction; each layer copies the union of the experts
-        the prompt routes to, which for a long prompt is nearly the whole layer)."""
+        the prompt routes to, which for a long prompt is nearly the whole layer), or the
+        verification of a candidate tree (``tree``; ``predicted``: per layer, the union of
+        the experts predicted for its tokens, which prefetching policies copy ahead)."""
         m, s, tm = self.model, self.model.spec, self.timer
         L, (b, t), k = s.n_layers, tokens.shape, s.top_k
         tm.marks.clear()
@@ -200,7 +204,7 @@ class OffloadedDecoder:
         marks = []
         for layer, blk in enumerate(m.layers):
             t0 = tm.mark()
-            h = h + blk.self_attn(blk.input_layernorm(h), cache, layer, pos)
+            h = h + blk.self_attn(blk.input_layernorm(h), cache, layer, pos, tree)
             x = blk.post_attention_layernorm(h).reshape(b * t, -1)
             ids, gates = route(blk.gate(x), k, s.norm_topk_prob)
             pred_here, pred_host = pred_next, pred_next_host
@@ -208,7 +212,9 @@ class OffloadedDecoder:
             tp0 = tm.mark()
             # Offloading policies all run the predictor: prefetchers use it, on-demand records
             # it (its cost stays in attn_s) so its trace can predict the prefetching policies.
-            if self.policy.offload and not prefill and layer + 1 < L and (self.policy.prefetch or self.can_predict):
+            if predicted is not None or prefill:
+                pass  # verification brings its own predictions; prefill predicts nothing
+            elif self.policy.offload and layer + 1 < L and (self.policy.prefetch or self.can_predict):
                 if self.predictor == "oracle":
                     ids_o, gates_o = self.oracle_routes[step_index]
                     pred_next = (torch.as_tensor(ids_o[layer + 1].astype(np.int64), device=self.device),
@@ -227,16 +233,21 @@ class OffloadedDecoder:
             if pred_here is not None:
                 rec.pred_ids[layer] = pred_host
                 pred_gates[layer] = pred_here[1]
-            plan = self.planner.route(layer, _union(true_host), _union(pred_host) if pred_host is not None else None)
+            here = _union(pred_host) if pred_host is not None else None
+            if predicted is not None:
+                here = predicted[layer] if layer > 0 else None
+            plan = self.planner.route(layer, _union(true_host), here)
             demand: list[Transfer] = []
             self._issue(layer, list(plan.demand), 1, demand)
             prefetch: list[Transfer] = []
             if pred_next is not None:
                 self._issue(layer + 1, self.planner.prefetch(layer + 1, _union(pred_next_host)), 0, prefetch)
+            elif predicted is not None and layer + 1 < L:
+                self._issue(layer + 1, self.planner.prefetch(layer + 1, predicted[layer + 1]), 0, prefetch)
             t1 = tm.mark()
             self.transport.wait(pending + demand)
             t2 = tm.mark()
-            speculative = self.policy.speculative and pred_here is not None
+            speculative = self.policy.speculative and pred_here is not None and predicted is None
             run_ids, run_gates = (pred_host, pred_here[1]) if speculative else (true_host, gates)
             rec.exec_ids[layer] = run_ids
             h = h + _apply_experts(x, run_ids, run_gates, self._weights(layer), s.hidden, s.expert_inter).view_as(h)
@@ -246,7 +257,11 @@ class OffloadedDecoder:
             rec.copies += demand + prefetch
             pending = prefetch
             marks.append((t0, t1, t2, t3, tp0, tp1))
-        logits = m.lm_head(m.norm(h))[:, -1]
+        if tree is not None:
+            rec.all_logits = m.lm_head(m.norm(h))
+            logits = rec.all_logits[:, -1]
+        else:
+            logits = m.lm_head(m.norm(h))[:, -1]
         t_end = tm.mark()
         rec.true_gates[:] = torch.stack(true_gates).float().cpu().numpy()
         for layer, g in pred_gates.items():

@@ -67,15 +67,23 @@ def forward_train(model: MoEModel, experts: list[torch.nn.Parameter], tokens: to
     return model.lm_head(model.norm(h)), aux
 
 
+def stdlib_spec(name: str = "moe-stdlib", layers: int = 4, experts: int = 32, top_k: int = 4, hidden: int = 128,
+                inter: int = 64, heads: int = 4) -> ModelSpec:
+    """A byte-level Qwen3-MoE-style geometry (the shipped model's by default; the draft's smaller)."""
+    return ModelSpec(name, n_layers=layers, n_experts=experts, top_k=top_k, hidden=hidden, expert_inter=inter,
+                     vocab=256, attention=Attention("gqa", heads, max(1, heads // 2), hidden // heads, qk_norm=True),
+                     norm_topk_prob=True, source=STDLIB_SPEC.source)
+
+
 def train(out: Path, steps: int = 3000, batch: int = 16, seq: int = 128, lr: float = 3e-3, aux_coef: float = 0.01,
-          seed: int = 0, threads: int = 1, progress=None) -> dict:
+          seed: int = 0, threads: int = 1, progress=None, spec: ModelSpec = STDLIB_SPEC) -> dict:
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
     data, desc = stdlib_corpus()
     ids = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     split = int(ids.numel() * 0.95)
     train_ids, eval_ids = ids[:split], ids[split:]
-    cfg = ExecConfig(STDLIB_SPEC, rope_theta=1e4, rms_eps=1e-6, max_seq_len=1024)
+    cfg = ExecConfig(spec, rope_theta=1e4, rms_eps=1e-6, max_seq_len=1024)
     model = MoEModel(cfg)
     for p in model.parameters():
         if p.dim() > 1:
@@ -118,7 +126,10 @@ def train(out: Path, steps: int = 3000, batch: int = 16, seq: int = 128, lr: flo
     model.experts = [[w.detach().clone() for w in layer] for layer in experts]
     record = {
         "command": f"moesim train --out {out} --steps {steps} --batch {batch} --seq {seq} --lr {lr} "
-                   f"--aux-coef {aux_coef} --seed {seed} --threads {threads}",
+                   f"--aux-coef {aux_coef} --seed {seed} --threads {threads}"
+                   + ("" if spec == STDLIB_SPEC else f" --layers {spec.n_layers} --experts {spec.n_experts} "
+                      f"--top-k {spec.top_k} --hidden {spec.hidden} --inter {spec.expert_inter} "
+                      f"--heads {spec.attention.n_heads} --name {spec.name}"),
         "data": {**desc, "train_bytes": split, "eval_bytes": ids.numel() - split, "vocabulary": "bytes (256)"},
         "model": s.to_dict(), "parameters": count_params(model), "steps": steps, "tokens_seen": steps * batch * seq,
         "wall_seconds": round(time.time() - t0, 1), "threads": threads, "machine": _machine(),
@@ -148,7 +159,7 @@ def _plot(record: dict, path: Path) -> None:
     ax.plot([e["step"] for e in record["evals"]], [e["eval_loss"] for e in record["evals"]], "o-", label="held-out 5%")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy, nats per byte")
-    ax.set_title(f"moe-stdlib: {record['parameters'] / 1e6:.1f}M parameters, Python stdlib bytes", fontsize=9)
+    ax.set_title(f"{record['model']['name']}: {record['parameters'] / 1e6:.2f}M parameters, Python stdlib bytes", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.savefig(path, dpi=100, bbox_inches="tight")

@@ -219,13 +219,60 @@ def _why(r: dict[str, Any]) -> str:
             f"{share:.0%} of the step waits on the link (ideal overlap would give {r['overlap_bound_ms']:.3g} ms){caveat}")
 
 
+REPLAY_POLICIES = "on-demand,prefetch-fom,prefetch-spec,oracle"
+
+
+def _replay_speculative(trace, trace_path: Path, hw_name: str | None, policy: str | None, gamma: str | None,
+                        selection: str, score: str, lam: str, link_gbps: float | None, timing: str,
+                        as_json: bool) -> None:
+    """Replay a speculative trace (measured against simulated), and what-if over selection."""
+    from moesim.hardware import get_profile
+    from sim.speculative import recorded_steps, replay_sd, reselected_steps, simulate_steps
+    from sim.validate import recorded_profile
+
+    hw_profile = recorded_profile(trace, get_profile(hw_name) if hw_name else None)
+    timing = "measured" if timing == "auto" else timing
+    pols = _split(policy, "--policy") if policy else [trace.header["policy"]["name"]]
+    base = replay_sd(trace, hw_profile, pols[0], link_gbps=link_gbps, timing=timing)
+    rows = [{"case": "as recorded", **base["simulated"]}]
+    for p in pols[1:]:
+        rows.append({"case": "as recorded", **simulate_steps(trace, recorded_steps(trace), hw_profile, p,
+                                                             link_gbps=link_gbps, timing=timing)})
+    if gamma is not None:
+        for p in pols:
+            for g in (int(x) for x in _floats(gamma, "--gamma")):
+                for sel in _split(selection, "--selection"):
+                    for lam_ in (_floats(lam, "--lambda") if sel == "ecospec" and score == "lagrangian" else [0.0]):
+                        steps = reselected_steps(trace, g, sel, score, lam_)
+                        label = "" if sel != "ecospec" else f" {score}" + (f" {lam_:g}" if score == "lagrangian" else "")
+                        rows.append({"case": f"what-if gamma {g} {sel}{label}",
+                                     **simulate_steps(trace, steps, hw_profile, p, link_gbps=link_gbps, timing=timing)})
+    if as_json:
+        _print_json({"measured": base["measured"], "error": base["error"], "rows": rows})
+        return
+    m = base["measured"]
+    out.print(f"measured: {m['tpot_ms']:.3g} ms a token, {m['accepted_per_step']:.2f} tokens and "
+              f"{m['distinct_experts_per_step']:.1f} distinct experts a step; verification "
+              f"{m['verify_ms_per_distinct_expert']:.3g} ms per distinct expert + {m['verify_ms_intercept']:.3g} ms "
+              f"(R^2 {m['verify_vs_experts_r2']:.2f}); simulated as recorded: {base['simulated']['tpot_ms']:.3g} ms "
+              f"({base['error']:+.1%})")
+    t = Table(title=f"{trace_path.name}: speculative decoding, simulated ({rows[0]['timing']}); what-if rows re-select "
+                    "on the recorded trees (unverified nodes use predicted experts)")
+    for c in ("case", "policy", "hw", "TPOT ms", "tokens/step", "rows/step", "distinct experts/step", "step ms"):
+        t.add_column(c, justify="right")
+    for r in rows:
+        t.add_row(r["case"], r["policy"], r["hw"], f"{r['tpot_ms']:.3g}", f"{r['accepted_per_step']:.2f}",
+                  f"{r['rows_per_step']:.1f}", f"{r['distinct_experts_per_step']:.1f}", f"{r['step_ms']:.3g}")
+    out.print(t)
+
+
 @app.command()
 def replay(
     trace_path: Annotated[Path, typer.Argument(metavar="TRACE", help="A trace file (.npz, format v1).")],
     hw_name: Annotated[str | None, typer.Option("--hw", help="Hardware profile name or .toml path "
                                                          "(default: the one the trace was recorded on, else a6000).")] = None,
     policy: Annotated[str, typer.Option(help="Comma-separated policies: all-resident, on-demand, prefetch-spec, "
-                                              "prefetch-fom (alias prefetch), oracle.")] = "on-demand,prefetch-fom,prefetch-spec,oracle",
+                                              "prefetch-fom (alias prefetch), oracle.")] = REPLAY_POLICIES,
     cache_gib: Annotated[float, typer.Option(help="Cross-token expert cache on the device, GiB (0 = none).")] = 0.0,
     cache_experts: Annotated[int, typer.Option(help="The same cache sized in experts instead.")] = 0,
     eviction: Annotated[str, typer.Option(help="Cache eviction: lru or lfu.")] = "lru",
@@ -237,6 +284,11 @@ def replay(
     step: Annotated[int, typer.Option(help="Which decode step the report's timeline shows.")] = 1,
     validate: Annotated[bool, typer.Option("--validate", help="Compare with the trace's measured TPOT: replay its recorded "
                                                               "policy on its recorded profile and link, with its measured compute.")] = False,
+    gamma: Annotated[str | None, typer.Option(help="Speculative traces: what-if over these verification budgets "
+                                                   "(re-selecting on the recorded trees).")] = None,
+    selection: Annotated[str, typer.Option(help="Speculative traces, with --gamma: confidence,ecospec.")] = "confidence,ecospec",
+    score: Annotated[str, typer.Option(help="Speculative traces, with --gamma: EcoSpec score, ratio or lagrangian.")] = "ratio",
+    lam: Annotated[str, typer.Option("--lambda", help="Speculative traces, with --gamma: lambda values (lagrangian).")] = "0.05",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")] = False,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Write a report here: HTML, PNGs, CSV, Chrome trace.")] = None,
 ) -> None:
@@ -253,6 +305,12 @@ def replay(
     from traces.format import read_trace
 
     trace = read_trace(trace_path)
+    if trace.speculative:
+        _replay_speculative(trace, trace_path, hw_name, policy if policy != REPLAY_POLICIES else None, gamma,
+                            selection, score, lam, link_gbps, timing, as_json)
+        return
+    if gamma is not None:
+        raise MoesimError("--gamma applies to speculative-decoding traces (moesim speculate)")
     if validate:
         _validate(trace, trace_path, hw_name, engine, as_json, out_dir)
         return
@@ -776,6 +834,116 @@ def train_estimator_cmd(
     out.print(t)
 
 
+DRAFT_MODEL = "moe-stdlib-draft"
+
+
+@app.command("train-expert-predictor")
+def train_expert_predictor_cmd(
+    draft: Annotated[str, typer.Option(help="Draft checkpoint directory, or 'moe-stdlib-draft'.")] = DRAFT_MODEL,
+    model: Annotated[str, typer.Option(help="Target checkpoint directory, or 'moe-stdlib'.")] = SHIPPED_MODEL,
+    tokens: Annotated[int, typer.Option(help="Training tokens (start of the corpus's training split).")] = 32768,
+    eval_tokens: Annotated[int, typer.Option(help="Held-out tokens for the reported recall.")] = 8192,
+    epochs: Annotated[int, typer.Option(help="Passes over the training tokens.")] = 20,
+) -> None:
+    """Train EcoSpec's expert predictor: per target layer, a linear probe from the draft's
+    hidden state of a candidate token to the target router's logits (distilled with KL).
+    Stored beside the draft with its held-out recall. Example: `moesim train-expert-predictor`
+    """
+    import torch
+
+    from executor.model import load_checkpoint
+    from executor.speculative import train_expert_predictor
+    from executor.train import stdlib_corpus
+
+    dpath, tpath = _checkpoint(draft), _checkpoint(model)
+    d, t = load_checkpoint(dpath), load_checkpoint(tpath)
+    if d.spec.vocab != t.spec.vocab:
+        raise MoesimError("draft and target must share a vocabulary")
+    if min(tokens, eval_tokens, epochs) < 1:
+        raise MoesimError("tokens, eval-tokens and epochs must be >= 1")
+    torch.set_num_threads(2)
+    corpus, _ = stdlib_corpus()
+    split = int(len(corpus) * 0.95)
+    with err.status("training the expert predictor"):
+        rec = train_expert_predictor(d, t, torch.tensor(list(corpus[:tokens])), torch.tensor(list(corpus[split:split + eval_tokens])),
+                                     dpath, epochs)
+    out.print(f"held-out recall@{t.spec.top_k} per target layer: " + ", ".join(f"{x:.3f}" for x in rec["recall_at_k"])
+              + f" ({rec['parameters']} parameters, {rec['seconds']} s)")
+
+
+def _checkpoint(name: str) -> Path:
+    from executor.profile import shipped_model
+
+    path = {SHIPPED_MODEL: shipped_model(), DRAFT_MODEL: shipped_model().parent / DRAFT_MODEL}.get(name, Path(name))
+    if not path.is_dir():
+        raise MoesimError(f"{name} is not a checkpoint directory")
+    return path
+
+
+@app.command()
+def speculate(
+    model: Annotated[str, typer.Option(help="Target checkpoint, or 'moe-stdlib'.")] = SHIPPED_MODEL,
+    draft: Annotated[str, typer.Option(help="Draft checkpoint (with its expert predictor), or 'moe-stdlib-draft'.")] = DRAFT_MODEL,
+    policy: Annotated[str, typer.Option(help="An exact policy for the target: all-resident, on-demand, prefetch-fom "
+                                             "(prefetches the predicted union of each next layer).")] = "on-demand",
+    selection: Annotated[str, typer.Option(help="confidence or ecospec.")] = "ecospec",
+    score: Annotated[str, typer.Option(help="EcoSpec score: ratio (p / delta) or lagrangian (p - lambda * delta).")] = "ratio",
+    lam: Annotated[float, typer.Option("--lambda", help="lambda of the Lagrangian score.")] = 0.05,
+    gamma: Annotated[int, typer.Option(help="Candidates verified per step (besides the root).")] = 4,
+    branch: Annotated[int, typer.Option(help="Children per node in the draft tree.")] = 2,
+    depth: Annotated[int, typer.Option(help="Depth of the draft tree.")] = 3,
+    tokens: Annotated[int, typer.Option(help="Tokens to produce.")] = 64,
+    hw_name: Annotated[str, typer.Option("--hw", help="Profile whose link the emulated link imitates.")] = "a6000",
+    link_gbps: Annotated[float | None, typer.Option(help="Override the profile's host-to-device GB/s.")] = None,
+    cache_experts: Annotated[int, typer.Option(help="Cross-token expert cache, in experts.")] = 0,
+    prompt: Annotated[str | None, typer.Option(help="Prompt text (default: a Python snippet).")] = None,
+    out_path: Annotated[Path, typer.Option("--out", help="Trace file to write (format version 2).")] = Path("traces/speculate.npz"),
+) -> None:
+    """Speculative decoding (greedy, lossless) with a draft tree on the offload engine,
+    selecting the verified nodes by confidence or by EcoSpec's cost-aware score; records
+    a version-2 trace with one record per verification step.
+
+    Example: `moesim speculate --selection ecospec --gamma 6 --link-gbps 0.5 --out sd.npz`,
+    then `moesim replay sd.npz` replays it.
+    """
+    import torch
+
+    from executor.model import load_checkpoint
+    from executor.profile import DEFAULT_PROMPT, load_default_vectors
+    from executor.runtime import OffloadedDecoder, make_transport
+    from executor.speculative import SpecSettings, build_sd_trace, load_expert_predictor, speculative_generate
+    from moesim.hardware import get_profile
+    from moesim.policy import get_policy
+    from traces.format import write_trace
+
+    pol = get_policy(policy)
+    if pol.speculative or pol.oracle:
+        raise MoesimError("speculative decoding verifies exactly: use all-resident, on-demand or prefetch-fom")
+    st = SpecSettings(gamma, branch, depth, selection, score, lam, tokens)
+    tpath, dpath = _checkpoint(model), _checkpoint(draft)
+    torch.set_num_threads(1)
+    target, d = load_checkpoint(tpath), load_checkpoint(dpath)
+    predictor = load_expert_predictor(dpath)
+    if predictor is None and (selection == "ecospec" or pol.prefetch):
+        raise MoesimError(f"{draft} has no expert predictor; run `moesim train-expert-predictor` first")
+    hw = get_profile(hw_name)
+    if link_gbps is not None:
+        hw = hw.with_figure("h2d_pinned_gbs", link_gbps)
+    dec = OffloadedDecoder(target, pol.name, make_transport(torch.device("cpu"), hw.link_bw, hw.transfer_latency),
+                           predictor="stale", default_vectors=load_default_vectors(tpath), cache_experts=cache_experts)
+    ids = torch.tensor(list((prompt if prompt is not None else DEFAULT_PROMPT).encode())).view(1, -1)
+    with err.status("speculating"):
+        prefill, records, produced = speculative_generate(dec, d, predictor, ids, st)
+    trace = build_sd_trace(target, ids, records, prefill, hw, st, pol.name, cache_experts, "cpu", False, str(tpath), str(dpath))
+    write_trace(trace, out_path)
+    steps = len(records)
+    wall = sum(r.draft_s + r.verify.tpot_s for r in records)
+    distinct = np.mean([sum(len(u) for u in r.true_union) for r in records])
+    err.print(f"wrote {out_path}: {len(produced)} tokens in {steps} verification steps "
+              f"({len(produced) / max(steps, 1):.2f} a step), {wall / max(len(produced), 1) * 1e3:.3g} ms a token, "
+              f"{distinct:.1f} distinct experts a step")
+
+
 @app.command()
 def train(
     out_dir: Annotated[Path, typer.Option("--out", help="Checkpoint folder to write.")] = Path("executor/checkpoints/moe-stdlib"),
@@ -786,9 +954,16 @@ def train(
     aux_coef: Annotated[float, typer.Option(help="Weight of the load-balancing loss.")] = 0.01,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
     threads: Annotated[int, typer.Option(help="CPU threads for torch.")] = 1,
+    name: Annotated[str, typer.Option(help="Model name.")] = "moe-stdlib",
+    layers: Annotated[int, typer.Option(help="Layers.")] = 4,
+    experts: Annotated[int, typer.Option(help="Routed experts per layer.")] = 32,
+    top_k: Annotated[int, typer.Option(help="Experts per token.")] = 4,
+    hidden: Annotated[int, typer.Option(help="Hidden size.")] = 128,
+    inter: Annotated[int, typer.Option(help="Expert intermediate size.")] = 64,
+    heads: Annotated[int, typer.Option(help="Attention heads (half as many KV heads).")] = 4,
 ) -> None:
-    """Train the small learned-routing MoE (4 layers, 32 experts, top-4, bytes) on the
-    Python standard library's source, on the CPU.
+    """Train the small learned-routing MoE (default: 4 layers, 32 experts, top-4, bytes) on
+    the Python standard library's source, on the CPU. Smaller geometries make drafts.
 
     Writes a Hugging Face style checkpoint plus training.json (this command, the data,
     the loss curve) and loss.png. The shipped checkpoint took about 25 minutes on 2 cores.
@@ -796,15 +971,19 @@ def train(
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from executor.train import stdlib_spec
     from executor.train import train as run_train
 
     if min(steps, batch, seq, threads) < 1 or lr <= 0 or aux_coef < 0:
         raise MoesimError("steps, batch, seq and threads must be >= 1, lr > 0, aux-coef >= 0")
+    if hidden % heads or heads < 2:
+        raise MoesimError("--hidden must be a multiple of --heads (>= 2)")
+    spec = stdlib_spec(name, layers, experts, top_k, hidden, inter, heads)
     with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[loss]}"),
                   TimeRemainingColumn(), console=err) as bar:
         task = bar.add_task("train", total=steps, loss="")
         record = run_train(out_dir, steps, batch, seq, lr, aux_coef, seed, threads,
-                           lambda i, n, loss: bar.update(task, completed=i, loss=f"loss {loss:.3f}"))
+                           lambda i, n, loss: bar.update(task, completed=i, loss=f"loss {loss:.3f}"), spec)
     err.print(f"wrote {out_dir}: held-out loss {record['final_eval_loss_nats_per_byte']} nats/byte "
               f"after {record['wall_seconds']} s")
 

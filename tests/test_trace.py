@@ -53,7 +53,7 @@ def _rewrite(tmp_path, trace, **changes):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"header": {"version": 2}}, "version 2"),
+    ({"header": {"version": 3}}, "version 3"),
     ({"header": {"format": "other"}}, "not a moesim trace"),
     ({"header": {"n_tokens": 99}}, "truncated"),
     ({"true_ids": np.full((24, 4, 1, 2), 16, np.int16)}, "true_ids outside"),

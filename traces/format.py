@@ -22,7 +22,8 @@ from moesim.errors import MoesimError
 from moesim.models import ModelSpec
 
 FORMAT = "moesim-trace"
-VERSION = 1
+VERSION = 2  # 2 = 1 + optional speculative-decoding records (sd_*); readers take both
+READABLE = (1, 2)
 
 #: Routing arrays, all [tokens, moe_layers, batch, top_k].
 ROUTING = ("true_ids", "true_gates", "pred_ids", "pred_gates", "exec_ids")
@@ -32,6 +33,14 @@ TIMING_1D = ("other_s", "tpot_s")
 COPY_FIELDS = ("copy_token", "copy_layer", "copy_expert", "copy_bytes", "copy_kind",
                "copy_issue_s", "copy_start_s", "copy_end_s")
 COPY_KINDS = ("prefetch", "demand")
+#: Speculative decoding (version 2), all or none: per verification step s, candidate node n
+#: (N = most candidates of a step, padded), MoE layer m, expert e; rows = root + candidates.
+SD_FIELDS = {
+    "sd_tree_tokens": ("i", 2), "sd_tree_parents": ("i", 2), "sd_tree_prob": ("f", 2), "sd_chosen": ("i", 2),
+    "sd_accepted": ("i", 1), "sd_node_pred": ("b", 4), "sd_root_pred": ("b", 3), "sd_row_true": ("i", 4),
+    "sd_draft_s": ("f", 1), "sd_verify_s": ("f", 1), "sd_attn_s": ("f", 2), "sd_expert_s": ("f", 2),
+    "sd_stall_s": ("f", 2),
+}
 
 
 @dataclass
@@ -71,6 +80,11 @@ class Trace:
     @property
     def measured(self) -> bool:
         return "tpot_s" in self.timings
+
+    @property
+    def speculative(self) -> bool:
+        """Whether the trace records speculative decoding (version 2 ``sd_*`` arrays)."""
+        return "sd_accepted" in self.timings
 
     @property
     def synthetic(self) -> bool:
@@ -127,13 +141,14 @@ def read_trace(path: str | Path) -> Trace:
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise MoesimError(f"{where}: not a moesim trace (format is {header.get('format') if isinstance(header, dict) else None!r})")
     version = header.get("version")
-    if version != VERSION:
-        raise MoesimError(f"{where}: trace format version {version!r}; this moesim reads version {VERSION}")
+    if version not in READABLE:
+        raise MoesimError(f"{where}: trace format version {version!r}; this moesim reads versions "
+                          f"{', '.join(map(str, READABLE))}")
     missing = [k for k in ("prompt_ids", "token_ids", *ROUTING) if k not in data]
     if missing:
         raise MoesimError(f"{where}: trace lacks array(s) {', '.join(missing)}")
     core = {k: data.pop(k) for k in ("prompt_ids", "token_ids", *ROUTING)}
-    unknown = set(data) - set(TIMING_2D) - set(TIMING_1D) - set(COPY_FIELDS)
+    unknown = set(data) - set(TIMING_2D) - set(TIMING_1D) - set(COPY_FIELDS) - set(SD_FIELDS)
     if unknown:
         raise MoesimError(f"{where}: trace has unknown array(s) {', '.join(sorted(unknown))}")
     trace = Trace(header, timings=data, **core)
@@ -224,6 +239,23 @@ def _validate_timings(trace: Trace, spec: ModelSpec, bad) -> None:
         if n[0] and ((tm["copy_start_s"] < tm["copy_issue_s"] - 1e-9).any()
                      or (tm["copy_end_s"] < tm["copy_start_s"]).any()):
             raise bad("copy times out of order (need issue <= start <= end)")
+    sd = [k for k in SD_FIELDS if k in tm]
+    if sd and len(sd) != len(SD_FIELDS):
+        raise bad(f"speculative records are incomplete (missing {', '.join(sorted(set(SD_FIELDS) - set(sd)))})")
+    if sd:
+        if trace.header.get("version", 1) < 2:
+            raise bad("speculative records need trace format version 2")
+        n_steps = tm["sd_accepted"].shape[0]
+        for k, (kind, ndim) in SD_FIELDS.items():
+            a = tm[k]
+            if a.ndim != ndim or a.shape[0] != n_steps:
+                raise bad(f"{k} must be {ndim}-D with {n_steps} steps first, got shape {a.shape}")
+            if kind == "i" and a.dtype.kind not in "iu" or kind == "b" and a.dtype != np.bool_:
+                raise bad(f"{k} has dtype {a.dtype}")
+        if tm["sd_node_pred"].shape[2:] != (spec.n_moe_layers, spec.n_experts):
+            raise bad("sd_node_pred must be [steps, nodes, moe_layers, experts]")
+        if (tm["sd_accepted"] < 1).any() or tm["sd_row_true"].max() >= spec.n_experts:
+            raise bad("sd_accepted must be >= 1 and sd_row_true ids in range")
     for k, a in tm.items():
         if a.dtype.kind == "f" and (not np.isfinite(a).all() or (a.size and a.min() < 0)):
             raise bad(f"{k} must be finite and non-negative")

@@ -1,0 +1,406 @@
+"""Speculative decoding on the offload engine, with cost-aware tree selection (EcoSpec).
+
+Each step: the draft model grows a candidate tree (top-``branch`` children per node to
+``depth``); a selection strategy picks ``gamma`` nodes that keep a tree; the target
+verifies the root (the last committed token) and the chosen nodes in one pass with a tree
+attention mask, loading per layer the union of their experts; greedy acceptance walks
+the tree along the target's own argmax, so the output equals plain greedy decoding; the
+KV cache keeps only the accepted path.
+
+Selection (confidence-only or EcoSpec) and greedy acceptance are plain decisions in
+``moesim/selection.py``, shared with the simulator's what-if.
+
+The expert predictor maps the draft's final hidden state of a node to each target
+layer's router logits (one linear probe per layer, distilled like the estimator).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from executor.model import MoEModel, TreeMask, expert_forward, route
+from executor.runtime import OffloadedDecoder
+from moesim.atomic import atomic_write, atomic_write_text
+from moesim.errors import MoesimError
+from moesim.selection import SCORES, SELECTIONS, Tree, accept, select
+
+__all__ = ["SCORES", "SELECTIONS", "Tree", "accept", "select"]  # the shared decisions, re-exported
+PREDICTOR_FILE = "expert_predictor.safetensors"
+
+
+# --------------------------------------------------------------------------------------
+# The expert predictor: draft hidden state -> target router logits, per layer
+# --------------------------------------------------------------------------------------
+
+
+class ExpertPredictor(nn.Module):
+    def __init__(self, draft_hidden: int, target_layers: int, n_experts: int) -> None:
+        super().__init__()
+        self.probes = nn.Linear(draft_hidden, target_layers * n_experts)
+        self.layers, self.experts = target_layers, n_experts
+
+    def forward(self, h: Tensor) -> Tensor:
+        """[n, draft_hidden] -> router logits [n, target_layers, experts]."""
+        return self.probes(h).view(h.shape[0], self.layers, self.experts)
+
+
+@torch.no_grad()
+def draft_hidden(draft: MoEModel, tokens: Tensor, tree: TreeMask | None = None, cache=None,
+                 start: int = 0) -> tuple[Tensor, Tensor]:
+    """Draft forward over ``tokens`` [1, t] (after ``start`` cached tokens when ``cache``):
+    (logits [t, V], final normed hidden [t, d])."""
+    s = draft.spec
+    h = draft.embed_tokens(tokens)
+    for layer, blk in enumerate(draft.layers):
+        h = h + blk.self_attn(blk.input_layernorm(h), cache, layer, start, tree)
+        x = blk.post_attention_layernorm(h).reshape(-1, s.hidden)
+        ids, gates = route(blk.gate(x), s.top_k, s.norm_topk_prob)
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            rows, cols = (ids == e).nonzero(as_tuple=True)
+            y = expert_forward(draft.experts[layer][e], x[rows], s.hidden, s.expert_inter)
+            out.index_add_(0, rows, y * gates[rows, cols, None].to(y.dtype))
+        h = h + out.view_as(h)
+    hn = draft.norm(h)[0]
+    return draft.lm_head(hn), hn
+
+
+class DraftState:
+    """The draft's KV cache over the committed text: each step feeds only what was
+    committed since, then reads the tree against it (tree keys are written past the
+    committed ones and overwritten by the next step)."""
+
+    def __init__(self, draft: MoEModel, max_len: int) -> None:
+        self.draft, self.cache, self.n = draft, draft.new_cache(1, max_len), 0
+        self.last: tuple[Tensor, Tensor] | None = None  # (logits, hidden) of the last committed token
+
+    def advance(self, committed: list[int]) -> None:
+        new = torch.tensor(committed[self.n:], dtype=torch.long).view(1, -1)
+        logits, hidden = draft_hidden(self.draft, new, None, self.cache, self.n)
+        self.n = len(committed)
+        self.last = (logits[-1], hidden[-1])
+
+    def tree(self, tokens: list[int], parents: list[int]) -> tuple[Tensor, Tensor]:
+        tm = TreeMask.from_parents(parents, self.n)
+        return draft_hidden(self.draft, torch.tensor([tokens]), tm, self.cache, self.n)
+
+
+@torch.no_grad()
+def _target_router_probs(target: MoEModel, tokens: Tensor) -> Tensor:
+    """Every target layer's router distribution for each token: [t, layers, experts]."""
+    s = target.spec
+    h = target.embed_tokens(tokens.view(1, -1))
+    out_probs = []
+    for layer, blk in enumerate(target.layers):
+        h = h + blk.self_attn(blk.input_layernorm(h), None, layer, 0)
+        x = blk.post_attention_layernorm(h).reshape(-1, s.hidden)
+        logits = blk.gate(x)
+        out_probs.append(logits.float().softmax(-1))
+        ids, gates = route(logits, s.top_k, s.norm_topk_prob)
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            rows, cols = (ids == e).nonzero(as_tuple=True)
+            y = expert_forward(target.experts[layer][e], x[rows], s.hidden, s.expert_inter)
+            out.index_add_(0, rows, y * gates[rows, cols, None].to(y.dtype))
+        h = h + out.view_as(h)
+    return torch.stack(out_probs, 1)
+
+
+def train_expert_predictor(draft: MoEModel, target: MoEModel, train: Tensor, held_out: Tensor, out_dir: Path,
+                           epochs: int = 20, chunk: int = 256, lr: float = 3e-3, seed: int = 0) -> dict:
+    """Distil per-layer linear probes (KL to the target routers) and report held-out recall."""
+    torch.manual_seed(seed)
+    t0 = time.time()
+
+    def data(tokens: Tensor) -> tuple[Tensor, Tensor]:
+        xs, ys = [], []
+        for i in range(0, tokens.numel() - chunk + 1, chunk):
+            part = tokens[i:i + chunk]
+            xs.append(draft_hidden(draft, part.view(1, -1))[1].float())
+            ys.append(_target_router_probs(target, part))
+        return torch.cat(xs), torch.cat(ys)
+
+    x, y = data(train)
+    xe, ye = data(held_out)
+    s = target.spec
+    pred = ExpertPredictor(draft.spec.hidden, s.n_layers, s.n_experts)
+    opt = torch.optim.AdamW(pred.parameters(), lr=lr, weight_decay=0.01)
+    for _ in range(epochs):
+        for idx in torch.randperm(x.shape[0]).split(512):
+            loss = F.kl_div(pred(x[idx]).log_softmax(-1), y[idx], reduction="batchmean")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    with torch.no_grad():
+        top_p = pred(xe).topk(s.top_k, -1).indices
+        top_t = ye.topk(s.top_k, -1).indices
+        recall = (top_p[..., :, None] == top_t[..., None, :]).any(-1).float().mean((0, 2)).tolist()
+    from safetensors.torch import save
+
+    data_ = save({k: v.contiguous() for k, v in pred.state_dict().items()},
+                 metadata={"draft_hidden": str(draft.spec.hidden), "layers": str(s.n_layers), "experts": str(s.n_experts)})
+    atomic_write(out_dir / PREDICTOR_FILE, lambda f: f.write(data_))
+    record = {"recall_at_k": recall, "train_tokens": int(train.numel()), "held_out_tokens": int(held_out.numel()),
+              "parameters": sum(p.numel() for p in pred.parameters()), "seconds": round(time.time() - t0, 1),
+              "what": "per target layer, recall@k of the experts predicted from the draft's hidden state"}
+    atomic_write_text(out_dir / "expert_predictor.json", json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def load_expert_predictor(model_dir: Path) -> ExpertPredictor | None:
+    path = Path(model_dir) / PREDICTOR_FILE
+    if not path.exists():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    pred = ExpertPredictor(int(meta["draft_hidden"]), int(meta["layers"]), int(meta["experts"]))
+    pred.load_state_dict(state)
+    return pred.eval()
+
+
+# --------------------------------------------------------------------------------------
+# The decoding loop
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class SpecSettings:
+    gamma: int = 4  # candidates verified per step (besides the root)
+    branch: int = 2
+    depth: int = 3
+    strategy: str = "ecospec"
+    score: str = "ratio"
+    lam: float = 0.1
+    tokens: int = 32  # tokens to produce
+
+    def __post_init__(self) -> None:
+        if self.gamma < 0 or self.branch < 1 or self.depth < 1 or self.tokens < 1:
+            raise MoesimError("gamma >= 0, branch >= 1, depth >= 1, tokens >= 1")
+        if self.strategy not in SELECTIONS:
+            raise MoesimError(f"unknown selection {self.strategy!r}; known: {', '.join(SELECTIONS)}")
+        if self.score not in SCORES:
+            raise MoesimError(f"unknown score {self.score!r}; known: {', '.join(SCORES)}")
+
+
+@dataclass
+class VerifyRecord:
+    """One verification step: the candidate tree, what was verified and accepted, experts, times."""
+
+    tree: Tree
+    chosen: list[int]
+    accepted_rows: list[int]
+    new_tokens: list[int]
+    true_union: list[set[int]]
+    pred_union: list[set[int]]
+    draft_s: float
+    verify: object  # the runtime's StepRecord of the verification pass
+    row_routing: np.ndarray  # [L, rows, k] true ids of every verified row
+    row_tokens: list[int]  # the verified rows' tokens: the root, then the chosen candidates
+    root_experts: list[set[int]]  # the expert predictor's guess for the root (the buffer's start)
+
+
+@torch.no_grad()
+def build_tree(state: DraftState, predictor: ExpertPredictor | None, branch: int, depth: int,
+               k: int) -> tuple[Tree, list[set[int]]]:
+    """Grow the candidate tree level by level from the draft's state after the committed
+    text. Returns the tree and the root's predicted experts."""
+    tree = Tree()
+    root_logits, root_hidden = state.last
+    root_experts: list[set[int]] = []
+    if predictor is not None:
+        pred = predictor(root_hidden.float()[None]).topk(k, -1).indices[0]
+        root_experts = [set(pred[layer].tolist()) for layer in range(pred.shape[0])]
+    frontier, logits, hidden = [-1], None, None
+    for level in range(depth + 1):
+        if level:  # read the tree so far: logits and hidden of every node
+            logits, hidden = state.tree(tree.tokens, tree.parents)
+            if predictor is not None:
+                pred = predictor(hidden.float()).topk(k, -1).indices
+                for i in range(len(tree.experts), len(tree)):
+                    tree.experts.append([set(pred[i, layer].tolist()) for layer in range(pred.shape[1])])
+        if level == depth:
+            break
+        new_frontier = []
+        for f in frontier:
+            probs = (root_logits if f == -1 else logits[f]).float().softmax(-1)
+            p, ids = probs.topk(branch)
+            base = 1.0 if f == -1 else tree.prob[f]
+            for pi, ti in zip(p.tolist(), ids.tolist(), strict=True):
+                tree.tokens.append(ti)
+                tree.parents.append(f)
+                tree.prob.append(base * pi)
+                new_frontier.append(len(tree) - 1)
+        frontier = new_frontier
+    return tree, root_experts
+
+
+@torch.no_grad()
+def speculative_generate(decoder: OffloadedDecoder, draft: MoEModel, predictor: ExpertPredictor | None,
+                         prompt: Tensor, st: SpecSettings) -> tuple[float, list[VerifyRecord], list[int]]:
+    """Greedy speculative decoding of ``prompt`` [1, P] (batch 1). Returns (prefill seconds,
+    verification records, produced tokens)."""
+    target = decoder.model
+    if decoder.policy.speculative:
+        raise MoesimError("speculative decoding verifies exactly: use an exact policy (not prefetch-spec)")
+    if prompt.shape[0] != 1:
+        raise MoesimError("speculative decoding runs at batch 1")
+    if st.strategy == "ecospec" and predictor is None:
+        raise MoesimError("ecospec selection needs the expert predictor (moesim train-expert-predictor)")
+    s, k = target.spec, target.spec.top_k
+    p = prompt.shape[1]
+    cache = target.new_cache(1, p + st.tokens + st.depth + st.gamma + 2)
+    pre = decoder.step(prompt.to(decoder.device), cache, 0, prefill=True)
+    out: list[int] = []
+    committed = prompt[0].tolist()
+    root = int(pre.logits[0].argmax())
+    pos = p
+    records: list[VerifyRecord] = []
+    n_tree = sum(st.branch ** d for d in range(1, st.depth + 1))  # candidates a tree can hold
+    state = DraftState(draft, p + st.tokens + n_tree + 2)
+    try:
+        while len(out) < st.tokens:
+            out.append(root)
+            committed.append(root)
+            if len(out) >= st.tokens:
+                break
+            t0 = time.perf_counter()
+            state.advance(committed)
+            tree, root_experts = build_tree(state, predictor, st.branch, st.depth, k)
+            chosen = select(tree, st.gamma, st.strategy, root_experts or None, st.score, st.lam)
+            draft_s = time.perf_counter() - t0
+            parents = [-1] + [0 if tree.parents[c] == -1 else 1 + chosen.index(tree.parents[c]) for c in chosen]
+            rows = torch.tensor([[root] + [tree.tokens[c] for c in chosen]])
+            pred_union = [set(root_experts[layer]) if root_experts else set() for layer in range(s.n_layers)]
+            for c in chosen:
+                if tree.experts:
+                    for layer in range(s.n_layers):
+                        pred_union[layer] |= tree.experts[c][layer]
+            tm = TreeMask.from_parents(parents, pos, decoder.device)
+            rec = decoder.step(rows.to(decoder.device), cache, pos, step_index=len(records), tree=tm,
+                               predicted=[sorted(u) for u in pred_union] if predictor is not None else None)
+            target_next = rec.all_logits[0].argmax(-1).tolist()  # the target's next token after every row
+            acc = accept(tree, chosen, target_next)
+            cache.keep(pos, acc)
+            new = [int(rows[0, r]) for r in acc[1:]]
+            true_union = [set(rec.true_ids[layer].reshape(-1).tolist()) for layer in range(s.n_layers)]
+            records.append(VerifyRecord(tree, chosen, acc, new, true_union, pred_union, draft_s, rec,
+                                        rec.true_ids.copy(), rows[0].tolist(), root_experts))
+            out.extend(new)
+            committed.extend(new)
+            pos += len(acc)
+            root = target_next[acc[-1]]
+    except KeyboardInterrupt:
+        if not records:
+            raise
+    finally:
+        decoder.transport.close()
+    return pre.tpot_s, records, out[: st.tokens]
+
+
+def greedy_reference(target: MoEModel, prompt: Tensor, n: int) -> list[int]:
+    """Plain greedy decoding with everything resident: what speculative decoding must equal."""
+    cache = target.new_cache(1, prompt.shape[1] + n + 1)
+    logits = target(prompt, cache, 0)[:, -1]
+    out, pos = [], prompt.shape[1]
+    for _ in range(n):
+        tok = int(logits[0].argmax())
+        out.append(tok)
+        logits = target(torch.tensor([[tok]]), cache, pos)[:, -1]
+        pos += 1
+    return out
+
+
+def expected_dispersion(records: list[VerifyRecord]) -> dict:
+    """Distinct experts per verification step against the nodes verified (for the report)."""
+    nodes = np.array([len(r.chosen) + 1 for r in records])
+    distinct = np.array([sum(len(u) for u in r.true_union) for r in records])
+    return {"nodes": nodes.tolist(), "distinct_experts": distinct.tolist(),
+            "accepted_per_step": float(np.mean([len(r.new_tokens) + 1 for r in records])) if records else math.nan}
+
+
+def build_sd_trace(target: MoEModel, prompt: Tensor, records: list[VerifyRecord], prefill_s: float, hw,
+                   st: SpecSettings, policy: str, cache_experts: int, device: str, synthetic: bool, source: str,
+                   draft_source: str, extra: dict | None = None):
+    """A version-2 trace: the routing of every accepted row as the main arrays, and one
+    record per verification step (tree, choice, acceptance, experts, timings)."""
+    from moesim import __version__
+    from traces.format import FORMAT, VERSION, Trace
+
+    s = target.spec
+    L, E, k = s.n_layers, s.n_experts, s.top_k
+    n_steps = len(records)
+    n_nodes = max(1, max(len(r.tree) for r in records))
+    n_rows = 1 + max(1, max(len(r.chosen) for r in records))
+    tokens = np.full((n_steps, n_nodes), -1, np.int32)
+    parents = np.full((n_steps, n_nodes), -2, np.int16)
+    prob = np.zeros((n_steps, n_nodes), np.float32)
+    chosen = np.full((n_steps, n_nodes), -1, np.int16)
+    node_pred = np.zeros((n_steps, n_nodes, L, E), bool)
+    root_pred = np.zeros((n_steps, L, E), bool)
+    row_true = np.full((n_steps, n_rows, L, k), -1, np.int16)
+    true_rows, token_rows = [], []
+    for i, r in enumerate(records):
+        n = len(r.tree)
+        tokens[i, :n], parents[i, :n], prob[i, :n] = r.tree.tokens, r.tree.parents, r.tree.prob
+        for order, c in enumerate(r.chosen):
+            chosen[i, c] = order
+        for c, experts in enumerate(r.tree.experts):
+            for layer, es in enumerate(experts):
+                node_pred[i, c, layer, sorted(es)] = True
+        for layer, es in enumerate(r.root_experts):
+            root_pred[i, layer, sorted(es)] = True
+        rt = r.row_routing.transpose(1, 0, 2)  # [rows, L, k]
+        row_true[i, : rt.shape[0]] = rt
+        for row in r.accepted_rows:
+            true_rows.append(rt[row])
+            token_rows.append(r.row_tokens[row])
+    vr = [r.verify for r in records]
+    true_ids = np.stack(true_rows)[:, :, None, :].astype(np.int16)
+    timings = {
+        "sd_tree_tokens": tokens, "sd_tree_parents": parents, "sd_tree_prob": prob, "sd_chosen": chosen,
+        "sd_accepted": np.array([len(r.accepted_rows) for r in records], np.int16),
+        "sd_node_pred": node_pred, "sd_root_pred": root_pred, "sd_row_true": row_true,
+        "sd_draft_s": np.array([r.draft_s for r in records]), "sd_verify_s": np.array([v.tpot_s for v in vr]),
+        "sd_attn_s": np.stack([v.attn_s for v in vr]), "sd_expert_s": np.stack([v.expert_s for v in vr]),
+        "sd_stall_s": np.stack([v.stall_s for v in vr]),
+    }
+    copies = [(i, c) for i, v in enumerate(vr) for c in v.copies]
+    timings.update({
+        "copy_token": np.array([i for i, _ in copies], np.int32), "copy_layer": np.array([c.layer for _, c in copies], np.int16),
+        "copy_expert": np.array([c.expert for _, c in copies], np.int16),
+        "copy_bytes": np.array([c.nbytes for _, c in copies], np.int64),
+        "copy_kind": np.array([c.kind for _, c in copies], np.uint8),
+        "copy_issue_s": np.array([max(c.issue, 0.0) for _, c in copies]),
+        "copy_start_s": np.array([max(c.start, c.issue, 0.0) for _, c in copies]),
+        "copy_end_s": np.array([max(c.end, c.start, c.issue, 0.0) for _, c in copies]),
+    })
+    header = {
+        "format": FORMAT, "version": VERSION, "model": s.to_dict(),
+        "policy": {"name": policy, "params": {"cache_experts": cache_experts}},
+        "prompt_len": int(prompt.shape[1]), "n_tokens": int(true_ids.shape[0]), "batch": 1, "seed": 0,
+        "synthetic": synthetic, "prefill_s": prefill_s,
+        "speculative": {"gamma": st.gamma, "branch": st.branch, "depth": st.depth, "strategy": st.strategy,
+                        "score": st.score, "lambda": st.lam, "draft": draft_source,
+                        "note": "main arrays hold the accepted rows' routing; sd_* one record per verification step"},
+        "recorded": {"tool": f"moesim {__version__}", "how": "moesim speculate (reference executor)",
+                     "hw_profile": hw.name, "link_gbps": hw["h2d_pinned_gbs"], "latency_us": hw["transfer_latency_us"],
+                     "device": device, "model_source": source, "torch": torch.__version__},
+        "metrics": extra or {},
+    }
+    gates = np.full(true_ids.shape, 1.0 / k, np.float32)
+    pred = np.full(true_ids.shape, -1, np.int16)
+    return Trace(header, prompt.numpy().astype(np.int32), np.array([token_rows], np.int32), true_ids, gates, pred,
+                 np.zeros_like(gates), true_ids.copy(), timings)
+

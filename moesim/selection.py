@@ -1,0 +1,85 @@
+"""Speculative decoding's decisions as plain data: candidate trees, which nodes to verify
+(confidence-only or EcoSpec's cost-aware greedy), and greedy acceptance.
+
+The executor performs these decisions and the simulator's what-if re-runs them on
+recorded trees; neither imports the other, and this module imports neither torch nor SimPy.
+
+Selection strategies under a verification budget ``gamma``:
+
+- ``confidence``: repeatedly take the candidate (child of a chosen node) with the highest
+  cumulative draft probability;
+- ``ecospec``: score each candidate by its cumulative probability ``p`` against its
+  marginal expert cost ``delta`` = the number of its predicted experts, summed over layers,
+  not yet in the step's expert buffer B (which starts with the root's predicted experts);
+  score ``lagrangian`` = ``p - lam * delta`` or ``ratio`` = ``p / delta`` (a candidate that
+  adds nothing scores above every one that does); take the best, add its experts to B.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moesim.errors import MoesimError
+
+SELECTIONS = ("confidence", "ecospec")
+SCORES = ("lagrangian", "ratio")
+
+
+@dataclass
+class Tree:
+    """Candidates below the root: ``parents[i]`` is -1 (a child of the root) or an earlier index."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    prob: list[float] = field(default_factory=list)  # cumulative draft probability of the path
+    experts: list[list[set[int]]] = field(default_factory=list)  # per node, per target layer: predicted experts
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def score(p: float, delta: int, kind: str, lam: float) -> float:
+    if kind == "lagrangian":
+        return p - lam * delta
+    if kind == "ratio":
+        return p / delta if delta > 0 else 1e9 + p
+    raise MoesimError(f"unknown score {kind!r}; known: {', '.join(SCORES)}")
+
+
+def select(tree: Tree, gamma: int, strategy: str = "confidence", root_experts: list[set[int]] | None = None,
+           kind: str = "ratio", lam: float = 0.1) -> list[int]:
+    """Indices of up to ``gamma`` nodes, a tree (every parent chosen before its child),
+    in the order chosen."""
+    if strategy not in SELECTIONS:
+        raise MoesimError(f"unknown selection {strategy!r}; known: {', '.join(SELECTIONS)}")
+    chosen: list[int] = []
+    buffer = [set(s) for s in root_experts] if root_experts else None
+    open_ = {i for i, p in enumerate(tree.parents) if p == -1}
+    while open_ and len(chosen) < gamma:
+        if strategy == "confidence" or buffer is None:
+            best = max(open_, key=lambda i: (tree.prob[i], -i))
+        else:
+            def cost(i: int) -> int:
+                return sum(len(e - b) for e, b in zip(tree.experts[i], buffer, strict=True))
+
+            best = max(open_, key=lambda i: (score(tree.prob[i], cost(i), kind, lam), -i))
+            for b, e in zip(buffer, tree.experts[best], strict=True):
+                b |= e
+        chosen.append(best)
+        open_.discard(best)
+        open_ |= {i for i, p in enumerate(tree.parents) if p == best}
+    return chosen
+
+
+def accept(tree: Tree, chosen: list[int], target_next: list[int]) -> list[int]:
+    """Greedy acceptance. ``target_next[j]`` is the target's argmax after input row j, where
+    row 0 is the root and row 1 + n is ``chosen[n]``. Returns the accepted rows (0 first)."""
+    row_of = {node: 1 + n for n, node in enumerate(chosen)}
+    rows, node = [0], -1
+    while True:
+        want = target_next[rows[-1]]
+        child = next((c for c in chosen if tree.parents[c] == node and tree.tokens[c] == want), None)
+        if child is None:
+            return rows
+        rows.append(row_of[child])
+        node = child

@@ -1,0 +1,209 @@
+"""Speculative-decoding traces in the simulator: replay, and what-if over selection.
+
+A verification step is timed like a decode step whose "token" is the verified row set:
+per layer, attention over the rows, the union of their experts through the link (on
+demand, or prefetched from the predicted union when the policy prefetches) or device
+memory (all-resident), and the draft's measured time on top. TPOT is the sum of step
+times over the tokens the steps produced.
+
+What-if over gamma, strategy, score and lambda re-runs the selection on the recorded
+candidate trees with the recorded per-node expert predictions. Two things a recording
+cannot know are approximated, and every result says so: a node the recording did not
+verify is assumed to route to its *predicted* experts, and acceptance is known only along
+the target's greedy path as far as the recording saw it (deeper nodes count as rejected).
+Draft probabilities are stored in float32, so near-ties may order differently than live.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from moesim.errors import MoesimError
+from moesim.hardware import HardwareProfile
+from moesim.policy import Planner, get_policy
+from moesim.selection import Tree, select
+from sim.costs import roofline_costs
+from sim.fastpath import run_fast
+from sim.workload import Link, Workload
+from traces.format import Trace
+
+
+@dataclass
+class Step:
+    """One verification step as the simulator sees it."""
+
+    rows: int
+    true_union: list[set[int]]  # per layer
+    pred_union: list[set[int]]
+    produced: int  # tokens the step produced (accepted candidates + the bonus token)
+
+
+def _trees(trace: Trace) -> list[dict[str, Any]]:
+    tm = trace.timings
+    out = []
+    for s in range(len(tm["sd_accepted"])):
+        valid = tm["sd_tree_parents"][s] > -2
+        n = int(valid.sum())
+        chosen_order = tm["sd_chosen"][s][:n]
+        chosen = [int(i) for i in np.argsort(np.where(chosen_order >= 0, chosen_order, 10**6))[: int((chosen_order >= 0).sum())]]
+        out.append({
+            "tokens": tm["sd_tree_tokens"][s][:n].tolist(), "parents": tm["sd_tree_parents"][s][:n].tolist(),
+            "prob": tm["sd_tree_prob"][s][:n].tolist(), "chosen": chosen, "accepted": int(tm["sd_accepted"][s]),
+            "node_pred": tm["sd_node_pred"][s][:n], "root_pred": tm["sd_root_pred"][s], "row_true": tm["sd_row_true"][s],
+        })
+    return out
+
+
+def _sets(mask: np.ndarray) -> list[set[int]]:
+    return [set(np.flatnonzero(row).tolist()) for row in mask]
+
+
+def recorded_steps(trace: Trace) -> list[Step]:
+    steps = []
+    for t in _trees(trace):
+        rows = 1 + len(t["chosen"])
+        true = [set() for _ in range(t["root_pred"].shape[0])]
+        for r in range(rows):
+            for layer, ids in enumerate(t["row_true"][r]):
+                true[layer] |= {int(e) for e in ids if e >= 0}
+        pred = _sets(t["root_pred"])
+        for c in t["chosen"]:
+            for layer, es in enumerate(_sets(t["node_pred"][c])):
+                pred[layer] |= es
+        steps.append(Step(rows, true, pred, t["accepted"]))
+    return steps
+
+
+def reselected_steps(trace: Trace, gamma: int, strategy: str, score: str = "ratio", lam: float = 0.1) -> list[Step]:
+    """The steps as they would have been under another selection (see the module docstring)."""
+    steps = []
+    trees = _trees(trace)
+    starts = np.concatenate([[0], np.cumsum([t["accepted"] for t in trees])])  # first token row of each step
+    for s_, t in enumerate(trees):
+        n_layers = t["root_pred"].shape[0]
+        node_pred = [_sets(t["node_pred"][i]) for i in range(len(t["tokens"]))]
+        tree = Tree(t["tokens"], t["parents"], t["prob"], node_pred)
+        # The target's greedy path through the tree, as far as the recording saw it.
+        rec_rows = t["accepted"]
+        path = [t["chosen"][r - 1] for r in range(1, rec_rows)]
+        known_next = [tree.tokens[n] for n in path]
+        if s_ + 1 < len(trees):  # the next step's root is the target's token after this path
+            known_next.append(int(trace.token_ids[0, starts[s_ + 1]]))
+        chosen = select(tree, gamma, strategy, _sets(t["root_pred"]), score, lam)
+        # Acceptance: follow the known path while the chosen set contains it.
+        produced, node = 1, -1
+        for tok in known_next:
+            child = next((c for c in chosen if tree.parents[c] == node and tree.tokens[c] == tok), None)
+            if child is None:
+                break
+            produced += 1
+            node = child
+        true = [set() for _ in range(n_layers)]
+        verified = {c: r + 1 for r, c in enumerate(t["chosen"])}
+        for layer in range(n_layers):
+            true[layer] |= {int(e) for e in t["row_true"][0][layer] if e >= 0}
+        for c in chosen:
+            for layer in range(n_layers):
+                if c in verified:
+                    true[layer] |= {int(e) for e in t["row_true"][verified[c]][layer] if e >= 0}
+                else:
+                    true[layer] |= node_pred[c][layer]
+        pred = _sets(t["root_pred"])
+        for c in chosen:
+            for layer in range(n_layers):
+                pred[layer] |= node_pred[c][layer]
+        steps.append(Step(1 + len(chosen), true, pred, produced))
+    return steps
+
+
+def simulate_steps(trace: Trace, steps: list[Step], hw: HardwareProfile, policy: str, cache_experts: int = 0,
+                   eviction: str = "lru", timing: str = "measured", link_gbps: float | None = None) -> dict[str, Any]:
+    """Time verification steps with the fast path; ``timing`` measured (the trace's own
+    per-layer times, charged per row and per expert) or profile (roofline)."""
+    spec = trace.model
+    pol = get_policy(policy)
+    if pol.speculative or pol.oracle:
+        raise MoesimError("speculative decoding verifies exactly: all-resident, on-demand or prefetch-fom")
+    if link_gbps is not None:
+        hw = hw.with_figure("h2d_pinned_gbs", link_gbps)
+    tm = trace.timings
+    n_steps, n_layers = len(steps), spec.n_layers
+    if len(tm["sd_accepted"]) != n_steps:
+        raise MoesimError("steps do not match the trace")
+    planner = Planner(pol, cache_experts if pol.offload else 0, eviction)
+    demand = np.zeros((n_steps, n_layers), np.int32)
+    prefetch_next = np.zeros((n_steps, n_layers), np.int32)
+    executed = np.zeros((n_steps, n_layers), np.int32)
+    for s_, st in enumerate(steps):
+        for layer in range(n_layers):
+            plan = planner.route(layer, sorted(st.true_union[layer]),
+                                 sorted(st.pred_union[layer]) if layer and pol.prefetch else None)
+            if layer + 1 < n_layers and pol.prefetch:
+                prefetch_next[s_, layer] = len(planner.prefetch(layer + 1, sorted(st.pred_union[layer + 1])))
+            planner.finish(layer, plan)
+            demand[s_, layer], executed[s_, layer] = len(plan.demand), len(plan.execute)
+    rec_rows = np.array([1 + int((tm["sd_chosen"][i] >= 0).sum()) for i in range(n_steps)])
+    rec_union = np.array([[len({int(e) for r in range(rec_rows[i]) for e in tm["sd_row_true"][i, r, layer] if e >= 0})
+                           for layer in range(n_layers)] for i in range(n_steps)])
+    rows = np.array([st.rows for st in steps])
+    if timing == "measured":
+        per_expert = tm["sd_expert_s"] / np.maximum(rec_union, 1)
+        attn = tm["sd_attn_s"] * (rows / rec_rows)[:, None]  # attention work grows with the rows verified
+        rest = tm["sd_verify_s"] - tm["sd_attn_s"].sum(1) - tm["sd_expert_s"].sum(1) - tm["sd_stall_s"].sum(1)
+        experts = executed * per_expert
+        source = "measured (trace)"
+    elif timing == "profile":
+        ctx = trace.prompt_len + np.concatenate([[0], np.cumsum(tm["sd_accepted"])[:-1]])
+        attn = np.stack([roofline_costs(spec, hw, 1, int(c), int(r)).attn[0] for c, r in zip(ctx, rows, strict=True)])
+        c1 = roofline_costs(spec, hw, 1, trace.prompt_len, 1)
+        experts = np.maximum(executed * c1.per_expert[0, 0], rows[:, None] * spec.top_k * c1.expert_math_s)
+        rest = np.full(n_steps, c1.other[0])
+        source = f"roofline ({hw.name})"
+    else:
+        raise MoesimError(f"unknown timing {timing!r}; use measured or profile")
+    other = np.maximum(rest, 0) + tm["sd_draft_s"]  # the draft runs before verification
+    work = Workload(attn, experts, demand, prefetch_next, other, source)
+    ends, copy, stall = run_fast(work, Link.from_profile(hw, spec))
+    step_s = np.diff(ends, prepend=0.0)
+    produced = np.array([st.produced for st in steps])
+    distinct = np.array([sum(len(u) for u in st.true_union) for st in steps])
+    return {
+        "policy": pol.name, "hw": hw.name, "link_gbps": hw["h2d_pinned_gbs"], "timing": source,
+        "steps": n_steps, "tokens": int(produced.sum()), "accepted_per_step": float(produced.mean()),
+        "rows_per_step": float(rows.mean()), "distinct_experts_per_step": float(distinct.mean()),
+        "tpot_ms": float(step_s.sum() / produced.sum() * 1e3), "step_ms": float(step_s.mean() * 1e3),
+        "copy_ms_per_step": float(copy.mean() * 1e3), "stall_ms_per_step": float(stall.mean() * 1e3),
+    }
+
+
+def measured_summary(trace: Trace) -> dict[str, Any]:
+    """What the executor measured, and the verification latency against distinct experts
+    (least squares: the 'expert dispersion' cost of a step)."""
+    tm = trace.timings
+    steps = recorded_steps(trace)
+    distinct = np.array([sum(len(u) for u in st.true_union) for st in steps], float)
+    verify = tm["sd_verify_s"]
+    slope, intercept = np.polyfit(distinct, verify, 1) if np.ptp(distinct) > 0 else (np.nan, float(verify.mean()))
+    fit = slope * distinct + intercept
+    r2 = 1 - ((verify - fit) ** 2).sum() / max(((verify - verify.mean()) ** 2).sum(), 1e-30)
+    total = tm["sd_draft_s"] + verify
+    produced = tm["sd_accepted"]
+    return {"steps": len(produced), "tokens": int(produced.sum()), "accepted_per_step": float(produced.mean()),
+            "distinct_experts_per_step": float(distinct.mean()), "tpot_ms": float(total.sum() / produced.sum() * 1e3),
+            "draft_ms_per_step": float(tm["sd_draft_s"].mean() * 1e3), "verify_ms_per_step": float(verify.mean() * 1e3),
+            "verify_ms_per_distinct_expert": float(slope * 1e3), "verify_ms_intercept": float(intercept * 1e3),
+            "verify_vs_experts_r2": float(r2)}
+
+
+def replay_sd(trace: Trace, hw: HardwareProfile, policy: str | None = None, **kw) -> dict[str, Any]:
+    """Replay a speculative trace as recorded and compare with what was measured."""
+    if not trace.speculative:
+        raise MoesimError("not a speculative-decoding trace (no sd_* records)")
+    params = trace.header.get("policy", {}).get("params", {})
+    kw.setdefault("cache_experts", params.get("cache_experts", 0))
+    sim = simulate_steps(trace, recorded_steps(trace), hw, policy or trace.header["policy"]["name"], **kw)
+    meas = measured_summary(trace)
+    return {"simulated": sim, "measured": meas, "error": sim["tpot_ms"] / meas["tpot_ms"] - 1}
