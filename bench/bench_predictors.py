@@ -113,6 +113,9 @@ def main() -> None:
         {"heading": "Per predictor and policy", "rows": rows, "cols": list(rows[-1])},
         {"heading": "Recall by layer", "image": args.out / "recall_by_layer.png",
          "caption": f"recall@k of each predictor while decoding; {what}."},
+        {"heading": "Hybrid choice", "text": "Per source layer (predicting the next), the hybrid predictor uses: "
+                                             + ", ".join(f"layer {i}: {c}" for i, c in enumerate(record["hybrid"]))
+                                             + " (chosen by held-out recall, stored in estimator.json)."},
         {"heading": "Estimator training", "image": args.out / "estimator_curve.png",
          "caption": f"held-out recall@k of the estimator against training tokens (solid) and of the router applied to the "
                     f"quasi-hidden state (dotted), from estimator.json; {record['train_seconds']} s of training on the CPU."},
