@@ -36,10 +36,14 @@ def shipped_model() -> Path:
 
 
 def eval_text(vocab: int, n: int, seed: int) -> torch.Tensor:
-    """A fixed evaluation text [1, n] for fidelity: the start of this file's source as bytes
-    for byte-level models (the same on every machine), else seeded random ids."""
+    """A fixed evaluation text [1, n] for fidelity: for byte-level models the start of the
+    held-out 5% of the Python standard library corpus (never trained on; the same for a
+    given Python version), else seeded random ids."""
     if vocab == 256:
-        data = Path(__file__).read_bytes()[:n]
+        from executor.train import stdlib_corpus
+
+        corpus, _ = stdlib_corpus()
+        data = corpus[int(len(corpus) * 0.95):][:n]
         return torch.tensor(list(data), dtype=torch.long).view(1, -1)
     return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed + 7))
 
