@@ -411,6 +411,9 @@ def whatif(
         raise MoesimError(f"unknown goal {goal!r}; known: {', '.join(GOALS)}")
     if trace_path is not None:
         trace = read_trace(trace_path)
+        if trace.speculative:
+            raise MoesimError(f"{trace_path} records speculative decoding: sweep it with "
+                              "`moesim replay TRACE --gamma ... --policy ...`")
         traces = {trace.model.name: trace}
     else:
         params = SyntheticParams(tokens=tokens, batch=batch, prompt_len=prompt_len)

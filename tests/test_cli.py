@@ -140,3 +140,21 @@ def test_profile_and_calibrate_errors_are_one_line(tmp_path):
         cases.append((("profile", "--model", "tiny", "--device", "cuda"), "no CUDA device"))
     for args, text in cases:
         _assert_one_line_error(moesim(*args), text)
+
+
+def test_importing_the_simulator_never_imports_torch():
+    code = ("import sys, sim, sim.whatif, sim.speculative, sim.validate, sim.fit, traces, moesim.cli, reports.render; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_speculate_errors_are_one_line(tmp_path):
+    cases = [
+        (("speculate", "--selection", "psychic"), "unknown selection"),
+        (("speculate", "--policy", "prefetch-spec"), "verifies exactly"),
+        (("speculate", "--gamma", "-1"), "gamma >= 0"),
+        (("speculate", "--draft", tmp_path / "none"), "not a checkpoint directory"),
+    ]
+    for args, text in cases:
+        _assert_one_line_error(moesim(*args), text)
