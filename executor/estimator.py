@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from executor.model import MoEModel, expert_forward, route
+from executor.model import MoEModel, route
 from moesim.atomic import atomic_write, atomic_write_text
 from moesim.errors import MoesimError
 
@@ -65,12 +65,7 @@ def collect(model: MoEModel, dv: Tensor, tokens: Tensor, chunk: int = 256) -> tu
             if layer + 1 < s.n_layers:
                 d = (dv[layer][ids] * gates[..., None]).sum(1)
                 prev = model.layers[layer + 1].post_attention_layernorm(resid + d.to(resid.dtype)).float()
-            out = torch.zeros_like(x)
-            for e in ids.unique().tolist():
-                rows, cols = (ids == e).nonzero(as_tuple=True)
-                y = expert_forward(model.experts[layer][e], x[rows], s.hidden, s.expert_inter)
-                out.index_add_(0, rows, y * gates[rows, cols, None].to(y.dtype))
-            h = h + out.view_as(h)
+            h = h + model.moe(layer, x, ids, gates).view_as(h)
     return torch.cat(qs), torch.cat(ps), torch.cat(ls)
 
 

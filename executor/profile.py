@@ -20,6 +20,7 @@ import torch
 
 from executor.model import MoEModel, expert_forward, log_softmax_kl, route
 from executor.runtime import OffloadedDecoder, StepRecord, make_transport
+from executor.transport import Transfer
 from moesim import __version__
 from moesim.atomic import atomic_write, atomic_write_text
 from moesim.errors import MoesimError
@@ -189,6 +190,20 @@ def routing_metrics(true_ids: np.ndarray, pred_ids: np.ndarray) -> dict:
     return {"recall_at_k": recall, "rank_alignment": align}
 
 
+def copy_arrays(copies: list[tuple[int, Transfer]]) -> dict[str, np.ndarray]:
+    """The trace's copy records from (step, transfer) pairs; times clamped to issue <= start <= end."""
+    return {
+        "copy_token": np.array([i for i, _ in copies], np.int32),
+        "copy_layer": np.array([c.layer for _, c in copies], np.int16),
+        "copy_expert": np.array([c.expert for _, c in copies], np.int16),
+        "copy_bytes": np.array([c.nbytes for _, c in copies], np.int64),
+        "copy_kind": np.array([c.kind for _, c in copies], np.uint8),
+        "copy_issue_s": np.array([max(c.issue, 0.0) for _, c in copies]),
+        "copy_start_s": np.array([max(c.start, c.issue, 0.0) for _, c in copies]),
+        "copy_end_s": np.array([max(c.end, c.start, c.issue, 0.0) for _, c in copies]),
+    }
+
+
 def build_trace(model: MoEModel, prompt: torch.Tensor, st: ProfileSettings, hw: HardwareProfile,
                 prefill_s: float, records: list[StepRecord], out: list[torch.Tensor], device: str,
                 synthetic: bool, model_source: str, extra: dict | None = None) -> Trace:
@@ -199,20 +214,13 @@ def build_trace(model: MoEModel, prompt: torch.Tensor, st: ProfileSettings, hw: 
         return np.stack([getattr(r, name) for r in records]).reshape(len(records), s.n_layers, b, s.top_k)
 
     true_ids, pred_ids = stack("true_ids"), stack("pred_ids")
-    copies = [c for i, r in enumerate(records) for c in [(i, c) for c in r.copies]]
+    copies = [(i, c) for i, r in enumerate(records) for c in r.copies]
     timings = {
         "attn_s": np.stack([r.attn_s for r in records]), "expert_s": np.stack([r.expert_s for r in records]),
         "stall_s": np.stack([r.stall_s for r in records]), "predict_s": np.stack([r.predict_s for r in records]),
         "other_s": np.array([r.other_s for r in records]),
         "tpot_s": np.array([r.tpot_s for r in records]),
-        "copy_token": np.array([i for i, _ in copies], np.int32),
-        "copy_layer": np.array([c.layer for _, c in copies], np.int16),
-        "copy_expert": np.array([c.expert for _, c in copies], np.int16),
-        "copy_bytes": np.array([c.nbytes for _, c in copies], np.int64),
-        "copy_kind": np.array([c.kind for _, c in copies], np.uint8),
-        "copy_issue_s": np.array([max(c.issue, 0.0) for _, c in copies]),
-        "copy_start_s": np.array([max(c.start, c.issue, 0.0) for _, c in copies]),
-        "copy_end_s": np.array([max(c.end, c.start, c.issue, 0.0) for _, c in copies]),
+        **copy_arrays(copies),
     }
     header = {
         "format": FORMAT, "version": VERSION, "model": s.to_dict(),

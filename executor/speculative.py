@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from executor.model import MoEModel, TreeMask, expert_forward, route
+from executor.model import MoEModel, TreeMask, route
 from executor.runtime import OffloadedDecoder
 from moesim.atomic import atomic_write, atomic_write_text
 from moesim.errors import MoesimError
@@ -64,12 +64,7 @@ def draft_hidden(draft: MoEModel, tokens: Tensor, tree: TreeMask | None = None, 
         h = h + blk.self_attn(blk.input_layernorm(h), cache, layer, start, tree)
         x = blk.post_attention_layernorm(h).reshape(-1, s.hidden)
         ids, gates = route(blk.gate(x), s.top_k, s.norm_topk_prob)
-        out = torch.zeros_like(x)
-        for e in ids.unique().tolist():
-            rows, cols = (ids == e).nonzero(as_tuple=True)
-            y = expert_forward(draft.experts[layer][e], x[rows], s.hidden, s.expert_inter)
-            out.index_add_(0, rows, y * gates[rows, cols, None].to(y.dtype))
-        h = h + out.view_as(h)
+        h = h + draft.moe(layer, x, ids, gates).view_as(h)
     hn = draft.norm(h)[0]
     return draft.lm_head(hn), hn
 
@@ -106,12 +101,7 @@ def _target_router_probs(target: MoEModel, tokens: Tensor) -> Tensor:
         logits = blk.gate(x)
         out_probs.append(logits.float().softmax(-1))
         ids, gates = route(logits, s.top_k, s.norm_topk_prob)
-        out = torch.zeros_like(x)
-        for e in ids.unique().tolist():
-            rows, cols = (ids == e).nonzero(as_tuple=True)
-            y = expert_forward(target.experts[layer][e], x[rows], s.hidden, s.expert_inter)
-            out.index_add_(0, rows, y * gates[rows, cols, None].to(y.dtype))
-        h = h + out.view_as(h)
+        h = h + target.moe(layer, x, ids, gates).view_as(h)
     return torch.stack(out_probs, 1)
 
 
@@ -335,6 +325,7 @@ def build_sd_trace(target: MoEModel, prompt: Tensor, records: list[VerifyRecord]
                    draft_source: str, extra: dict | None = None):
     """A version-2 trace: the routing of every accepted row as the main arrays, and one
     record per verification step (tree, choice, acceptance, experts, timings)."""
+    from executor.profile import copy_arrays
     from moesim import __version__
     from traces.format import FORMAT, VERSION, Trace
 
@@ -376,16 +367,7 @@ def build_sd_trace(target: MoEModel, prompt: Tensor, records: list[VerifyRecord]
         "sd_attn_s": np.stack([v.attn_s for v in vr]), "sd_expert_s": np.stack([v.expert_s for v in vr]),
         "sd_stall_s": np.stack([v.stall_s for v in vr]),
     }
-    copies = [(i, c) for i, v in enumerate(vr) for c in v.copies]
-    timings.update({
-        "copy_token": np.array([i for i, _ in copies], np.int32), "copy_layer": np.array([c.layer for _, c in copies], np.int16),
-        "copy_expert": np.array([c.expert for _, c in copies], np.int16),
-        "copy_bytes": np.array([c.nbytes for _, c in copies], np.int64),
-        "copy_kind": np.array([c.kind for _, c in copies], np.uint8),
-        "copy_issue_s": np.array([max(c.issue, 0.0) for _, c in copies]),
-        "copy_start_s": np.array([max(c.start, c.issue, 0.0) for _, c in copies]),
-        "copy_end_s": np.array([max(c.end, c.start, c.issue, 0.0) for _, c in copies]),
-    })
+    timings.update(copy_arrays([(i, c) for i, v in enumerate(vr) for c in v.copies]))
     header = {
         "format": FORMAT, "version": VERSION, "model": s.to_dict(),
         "policy": {"name": policy, "params": {"cache_experts": cache_experts}},
