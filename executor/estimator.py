@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from executor.model import MoEModel, route
+from executor.model import MoEModel, read_tensors, route
 from moesim.atomic import atomic_write, atomic_write_text
 from moesim.errors import MoesimError
 
@@ -146,14 +146,10 @@ def save_estimator(model_dir: Path, est: Estimator) -> None:
 
 def load_estimator(model_dir: Path) -> tuple[Estimator, list[str]] | None:
     """(estimator, hybrid choice per layer) stored beside a model, or None."""
-    path = Path(model_dir) / ESTIMATOR_FILE
-    if not path.exists():
+    found = read_tensors(Path(model_dir) / ESTIMATOR_FILE)
+    if found is None:
         return None
-    from safetensors import safe_open
-
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata()
-        state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    state, meta = found
     est = Estimator(int(meta["hidden"]), int(meta["experts"]), int(meta["layers"]), int(meta["width"]))
     est.load_state_dict(state)
     rec_path = Path(model_dir) / RECORD_FILE

@@ -404,6 +404,16 @@ def save_checkpoint(model: MoEModel, model_dir: str | Path, extra_config: dict |
     atomic_write_text(model_dir / "config.json", json.dumps(config, indent=2) + "\n")
 
 
+def read_tensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]] | None:
+    """(tensors, metadata) of a small safetensors file stored beside a model, or None if absent."""
+    if not Path(path).exists():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}  # noqa: SIM118
+
+
 def count_params(model: MoEModel) -> int:
     return sum(p.numel() for p in model.parameters()) + sum(w.numel() for row in model.experts for w in row)
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from executor.model import MoEModel, TreeMask, route
+from executor.model import MoEModel, TreeMask, read_tensors, route
 from executor.runtime import OffloadedDecoder
 from moesim.atomic import atomic_write, atomic_write_text
 from moesim.errors import MoesimError
@@ -147,14 +147,10 @@ def train_expert_predictor(draft: MoEModel, target: MoEModel, train: Tensor, hel
 
 
 def load_expert_predictor(model_dir: Path) -> ExpertPredictor | None:
-    path = Path(model_dir) / PREDICTOR_FILE
-    if not path.exists():
+    found = read_tensors(Path(model_dir) / PREDICTOR_FILE)
+    if found is None:
         return None
-    from safetensors import safe_open
-
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata()
-        state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    state, meta = found
     pred = ExpertPredictor(int(meta["draft_hidden"]), int(meta["layers"]), int(meta["experts"]))
     pred.load_state_dict(state)
     return pred.eval()
