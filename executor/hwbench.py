@@ -41,6 +41,23 @@ def _fit_line(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
     return 1.0 / slope, max(float(intercept), 1e-7)
 
 
+def cpu_wakeup() -> float:
+    """Seconds from an emulated copy's (ideal) end to the waiting thread running again:
+    the median over paced 200 us transfers."""
+    from executor.transport import EmulatedLink, Transfer
+
+    link = EmulatedLink(1e9, 0.0)
+    src, dst = torch.zeros(50_000), torch.empty(50_000)  # 200 KB: 200 us at 1 GB/s
+    lags = []
+    for _ in range(40):
+        t = Transfer(0, 0, src.numel() * 4, 1)
+        link.copy_batch([(dst, src, t, None)])
+        link.wait([t])
+        lags.append(time.perf_counter() - t.end)
+    link.close()
+    return max(0.0, float(np.median(lags)))
+
+
 def cpu_interference(copy_gbs: float, repeats: int = 5) -> float:
     """How much slower memory-bound compute (fp32 GEMVs over a 16 MiB matrix, one thread)
     runs while the emulated link copies back to back at its full memcpy rate ``copy_gbs``:
@@ -111,6 +128,7 @@ def measure_cpu(step: Step) -> tuple[dict[str, tuple[float, str]], dict[str, str
     figs["copy_interference"] = (cpu_interference(copy_bw / 2 / 1e9), "slowdown of fp32 GEMVs over 16 MiB while the "
                                  "emulated link copies back to back (median t_with / t_alone - 1)")
     figs["copy_interference_gbs"] = (copy_bw / 2 / 1e9, "the memcpy rate the interference was measured at")
+    figs["wait_wakeup_us"] = (cpu_wakeup() * 1e6, "emulated link: median delay from a copy's end to the waiter running")
     figs["h2d_pageable_gbs"] = figs["h2d_pinned_gbs"]
     figs["device_memory_gb"] = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, "physical memory")
     figs["copy_engines"] = (1, "the emulated link is one thread")

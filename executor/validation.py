@@ -38,9 +38,10 @@ SYNTHETIC_SPEC = ModelSpec("synthetic-1024x512", n_layers=6, n_experts=16, top_k
 PROMPT = b"import os\nimport sys\n\ndef main(argv):\n    for name in sorted(os.listdir(argv[1])):\n"
 
 
-def suite_models(shipped: Path) -> list[tuple[str, Callable[[], tuple[MoEModel, torch.Tensor, bool]], list[float]]]:
-    """(name, loader, link bandwidths in GB/s): bandwidths put copies and compute of each
-    model on the same order on a CPU core."""
+def suite_models(shipped: Path) -> list[tuple[str, Callable[[], tuple[MoEModel, torch.Tensor, bool]], list[float], int]]:
+    """(name, loader, link bandwidths in GB/s, steps per run relative to ``--tokens``):
+    bandwidths put copies and compute of each model on the same order on a CPU core; the
+    learned model's steps are ~10x shorter, so it runs 4x as many to average out noise."""
 
     def learned():
         m = load_checkpoint(shipped)
@@ -54,13 +55,14 @@ def suite_models(shipped: Path) -> list[tuple[str, Callable[[], tuple[MoEModel, 
         dv = calibrate(m, torch.randint(0, SYNTHETIC_SPEC.vocab, (512,), generator=torch.Generator().manual_seed(1)))
         return m, dv, True
 
-    return [("moe-stdlib", learned, [0.25, 0.5, 1.0]), (SYNTHETIC_SPEC.name, synthetic, [2.0, 4.0, 8.0])]
+    return [("moe-stdlib", learned, [0.25, 0.5, 1.0], 4), (SYNTHETIC_SPEC.name, synthetic, [2.0, 4.0, 8.0], 1)]
 
 
 def machine_profile() -> HardwareProfile:
-    """What the simulator knows of this machine beyond each trace's recorded link: how much
-    compute slows while the emulated link copies, measured here (executor/hwbench.py)."""
-    from executor.hwbench import cpu_interference
+    """What the simulator knows of this machine beyond each trace's recorded link, measured
+    here (executor/hwbench.py): how much compute slows while the emulated link copies, and
+    how long a thread that waited on a copy takes to run again."""
+    from executor.hwbench import cpu_interference, cpu_wakeup
     from moesim.timing import best_time
 
     big = torch.zeros(16 * 2**20 // 4)
@@ -69,7 +71,8 @@ def machine_profile() -> HardwareProfile:
     alpha = cpu_interference(copy_gbs)
     src = "measured by moesim validate on this machine (executor/hwbench.py)"
     return (get_profile("a6000").with_figure("copy_interference", alpha, "measured", src)
-            .with_figure("copy_interference_gbs", copy_gbs, "measured", src))
+            .with_figure("copy_interference_gbs", copy_gbs, "measured", src)
+            .with_figure("wait_wakeup_us", cpu_wakeup() * 1e6, "measured", src))
 
 
 def run_suite(out: Path, shipped: Path, tokens: int = 32, models: list[str] | None = None,
@@ -80,7 +83,7 @@ def run_suite(out: Path, shipped: Path, tokens: int = 32, models: list[str] | No
     machine_hw = machine_profile()
     rows: list[dict[str, Any]] = []
     traces: dict[str, Trace] = {}
-    for name, load, links in suite_models(shipped):
+    for name, load, links, scale in suite_models(shipped):
         if models and name not in models:
             continue
         model, dv, synthetic = load()
@@ -93,7 +96,7 @@ def run_suite(out: Path, shipped: Path, tokens: int = 32, models: list[str] | No
             for policy in POLICIES:
                 if progress:
                     progress(f"{name}, {gbps:g} GB/s, {policy}")
-                st = ProfileSettings(policy=policy, predictor="quasi", tokens=tokens)
+                st = ProfileSettings(policy=policy, predictor="quasi", tokens=tokens * scale)
                 generate(model, prompt, ProfileSettings(policy=policy, tokens=2), hw, dv)  # warm-up
                 prefill, records, out_tokens = generate(model, prompt, st, hw, dv)
                 tr = build_trace(model, prompt, st, hw, prefill, records, out_tokens, "cpu", synthetic, name)
@@ -115,9 +118,10 @@ def run_suite(out: Path, shipped: Path, tokens: int = 32, models: list[str] | No
                     rows.append({"model": name, "link_gbps": gbps, "policy": policy, "case": "transfer from on-demand",
                                  **measured, **_short(stats_)})
     summary = summarise(rows)
-    summary["copy/compute interference (measured)"] = (
+    summary["machine figures (measured)"] = (
         f"{machine_hw['copy_interference']:.1%} compute slowdown at {machine_hw['copy_interference_gbs']:.1f} GB/s "
-        "of back-to-back copying, scaled by each link's rate")
+        f"of back-to-back copying, scaled by each link's rate; {machine_hw['wait_wakeup_us']:.0f} us from a copy "
+        "landing to the waiting thread running")
     return rows, traces, summary
 
 

@@ -36,6 +36,7 @@ FIGURES: dict[str, tuple[str, bool, bool, str]] = {
     "layer_overhead_us": ("us", False, False, "fixed framework cost per layer (calibration)"),
     "copy_interference": ("fraction", False, False, "compute slowdown while host-to-device copies run (0 = none)"),
     "copy_interference_gbs": ("GB/s", False, False, "link rate at which copy_interference was measured"),
+    "wait_wakeup_us": ("us", False, False, "delay from a copy landing to a compute stream that waited on it resuming"),
 }
 TOP_KEYS = {"name", "description", "link", "figures"}
 
@@ -124,7 +125,7 @@ def _q(s: str) -> str:
 def _check_value(where: str, key: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise MoesimError(f"{where}: figure {key!r} must be a number, got {value!r}")
-    zero_ok = key in ("layer_overhead_us", "copy_interference") and value == 0
+    zero_ok = key in ("layer_overhead_us", "copy_interference", "wait_wakeup_us") and value == 0
     if (not math.isfinite(value) or value <= 0) and not zero_ok:
         raise MoesimError(f"{where}: figure {key!r} must be positive and finite, got {value}")
     if key == "compute_efficiency" and value > 1:

@@ -116,6 +116,8 @@ class ComputeStream:
                 if ready is not None and not ready.processed:
                     waited = env.now
                     yield ready
+                    if copier.link.wakeup:  # the stream resumes a moment after the copy lands
+                        yield env.timeout(copier.link.wakeup)
                     stalled += env.now - waited
                 pending += experts[layer]
                 if spans is not None and experts[layer]:

@@ -19,7 +19,7 @@ def run_fast(w: Workload, link: Link) -> tuple[np.ndarray, np.ndarray, np.ndarra
     demand_s, prefetch_s = w.demand * per, w.prefetch_next * per
     copied = demand_s.sum(1) + prefetch_s.sum(1)
     rows = zip(w.attn.tolist(), demand_s.tolist(), prefetch_s.tolist(), w.experts.tolist(), w.other.tolist())
-    if link.interference:
+    if link.interference or link.wakeup:
         return _run_interfered(w, link, demand_s.tolist(), prefetch_s.tolist(), copied)
     ends, stalls = [], []
     t = link_free = 0.0
@@ -51,9 +51,9 @@ def run_fast(w: Workload, link: Link) -> tuple[np.ndarray, np.ndarray, np.ndarra
 
 
 def _run_interfered(w: Workload, link: Link, demand: list, prefetch: list, copied: np.ndarray):
-    """The same recurrence with compute slowed while the link is busy (kept apart so the
-    common case stays a tight loop)."""
-    run = link.compute_end
+    """The same recurrence with compute slowed while the link is busy and a wake-up delay
+    after each wait (kept apart so the common case stays a tight loop)."""
+    run, wake = link.compute_end, link.wakeup
     ends, stalls = [], []
     t = link_free = 0.0
     for attn, dem, pf, experts, other in zip(w.attn.tolist(), demand, prefetch, w.experts.tolist(), w.other.tolist()):
@@ -70,8 +70,8 @@ def _run_interfered(w: Workload, link: Link, demand: list, prefetch: list, copie
             else:
                 ready_next = 0.0
             if ready > t:
-                stalled += ready - t
-                t = ready
+                stalled += ready + wake - t
+                t = ready + wake
             t = run(t, g, link_free)
         t = run(t, other, link_free)
         ends.append(t)

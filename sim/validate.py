@@ -47,7 +47,10 @@ def error_stats(measured: np.ndarray, predicted: np.ndarray, margin: float = 0.0
 
 
 def recorded_profile(trace: Trace, hw: HardwareProfile | None = None) -> HardwareProfile:
-    """The profile the trace was recorded against, with the link figures it recorded."""
+    """The profile the trace was recorded against, with its link as the trace measured it:
+    the recorded per-transfer latency, and the bandwidth that the mean measured copy
+    duration implies (a link can run slower than its setting: a host thread that copies
+    late, a busy bus)."""
     rec = trace.header.get("recorded", {})
     if hw is None:
         name = rec.get("hw_profile")
@@ -58,6 +61,12 @@ def recorded_profile(trace: Trace, hw: HardwareProfile | None = None) -> Hardwar
         hw = hw.with_figure("h2d_pinned_gbs", rec["link_gbps"], "measured", "the trace's recorded link")
     if "latency_us" in rec:
         hw = hw.with_figure("transfer_latency_us", rec["latency_us"], "measured", "the trace's recorded link")
+    tm = trace.timings
+    if "copy_bytes" in tm and tm["copy_bytes"].size:
+        busy = float((tm["copy_end_s"] - tm["copy_start_s"]).sum()) - tm["copy_bytes"].size * hw.transfer_latency
+        if busy > 0:
+            gbs = float(tm["copy_bytes"].sum()) / busy / 1e9
+            hw = hw.with_figure("h2d_pinned_gbs", gbs, "measured", "mean copy duration measured in the trace")
     return hw
 
 

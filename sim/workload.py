@@ -26,6 +26,7 @@ class Link:
     latency: float  # seconds per transfer
     expert_bytes: int
     interference: float = 0.0  # compute runs (1 + interference) times slower while the link copies
+    wakeup: float = 0.0  # seconds from a copy landing to a stream that waited on it resuming
 
     @property
     def per_expert(self) -> float:
@@ -33,7 +34,7 @@ class Link:
 
     @classmethod
     def from_profile(cls, hw: HardwareProfile, spec: ModelSpec) -> Link:
-        return cls(hw.link_bw, hw.transfer_latency, spec.expert_bytes, hw.interference)
+        return cls(hw.link_bw, hw.transfer_latency, spec.expert_bytes, hw.interference, hw.get("wait_wakeup_us") * 1e-6)
 
     def compute_end(self, t: float, work: float, link_free: float) -> float:
         """When ``work`` seconds of compute started at ``t`` end, if it runs slower while the

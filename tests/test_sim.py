@@ -71,6 +71,7 @@ configs = st.fixed_dictionaries({
     "link_gbps": st.floats(0.5, 500),
     "hw": st.sampled_from(["a6000", "gh200", "h100-pcie"]),
     "interference": st.sampled_from([0.0, 0.0, 0.3]),
+    "wakeup": st.sampled_from([0.0, 0.0, 20.0]),
 })
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -86,6 +87,8 @@ def _run(trace, c, policy, engine="fast", **kw):
     hw = get_profile(c["hw"])
     if c["interference"]:
         hw = hw.with_figure("copy_interference", c["interference"])
+    if c.get("wakeup"):
+        hw = hw.with_figure("wait_wakeup_us", c["wakeup"])
     return simulate(trace, hw, policy, eviction=c["eviction"], engine=engine, **kw)
 
 
@@ -106,6 +109,7 @@ def test_fast_path_agrees_with_simpy_on_every_policy(c):
 @SETTINGS
 @given(configs)
 def test_tpot_lies_between_the_overlap_and_serial_bounds(c):
+    c = {**c, "wakeup": 0.0}  # a wake-up delay idles both resources: outside the serial bound by design
     trace = _trace(c)
     for policy in POLICIES:
         r = _run(trace, c, policy)
@@ -141,6 +145,7 @@ def test_compute_slows_while_the_link_copies():
 @SETTINGS
 @given(configs)
 def test_oracle_is_the_best_prefetcher_without_a_cache(c):
+    c = {**c, "wakeup": 0.0}
     trace = _trace(c)
     oracle = _run(trace, c, "oracle", cache_experts=0)
     for policy in ("on-demand", "prefetch-fom"):
