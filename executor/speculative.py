@@ -17,7 +17,6 @@ layer's router logits (one linear probe per layer, distilled like the estimator)
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -306,14 +305,6 @@ def greedy_reference(target: MoEModel, prompt: Tensor, n: int) -> list[int]:
         logits = target(torch.tensor([[tok]]), cache, pos)[:, -1]
         pos += 1
     return out
-
-
-def expected_dispersion(records: list[VerifyRecord]) -> dict:
-    """Distinct experts per verification step against the nodes verified (for the report)."""
-    nodes = np.array([len(r.chosen) + 1 for r in records])
-    distinct = np.array([sum(len(u) for u in r.true_union) for r in records])
-    return {"nodes": nodes.tolist(), "distinct_experts": distinct.tolist(),
-            "accepted_per_step": float(np.mean([len(r.new_tokens) + 1 for r in records])) if records else math.nan}
 
 
 def build_sd_trace(target: MoEModel, prompt: Tensor, records: list[VerifyRecord], prefill_s: float, hw,
