@@ -224,7 +224,7 @@ REPLAY_POLICIES = "on-demand,prefetch-fom,prefetch-spec,oracle"
 
 def _replay_speculative(trace, trace_path: Path, hw_name: str | None, policy: str | None, gamma: str | None,
                         selection: str, score: str, lam: str, link_gbps: float | None, timing: str,
-                        as_json: bool) -> None:
+                        as_json: bool, shape: tuple[int | None, int | None, float | None] = (None, None, None)) -> None:
     """Replay a speculative trace (measured against simulated), and what-if over selection."""
     from moesim.hardware import get_profile
     from sim.speculative import recorded_steps, replay_sd, reselected_steps, simulate_steps
@@ -243,7 +243,7 @@ def _replay_speculative(trace, trace_path: Path, hw_name: str | None, policy: st
             for g in (int(x) for x in _floats(gamma, "--gamma")):
                 for sel in _split(selection, "--selection"):
                     for lam_ in (_floats(lam, "--lambda") if sel == "ecospec" and score == "lagrangian" else [0.0]):
-                        steps = reselected_steps(trace, g, sel, score, lam_)
+                        steps = reselected_steps(trace, g, sel, score, lam_, *shape)
                         label = "" if sel != "ecospec" else f" {score}" + (f" {lam_:g}" if score == "lagrangian" else "")
                         rows.append({"case": f"what-if gamma {g} {sel}{label}",
                                      **simulate_steps(trace, steps, hw_profile, p, link_gbps=link_gbps, timing=timing)})
@@ -289,6 +289,10 @@ def replay(
     selection: Annotated[str, typer.Option(help="Speculative traces, with --gamma: confidence,ecospec.")] = "confidence,ecospec",
     score: Annotated[str, typer.Option(help="Speculative traces, with --gamma: EcoSpec score, ratio or lagrangian.")] = "ratio",
     lam: Annotated[str, typer.Option("--lambda", help="Speculative traces, with --gamma: lambda values (lagrangian).")] = "0.05",
+    depth: Annotated[int | None, typer.Option(help="Speculative traces, with --gamma: cut the recorded trees to this depth.")] = None,
+    branch: Annotated[int | None, typer.Option(help="Speculative traces, with --gamma: keep this many children a node.")] = None,
+    acceptance: Annotated[float | None, typer.Option(help="Speculative traces, with --gamma: expected acceptance = this x "
+                                                          "a node's draft probability, instead of the recorded path.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")] = False,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Write a report here: HTML, PNGs, CSV, Chrome trace.")] = None,
 ) -> None:
@@ -307,10 +311,10 @@ def replay(
     trace = read_trace(trace_path)
     if trace.speculative:
         _replay_speculative(trace, trace_path, hw_name, policy if policy != REPLAY_POLICIES else None, gamma,
-                            selection, score, lam, link_gbps, timing, as_json)
+                            selection, score, lam, link_gbps, timing, as_json, (depth, branch, acceptance))
         return
-    if gamma is not None:
-        raise MoesimError("--gamma applies to speculative-decoding traces (moesim speculate)")
+    if gamma is not None or depth is not None or branch is not None or acceptance is not None:
+        raise MoesimError("--gamma, --depth, --branch and --acceptance apply to speculative-decoding traces (moesim speculate)")
     if validate:
         _validate(trace, trace_path, hw_name, engine, as_json, out_dir)
         return

@@ -38,7 +38,7 @@ class Step:
     rows: int
     true_union: list[set[int]]  # per layer
     pred_union: list[set[int]]
-    produced: int  # tokens the step produced (accepted candidates + the bonus token)
+    produced: float  # tokens the step produced (accepted candidates + the bonus token); expected under a model
 
 
 def _trees(trace: Trace) -> list[dict[str, Any]]:
@@ -77,20 +77,44 @@ def recorded_steps(trace: Trace) -> list[Step]:
     return steps
 
 
-def reselected_steps(trace: Trace, gamma: int, strategy: str, score: str = "ratio", lam: float = 0.1) -> list[Step]:
-    """The steps as they would have been under another selection (see the module docstring)."""
+def _subtree(t: dict[str, Any], depth: int | None, branch: int | None) -> list[int]:
+    """Nodes of a recorded tree within ``depth`` levels whose rank among their siblings (by
+    draft probability) is below ``branch``: the tree a smaller shape would have drafted."""
+    keep: list[int] = []
+    level = {-1: 0}
+    for i, p in enumerate(t["parents"]):
+        if p != -1 and p not in level:
+            continue
+        siblings = sorted((j for j, q in enumerate(t["parents"]) if q == p), key=lambda j: -t["prob"][j])
+        if (depth is None or level[p] < depth) and (branch is None or siblings.index(i) < branch):
+            level[i] = level[p] + 1
+            keep.append(i)
+    return keep
+
+
+def reselected_steps(trace: Trace, gamma: int, strategy: str, score: str = "ratio", lam: float = 0.1,
+                     depth: int | None = None, branch: int | None = None,
+                     acceptance: float | None = None) -> list[Step]:
+    """The steps as they would have been under another selection, on the recorded trees cut
+    to ``depth`` and ``branch`` (see the module docstring). With ``acceptance`` the tokens a
+    step produces are not read off the recording but expected: 1 + the sum over chosen
+    nodes of min(1, acceptance x the node's cumulative draft probability) (1 = trust the
+    draft's own probabilities; higher = a better-aligned draft)."""
     steps = []
     trees = _trees(trace)
     starts = np.concatenate([[0], np.cumsum([t["accepted"] for t in trees])])  # first token row of each step
     for s_, t in enumerate(trees):
         n_layers = t["root_pred"].shape[0]
-        node_pred = [_sets(t["node_pred"][i]) for i in range(len(t["tokens"]))]
-        tree = Tree(t["tokens"], t["parents"], t["prob"], node_pred)
-        # The target's greedy path through the tree, as far as the recording saw it.
-        rec_rows = t["accepted"]
-        path = [t["chosen"][r - 1] for r in range(1, rec_rows)]
-        known_next = [tree.tokens[n] for n in path]
-        if s_ + 1 < len(trees):  # the next step's root is the target's token after this path
+        keep = _subtree(t, depth, branch) if depth is not None or branch is not None else list(range(len(t["tokens"])))
+        index = {old: new for new, old in enumerate(keep)}
+        node_pred_all = [_sets(t["node_pred"][i]) for i in range(len(t["tokens"]))]
+        tree = Tree([t["tokens"][i] for i in keep], [index.get(t["parents"][i], -1) for i in keep],
+                    [t["prob"][i] for i in keep], [node_pred_all[i] for i in keep])
+        node_pred = tree.experts
+        # The target's greedy path through the tree, as far as the recording saw it: the
+        # tokens this step accepted (after its root), then the next step's root (the bonus).
+        known_next = trace.token_ids[0, starts[s_] + 1: starts[s_] + t["accepted"]].tolist()
+        if s_ + 1 < len(trees):
             known_next.append(int(trace.token_ids[0, starts[s_ + 1]]))
         chosen = select(tree, gamma, strategy, _sets(t["root_pred"]), score, lam)
         # Acceptance: follow the known path while the chosen set contains it.
@@ -101,8 +125,10 @@ def reselected_steps(trace: Trace, gamma: int, strategy: str, score: str = "rati
                 break
             produced += 1
             node = child
+        if acceptance is not None:
+            produced = 1 + sum(min(1.0, acceptance * tree.prob[c]) for c in chosen)
         true = [set() for _ in range(n_layers)]
-        verified = {c: r + 1 for r, c in enumerate(t["chosen"])}
+        verified = {index[c]: r + 1 for r, c in enumerate(t["chosen"]) if c in index}
         for layer in range(n_layers):
             true[layer] |= {int(e) for e in t["row_true"][0][layer] if e >= 0}
         for c in chosen:
@@ -168,11 +194,11 @@ def simulate_steps(trace: Trace, steps: list[Step], hw: HardwareProfile, policy:
     work = Workload(attn, experts, demand, prefetch_next, other, source)
     ends, copy, stall = run_fast(work, Link.from_profile(hw, spec))
     step_s = np.diff(ends, prepend=0.0)
-    produced = np.array([st.produced for st in steps])
+    produced = np.array([st.produced for st in steps], float)
     distinct = np.array([sum(len(u) for u in st.true_union) for st in steps])
     return {
         "policy": pol.name, "hw": hw.name, "link_gbps": hw["h2d_pinned_gbs"], "timing": source,
-        "steps": n_steps, "tokens": int(produced.sum()), "accepted_per_step": float(produced.mean()),
+        "steps": n_steps, "tokens": float(produced.sum()), "accepted_per_step": float(produced.mean()),
         "rows_per_step": float(rows.mean()), "distinct_experts_per_step": float(distinct.mean()),
         "tpot_ms": float(step_s.sum() / produced.sum() * 1e3), "step_ms": float(step_s.mean() * 1e3),
         "copy_ms_per_step": float(copy.mean() * 1e3), "stall_ms_per_step": float(stall.mean() * 1e3),
