@@ -245,6 +245,8 @@ def _replay_speculative(trace, trace_path: Path, hw_name: str | None, policy: st
                     for lam_ in (_floats(lam, "--lambda") if sel == "ecospec" and score == "lagrangian" else [0.0]):
                         steps = reselected_steps(trace, g, sel, score, lam_, *shape)
                         label = "" if sel != "ecospec" else f" {score}" + (f" {lam_:g}" if score == "lagrangian" else "")
+                        label += "".join(f" {k} {v:g}" for k, v in zip(("depth", "branch", "acceptance"), shape,
+                                                                        strict=True) if v is not None)
                         rows.append({"case": f"what-if gamma {g} {sel}{label}",
                                      **simulate_steps(trace, steps, hw_profile, p, link_gbps=link_gbps, timing=timing)})
     if as_json:
