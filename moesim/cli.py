@@ -751,6 +751,7 @@ def validate(
     tokens: Annotated[int, typer.Option(help="Decode steps per run (the learned model runs 4x as many: its steps "
                                               "are ~10x shorter).")] = 32,
     model: Annotated[str | None, typer.Option(help="Only this suite model (moe-stdlib or the synthetic one).")] = None,
+    repeats: Annotated[int, typer.Option(help="Runs of each case; the one with the median TPOT is scored.")] = 3,
 ) -> None:
     """Run the validation suite: the simulator against the executor on this machine (CPU,
     emulated link): 2 models x 3 link bandwidths x 4 policies, same-policy replay and
@@ -762,11 +763,11 @@ def validate(
     from reports.validation import write_suite_report
     from sim.validate import recorded_profile
 
-    if tokens < 3:
-        raise MoesimError("--tokens must be >= 3 (the first step is warm-up)")
+    if tokens < 3 or repeats < 1:
+        raise MoesimError("--tokens must be >= 3 (the first step is warm-up) and --repeats >= 1")
     with err.status("validating") as status:
         rows, traces, summary = run_suite(out_dir, _shipped_model(), tokens, [model] if model else None,
-                                          lambda what: status.update(f"validating: {what}"))
+                                          lambda what: status.update(f"validating: {what}"), repeats)
     if not rows:
         raise MoesimError(f"no suite model called {model!r}")
     t = Table(title=f"simulated vs measured mean TPOT ({machine()})")

@@ -158,3 +158,14 @@ def test_speculate_errors_are_one_line(tmp_path):
     ]
     for args, text in cases:
         _assert_one_line_error(moesim(*args), text)
+
+
+@pytest.mark.slow
+def test_validation_suite_runs_end_to_end(tmp_path):
+    r = moesim("validate", "--model", "moe-stdlib", "--tokens", 3, "--repeats", 1, "--out", tmp_path)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads((tmp_path / "summary.json").read_text())["rows"]
+    assert len(rows) == 3 * (4 + 3)  # 3 links x (4 same-policy + 3 transfer cases)
+    assert {r["case"] for r in rows} == {"same-policy", "transfer from on-demand"}
+    for f in ("report.html", "scatter.png", "timeline.png", "errors.csv", "timelines.trace.json"):
+        assert (tmp_path / f).exists(), f
