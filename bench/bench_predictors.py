@@ -37,7 +37,7 @@ from executor.profile import (  # noqa: E402
 )
 from moesim.atomic import atomic_write_text  # noqa: E402
 from moesim.hardware import get_profile  # noqa: E402
-from reports.render import _save, write_html  # noqa: E402
+from reports.render import save_figure, write_html  # noqa: E402
 from sim.validate import validate_trace  # noqa: E402
 from traces.format import write_trace  # noqa: E402
 
@@ -94,7 +94,7 @@ def main() -> None:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     ax.set_title("per-layer prediction recall, measured while decoding (moe-stdlib)", fontsize=9)
-    _save(fig, args.out / "recall_by_layer.png")
+    save_figure(fig, args.out / "recall_by_layer.png")
     fig, ax = plt.subplots(figsize=(6.5, 3.5))
     curve = record["curve"]
     for layer in range(len(curve[0]["recall_at_k"])):
@@ -106,7 +106,7 @@ def main() -> None:
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     ax.set_title(f"estimator ({record['parameters']} parameters) vs router baseline (dotted)", fontsize=9)
-    _save(fig, args.out / "estimator_curve.png")
+    save_figure(fig, args.out / "estimator_curve.png")
     what = (f"measured by the executor on {hw.name}'s profile with the CPU emulated link at {args.link_gbps:g} GB/s, "
             f"{args.tokens} tokens per run, moe-stdlib (learned routing)")
     write_html(args.out / "report.html", "moesim predictors: stale, quasi-hidden, estimator, hybrid", what + ".", [

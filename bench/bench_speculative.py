@@ -24,7 +24,7 @@ from executor.runtime import OffloadedDecoder, make_transport  # noqa: E402
 from executor.speculative import SpecSettings, build_sd_trace, load_expert_predictor, speculative_generate  # noqa: E402
 from moesim.atomic import atomic_write_text  # noqa: E402
 from moesim.hardware import get_profile  # noqa: E402
-from reports.render import _save, write_html  # noqa: E402
+from reports.render import save_figure, write_html  # noqa: E402
 from sim.speculative import replay_sd  # noqa: E402
 from sim.validate import recorded_profile, validate_trace  # noqa: E402
 from traces.format import write_trace  # noqa: E402
@@ -100,7 +100,7 @@ def main() -> None:
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     ax.set_title("verification cost grows with expert dispersion (moe-stdlib, CPU)", fontsize=9)
-    _save(fig, args.out / "latency_vs_experts.png")
+    save_figure(fig, args.out / "latency_vs_experts.png")
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=False)
     for ax, policy in zip(axes, ("on-demand", "all-resident"), strict=True):
         for strategy, score, lam in CONFIGS:
@@ -114,7 +114,7 @@ def main() -> None:
         ax.set_ylabel("TPOT, ms")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    _save(fig, args.out / "tpot_vs_gamma.png")
+    save_figure(fig, args.out / "tpot_vs_gamma.png")
     what = (f"measured by the executor on moe-stdlib (target) with moe-stdlib-draft, greedy, {args.tokens} tokens, "
             f"CPU; offloaded = on-demand over the emulated link at {args.link_gbps:g} GB/s; simulated = the SimPy fast "
             f"path replaying each trace")

@@ -410,8 +410,11 @@ def read_tensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]] | None:
         return None
     from safetensors import safe_open
 
-    with safe_open(str(path), "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}  # noqa: SIM118
+    try:
+        with safe_open(str(path), "pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}  # noqa: SIM118
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise MoesimError(f"cannot read {path} ({e})") from None
 
 
 def count_params(model: MoEModel) -> int:

@@ -23,11 +23,7 @@ from executor.model import ExecConfig, MoEModel, count_params, route, save_check
 from moesim.atomic import atomic_write_text
 from moesim.models import Attention, ModelSpec
 
-STDLIB_SPEC = ModelSpec(
-    "moe-stdlib", n_layers=4, n_experts=32, top_k=4, hidden=128, expert_inter=64, vocab=256,
-    attention=Attention("gqa", 4, 2, 32, qk_norm=True), norm_topk_prob=True,
-    source="trained by moesim (executor/train.py) on the Python standard library's source",
-)
+STDLIB_SOURCE = "trained by moesim (executor/train.py) on the Python standard library's source"
 
 
 def stdlib_corpus() -> tuple[bytes, dict]:
@@ -72,7 +68,10 @@ def stdlib_spec(name: str = "moe-stdlib", layers: int = 4, experts: int = 32, to
     """A byte-level Qwen3-MoE-style geometry (the shipped model's by default; the draft's smaller)."""
     return ModelSpec(name, n_layers=layers, n_experts=experts, top_k=top_k, hidden=hidden, expert_inter=inter,
                      vocab=256, attention=Attention("gqa", heads, max(1, heads // 2), hidden // heads, qk_norm=True),
-                     norm_topk_prob=True, source=STDLIB_SPEC.source)
+                     norm_topk_prob=True, source=STDLIB_SOURCE)
+
+
+STDLIB_SPEC = stdlib_spec()  # the shipped learned-routing model
 
 
 def train(out: Path, steps: int = 3000, batch: int = 16, seq: int = 128, lr: float = 3e-3, aux_coef: float = 0.01,

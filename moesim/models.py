@@ -265,7 +265,8 @@ class ModelSpec:
 
 
 def _weight_bytes(dtype: str) -> float:
-    return {"bf16": 2, "fp32": 4, "fp8-block128": 1, "mxfp4": 0.5}[dtype]
+    """Average bytes a weight in ``dtype``, scales included (from :func:`matrix_bytes`)."""
+    return matrix_bytes(1024, 1024, dtype) / 2**20
 
 
 # ---------------------------------------------------------------------------------------

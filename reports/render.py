@@ -25,7 +25,7 @@ from moesim.atomic import atomic_write, atomic_write_text  # noqa: E402
 COLORS = {"compute": "#4C72B0", "stall": "#C44E52", "copy": "#DD8452", "bound": "#55A868"}
 
 
-def _save(fig: plt.Figure, path: Path) -> Path:
+def save_figure(fig: plt.Figure, path: Path) -> Path:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -49,7 +49,7 @@ def breakdown_png(rows: Sequence[dict[str, Any]], labels: Sequence[str], path: P
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def timeline_png(spans: Sequence[Any], step: int, path: Path, title: str) -> Path:
@@ -75,7 +75,7 @@ def timeline_png(spans: Sequence[Any], step: int, path: Path, title: str) -> Pat
     ax.legend(handles=[Patch(color="#8DA0CB", label="attention + router"), Patch(color=COLORS["compute"], label="experts"),
                        Patch(color=COLORS["copy"], label="on-demand copy"), Patch(color="#E6AB02", label="prefetch copy")],
               fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.3))
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def heatmap_png(rows: Sequence[dict[str, Any]], path: Path, title: str, value: str = "tpot_ms",
@@ -114,7 +114,7 @@ def heatmap_png(rows: Sequence[dict[str, Any]], path: Path, title: str, value: s
     if im is not None:
         fig.colorbar(im, ax=axes, shrink=0.8, label=value)
     fig.suptitle(title, fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def chrome_trace(spans: Sequence[Any], path: Path, name: str = "moesim simulated") -> Path:

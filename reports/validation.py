@@ -15,7 +15,7 @@ import numpy as np  # noqa: E402
 
 from moesim.atomic import atomic_write_text  # noqa: E402
 from moesim.hardware import HardwareProfile  # noqa: E402
-from reports.render import COLORS, _save, breakdown_png, write_csv, write_html  # noqa: E402
+from reports.render import COLORS, breakdown_png, save_figure, write_csv, write_html  # noqa: E402
 from sim.engine import Span  # noqa: E402
 from sim.simulate import SimResult, simulate  # noqa: E402
 from traces.format import COPY_KINDS, Trace  # noqa: E402
@@ -60,7 +60,7 @@ def timeline_pair_png(measured: list[Span], simulated: list[Span], path: Path, t
     ax.set_yticks(range(4), ["simulated copy", "simulated compute", "measured copy", "measured compute"])
     ax.set_xlabel("ms since the step started")
     ax.set_title(title, fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def scatter_png(points: list[dict[str, Any]], path: Path, title: str, key: str = "kind") -> Path:
@@ -82,7 +82,7 @@ def scatter_png(points: list[dict[str, Any]], path: Path, title: str, key: str =
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def per_token_png(measured: np.ndarray, predicted: np.ndarray, path: Path, title: str) -> Path:
@@ -94,7 +94,7 @@ def per_token_png(measured: np.ndarray, predicted: np.ndarray, path: Path, title
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def hit_rate_png(traces: dict[str, Trace], path: Path, title: str) -> Path:
@@ -112,7 +112,7 @@ def hit_rate_png(traces: dict[str, Trace], path: Path, title: str) -> Path:
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def chrome_pair(measured: list[Span], simulated: list[Span], path: Path) -> Path:

@@ -22,7 +22,7 @@ def prompt_png(sweep: Sweep, winner: dict[str, Any], path: Path) -> Path:
     """TPOT and TTFT against prompt length for each policy, at the winner's settings."""
     import matplotlib.pyplot as plt
 
-    from reports.render import _save
+    from reports.render import save_figure
     from sim.simulate import simulate
 
     hw = next(h for h in sweep.hws if h.name == winner["hw"])
@@ -44,7 +44,7 @@ def prompt_png(sweep: Sweep, winner: dict[str, Any], path: Path) -> Path:
         ax.grid(alpha=0.3)
     a1.legend(fontsize=7)
     fig.suptitle(f"{winner['model']} on {hw.name} (simulated)", fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def write_whatif_report(rows: list[dict[str, Any]], winner: dict[str, Any] | None, goal: str, sweep: Sweep,

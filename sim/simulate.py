@@ -11,7 +11,7 @@ from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile
 from moesim.models import ModelSpec
 from moesim.policy import EVICTIONS, POLICIES, get_policy
-from sim.costs import Costs, measured_costs, roofline_costs
+from sim.costs import KERNELS_ATTENTION, Costs, measured_costs, roofline_costs
 from sim.engine import Span, run_simpy
 from sim.fastpath import run_fast
 from sim.plan import Plan, build_plan
@@ -67,7 +67,7 @@ def prefill_time(spec: ModelSpec, hw: HardwareProfile, prompt_len: int, offload:
         if moe:
             flops += n * spec.top_k * spec.expert_flops(1)
             mem += spec.layer_expert_bytes
-        compute = max(mem / hw.mem_bw, flops / hw.flops(spec.dense_dtype)) + hw.launch * 10
+        compute = max(mem / hw.mem_bw, flops / hw.flops(spec.dense_dtype)) + hw.launch * KERNELS_ATTENTION
         if moe and offload:
             copy_end = max(copy_end, prev_compute_end) + spec.n_experts * per_expert_copy
             ready = copy_end
