@@ -19,11 +19,11 @@ import argparse
 import numpy as np
 import torch
 
-from executor.model import ExecConfig, random_model
-from executor.profile import ProfileSettings, build_trace, generate
+from moesim.executor.model import ExecConfig, random_model
+from moesim.executor.profile import ProfileSettings, build_trace, generate
 from moesim.hardware import get_profile
 from moesim.models import Attention, ModelSpec
-from sim.simulate import simulate
+from moesim.sim.simulate import simulate
 
 SPEC = ModelSpec("bench-moe (synthetic)", n_layers=8, n_experts=16, top_k=4, hidden=1024, expert_inter=512,
                  vocab=1024, attention=Attention("gqa", 8, 4, 128, qk_norm=True))

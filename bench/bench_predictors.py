@@ -23,9 +23,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from executor.estimator import RECORD_FILE, load_estimator  # noqa: E402
-from executor.model import load_checkpoint  # noqa: E402
-from executor.profile import (  # noqa: E402
+from moesim.atomic import atomic_write_text  # noqa: E402
+from moesim.executor.estimator import RECORD_FILE, load_estimator  # noqa: E402
+from moesim.executor.model import load_checkpoint  # noqa: E402
+from moesim.executor.profile import (  # noqa: E402
     DEFAULT_PROMPT,
     ProfileSettings,
     build_trace,
@@ -35,11 +36,10 @@ from executor.profile import (  # noqa: E402
     load_default_vectors,
     shipped_model,
 )
-from moesim.atomic import atomic_write_text  # noqa: E402
 from moesim.hardware import get_profile  # noqa: E402
-from reports.render import save_figure, write_html  # noqa: E402
-from sim.validate import validate_trace  # noqa: E402
-from traces.format import write_trace  # noqa: E402
+from moesim.reports.render import save_figure, write_html  # noqa: E402
+from moesim.sim.validate import validate_trace  # noqa: E402
+from moesim.traces.format import write_trace  # noqa: E402
 
 PREDICTORS = ("stale", "quasi", "estimator", "hybrid")
 

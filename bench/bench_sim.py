@@ -14,14 +14,14 @@ import time
 
 from moesim.hardware import get_profile
 from moesim.models import get_model
+from moesim.sim.costs import roofline_costs
+from moesim.sim.engine import run_simpy
+from moesim.sim.fastpath import run_fast
+from moesim.sim.plan import build_plan
+from moesim.sim.whatif import Sweep, run_sweep
+from moesim.sim.workload import Link, make_workload
 from moesim.timing import best_time
-from sim.costs import roofline_costs
-from sim.engine import run_simpy
-from sim.fastpath import run_fast
-from sim.plan import build_plan
-from sim.whatif import Sweep, run_sweep
-from sim.workload import Link, make_workload
-from traces.synthetic import SyntheticParams, synthetic_trace
+from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
 
 def main() -> None:

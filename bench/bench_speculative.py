@@ -18,16 +18,16 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from executor.model import load_checkpoint  # noqa: E402
-from executor.profile import DEFAULT_PROMPT, ProfileSettings, build_trace, generate, shipped_model  # noqa: E402
-from executor.runtime import OffloadedDecoder, make_transport  # noqa: E402
-from executor.speculative import SpecSettings, build_sd_trace, load_expert_predictor, speculative_generate  # noqa: E402
 from moesim.atomic import atomic_write_text  # noqa: E402
+from moesim.executor.model import load_checkpoint  # noqa: E402
+from moesim.executor.profile import DEFAULT_PROMPT, ProfileSettings, build_trace, generate, shipped_model  # noqa: E402
+from moesim.executor.runtime import OffloadedDecoder, make_transport  # noqa: E402
+from moesim.executor.speculative import SpecSettings, build_sd_trace, load_expert_predictor, speculative_generate  # noqa: E402
 from moesim.hardware import get_profile  # noqa: E402
-from reports.render import save_figure, write_html  # noqa: E402
-from sim.speculative import replay_sd  # noqa: E402
-from sim.validate import recorded_profile, validate_trace  # noqa: E402
-from traces.format import write_trace  # noqa: E402
+from moesim.reports.render import save_figure, write_html  # noqa: E402
+from moesim.sim.speculative import replay_sd  # noqa: E402
+from moesim.sim.validate import recorded_profile, validate_trace  # noqa: E402
+from moesim.traces.format import write_trace  # noqa: E402
 
 CONFIGS = [("confidence", "ratio", 0.0), ("ecospec", "ratio", 0.0), ("ecospec", "lagrangian", 0.02),
            ("ecospec", "lagrangian", 0.1)]
@@ -81,7 +81,7 @@ def main() -> None:
                              "verify_ms_per_distinct_expert": m["verify_ms_per_distinct_expert"],
                              "verify_vs_experts_r2": m["verify_vs_experts_r2"]})
                 steps = tr.timings
-                from sim.speculative import recorded_steps
+                from moesim.sim.speculative import recorded_steps
 
                 scatter += [(policy, sum(len(u) for u in st_.true_union), v * 1e3)
                             for st_, v in zip(recorded_steps(tr), steps["sd_verify_s"], strict=True)]

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from executor.model import MoEModel, read_tensors, route
 from moesim.atomic import atomic_write, atomic_write_text
 from moesim.errors import MoesimError
+from moesim.executor.model import MoEModel, read_tensors, route
 
 ESTIMATOR_FILE = "estimator.safetensors"
 RECORD_FILE = "estimator.json"

@@ -1,8 +1,8 @@
 """The one script to run when a GPU machine is lent: every policy on the synthetic
 Qwen3-30B-A3B geometry (all 48 layers, experts in pinned host memory), traces and a summary.
 
-    python -m executor.gpu_validate --out reports/gpu-validation     # on a CUDA machine
-    python -m executor.gpu_validate --smoke --out /tmp/gv           # tiny model, CPU: checks the script
+    python -m moesim.executor.gpu_validate --out reports/gpu-validation     # on a CUDA machine
+    python -m moesim.executor.gpu_validate --smoke --out /tmp/gv           # tiny model, CPU: checks the script
 
 Weights are seeded random (synthetic), so hit rates mean nothing here; what this measures
 is the link, the copy/compute overlap and the executor's overhead on real hardware, and
@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
-from executor.model import ExecConfig, MoEModel, random_model
-from executor.profile import ProfileSettings, build_trace, calibrate, generate
 from moesim.atomic import atomic_write_text
+from moesim.executor.model import ExecConfig, MoEModel, random_model
+from moesim.executor.profile import ProfileSettings, build_trace, calibrate, generate
 from moesim.hardware import get_profile
 from moesim.models import get_model
-from sim.simulate import simulate
-from traces.format import write_trace
+from moesim.sim.simulate import simulate
+from moesim.traces.format import write_trace
 
 RUNS = [  # (policy, predictor, cache GiB)
     ("all-resident", "quasi", 0), ("on-demand", "quasi", 0), ("prefetch-fom", "quasi", 0),

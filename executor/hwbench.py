@@ -44,7 +44,7 @@ def _fit_line(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
 def cpu_wakeup() -> float:
     """Seconds from an emulated copy's (ideal) end to the waiting thread running again:
     the median over paced 200 us transfers."""
-    from executor.transport import EmulatedLink, Transfer
+    from moesim.executor.transport import EmulatedLink, Transfer
 
     link = EmulatedLink(1e9, 0.0)
     src, dst = torch.zeros(50_000), torch.empty(50_000)  # 200 KB: 200 us at 1 GB/s
@@ -62,7 +62,7 @@ def cpu_interference(copy_gbs: float, repeats: int = 5) -> float:
     """How much slower memory-bound compute (fp32 GEMVs over a 16 MiB matrix, one thread)
     runs while the emulated link copies back to back at its full memcpy rate ``copy_gbs``:
     median over ``repeats`` of t_with / t_alone - 1. On a CPU both stream DRAM."""
-    from executor.transport import EmulatedLink, Transfer
+    from moesim.executor.transport import EmulatedLink, Transfer
 
     w, x = torch.randn(2048, 2048), torch.randn(2048)
     acc = torch.zeros(2048)
@@ -90,7 +90,7 @@ def cpu_interference(copy_gbs: float, repeats: int = 5) -> float:
 
 
 def measure_cpu(step: Step) -> tuple[dict[str, tuple[float, str]], dict[str, str]]:
-    from executor.transport import EmulatedLink, Transfer
+    from moesim.executor.transport import EmulatedLink, Transfer
 
     figs: dict[str, tuple[float, str]] = {}
     n = 1024

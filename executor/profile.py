@@ -18,14 +18,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from executor.model import MoEModel, expert_forward, log_softmax_kl, route
-from executor.runtime import OffloadedDecoder, StepRecord, make_transport
-from executor.transport import Transfer
 from moesim import __version__
 from moesim.atomic import atomic_write, atomic_write_text
 from moesim.errors import MoesimError
+from moesim.executor.model import MoEModel, expert_forward, log_softmax_kl, route
+from moesim.executor.runtime import OffloadedDecoder, StepRecord, make_transport
+from moesim.executor.transport import Transfer
 from moesim.hardware import HardwareProfile
-from traces.format import COPY_KINDS, FORMAT, VERSION, Trace
+from moesim.traces.format import COPY_KINDS, FORMAT, VERSION, Trace
 
 DEFAULT_VECTORS = "default_vectors.safetensors"
 DEFAULT_PROMPT = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n"
@@ -41,7 +41,7 @@ def eval_text(vocab: int, n: int, seed: int) -> torch.Tensor:
     held-out 5% of the Python standard library corpus (never trained on; the same for a
     given Python version), else seeded random ids."""
     if vocab == 256:
-        from executor.train import stdlib_corpus
+        from moesim.executor.train import stdlib_corpus
 
         corpus, _ = stdlib_corpus()
         data = corpus[int(len(corpus) * 0.95):][:n]

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from executor.model import MoEModel, TreeMask, expert_forward, route
-from executor.transport import CudaTransport, EmulatedLink, Transfer
 from moesim.errors import MoesimError
+from moesim.executor.model import MoEModel, TreeMask, expert_forward, route
+from moesim.executor.transport import CudaTransport, EmulatedLink, Transfer
 from moesim.policy import Planner, get_policy
 
 PREDICTORS = ("quasi", "stale", "oracle", "estimator", "hybrid")

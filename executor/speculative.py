@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from executor.model import MoEModel, TreeMask, read_tensors, route
-from executor.runtime import OffloadedDecoder
 from moesim.atomic import atomic_write, atomic_write_text
 from moesim.errors import MoesimError
+from moesim.executor.model import MoEModel, TreeMask, read_tensors, route
+from moesim.executor.runtime import OffloadedDecoder
 from moesim.selection import SCORES, SELECTIONS, Tree, accept, select
 
 __all__ = ["SCORES", "SELECTIONS", "Tree", "accept", "select"]  # the shared decisions, re-exported
@@ -312,9 +312,9 @@ def build_sd_trace(target: MoEModel, prompt: Tensor, records: list[VerifyRecord]
                    draft_source: str, extra: dict | None = None):
     """A version-2 trace: the routing of every accepted row as the main arrays, and one
     record per verification step (tree, choice, acceptance, experts, timings)."""
-    from executor.profile import copy_arrays
     from moesim import __version__
-    from traces.format import FORMAT, VERSION, Trace
+    from moesim.executor.profile import copy_arrays
+    from moesim.traces.format import FORMAT, VERSION, Trace
 
     s = target.spec
     L, E, k = s.n_layers, s.n_experts, s.top_k

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from executor.model import ExecConfig, MoEModel, count_params, route, save_checkpoint
 from moesim.atomic import atomic_write_text
+from moesim.executor.model import ExecConfig, MoEModel, count_params, route, save_checkpoint
 from moesim.models import Attention, ModelSpec
 
 STDLIB_SOURCE = "trained by moesim (executor/train.py) on the Python standard library's source"

@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from executor.model import ExecConfig, MoEModel, load_checkpoint, random_model
-from executor.profile import ProfileSettings, build_trace, calibrate, generate, load_default_vectors
+from moesim.executor.model import ExecConfig, MoEModel, load_checkpoint, random_model
+from moesim.executor.profile import ProfileSettings, build_trace, calibrate, generate, load_default_vectors
 from moesim.hardware import HardwareProfile, get_profile
 from moesim.models import Attention, ModelSpec
-from sim.simulate import simulate
-from sim.validate import error_stats, recorded_profile, validate_trace
-from traces.format import Trace, write_trace
+from moesim.sim.simulate import simulate
+from moesim.sim.validate import error_stats, recorded_profile, validate_trace
+from moesim.traces.format import Trace, write_trace
 
 POLICIES = ("on-demand", "prefetch-fom", "prefetch-spec", "oracle")
 SYNTHETIC_SPEC = ModelSpec("synthetic-1024x512", n_layers=6, n_experts=16, top_k=4, hidden=1024, expert_inter=512,
@@ -62,7 +62,7 @@ def machine_profile() -> HardwareProfile:
     """What the simulator knows of this machine beyond each trace's recorded link, measured
     here (executor/hwbench.py): how much compute slows while the emulated link copies, and
     how long a thread that waited on a copy takes to run again."""
-    from executor.hwbench import cpu_interference, cpu_wakeup
+    from moesim.executor.hwbench import cpu_interference, cpu_wakeup
     from moesim.timing import best_time
 
     big = torch.zeros(16 * 2**20 // 4)

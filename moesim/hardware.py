@@ -176,7 +176,7 @@ def load_profile(path: str | Path) -> HardwareProfile:
 
 def builtin_profiles() -> dict[str, Path]:
     """Name -> path of the profiles shipped in ``hwprofiles/``."""
-    root = resources.files("hwprofiles")
+    root = resources.files("moesim.hwprofiles")
     return {p.name[:-5]: Path(str(p)) for p in sorted(root.iterdir(), key=lambda p: p.name) if p.name.endswith(".toml")}
 
 

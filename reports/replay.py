@@ -7,9 +7,9 @@ from pathlib import Path
 
 from moesim.atomic import atomic_write_text
 from moesim.hardware import HardwareProfile
-from reports.render import breakdown_png, chrome_trace, timeline_png, write_csv, write_html
-from sim.simulate import SimResult, simulate
-from traces.format import Trace
+from moesim.reports.render import breakdown_png, chrome_trace, timeline_png, write_csv, write_html
+from moesim.sim.simulate import SimResult, simulate
+from moesim.traces.format import Trace
 
 COLS = ["policy", "cache_gib", "tpot_ms", "tpot_p99_ms", "tokens_per_s", "compute_ms", "copy_ms", "stall_ms",
         "overlap_bound_ms", "serial_bound_ms", "gb_moved_per_token", "cache_hit_rate", "prefetch_hit_rate", "ttft_ms"]

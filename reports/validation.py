@@ -15,10 +15,10 @@ import numpy as np  # noqa: E402
 
 from moesim.atomic import atomic_write_text  # noqa: E402
 from moesim.hardware import HardwareProfile  # noqa: E402
-from reports.render import COLORS, breakdown_png, save_figure, write_csv, write_html  # noqa: E402
-from sim.engine import Span  # noqa: E402
-from sim.simulate import SimResult, simulate  # noqa: E402
-from traces.format import COPY_KINDS, Trace  # noqa: E402
+from moesim.reports.render import COLORS, breakdown_png, save_figure, write_csv, write_html  # noqa: E402
+from moesim.sim.engine import Span  # noqa: E402
+from moesim.sim.simulate import SimResult, simulate  # noqa: E402
+from moesim.traces.format import COPY_KINDS, Trace  # noqa: E402
 
 
 def measured_spans(trace: Trace, step: int) -> list[Span]:

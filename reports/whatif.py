@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from moesim.atomic import atomic_write_text
-from reports.render import breakdown_png, heatmap_png, write_csv, write_html
-from sim.whatif import GOALS, Sweep
+from moesim.reports.render import breakdown_png, heatmap_png, write_csv, write_html
+from moesim.sim.whatif import GOALS, Sweep
 
 COLS = ["model", "hw", "policy", "link_gbps", "cache_gib", "fits", "tpot_ms", "tpot_p99_ms", "compute_ms", "copy_ms",
         "stall_ms", "gb_moved_per_token", "cache_hit_rate", "ttft_ms", "bound"]
@@ -22,8 +22,8 @@ def prompt_png(sweep: Sweep, winner: dict[str, Any], path: Path) -> Path:
     """TPOT and TTFT against prompt length for each policy, at the winner's settings."""
     import matplotlib.pyplot as plt
 
-    from reports.render import save_figure
-    from sim.simulate import simulate
+    from moesim.reports.render import save_figure
+    from moesim.sim.simulate import simulate
 
     hw = next(h for h in sweep.hws if h.name == winner["hw"])
     base = sweep.traces[winner["model"]].head(min(32, sweep.traces[winner["model"]].n_tokens))

@@ -3,6 +3,6 @@
 Importing it never imports torch.
 """
 
-from sim.simulate import SimResult, simulate
+from moesim.sim.simulate import SimResult, simulate
 
 __all__ = ["SimResult", "simulate"]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
-from sim.workload import Link, Workload
+from moesim.sim.workload import Link, Workload
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sim.workload import Link, Workload
+from moesim.sim.workload import Link, Workload
 
 
 def run_fast(w: Workload, link: Link) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

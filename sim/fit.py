@@ -21,10 +21,10 @@ from scipy.optimize import nnls
 
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile
-from sim.costs import KERNELS_ATTENTION, KERNELS_EXPERT, KERNELS_HEAD
-from sim.plan import build_plan
-from sim.simulate import POLICIES, simulate
-from traces.format import Trace
+from moesim.sim.costs import KERNELS_ATTENTION, KERNELS_EXPERT, KERNELS_HEAD
+from moesim.sim.plan import build_plan
+from moesim.sim.simulate import POLICIES, simulate
+from moesim.traces.format import Trace
 
 
 def fit_profile(trace: Trace, base: HardwareProfile, name: str | None = None) -> tuple[HardwareProfile, dict[str, Any]]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moesim.policy import Planner, Policy, get_policy
-from traces.format import Trace
+from moesim.traces.format import Trace
 
 
 @dataclass(frozen=True)

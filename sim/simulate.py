@@ -11,12 +11,12 @@ from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile
 from moesim.models import ModelSpec
 from moesim.policy import EVICTIONS, POLICIES, get_policy
-from sim.costs import KERNELS_ATTENTION, Costs, measured_costs, roofline_costs
-from sim.engine import Span, run_simpy
-from sim.fastpath import run_fast
-from sim.plan import Plan, build_plan
-from sim.workload import Link, make_workload
-from traces.format import Trace
+from moesim.sim.costs import KERNELS_ATTENTION, Costs, measured_costs, roofline_costs
+from moesim.sim.engine import Span, run_simpy
+from moesim.sim.fastpath import run_fast
+from moesim.sim.plan import Plan, build_plan
+from moesim.sim.workload import Link, make_workload
+from moesim.traces.format import Trace
 
 ENGINES = ("simpy", "fast")
 TIMINGS = ("auto", "profile", "measured")

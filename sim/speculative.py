@@ -25,10 +25,10 @@ from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile
 from moesim.policy import Planner, get_policy
 from moesim.selection import Tree, select
-from sim.costs import roofline_costs
-from sim.fastpath import run_fast
-from sim.workload import Link, Workload
-from traces.format import Trace
+from moesim.sim.costs import roofline_costs
+from moesim.sim.fastpath import run_fast
+from moesim.sim.workload import Link, Workload
+from moesim.traces.format import Trace
 
 
 @dataclass

@@ -15,8 +15,8 @@ from scipy import stats
 
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile, get_profile
-from sim.simulate import SimResult, simulate
-from traces.format import Trace
+from moesim.sim.simulate import SimResult, simulate
+from moesim.traces.format import Trace
 
 
 def error_stats(measured: np.ndarray, predicted: np.ndarray, margin: float = 0.05, alpha: float = 0.05) -> dict[str, Any]:

@@ -19,9 +19,9 @@ from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile
 from moesim.models import ModelSpec
 from moesim.policy import get_policy
-from sim.plan import build_plan
-from sim.simulate import cache_capacity, pick_costs, simulate
-from traces.format import Trace
+from moesim.sim.plan import build_plan
+from moesim.sim.simulate import cache_capacity, pick_costs, simulate
+from moesim.traces.format import Trace
 
 GOALS = {
     "tpot": ("tpot_ms", "lowest mean time per output token"),

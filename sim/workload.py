@@ -13,8 +13,8 @@ import numpy as np
 
 from moesim.hardware import HardwareProfile
 from moesim.models import ModelSpec
-from sim.costs import Costs
-from sim.plan import Plan
+from moesim.sim.costs import Costs
+from moesim.sim.plan import Plan
 
 
 @dataclass(frozen=True)

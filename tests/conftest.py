@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from moesim.models import Attention, ModelSpec, get_model
-from traces.format import FORMAT, VERSION, Trace
-from traces.synthetic import SyntheticParams, synthetic_trace
+from moesim.traces.format import FORMAT, VERSION, Trace
+from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
 
 def two_layer_spec() -> ModelSpec:

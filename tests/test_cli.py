@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from moesim.models import get_model
-from traces.format import write_trace
-from traces.synthetic import SyntheticParams, synthetic_trace
+from moesim.traces.format import write_trace
+from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
 
 def moesim(*args, cwd=None):

@@ -7,9 +7,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from executor.estimator import Estimator, collect, load_estimator, recall_by_layer, train_estimator  # noqa: E402
-from executor.model import ExecConfig, random_model  # noqa: E402
-from executor.profile import ProfileSettings, calibrate, generate  # noqa: E402
+from moesim.executor.estimator import Estimator, collect, load_estimator, recall_by_layer, train_estimator  # noqa: E402
+from moesim.executor.model import ExecConfig, random_model  # noqa: E402
+from moesim.executor.profile import ProfileSettings, calibrate, generate  # noqa: E402
 from moesim.hardware import get_profile  # noqa: E402
 from moesim.models import get_model  # noqa: E402
 

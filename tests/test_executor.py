@@ -9,12 +9,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from executor.model import ExecConfig, random_model  # noqa: E402
-from executor.profile import ProfileSettings, build_trace, calibrate, generate  # noqa: E402
-from executor.transport import EmulatedLink, Transfer  # noqa: E402
+from moesim.executor.model import ExecConfig, random_model  # noqa: E402
+from moesim.executor.profile import ProfileSettings, build_trace, calibrate, generate  # noqa: E402
+from moesim.executor.transport import EmulatedLink, Transfer  # noqa: E402
 from moesim.hardware import get_profile  # noqa: E402
 from moesim.models import get_model  # noqa: E402
-from traces.format import read_trace, write_trace  # noqa: E402
+from moesim.traces.format import read_trace, write_trace  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -134,7 +134,7 @@ def test_gpu_validation_script_runs_in_smoke_mode(tmp_path):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "executor.gpu_validate", "--smoke", "--tokens", "3", "--out", str(tmp_path)],
+    r = subprocess.run([sys.executable, "-m", "moesim.executor.gpu_validate", "--smoke", "--tokens", "3", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())

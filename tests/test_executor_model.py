@@ -5,8 +5,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from executor.model import ExecConfig, load_checkpoint, random_model, save_checkpoint  # noqa: E402
 from moesim.errors import MoesimError  # noqa: E402
+from moesim.executor.model import ExecConfig, load_checkpoint, random_model, save_checkpoint  # noqa: E402
 from moesim.models import get_model  # noqa: E402
 
 COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)

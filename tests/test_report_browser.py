@@ -9,9 +9,9 @@ import pytest
 
 from moesim.hardware import get_profile
 from moesim.models import get_model
-from reports.replay import write_replay_report
-from sim.simulate import simulate
-from traces.synthetic import SyntheticParams, synthetic_trace
+from moesim.reports.replay import write_replay_report
+from moesim.sim.simulate import simulate
+from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 

@@ -9,13 +9,13 @@ from conftest import hand_trace, two_layer_spec
 from moesim.hardware import get_profile
 from moesim.models import get_model
 from moesim.policy import POLICIES
-from sim.costs import Costs
-from sim.engine import run_simpy
-from sim.fastpath import run_fast
-from sim.plan import build_plan
-from sim.simulate import simulate
-from sim.workload import Link, make_workload
-from traces.synthetic import SyntheticParams, synthetic_trace
+from moesim.sim.costs import Costs
+from moesim.sim.engine import run_simpy
+from moesim.sim.fastpath import run_fast
+from moesim.sim.plan import build_plan
+from moesim.sim.simulate import simulate
+from moesim.sim.workload import Link, make_workload
+from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
 # --------------------------------------------------------------------------------------
 # Worked by hand: 2 MoE layers, top-2, one step. Attention 1 s a layer, each expert 1 s
@@ -203,7 +203,7 @@ def test_measured_compute_times_are_used_and_said(tiny_trace):
 
 
 def test_ttft_grows_with_prompt_length_and_offload_costs_whole_layers():
-    from sim.simulate import prefill_time
+    from moesim.sim.simulate import prefill_time
 
     spec, hw = get_model("qwen3-30b-a3b"), get_profile("h100-sxm")
     short, long = prefill_time(spec, hw, 128, True), prefill_time(spec, hw, 4096, True)
@@ -222,7 +222,7 @@ def test_simpy_records_a_timeline(tiny_trace):
 
 
 def test_prediction_recall_is_the_traces_hit_rate():
-    from sim.simulate import prediction_recall
+    from moesim.sim.simulate import prediction_recall
 
     trace = synthetic_trace(get_model("olmoe-1b-7b"), SyntheticParams(tokens=200, hit_rate=0.7, early_layers=0))
     assert prediction_recall(trace) == pytest.approx(0.7, abs=0.02)

@@ -5,9 +5,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from executor.model import ExecConfig, random_model  # noqa: E402
-from executor.runtime import OffloadedDecoder  # noqa: E402
-from executor.speculative import (  # noqa: E402
+from moesim.errors import MoesimError  # noqa: E402
+from moesim.executor.model import ExecConfig, random_model  # noqa: E402
+from moesim.executor.runtime import OffloadedDecoder  # noqa: E402
+from moesim.executor.speculative import (  # noqa: E402
     SpecSettings,
     Tree,
     accept,
@@ -17,8 +18,7 @@ from executor.speculative import (  # noqa: E402
     speculative_generate,
     train_expert_predictor,
 )
-from executor.transport import EmulatedLink  # noqa: E402
-from moesim.errors import MoesimError  # noqa: E402
+from moesim.executor.transport import EmulatedLink  # noqa: E402
 from moesim.models import get_model  # noqa: E402
 
 
@@ -103,10 +103,10 @@ def test_speculative_execution_policies_are_refused(models):
 
 
 def test_speculative_trace_round_trips_and_replays(models, tmp_path):
-    from executor.speculative import build_sd_trace
+    from moesim.executor.speculative import build_sd_trace
     from moesim.hardware import get_profile
-    from sim.speculative import recorded_steps, replay_sd, reselected_steps, simulate_steps
-    from traces.format import read_trace, write_trace
+    from moesim.sim.speculative import recorded_steps, replay_sd, reselected_steps, simulate_steps
+    from moesim.traces.format import read_trace, write_trace
 
     target, draft, predictor, _ = models
     hw = get_profile("a6000").with_figure("h2d_pinned_gbs", 0.5)

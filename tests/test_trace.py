@@ -5,8 +5,8 @@ import pytest
 
 from moesim.errors import MoesimError
 from moesim.models import get_model
-from traces.format import read_trace, write_trace
-from traces.synthetic import SyntheticParams, synthetic_trace
+from moesim.traces.format import read_trace, write_trace
+from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
 
 def test_round_trip(tmp_path, tiny_trace):

@@ -3,8 +3,8 @@ import pytest
 from moesim.errors import MoesimError
 from moesim.hardware import get_profile
 from moesim.models import get_model
-from sim.whatif import Sweep, best, device_bytes_needed, run_sweep
-from traces.synthetic import SyntheticParams, synthetic_trace
+from moesim.sim.whatif import Sweep, best, device_bytes_needed, run_sweep
+from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def test_pool_and_inline_give_the_same_rows(sweep):
 
 
 def test_sweep_rows_match_single_replays(sweep):
-    from sim.simulate import simulate
+    from moesim.sim.simulate import simulate
 
     rows = run_sweep(sweep, jobs=1)
     row = next(r for r in rows if (r["model"], r["hw"], r["policy"], r["link_gbps"], r["cache_gib"]) ==

@@ -22,7 +22,7 @@ import numpy as np
 from moesim import __version__
 from moesim.errors import MoesimError
 from moesim.models import ModelSpec
-from traces.format import FORMAT, VERSION, Trace
+from moesim.traces.format import FORMAT, VERSION, Trace
 
 
 @dataclass(frozen=True)

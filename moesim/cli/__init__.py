@@ -172,8 +172,8 @@ def synth(
     trace exists. Example: `moesim synth --model olmoe-1b-7b --tokens 512 --out olmoe.npz`.
     """
     from moesim.models import get_model
-    from traces.format import write_trace
-    from traces.synthetic import SyntheticParams, synthetic_trace
+    from moesim.traces.format import write_trace
+    from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
     params = SyntheticParams(tokens, batch, prompt_len, skew, reuse, hit_rate, early_hit_rate, early_layers, seed)
     trace = synthetic_trace(get_model(model), params)
@@ -227,8 +227,8 @@ def _replay_speculative(trace, trace_path: Path, hw_name: str | None, policy: st
                         as_json: bool, shape: tuple[int | None, int | None, float | None] = (None, None, None)) -> None:
     """Replay a speculative trace (measured against simulated), and what-if over selection."""
     from moesim.hardware import get_profile
-    from sim.speculative import recorded_steps, replay_sd, reselected_steps, simulate_steps
-    from sim.validate import recorded_profile
+    from moesim.sim.speculative import recorded_steps, replay_sd, reselected_steps, simulate_steps
+    from moesim.sim.validate import recorded_profile
 
     hw_profile = recorded_profile(trace, get_profile(hw_name) if hw_name else None)
     timing = "measured" if timing == "auto" else timing
@@ -307,8 +307,8 @@ def replay(
     """
     from moesim.hardware import get_profile
     from moesim.models import get_model
-    from sim.simulate import simulate
-    from traces.format import read_trace
+    from moesim.sim.simulate import simulate
+    from moesim.traces.format import read_trace
 
     trace = read_trace(trace_path)
     if trace.speculative:
@@ -341,7 +341,7 @@ def replay(
         for r in rows:
             out.print(f"[bold]{r['policy']}[/bold]: {_why(r)}")
     if out_dir is not None:
-        from reports.replay import write_replay_report
+        from moesim.reports.replay import write_replay_report
 
         page = write_replay_report(trace, trace_path, profile, results, out_dir, step)
         err.print(f"report: {page}")
@@ -349,7 +349,7 @@ def replay(
 
 def _validate(trace, trace_path: Path, hw_name: str | None, engine: str, as_json: bool, out_dir: Path | None) -> None:
     from moesim.hardware import get_profile
-    from sim.validate import recorded_profile, validate_trace
+    from moesim.sim.validate import recorded_profile, validate_trace
 
     hw_profile = get_profile(hw_name) if hw_name else None
     stats_, result = validate_trace(trace, hw_profile, engine=engine)
@@ -367,7 +367,7 @@ def _validate(trace, trace_path: Path, hw_name: str | None, engine: str, as_json
                   f"{'equivalent' if stats_['equivalent'] else 'not shown'} (p={stats_['tost_p']:.3g})")
         out.print(t)
     if out_dir is not None:
-        from reports.validation import write_single_validation
+        from moesim.reports.validation import write_single_validation
 
         page = write_single_validation(trace, trace_path, recorded_profile(trace, hw_profile), stats_, result, out_dir)
         err.print(f"report: {page}")
@@ -409,9 +409,9 @@ def whatif(
 
     from moesim.hardware import get_profile
     from moesim.models import get_model
-    from sim.whatif import GOALS, Sweep, best, run_sweep
-    from traces.format import read_trace
-    from traces.synthetic import SyntheticParams, synthetic_trace
+    from moesim.sim.whatif import GOALS, Sweep, best, run_sweep
+    from moesim.traces.format import read_trace
+    from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
     if goal not in GOALS:
         raise MoesimError(f"unknown goal {goal!r}; known: {', '.join(GOALS)}")
@@ -460,7 +460,7 @@ def whatif(
         else:
             out.print("[bold red]no configuration fits in device memory[/bold red]")
     if out_dir is not None:
-        from reports.whatif import write_whatif_report
+        from moesim.reports.whatif import write_whatif_report
 
         page = write_whatif_report(rows, winner, goal, sweep, out_dir)
         err.print(f"report: {page}")
@@ -470,7 +470,7 @@ SHIPPED_MODEL = "moe-stdlib"
 
 
 def _shipped_model() -> Path:
-    from executor.profile import shipped_model
+    from moesim.executor.profile import shipped_model
 
     return shipped_model()
 
@@ -480,7 +480,7 @@ def _load_exec_model(model: str, layers: int | None, dtype: str, device: str, se
     learned-routing model, or a catalogue geometry with seeded random weights."""
     import torch
 
-    from executor.model import ExecConfig, load_checkpoint, random_model
+    from moesim.executor.model import ExecConfig, load_checkpoint, random_model
     from moesim.models import CATALOGUE, get_model
 
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(dtype)
@@ -570,7 +570,7 @@ def profile(
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from executor.profile import (
+    from moesim.executor.profile import (
         DEFAULT_PROMPT,
         ProfileSettings,
         build_trace,
@@ -583,8 +583,8 @@ def profile(
     )
     from moesim.hardware import get_profile
     from moesim.policy import get_policy
-    from sim.simulate import cache_capacity
-    from traces.format import write_trace
+    from moesim.sim.simulate import cache_capacity
+    from moesim.traces.format import write_trace
 
     if tokens < 1 or batch < 1 or threads < 1:
         raise MoesimError("--tokens, --batch and --threads must be >= 1")
@@ -599,7 +599,7 @@ def profile(
     st = ProfileSettings(pol.name, predictor, capacity, eviction, tokens, temperature, seed)
     dv, est = None, None
     if predictor in ("estimator", "hybrid"):
-        from executor.estimator import load_estimator
+        from moesim.executor.estimator import load_estimator
 
         est = None if synthetic else load_estimator(Path(source))
         if est is None:
@@ -639,9 +639,9 @@ def profile(
 def _profile_hardware(device: str, name: str | None, out_path: Path | None, threads: int) -> None:
     import torch
 
-    from executor.hwbench import measure
-    from executor.profile import check_device
     from moesim.atomic import atomic_write_text
+    from moesim.executor.hwbench import measure
+    from moesim.executor.profile import check_device
     from moesim.hardware import get_profile
 
     torch.set_num_threads(threads)
@@ -678,9 +678,9 @@ def calibrate(
     """
     import torch
 
-    from executor.model import load_checkpoint
-    from executor.profile import calibrate as run_calibrate
-    from executor.profile import save_default_vectors
+    from moesim.executor.model import load_checkpoint
+    from moesim.executor.profile import calibrate as run_calibrate
+    from moesim.executor.profile import save_default_vectors
 
     path = _shipped_model() if model == SHIPPED_MODEL else Path(model)
     if not path.is_dir():
@@ -694,7 +694,7 @@ def calibrate(
         except OSError as e:
             raise MoesimError(f"cannot read {text}: {e.strerror}") from None
     else:
-        from executor.train import stdlib_corpus
+        from moesim.executor.train import stdlib_corpus
 
         corpus, desc = stdlib_corpus()
         data = corpus[: int(len(corpus) * 0.95)]
@@ -724,8 +724,8 @@ def fit(
     """
     from moesim.atomic import atomic_write_text
     from moesim.hardware import get_profile
-    from sim.fit import fit_profile
-    from traces.format import read_trace
+    from moesim.sim.fit import fit_profile
+    from moesim.traces.format import read_trace
 
     trace = read_trace(trace_path)
     base = get_profile(hw_name or trace.header.get("recorded", {}).get("hw_profile") or "a6000")
@@ -759,9 +759,9 @@ def validate(
 
     Example: `moesim validate --out reports/validation`
     """
-    from executor.validation import machine, run_suite
-    from reports.validation import write_suite_report
-    from sim.validate import recorded_profile
+    from moesim.executor.validation import machine, run_suite
+    from moesim.reports.validation import write_suite_report
+    from moesim.sim.validate import recorded_profile
 
     if tokens < 3 or repeats < 1:
         raise MoesimError("--tokens must be >= 3 (the first step is warm-up) and --repeats >= 1")
@@ -810,10 +810,10 @@ def train_estimator_cmd(
     import torch
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from executor.estimator import train_estimator
-    from executor.model import load_checkpoint
-    from executor.profile import load_default_vectors
-    from executor.train import stdlib_corpus
+    from moesim.executor.estimator import train_estimator
+    from moesim.executor.model import load_checkpoint
+    from moesim.executor.profile import load_default_vectors
+    from moesim.executor.train import stdlib_corpus
 
     path = _shipped_model() if model == SHIPPED_MODEL else Path(model)
     if not path.is_dir():
@@ -862,9 +862,9 @@ def train_expert_predictor_cmd(
     """
     import torch
 
-    from executor.model import load_checkpoint
-    from executor.speculative import train_expert_predictor
-    from executor.train import stdlib_corpus
+    from moesim.executor.model import load_checkpoint
+    from moesim.executor.speculative import train_expert_predictor
+    from moesim.executor.train import stdlib_corpus
 
     dpath, tpath = _checkpoint(draft), _checkpoint(model)
     d, t = load_checkpoint(dpath), load_checkpoint(tpath)
@@ -883,7 +883,7 @@ def train_expert_predictor_cmd(
 
 
 def _checkpoint(name: str) -> Path:
-    from executor.profile import shipped_model
+    from moesim.executor.profile import shipped_model
 
     path = {SHIPPED_MODEL: shipped_model(), DRAFT_MODEL: shipped_model().parent / DRAFT_MODEL}.get(name, Path(name))
     if not path.is_dir():
@@ -919,13 +919,13 @@ def speculate(
     """
     import torch
 
-    from executor.model import load_checkpoint
-    from executor.profile import DEFAULT_PROMPT, load_default_vectors
-    from executor.runtime import OffloadedDecoder, make_transport
-    from executor.speculative import SpecSettings, build_sd_trace, load_expert_predictor, speculative_generate
+    from moesim.executor.model import load_checkpoint
+    from moesim.executor.profile import DEFAULT_PROMPT, load_default_vectors
+    from moesim.executor.runtime import OffloadedDecoder, make_transport
+    from moesim.executor.speculative import SpecSettings, build_sd_trace, load_expert_predictor, speculative_generate
     from moesim.hardware import get_profile
     from moesim.policy import get_policy
-    from traces.format import write_trace
+    from moesim.traces.format import write_trace
 
     pol = get_policy(policy)
     if pol.speculative or pol.oracle:
@@ -982,8 +982,8 @@ def train(
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from executor.train import stdlib_spec
-    from executor.train import train as run_train
+    from moesim.executor.train import stdlib_spec
+    from moesim.executor.train import train as run_train
 
     if min(steps, batch, seq, threads) < 1 or lr <= 0 or aux_coef < 0:
         raise MoesimError("steps, batch, seq and threads must be >= 1, lr > 0, aux-coef >= 0")
