@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -10,12 +11,12 @@ import numpy as np
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile
 from moesim.models import ModelSpec
-from moesim.policy import EVICTIONS, POLICIES, get_policy
+from moesim.policy import EVICTIONS, POLICIES, Policy, get_policy
 from moesim.sim.costs import KERNELS_ATTENTION, Costs, measured_costs, roofline_costs
 from moesim.sim.engine import Span, run_simpy
 from moesim.sim.fastpath import run_fast
 from moesim.sim.plan import Plan, build_plan
-from moesim.sim.workload import Link, make_workload
+from moesim.sim.workload import Link, Workload, make_workload
 from moesim.traces.format import Trace
 
 ENGINES = ("simpy", "fast")
@@ -146,12 +147,15 @@ def simulate(
     record: bool = False,
     plan: Plan | None = None,
     costs: Costs | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    pred_recall: float | None = None,
 ) -> SimResult:
     """Simulate ``trace`` under ``policy`` on ``hw``.
 
     ``link_gbps`` overrides the profile's pinned host-to-device bandwidth (what-if);
     ``engine`` picks the SimPy reference or the fast path; ``plan`` and ``costs`` may be
-    passed in when a sweep reuses them.
+    passed in when a sweep reuses them; ``progress(steps_planned, steps)`` reports planning,
+    the part that grows with the trace (see :func:`simulate_policies` for a whole replay).
     """
     if engine not in ENGINES:
         raise MoesimError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
@@ -162,19 +166,35 @@ def simulate(
     if link_gbps is not None:
         hw = hw.with_figure("h2d_pinned_gbs", link_gbps)
     capacity = cache_capacity(spec, cache_gib, cache_experts) if pol.offload else 0
-    plan = plan or build_plan(trace, pol, capacity, eviction)
+    plan = plan or build_plan(trace, pol, capacity, eviction, progress)
     costs = costs or pick_costs(trace, spec, hw, timing)
     work = make_workload(spec, plan, costs)
-    link = Link.from_profile(hw, spec)
-    recorded = trace.header.get("policy", {}).get("name")
-    if costs.source.startswith("measured") and recorded in POLICIES and POLICIES[recorded].prefetch:
-        # Times measured while copies overlapped compute already include the interference.
-        link = replace(link, interference=0.0)
+    link = sim_link(trace, hw, costs)
     spans: list[Span] = []
     if engine == "simpy":
         ends, copy, stall, spans = run_simpy(work, link, record)
     else:
         ends, copy, stall = run_fast(work, link)
+    return make_result(trace, hw, pol, eviction, engine, plan, costs, work, ends, copy, stall, spans, pred_recall)
+
+
+def sim_link(trace: Trace, hw: HardwareProfile, costs: Costs) -> Link:
+    """The copy engine of ``hw`` for this trace's model, as the timing source needs it."""
+    link = Link.from_profile(hw, trace.model)
+    recorded = trace.header.get("policy", {}).get("name")
+    if costs.source.startswith("measured") and recorded in POLICIES and POLICIES[recorded].prefetch:
+        # Times measured while copies overlapped compute already include the interference.
+        link = replace(link, interference=0.0)
+    return link
+
+
+def make_result(trace: Trace, hw: HardwareProfile, pol: Policy, eviction: str, engine: str, plan: Plan, costs: Costs,
+                work: Workload, ends: np.ndarray, copy: np.ndarray, stall: np.ndarray, spans: list[Span] | None = None,
+                pred_recall: float | None = None) -> SimResult:
+    """The :class:`SimResult` of one timed configuration (``hw`` already carries any link
+    override); sweeps pass ``pred_recall`` computed once per trace."""
+    spec = trace.model
+    capacity = plan.cache_experts
     tpot = np.diff(ends, prepend=0.0)
     config = {
         "model": spec.name, "hw": hw.name, "policy": pol.name, "cache_experts": capacity,
@@ -185,16 +205,46 @@ def simulate(
     ttft = trace.header.get("prefill_s") if costs.source.startswith("measured") else None
     if ttft is None:
         ttft = prefill_time(spec, hw, trace.prompt_len, pol.offload, trace.batch)
+    recall = prediction_recall(trace) if pred_recall is None else pred_recall
     return SimResult(config, tpot, work.compute_per_token, copy, stall, plan, spec.expert_bytes, float(ttft),
-                     prediction_recall(trace), spans)
+                     recall, spans or [])
 
 
 def prediction_recall(trace: Trace) -> float:
     """Mean recall@k of the recorded predictions (share of true experts predicted), over
     the (step, layer, sequence) rows that have a prediction; NaN when none has."""
-    pred, true = trace.pred_ids, trace.true_ids
-    has = (pred >= 0).any(-1)
-    if not has.any():
-        return float("nan")
-    hits = (pred[..., :, None] == true[..., None, :]).any(-1).sum(-1) / true.shape[-1]
-    return float(hits[has].mean())
+    hits_sum, rows = 0.0, 0
+    chunk = max(1, 1_000_000 // max(1, trace.true_ids[0].size * trace.true_ids.shape[-1]))  # bounded temporaries
+    for t0 in range(0, trace.n_tokens, chunk):
+        pred, true = trace.pred_ids[t0:t0 + chunk], trace.true_ids[t0:t0 + chunk]
+        has = (pred >= 0).any(-1)
+        hits = (pred[..., :, None] == true[..., None, :]).any(-1).sum(-1) / true.shape[-1]
+        hits_sum += float(hits[has].sum())
+        rows += int(has.sum())
+    return hits_sum / rows if rows else float("nan")
+
+def simulate_policies(trace: Trace, hw: HardwareProfile, policies: list[str], *,
+                      progress: Callable[[int, int], None] | None = None, **kw: Any) -> list[SimResult]:
+    """:func:`simulate` for each policy, sharing the compute times and the prediction recall
+    (they do not depend on the policy). ``progress(done, total)`` counts layer-steps
+    planned and timed over all policies, for a progress bar on long traces."""
+    for p in policies:
+        get_policy(p)  # every name checked before any work
+    per_policy = trace.n_tokens * trace.model.n_moe_layers
+    total = 2 * per_policy * len(policies)  # planning, then timing, per policy
+    link_gbps = kw.get("link_gbps")
+    profile = hw.with_figure("h2d_pinned_gbs", link_gbps) if link_gbps is not None else hw
+    costs = kw.pop("costs", None) or pick_costs(trace, trace.model, profile, kw.get("timing", "auto"))
+    recall = prediction_recall(trace)
+    results = []
+    for i, p in enumerate(policies):
+        done = 2 * i * per_policy
+
+        def planned(steps: int, _total: int, done: int = done) -> None:
+            if progress is not None:
+                progress(done + steps * trace.model.n_moe_layers, total)
+
+        results.append(simulate(trace, hw, p, costs=costs, progress=planned, pred_recall=recall, **kw))
+        if progress is not None:
+            progress(done + 2 * per_policy, total)
+    return results
