@@ -109,13 +109,14 @@ class SimResult:
         executed = p.execute.sum()
         tp = self.tpot
         ms = 1e3
+        p50, p90, p99 = np.percentile(tp, [50, 90, 99])
         return {
             **self.config,
             "tokens": int(tp.size),
             "tpot_ms": float(tp.mean() * ms),
-            "tpot_p50_ms": float(np.percentile(tp, 50) * ms),
-            "tpot_p90_ms": float(np.percentile(tp, 90) * ms),
-            "tpot_p99_ms": float(np.percentile(tp, 99) * ms),
+            "tpot_p50_ms": float(p50 * ms),
+            "tpot_p90_ms": float(p90 * ms),
+            "tpot_p99_ms": float(p99 * ms),
             "tokens_per_s": float(1 / tp.mean()),
             "compute_ms": float(self.compute.mean() * ms),
             "copy_ms": float(self.copy.mean() * ms),
@@ -188,11 +189,19 @@ def sim_link(trace: Trace, hw: HardwareProfile, costs: Costs) -> Link:
     return link
 
 
+def ttft_of(trace: Trace, hw: HardwareProfile, pol: Policy, costs: Costs) -> float:
+    """Time to first token: the trace's measured prefill with measured times, else the roofline."""
+    ttft = trace.header.get("prefill_s") if costs.source.startswith("measured") else None
+    if ttft is None:
+        ttft = prefill_time(trace.model, hw, trace.prompt_len, pol.offload, trace.batch)
+    return float(ttft)
+
+
 def make_result(trace: Trace, hw: HardwareProfile, pol: Policy, eviction: str, engine: str, plan: Plan, costs: Costs,
                 work: Workload, ends: np.ndarray, copy: np.ndarray, stall: np.ndarray, spans: list[Span] | None = None,
-                pred_recall: float | None = None) -> SimResult:
+                pred_recall: float | None = None, ttft: float | None = None) -> SimResult:
     """The :class:`SimResult` of one timed configuration (``hw`` already carries any link
-    override); sweeps pass ``pred_recall`` computed once per trace."""
+    override); sweeps pass ``pred_recall`` and ``ttft`` computed once per trace and link."""
     spec = trace.model
     capacity = plan.cache_experts
     tpot = np.diff(ends, prepend=0.0)
@@ -202,9 +211,8 @@ def make_result(trace: Trace, hw: HardwareProfile, pol: Policy, eviction: str, e
         "link_gbps": hw["h2d_pinned_gbs"], "batch": trace.batch, "engine": engine, "timing": costs.source,
         "synthetic_trace": trace.synthetic,
     }
-    ttft = trace.header.get("prefill_s") if costs.source.startswith("measured") else None
     if ttft is None:
-        ttft = prefill_time(spec, hw, trace.prompt_len, pol.offload, trace.batch)
+        ttft = ttft_of(trace, hw, pol, costs)
     recall = prediction_recall(trace) if pred_recall is None else pred_recall
     return SimResult(config, tpot, work.compute_per_token, copy, stall, plan, spec.expert_bytes, float(ttft),
                      recall, spans or [])

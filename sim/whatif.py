@@ -19,6 +19,7 @@ Groups are the unit of parallel work, of streaming and of resuming:
 from __future__ import annotations
 
 import csv
+import functools
 import hashlib
 import itertools
 import json
@@ -36,7 +37,7 @@ from moesim.models import ModelSpec
 from moesim.policy import get_policy
 from moesim.sim.fastpath import run_fast_many
 from moesim.sim.plan import build_plan
-from moesim.sim.simulate import cache_capacity, make_result, pick_costs, prediction_recall, sim_link
+from moesim.sim.simulate import cache_capacity, make_result, pick_costs, prediction_recall, sim_link, ttft_of
 from moesim.sim.workload import make_workload
 from moesim.traces.format import Trace
 
@@ -89,6 +90,24 @@ class Sweep:
             out.append((model, policy, cache))
         return out
 
+    @functools.cached_property
+    def recalls(self) -> dict[str, float]:
+        """Each trace's prediction recall (per trace, not per configuration); computed once
+        in the parent, it travels to the workers with the sweep."""
+        return {m: prediction_recall(t) for m, t in self.traces.items()}
+
+    @functools.cached_property
+    def _ttft_memo(self) -> dict[tuple[str, int, int, bool], float]:
+        """(model, profile, link, offload) -> TTFT: the same for every policy and cache, so a
+        worker computes it once per sweep, not once per configuration (per process)."""
+        return {}
+
+    @functools.cached_property
+    def _costs_memo(self) -> dict[tuple[str, int], Any]:
+        """(model, profile) -> compute times, for the model a worker is on (groups come in
+        model order); they do not depend on the policy or cache."""
+        return {}
+
     def fingerprint(self) -> str:
         """Identifies the sweep's inputs (traces by content), so a resumed output belongs to it."""
         h = hashlib.sha256()
@@ -122,11 +141,16 @@ def run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
     pol = get_policy(policy)
     capacity = cache_capacity(spec, cache_gib) if pol.offload else 0
     plan = build_plan(trace, pol, capacity, sweep.eviction)
-    recall = prediction_recall(trace)
+    recall = sweep.recalls[model]
     need = device_bytes_needed(spec, policy, capacity, trace.batch, trace.prompt_len + trace.n_tokens)
     rows = []
-    for hw in sweep.hws:
-        costs = pick_costs(trace, spec, hw, sweep.timing)
+    memo = sweep._costs_memo
+    if any(k[0] != model for k in memo):
+        memo.clear()  # one model's compute times at a time: memory stays one trace's worth
+    for hi, hw in enumerate(sweep.hws):
+        if (model, hi) not in memo:
+            memo[model, hi] = pick_costs(trace, spec, hw, sweep.timing)
+        costs = memo[model, hi]
         work = make_workload(spec, plan, costs)
         profiles = [hw if g is None else hw.with_figure("h2d_pinned_gbs", g) for g in sweep.link_gbps]
         links = [sim_link(trace, h, costs) for h in profiles]
@@ -136,9 +160,12 @@ def run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
             from moesim.sim.engine import run_simpy
 
             timed = (run_simpy(work, k)[:3] for k in links)
-        for h, (ends, copy, stall) in zip(profiles, timed):
+        for li, (h, (ends, copy, stall)) in enumerate(zip(profiles, timed)):
+            key = (model, hi, li, pol.offload)
+            if key not in sweep._ttft_memo:
+                sweep._ttft_memo[key] = ttft_of(trace, h, pol, costs)
             row = make_result(trace, h, pol, sweep.eviction, sweep.engine, plan, costs, work, ends, copy, stall,
-                              pred_recall=recall).summary()
+                              pred_recall=recall, ttft=sweep._ttft_memo[key]).summary()
             row["cache_gib"] = cache_gib if capacity else 0.0  # as asked; cache_experts is what fits
             row["device_gb_needed"] = need / 1e9
             row["fits"] = need <= h["device_memory_gb"] * 1e9
@@ -326,6 +353,7 @@ def run_sweep(sweep: Sweep, jobs: int | None = None, progress: Callable[[int, in
         except ImportError:
             raise MoesimError(f"backend ray needs Ray: {RAY_HINT}") from None
     groups = sweep.groups()
+    sweep.recalls  # noqa: B018 - computed once here, shipped with the sweep to every worker
     out = Path(out) if out is not None else None
     finished = _resume(sweep, out) if out is not None else {}
     results: dict[int, list[dict[str, Any]]] = finished if keep_rows else {}
