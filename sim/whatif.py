@@ -215,7 +215,8 @@ def _local(sweep: Sweep, todo: list[int], jobs: int) -> Iterator[Outcome]:
                 yield i, e
         return
     _warm_kernels()
-    with ProcessPoolExecutor(jobs, initializer=_init_worker, initargs=(sweep,)) as pool:
+    pool = ProcessPoolExecutor(jobs, initializer=_init_worker, initargs=(sweep,))
+    try:
         pending = {pool.submit(_worker, i): i for i in todo}
         while pending:
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
@@ -223,6 +224,8 @@ def _local(sweep: Sweep, todo: list[int], jobs: int) -> Iterator[Outcome]:
                 i = pending.pop(fut)
                 exc = fut.exception()
                 yield i, exc if exc is not None else fut.result()
+    finally:  # interrupted (Ctrl-C, an error in the caller): drop queued groups, finish running ones
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _ray(sweep: Sweep, todo: list[int], address: str | None) -> Iterator[Outcome]:
@@ -237,14 +240,19 @@ def _ray(sweep: Sweep, todo: list[int], address: str | None) -> Iterator[Outcome
     group_task = ray.remote(max_retries=0)(run_group)
     sweep_ref = ray.put(sweep)  # traces travel to the object store once, not once per group
     pending = {group_task.remote(sweep_ref, i): i for i in todo}
-    while pending:
-        done, _ = ray.wait(list(pending), num_returns=1)
-        for ref in done:
-            i = pending.pop(ref)
-            try:
-                yield i, ray.get(ref)
-            except Exception as e:  # noqa: BLE001 - a RayTaskError wraps the worker's exception
-                yield i, getattr(e, "cause", None) or e
+    try:
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            for ref in done:
+                i = pending.pop(ref)
+                try:
+                    rows = ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - a RayTaskError wraps the worker's exception
+                    rows = getattr(e, "cause", None) or e
+                yield i, rows
+    finally:  # interrupted: do not leave the cluster computing groups nobody will collect
+        for ref in pending:
+            ray.cancel(ref)
 
 
 # --------------------------------------------------------------------------------------

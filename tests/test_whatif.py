@@ -207,3 +207,50 @@ def test_replay_memory_grows_linearly_with_the_trace():
         per_unit.append(peak / (tokens * spec.n_moe_layers * spec.top_k))
     assert max(per_unit) < 60
     assert per_unit[1] < 1.5 * per_unit[0]  # no super-linear term
+
+
+KILLED_SWEEP = """
+import os, signal, sys
+from moesim.hardware import get_profile
+from moesim.models import get_model
+from moesim.sim.whatif import Sweep, run_sweep
+from moesim.traces.synthetic import SyntheticParams, synthetic_trace
+
+traces = {m: synthetic_trace(get_model(m), SyntheticParams(tokens=16, seed=2)) for m in ("tiny", "olmoe-1b-7b")}
+sweep = Sweep(traces, [get_profile("a6000"), get_profile("rtx4090")], ["on-demand", "prefetch", "oracle", "all-resident"],
+              [8.0, 32.0], [0.0, 1.0])
+calls = []
+
+def die_after_two_groups(done, total):
+    calls.append(done)
+    if len(calls) == 3:  # the initial call, then two groups
+        os.kill(os.getpid(), signal.SIGKILL)
+
+run_sweep(sweep, jobs=1, out=sys.argv[1], progress=die_after_two_groups)
+"""
+
+
+def test_a_killed_sweep_process_resumes_where_it_died(sweep, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "rows.csv"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-c", KILLED_SWEEP, str(out)], env=env, capture_output=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    assert len(out.read_text().splitlines()) == 1 + 2 * sweep.group_size
+    seen = []
+    assert run_sweep(sweep, jobs=2, out=out, progress=lambda d, t: seen.append(d)) == run_sweep(sweep, jobs=1)
+    assert seen[0] == 2 * sweep.group_size
+
+
+def test_an_interrupted_pool_stops_and_resumes(sweep, tmp_path):
+    out = tmp_path / "rows.csv"
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(sweep, jobs=2, out=out, progress=_interrupt_after(2))
+    finished = len(out.read_text().splitlines()) - 1
+    assert finished % sweep.group_size == 0 and 0 < finished < sweep.size
+    assert run_sweep(sweep, jobs=2, out=out) == run_sweep(sweep, jobs=1)
