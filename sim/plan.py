@@ -8,6 +8,7 @@ hardware, so a what-if sweep builds each plan once and times it on every profile
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,6 +36,13 @@ class Plan:
     def loads(self) -> np.ndarray:
         """Experts copied host-to-device per step and layer."""
         return self.prefetch + self.demand
+
+    @functools.cached_property
+    def totals(self) -> dict[str, float]:
+        """Whole-trace figures every summary of this plan needs, computed once per plan
+        (a sweep summarises one plan on every profile and link)."""
+        return {"loads_per_token": float(self.loads.sum(1).mean()), "executed": float(self.execute.sum()),
+                "cache_hits": float(self.cache_hits.sum()), "prefetch_hits": float(self.prefetch_hits.sum())}
 
 
 def build_plan(trace: Trace, policy: Policy | str, cache_experts: int = 0, eviction: str = "lru",

@@ -104,9 +104,8 @@ class SimResult:
         return np.maximum(self.compute, self.copy)
 
     def summary(self) -> dict[str, Any]:
-        p = self.plan
-        loads = p.loads.sum(1)
-        executed = p.execute.sum()
+        totals = self.plan.totals
+        loads, executed = totals["loads_per_token"], totals["executed"]
         tp = self.tpot
         ms = 1e3
         p50, p90, p99 = np.percentile(tp, [50, 90, 99])
@@ -125,10 +124,10 @@ class SimResult:
             "serial_bound_ms": float(self.serial_bound.mean() * ms),
             "overlap_bound_ms": float(self.overlap_bound.mean() * ms),
             "max_prefetch_gain": float(np.minimum(self.compute, self.copy).sum() / self.serial_bound.sum()),
-            "experts_loaded_per_token": float(loads.mean()),
-            "gb_moved_per_token": float(loads.mean() * self.expert_bytes / 1e9),
-            "cache_hit_rate": float(p.cache_hits.sum() / executed),
-            "prefetch_hit_rate": float(p.prefetch_hits.sum() / executed),
+            "experts_loaded_per_token": loads,
+            "gb_moved_per_token": float(loads * self.expert_bytes / 1e9),
+            "cache_hit_rate": float(totals["cache_hits"] / executed),
+            "prefetch_hit_rate": float(totals["prefetch_hits"] / executed),
             "pred_recall": self.pred_recall,
             "ttft_ms": float(self.ttft * ms),
         }
@@ -199,10 +198,11 @@ def ttft_of(trace: Trace, hw: HardwareProfile, pol: Policy, costs: Costs) -> flo
 
 def make_result(trace: Trace, hw: HardwareProfile, pol: Policy, eviction: str, engine: str, plan: Plan, costs: Costs,
                 work: Workload, ends: np.ndarray, copy: np.ndarray, stall: np.ndarray, spans: list[Span] | None = None,
-                pred_recall: float | None = None, ttft: float | None = None) -> SimResult:
+                pred_recall: float | None = None, ttft: float | None = None,
+                spec: ModelSpec | None = None) -> SimResult:
     """The :class:`SimResult` of one timed configuration (``hw`` already carries any link
-    override); sweeps pass ``pred_recall`` and ``ttft`` computed once per trace and link."""
-    spec = trace.model
+    override); sweeps pass ``pred_recall``, ``ttft`` and ``spec`` computed once per trace and link."""
+    spec = spec or trace.model
     capacity = plan.cache_experts
     tpot = np.diff(ends, prepend=0.0)
     config = {

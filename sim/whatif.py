@@ -165,7 +165,7 @@ def run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
             if key not in sweep._ttft_memo:
                 sweep._ttft_memo[key] = ttft_of(trace, h, pol, costs)
             row = make_result(trace, h, pol, sweep.eviction, sweep.engine, plan, costs, work, ends, copy, stall,
-                              pred_recall=recall, ttft=sweep._ttft_memo[key]).summary()
+                              pred_recall=recall, ttft=sweep._ttft_memo[key], spec=spec).summary()
             row["cache_gib"] = cache_gib if capacity else 0.0  # as asked; cache_experts is what fits
             row["device_gb_needed"] = need / 1e9
             row["fits"] = need <= h["device_memory_gb"] * 1e9
