@@ -196,10 +196,23 @@ class ModelSpec:
         return 2 * self._linear(i, h) + self._linear(h, i)
 
     @property
+    def lm_head_bytes(self) -> int:
+        """What a step reads after the last layer: the final norm and the LM head (bf16).
+
+        The one definition the roofline, the calibration fit and prefill use; with tied
+        embeddings the head is the input table itself."""
+        return matrix_bytes(self.vocab, self.hidden, "bf16") + 2 * self.hidden
+
+    @property
     def embedding_bytes(self) -> int:
-        """Input embedding plus LM head (bf16) plus the final norm."""
-        tables = 1 if self.tie_embeddings else 2
-        return tables * 2 * self.vocab * self.hidden + 2 * self.hidden
+        """Input embedding (unless tied to the head) plus :attr:`lm_head_bytes`."""
+        table = 0 if self.tie_embeddings else matrix_bytes(self.vocab, self.hidden, "bf16")
+        return table + self.lm_head_bytes
+
+    @property
+    def lm_head_flops(self) -> int:
+        """FLOPs of the LM head for one token (2 x its weights)."""
+        return 2 * self.vocab * self.hidden
 
     def layer_resident_bytes(self, layer: int) -> int:
         """Non-expert bytes of one layer: what stays on the device and is read every step."""
@@ -219,15 +232,42 @@ class ModelSpec:
             return 2 * (a.kv_lora_rank + a.qk_rope_head_dim)
         return 2 * 2 * a.n_kv_heads * a.head_dim
 
+    @property
+    def attention_weights(self) -> int:
+        """Weights of one layer's attention projections (a count, not bytes: FLOPs follow it
+        whatever the storage format)."""
+        a, h = self.attention, self.hidden
+        if a.kind == "mla":
+            qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+            q = (a.q_lora_rank * h + a.n_heads * qk * a.q_lora_rank) if a.q_lora_rank else a.n_heads * qk * h
+            kv = (a.kv_lora_rank + a.qk_rope_head_dim) * h + a.n_heads * (a.qk_nope_head_dim + a.v_head_dim) * a.kv_lora_rank
+            return q + kv + h * a.n_heads * a.v_head_dim
+        q_dim, kv_dim = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+        return 2 * q_dim * h + 2 * kv_dim * h
+
     def attention_flops(self, context: int) -> int:
-        """FLOPs of one layer's attention for one new token attending to ``context`` tokens."""
+        """FLOPs of one layer's attention for one new token attending to ``context`` tokens:
+        2 x the projection weights, plus the scores and the weighted sum over the context."""
         a = self.attention
         if a.kind == "mla":
             score_dim = a.kv_lora_rank + a.qk_rope_head_dim  # absorbed MLA attends in latent space
             per_ctx = 2 * a.n_heads * (score_dim + a.kv_lora_rank)
         else:
             per_ctx = 2 * 2 * a.n_heads * a.head_dim
-        return int(2 * self.attention_bytes / _weight_bytes(self.dense_dtype)) + per_ctx * context
+        return 2 * self.attention_weights + per_ctx * context
+
+    def dense_weights(self, layer: int) -> int:
+        """Weights of a layer's non-attention, non-routed work: the dense FFN of a dense
+        layer; the router and the shared experts of an MoE layer."""
+        h = self.hidden
+        if layer in self.dense_layers:
+            return 3 * h * self.dense_inter
+        return self.n_experts * h + self.n_shared * 3 * h * (self.shared_inter or self.expert_inter)
+
+    def dense_flops_per_token(self, layer: int) -> int:
+        """FLOPs one token spends in :meth:`dense_weights` (2 x the weight COUNT, never the
+        bytes: a bf16 weight is two bytes but one multiply-add)."""
+        return 2 * self.dense_weights(layer)
 
     def bytes_per_token(self, context: int = 0) -> int:
         """Bytes one decoded token touches at batch 1: all non-expert weights, top-k
@@ -264,13 +304,8 @@ class ModelSpec:
         return replace(self, name=f"{self.name}[:{n_layers}]", n_layers=n_layers, dense_layers=dense)
 
 
-def _weight_bytes(dtype: str) -> float:
-    """Average bytes a weight in ``dtype``, scales included (from :func:`matrix_bytes`)."""
-    return matrix_bytes(1024, 1024, dtype) / 2**20
-
-
 # ---------------------------------------------------------------------------------------
-# Catalogue (values and their sources: ../shared/reference/models.md, docs/models.md)
+# Catalogue (values and their sources: each entry's ``source``, and docs/models.md)
 # ---------------------------------------------------------------------------------------
 
 _QWEN_SRC = "Hugging Face config.json (via axonn-ai/yalis external/config.py); attention geometry secondary"
