@@ -1,4 +1,4 @@
-"""Decode under a policy and record a trace v1: routing, predictions, timings, metrics.
+"""Decode under a policy and record a trace (format version 2): routing, predictions, timings, metrics.
 
 Also the default-vector calibration the quasi-hidden predictor needs, and the output
 fidelity of speculative execution (next-token agreement and KL against exact execution).
@@ -23,9 +23,10 @@ from moesim.atomic import atomic_write, atomic_write_text
 from moesim.errors import MoesimError
 from moesim.executor.model import MoEModel, expert_forward, log_softmax_kl, route
 from moesim.executor.runtime import OffloadedDecoder, StepRecord, make_transport
-from moesim.executor.transport import Transfer
 from moesim.hardware import HardwareProfile
-from moesim.traces.format import COPY_KINDS, FORMAT, VERSION, Trace
+from moesim.traces.format import COPY_KINDS, Trace
+from moesim.traces.header import make_header
+from moesim.traces.records import copy_arrays
 
 DEFAULT_VECTORS = "default_vectors.safetensors"
 DEFAULT_PROMPT = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n"
@@ -190,20 +191,6 @@ def routing_metrics(true_ids: np.ndarray, pred_ids: np.ndarray) -> dict:
     return {"recall_at_k": recall, "rank_alignment": align}
 
 
-def copy_arrays(copies: list[tuple[int, Transfer]]) -> dict[str, np.ndarray]:
-    """The trace's copy records from (step, transfer) pairs; times clamped to issue <= start <= end."""
-    return {
-        "copy_token": np.array([i for i, _ in copies], np.int32),
-        "copy_layer": np.array([c.layer for _, c in copies], np.int16),
-        "copy_expert": np.array([c.expert for _, c in copies], np.int16),
-        "copy_bytes": np.array([c.nbytes for _, c in copies], np.int64),
-        "copy_kind": np.array([c.kind for _, c in copies], np.uint8),
-        "copy_issue_s": np.array([max(c.issue, 0.0) for _, c in copies]),
-        "copy_start_s": np.array([max(c.start, c.issue, 0.0) for _, c in copies]),
-        "copy_end_s": np.array([max(c.end, c.start, c.issue, 0.0) for _, c in copies]),
-    }
-
-
 def build_trace(model: MoEModel, prompt: torch.Tensor, st: ProfileSettings, hw: HardwareProfile,
                 prefill_s: float, records: list[StepRecord], out: list[torch.Tensor], device: str,
                 synthetic: bool, model_source: str, extra: dict | None = None) -> Trace:
@@ -222,20 +209,19 @@ def build_trace(model: MoEModel, prompt: torch.Tensor, st: ProfileSettings, hw: 
         "tpot_s": np.array([r.tpot_s for r in records]),
         **copy_arrays(copies),
     }
-    header = {
-        "format": FORMAT, "version": VERSION, "model": s.to_dict(),
-        "policy": {"name": st.policy, "params": {"predictor": st.predictor, "cache_experts": st.cache_experts,
-                                                  "eviction": st.eviction, "temperature": st.temperature}},
-        "prompt_len": int(prompt.shape[1]), "n_tokens": len(records), "batch": b, "seed": st.seed,
-        "synthetic": synthetic, "prefill_s": prefill_s,
-        "recorded": {"tool": f"moesim {__version__}", "how": "moesim profile (reference executor)",
-                     "host": socket.gethostname(), "device": _device_name(device), "hw_profile": hw.name,
-                     "link_gbps": hw["h2d_pinned_gbs"], "latency_us": hw["transfer_latency_us"],
-                     "transport": "cuda copy stream" if device.startswith("cuda") else "emulated link (CPU thread)",
-                     "model_source": model_source, "torch": torch.__version__, "threads": torch.get_num_threads(),
-                     "created": datetime.now(UTC).isoformat(timespec="seconds"), "copy_kinds": list(COPY_KINDS)},
-        "metrics": {**routing_metrics(true_ids, pred_ids), **(extra or {})},
-    }
+    header = make_header(
+        s, policy=st.policy, params={"predictor": st.predictor, "cache_experts": st.cache_experts,
+                                     "eviction": st.eviction, "temperature": st.temperature},
+        prompt_len=int(prompt.shape[1]), n_tokens=len(records), batch=b, seed=st.seed, synthetic=synthetic,
+        prefill_s=prefill_s,
+        recorded={"tool": f"moesim {__version__}", "how": "moesim profile (reference executor)",
+                  "host": socket.gethostname(), "device": _device_name(device), "hw_profile": hw.name,
+                  "link_gbps": hw["h2d_pinned_gbs"], "latency_us": hw["transfer_latency_us"],
+                  "transport": "cuda copy stream" if device.startswith("cuda") else "emulated link (CPU thread)",
+                  "model_source": model_source, "torch": torch.__version__, "threads": torch.get_num_threads(),
+                  "created": datetime.now(UTC).isoformat(timespec="seconds"), "copy_kinds": list(COPY_KINDS)},
+        metrics={**routing_metrics(true_ids, pred_ids), **(extra or {})},
+    )
     token_ids = torch.cat(out, 1).numpy().astype(np.int32) if out else np.zeros((b, 0), np.int32)
     return Trace(header, prompt.cpu().numpy().astype(np.int32), token_ids, true_ids,
                  stack("true_gates").astype(np.float32), pred_ids, stack("pred_gates").astype(np.float32),

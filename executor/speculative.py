@@ -313,61 +313,43 @@ def build_sd_trace(target: MoEModel, prompt: Tensor, records: list[VerifyRecord]
     """A version-2 trace: the routing of every accepted row as the main arrays, and one
     record per verification step (tree, choice, acceptance, experts, timings)."""
     from moesim import __version__
-    from moesim.executor.profile import copy_arrays
-    from moesim.traces.format import FORMAT, VERSION, Trace
+    from moesim.traces.format import Trace
+    from moesim.traces.header import make_header
+    from moesim.traces.records import SDStep, copy_arrays, expert_mask, sd_arrays
 
     s = target.spec
     L, E, k = s.n_layers, s.n_experts, s.top_k
-    n_steps = len(records)
-    n_nodes = max(1, max(len(r.tree) for r in records))
-    n_rows = 1 + max(1, max(len(r.chosen) for r in records))
-    tokens = np.full((n_steps, n_nodes), -1, np.int32)
-    parents = np.full((n_steps, n_nodes), -2, np.int16)
-    prob = np.zeros((n_steps, n_nodes), np.float32)
-    chosen = np.full((n_steps, n_nodes), -1, np.int16)
-    node_pred = np.zeros((n_steps, n_nodes, L, E), bool)
-    root_pred = np.zeros((n_steps, L, E), bool)
-    row_true = np.full((n_steps, n_rows, L, k), -1, np.int16)
-    true_rows, token_rows = [], []
-    for i, r in enumerate(records):
-        n = len(r.tree)
-        tokens[i, :n], parents[i, :n], prob[i, :n] = r.tree.tokens, r.tree.parents, r.tree.prob
-        for order, c in enumerate(r.chosen):
-            chosen[i, c] = order
-        for c, experts in enumerate(r.tree.experts):
-            for layer, es in enumerate(experts):
-                node_pred[i, c, layer, sorted(es)] = True
-        for layer, es in enumerate(r.root_experts):
-            root_pred[i, layer, sorted(es)] = True
+    steps, true_rows, token_rows = [], [], []
+    for r in records:
         rt = r.row_routing.transpose(1, 0, 2)  # [rows, L, k]
-        row_true[i, : rt.shape[0]] = rt
+        steps.append(SDStep(tokens=list(r.tree.tokens), parents=list(r.tree.parents), prob=list(r.tree.prob),
+                            chosen=list(r.chosen), accepted=len(r.accepted_rows),
+                            node_pred=np.stack([expert_mask(ex, E) for ex in r.tree.experts])
+                            if len(r.tree) else np.zeros((0, L, E), bool),
+                            root_pred=expert_mask(r.root_experts, E), row_true=rt))
         for row in r.accepted_rows:
             true_rows.append(rt[row])
             token_rows.append(r.row_tokens[row])
     vr = [r.verify for r in records]
     true_ids = np.stack(true_rows)[:, :, None, :].astype(np.int16)
     timings = {
-        "sd_tree_tokens": tokens, "sd_tree_parents": parents, "sd_tree_prob": prob, "sd_chosen": chosen,
-        "sd_accepted": np.array([len(r.accepted_rows) for r in records], np.int16),
-        "sd_node_pred": node_pred, "sd_root_pred": root_pred, "sd_row_true": row_true,
+        **sd_arrays(steps, L, E, k),
         "sd_draft_s": np.array([r.draft_s for r in records]), "sd_verify_s": np.array([v.tpot_s for v in vr]),
         "sd_attn_s": np.stack([v.attn_s for v in vr]), "sd_expert_s": np.stack([v.expert_s for v in vr]),
         "sd_stall_s": np.stack([v.stall_s for v in vr]),
     }
     timings.update(copy_arrays([(i, c) for i, v in enumerate(vr) for c in v.copies]))
-    header = {
-        "format": FORMAT, "version": VERSION, "model": s.to_dict(),
-        "policy": {"name": policy, "params": {"cache_experts": cache_experts}},
-        "prompt_len": int(prompt.shape[1]), "n_tokens": int(true_ids.shape[0]), "batch": 1, "seed": 0,
-        "synthetic": synthetic, "prefill_s": prefill_s,
-        "speculative": {"gamma": st.gamma, "branch": st.branch, "depth": st.depth, "strategy": st.strategy,
-                        "score": st.score, "lambda": st.lam, "draft": draft_source,
-                        "note": "main arrays hold the accepted rows' routing; sd_* one record per verification step"},
-        "recorded": {"tool": f"moesim {__version__}", "how": "moesim speculate (reference executor)",
-                     "hw_profile": hw.name, "link_gbps": hw["h2d_pinned_gbs"], "latency_us": hw["transfer_latency_us"],
-                     "device": device, "model_source": source, "torch": torch.__version__},
-        "metrics": extra or {},
-    }
+    header = make_header(
+        s, policy=policy, params={"cache_experts": cache_experts}, prompt_len=int(prompt.shape[1]),
+        n_tokens=int(true_ids.shape[0]), batch=1, seed=0, synthetic=synthetic, prefill_s=prefill_s,
+        recorded={"tool": f"moesim {__version__}", "how": "moesim speculate (reference executor)",
+                  "hw_profile": hw.name, "link_gbps": hw["h2d_pinned_gbs"], "latency_us": hw["transfer_latency_us"],
+                  "device": device, "model_source": source, "torch": torch.__version__},
+        metrics=extra or {},
+        speculative={"gamma": st.gamma, "branch": st.branch, "depth": st.depth, "strategy": st.strategy,
+                     "score": st.score, "lambda": st.lam, "draft": draft_source,
+                     "note": "main arrays hold the accepted rows' routing; sd_* one record per verification step"},
+    )
     gates = np.full(true_ids.shape, 1.0 / k, np.float32)
     pred = np.full(true_ids.shape, -1, np.int16)
     return Trace(header, prompt.numpy().astype(np.int32), np.array([token_rows], np.int32), true_ids, gates, pred,
