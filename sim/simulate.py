@@ -177,9 +177,10 @@ def simulate(
     return make_result(trace, hw, pol, eviction, engine, plan, costs, work, ends, copy, stall, spans, pred_recall)
 
 
-def sim_link(trace: Trace, hw: HardwareProfile, costs: Costs) -> Link:
-    """The copy engine of ``hw`` for this trace's model, as the timing source needs it."""
-    link = Link.from_profile(hw, trace.model)
+def sim_link(trace: Trace, hw: HardwareProfile, costs: Costs, spec: ModelSpec | None = None) -> Link:
+    """The copy engine of ``hw`` for this trace's model (``spec``, parsed once by sweeps),
+    as the timing source needs it."""
+    link = Link.from_profile(hw, spec or trace.model)
     recorded = trace.meta.recorded_policy
     if costs.source.startswith("measured") and recorded is not None and recorded.prefetch:
         # Times measured while copies overlapped compute already include the interference.

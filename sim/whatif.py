@@ -153,7 +153,7 @@ def run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
         costs = memo[model, hi]
         work = make_workload(spec, plan, costs)
         profiles = [hw if g is None else hw.with_figure("h2d_pinned_gbs", g) for g in sweep.link_gbps]
-        links = [sim_link(trace, h, costs) for h in profiles]
+        links = [sim_link(trace, h, costs, spec) for h in profiles]
         if sweep.engine == "fast":
             timed = zip(*run_fast_many(work, links))
         else:
