@@ -331,7 +331,7 @@ class Planner:
         cap = self.cache.capacity if self.cache is not None else 0
         keys = m * n_experts
         resident, inuse, prot = (np.zeros(keys, np.bool_) for _ in range(3))
-        count, last = np.zeros(keys, np.int64), np.zeros(keys, np.int64)
+        count, last, pos = (np.zeros(keys, np.int64) for _ in range(3))
         heap = [np.zeros(max(4 * cap, keys) + 64 if cap else 1, np.int64) for _ in range(2)]  # priorities, keys
         state = np.zeros(5, np.int64)
         lfu = self.cache is not None and self.cache.eviction == "lfu"
@@ -341,7 +341,7 @@ class Planner:
             s1 = min(t, s0 + chunk)
             kern.plan_steps(tr[s0:s1], pr[s0:s1], counts[:, s0:s1], offload, offload and self.policy.prefetch,
                             self.policy.speculative, cap, lfu, n_experts, state, resident, count, last, prot, inuse,
-                            *heap)
+                            pos, *heap)
             if progress is not None:
                 progress(s1, t)
         return counts

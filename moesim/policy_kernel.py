@@ -15,8 +15,9 @@ costs ~0.4 s to import and the first call loads the compiled code from numba's c
 State layout (keys are ``layer * n_experts + expert``):
 
 - ``resident``/``count``/``last``: the cache's members, use counts and tick of last use;
-- LFU: a binary heap of ``(count, tick)`` entries, lazily cleaned like ExpertCache's: an
-  entry is live while its key is resident and its tick is the key's last use;
+- LFU: an indexed binary heap (``pos[key]`` = its index) holding each resident key once,
+  ordered by ``(count, tick of last use)``; a use raises its key's priority in place, so
+  there are no stale entries (ExpertCache cleans its heap lazily instead: the same order);
 - LRU: a queue of ``(tick, key)`` entries in push order, which is tick order, so its
   first live entry is the least recently used key (OrderedDict order) at O(1) a pop;
 - ``prot``: keys a prefetch relied on (cached, so not copied) until their layer ran.
@@ -33,7 +34,7 @@ TICK_MASK = (1 << TICK_BITS) - 1
 
 @njit(cache=True)
 def plan_steps(tr, pr, out, offload, prefetch, speculative, cap, lfu, n_exp, state, resident, count, last, prot,
-               inuse, hp, hk):
+               inuse, pos, hp, hk):
     """Decide steps ``tr.shape[0]`` of a trace; ``tr``/``pr`` are [steps, moe layers, batch*top_k]
     expert ids (-1 = none), ``out`` [6, steps, layers] receives (prefetch, demand, execute,
     assign, cache_hits, prefetch_hits). ``state`` = [tick, heap size or queue end, cache size, stamp, queue start]
@@ -46,6 +47,7 @@ def plan_steps(tr, pr, out, offload, prefetch, speculative, cap, lfu, n_exp, sta
     mark = np.zeros(n_exp, np.int64)
     slot = np.zeros(n_exp, np.int64)  # slot[e] == cur_sid: e was prefetched into this layer's slots
     skipped = np.empty(hp.size, np.int64)
+    skipped_p = np.empty(hp.size, np.int64)
     protected_cur = np.empty(bk, np.int64)  # keys this layer's prefetch (one layer back) protected
     protected_next = np.empty(bk, np.int64)  # keys this layer's prefetch of the next layer protects
     n_prot_cur = n_prot_next = 0
@@ -55,6 +57,7 @@ def plan_steps(tr, pr, out, offload, prefetch, speculative, cap, lfu, n_exp, sta
     # int64 priority per entry, (count << 40) | tick, and "hole" sifts keep a pop ~3x cheaper
     # than tuple comparisons and swaps.
     def sift_down(i, n):
+        """Move entry i down to its place in heap [0, n); ``pos`` follows every key (LFU)."""
         p, k = hp[i], hk[i]
         while True:
             a = 2 * i + 1
@@ -65,34 +68,41 @@ def plan_steps(tr, pr, out, offload, prefetch, speculative, cap, lfu, n_exp, sta
             if hp[a] >= p:
                 break
             hp[i], hk[i] = hp[a], hk[a]
+            pos[hk[i]] = i
             i = a
         hp[i], hk[i] = p, k
+        pos[k] = i
 
-    def push(n, p, k):
-        i = n
+    def sift_up(i):
+        p, k = hp[i], hk[i]
         while i > 0:
             parent = (i - 1) >> 1
             if hp[parent] <= p:
                 break
             hp[i], hk[i] = hp[parent], hk[parent]
+            pos[hk[i]] = i
             i = parent
         hp[i], hk[i] = p, k
-        return n + 1
+        pos[k] = i
+
+    def pop_root(n):
+        """Remove the heap's smallest entry; returns the new size."""
+        n -= 1
+        if n > 0:
+            hp[0], hk[0] = hp[n], hk[n]
+            sift_down(0, n)
+        return n
 
     def compact():
-        """Rebuild the heap (LFU) or the queue (LRU, in tick order) from the resident keys only."""
+        """Rebuild the LRU queue in tick order from the resident keys only (drops stale entries)."""
         n = 0
         for key in range(resident.size):
             if resident[key]:
-                hp[n], hk[n] = ((count[key] << TICK_BITS) if lfu else 0) | last[key], key
+                hp[n], hk[n] = last[key], key
                 n += 1
-        if lfu:
-            for i in range(n // 2 - 1, -1, -1):
-                sift_down(i, n)
-        else:
-            order = np.argsort(hp[:n])
-            ticks, keys = hp[:n][order], hk[:n][order]
-            hp[:n], hk[:n] = ticks, keys
+        order = np.argsort(hp[:n])
+        ticks, keys = hp[:n][order], hk[:n][order]
+        hp[:n], hk[:n] = ticks, keys
         return n
 
     def dedup(ids, s, layer, out, stamp):
@@ -171,25 +181,21 @@ def plan_steps(tr, pr, out, offload, prefetch, speculative, cap, lfu, n_exp, sta
                 while size + new > cap:
                     n_skip = 0
                     victim = -1
-                    if lfu:  # pop the heap until a live, unprotected entry
+                    if lfu:  # the heap's smallest unprotected entry; protected ones are set aside
                         while hs > 0:
-                            hs -= 1
-                            hp[0], hp[hs] = hp[hs], hp[0]
-                            hk[0], hk[hs] = hk[hs], hk[0]
-                            sift_down(0, hs)
-                            key = hk[hs]
-                            if not resident[key] or last[key] != (hp[hs] & TICK_MASK):
-                                continue  # stale
+                            key = hk[0]
                             if prot[key] or inuse[key]:
-                                skipped[n_skip] = hs
+                                skipped_p[n_skip], skipped[n_skip] = hp[0], key
                                 n_skip += 1
+                                hs = pop_root(hs)
                                 continue
                             victim = key
+                            hs = pop_root(hs)
                             break
-                        # Re-push the protected entries (they sit at indices >= hs, untouched since popped).
                         for i in range(n_skip):
-                            src = skipped[n_skip - 1 - i]
-                            hs = push(hs, hp[src], hk[src])
+                            hp[hs], hk[hs] = skipped_p[i], skipped[i]
+                            sift_up(hs)
+                            hs += 1
                     else:  # LRU: ticks only grow, so the queue [head, hs) is in LRU order already
                         while head < hs:
                             key = hk[head]
@@ -215,20 +221,27 @@ def plan_steps(tr, pr, out, offload, prefetch, speculative, cap, lfu, n_exp, sta
                     key = base + ex[j]
                     inuse[key] = False
                     if resident[key] or room > 0:
-                        if not resident[key]:
+                        admitted = not resident[key]
+                        if admitted:
                             resident[key] = True
                             count[key] = 0
                             size += 1
                             room -= 1
-                        if hs >= hp.size:
-                            hs = compact()
-                            head = 0
                         tick += 1
                         count[key] += 1
                         last[key] = tick
-                        if lfu:
-                            hs = push(hs, (count[key] << TICK_BITS) | tick, key)
+                        if lfu:  # one entry per resident key, its priority updated in place
+                            if admitted:
+                                hp[hs], hk[hs] = (count[key] << TICK_BITS) | tick, key
+                                sift_up(hs)
+                                hs += 1
+                            else:
+                                hp[pos[key]] = (count[key] << TICK_BITS) | tick
+                                sift_down(pos[key], hs)
                         else:
+                            if hs >= hp.size:
+                                hs = compact()
+                                head = 0
                             hp[hs], hk[hs] = tick, key
                             hs += 1
             have_cur = have_next
