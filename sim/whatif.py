@@ -351,7 +351,7 @@ def run_sweep(sweep: Sweep, jobs: int | None = None, progress: Callable[[int, in
     count as done at once). ``backend``: ``local`` (``jobs`` processes, default all cores)
     or ``ray`` (the cluster at ``address``, else RAY_ADDRESS, else a new local one).
     ``out``: stream rows to this CSV as groups finish and resume from it (see the module
-    docstring); with ``keep_rows=False`` nothing is returned and memory holds one group.
+    docstring); with ``keep_rows=False`` it returns [] and holds one group's rows at a time.
     """
     if backend not in BACKENDS:
         raise MoesimError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
@@ -393,13 +393,6 @@ def run_sweep(sweep: Sweep, jobs: int | None = None, progress: Callable[[int, in
                          f"policy {policy}, cache {cache:g} GiB (every profile and link of it): {why}{kept}",
                          failures, ordered)
     return ordered
-
-
-def eta_seconds(done: int, total: int, elapsed: float) -> float | None:
-    """Seconds left at the rate so far (None before the first group finished)."""
-    return elapsed * (total - done) / done if done else None
-
-
 
 
 def best(rows: list[dict[str, Any]], goal: str = "tpot") -> dict[str, Any] | None:
