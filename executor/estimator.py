@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from moesim.atomic import atomic_write, atomic_write_text
 from moesim.errors import MoesimError
-from moesim.executor.model import MoEModel, read_tensors, route
+from moesim.executor.model import MoEModel, ResidentExperts, quasi_hidden, read_tensors
 
 ESTIMATOR_FILE = "estimator.safetensors"
 RECORD_FILE = "estimator.json"
@@ -49,23 +49,19 @@ def collect(model: MoEModel, dv: Tensor, tokens: Tensor, chunk: int = 256) -> tu
     state ``q_l`` and layer l+1's true router probabilities. Returns (q, probs, layer index)."""
     s = model.spec
     qs, ps, ls = [], [], []
+    prev: list[Tensor] = []  # q_{l-1}, waiting for layer l's true router
+
+    def capture(layer: int, x: Tensor, logits: Tensor, resid: Tensor, ids: Tensor, gates: Tensor) -> None:
+        if prev:
+            qs.append(prev.pop())
+            ps.append(logits.float().softmax(-1))
+            ls.append(torch.full((x.shape[0],), layer - 1, dtype=torch.long))
+        if layer + 1 < s.n_layers:
+            prev.append(quasi_hidden(model, layer, resid, ids, gates, dv).float())
+
+    hook = ResidentExperts(model, on_route=capture)
     for i in range(0, tokens.numel() - 1, chunk):
-        h = model.embed_tokens(tokens[i:i + chunk].view(1, -1))
-        prev = None  # (q_{l-1}) waiting for this layer's true router
-        for layer, blk in enumerate(model.layers):
-            h = h + blk.self_attn(blk.input_layernorm(h), None, layer, 0)
-            x = blk.post_attention_layernorm(h).reshape(-1, s.hidden)
-            logits = blk.gate(x)
-            if prev is not None:
-                qs.append(prev)
-                ps.append(logits.float().softmax(-1))
-                ls.append(torch.full((x.shape[0],), layer - 1, dtype=torch.long))
-            ids, gates = route(logits, s.top_k, s.norm_topk_prob)
-            resid = h.reshape(-1, s.hidden)
-            if layer + 1 < s.n_layers:
-                d = (dv[layer][ids] * gates[..., None]).sum(1)
-                prev = model.layers[layer + 1].post_attention_layernorm(resid + d.to(resid.dtype)).float()
-            h = h + model.moe(layer, x, ids, gates).view_as(h)
+        model.hidden_states(tokens[i:i + chunk].view(1, -1), hook)
     return torch.cat(qs), torch.cat(ps), torch.cat(ls)
 
 

@@ -8,14 +8,23 @@ executing needs (RoPE base, norm epsilon, q/k-norm flavour).
 Each expert's weights are one flat, contiguous tensor ``[gate; up; down]`` so that moving
 an expert is one copy; :func:`expert_forward` computes an expert from such a buffer
 wherever it lives (resident table, device slot or host store).
+
+The layer pass exists once (:meth:`Block.forward`, looped by :meth:`MoEModel.hidden_states`).
+How the routed experts are executed is a hook (:class:`ExpertHook`): all resident
+(:class:`ResidentExperts`, which can also capture routing for calibration, distillation
+and the training loss), or offloaded (``runtime.OffloadedDecoder``). Every hook mixes
+experts with the one :func:`mix_experts`.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -210,7 +219,91 @@ def route(logits: Tensor, top_k: int, renorm: bool) -> tuple[Tensor, Tensor]:
     return ids, gates
 
 
+# --------------------------------------------------------------------------------------
+# Expert execution: one mixing function, and hooks that say where experts run
+# --------------------------------------------------------------------------------------
+
+ExpertVisitor = Callable[[int, int, Tensor, Tensor], None]  # (layer, expert, rows, ungated output)
+
+
+def mix_experts(x: Tensor, ids: np.ndarray, gates: Tensor, weights, hidden: int, inter: int,
+                each: Callable[[int, Tensor, Tensor], None] | None = None) -> Tensor:
+    """``sum_c gates[r, c] * expert_{ids[r, c]}(x[r])`` for every row ``r``.
+
+    ``x`` [rows, hidden]; ``ids`` [rows, k] on the HOST (numpy): grouping rows by expert is
+    host work, and taking ids already on the host keeps this free of device syncs (the
+    offloaded runtime copies them once per layer anyway); ``gates`` [rows, k] on x's
+    device; ``weights[e]``: expert e's flat buffer (a resident table, device slots, or
+    trainable rows). ``each(e, rows, y)`` sees every expert's ungated output (calibration).
+    Experts run in increasing id order, so every caller sums in the same order.
+    """
+    out = torch.zeros_like(x)
+    if x.shape[0] == 1:  # decode at batch 1: every expert sees the single row, no gather
+        for c, e in enumerate(ids[0].tolist()):
+            y = expert_forward(weights[e].to(x.device), x, hidden, inter)
+            if each is not None:
+                each(e, torch.zeros(1, dtype=torch.long, device=x.device), y)
+            out += gates[:, c, None].to(x.dtype) * y
+        return out
+    groups: dict[int, tuple[list[int], list[int]]] = {}
+    for r, row in enumerate(ids.tolist()):
+        for c, e in enumerate(row):
+            rows, cols = groups.setdefault(e, ([], []))
+            rows.append(r)
+            cols.append(c)
+    for e in sorted(groups):
+        rows, cols = groups[e]
+        r = torch.tensor(rows, device=x.device)
+        y = expert_forward(weights[e].to(x.device), x[r], hidden, inter)  # [n_e, hidden]
+        if each is not None:
+            each(e, r, y)
+        out.index_add_(0, r, y * gates[r, torch.tensor(cols, device=x.device), None].to(y.dtype))
+    return out
+
+
+class ExpertHook(Protocol):
+    """How a block's routed experts are executed. ``x`` [rows, hidden]: the router input
+    (post-attention norm); ``logits`` [rows, experts]: the router's; ``resid`` [rows, hidden]:
+    the residual stream after attention (predictors read it). Returns the routed experts'
+    mixed output [rows, hidden]. Implementations: :class:`ResidentExperts` (all weights in
+    place; optional capture for calibration, distillation and training losses) and the
+    offloaded runtime's per-step hook (routing, prediction, copies, stalls, timing)."""
+
+    def __call__(self, layer: int, x: Tensor, logits: Tensor, resid: Tensor) -> Tensor: ...
+
+
+class ResidentExperts:
+    """Route and run experts whose weights are all in place: ``weights[layer][e]``
+    (default: the model's table; training passes its parameters). ``on_route(layer, x,
+    logits, resid, ids, gates)`` observes every layer's routing; ``each(layer, e, rows, y)``
+    every expert's ungated output."""
+
+    def __init__(self, model: MoEModel, weights=None, on_route: Callable | None = None,
+                 each: ExpertVisitor | None = None) -> None:
+        self.spec, self.weights = model.spec, weights if weights is not None else model.experts
+        self.on_route, self.each = on_route, each
+
+    def __call__(self, layer: int, x: Tensor, logits: Tensor, resid: Tensor) -> Tensor:
+        s = self.spec
+        ids, gates = route(logits, s.top_k, s.norm_topk_prob)  # [rows, k] each
+        if self.on_route is not None:
+            self.on_route(layer, x, logits, resid, ids, gates)
+        each = None if self.each is None else (lambda e, rows, y: self.each(layer, e, rows, y))
+        return mix_experts(x, ids.cpu().numpy(), gates, self.weights[layer], s.hidden, s.expert_inter, each)
+
+
+def quasi_hidden(model: MoEModel, layer: int, resid: Tensor, ids: Tensor, gates: Tensor, dv: Tensor) -> Tensor:
+    """The quasi-hidden state q_l: layer l+1's router input as it would be if layer l's
+    experts returned their default vectors ``dv`` [L, E, hidden]: LN_{l+1}(r_l + d_l) with
+    d_l the gate-weighted default vectors of the chosen ``ids`` [rows, k]. [rows, hidden]."""
+    d = (dv[layer][ids] * gates[..., None].to(dv.dtype)).sum(1)  # [rows, hidden]
+    return model.layers[layer + 1].post_attention_layernorm(resid + d.to(resid.dtype))
+
+
 class Block(nn.Module):
+    """Pre-norm decoder block. The routed experts are executed by ``experts`` (an
+    :class:`ExpertHook`): the ONE place where a block's feed-forward part is assembled."""
+
     def __init__(self, cfg: ExecConfig) -> None:
         super().__init__()
         s = cfg.spec
@@ -218,6 +311,14 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(s.hidden, cfg.rms_eps)
         self.gate = nn.Linear(s.hidden, s.n_experts, bias=False)  # the router
+
+    def forward(self, h: Tensor, layer: int, experts: ExpertHook, cache: KVCache | None, start: int,
+                tree: TreeMask | None = None) -> Tensor:
+        """``h`` [batch, seq, hidden] -> [batch, seq, hidden]."""
+        h = h + self.self_attn(self.input_layernorm(h), cache, layer, start, tree)
+        x = self.post_attention_layernorm(h).flatten(0, 1)  # [batch*seq, hidden]
+        y = experts(layer, x, self.gate(x), h.flatten(0, 1))  # [batch*seq, hidden]
+        return h + y.view_as(h)
 
 
 class MoEModel(nn.Module):
@@ -240,38 +341,25 @@ class MoEModel(nn.Module):
     def spec(self) -> ModelSpec:
         return self.cfg.spec
 
-    def moe(self, layer: int, x: Tensor, ids: Tensor, gates: Tensor, weights: list[Tensor] | None = None) -> Tensor:
-        """Mix the experts ``ids`` [tokens, k] with ``gates`` for tokens ``x`` [tokens, hidden].
-        ``weights`` maps expert id -> flat buffer (default: the resident table)."""
-        weights = weights if weights is not None else self.experts[layer]
-        s = self.spec
-        out = torch.zeros_like(x)
-        flat_ids = ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=s.n_experts).tolist()
-        rows = (order // ids.shape[1])
-        cols = order % ids.shape[1]
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            r, c = rows[start:start + n], cols[start:start + n]
-            start += n
-            y = expert_forward(weights[e], x[r], s.hidden, s.expert_inter)
-            out.index_add_(0, r, y * gates[r, c, None].to(y.dtype))
-        return out
+    def blocks(self, h: Tensor, experts: ExpertHook, cache: KVCache | None = None, start: int = 0,
+               tree: TreeMask | None = None) -> Tensor:
+        """The layer pass: ``h`` [batch, seq, hidden] through every block, routed experts
+        executed by ``experts``. ``cache`` None attends within the sequence only (training)."""
+        for layer, blk in enumerate(self.layers):
+            h = blk(h, layer, experts, cache, start, tree)
+        return h
+
+    def hidden_states(self, tokens: Tensor, experts: ExpertHook | None = None, cache: KVCache | None = None,
+                      start: int = 0, tree: TreeMask | None = None) -> Tensor:
+        """``tokens`` [batch, seq] -> final normed hidden [batch, seq, hidden]; experts all
+        resident unless a hook says otherwise."""
+        h = self.embed_tokens(tokens)  # [batch, seq, hidden]
+        return self.norm(self.blocks(h, experts or ResidentExperts(self), cache, start, tree))
 
     @torch.no_grad()
     def forward(self, tokens: Tensor, cache: KVCache, start: int) -> Tensor:
         """Plain all-resident forward over ``tokens`` [batch, seq] -> logits [batch, seq, vocab]."""
-        h = self.embed_tokens(tokens)
-        b, t, d = h.shape
-        for i, blk in enumerate(self.layers):
-            h = h + blk.self_attn(blk.input_layernorm(h), cache, i, start)
-            x = blk.post_attention_layernorm(h).reshape(b * t, d)
-            ids, gates = route(blk.gate(x), self.spec.top_k, self.spec.norm_topk_prob)
-            h = h + self.moe(i, x, ids, gates).view(b, t, d)
-        return self.lm_head(self.norm(h))
+        return self.lm_head(self.hidden_states(tokens, None, cache, start))
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.embed_tokens.weight
@@ -428,5 +516,6 @@ def log_softmax_kl(p_logits: Tensor, q_logits: Tensor) -> Tensor:
     return (p.exp() * (p - q)).sum(-1)
 
 
-__all__ = ["ExecConfig", "MoEModel", "KVCache", "expert_forward", "route", "random_model", "load_checkpoint",
+__all__ = ["ExecConfig", "MoEModel", "KVCache", "ExpertHook", "ResidentExperts", "expert_forward", "mix_experts",
+           "quasi_hidden", "route", "random_model", "load_checkpoint",
            "save_checkpoint", "count_params", "log_softmax_kl"]

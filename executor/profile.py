@@ -21,7 +21,7 @@ import torch
 from moesim import __version__
 from moesim.atomic import atomic_write, atomic_write_text
 from moesim.errors import MoesimError
-from moesim.executor.model import MoEModel, expert_forward, log_softmax_kl, route
+from moesim.executor.model import MoEModel, ResidentExperts, log_softmax_kl
 from moesim.executor.runtime import OffloadedDecoder, StepRecord, make_transport
 from moesim.executor.transport import Transfer
 from moesim.hardware import HardwareProfile
@@ -61,21 +61,14 @@ def calibrate(model: MoEModel, tokens: torch.Tensor, chunk: int = 256) -> torch.
     s = model.spec
     sums = torch.zeros(s.n_layers, s.n_experts, s.hidden)
     counts = torch.zeros(s.n_layers, s.n_experts)
+
+    def accumulate(layer: int, e: int, rows: torch.Tensor, y: torch.Tensor) -> None:  # y [rows, hidden], ungated
+        sums[layer, e] += y.float().sum(0).cpu()
+        counts[layer, e] += rows.numel()
+
+    capture = ResidentExperts(model, each=accumulate)
     for i in range(0, tokens.numel() - 1, chunk):
-        x_tok = tokens[i:i + chunk].view(1, -1).to(model.embed_tokens.weight.device)
-        h = model.embed_tokens(x_tok)
-        for layer, blk in enumerate(model.layers):
-            h = h + blk.self_attn(blk.input_layernorm(h), None, layer, 0)
-            x = blk.post_attention_layernorm(h).reshape(-1, s.hidden)
-            ids, gates = route(blk.gate(x), s.top_k, s.norm_topk_prob)
-            out = torch.zeros_like(x)
-            for e in ids.unique().tolist():
-                rows, cols = (ids == e).nonzero(as_tuple=True)
-                y = expert_forward(model.experts[layer][e].to(x.device), x[rows], s.hidden, s.expert_inter)
-                sums[layer, e] += y.float().sum(0).cpu()
-                counts[layer, e] += rows.numel()
-                out.index_add_(0, rows, y * gates[rows, cols, None].to(y.dtype))
-            h = h + out.view_as(h)
+        model.hidden_states(tokens[i:i + chunk].view(1, -1).to(model.embed_tokens.weight.device), capture)
     return sums / counts.clamp(min=1)[..., None]
 
 

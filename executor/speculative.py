@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from moesim.atomic import atomic_write, atomic_write_text
 from moesim.errors import MoesimError
-from moesim.executor.model import MoEModel, TreeMask, read_tensors, route
+from moesim.executor.model import MoEModel, ResidentExperts, TreeMask, read_tensors
 from moesim.executor.runtime import OffloadedDecoder
 from moesim.selection import SCORES, SELECTIONS, Tree, accept, select
 
@@ -57,14 +57,7 @@ def draft_hidden(draft: MoEModel, tokens: Tensor, tree: TreeMask | None = None, 
                  start: int = 0) -> tuple[Tensor, Tensor]:
     """Draft forward over ``tokens`` [1, t] (after ``start`` cached tokens when ``cache``):
     (logits [t, V], final normed hidden [t, d])."""
-    s = draft.spec
-    h = draft.embed_tokens(tokens)
-    for layer, blk in enumerate(draft.layers):
-        h = h + blk.self_attn(blk.input_layernorm(h), cache, layer, start, tree)
-        x = blk.post_attention_layernorm(h).reshape(-1, s.hidden)
-        ids, gates = route(blk.gate(x), s.top_k, s.norm_topk_prob)
-        h = h + draft.moe(layer, x, ids, gates).view_as(h)
-    hn = draft.norm(h)[0]
+    hn = draft.hidden_states(tokens, None, cache, start, tree)[0]  # [t, d]
     return draft.lm_head(hn), hn
 
 
@@ -91,17 +84,10 @@ class DraftState:
 @torch.no_grad()
 def _target_router_probs(target: MoEModel, tokens: Tensor) -> Tensor:
     """Every target layer's router distribution for each token: [t, layers, experts]."""
-    s = target.spec
-    h = target.embed_tokens(tokens.view(1, -1))
-    out_probs = []
-    for layer, blk in enumerate(target.layers):
-        h = h + blk.self_attn(blk.input_layernorm(h), None, layer, 0)
-        x = blk.post_attention_layernorm(h).reshape(-1, s.hidden)
-        logits = blk.gate(x)
-        out_probs.append(logits.float().softmax(-1))
-        ids, gates = route(logits, s.top_k, s.norm_topk_prob)
-        h = h + target.moe(layer, x, ids, gates).view_as(h)
-    return torch.stack(out_probs, 1)
+    probs: list[Tensor] = []  # per layer [t, experts]
+    target.hidden_states(tokens.view(1, -1), ResidentExperts(
+        target, on_route=lambda layer, x, logits, *_: probs.append(logits.float().softmax(-1))))
+    return torch.stack(probs, 1)
 
 
 def train_expert_predictor(draft: MoEModel, target: MoEModel, train: Tensor, held_out: Tensor, out_dir: Path,

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from moesim.atomic import atomic_write_text
-from moesim.executor.model import ExecConfig, MoEModel, count_params, route, save_checkpoint
+from moesim.executor.model import ExecConfig, MoEModel, ResidentExperts, count_params, save_checkpoint
 from moesim.models import Attention, ModelSpec
 
 STDLIB_SOURCE = "trained by moesim (executor/train.py) on the Python standard library's source"
@@ -48,19 +48,14 @@ def batches(data: torch.Tensor, batch: int, seq: int, gen: torch.Generator):
 def forward_train(model: MoEModel, experts: list[torch.nn.Parameter], tokens: torch.Tensor):
     """Differentiable forward: (logits, load-balancing loss summed over layers)."""
     s = model.spec
-    h = model.embed_tokens(tokens)
-    b, t, d = h.shape
-    aux = h.new_zeros(())
-    for i, blk in enumerate(model.layers):
-        h = h + blk.self_attn(blk.input_layernorm(h), None, i, 0)
-        x = blk.post_attention_layernorm(h).reshape(b * t, d)
-        logits = blk.gate(x)
-        ids, gates = route(logits, s.top_k, s.norm_topk_prob)
-        probs = logits.float().softmax(-1)
+    aux: list[torch.Tensor] = []
+
+    def balance(layer, x, logits, resid, ids, gates) -> None:  # Switch-Transformer balance loss, per layer
         frac = torch.bincount(ids.reshape(-1), minlength=s.n_experts).float() / ids.numel()
-        aux = aux + s.n_experts * (frac * probs.mean(0)).sum()  # Switch-Transformer balance loss
-        h = h + model.moe(i, x, ids, gates, list(experts[i])).view(b, t, d)
-    return model.lm_head(model.norm(h)), aux
+        aux.append(s.n_experts * (frac * logits.float().softmax(-1).mean(0)).sum())
+
+    hn = model.hidden_states(tokens, ResidentExperts(model, experts, on_route=balance))
+    return model.lm_head(hn), torch.stack(aux).sum()
 
 
 def stdlib_spec(name: str = "moe-stdlib", layers: int = 4, experts: int = 32, top_k: int = 4, hidden: int = 128,
