@@ -1,9 +1,6 @@
 """The reference executor: exact policies are exact, the emulated link keeps time, traces
 round-trip. Runs on the CPU with the emulated link (and on CUDA when present)."""
 
-import statistics
-import time
-
 import numpy as np
 import pytest
 
@@ -82,20 +79,29 @@ def test_policies_copy_what_the_shared_planner_decides(tiny):
 
 
 def test_emulated_link_paces_to_latency_plus_bytes_over_bandwidth():
-    link = EmulatedLink(bandwidth=2e9, latency=50e-6)
-    src = torch.zeros(2_000_000)  # 8 MB: 4 ms at 2 GB/s
-    dst = torch.empty_like(src)
-    ideal = 50e-6 + src.numel() * 4 / 2e9
-    ratios = []
-    for _ in range(7):
-        t = Transfer(0, 0, src.numel() * 4, 1)
-        t0 = time.perf_counter()
-        link.copy_batch([(dst, src, t, None)])
-        link.wait([t])
-        ratios.append((time.perf_counter() - t0) / ideal)
+    """The link's own clock is exact (each copy lasts latency + bytes / bandwidth, FIFO back
+    to back); the wall clock only bounds how late the waiter wakes, generously, and that
+    measurement (never an assertion) is retried on a busy machine."""
+    link = EmulatedLink(bandwidth=0.25e9, latency=50e-6)
+    src = torch.arange(1_000_000, dtype=torch.float32)  # 4 MB: 16 ms at 0.25 GB/s, ~1 ms of memcpy
+    ideal = 50e-6 + src.numel() * 4 / 0.25e9
+    late = []
+    for _ in range(3):
+        dst_a, dst_b = torch.empty_like(src), torch.empty_like(src)
+        a, b = Transfer(0, 0, src.numel() * 4, 1), Transfer(0, 1, src.numel() * 4, 1)
+        link.copy_batch([(dst_a, src, a, None), (dst_b, src, b, None)])
+        link.wait([a, b])
+        woke = link.now()
+        assert torch.equal(dst_a, src) and torch.equal(dst_b, src)
+        assert a.start >= a.issue and b.start == a.end  # FIFO: the second starts when the first ends
+        assert a.end - a.start == pytest.approx(ideal, rel=1e-6)
+        assert b.end - b.start == pytest.approx(ideal, rel=1e-6)
+        assert woke >= b.end  # the waiter is never woken before the link's clock says the copy landed
+        late.append(woke - b.end)
+        if late[-1] < 0.02:
+            break
     link.close()
-    assert torch.equal(dst, src)
-    assert statistics.median(ratios) == pytest.approx(1.0, abs=0.05)
+    assert min(late) < 0.02, late  # and not much after it (20 ms: generous against a 32 ms batch)
 
 
 def test_trace_records_timings_and_round_trips(tiny, tmp_path):
