@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from moesim.errors import MoesimError
 from moesim.models import ModelSpec, from_hf_config
 
-FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -47,14 +47,19 @@ class ExecConfig:
 
     def __post_init__(self) -> None:
         s = self.spec
-        if s.attention.kind != "gqa" or s.dense_layers or s.n_shared or s.expert_dtype not in TORCH_DTYPES:
-            raise MoesimError(f"the executor runs GQA models with only routed bf16/fp32 experts ({', '.join(FAMILIES)}); "
+        if s.attention.kind != "gqa" or s.expert_dtype not in TORCH_DTYPES:
+            raise MoesimError(f"the executor runs GQA models with bf16/fp32 experts ({', '.join(FAMILIES)}); "
                               f"{s.name} is not one")
 
     def with_dtype(self, dtype: torch.dtype) -> ExecConfig:
         """The same model stored in ``dtype``: the spec's byte accounting follows (one source of truth)."""
         name = next(k for k, v in TORCH_DTYPES.items() if v == dtype)
         return replace(self, spec=replace(self.spec, expert_dtype=name, dense_dtype=name))
+
+    @property
+    def shared_gate(self) -> bool:
+        """Qwen2-MoE scales its shared expert by ``sigmoid(w . x)`` per token; DeepSeek does not."""
+        return self.spec.family == "qwen2_moe"
 
     @property
     def qk_norm(self) -> str:
@@ -70,6 +75,8 @@ class ExecConfig:
         if spec.family not in FAMILIES:
             raise MoesimError(f"{path}: model_type {spec.family!r} is not executable; supported: {', '.join(FAMILIES)}")
         cfg = json.loads(path.read_text())
+        if cfg.get("use_sliding_window"):
+            raise MoesimError(f"{path}: sliding-window attention is not executable")
         theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 1e4
         return cls(spec, float(theta), float(cfg.get("rms_norm_eps", 1e-6)),
                    int(cfg.get("max_position_embeddings", 4096)))
@@ -264,8 +271,9 @@ def mix_experts(x: Tensor, ids: np.ndarray, gates: Tensor, weights, hidden: int,
 class ExpertHook(Protocol):
     """How a block's routed experts are executed. ``x`` [rows, hidden]: the router input
     (post-attention norm); ``logits`` [rows, experts]: the router's; ``resid`` [rows, hidden]:
-    the residual stream after attention (predictors read it). Returns the routed experts'
-    mixed output [rows, hidden]. Implementations: :class:`ResidentExperts` (all weights in
+    the residual stream after attention and the resident shared experts, which the routed
+    output is added to (predictors read it). Returns the routed experts' mixed output
+    [rows, hidden]. Implementations: :class:`ResidentExperts` (all weights in
     place; optional capture for calibration, distillation and training losses) and the
     offloaded runtime's per-step hook (routing, prediction, copies, stalls, timing)."""
 
@@ -300,25 +308,60 @@ def quasi_hidden(model: MoEModel, layer: int, resid: Tensor, ids: Tensor, gates:
     return model.layers[layer + 1].post_attention_layernorm(resid + d.to(resid.dtype))
 
 
-class Block(nn.Module):
-    """Pre-norm decoder block. The routed experts are executed by ``experts`` (an
-    :class:`ExpertHook`): the ONE place where a block's feed-forward part is assembled."""
+class FeedForward(nn.Module):
+    """SwiGLU MLP: a dense layer's FFN, or a layer's shared experts fused into one
+    (``n_shared`` experts of ``inter`` = one MLP of ``n_shared * inter``)."""
 
-    def __init__(self, cfg: ExecConfig) -> None:
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: the ONE place where a layer's feed-forward part is assembled.
+
+    A dense layer (``ModelSpec.dense_layers``: DeepSeek's leading layers, Qwen2-MoE's
+    ``mlp_only_layers``) runs its MLP. An MoE layer runs its shared experts, if any
+    (``n_shared``; Qwen2-MoE gates them with a sigmoid), which are resident, and its routed
+    experts through ``experts`` (an :class:`ExpertHook`), which decides where they run."""
+
+    def __init__(self, cfg: ExecConfig, layer: int) -> None:
         super().__init__()
         s = cfg.spec
         self.input_layernorm = RMSNorm(s.hidden, cfg.rms_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(s.hidden, cfg.rms_eps)
+        self.is_moe = layer not in s.dense_layers
+        self.shared_expert = self.shared_expert_gate = None
+        if not self.is_moe:
+            self.mlp = FeedForward(s.hidden, s.dense_inter)
+            return
         self.gate = nn.Linear(s.hidden, s.n_experts, bias=False)  # the router
+        if s.n_shared:
+            self.shared_expert = FeedForward(s.hidden, s.n_shared * (s.shared_inter or s.expert_inter))
+            if cfg.shared_gate:
+                self.shared_expert_gate = nn.Linear(s.hidden, 1, bias=False)
 
     def forward(self, h: Tensor, layer: int, experts: ExpertHook, cache: KVCache | None, start: int,
                 tree: TreeMask | None = None) -> Tensor:
         """``h`` [batch, seq, hidden] -> [batch, seq, hidden]."""
         h = h + self.self_attn(self.input_layernorm(h), cache, layer, start, tree)
-        x = self.post_attention_layernorm(h).flatten(0, 1)  # [batch*seq, hidden]
-        y = experts(layer, x, self.gate(x), h.flatten(0, 1))  # [batch*seq, hidden]
-        return h + y.view_as(h)
+        x = self.post_attention_layernorm(h)  # [batch, seq, hidden]
+        if not self.is_moe:
+            return h + self.mlp(x)
+        x = x.flatten(0, 1)  # [batch*seq, hidden]
+        resid = h.flatten(0, 1)  # [batch*seq, hidden]: what the routed experts add to
+        if self.shared_expert is not None:  # resident; runs while the routed experts' copies fly
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            resid = resid + shared
+        return (resid + experts(layer, x, self.gate(x), resid)).view_as(h)
 
 
 class MoEModel(nn.Module):
@@ -330,12 +373,12 @@ class MoEModel(nn.Module):
         s = cfg.spec
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(s.vocab, s.hidden)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(s.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, layer) for layer in range(s.n_layers))
         self.norm = RMSNorm(s.hidden, cfg.rms_eps)
         self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False)
         if s.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.experts: list[list[Tensor]] = []
+        self.experts: list[list[Tensor]] = []  # [] for a dense layer
 
     @property
     def spec(self) -> ModelSpec:
@@ -373,10 +416,18 @@ class MoEModel(nn.Module):
 # Per-expert on-disk names for each family: (gate, up, down).
 _EXPERT_KEYS = {
     "qwen3_moe": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj"),
+    "qwen2_moe": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj"),
     "olmoe": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj"),
     "mixtral": ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3", "block_sparse_moe.experts.{e}.w2"),
 }
-_ROUTER_KEY = {"qwen3_moe": "mlp.gate", "olmoe": "mlp.gate", "mixtral": "block_sparse_moe.gate"}
+_ROUTER_KEY = {"qwen3_moe": "mlp.gate", "qwen2_moe": "mlp.gate", "olmoe": "mlp.gate", "mixtral": "block_sparse_moe.gate"}
+
+
+def _hub_key(name: str, family: str) -> str:
+    """The checkpoint's name of our parameter ``name`` (dense MLPs are ``mlp.*`` in both)."""
+    key = f"model.{name}" if not name.startswith("lm_head") else name
+    key = key.replace(".shared_expert", ".mlp.shared_expert")  # also .shared_expert_gate
+    return key.replace(".gate.weight", f".{_ROUTER_KEY[family]}.weight")
 
 
 def random_model(cfg: ExecConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -393,7 +444,7 @@ def random_model(cfg: ExecConfig, seed: int = 0, dtype: torch.dtype = torch.floa
     g = torch.Generator().manual_seed(seed + 1)
     n = s.expert_weights
     model.experts = [[_store((torch.randn(n, generator=g) * 0.02).to(dtype), expert_device, pin)
-                      for _ in range(s.n_experts)] for _ in range(s.n_layers)]
+                      for _ in range(s.n_experts)] if layer in s.moe_layers else [] for layer in range(s.n_layers)]
     return model
 
 
@@ -426,8 +477,7 @@ def load_checkpoint(model_dir: str | Path, dtype: torch.dtype = torch.float32,
     model = MoEModel(cfg)
     state = {}
     for name in model.state_dict():
-        key = f"model.{name}" if not name.startswith("lm_head") else name
-        key = key.replace(".gate.weight", f".{_ROUTER_KEY[fam]}.weight")
+        key = _hub_key(name, fam)
         if key not in tensors:
             if name == "lm_head.weight" and s.tie_embeddings:
                 continue
@@ -438,7 +488,7 @@ def load_checkpoint(model_dir: str | Path, dtype: torch.dtype = torch.float32,
     experts = []
     for layer in range(s.n_layers):
         row = []
-        for e in range(s.n_experts):
+        for e in range(s.n_experts if layer in s.moe_layers else 0):
             parts = []
             for pat in _EXPERT_KEYS[fam]:
                 key = f"model.layers.{layer}.{pat.format(e=e)}.weight"
@@ -465,8 +515,7 @@ def save_checkpoint(model: MoEModel, model_dir: str | Path, extra_config: dict |
     model_dir.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, t in model.state_dict().items():
-        key = f"model.{name}" if not name.startswith("lm_head") else name
-        tensors[key.replace(".gate.weight", ".mlp.gate.weight")] = t.to(dtype).contiguous()
+        tensors[_hub_key(name, "qwen3_moe")] = t.to(dtype).contiguous()
     n = s.expert_inter * s.hidden
     for layer, row in enumerate(model.experts):
         for e, w in enumerate(row):

@@ -107,6 +107,9 @@ class OffloadedDecoder:
         self.can_predict = predictor == "stale" or (default_vectors is not None and (
             predictor == "quasi" or (predictor in ("estimator", "hybrid") and estimator is not None)))
         s = model.spec
+        if s.dense_layers:  # the trace and the planner index MoE layers; dense ones would need mapping
+            raise MoesimError(f"offloaded decoding of models with dense layers ({s.name}) is not supported yet; "
+                              "the all-resident forward runs them")
         p = model.embed_tokens.weight
         self.device, self.dtype = p.device, p.dtype
         self.planner = Planner(self.policy, cache_experts if self.policy.offload else 0, eviction)

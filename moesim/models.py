@@ -370,8 +370,8 @@ def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
 def from_hf_config(path: str | Path) -> ModelSpec:
     """Build a spec from a Hugging Face ``config.json`` of a supported MoE family.
 
-    Covers the key spellings of Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V2/V3, gpt-oss and
-    GLM-4 MoE. Quantisation comes from ``quantization_config`` (fp8 block or mxfp4).
+    Covers the key spellings of Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V2/V3,
+    gpt-oss and GLM-4 MoE. Quantisation comes from ``quantization_config`` (fp8 block or mxfp4).
     """
     path = Path(path)
     try:
@@ -419,7 +419,7 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         attention = Attention(
             "gqa", heads, int(_first(cfg, "num_key_value_heads", default=heads)),
             int(_first(cfg, "head_dim", default=hidden // heads)),
-            bias=bool(cfg.get("attention_bias", mtype == "gpt_oss")),
+            bias=bool(_first(cfg, "attention_bias", "qkv_bias", default=mtype in ("gpt_oss", "qwen2_moe"))),
             qk_norm=mtype in ("qwen3_moe", "olmoe") or bool(cfg.get("use_qk_norm", False)),
         )
 
@@ -441,7 +441,9 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         n_layers=n_layers, n_experts=int(n_experts), top_k=top_k, hidden=hidden,
         expert_inter=expert_inter, vocab=vocab, attention=attention,
         dense_layers=tuple(sorted(dense)), dense_inter=dense_inter,
-        n_shared=int(cfg.get("n_shared_experts", 0) or 0),
+        # DeepSeek/GLM: n_shared_experts of moe_intermediate_size; Qwen2-MoE: one of its own size.
+        n_shared=int(cfg.get("n_shared_experts", 0) or 0) or (1 if cfg.get("shared_expert_intermediate_size") else 0),
+        shared_inter=int(cfg.get("shared_expert_intermediate_size", 0) or 0),
         expert_dtype=expert_dtype, dense_dtype=dense_dtype,
         expert_bias=mtype == "gpt_oss",
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
