@@ -1,7 +1,8 @@
-"""A readable Qwen3-MoE-family decoder (Qwen3-MoE, Mixtral, OLMoE) in one file.
+"""A readable Qwen3-MoE-family decoder (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) in one file.
 
 Pre-norm blocks: RMSNorm -> grouped-query attention with RoPE and a KV cache -> residual
--> RMSNorm -> softmax top-k router -> SwiGLU experts -> residual. Geometry comes from
+-> RMSNorm -> softmax top-k router -> SwiGLU experts (+ shared experts, Qwen2-MoE's with
+a sigmoid gate) -> residual; or a dense SwiGLU MLP in a dense layer. Geometry comes from
 :class:`moesim.models.ModelSpec` (the one source of truth); this file adds only what
 executing needs (RoPE base, norm epsilon, q/k-norm flavour).
 
