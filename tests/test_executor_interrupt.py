@@ -146,3 +146,39 @@ def test_training_stopped_keeps_a_loadable_checkpoint(tmp_path):
     assert stored["steps"] == 3 and [e["step"] for e in stored["evals"]] == [2, 3]
     m = load_checkpoint(tmp_path)
     assert m.spec.n_layers == 2 and m(torch.tensor([[1, 2]]), m.new_cache(1, 4), 0).isfinite().all()
+
+
+def test_validation_suite_stopped_scores_the_finished_cases(tmp_path, monkeypatch):
+    from moesim.executor import validation
+
+    model = _model()
+    hw = get_profile("a6000")
+    machine = (hw.with_figure("copy_interference", 0.0, "estimate", "test")
+               .with_figure("copy_interference_gbs", 1.0, "estimate", "test")
+               .with_figure("wait_wakeup_us", 0.0, "estimate", "test"))
+    monkeypatch.setattr(validation, "machine_profile", lambda: machine)  # skip the machine measurement
+    monkeypatch.setattr(validation, "suite_models", lambda shipped: [("tiny", lambda: (model, None, True), [1.0, 2.0], 1)])
+    monkeypatch.setattr(validation, "POLICIES", ("on-demand", "prefetch-fom"))
+    started = []
+
+    def stop_at_third_case(what: str) -> None:
+        if "GB/s" in what:
+            started.append(what)
+            if len(started) == 3:  # the first case of the second link
+                request_stop()
+
+    monkeypatch.setattr(validation, "generate", _stale_generate(validation.generate))
+    rows, traces, summary = validation.run_suite(tmp_path, tmp_path, tokens=4, progress=stop_at_third_case, repeats=1)
+    assert sorted(traces) == ["tiny-1gbps-on-demand", "tiny-1gbps-prefetch-fom"]  # the third case did not finish
+    assert [(r["policy"], r["case"]) for r in rows] == [("on-demand", "same-policy"), ("prefetch-fom", "same-policy"),
+                                                         ("prefetch-fom", "transfer from on-demand")]
+    assert "interrupted" in summary
+    assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == [f"{k}.npz" for k in sorted(traces)]
+
+
+def _stale_generate(generate_):
+    """The suite's runs with the stale predictor (the tiny model has no default vectors)."""
+    def run(model, prompt, st, hw, dv=None, **kw):
+        st.predictor = "stale"
+        return generate_(model, prompt, st, hw, dv, **kw)
+    return run
