@@ -1023,5 +1023,5 @@ def main() -> None:
         err.print(f"error: {e}", highlight=False, markup=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:  # Ctrl-C before anything worth keeping: one line, no traceback
-        err.print("interrupted: nothing written", highlight=False, markup=False)
+        err.print("interrupted (Ctrl-C)", highlight=False, markup=False)
         sys.exit(130)
