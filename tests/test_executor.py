@@ -79,29 +79,32 @@ def test_policies_copy_what_the_shared_planner_decides(tiny):
 
 
 def test_emulated_link_paces_to_latency_plus_bytes_over_bandwidth():
-    """The link's own clock is exact (each copy lasts latency + bytes / bandwidth, FIFO back
-    to back); the wall clock only bounds how late the waiter wakes, generously, and that
-    measurement (never an assertion) is retried on a busy machine."""
-    link = EmulatedLink(bandwidth=0.25e9, latency=50e-6)
-    src = torch.arange(1_000_000, dtype=torch.float32)  # 4 MB: 16 ms at 0.25 GB/s, ~1 ms of memcpy
-    ideal = 50e-6 + src.numel() * 4 / 0.25e9
-    late = []
-    for _ in range(3):
-        dst_a, dst_b = torch.empty_like(src), torch.empty_like(src)
+    """The link keeps an ideal FIFO clock: a copy lasts latency + bytes / bandwidth (longer
+    only if the real memcpy is slower), the next starts when it ends, and the waiter is
+    never woken before the clock says the copy landed. Those are asserted on every try.
+    How promptly the memcpy fits and the waiter wakes are wall-clock MEASUREMENTS on a
+    shared machine: retried, and bounded generously."""
+    link = EmulatedLink(bandwidth=4e6, latency=50e-6)
+    src = torch.arange(16384, dtype=torch.float32)  # 64 KiB: 16.4 ms on this link, ~10 us of memcpy
+    ideal = 50e-6 + src.numel() * 4 / 4e6
+    on_time, late = [], []
+    for _ in range(5):
+        dst_a, dst_b = torch.zeros_like(src), torch.zeros_like(src)  # pages touched: no faults in the copy
         a, b = Transfer(0, 0, src.numel() * 4, 1), Transfer(0, 1, src.numel() * 4, 1)
         link.copy_batch([(dst_a, src, a, None), (dst_b, src, b, None)])
         link.wait([a, b])
         woke = link.now()
         assert torch.equal(dst_a, src) and torch.equal(dst_b, src)
         assert a.start >= a.issue and b.start == a.end  # FIFO: the second starts when the first ends
-        assert a.end - a.start == pytest.approx(ideal, rel=1e-6)
-        assert b.end - b.start == pytest.approx(ideal, rel=1e-6)
-        assert woke >= b.end  # the waiter is never woken before the link's clock says the copy landed
+        assert a.end - a.start >= ideal * (1 - 1e-9) and b.end - b.start >= ideal * (1 - 1e-9)
+        assert woke >= b.end  # never signalled early
+        on_time.append(all(t.end - t.start == pytest.approx(ideal, rel=1e-6) for t in (a, b)))
         late.append(woke - b.end)
-        if late[-1] < 0.02:
+        if on_time[-1] and late[-1] < 0.02:
             break
     link.close()
-    assert min(late) < 0.02, late  # and not much after it (20 ms: generous against a 32 ms batch)
+    assert any(on_time), "the memcpy never fit in the ideal copy time"  # 64 KiB in 16 ms: only a stalled machine
+    assert min(late) < 0.02, late  # woken within 20 ms of landing (generous against a 33 ms batch)
 
 
 def test_trace_records_timings_and_round_trips(tiny, tmp_path):
