@@ -117,9 +117,11 @@ def test_trace_records_timings_and_round_trips(tiny, tmp_path):
     tm = back.timings
     np.testing.assert_array_equal(back.true_ids, trace.true_ids)
     assert (tm["tpot_s"] > 0).all() and (tm["copy_end_s"] >= tm["copy_start_s"]).all()
-    # The parts of a step add up to the step (measured with one clock).
+    # The parts of a step add up to the step: contiguous marks on one clock (a layer's attn_s
+    # starts where the previous layer's experts ended), so only rounding separates them.
     parts = tm["attn_s"].sum(1) + tm["expert_s"].sum(1) + tm["stall_s"].sum(1) + tm["other_s"]
-    np.testing.assert_allclose(parts, tm["tpot_s"], rtol=0.02)
+    np.testing.assert_allclose(parts, tm["tpot_s"], rtol=1e-6)
+    assert (tm["predict_s"] <= tm["attn_s"]).all()  # the prediction is part of attn_s
     assert back.header["recorded"]["hw_profile"] == "a6000" and back.header["synthetic"] is True
     assert len(back.header["metrics"]["recall_at_k"]) == 4
 
