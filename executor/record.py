@@ -49,6 +49,7 @@ from moesim.models import ModelSpec, from_hf_config
 from moesim.traces.format import FORMAT, VERSION, Trace
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 PREDICTORS = ("quasi", "stale", "oracle")
 MAIN_PREDICTOR = "quasi"
 
@@ -164,17 +165,17 @@ def prompt_ids(prompts: Any, model_dir: Path, vocab: int, batch: int | None) -> 
         how = "token ids"
     else:
         texts = list(prompts)
-        try:
+        if any((model_dir / f).is_file() for f in TOKENIZER_FILES):
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
             rows = [tok(t)["input_ids"] for t in texts]
             how = "texts, checkpoint tokenizer"
-        except Exception:  # no tokenizer files: only byte-level models can go on
-            if vocab != 256:
-                raise MoesimError(f"{model_dir.name} has no tokenizer files; pass token ids as prompts") from None
+        elif vocab == 256:  # byte-level model (the shipped moe-stdlib)
             rows = [list(t.encode()) for t in texts]
             how = "texts, UTF-8 bytes"
+        else:
+            raise MoesimError(f"{model_dir.name} has no tokenizer files; pass token ids as prompts")
     if not rows or any(len(r) == 0 for r in rows):
         raise MoesimError("record: every prompt needs at least one token")
     if batch:

@@ -441,7 +441,9 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         n_layers=n_layers, n_experts=int(n_experts), top_k=top_k, hidden=hidden,
         expert_inter=expert_inter, vocab=vocab, attention=attention,
         dense_layers=tuple(sorted(dense)), dense_inter=dense_inter,
-        n_shared=int(cfg.get("n_shared_experts", 0) or 0),
+        # DeepSeek/GLM: n_shared_experts of expert_inter each; Qwen2-MoE: one of shared_expert_intermediate_size.
+        n_shared=int(cfg.get("n_shared_experts", 0) or (1 if cfg.get("shared_expert_intermediate_size") else 0)),
+        shared_inter=0 if cfg.get("n_shared_experts") else int(cfg.get("shared_expert_intermediate_size", 0) or 0),
         expert_dtype=expert_dtype, dense_dtype=dense_dtype,
         expert_bias=mtype == "gpt_oss",
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
