@@ -389,3 +389,12 @@ def predictions(layers: list[MoeLayer], spec: ModelSpec, scale: float) -> dict[s
     oracle_ids[:, 0], oracle_gates[:, 0] = -1, 0  # like every predictor: nothing before the first MoE layer
     out["oracle"] = (oracle_ids, oracle_gates)
     return out
+
+
+def record_trace(model_dir: str | Path, out: str | Path, prompts: Any, **kw: Any) -> Trace:
+    """``moesim record``: :func:`record`, then write the trace atomically to ``out``."""
+    from moesim.traces.format import write_trace
+
+    trace = record(model_dir, prompts, **kw)
+    write_trace(trace, out)
+    return trace

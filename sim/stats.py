@@ -32,6 +32,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -346,3 +347,12 @@ def synth_like(trace: Trace, tokens: int, batch: int = 1, seed: int = 0, like: s
 
     params = replace(fit_synthetic(trace, seed=seed, like=like), tokens=tokens, batch=batch)
     return synthetic_trace(trace.model, params)
+
+
+def synth_like_file(like: str | Path, out: str | Path, tokens: int, batch: int = 1, seed: int = 0) -> Trace:
+    """``moesim synth --like TRACE``: fit to the trace at ``like``, write a synthetic trace to ``out``."""
+    from moesim.traces.format import read_trace, write_trace
+
+    trace = synth_like(read_trace(like), tokens, batch, seed, like=Path(like).name)
+    write_trace(trace, out)
+    return trace

@@ -1,6 +1,7 @@
 """Routing statistics: skew metrics, reuse, overlap, hit-rate curves (the simulator's own
 cache for LRU/LFU, Belady as the ceiling), the TPOT knee, and the fitted synthetic trace."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +50,6 @@ def test_lru_and_lfu_curves_equal_the_simulators_cache():
 
 
 def test_belady_is_the_ceiling():
-    spec = two_layer_spec()
     # Cyclic a, b, c at one layer with room for 2: LRU never hits, Belady keeps two of three.
     groups = [[x] for x in [0, 1, 2] * 4]
     assert stats.online_hits(groups, 2, "lru") == 0
@@ -97,3 +97,23 @@ def test_fitted_synthetic_reproduces_the_recorded_hit_rates_and_tpot():
         assert tb["pred_recall"] == pytest.approx(ta["pred_recall"], abs=0.03)
     longer = stats.synth_like(real, 600, 3)
     assert longer.true_ids.shape == (600, real.model.n_moe_layers, 3, real.model.top_k)
+
+
+def test_stats_report_writes_json_figures_and_html(tmp_path):
+    from moesim.reports.stats import stats_report
+
+    s = stats_report(EXAMPLE, tmp_path, hw="a6000", sizes=[0, 32, 128])
+    for f in ("stats.json", "report.html", "popularity.png", "reuse.png", "recall.png", "hit_rate.png", "tpot.png"):
+        assert (tmp_path / f).stat().st_size > 0
+    back = json.loads((tmp_path / "stats.json").read_text())
+    assert back["hit_rate"]["lru"] == s["hit_rate"]["lru"] and back["tpot"]["knee_experts"] == s["tpot"]["knee_experts"]
+    page = (tmp_path / "report.html").read_text()
+    assert page.count("<img") == 5 and "recorded trace moe-stdlib-routing.npz" in page
+
+
+def test_synth_like_file_writes_a_marked_synthetic_trace(tmp_path):
+    out = tmp_path / "like.npz"
+    stats.synth_like_file(EXAMPLE, out, tokens=50, batch=2, seed=1)
+    t = read_trace(out)
+    assert t.synthetic and t.n_tokens == 50 and t.batch == 2
+    assert t.header["generator"]["like"] == "moe-stdlib-routing.npz"

@@ -203,7 +203,7 @@ def synthetic_trace(spec: ModelSpec, params: SyntheticParams = SyntheticParams()
     # Independent streams per quantity, so chunk sizes never change what is drawn where.
     seeds = np.random.SeedSequence(params.seed).spawn(5)
     r_pop, r_route, r_gate, r_pred, r_tok = (np.random.default_rng(s) for s in seeds)
-    t, m, b, k, e = params.tokens, spec.n_moe_layers, params.batch, spec.top_k, spec.n_experts
+    t, m, b, k = params.tokens, spec.n_moe_layers, params.batch, spec.top_k
     sampler = _Sampler(_log_popularity(spec, params, r_pop), k)
     reuse = params.layer_reuse_rates(m)[:, None, None]  # [m, 1, 1]
     hit = params.layer_hit_rates(m)[None, :, None, None]  # [1, m, 1, 1]
