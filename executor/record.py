@@ -245,7 +245,7 @@ def record(model_dir: str | Path, prompts: Any, tokens: int = 64, device: str = 
         raise MoesimError(f"{model_dir.name}: routers found at layers {[m.layer for m in layers]}, but the config "
                           f"says MoE layers are {list(spec.moe_layers)}")
     scale = float(_config(model_dir).get("routed_scaling_factor") or 1.0)
-    first_device = next(model.parameters()).device
+    first_device = model.get_input_embeddings().weight.device  # device_map='auto': inputs go where the embedding is
     b = prompt.shape[0]
 
     state = {"on": False}
@@ -258,11 +258,11 @@ def record(model_dir: str | Path, prompts: Any, tokens: int = 64, device: str = 
                 order = w.argsort(dim=-1, descending=True, stable=True)
                 m.ids.append(out[2].gather(-1, order).cpu().numpy())
                 m.gates.append(w.gather(-1, order).cpu().numpy())
-                m.x.append(x.detach().float().cpu())
+                m.x.append(x.detach().cpu())  # model dtype (bf16 on GPU): T x M x B x H each for x and resid
 
         def on_norm(mod, args, m=m):
             if state["on"]:
-                m.resid.append(args[0].reshape(-1, args[0].shape[-1]).detach().float().cpu())
+                m.resid.append(args[0].reshape(-1, args[0].shape[-1]).detach().cpu())
 
         hooks += [m.router.register_forward_hook(on_router), m.norm.register_forward_pre_hook(on_norm)]
 
@@ -377,7 +377,7 @@ def predictions(layers: list[MoeLayer], spec: ModelSpec, scale: float) -> dict[s
                 g = torch.from_numpy(np.concatenate(prev.gates))  # [T*B, k]
                 e = torch.from_numpy(np.concatenate(prev.ids)).long()
                 d = (dv[j - 1][e] * g[..., None]).sum(1)
-                q = cur.norm((torch.cat(prev.resid) + d).to(next(cur.norm.parameters()).device,
+                q = cur.norm((torch.cat(prev.resid).float() + d).to(next(cur.norm.parameters()).device,
                                                              next(cur.norm.parameters()).dtype))
             pi, pg = _route(cur.router, q.to(p.device, p.dtype if p.dtype.is_floating_point else q.dtype), scale)
             ids[:, j] = pi.cpu().numpy().reshape(t, b, k)

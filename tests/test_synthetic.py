@@ -71,3 +71,19 @@ def test_per_layer_parameters_must_match_the_model():
         synthetic_trace(spec, SyntheticParams(popularity=((1.0, 1.0),) * 4))
     with pytest.raises(MoesimError, match="layer_hit"):
         SyntheticParams(layer_hit=(1.5,))
+
+
+def test_rows_with_too_few_usable_draws_fall_back_to_exact_sampling():
+    # Layer 0 can only ever route to experts {3, 7}; predictions there must exclude both
+    # when missed, which leaves only zero-popularity experts: the Gumbel-top-k fallback.
+    spec = get_model("tiny")
+    pop = [[0.0] * 16 for _ in range(4)]
+    for row in pop:
+        row[3] = row[7] = 1.0
+        row[11] = 1e-9
+    t = synthetic_trace(spec, SyntheticParams(tokens=50, batch=2, popularity=tuple(map(tuple, pop)),
+                                              layer_hit=(0.0,) * 4, layer_reuse=(0.0,) * 4))
+    assert set(np.unique(t.true_ids)) <= {3, 7, 11}
+    validate(t, "fallback")
+    p = np.sort(t.pred_ids[:, 1:], -1)
+    assert (p[..., 1:] != p[..., :-1]).all() and p.min() >= 0
