@@ -144,6 +144,15 @@ def find_moe_layers(model: torch.nn.Module) -> list[MoeLayer]:
     return out
 
 
+def _placement(module: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
+    """Where ``module`` computes and in what dtype. With ``device_map='auto'`` and host
+    offload, accelerate leaves weights on ``meta`` and names the device in its hook."""
+    p = next(module.parameters())
+    hook = getattr(module, "_hf_hook", None)
+    dev = getattr(hook, "execution_device", None) if p.device.type == "meta" else None
+    return (torch.device(dev) if dev is not None else p.device), p.dtype
+
+
 def _route(router: torch.nn.Module, x: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, gates) [N, k] from the router module, largest gate first, gates / ``scale``."""
     _, w, ids = router(x)
@@ -345,9 +354,9 @@ def default_vectors(layers: list[MoeLayer], spec: ModelSpec) -> list[torch.Tenso
     (zero for an expert never chosen), computed by the block's own expert module."""
     out = []
     for m in layers:
-        p = next(m.block.experts.parameters())
-        x = torch.cat(m.x).to(p.device, p.dtype)  # [T*B, H]
-        ids = torch.from_numpy(np.concatenate(m.ids)).to(p.device).long()  # [T*B, k]
+        dev, dtype = _placement(m.block.experts)
+        x = torch.cat(m.x).to(dev, dtype)  # [T*B, H]
+        ids = torch.from_numpy(np.concatenate(m.ids)).to(dev).long()  # [T*B, k]
         sums = torch.zeros(spec.n_experts, x.shape[-1])
         counts = torch.zeros(spec.n_experts)
         one = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
@@ -370,16 +379,15 @@ def predictions(layers: list[MoeLayer], spec: ModelSpec, scale: float) -> dict[s
         gates = np.zeros((t, m_count, b, k), np.float32)
         for j in range(1, m_count):
             prev, cur = layers[j - 1], layers[j]
-            p = next(cur.router.parameters())
+            r_dev, r_dtype = _placement(cur.router)
             if name == "stale":
                 q = torch.cat(prev.x)
             else:
                 g = torch.from_numpy(np.concatenate(prev.gates))  # [T*B, k]
                 e = torch.from_numpy(np.concatenate(prev.ids)).long()
                 d = (dv[j - 1][e] * g[..., None]).sum(1)
-                q = cur.norm((torch.cat(prev.resid).float() + d).to(next(cur.norm.parameters()).device,
-                                                             next(cur.norm.parameters()).dtype))
-            pi, pg = _route(cur.router, q.to(p.device, p.dtype if p.dtype.is_floating_point else q.dtype), scale)
+                q = cur.norm((torch.cat(prev.resid).float() + d).to(*_placement(cur.norm)))
+            pi, pg = _route(cur.router, q.to(r_dev, r_dtype if r_dtype.is_floating_point else q.dtype), scale)
             ids[:, j] = pi.cpu().numpy().reshape(t, b, k)
             gates[:, j] = np.clip(pg.cpu().numpy().reshape(t, b, k), 0, 1)
         out[name] = (ids, gates)
