@@ -419,7 +419,7 @@ def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
 
 #: ``model_type`` values whose config keys :func:`from_hf_config` knows; any other family
 #: (llama, bert, ...) is refused rather than read with guessed keys.
-HF_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe",
+HF_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe",
                "glm4_moe_lite")
 #: ``torch_dtype`` / ``dtype`` values and the storage format they mean.
 HF_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -443,7 +443,7 @@ def _int(cfg: dict[str, Any], path: Path, *keys: str, default: int | None = None
 def from_hf_config(path: str | Path) -> ModelSpec:
     """Build a spec from a Hugging Face ``config.json`` of a supported MoE family.
 
-    Covers the key spellings of Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V2/V3, gpt-oss and
+    Covers the key spellings of Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V2/V3, gpt-oss and
     GLM-4 MoE (:data:`HF_FAMILIES`). Weight formats come from ``torch_dtype`` (or
     ``dtype``) and ``quantization_config`` (fp8 block or mxfp4). Every field is checked:
     an unknown family, a non-integer size, zero KV heads or an unknown dtype is a
@@ -509,7 +509,7 @@ def from_hf_config(path: str | Path) -> ModelSpec:
                               "give head_dim")
         attention = Attention(
             "gqa", heads, kv_heads, _int(cfg, path, "head_dim", default=hidden // heads),
-            bias=bool(cfg.get("attention_bias", mtype == "gpt_oss")),
+            bias=bool(_first(cfg, "attention_bias", "qkv_bias", default=mtype in ("gpt_oss", "qwen2_moe"))),
             qk_norm=mtype in ("qwen3_moe", "olmoe") or bool(cfg.get("use_qk_norm", False)),
         )
 
@@ -536,7 +536,10 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         n_layers=n_layers, n_experts=int(n_experts), top_k=top_k, hidden=hidden,
         expert_inter=expert_inter, vocab=vocab, attention=attention,
         dense_layers=tuple(sorted(dense)), dense_inter=dense_inter,
-        n_shared=_int(cfg, path, "n_shared_experts", default=0, minimum=0),
+        # DeepSeek/GLM: n_shared_experts of moe_intermediate_size; Qwen2-MoE: one of its own size.
+        n_shared=_int(cfg, path, "n_shared_experts", default=0, minimum=0)
+        or (1 if cfg.get("shared_expert_intermediate_size") else 0),
+        shared_inter=_int(cfg, path, "shared_expert_intermediate_size", default=0, minimum=0),
         expert_dtype=expert_dtype, dense_dtype=dense_dtype,
         expert_bias=mtype == "gpt_oss",
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),

@@ -613,19 +613,24 @@ def profile(
         if dv is None and pol.prefetch:
             raise MoesimError(f"{source} has no default vectors; run `moesim calibrate --model {model}` first")
         dv = dv.to(dev) if dv is not None else None
+    from moesim.executor.interrupt import stop_on_interrupt, stop_requested
+
     ids = _prompt_ids(m, prompt if prompt is not None else DEFAULT_PROMPT, prompt_len, batch, seed)
-    with Progress(TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err,
-                  transient=True) as bar:
-        task = bar.add_task("decode", total=tokens)
-        prefill_s, records, out = generate(m, ids, st, hw_profile, dv, progress=lambda i, n: bar.update(task, completed=i),
-                                           estimator=est)
-    extra = {}
-    if pol.speculative and fidelity_tokens > 0 and len(records) == tokens:
-        text = eval_text(m.spec.vocab, fidelity_tokens + 1, seed)
-        extra["fidelity"] = fidelity(m, st, hw_profile, dv, text, est)
-    trace = build_trace(m, ids, st, hw_profile, prefill_s, records, out, device, synthetic, source, extra)
-    out_path = out_path or Path("traces/profile.npz")
-    write_trace(trace, out_path)
+    with stop_on_interrupt():  # from here on, Ctrl-C keeps and writes the finished steps
+        with Progress(TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err,
+                      transient=True) as bar:
+            task = bar.add_task("decode", total=tokens)
+            prefill_s, records, out = generate(m, ids, st, hw_profile, dv, estimator=est,
+                                               progress=lambda i, n: bar.update(task, completed=i))
+        extra = {}
+        if pol.speculative and fidelity_tokens > 0 and len(records) == tokens and not stop_requested():
+            text = eval_text(m.spec.vocab, fidelity_tokens + 1, seed)
+            fid = fidelity(m, st, hw_profile, dv, text, est)
+            if fid is not None:
+                extra["fidelity"] = fid
+        trace = build_trace(m, ids, st, hw_profile, prefill_s, records, out, device, synthetic, source, extra)
+        out_path = out_path or Path("traces/profile.npz")
+        write_trace(trace, out_path)
     t = trace.timings["tpot_s"]
     note = "" if len(records) == tokens else f" (interrupted: kept {len(records)} of {tokens} steps)"
     rec = [x for x in trace.header["metrics"]["recall_at_k"] if x == x]
@@ -765,7 +770,9 @@ def validate(
 
     if tokens < 3 or repeats < 1:
         raise MoesimError("--tokens must be >= 3 (the first step is warm-up) and --repeats >= 1")
-    with err.status("validating") as status:
+    from moesim.executor.interrupt import stop_on_interrupt
+
+    with stop_on_interrupt(), err.status("validating") as status:  # Ctrl-C: report the finished cases
         rows, traces, summary = run_suite(out_dir, _shipped_model(), tokens, [model] if model else None,
                                           lambda what: status.update(f"validating: {what}"), repeats)
     if not rows:
@@ -943,10 +950,14 @@ def speculate(
     dec = OffloadedDecoder(target, pol.name, make_transport(torch.device("cpu"), hw.link_bw, hw.transfer_latency),
                            predictor="stale", default_vectors=load_default_vectors(tpath), cache_experts=cache_experts)
     ids = torch.tensor(list((prompt if prompt is not None else DEFAULT_PROMPT).encode())).view(1, -1)
-    with err.status("speculating"):
-        prefill, records, produced = speculative_generate(dec, d, predictor, ids, st)
-    trace = build_sd_trace(target, ids, records, prefill, hw, st, pol.name, cache_experts, "cpu", False, str(tpath), str(dpath))
-    write_trace(trace, out_path)
+    from moesim.executor.interrupt import stop_on_interrupt
+
+    with stop_on_interrupt():  # Ctrl-C keeps and writes the finished verification steps
+        with err.status("speculating"):
+            prefill, records, produced = speculative_generate(dec, d, predictor, ids, st)
+        trace = build_sd_trace(target, ids, records, prefill, hw, st, pol.name, cache_experts, "cpu", False, str(tpath),
+                               str(dpath))
+        write_trace(trace, out_path)
     steps = len(records)
     wall = sum(r.draft_s + r.verify.tpot_s for r in records)
     distinct = np.mean([sum(len(u) for u in r.true_union) for r in records])
@@ -1004,5 +1015,13 @@ def main() -> None:
     try:
         app()
     except MoesimError as e:
+        from moesim.executor.interrupt import Interrupted  # no torch: errors only
+
+        if isinstance(e, Interrupted):
+            err.print(str(e), highlight=False, markup=False, soft_wrap=True)
+            sys.exit(130)
         err.print(f"error: {e}", highlight=False, markup=False, soft_wrap=True)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C before anything worth keeping: one line, no traceback
+        err.print("interrupted (Ctrl-C)", highlight=False, markup=False)
+        sys.exit(130)
