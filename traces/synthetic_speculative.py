@@ -57,6 +57,11 @@ class SpecSynthParams:
     parent_overlap: float = 0.3  # chance each expert of the parent (previous position) recurs
     sibling_overlap: float = 0.2  # chance each expert of the top-ranked sibling (same position) recurs
     step_overlap: float = 0.3  # chance each expert of the last accepted row recurs in the next root
+    #: How much the overlap rates vary between nodes: each node draws its own rates from a
+    #: Beta with the means above and this concentration, the same rate in every layer (a
+    #: candidate that continues its parent's word shares experts everywhere; one that jumps
+    #: topic shares few). Low = nodes differ a lot (what EcoSpec exploits); high = all alike.
+    overlap_concentration: float = 2.0
     recall: float = 0.7  # the expert predictor's recall@k per node and layer
     prompt_len: int = 128
     seed: int = 0
@@ -75,8 +80,16 @@ class SpecSynthParams:
                 raise MoesimError(f"synthetic speculative trace: {name} must be non-negative, not all zero")
         if sum(self.child_prob[: self.branch]) >= 1:
             raise MoesimError("synthetic speculative trace: child_prob of the drafted children must sum below 1")
-        if self.skew < 0 or self.prob_concentration <= 0:
-            raise MoesimError("synthetic speculative trace: skew >= 0 and prob_concentration > 0")
+        if self.skew < 0 or self.prob_concentration <= 0 or self.overlap_concentration <= 0:
+            raise MoesimError("synthetic speculative trace: skew >= 0, prob_concentration and "
+                              "overlap_concentration > 0")
+
+    def rates(self, rng: np.random.Generator, mean: float, n: int) -> np.ndarray:
+        """Per-node overlap rates: Beta(mean, overlap_concentration), one per node."""
+        if mean <= 0 or mean >= 1:
+            return np.full(n, mean)
+        c = self.overlap_concentration
+        return rng.beta(c * mean, c * (1 - mean), n)
 
     @property
     def nodes(self) -> int:
@@ -103,10 +116,14 @@ class SynthStep:
     bonus: int  # the target's token after the path (the next step's root)
     true_ids: np.ndarray  # int16 [1 + nodes, moe_layers, k]
     pred_ids: np.ndarray  # int16 [1 + nodes, moe_layers, k]
+    _tree: Tree | None = field(default=None, repr=False, compare=False)
 
     def tree(self) -> Tree:
-        pred = [[set(r[r != PAD].tolist()) for r in self.pred_ids[1 + i]] for i in range(len(self.tokens))]
-        return Tree(list(self.tokens), list(self.parents), list(self.prob), pred)
+        """The candidate tree with predicted expert sets (built once; selection only reads it)."""
+        if self._tree is None:
+            pred = [[set(r[r != PAD].tolist()) for r in self.pred_ids[1 + i]] for i in range(len(self.tokens))]
+            self._tree = Tree(list(self.tokens), list(self.parents), list(self.prob), pred)
+        return self._tree
 
     def root_pred(self) -> list[set[int]]:
         return [set(r[r != PAD].tolist()) for r in self.pred_ids[0]]
@@ -126,14 +143,15 @@ def _popularity(rng: np.random.Generator, m: int, e: int, skew: float) -> np.nda
     return logp - np.log(np.exp(logp).sum(1, keepdims=True))
 
 
-def _route(rng: np.random.Generator, logp: np.ndarray, k: int, forced: list[tuple[np.ndarray, float]]) -> np.ndarray:
+def _route(rng: np.random.Generator, logp: np.ndarray, k: int, forced: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
     """Top-k per row and layer: Gumbel keys over the popularity, with each id of every
-    (ids [n, M, k], probability) source forced in with that probability. -> int16 [n, M, k]."""
+    (ids [n, M, k], per-row probability [n]) source forced in with that probability.
+    -> int16 [n, M, k]."""
     n = forced[0][0].shape[0] if forced else 1
     keys = logp[None] + rng.gumbel(size=(n, *logp.shape))
     bump = np.zeros_like(keys)
     for ids, p in forced:
-        hit = (rng.random(ids.shape) < p).astype(float)
+        hit = (rng.random(ids.shape) < np.asarray(p)[:, None, None]).astype(float)
         np.put_along_axis(bump, ids.astype(np.int64), np.maximum(np.take_along_axis(bump, ids.astype(np.int64), -1),
                                                                   hit * 1e6), axis=-1)
     keys = keys + bump
@@ -168,7 +186,7 @@ def generate(spec: ModelSpec, params: SpecSynthParams = SpecSynthParams()) -> Sy
     prev_last: np.ndarray | None = None  # true ids [1, M, k] of the previous step's last accepted row
     root_token = int(rng.integers(spec.vocab))
     for _ in range(params.steps):
-        forced = [(prev_last, params.step_overlap)] if prev_last is not None else []
+        forced = [(prev_last, params.rates(rng, params.step_overlap, 1))] if prev_last is not None else []
         root = _route(rng, logp, k, forced) if forced else _route(rng, logp, k, [])
         tokens: list[int] = []
         parents: list[int] = []
@@ -178,12 +196,15 @@ def generate(spec: ModelSpec, params: SpecSynthParams = SpecSynthParams()) -> Sy
         for _level in range(params.depth):
             parent_ids = np.stack([rows[0] if f == -1 else rows[1 + f] for f in frontier])  # [n, M, k]
             cond = np.sort(rng.dirichlet(alpha, size=len(frontier))[:, :b], axis=1)[:, ::-1]
-            first = _route(rng, logp, k, [(parent_ids, params.parent_overlap)])
+            nf = len(frontier)
+            first = _route(rng, logp, k, [(parent_ids, params.rates(rng, params.parent_overlap, nf))])
             level_rows = [first]
             if b > 1:
                 rep = np.repeat(parent_ids, b - 1, axis=0)
                 sib = np.repeat(first, b - 1, axis=0)
-                others = _route(rng, logp, k, [(rep, params.parent_overlap), (sib, params.sibling_overlap)])
+                no = nf * (b - 1)
+                others = _route(rng, logp, k, [(rep, params.rates(rng, params.parent_overlap, no)),
+                                               (sib, params.rates(rng, params.sibling_overlap, no))])
                 level_rows.append(others.reshape(len(frontier), b - 1, m, k))
             new_frontier = []
             for j, f in enumerate(frontier):
@@ -415,7 +436,7 @@ def statistics(views: list[StepView], depth: int, branch: int) -> dict[str, obje
         "rank_share": (ranks / ranks.sum()).tolist() if ranks.sum() else [1.0] + [0.0] * (branch - 1),
         "child_prob": [mean(c) for c in cond],
         "child_prob_var": [float(np.var(c)) if len(c) > 1 else float("nan") for c in cond],
-        "parent_overlap": mean(parent_ov), "sibling_overlap": mean(sib_ov), "step_overlap": mean(step_ov),
+        "parent_overlap": mean(parent_ov), "parent_overlap_sd": float(np.std(parent_ov)) if parent_ov else float("nan"), "sibling_overlap": mean(sib_ov), "step_overlap": mean(step_ov),
         "recall": mean(recall),
     }
 
@@ -465,6 +486,10 @@ def fit_params(trace: Trace, steps: int | None = None, seed: int = 0, rounds: in
             want, have = target[kn], got[kn]
             if want == want and have == have:
                 upd[kn] = float(np.clip(getattr(params, kn) + (want - have), 0, 1))
+        want_sd, have_sd = target["parent_overlap_sd"], got["parent_overlap_sd"]
+        if want_sd == want_sd and have_sd == have_sd and want_sd > 0 and have_sd > 0:
+            upd["overlap_concentration"] = float(np.clip(params.overlap_concentration * (have_sd / want_sd) ** 2,
+                                                         0.1, 1000))
         params = replace(params, **upd)
     return replace(params, steps=n_steps, seed=seed)
 
