@@ -213,7 +213,7 @@ def generate(spec: ModelSpec, params: SpecSynthParams = SpecSynthParams()) -> Sy
                 for r in range(b):
                     tokens.append(int(toks[r]))
                     parents.append(f)
-                    prob.append(base * float(cond[j, r]))
+                    prob.append(float(np.float32(base * cond[j, r])))  # as the trace stores it
                     rows.append(first[j] if r == 0 else level_rows[1][j, r - 1])
                     new_frontier.append(len(tokens) - 1)
             frontier = new_frontier
