@@ -25,7 +25,14 @@ from moesim.atomic import atomic_write_text  # noqa: E402
 from moesim.models import get_model  # noqa: E402
 from moesim.reports.render import save_figure, write_csv, write_html  # noqa: E402
 from moesim.sim.draft import DraftProfile  # noqa: E402
-from moesim.sim.ecospec import SELECTIONS_DEFAULT, Selection, ecospec_whatif, latency_fit  # noqa: E402
+from moesim.sim.ecospec import (  # noqa: E402
+    DEFAULT_DRAFT,
+    DEFAULT_PARAMS,
+    SELECTIONS_DEFAULT,
+    Selection,
+    ecospec_whatif,
+    latency_fit,
+)
 from moesim.sim.placement import get_deployment  # noqa: E402
 from moesim.traces.synthetic_speculative import SpecSynthParams, generate  # noqa: E402
 
@@ -93,8 +100,8 @@ def _offload_png(rows: list[dict[str, Any]], models: tuple[str, ...], deps: tupl
 
 
 def ecospec_report(out: Path, models: tuple[str, ...] = MODELS, deployments: tuple[str, ...] = DEPLOYMENTS,
-                   gammas: tuple[int, ...] = GAMMAS, params: SpecSynthParams = SpecSynthParams(),
-                   selections: tuple[Selection, ...] = SELECTIONS_DEFAULT, draft: DraftProfile = DraftProfile(),
+                   gammas: tuple[int, ...] = GAMMAS, params: SpecSynthParams = DEFAULT_PARAMS,
+                   selections: tuple[Selection, ...] = SELECTIONS_DEFAULT, draft: DraftProfile = DEFAULT_DRAFT,
                    resident: str = RESIDENT, context: int = 1024,
                    variants: tuple[SpecSynthParams, ...] = ()) -> dict[str, Any]:
     """Run the what-if for every model and write the report into ``out``; returns the rows

@@ -52,6 +52,8 @@ class Selection:
         return f"ecospec {self.score}" + (f" {self.lam_per_layer_k:g}" if self.score == "lagrangian" else "")
 
 
+DEFAULT_PARAMS = SpecSynthParams()
+DEFAULT_DRAFT = DraftProfile()
 SELECTIONS_DEFAULT = (Selection("confidence"), Selection("ecospec", "ratio"), Selection("ecospec", "lagrangian", 1.0))
 
 
@@ -80,7 +82,7 @@ def selected_steps(synth: SynthSpec, gamma: int, sel: Selection) -> list[Step]:
 
 def ecospec_whatif(model: str | ModelSpec, deployments: list[str | Deployment], gammas: list[int],
                    selections: tuple[Selection, ...] = SELECTIONS_DEFAULT,
-                   params: SpecSynthParams = SpecSynthParams(), draft: DraftProfile = DraftProfile(),
+                   params: SpecSynthParams = DEFAULT_PARAMS, draft: DraftProfile = DEFAULT_DRAFT,
                    context: int = 1024, synth: SynthSpec | None = None) -> list[dict[str, Any]]:
     """One row per deployment x selection x gamma (and one no-speculation row per
     deployment): tokens a step, distinct experts a verification, verification and draft

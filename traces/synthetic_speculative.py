@@ -35,7 +35,7 @@ from moesim.traces.sd_ids import PAD, ids_to_mask, mask_to_ids
 
 #: A written trace's sd_node_pred mask may not exceed this many bytes (write fewer steps,
 #: or keep the steps in memory: the what-if never needs the masks).
-MAX_MASK_BYTES = 1 << 30
+MAX_MASK_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -397,9 +397,8 @@ def statistics(views: list[StepView], depth: int, branch: int) -> dict[str, obje
             for r, c in enumerate(sorted(cs, key=lambda c: -v.prob[c])[:branch]):
                 cond[r].append(v.prob[c] / base if base > 0 else 0.0)
         verified = set(v.chosen)
-        node, d = -1, 0
-        for t in v.known_next:
-            d += 1
+        node = -1
+        for d, t in enumerate(v.known_next, start=1):
             if d > depth:
                 break
             trials[d] += 1
@@ -458,8 +457,9 @@ def _fit_skew(trace: Trace) -> float:
 def fit_params(trace: Trace, steps: int | None = None, seed: int = 0, rounds: int = 5) -> SpecSynthParams:
     """Parameters that reproduce a recorded speculative trace's acceptance and overlap
     statistics (``like=``). Acceptance, ranks, draft probabilities and recall are read off
-    directly; the overlap knobs are calibrated by a few fixed-point rounds (generate with the
-    recorded selection, compare, correct), since popularity alone already makes experts recur."""
+    directly; the overlap knobs, their spread across nodes and the popularity skew are
+    calibrated by a few fixed-point rounds (generate, select as the recording did, compare,
+    correct), since popularity alone already makes experts recur."""
     sp = trace.header.get("speculative", {})
     depth, branch = int(sp.get("depth", 3)), int(sp.get("branch", 2))
     gamma, strategy = int(sp.get("gamma", 4)), sp.get("strategy", "confidence")
@@ -490,6 +490,9 @@ def fit_params(trace: Trace, steps: int | None = None, seed: int = 0, rounds: in
         if want_sd == want_sd and have_sd == have_sd and want_sd > 0 and have_sd > 0:
             upd["overlap_concentration"] = float(np.clip(params.overlap_concentration * (have_sd / want_sd) ** 2,
                                                          0.1, 1000))
+        want_d, have_d = target["distinct_experts_per_step"], got["distinct_experts_per_step"]
+        if want_d > 0 and have_d > 0:  # more skew: popular experts recur, fewer distinct ones
+            upd["skew"] = float(np.clip(max(params.skew, 0.05) * (have_d / want_d) ** 4, 0, 3))
         params = replace(params, **upd)
     return replace(params, steps=n_steps, seed=seed)
 
