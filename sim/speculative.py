@@ -175,6 +175,8 @@ def simulate_steps(trace: Trace, steps: list[Step], hw: HardwareProfile, policy:
     rec_union = np.array([[len({int(e) for r in range(rec_rows[i]) for e in tm["sd_row_true"][i, r, layer] if e >= 0})
                            for layer in range(n_layers)] for i in range(n_steps)])
     rows = np.array([st.rows for st in steps])
+    if timing == "measured" and trace.synthetic:
+        raise MoesimError("a synthetic speculative trace has no measured times; use timing='profile'")
     if timing == "measured":
         per_expert = tm["sd_expert_s"] / np.maximum(rec_union, 1)
         attn = tm["sd_attn_s"] * (rows / rec_rows)[:, None]  # attention work grows with the rows verified
@@ -228,6 +230,9 @@ def replay_sd(trace: Trace, hw: HardwareProfile, policy: str | None = None, **kw
     """Replay a speculative trace as recorded and compare with what was measured."""
     if not trace.speculative:
         raise MoesimError("not a speculative-decoding trace (no sd_* records)")
+    if trace.synthetic:
+        raise MoesimError("a synthetic speculative trace has no measurements to replay; use the EcoSpec what-if "
+                          "(moesim.sim.ecospec) or timing='profile'")
     params = trace.header.get("policy", {}).get("params", {})
     kw.setdefault("cache_experts", params.get("cache_experts", 0))
     sim = simulate_steps(trace, recorded_steps(trace), hw, policy or trace.header["policy"]["name"], **kw)

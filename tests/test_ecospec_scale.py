@@ -50,13 +50,16 @@ def test_id_codec_round_trips_masks():
 def test_synthetic_trace_is_marked_round_trips_and_replays_like_the_in_memory_steps(tmp_path):
     """The written v2 trace, re-selected by the simulator's existing what-if, gives the very
     steps the in-memory exact what-if gives (same selection code, same truth)."""
-    from moesim.sim.speculative import reselected_steps
+    from moesim.hardware import get_profile
+    from moesim.sim.speculative import replay_sd, reselected_steps
 
     synth = generate(get_model("tiny"), SMALL)
     back = read_trace(write_trace(to_trace(synth), tmp_path / "sd.npz"))
     assert back.synthetic and back.speculative and back.header["generator"]["name"] == "moesim.synthetic_speculative"
     assert (back.timings["sd_chosen"] >= 0).sum() == SMALL.steps * SMALL.nodes  # every node verified
     assert back.timings["sd_accepted"].tolist() == [1 + len(s.path) for s in synth.steps]
+    with pytest.raises(MoesimError, match="no measurements"):
+        replay_sd(back, get_profile("a6000"))
     for gamma, sel in [(2, Selection("confidence")), (5, Selection("ecospec", "ratio")),
                        (4, Selection("ecospec", "lagrangian", 1.0))]:
         mine = selected_steps(synth, gamma, sel)
