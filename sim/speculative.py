@@ -61,6 +61,11 @@ def _sets(mask: np.ndarray) -> list[set[int]]:
     return [set(np.flatnonzero(row).tolist()) for row in mask]
 
 
+def sd_measured(trace: Trace) -> bool:
+    """Whether the speculative records hold measured times (synthetic ones are all zero)."""
+    return bool(trace.timings["sd_verify_s"].any())
+
+
 def recorded_steps(trace: Trace) -> list[Step]:
     steps = []
     for t in _trees(trace):
@@ -175,7 +180,7 @@ def simulate_steps(trace: Trace, steps: list[Step], hw: HardwareProfile, policy:
     rec_union = np.array([[len({int(e) for r in range(rec_rows[i]) for e in tm["sd_row_true"][i, r, layer] if e >= 0})
                            for layer in range(n_layers)] for i in range(n_steps)])
     rows = np.array([st.rows for st in steps])
-    if timing == "measured" and trace.synthetic:
+    if timing == "measured" and not sd_measured(trace):
         raise MoesimError("a synthetic speculative trace has no measured times; use timing='profile'")
     if timing == "measured":
         per_expert = tm["sd_expert_s"] / np.maximum(rec_union, 1)
@@ -230,7 +235,7 @@ def replay_sd(trace: Trace, hw: HardwareProfile, policy: str | None = None, **kw
     """Replay a speculative trace as recorded and compare with what was measured."""
     if not trace.speculative:
         raise MoesimError("not a speculative-decoding trace (no sd_* records)")
-    if trace.synthetic:
+    if not sd_measured(trace):
         raise MoesimError("a synthetic speculative trace has no measurements to replay; use the EcoSpec what-if "
                           "(moesim.sim.ecospec) or timing='profile'")
     params = trace.header.get("policy", {}).get("params", {})
