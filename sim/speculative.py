@@ -161,6 +161,9 @@ def simulate_steps(trace: Trace, steps: list[Step], hw: HardwareProfile, policy:
     if link_gbps is not None:
         hw = hw.with_figure("h2d_pinned_gbs", link_gbps)
     tm = trace.timings
+    if spec.dense_layers:  # below, step sets (per MoE layer) are indexed by model layer
+        raise MoesimError(f"{spec.name} has dense layers; time its speculative steps with "
+                          "moesim.sim.placement.time_steps (the EcoSpec what-if)")
     n_steps, n_layers = len(steps), spec.n_layers
     if len(tm["sd_accepted"]) != n_steps:
         raise MoesimError("steps do not match the trace")

@@ -196,3 +196,8 @@ def test_synthetic_sd_trace_for_a_catalogue_model_with_dense_layers(tmp_path):
     back = read_trace(write_trace(tr, tmp_path / "ds.npz"))
     assert back.timings["sd_node_pred"].shape[2:] == (spec.n_moe_layers, spec.n_experts)
     assert back.timings["sd_row_true"].shape[2:] == (spec.n_moe_layers, spec.top_k)
+    from moesim.hardware import get_profile
+    from moesim.sim.speculative import recorded_steps, simulate_steps
+
+    with pytest.raises(MoesimError, match="dense layers"):  # not an IndexError
+        simulate_steps(back, recorded_steps(back), get_profile("h200"), "on-demand", timing="profile")
