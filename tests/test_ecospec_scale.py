@@ -28,6 +28,7 @@ from moesim.traces.synthetic_speculative import (
     generate,
     recorded_views,
     statistics,
+    synth_speculative,
     synthetic_sd_trace,
     synthetic_views,
     to_trace,
@@ -201,3 +202,22 @@ def test_synthetic_sd_trace_for_a_catalogue_model_with_dense_layers(tmp_path):
 
     with pytest.raises(MoesimError, match="dense layers"):  # not an IndexError
         simulate_steps(back, recorded_steps(back), get_profile("h200"), "on-demand", timing="profile")
+
+
+def test_synth_speculative_writes_a_trace_and_refuses_a_non_speculative_like(tmp_path, tiny_trace):
+    trace, params = synth_speculative("tiny", tmp_path / "s.npz", steps=5, depth=2, recall=0.9)
+    assert params.recall == 0.9 and read_trace(tmp_path / "s.npz").timings["sd_accepted"].shape == (5,)
+    plain = write_trace(tiny_trace, tmp_path / "plain.npz")
+    with pytest.raises(MoesimError, match="not a speculative"):
+        synth_speculative("tiny", tmp_path / "x.npz", like=plain)
+    with pytest.raises(MoesimError, match="unknown synthetic"):
+        synth_speculative("tiny", tmp_path / "x.npz", branches=3)
+    assert not (tmp_path / "x.npz").exists()
+
+
+def test_synth_speculative_like_a_recording(recorded, tmp_path):
+    path = tmp_path / "rec.npz"
+    write_trace(recorded, path)
+    trace, params = synth_speculative("qwen3-30b-a3b", tmp_path / "q.npz", like=path, steps=4)
+    assert trace.header["generator"]["fitted_from"] == str(path)
+    assert params.depth == recorded.header["speculative"]["depth"] and trace.model.name == "qwen3-30b-a3b"

@@ -502,3 +502,31 @@ def check_selection(strategy: str, score: str) -> None:
         raise MoesimError(f"unknown selection {strategy!r}; known: {', '.join(SELECTIONS)}")
     if score not in SCORES:
         raise MoesimError(f"unknown score {score!r}; known: {', '.join(SCORES)}")
+
+
+def synth_speculative(model: str | ModelSpec, out, params: SpecSynthParams | None = None, like=None,
+                      **overrides) -> tuple[Trace, SpecSynthParams]:
+    """The one call behind ``moesim synth --speculative``: parameters from ``params`` (or
+    the defaults), or fitted to the recorded speculative trace at ``like``, then
+    ``overrides`` (any :class:`SpecSynthParams` field), drawn for ``model`` and written
+    atomically to ``out``. Returns the trace and the parameters used."""
+    from moesim.models import get_model
+    from moesim.traces.format import read_trace, write_trace
+
+    spec = get_model(model) if isinstance(model, str) else model
+    fitted_from = ""
+    if like is not None:
+        rec = read_trace(like)
+        if not rec.speculative:
+            raise MoesimError(f"{like}: not a speculative-decoding trace (record one with moesim speculate)")
+        params = fit_params(rec, steps=overrides.get("steps"), seed=overrides.get("seed", 0))
+        fitted_from = str(like)
+    unknown = set(overrides) - set(SpecSynthParams.__dataclass_fields__)
+    if unknown:
+        raise MoesimError(f"unknown synthetic speculative parameter(s): {', '.join(sorted(unknown))}")
+    params = replace(params or SpecSynthParams(), **overrides)
+    synth = generate(spec, params)
+    synth.fitted_from = fitted_from
+    trace = to_trace(synth)
+    write_trace(trace, out)
+    return trace, params
