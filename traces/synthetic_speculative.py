@@ -98,9 +98,12 @@ class SpecSynthParams:
     def accept_at(self, d: int) -> float:
         return self.accept[min(d, len(self.accept)) - 1]
 
-    def _per_rank(self, v: tuple[float, ...], fill: float) -> np.ndarray:
-        out = np.array([v[r] if r < len(v) else fill for r in range(self.branch)], float)
-        return out
+    def _per_rank(self, v: tuple[float, ...]) -> np.ndarray:
+        """``v`` for ranks 0 .. branch-1; ranks past its end continue it geometrically (the
+        ratio of its last two values, else halving)."""
+        ratio = v[-1] / v[-2] if len(v) > 1 and v[-2] > 0 else 0.5
+        out = [v[r] if r < len(v) else v[-1] * min(ratio, 0.9) ** (r - len(v) + 1) for r in range(self.branch)]
+        return np.array(out, float)
 
 
 @dataclass
@@ -178,9 +181,11 @@ def generate(spec: ModelSpec, params: SpecSynthParams = SpecSynthParams()) -> Sy
     if b > spec.vocab - 1:
         raise MoesimError(f"branch {b} exceeds the vocabulary of {spec.name}")
     logp = _popularity(rng, m, e, params.skew)
-    mean = np.append(params._per_rank(params.child_prob, 0.0), 1 - sum(params.child_prob[:b]))
+    drafted = params._per_rank(params.child_prob)
+    drafted *= min(1.0, 0.99 / drafted.sum())  # the drafted children leave some mass to the rest
+    mean = np.append(drafted, 1 - drafted.sum())
     alpha = np.maximum(params.prob_concentration * mean, 1e-3)
-    share = params._per_rank(params.rank_share, 0.0)
+    share = params._per_rank(params.rank_share)
     share = share / share.sum() if share.sum() > 0 else np.full(b, 1 / b)
     out = SynthSpec(spec, params)
     prev_last: np.ndarray | None = None  # true ids [1, M, k] of the previous step's last accepted row
