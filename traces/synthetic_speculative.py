@@ -30,7 +30,9 @@ from moesim import __version__
 from moesim.errors import MoesimError
 from moesim.models import ModelSpec
 from moesim.selection import SCORES, SELECTIONS, Tree, select
-from moesim.traces.format import FORMAT, VERSION, Trace
+from moesim.traces.format import Trace
+from moesim.traces.header import make_header
+from moesim.traces.records import NOT_CHOSEN, PAD_EXPERT, PAD_PARENT, PAD_TOKEN, sd_steps
 from moesim.traces.sd_ids import PAD, ids_to_mask, mask_to_ids
 
 #: A written trace's sd_node_pred mask may not exceed this many bytes (write fewer steps,
@@ -257,13 +259,13 @@ def to_trace(synth: SynthSpec) -> Trace:
         raise MoesimError(f"a version-2 trace of {s} steps x {n} nodes for {spec.name} needs a "
                           f"{s * n * m * e / 2**20:.0f} MiB expert mask; write fewer steps (the what-if does not "
                           "need the file)")
-    tokens = np.full((s, n), -1, np.int32)
-    parents = np.full((s, n), -2, np.int16)
+    tokens = np.full((s, n), PAD_TOKEN, np.int32)
+    parents = np.full((s, n), PAD_PARENT, np.int16)
     prob = np.zeros((s, n), np.float32)
-    chosen = np.full((s, n), -1, np.int16)
+    chosen = np.full((s, n), NOT_CHOSEN, np.int16)
     node_pred = np.zeros((s, n, m, e), bool)
     root_pred = np.zeros((s, m, e), bool)
-    row_true = np.full((s, 1 + n, m, k), -1, np.int16)
+    row_true = np.full((s, 1 + n, m, k), PAD_EXPERT, np.int16)
     accepted_rows, accepted_tokens = [], []
     for i, st in enumerate(steps):
         c = len(st.tokens)
@@ -282,17 +284,16 @@ def to_trace(synth: SynthSpec) -> Trace:
                "sd_accepted": np.array([1 + len(st.path) for st in steps], np.int16), "sd_node_pred": node_pred,
                "sd_root_pred": root_pred, "sd_row_true": row_true, "sd_draft_s": z1, "sd_verify_s": z1.copy(),
                "sd_attn_s": zl, "sd_expert_s": zm, "sd_stall_s": zm.copy()}
-    header = {
-        "format": FORMAT, "version": VERSION, "model": spec.to_dict(), "policy": {"name": "none", "params": {}},
-        "prompt_len": params.prompt_len, "n_tokens": int(true_ids.shape[0]), "batch": 1, "seed": params.seed,
-        "synthetic": True,
-        "generator": {"name": "moesim.synthetic_speculative", **asdict(params), "fitted_from": synth.fitted_from},
-        "speculative": {"gamma": n, "branch": params.branch, "depth": params.depth, "strategy": "confidence",
+    header = make_header(
+        spec, policy="none", prompt_len=params.prompt_len, n_tokens=int(true_ids.shape[0]), batch=1,
+        seed=params.seed, synthetic=True,
+        recorded={"tool": f"moesim {__version__}", "how": "synthetic speculative routing, no timings"},
+        generator={"name": "moesim.synthetic_speculative", **asdict(params), "fitted_from": synth.fitted_from},
+        speculative={"gamma": n, "branch": params.branch, "depth": params.depth, "strategy": "confidence",
                         "score": "ratio", "lambda": 0.0, "draft": "synthetic",
                         "note": "synthetic: every node verified, so a re-selection knows every node's true experts "
                                 "and acceptance; sd_*_s timings are zero (nothing measured)"},
-        "recorded": {"tool": f"moesim {__version__}", "how": "synthetic speculative routing, no timings"},
-    }
+    )
     rng = np.random.default_rng(params.seed + 1)
     prompt = rng.integers(0, spec.vocab, (1, params.prompt_len), dtype=np.int32)
     gates = np.full(true_ids.shape, 1.0 / k, np.float32)
@@ -333,13 +334,11 @@ def recorded_views(trace: Trace) -> list[StepView]:
     starts = np.concatenate([[0], np.cumsum(acc)])
     toks = trace.token_ids[0]
     views = []
-    for s in range(len(acc)):
-        n = int((tm["sd_tree_parents"][s] > -2).sum())
-        order = tm["sd_chosen"][s][:n]
-        chosen = [int(c) for c in np.argsort(np.where(order >= 0, order, 10**6), kind="stable")[: int((order >= 0).sum())]]
-        true = {-1: tm["sd_row_true"][s, 0]} | {c: tm["sd_row_true"][s, 1 + j] for j, c in enumerate(chosen)}
-        pred = {-1: mask_to_ids(tm["sd_root_pred"][s])} | {c: mask_to_ids(tm["sd_node_pred"][s, c]) for c in chosen}
-        parents, tokens = tm["sd_tree_parents"][s][:n].tolist(), tm["sd_tree_tokens"][s][:n].tolist()
+    for s, step in enumerate(sd_steps(tm)):
+        chosen = step.chosen
+        true = {-1: step.row_true[0]} | {c: step.row_true[1 + j] for j, c in enumerate(chosen)}
+        pred = {-1: mask_to_ids(step.root_pred)} | {c: mask_to_ids(step.node_pred[c]) for c in chosen}
+        parents, tokens = step.parents, step.tokens
         known = toks[starts[s] + 1: starts[s] + acc[s]].tolist()
         path, node = [], -1
         for t in known:
@@ -347,7 +346,7 @@ def recorded_views(trace: Trace) -> list[StepView]:
             path.append(node)
         if s + 1 < len(acc):
             known.append(int(toks[starts[s + 1]]))
-        views.append(StepView(parents, tm["sd_tree_prob"][s][:n].tolist(), tokens, chosen, true, pred, path, known))
+        views.append(StepView(parents, step.prob, tokens, chosen, true, pred, path, known))
     return views
 
 
