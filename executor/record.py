@@ -46,7 +46,8 @@ import torch
 from moesim import __version__
 from moesim.errors import MoesimError
 from moesim.models import ModelSpec, from_hf_config
-from moesim.traces.format import FORMAT, VERSION, Trace
+from moesim.traces.format import Trace
+from moesim.traces.header import make_header
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -310,12 +311,11 @@ def record(model_dir: str | Path, prompts: Any, tokens: int = 64, device: str = 
     preds = predictions(layers, spec, scale)
     recalls = {name: _recall(true_ids, p[0]) for name, p in preds.items()}
     pred_ids, pred_gates = preds[MAIN_PREDICTOR]
-    header = {
-        "format": FORMAT, "version": VERSION, "model": spec.to_dict(),
-        "policy": {"name": "none", "params": {"predictor": MAIN_PREDICTOR, "temperature": temperature}},
-        "predictor": MAIN_PREDICTOR,
-        "prompt_len": int(prompt.shape[1]), "n_tokens": done, "batch": b, "seed": seed, "synthetic": False,
-        "recorded": {
+    header = make_header(
+        spec, policy="none", params={"predictor": MAIN_PREDICTOR, "temperature": temperature},
+        prompt_len=int(prompt.shape[1]), n_tokens=done, batch=b, seed=seed, synthetic=False,
+        metrics={"recall_at_k": recalls[MAIN_PREDICTOR], "predictors": recalls},
+        recorded={
             "tool": f"moesim {__version__}", "how": "recorded from a real model (transformers reference classes, "
             "router modules hooked); routing only, no timings",
             "model_name": spec.name, "model_source": str(model_dir), "revision_sha256": revision_hash(model_dir),
@@ -324,8 +324,7 @@ def record(model_dir: str | Path, prompts: Any, tokens: int = 64, device: str = 
             "transformers": _transformers_version(), "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "interrupted": done < tokens,
         },
-        "metrics": {"recall_at_k": recalls[MAIN_PREDICTOR], "predictors": recalls},
-    }
+    )
     token_ids = torch.cat(out_tokens[:done], 1).numpy().astype(np.int32)
     return Trace(header, prompt.numpy().astype(np.int32), token_ids, true_ids, np.clip(true_gates, 0, 1),
                  pred_ids, pred_gates, true_ids.copy())

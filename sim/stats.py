@@ -146,7 +146,7 @@ def recall_per_layer(true_ids: np.ndarray, pred_ids: np.ndarray) -> np.ndarray:
 def predictor_recalls(trace: Trace) -> dict[str, list[float]]:
     """Recall@k per layer of the main prediction (named by the header) and recorded others."""
     metrics = trace.header.get("metrics", {}) or {}
-    main = trace.header.get("predictor") or trace.header.get("policy", {}).get("params", {}).get("predictor") or "main"
+    main = trace.meta.predictor or "main"
     out = {}
     main_recall = recall_per_layer(trace.true_ids, trace.pred_ids)
     if not np.isnan(main_recall).all():

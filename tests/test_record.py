@@ -121,7 +121,7 @@ def test_recorded_routing_is_the_models_own(checkpoints, tmp_path, name):
         np.testing.assert_allclose(got_g, gates.gather(1, order).numpy(), atol=1e-4)
 
     preds = back.header["metrics"]["predictors"]
-    assert set(preds) == {"quasi", "stale", "oracle"} and back.header["predictor"] == "quasi"
+    assert set(preds) == {"quasi", "stale", "oracle"} and back.meta.predictor == "quasi"
     assert all(v == 1.0 for v in preds["oracle"][1:])
     assert all(0 <= v <= 1 for name_ in ("quasi", "stale") for v in preds[name_][1:])
     assert (back.pred_ids[:, 0] == -1).all() and (back.pred_ids[:, 1:] >= 0).all()

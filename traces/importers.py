@@ -35,7 +35,8 @@ import numpy as np
 from moesim import __version__
 from moesim.errors import MoesimError
 from moesim.models import ModelSpec, get_model
-from moesim.traces.format import FORMAT, VERSION, Trace, write_trace
+from moesim.traces.format import Trace, write_trace
+from moesim.traces.header import make_header
 
 FORMATS = ("vllm", "jsonl", "npz")
 
@@ -198,13 +199,12 @@ def _build(spec: ModelSpec, ids: np.ndarray, gates: np.ndarray | None, tokens: n
         token_note = "token ids from the dump"
         if tokens.min() < 0 or tokens.max() >= spec.vocab:
             raise MoesimError(f"{where}: token ids outside the vocabulary [0, {spec.vocab})")
-    header = {
-        "format": FORMAT, "version": VERSION, "model": spec.to_dict(), "policy": {"name": "none", "params": {}},
-        "prompt_len": prompt_len, "n_tokens": t, "batch": b, "seed": 0, "synthetic": False,
-        "recorded": {"tool": f"moesim {__version__}", "how": f"imported from a {fmt} routing dump; {how}; "
-                     f"{token_note}; no predictions, no timings", "model_source": str(path.name),
-                     "imported_from": fmt},
-    }
+    header = make_header(
+        spec, policy="none", prompt_len=prompt_len, n_tokens=t, batch=b, seed=0, synthetic=False,
+        recorded={"tool": f"moesim {__version__}", "how": f"imported from a {fmt} routing dump; {how}; "
+                  f"{token_note}; no predictions, no timings", "model_source": str(path.name),
+                  "imported_from": fmt},
+    )
     ids16 = ids.astype(np.int16)
     return Trace(header, np.zeros((b, prompt_len), np.int32), tokens.astype(np.int32), ids16, gates.astype(np.float32),
                  np.full(ids.shape, -1, np.int16), np.zeros(ids.shape, np.float32), ids16.copy())

@@ -33,7 +33,8 @@ import numpy as np
 from moesim import __version__
 from moesim.errors import MoesimError
 from moesim.models import ModelSpec
-from moesim.traces.format import FORMAT, VERSION, Trace
+from moesim.traces.format import Trace
+from moesim.traces.header import make_header
 
 #: Most expert draws held at once (int64, 32 MiB); a chunk of tokens is sized to fit.
 SCRATCH = 1 << 22
@@ -242,14 +243,12 @@ def synthetic_trace(spec: ModelSpec, params: SyntheticParams = SyntheticParams()
     gen["popularity"] = [[round(float(p), 6) for p in row] for row in params.popularity]
     gen["layer_reuse"] = [round(float(v), 6) for v in params.layer_reuse]
     gen["layer_hit"] = [round(float(v), 6) for v in params.layer_hit]
-    header = {
-        "format": FORMAT, "version": VERSION, "model": spec.to_dict(),
-        "policy": {"name": "none", "params": {}}, "prompt_len": params.prompt_len,
-        "n_tokens": t, "batch": b, "seed": params.seed, "synthetic": True,
-        "generator": {"name": "moesim.synthetic", **gen},
-        "recorded": {"tool": f"moesim {__version__}", "how": "synthetic routing, no timings"
-                     + (f" (parameters fitted to {params.like})" if params.like else "")},
-    }
+    header = make_header(
+        spec, policy="none", prompt_len=params.prompt_len, n_tokens=t, batch=b, seed=params.seed, synthetic=True,
+        recorded={"tool": f"moesim {__version__}", "how": "synthetic routing, no timings"
+                  + (f" (parameters fitted to {params.like})" if params.like else "")},
+        generator={"name": "moesim.synthetic", **gen},
+    )
     prompt = r_tok.integers(0, spec.vocab, (b, params.prompt_len), dtype=np.int32)
     tokens = r_tok.integers(0, spec.vocab, (b, t), dtype=np.int32)
     return Trace(header, prompt, tokens, true, gates, pred, pred_gates, true.copy())
