@@ -76,7 +76,7 @@ def test_whatif_with_no_arguments_answers_and_writes_a_report(tmp_path):
     r = moesim("whatif", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "best for lowest mean time per output token" in r.stdout
-    assert (tmp_path / "reports" / "whatif" / "report.html").exists()
+    assert (tmp_path / "moesim-whatif" / "report.html").exists()
 
 
 def _assert_one_line_error(r, text):
