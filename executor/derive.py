@@ -10,6 +10,7 @@ shipped files define what every other run measures. Every check runs before any 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 
@@ -103,8 +104,10 @@ def train_predictor_into(draft: str, model: str, out: Path | None = None, tokens
     d, t = load_checkpoint(dpath), load_checkpoint(tpath)
     if d.spec.vocab != t.spec.vocab:
         raise MoesimError("draft and target must share a vocabulary")
-    if min(tokens, eval_tokens, epochs) < 1:
-        raise MoesimError("tokens, eval-tokens and epochs must be >= 1")
+    chunk = inspect.signature(train_expert_predictor).parameters["chunk"].default
+    if min(tokens, eval_tokens) < chunk or epochs < 1:
+        raise MoesimError(f"tokens and eval-tokens must be >= {chunk} (the predictor reads {chunk}-token chunks) "
+                          "and epochs >= 1")
     torch.set_num_threads(threads)
     train, held_out, _ = splits()
     out = derived_checkpoint(dpath, out, force)

@@ -24,7 +24,7 @@ moesim models MoE decoding with expert weights in host memory: it replays routin
 against hardware profiles (SimPy discrete-event model, plus a fast path for sweeps).
 Commands write their outputs into the current directory unless told otherwise.
 
-**Start here:** `moesim whatif` (no arguments) sweeps Qwen3-30B-A3B on three GPUs under
+**Start here:** `moesim whatif` (long-running: no arguments) sweeps Qwen3-30B-A3B on three GPUs under
 every policy and writes a report to ./moesim-whatif/.
 
 **Examples:**
@@ -36,7 +36,7 @@ every policy and writes a report to ./moesim-whatif/.
 * `moesim whatif --model olmoe-1b-7b --hw a6000,gh200 --link-gbps 16,32 --cache-gib 0,1 --tokens 32 --jobs 1`
 * `moesim profile --model tiny --policy prefetch-fom --link-gbps 0.5 --tokens 4 --out run.npz` - decode with the reference executor
 * `moesim replay run.npz --validate` - the simulator against that measurement
-* `moesim validate` - the validation suite on this machine (long-running)
+* `moesim validate` (long-running) - the validation suite on this machine
 """
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown", help=HELP)

@@ -22,8 +22,8 @@ def fit(
     """Fit the simulator's compute model (achievable bandwidth, launch cost, per-layer
     overhead) to a trace's measured times and report the quality of the fit.
 
-    Example: `moesim fit run.npz --out mybox-fitted.toml`, then
-    `moesim whatif --hw mybox-fitted.toml ...` predicts without measured times.
+    Example: `moesim fit run.npz --out mybox-fitted.toml`, then `--hw mybox-fitted.toml`
+    makes any command predict for this machine without measured times.
     """
     from moesim.atomic import atomic_write_text
     from moesim.sim.fit import fit_profile

@@ -22,8 +22,8 @@ def models(
     Sizes in decimal GB/MB. "per token" is what one decoded token touches at batch 1:
     every non-expert weight plus top-k experts in every MoE layer (no KV cache).
 
-    Examples: `moesim models`, `moesim models qwen3-30b-a3b --json`,
-    `moesim models ~/models/Qwen3-30B-A3B` (reads its config.json).
+    Examples: `moesim models`, `moesim models qwen3-30b-a3b --json`; a model directory
+    (a Hugging Face folder with its config.json) works as a name too.
     """
     from moesim.models import CATALOGUE, get_model
 

@@ -60,7 +60,7 @@ def profile(
     op overhead, the emulated link's limits) and writes a profile marked measured.
 
     Examples: `moesim profile --model tiny --policy prefetch-fom --link-gbps 0.5 --tokens 4 --out run.npz`,
-    then `moesim replay run.npz --validate`; `moesim profile --hardware --name mybox` (writes ./mybox.toml).
+    then `moesim replay run.npz --validate`; `moesim profile --hardware --name mybox` (long-running) writes ./mybox.toml.
     """
     if hardware:
         from moesim.executor.hwbench import measure_to_file

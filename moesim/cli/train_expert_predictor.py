@@ -28,7 +28,7 @@ def train_expert_predictor(
     """Train EcoSpec's expert predictor: per target layer, a linear probe from the draft's
     hidden state of a candidate token to the target router's logits (distilled with KL).
     Stored in a draft checkpoint folder (--out) with its held-out recall.
-    Example: `moesim train-expert-predictor --tokens 256 --eval-tokens 128 --epochs 1`
+    Example: `moesim train-expert-predictor --tokens 512 --eval-tokens 256 --epochs 1`
     """
     from moesim.executor.derive import train_predictor_into
 

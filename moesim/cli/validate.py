@@ -22,7 +22,7 @@ def validate(
     emulated link): 2 models x 3 link bandwidths x 4 policies, same-policy replay and
     policy transfer (predicted from the on-demand trace alone), with an error table.
 
-    Example (long-running): `moesim validate --out validation-report`
+    Example: `moesim validate --out validation-report` (long-running)
     """
     from moesim.reports.validation import validation_suite
 
