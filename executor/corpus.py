@@ -9,6 +9,7 @@ consumer can drift onto text the model was trained on.
 
 from __future__ import annotations
 
+import functools
 import sys
 import sysconfig
 from pathlib import Path
@@ -16,9 +17,11 @@ from pathlib import Path
 TRAIN_FRACTION = 0.95  # the first 95% trains; the last 5% is held out
 
 
+@functools.cache
 def stdlib_corpus() -> tuple[bytes, dict]:
     """All ``*.py`` files of this Python's standard library (no site-packages, no tests),
-    sorted by path and joined; the description records exactly what was read."""
+    sorted by path and joined; the description records exactly what was read. Read once
+    per process (tens of MB; the files do not change while it runs)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py")
                    if "site-packages" not in p.parts and "test" not in p.parts and "tests" not in p.parts

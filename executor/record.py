@@ -19,6 +19,7 @@ from moesim.errors import MoesimError
 from moesim.executor.defaults import DECODE_THREADS
 from moesim.executor.loading import checkpoint_dir, load_model, predictor_files, prompt_ids
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, get_profile
+from moesim.models import cache_capacity
 from moesim.policy import get_policy
 from moesim.traces.format import Trace, write_trace
 
@@ -76,7 +77,6 @@ def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], 
         fidelity,
         generate,
     )
-    from moesim.sim.simulate import cache_capacity
 
     if req.tokens < 1 or req.batch < 1 or req.threads < 1:
         raise MoesimError("--tokens, --batch and --threads must be >= 1")
