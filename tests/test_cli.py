@@ -169,3 +169,97 @@ def test_validation_suite_runs_end_to_end(tmp_path):
     assert {r["case"] for r in rows} == {"same-policy", "transfer from on-demand"}
     for f in ("report.html", "scatter.png", "timeline.png", "errors.csv", "timelines.trace.json"):
         assert (tmp_path / f).exists(), f
+
+
+def test_version():
+    from moesim import __version__
+
+    r = moesim("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"moesim {__version__}"
+
+
+def _tree_bytes(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_no_command_overwrites_a_shipped_checkpoint_without_force(tmp_path):
+    from moesim.executor.loading import shipped_model
+
+    target, draft = shipped_model(), shipped_model("moe-stdlib-draft")
+    before = (_tree_bytes(target), _tree_bytes(draft))
+    cases = [
+        (("calibrate", "--out", target), "shipped checkpoint"),
+        (("calibrate", "--model", target, "--out", target, "--tokens", 64), "shipped checkpoint"),
+        (("train-estimator", "--out", target), "shipped checkpoint"),
+        (("train-expert-predictor", "--out", draft), "shipped checkpoint"),
+        (("train", "--out", target / "retrained", "--steps", 1), "shipped checkpoint"),
+    ]
+    for args, text in cases:
+        _assert_one_line_error(moesim(*args, cwd=tmp_path), text)
+    assert (_tree_bytes(target), _tree_bytes(draft)) == before
+    assert list(tmp_path.iterdir()) == []  # refused before any work
+
+
+def test_derived_checkpoint_folders(tmp_path):
+    from moesim.errors import MoesimError
+    from moesim.executor.loading import check_derived_out, derived_checkpoint, is_shipped, shipped_model
+
+    assert is_shipped(shipped_model()) and is_shipped(shipped_model() / "config.json")
+    assert not is_shipped(tmp_path) and not is_shipped(shipped_model().parent.parent)
+    src = tmp_path / "model"
+    src.mkdir()
+    (src / "config.json").write_text('{"a": 1}')
+    (src / "model.safetensors").write_bytes(b"weights")
+    out = derived_checkpoint(src, tmp_path / "copy", force=False)
+    assert _tree_bytes(out) == _tree_bytes(src)
+    (out / "model.safetensors").write_bytes(b"derived")  # a later run keeps what an earlier one made
+    derived_checkpoint(src, out, force=False)
+    assert (out / "model.safetensors").read_bytes() == b"derived"
+    assert derived_checkpoint(src, src, force=False) == src  # in place: nothing copied
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(MoesimError, match="does not hold a copy"):
+        check_derived_out(src, other, force=False)
+    check_derived_out(src, other, force=True)
+
+
+def test_calibrate_writes_a_model_folder_in_the_current_directory(tmp_path):
+    r = moesim("calibrate", "--tokens", 64, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "moe-stdlib-calibrated"
+    assert {"config.json", "model.safetensors", "default_vectors.safetensors", "calibration.json"} <= {
+        p.name for p in out.iterdir()}
+    assert json.loads((out / "calibration.json").read_text())["tokens"] == 64
+    r = moesim("profile", "--model", out, "--policy", "prefetch-fom", "--tokens", 2, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "profile.npz").exists()
+
+
+def test_synthetic_trace_replays_on_the_named_default_profile(olmoe_trace):
+    from moesim.hardware import DEFAULT_PROFILE
+
+    r = moesim("replay", olmoe_trace, "--policy", "on-demand")
+    assert r.returncode == 0, r.stderr
+    assert f"on {DEFAULT_PROFILE} (default: the trace records no hardware), link" in r.stdout.replace("\n", " ")
+    row = json.loads(moesim("replay", olmoe_trace, "--policy", "on-demand", "--json").stdout)[0]
+    assert row["hw"] == DEFAULT_PROFILE
+
+
+def test_predictor_inputs_say_what_each_predictor_reads():
+    from moesim.executor.runtime import predictor_inputs
+
+    assert predictor_inputs("prefetch-fom", "quasi") == (True, False)
+    assert predictor_inputs("on-demand", "hybrid") == (True, True)  # recorded, so the trace can predict
+    assert predictor_inputs("prefetch", "stale") == (False, False)
+    assert predictor_inputs("oracle", "quasi") == (False, False)
+    assert predictor_inputs("all-resident", "estimator") == (False, False)
+
+
+def test_corpus_split_is_defined_once():
+    from moesim.executor.corpus import TRAIN_FRACTION, held_out_split, split_index, splits, stdlib_corpus, training_split
+
+    corpus, _ = stdlib_corpus()
+    train, held_out, _ = splits()
+    assert train + held_out == corpus and len(train) == int(len(corpus) * TRAIN_FRACTION) == split_index(len(corpus))
+    assert training_split()[0] == train and held_out_split()[0] == held_out

@@ -42,11 +42,19 @@ def train_estimator(
 
     from moesim.executor.derive import train_estimator_into
 
-    with Progress(TextColumn("training estimator"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[kl]}"),
-                  TimeRemainingColumn(), console=err) as bar:
-        task = bar.add_task("est", total=None, kl="collecting activations")
+    bar = Progress(TextColumn("training estimator"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[kl]}"),
+                   TimeRemainingColumn(), console=err)
+    task = bar.add_task("est", total=None, kl="")
+
+    def progress(i: int, n: int, loss: float) -> None:
+        bar.start()  # on the first epoch: a refused run prints nothing but its error
+        bar.update(task, completed=i, total=n, kl=f"KL {loss:.3f}")
+
+    try:
         path, rec, k = train_estimator_into(model, out_dir, tokens, eval_tokens, epochs, width, lr, seed, force, threads,
-                                            lambda i, n, loss: bar.update(task, completed=i, total=n, kl=f"KL {loss:.3f}"))
+                                            progress)
+    finally:
+        bar.stop()
     out.print(table(f"held-out recall@{k} predicting layer l+1 ({rec['parameters']} estimator parameters, "
                     f"{rec['train_seconds']} s training)", ("from layer", "router (quasi-hidden)", "estimator", "hybrid uses"),
                     [[str(i), f"{r:.3f}", f"{e:.3f}", h] for i, (r, e, h) in enumerate(zip(
