@@ -257,7 +257,14 @@ def test_predictor_inputs_say_what_each_predictor_reads():
 
 
 def test_corpus_split_is_defined_once():
-    from moesim.executor.corpus import TRAIN_FRACTION, held_out_split, split_index, splits, stdlib_corpus, training_split
+    from moesim.executor.corpus import (
+        TRAIN_FRACTION,
+        held_out_split,
+        split_index,
+        splits,
+        stdlib_corpus,
+        training_split,
+    )
 
     corpus, _ = stdlib_corpus()
     train, held_out, _ = splits()
