@@ -54,8 +54,8 @@ def calibrate_checkpoint(model: str, out: Path | None = None, text: Path | None 
     torch.set_num_threads(threads)
     dv = calibrate(m, ids)
     out = derived_checkpoint(path, out, force)
-    save_default_vectors(out, dv, {"text": what, "tokens": int(ids.numel()), "command": f"moesim calibrate --model {model}"
-                                   + (f" --text {text}" if text else "") + f" --tokens {tokens}"})
+    command = f"moesim calibrate --model {model}" + (f" --text {text}" if text else "") + f" --tokens {tokens}"
+    save_default_vectors(out, dv, {"text": what, "tokens": int(ids.numel()), "command": command})
     return out, int(ids.numel()), what
 
 

@@ -20,10 +20,12 @@ def bound(row: dict[str, Any]) -> str:
 
 def why(row: dict[str, Any]) -> str:
     """One sentence on what bounds a configuration (and a caveat for speculative policies)."""
-    caveat = "" if get_policy(row["policy"]).exact else " (speculative execution: outputs may differ from exact decoding)"
+    exact = get_policy(row["policy"]).exact
+    caveat = "" if exact else " (speculative execution: outputs may differ from exact decoding)"
     if row["copy_ms"] == 0:
         return f"compute-bound: no expert copies; {row['compute_ms']:.3g} ms of compute per token{caveat}"
     share = row["stall_ms"] / row["tpot_ms"]
-    return (f"{bound(row)}-bound: copies take {row['copy_ms']:.3g} ms and compute {row['compute_ms']:.3g} ms per token; "
+    return (f"{bound(row)}-bound: copies take {row['copy_ms']:.3g} ms and compute {row['compute_ms']:.3g} ms "
+            "per token; "
             f"{share:.0%} of the step waits on the link (ideal overlap would give {row['overlap_bound_ms']:.3g} ms)"
             f"{caveat}")

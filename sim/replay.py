@@ -52,12 +52,12 @@ class Replay:
 
 
 def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str] | tuple[str, ...] = DEFAULT_POLICIES,
-           *, model: str | None = None, step: int = 1, **kw: Any) -> Replay:
+           *, model: str | None = None, step: int = 1, where: str | Path | None = None, **kw: Any) -> Replay:
     """Simulate a (non-speculative) trace under each policy; ``kw`` goes to
     :func:`moesim.sim.simulate.simulate` (cache, eviction, engine, timing, link_gbps).
     ``model`` checks the trace against a model; ``step`` must be one of the trace's steps
-    (the report's timeline shows it)."""
-    where = "the trace" if isinstance(trace, Trace) else trace
+    (the report's timeline shows it); ``where`` names the trace in errors."""
+    where = where or ("the trace" if isinstance(trace, Trace) else trace)
     trace = trace if isinstance(trace, Trace) else read_trace(trace)
     if trace.speculative:
         raise MoesimError("a speculative-decoding trace: replay it with moesim.sim.speculative.speculative_whatif")

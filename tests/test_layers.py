@@ -82,7 +82,8 @@ def test_no_module_imports_a_layer_above_its_own():
 def test_the_check_sees_upward_imports(tmp_path):
     """The checker itself, on a planted tree: upward and sideways imports are reported
     (else the test above proves nothing)."""
-    for folder, code in {"traces": "def f():\n    from moesim.cli.app import app\n    from moesim.sim import simulate\n",
+    upward = "def f():\n    from moesim.cli.app import app\n    from moesim.sim import simulate\n"
+    for folder, code in {"traces": upward,
                          "sim": "import moesim.executor.model\n",
                          "executor": "from moesim.sim.replay import replay\n",
                          "moesim": "from moesim import reports\n"}.items():

@@ -82,8 +82,9 @@ def replay(
     if validate:
         print_validation(trace, trace_path, hw_name, engine, as_json, out_dir)
         return
-    rep = run_replay(trace, hw_name, split(policy, "--policy"), model=model, step=step, cache_gib=cache_gib,
-                     cache_experts=cache_experts, eviction=eviction, engine=engine, timing=timing, link_gbps=link_gbps)
+    rep = run_replay(trace, hw_name, split(policy, "--policy"), model=model, step=step, where=trace_path,
+                     cache_gib=cache_gib, cache_experts=cache_experts, eviction=eviction, engine=engine, timing=timing,
+                     link_gbps=link_gbps)
     rows = rep.rows
     if as_json:
         print_json(rows)
