@@ -143,7 +143,8 @@ def test_profile_and_calibrate_errors_are_one_line(tmp_path):
 
 
 def test_importing_the_simulator_never_imports_torch():
-    code = ("import sys, sim, sim.whatif, sim.speculative, sim.validate, sim.fit, traces, moesim.cli, reports.render; "
+    code = ("import sys, sim, sim.whatif, sim.speculative, sim.validate, sim.fit, traces, moesim.cli, reports.render, "
+            "moesim.sim.replay, moesim.sim.sweep, moesim.sim.analysis, moesim.executor.defaults; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -9,13 +9,14 @@ import typer
 
 from moesim.cli.app import app, err, out, table
 from moesim.errors import MoesimError
+from moesim.hardware import DEFAULT_PROFILE
 
 
 @app.command()
 def fit(
     trace_path: Annotated[Path, typer.Argument(metavar="TRACE", help="An executor trace with measured timings (batch 1).")],
     hw_name: Annotated[str | None, typer.Option("--hw", help="Base profile (default: the one the trace was recorded on, "
-                                                         "else moesim's default profile).")] = None,
+                                                         f"else {DEFAULT_PROFILE}).")] = None,
     out_path: Annotated[Path | None, typer.Option("--out", help="Write the fitted profile here (.toml).")] = None,
     name: Annotated[str | None, typer.Option(help="Name of the fitted profile.")] = None,
 ) -> None:

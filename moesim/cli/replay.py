@@ -11,6 +11,7 @@ import typer
 
 from moesim.cli.app import app, err, floats, out, print_json, results_table, split
 from moesim.errors import MoesimError
+from moesim.hardware import DEFAULT_PROFILE
 
 REPLAY_POLICIES = "on-demand,prefetch-fom,prefetch-spec,oracle"
 SUMMARY_COLS = (("policy", "policy"), ("tpot_ms", "TPOT ms"), ("tpot_p99_ms", "p99 ms"), ("tokens_per_s", "tok/s"),
@@ -26,7 +27,7 @@ SD = "Speculative traces, with --gamma: "
 def replay(
     trace_path: Annotated[Path, typer.Argument(metavar="TRACE", help="A trace file (.npz, format v1 or v2).")],
     hw_name: Annotated[str | None, typer.Option("--hw", help="Hardware profile name or .toml path (default: the one "
-                                                         "the trace was recorded on, else moesim's default profile).")] = None,
+                                                         f"the trace was recorded on, else {DEFAULT_PROFILE}).")] = None,
     policy: Annotated[str, typer.Option(help="Comma-separated policies: all-resident, on-demand, prefetch-spec, "
                                               "prefetch-fom (alias prefetch), oracle.")] = REPLAY_POLICIES,
     cache_gib: Annotated[float, typer.Option(help="Cross-token expert cache on the device, GiB (0 = none).")] = 0.0,
