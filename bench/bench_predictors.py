@@ -69,7 +69,7 @@ def main() -> None:
             extra = {"fidelity": fidelity(model, st, hw, dv, text, est)} if policy == "prefetch-spec" else {}
             tr = build_trace(model, prompt, st, hw, prefill, recs, out, "cpu", False, str(path), extra)
             write_trace(tr, args.out / "traces" / f"{policy}-{predictor}.npz")
-            met = tr.header["metrics"]
+            met = tr.meta.metrics
             val, _ = validate_trace(tr)
             rec = [x for x in met["recall_at_k"] if x == x]
             al = [x for x in met["rank_alignment"] if x == x]

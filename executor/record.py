@@ -1,9 +1,10 @@
 """Record a trace with the reference executor: one call per kind of run.
 
-:func:`record_decode` is ``moesim profile`` (decode under a policy, trace v1) and
+:func:`record_decode` is ``moesim profile`` (decode under a policy) and
 :func:`record_speculative` is ``moesim speculate`` (greedy speculative decoding with a
-draft tree, trace v2). Each resolves its inputs, checks them before any work, runs,
-and writes the trace atomically; an interrupted decode keeps its finished steps.
+draft tree). Each resolves its inputs, checks them before any work, runs,
+and writes the trace atomically; Ctrl-C during the run keeps and writes the finished
+steps (moesim.executor.interrupt).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from moesim.errors import MoesimError
 from moesim.executor.defaults import DECODE_THREADS
+from moesim.executor.interrupt import stop_on_interrupt, stop_requested
 from moesim.executor.loading import checkpoint_dir, load_model, predictor_files, prompt_ids
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, get_profile
 from moesim.models import cache_capacity
@@ -67,7 +69,7 @@ class Recorded:
 
 
 def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], None] | None = None) -> Recorded:
-    """Decode with the reference executor under ``req.policy`` and write a trace v1 to ``out``."""
+    """Decode with the reference executor under ``req.policy`` and write its trace to ``out``."""
     from moesim.executor.profile import (
         DEFAULT_PROMPT,
         ProfileSettings,
@@ -90,14 +92,17 @@ def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], 
     st = ProfileSettings(pol.name, req.predictor, capacity, req.eviction, req.tokens, req.temperature, req.seed)
     dv, est = predictor_files(loaded, req.model, pol.name, req.predictor, req.seed, dev)
     ids = prompt_ids(m, req.prompt if req.prompt is not None else DEFAULT_PROMPT, req.prompt_len, req.batch, req.seed)
-    prefill_s, records, produced = generate(m, ids, st, hw_profile, dv, progress=progress, estimator=est)
-    extra = {}
-    if pol.speculative and req.fidelity_tokens > 0 and len(records) == req.tokens:
-        text = eval_text(m.spec.vocab, req.fidelity_tokens + 1, req.seed)
-        extra["fidelity"] = fidelity(m, st, hw_profile, dv, text, est)
-    trace = build_trace(m, ids, st, hw_profile, prefill_s, records, produced, req.device, loaded.synthetic,
-                        loaded.source, extra)
-    write_trace(trace, out)
+    with stop_on_interrupt():  # from here on, Ctrl-C keeps and writes the finished steps
+        prefill_s, records, produced = generate(m, ids, st, hw_profile, dv, progress=progress, estimator=est)
+        extra = {}
+        if pol.speculative and req.fidelity_tokens > 0 and len(records) == req.tokens and not stop_requested():
+            text = eval_text(m.spec.vocab, req.fidelity_tokens + 1, req.seed)
+            fid = fidelity(m, st, hw_profile, dv, text, est)
+            if fid is not None:
+                extra["fidelity"] = fid
+        trace = build_trace(m, ids, st, hw_profile, prefill_s, records, produced, req.device, loaded.synthetic,
+                            loaded.source, extra)
+        write_trace(trace, out)
     return Recorded(trace, out, len(records), req.tokens, extra)
 
 
@@ -131,7 +136,7 @@ class SpeculateSummary:
 
 
 def record_speculative(req: SpeculateRequest, out: Path) -> tuple[Recorded, SpeculateSummary]:
-    """Greedy (lossless) speculative decoding on the offload engine; writes a trace v2 to ``out``."""
+    """Greedy (lossless) speculative decoding on the offload engine; writes its trace to ``out``."""
     from moesim.executor.model import load_checkpoint
     from moesim.executor.profile import DEFAULT_PROMPT, load_default_vectors
     from moesim.executor.runtime import OffloadedDecoder, make_transport
@@ -152,10 +157,11 @@ def record_speculative(req: SpeculateRequest, out: Path) -> tuple[Recorded, Spec
                            predictor="stale", default_vectors=load_default_vectors(tpath),
                            cache_experts=req.cache_experts)
     ids = torch.tensor(list((req.prompt if req.prompt is not None else DEFAULT_PROMPT).encode())).view(1, -1)
-    prefill, records, produced = speculative_generate(dec, d, predictor, ids, st)
-    trace = build_sd_trace(target, ids, records, prefill, hw, st, pol.name, req.cache_experts, "cpu", False,
-                           str(tpath), str(dpath))
-    write_trace(trace, out)
+    with stop_on_interrupt():  # Ctrl-C keeps and writes the finished verification steps
+        prefill, records, produced = speculative_generate(dec, d, predictor, ids, st)
+        trace = build_sd_trace(target, ids, records, prefill, hw, st, pol.name, req.cache_experts, "cpu", False,
+                               str(tpath), str(dpath))
+        write_trace(trace, out)
     steps = len(records)
     wall = sum(r.draft_s + r.verify.tpot_s for r in records)
     summary = SpeculateSummary(len(produced), steps, wall / max(len(produced), 1) * 1e3,

@@ -28,7 +28,8 @@ from torch import Tensor, nn
 
 from moesim.atomic import atomic_write, atomic_write_text
 from moesim.errors import MoesimError
-from moesim.executor.model import MoEModel, TreeMask, read_tensors, route
+from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
+from moesim.executor.model import MoEModel, ResidentExperts, TreeMask, read_tensors
 from moesim.executor.runtime import OffloadedDecoder
 from moesim.selection import SCORES, SELECTIONS, Tree, accept, select
 
@@ -57,14 +58,7 @@ def draft_hidden(draft: MoEModel, tokens: Tensor, tree: TreeMask | None = None, 
                  start: int = 0) -> tuple[Tensor, Tensor]:
     """Draft forward over ``tokens`` [1, t] (after ``start`` cached tokens when ``cache``):
     (logits [t, V], final normed hidden [t, d])."""
-    s = draft.spec
-    h = draft.embed_tokens(tokens)
-    for layer, blk in enumerate(draft.layers):
-        h = h + blk.self_attn(blk.input_layernorm(h), cache, layer, start, tree)
-        x = blk.post_attention_layernorm(h).reshape(-1, s.hidden)
-        ids, gates = route(blk.gate(x), s.top_k, s.norm_topk_prob)
-        h = h + draft.moe(layer, x, ids, gates).view_as(h)
-    hn = draft.norm(h)[0]
+    hn = draft.hidden_states(tokens, None, cache, start, tree)[0]  # [t, d]
     return draft.lm_head(hn), hn
 
 
@@ -91,17 +85,10 @@ class DraftState:
 @torch.no_grad()
 def _target_router_probs(target: MoEModel, tokens: Tensor) -> Tensor:
     """Every target layer's router distribution for each token: [t, layers, experts]."""
-    s = target.spec
-    h = target.embed_tokens(tokens.view(1, -1))
-    out_probs = []
-    for layer, blk in enumerate(target.layers):
-        h = h + blk.self_attn(blk.input_layernorm(h), None, layer, 0)
-        x = blk.post_attention_layernorm(h).reshape(-1, s.hidden)
-        logits = blk.gate(x)
-        out_probs.append(logits.float().softmax(-1))
-        ids, gates = route(logits, s.top_k, s.norm_topk_prob)
-        h = h + target.moe(layer, x, ids, gates).view_as(h)
-    return torch.stack(out_probs, 1)
+    probs: list[Tensor] = []  # per layer [t, experts]
+    target.hidden_states(tokens.view(1, -1), ResidentExperts(
+        target, on_route=lambda layer, x, logits, *_: probs.append(logits.float().softmax(-1))))
+    return torch.stack(probs, 1)
 
 
 def train_expert_predictor(draft: MoEModel, target: MoEModel, train: Tensor, held_out: Tensor, out_dir: Path,
@@ -235,7 +222,9 @@ def build_tree(state: DraftState, predictor: ExpertPredictor | None, branch: int
 def speculative_generate(decoder: OffloadedDecoder, draft: MoEModel, predictor: ExpertPredictor | None,
                          prompt: Tensor, st: SpecSettings) -> tuple[float, list[VerifyRecord], list[int]]:
     """Greedy speculative decoding of ``prompt`` [1, P] (batch 1). Returns (prefill seconds,
-    verification records, produced tokens)."""
+    verification records, produced tokens). Ctrl-C at any instant keeps the finished
+    verification steps (and the tokens they produced); before the first one it raises
+    :class:`Interrupted`."""
     target = decoder.model
     if decoder.policy.speculative:
         raise MoesimError("speculative decoding verifies exactly: use an exact policy (not prefetch-spec)")
@@ -246,51 +235,59 @@ def speculative_generate(decoder: OffloadedDecoder, draft: MoEModel, predictor: 
     s, k = target.spec, target.spec.top_k
     p = prompt.shape[1]
     cache = target.new_cache(1, p + st.tokens + st.depth + st.gamma + 2)
-    pre = decoder.step(prompt.to(decoder.device), cache, 0, prefill=True)
     out: list[int] = []
     committed = prompt[0].tolist()
-    root = int(pre.logits[0].argmax())
     pos = p
     records: list[VerifyRecord] = []
     n_tree = sum(st.branch ** d for d in range(1, st.depth + 1))  # candidates a tree can hold
     state = DraftState(draft, p + st.tokens + n_tree + 2)
-    try:
-        while len(out) < st.tokens:
-            out.append(root)
-            committed.append(root)
-            if len(out) >= st.tokens:
-                break
-            t0 = time.perf_counter()
-            state.advance(committed)
-            tree, root_experts = build_tree(state, predictor, st.branch, st.depth, k)
-            chosen = select(tree, st.gamma, st.strategy, root_experts or None, st.score, st.lam)
-            draft_s = time.perf_counter() - t0
-            parents = [-1] + [0 if tree.parents[c] == -1 else 1 + chosen.index(tree.parents[c]) for c in chosen]
-            rows = torch.tensor([[root] + [tree.tokens[c] for c in chosen]])
-            pred_union = [set(root_experts[layer]) if root_experts else set() for layer in range(s.n_layers)]
-            for c in chosen:
-                if tree.experts:
-                    for layer in range(s.n_layers):
-                        pred_union[layer] |= tree.experts[c][layer]
-            tm = TreeMask.from_parents(parents, pos, decoder.device)
-            rec = decoder.step(rows.to(decoder.device), cache, pos, step_index=len(records), tree=tm,
-                               predicted=[sorted(u) for u in pred_union] if predictor is not None else None)
-            target_next = rec.all_logits[0].argmax(-1).tolist()  # the target's next token after every row
-            acc = accept(tree, chosen, target_next)
-            cache.keep(pos, acc)
-            new = [int(rows[0, r]) for r in acc[1:]]
-            true_union = [set(rec.true_ids[layer].reshape(-1).tolist()) for layer in range(s.n_layers)]
-            records.append(VerifyRecord(tree, chosen, acc, new, true_union, pred_union, draft_s, rec,
-                                        rec.true_ids.copy(), rows[0].tolist(), root_experts))
-            out.extend(new)
-            committed.extend(new)
-            pos += len(acc)
-            root = target_next[acc[-1]]
-    except KeyboardInterrupt:
+    cut = False
+    with stop_on_interrupt():
+        try:
+            pre = decoder.step(prompt.to(decoder.device), cache, 0, prefill=True)
+            root = int(pre.logits[0].argmax())
+            while len(out) < st.tokens:
+                if stop_requested():
+                    cut = True
+                    break
+                out.append(root)
+                committed.append(root)
+                if len(out) >= st.tokens:
+                    break
+                t0 = time.perf_counter()
+                state.advance(committed)
+                tree, root_experts = build_tree(state, predictor, st.branch, st.depth, k)
+                chosen = select(tree, st.gamma, st.strategy, root_experts or None, st.score, st.lam)
+                draft_s = time.perf_counter() - t0
+                parents = [-1] + [0 if tree.parents[c] == -1 else 1 + chosen.index(tree.parents[c]) for c in chosen]
+                rows = torch.tensor([[root] + [tree.tokens[c] for c in chosen]])
+                pred_union = [set(root_experts[layer]) if root_experts else set() for layer in range(s.n_layers)]
+                for c in chosen:
+                    if tree.experts:
+                        for layer in range(s.n_layers):
+                            pred_union[layer] |= tree.experts[c][layer]
+                tm = TreeMask.from_parents(parents, pos, decoder.device)
+                rec = decoder.step(rows.to(decoder.device), cache, pos, step_index=len(records), tree=tm,
+                                   predicted=[sorted(u) for u in pred_union] if predictor is not None else None)
+                target_next = rec.all_logits[0].argmax(-1).tolist()  # the target's next token after every row
+                acc = accept(tree, chosen, target_next)
+                cache.keep(pos, acc)
+                new = [int(rows[0, r]) for r in acc[1:]]
+                true_union = [set(rec.true_ids[layer].reshape(-1).tolist()) for layer in range(s.n_layers)]
+                records.append(VerifyRecord(tree, chosen, acc, new, true_union, pred_union, draft_s, rec,
+                                            rec.true_ids.copy(), rows[0].tolist(), root_experts))
+                out.extend(new)
+                committed.extend(new)
+                pos += len(acc)
+                root = target_next[acc[-1]]
+        except KeyboardInterrupt:
+            cut = True
+        finally:
+            decoder.transport.close()
+    if cut:  # the tokens of the finished verification steps only: each step's root and what it accepted
         if not records:
-            raise
-    finally:
-        decoder.transport.close()
+            raise Interrupted("interrupted before the first verification step finished: nothing to keep")
+        out = [t for r in records for t in (r.row_tokens[0], *r.new_tokens)]
     return pre.tpot_s, records, out[: st.tokens]
 
 
@@ -313,61 +310,43 @@ def build_sd_trace(target: MoEModel, prompt: Tensor, records: list[VerifyRecord]
     """A version-2 trace: the routing of every accepted row as the main arrays, and one
     record per verification step (tree, choice, acceptance, experts, timings)."""
     from moesim import __version__
-    from moesim.executor.profile import copy_arrays
-    from moesim.traces.format import FORMAT, VERSION, Trace
+    from moesim.traces.format import Trace
+    from moesim.traces.header import make_header
+    from moesim.traces.records import SDStep, copy_arrays, expert_mask, sd_arrays
 
     s = target.spec
     L, E, k = s.n_layers, s.n_experts, s.top_k
-    n_steps = len(records)
-    n_nodes = max(1, max(len(r.tree) for r in records))
-    n_rows = 1 + max(1, max(len(r.chosen) for r in records))
-    tokens = np.full((n_steps, n_nodes), -1, np.int32)
-    parents = np.full((n_steps, n_nodes), -2, np.int16)
-    prob = np.zeros((n_steps, n_nodes), np.float32)
-    chosen = np.full((n_steps, n_nodes), -1, np.int16)
-    node_pred = np.zeros((n_steps, n_nodes, L, E), bool)
-    root_pred = np.zeros((n_steps, L, E), bool)
-    row_true = np.full((n_steps, n_rows, L, k), -1, np.int16)
-    true_rows, token_rows = [], []
-    for i, r in enumerate(records):
-        n = len(r.tree)
-        tokens[i, :n], parents[i, :n], prob[i, :n] = r.tree.tokens, r.tree.parents, r.tree.prob
-        for order, c in enumerate(r.chosen):
-            chosen[i, c] = order
-        for c, experts in enumerate(r.tree.experts):
-            for layer, es in enumerate(experts):
-                node_pred[i, c, layer, sorted(es)] = True
-        for layer, es in enumerate(r.root_experts):
-            root_pred[i, layer, sorted(es)] = True
+    steps, true_rows, token_rows = [], [], []
+    for r in records:
         rt = r.row_routing.transpose(1, 0, 2)  # [rows, L, k]
-        row_true[i, : rt.shape[0]] = rt
+        steps.append(SDStep(tokens=list(r.tree.tokens), parents=list(r.tree.parents), prob=list(r.tree.prob),
+                            chosen=list(r.chosen), accepted=len(r.accepted_rows),
+                            node_pred=np.stack([expert_mask(ex, E) for ex in r.tree.experts])
+                            if len(r.tree) else np.zeros((0, L, E), bool),
+                            root_pred=expert_mask(r.root_experts, E), row_true=rt))
         for row in r.accepted_rows:
             true_rows.append(rt[row])
             token_rows.append(r.row_tokens[row])
     vr = [r.verify for r in records]
     true_ids = np.stack(true_rows)[:, :, None, :].astype(np.int16)
     timings = {
-        "sd_tree_tokens": tokens, "sd_tree_parents": parents, "sd_tree_prob": prob, "sd_chosen": chosen,
-        "sd_accepted": np.array([len(r.accepted_rows) for r in records], np.int16),
-        "sd_node_pred": node_pred, "sd_root_pred": root_pred, "sd_row_true": row_true,
+        **sd_arrays(steps, L, E, k),
         "sd_draft_s": np.array([r.draft_s for r in records]), "sd_verify_s": np.array([v.tpot_s for v in vr]),
         "sd_attn_s": np.stack([v.attn_s for v in vr]), "sd_expert_s": np.stack([v.expert_s for v in vr]),
         "sd_stall_s": np.stack([v.stall_s for v in vr]),
     }
     timings.update(copy_arrays([(i, c) for i, v in enumerate(vr) for c in v.copies]))
-    header = {
-        "format": FORMAT, "version": VERSION, "model": s.to_dict(),
-        "policy": {"name": policy, "params": {"cache_experts": cache_experts}},
-        "prompt_len": int(prompt.shape[1]), "n_tokens": int(true_ids.shape[0]), "batch": 1, "seed": 0,
-        "synthetic": synthetic, "prefill_s": prefill_s,
-        "speculative": {"gamma": st.gamma, "branch": st.branch, "depth": st.depth, "strategy": st.strategy,
-                        "score": st.score, "lambda": st.lam, "draft": draft_source,
-                        "note": "main arrays hold the accepted rows' routing; sd_* one record per verification step"},
-        "recorded": {"tool": f"moesim {__version__}", "how": "moesim speculate (reference executor)",
-                     "hw_profile": hw.name, "link_gbps": hw["h2d_pinned_gbs"], "latency_us": hw["transfer_latency_us"],
-                     "device": device, "model_source": source, "torch": torch.__version__},
-        "metrics": extra or {},
-    }
+    header = make_header(
+        s, policy=policy, params={"cache_experts": cache_experts}, prompt_len=int(prompt.shape[1]),
+        n_tokens=int(true_ids.shape[0]), batch=1, seed=0, synthetic=synthetic, prefill_s=prefill_s,
+        recorded={"tool": f"moesim {__version__}", "how": "moesim speculate (reference executor)",
+                  "hw_profile": hw.name, "link_gbps": hw["h2d_pinned_gbs"], "latency_us": hw["transfer_latency_us"],
+                  "device": device, "model_source": source, "torch": torch.__version__},
+        metrics=extra or {},
+        speculative={"gamma": st.gamma, "branch": st.branch, "depth": st.depth, "strategy": st.strategy,
+                     "score": st.score, "lambda": st.lam, "draft": draft_source,
+                     "note": "main arrays hold the accepted rows' routing; sd_* one record per verification step"},
+    )
     gates = np.full(true_ids.shape, 1.0 / k, np.float32)
     pred = np.full(true_ids.shape, -1, np.int16)
     return Trace(header, prompt.numpy().astype(np.int32), np.array([token_rows], np.int32), true_ids, gates, pred,

@@ -168,11 +168,20 @@ def parse_profile(data: dict[str, Any], where: str) -> HardwareProfile:
 
 
 def load_profile(path: str | Path) -> HardwareProfile:
+    """Read a profile TOML; a directory, a binary or non-UTF-8 file or bad TOML is one line."""
     path = Path(path)
+    if path.is_dir():
+        raise MoesimError(f"hardware profile {path} is a directory, not a .toml file")
     try:
-        data = tomllib.loads(path.read_text())
+        text = path.read_bytes().decode("utf-8")
     except OSError as e:
         raise MoesimError(f"cannot read hardware profile {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise MoesimError(f"{path}: not a hardware profile (not UTF-8 text; a TOML file is expected)") from None
+    if "\x00" in text:
+        raise MoesimError(f"{path}: not a hardware profile (binary data; a TOML file is expected)")
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise MoesimError(f"{path}: not valid TOML ({e})") from None
     return parse_profile(data, str(path))
@@ -191,7 +200,7 @@ def get_profile(name_or_path: str) -> HardwareProfile:
         return load_profile(builtin[name_or_path.lower()])
     p = Path(name_or_path)
     if p.suffix == ".toml" or p.exists():
-        if not p.is_file():
+        if not p.exists():
             raise MoesimError(f"hardware profile file {p} does not exist")
         return load_profile(p)
     raise MoesimError(f"unknown hardware profile {name_or_path!r}; built-in: {', '.join(builtin)} (or a .toml path)")

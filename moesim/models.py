@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from moesim.errors import MoesimError
 #: Storage formats a weight matrix can have, with a one-line description each.
 DTYPES: dict[str, str] = {
     "bf16": "2 bytes a weight",
+    "fp16": "2 bytes a weight (IEEE half precision)",
     "fp32": "4 bytes a weight",
     "fp8-block128": "1 byte a weight plus one fp32 scale per 128x128 block (DeepSeek-V3)",
     "mxfp4": "4 bits a weight plus one 8-bit shared scale per 32 weights of a row (gpt-oss)",
@@ -31,7 +33,7 @@ DTYPES: dict[str, str] = {
 def matrix_bytes(rows: int, cols: int, dtype: str) -> int:
     """Bytes of a ``rows x cols`` weight matrix (``cols`` = input dimension) in ``dtype``."""
     n = rows * cols
-    if dtype == "bf16":
+    if dtype in ("bf16", "fp16"):
         return 2 * n
     if dtype == "fp32":
         return 4 * n
@@ -196,10 +198,23 @@ class ModelSpec:
         return 2 * self._linear(i, h) + self._linear(h, i)
 
     @property
+    def lm_head_bytes(self) -> int:
+        """What a step reads after the last layer: the final norm and the LM head (bf16).
+
+        The one definition the roofline, the calibration fit and prefill use; with tied
+        embeddings the head is the input table itself."""
+        return matrix_bytes(self.vocab, self.hidden, "bf16") + 2 * self.hidden
+
+    @property
     def embedding_bytes(self) -> int:
-        """Input embedding plus LM head (bf16) plus the final norm."""
-        tables = 1 if self.tie_embeddings else 2
-        return tables * 2 * self.vocab * self.hidden + 2 * self.hidden
+        """Input embedding (unless tied to the head) plus :attr:`lm_head_bytes`."""
+        table = 0 if self.tie_embeddings else matrix_bytes(self.vocab, self.hidden, "bf16")
+        return table + self.lm_head_bytes
+
+    @property
+    def lm_head_flops(self) -> int:
+        """FLOPs of the LM head for one token (2 x its weights)."""
+        return 2 * self.vocab * self.hidden
 
     def layer_resident_bytes(self, layer: int) -> int:
         """Non-expert bytes of one layer: what stays on the device and is read every step."""
@@ -219,15 +234,42 @@ class ModelSpec:
             return 2 * (a.kv_lora_rank + a.qk_rope_head_dim)
         return 2 * 2 * a.n_kv_heads * a.head_dim
 
+    @property
+    def attention_weights(self) -> int:
+        """Weights of one layer's attention projections (a count, not bytes: FLOPs follow it
+        whatever the storage format)."""
+        a, h = self.attention, self.hidden
+        if a.kind == "mla":
+            qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+            q = (a.q_lora_rank * h + a.n_heads * qk * a.q_lora_rank) if a.q_lora_rank else a.n_heads * qk * h
+            kv = (a.kv_lora_rank + a.qk_rope_head_dim) * h + a.n_heads * (a.qk_nope_head_dim + a.v_head_dim) * a.kv_lora_rank
+            return q + kv + h * a.n_heads * a.v_head_dim
+        q_dim, kv_dim = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+        return 2 * q_dim * h + 2 * kv_dim * h
+
     def attention_flops(self, context: int) -> int:
-        """FLOPs of one layer's attention for one new token attending to ``context`` tokens."""
+        """FLOPs of one layer's attention for one new token attending to ``context`` tokens:
+        2 x the projection weights, plus the scores and the weighted sum over the context."""
         a = self.attention
         if a.kind == "mla":
             score_dim = a.kv_lora_rank + a.qk_rope_head_dim  # absorbed MLA attends in latent space
             per_ctx = 2 * a.n_heads * (score_dim + a.kv_lora_rank)
         else:
             per_ctx = 2 * 2 * a.n_heads * a.head_dim
-        return int(2 * self.attention_bytes / _weight_bytes(self.dense_dtype)) + per_ctx * context
+        return 2 * self.attention_weights + per_ctx * context
+
+    def dense_weights(self, layer: int) -> int:
+        """Weights of a layer's non-attention, non-routed work: the dense FFN of a dense
+        layer; the router and the shared experts of an MoE layer."""
+        h = self.hidden
+        if layer in self.dense_layers:
+            return 3 * h * self.dense_inter
+        return self.n_experts * h + self.n_shared * 3 * h * (self.shared_inter or self.expert_inter)
+
+    def dense_flops_per_token(self, layer: int) -> int:
+        """FLOPs one token spends in :meth:`dense_weights` (2 x the weight COUNT, never the
+        bytes: a bf16 weight is two bytes but one multiply-add)."""
+        return 2 * self.dense_weights(layer)
 
     def bytes_per_token(self, context: int = 0) -> int:
         """Bytes one decoded token touches at batch 1: all non-expert weights, top-k
@@ -264,13 +306,8 @@ class ModelSpec:
         return replace(self, name=f"{self.name}[:{n_layers}]", n_layers=n_layers, dense_layers=dense)
 
 
-def _weight_bytes(dtype: str) -> float:
-    """Average bytes a weight in ``dtype``, scales included (from :func:`matrix_bytes`)."""
-    return matrix_bytes(1024, 1024, dtype) / 2**20
-
-
 # ---------------------------------------------------------------------------------------
-# Catalogue (values and their sources: ../shared/reference/models.md, docs/models.md)
+# Catalogue (values and their sources: each entry's ``source``, and docs/models.md)
 # ---------------------------------------------------------------------------------------
 
 _QWEN_SRC = "Hugging Face config.json (via axonn-ai/yalis external/config.py); attention geometry secondary"
@@ -352,15 +389,28 @@ def cache_capacity(spec: ModelSpec, cache_gib: float = 0.0, cache_experts: int =
 
 
 def get_model(name_or_path: str) -> ModelSpec:
-    """A catalogue model by name, or a model directory / ``config.json`` path."""
+    """A model directory / ``config.json`` path, or a catalogue model by name.
+
+    A path that exists always wins over a catalogue name: a user who points at their own
+    checkout of a model must get that checkout's geometry, not the built-in entry. When
+    the argument is both, the choice is reported (a warning naming both); an existing
+    directory without a ``config.json`` whose name is also a catalogue name is an error
+    rather than a silent fallback to the catalogue.
+    """
     key = ALIASES.get(name_or_path.lower(), name_or_path.lower())
+    p = Path(name_or_path)
+    if p.exists():
+        cfg = p / "config.json" if p.is_dir() else p
+        if not cfg.is_file():
+            also = f" (also the catalogue model {key!r}: pass it from another directory)" if key in CATALOGUE else ""
+            raise MoesimError(f"model directory {p} has no config.json{also}")
+        spec = from_hf_config(cfg)
+        if key in CATALOGUE:
+            warnings.warn(f"{name_or_path!r} is both a local path and the catalogue model {key!r}; "
+                          f"using the local {cfg}", UserWarning, stacklevel=2)
+        return spec
     if key in CATALOGUE:
         return CATALOGUE[key]
-    p = Path(name_or_path)
-    if p.is_dir():
-        p = p / "config.json"
-    if p.is_file():
-        return from_hf_config(p)
     raise MoesimError(
         f"unknown model {name_or_path!r}: not in the catalogue ({', '.join(CATALOGUE)}) "
         "and not a directory or config.json"
@@ -379,69 +429,114 @@ def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
     return default
 
 
+#: ``model_type`` values whose config keys :func:`from_hf_config` knows; any other family
+#: (llama, bert, ...) is refused rather than read with guessed keys.
+HF_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe",
+               "glm4_moe_lite")
+#: ``torch_dtype`` / ``dtype`` values and the storage format they mean.
+HF_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def _int(cfg: dict[str, Any], path: Path, *keys: str, default: int | None = None, minimum: int = 1) -> int:
+    """The first present key as an integer >= ``minimum``; a float, a string or a bool is an error."""
+    key = next((k for k in keys if cfg.get(k) is not None), None)
+    if key is None:
+        if default is None:
+            raise MoesimError(f"{path}: missing field {' / '.join(keys)}")
+        return default
+    v = cfg[key]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise MoesimError(f"{path}: {key} must be an integer, got {v!r}")
+    if v < minimum:
+        raise MoesimError(f"{path}: {key} must be >= {minimum}, got {v}")
+    return v
+
+
 def from_hf_config(path: str | Path) -> ModelSpec:
     """Build a spec from a Hugging Face ``config.json`` of a supported MoE family.
 
-    Covers the key spellings of Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V2/V3, gpt-oss and
-    GLM-4 MoE. Quantisation comes from ``quantization_config`` (fp8 block or mxfp4).
+    Covers the key spellings of Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V2/V3, gpt-oss and
+    GLM-4 MoE (:data:`HF_FAMILIES`). Weight formats come from ``torch_dtype`` (or
+    ``dtype``) and ``quantization_config`` (fp8 block or mxfp4). Every field is checked:
+    an unknown family, a non-integer size, zero KV heads or an unknown dtype is a
+    one-line error, never a silently wrong byte count.
     """
     path = Path(path)
     try:
-        cfg = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise MoesimError(f"cannot read {path}: {e}") from None
+        cfg = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise MoesimError(f"cannot read {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise MoesimError(f"cannot read {path}: not UTF-8 text (a config.json is expected)") from None
+    except json.JSONDecodeError as e:
+        raise MoesimError(f"cannot read {path}: not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise MoesimError(f"{path}: not a JSON object")
-    mtype = str(cfg.get("model_type", ""))
+    mtype = cfg.get("model_type")
     n_experts = _first(cfg, "num_experts", "num_local_experts", "n_routed_experts")
+    if mtype not in HF_FAMILIES:
+        what = "has no expert count; not an MoE config" if n_experts is None else "is not a supported MoE family"
+        raise MoesimError(f"{path}: model_type {mtype!r} {what} (supported: {', '.join(HF_FAMILIES)})")
     if n_experts is None:
         raise MoesimError(f"{path}: model_type {mtype!r} has no expert count; not an MoE config")
-    try:
-        n_layers = int(cfg["num_hidden_layers"])
-        hidden = int(cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
-        vocab = int(cfg["vocab_size"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise MoesimError(f"{path}: missing or bad field {e}") from None
-    top_k = int(_first(cfg, "num_experts_per_tok", "experts_per_token", default=0))
+    n_experts = _int(cfg, path, "num_experts", "num_local_experts", "n_routed_experts")
+    n_layers = _int(cfg, path, "num_hidden_layers")
+    hidden = _int(cfg, path, "hidden_size")
+    heads = _int(cfg, path, "num_attention_heads")
+    vocab = _int(cfg, path, "vocab_size")
+    top_k = _int(cfg, path, "num_experts_per_tok", "experts_per_token")
     has_moe_inter = "moe_intermediate_size" in cfg
-    expert_inter = int(_first(cfg, "moe_intermediate_size", "intermediate_size", default=0))
-    dense_inter = int(cfg.get("intermediate_size", 0)) if has_moe_inter else 0
+    expert_inter = _int(cfg, path, "moe_intermediate_size", "intermediate_size")
+    dense_inter = _int(cfg, path, "intermediate_size", default=0, minimum=0) if has_moe_inter else 0
 
     # Which layers are dense.
-    dense: set[int] = set(range(int(cfg.get("first_k_dense_replace", 0) or 0)))
-    dense |= {int(i) for i in cfg.get("mlp_only_layers", []) or []}
-    step = int(cfg.get("decoder_sparse_step", 1) or 1)
-    freq = int(cfg.get("moe_layer_freq", 1) or 1)
+    dense: set[int] = set(range(_int(cfg, path, "first_k_dense_replace", default=0, minimum=0)))
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+        raise MoesimError(f"{path}: mlp_only_layers must be a list of layer indices")
+    dense |= set(only)
+    step = _int(cfg, path, "decoder_sparse_step", default=1)
+    freq = _int(cfg, path, "moe_layer_freq", default=1)
     # Qwen3: layer i is sparse when (i + 1) % decoder_sparse_step == 0;
     # DeepSeek/GLM: when i >= first_k_dense_replace and i % moe_layer_freq == 0.
     dense |= {i for i in range(n_layers) if (i + 1) % step != 0 or i % freq != 0}
     if dense and not dense_inter:
-        dense_inter = int(cfg.get("intermediate_size", expert_inter))
+        dense_inter = _int(cfg, path, "intermediate_size", default=expert_inter)
 
     if cfg.get("kv_lora_rank"):
         attention = Attention(
             "mla", heads, heads, 0,
-            q_lora_rank=int(cfg.get("q_lora_rank") or 0), kv_lora_rank=int(cfg["kv_lora_rank"]),
-            qk_nope_head_dim=int(cfg.get("qk_nope_head_dim", 128)),
-            qk_rope_head_dim=int(cfg.get("qk_rope_head_dim", 64)),
-            v_head_dim=int(cfg.get("v_head_dim", 128)),
+            q_lora_rank=_int(cfg, path, "q_lora_rank", default=0, minimum=0),
+            kv_lora_rank=_int(cfg, path, "kv_lora_rank"),
+            qk_nope_head_dim=_int(cfg, path, "qk_nope_head_dim", default=128),
+            qk_rope_head_dim=_int(cfg, path, "qk_rope_head_dim", default=64),
+            v_head_dim=_int(cfg, path, "v_head_dim", default=128),
         )
     else:
+        kv_heads = _int(cfg, path, "num_key_value_heads", default=heads)
+        if heads % kv_heads:
+            raise MoesimError(f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        if "head_dim" not in cfg and hidden % heads:
+            raise MoesimError(f"{path}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}; "
+                              "give head_dim")
         attention = Attention(
-            "gqa", heads, int(_first(cfg, "num_key_value_heads", default=heads)),
-            int(_first(cfg, "head_dim", default=hidden // heads)),
-            bias=bool(cfg.get("attention_bias", mtype == "gpt_oss")),
+            "gqa", heads, kv_heads, _int(cfg, path, "head_dim", default=hidden // heads),
+            bias=bool(_first(cfg, "attention_bias", "qkv_bias", default=mtype in ("gpt_oss", "qwen2_moe"))),
             qk_norm=mtype in ("qwen3_moe", "olmoe") or bool(cfg.get("use_qk_norm", False)),
         )
 
+    raw_dtype = _first(cfg, "dtype", "torch_dtype", default="bfloat16")
+    if raw_dtype not in HF_DTYPES:
+        raise MoesimError(f"{path}: torch_dtype {raw_dtype!r} not supported ({', '.join(HF_DTYPES)})")
     quant = cfg.get("quantization_config") or {}
+    if not isinstance(quant, dict):
+        raise MoesimError(f"{path}: quantization_config must be an object")
     method = str(quant.get("quant_method", "")).lower()
-    expert_dtype = dense_dtype = "bf16"
+    expert_dtype = dense_dtype = HF_DTYPES[raw_dtype]
     if method == "fp8":
         expert_dtype = dense_dtype = "fp8-block128"
         block = quant.get("weight_block_size", [128, 128])
-        if list(block) != [128, 128]:
+        if block != [128, 128]:
             raise MoesimError(f"{path}: fp8 block size {block} not supported (only 128x128)")
     elif method == "mxfp4":
         expert_dtype = "mxfp4"
@@ -453,10 +548,13 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         n_layers=n_layers, n_experts=int(n_experts), top_k=top_k, hidden=hidden,
         expert_inter=expert_inter, vocab=vocab, attention=attention,
         dense_layers=tuple(sorted(dense)), dense_inter=dense_inter,
-        n_shared=int(cfg.get("n_shared_experts", 0) or 0),
+        # DeepSeek/GLM: n_shared_experts of moe_intermediate_size; Qwen2-MoE: one of its own size.
+        n_shared=_int(cfg, path, "n_shared_experts", default=0, minimum=0)
+        or (1 if cfg.get("shared_expert_intermediate_size") else 0),
+        shared_inter=_int(cfg, path, "shared_expert_intermediate_size", default=0, minimum=0),
         expert_dtype=expert_dtype, dense_dtype=dense_dtype,
         expert_bias=mtype == "gpt_oss",
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         norm_topk_prob=bool(cfg.get("norm_topk_prob", mtype not in ("olmoe",))),
-        family=mtype or "unknown", source=str(path),
+        family=mtype, source=str(path),
     )

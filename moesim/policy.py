@@ -16,49 +16,101 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from moesim.errors import MoesimError
+from moesim.models import ModelSpec
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Policy:
+    """One offloading policy: what it copies, what it executes, whether outputs stay exact.
+
+    Keyword-only, so a row reads as what it means (``prefetch=True``) rather than as the
+    third of five booleans; a new policy joins the project with one :func:`register` call.
+    """
+
     name: str
-    prefetch: bool  # copies a predicted set one layer ahead
-    speculative: bool  # executes the predicted experts instead of the true ones
-    oracle: bool  # the prediction is the true next-layer set (an upper bound)
-    offload: bool  # experts live in host memory (False: all resident on the device)
-    exact: bool  # outputs equal the all-resident model's
     summary: str
+    prefetch: bool = False  # copies a predicted set one layer ahead
+    speculative: bool = False  # executes the predicted experts instead of the true ones
+    oracle: bool = False  # the prediction is the true next-layer set (an upper bound)
+    offload: bool = True  # experts live in host memory (False: all resident on the device)
+    exact: bool = True  # outputs equal the all-resident model's
+    aliases: tuple[str, ...] = ()  # other names get_policy accepts
 
 
-POLICIES: dict[str, Policy] = {
-    p.name: p
-    for p in [
-        Policy("all-resident", False, False, False, False, True,
-               "every expert on the device; no copies (the reference without offloading)"),
-        Policy("on-demand", False, False, False, True, True,
-               "after each router, copy the missing top-k experts and wait for them"),
-        Policy("prefetch-spec", True, True, False, True, False,
-               "copy the predicted next-layer experts ahead and execute them (speculative "
-               "execution: no miss penalty, outputs may change)"),
-        Policy("prefetch-fom", True, False, False, True, True,
-               "copy the predicted experts ahead; copy the mispredicted ones on demand "
-               "(fetch-on-miss: exact outputs)"),
-        Policy("oracle", True, False, True, True, True,
-               "prefetch the true next-layer experts (a perfect predictor: the upper bound of prefetching)"),
-    ]
-}
-ALIASES = {"prefetch": "prefetch-fom", "resident": "all-resident", "ondemand": "on-demand"}
+_REGISTRY: dict[str, Policy] = {}
+_ALIASES: dict[str, str] = {}
+#: Read-only views of the registry: name -> policy, alias -> name.
+POLICIES: Mapping[str, Policy] = MappingProxyType(_REGISTRY)
+ALIASES: Mapping[str, str] = MappingProxyType(_ALIASES)
 EVICTIONS = ("lru", "lfu")
 
 
-def get_policy(name: str) -> Policy:
-    key = ALIASES.get(name.strip().lower(), name.strip().lower())
-    if key not in POLICIES:
-        raise MoesimError(f"unknown policy {name!r}; known: {', '.join(POLICIES)} (alias: prefetch = prefetch-fom)")
-    return POLICIES[key]
+def register(policy: Policy) -> Policy:
+    """Add ``policy`` (and its aliases) to the registry; names are lower-case and unique."""
+    names = (policy.name, *policy.aliases)
+    for n in names:
+        if n != n.strip().lower() or not n:
+            raise MoesimError(f"policy name {n!r} must be non-empty lower-case without spaces around it")
+        if n in _REGISTRY or n in _ALIASES:
+            raise MoesimError(f"policy name {n!r} is already registered")
+    if policy.speculative and not policy.prefetch:
+        raise MoesimError(f"policy {policy.name!r}: speculative execution runs the prefetched set; needs prefetch")
+    if policy.exact and policy.speculative:
+        raise MoesimError(f"policy {policy.name!r}: speculative execution changes outputs; cannot be exact")
+    _REGISTRY[policy.name] = policy
+    _ALIASES.update({a: policy.name for a in policy.aliases})
+    return policy
+
+
+register(Policy(name="all-resident", offload=False, aliases=("resident",),
+                summary="every expert on the device; no copies (the reference without offloading)"))
+register(Policy(name="on-demand", aliases=("ondemand",),
+                summary="after each router, copy the missing top-k experts and wait for them"))
+register(Policy(name="prefetch-spec", prefetch=True, speculative=True, exact=False,
+                summary="copy the predicted next-layer experts ahead and execute them (speculative "
+                        "execution: no miss penalty, outputs may change)"))
+register(Policy(name="prefetch-fom", prefetch=True, aliases=("prefetch",),
+                summary="copy the predicted experts ahead; copy the mispredicted ones on demand "
+                        "(fetch-on-miss: exact outputs)"))
+register(Policy(name="oracle", prefetch=True, oracle=True,
+                summary="prefetch the true next-layer experts (a perfect predictor: the upper bound of prefetching)"))
+
+
+def get_policy(name: str | Policy) -> Policy:
+    """A registered policy by name or alias (case-insensitive); a Policy passes through."""
+    if isinstance(name, Policy):
+        return name
+    key = name.strip().lower()
+    key = _ALIASES.get(key, key)
+    if key not in _REGISTRY:
+        aliases = ", ".join(f"{a} = {n}" for a, n in _ALIASES.items())
+        raise MoesimError(f"unknown policy {name!r}; known: {', '.join(_REGISTRY)} (aliases: {aliases})")
+    return _REGISTRY[key]
+
+
+def expert_slots(spec: ModelSpec, policy: str | Policy, cache_experts: int = 0) -> int:
+    """Device buffers, in experts, that a policy needs for routed experts beyond the resident model.
+
+    The one count both the executor's slot pool and the what-if memory check use. An
+    offloading policy holds two whole layers of experts plus the cross-token cache:
+    prefill routes (nearly) every expert of a layer and copies layer l+1 while layer l
+    computes (double-buffered, as ``moesim.sim.simulate.prefill_time`` models it), so the
+    peak is ``2 * n_experts``. Decode never needs more: at any moment it holds the current
+    layer's experts (at most ``n_experts`` distinct ones, prefetched plus missed) and the
+    next layer's prefetch (at most ``n_experts``). ``2 * min(E, batch * k)`` would
+    undercount prefill and prefetch-on-miss. All-resident keeps every expert on the device
+    (counted with the model, not here), so it needs no slots and no cache.
+    """
+    if cache_experts < 0:
+        raise MoesimError(f"cache capacity must be >= 0 experts, got {cache_experts}")
+    if not get_policy(policy).offload:
+        return 0
+    return 2 * spec.n_experts + cache_experts
 
 
 Key = tuple[int, int]  # (layer, expert)

@@ -102,7 +102,7 @@ def hit_rate_png(traces: dict[str, Trace], path: Path, title: str) -> Path:
     """Per-layer prediction recall@k and rank alignment, from the traces' metrics."""
     fig, ax = plt.subplots(figsize=(7, 3.4))
     for label, tr in traces.items():
-        met = tr.header.get("metrics", {})
+        met = tr.meta.metrics
         rec, al = met.get("recall_at_k"), met.get("rank_alignment")
         if rec:
             ax.plot(range(len(rec)), rec, "o-", label=f"{label}: recall@k")
@@ -145,8 +145,8 @@ def write_single_validation(trace: Trace, trace_path: Path, hw: HardwareProfile,
     meas = measured_spans(trace, step)
     timeline_pair_png(meas, sim.spans, out / "timeline.png", f"step {step}: measured and simulated")
     chrome_pair(meas, [s for s in sim.spans if s.step == step], out / "timelines.trace.json")
-    what = (f"measured by the executor ({trace.header.get('recorded', {}).get('transport', '?')}, "
-            f"{trace.header.get('recorded', {}).get('device', '?')}); simulated by the SimPy model from the trace's "
+    what = (f"measured by the executor ({trace.meta.transport or '?'}, "
+            f"{trace.meta.device or '?'}); simulated by the SimPy model from the trace's "
             f"measured compute times and the recorded link ({hw['h2d_pinned_gbs']:g} GB/s, "
             f"{hw['transfer_latency_us']:g} us a transfer)")
     sections = [
@@ -194,9 +194,9 @@ def write_suite_report(rows: list[dict[str, Any]], traces: dict[str, Trace], sum
     if example is not None:
         tr, hw = example
         step = min(1, tr.n_tokens - 1)
-        sim = simulate(tr.head(step + 1), hw, tr.header["policy"]["name"], timing="measured", record=True)
+        sim = simulate(tr.head(step + 1), hw, tr.meta.replay_policy, timing="measured", record=True)
         meas = measured_spans(tr, step)
-        timeline_pair_png(meas, sim.spans, out / "timeline.png", f"{tr.model.name}, {tr.header['policy']['name']}, step {step}")
+        timeline_pair_png(meas, sim.spans, out / "timeline.png", f"{tr.model.name}, {tr.meta.policy}, step {step}")
         chrome_pair(meas, [s for s in sim.spans if s.step == step], out / "timelines.trace.json")
         sections.append({"heading": "One step, measured and simulated", "image": out / "timeline.png",
                          "caption": "Compute stream and copy engine, measured by the executor (compute intervals laid end to "
@@ -219,7 +219,10 @@ def validation_suite(out: Path, tokens: int = 32, model: str | None = None, repe
 
     if tokens < 3 or repeats < 1:
         raise MoesimError("--tokens must be >= 3 (the first step is warm-up) and --repeats >= 1")
-    rows, traces, summary = run_suite(out, shipped_model(), tokens, [model] if model else None, progress, repeats)
+    from moesim.executor.interrupt import stop_on_interrupt
+
+    with stop_on_interrupt():  # Ctrl-C: report the finished cases
+        rows, traces, summary = run_suite(out, shipped_model(), tokens, [model] if model else None, progress, repeats)
     if not rows:
         raise MoesimError(f"no suite model called {model!r}")
     example = next((tr for k, tr in traces.items() if k.endswith("prefetch-fom")), None)

@@ -59,13 +59,11 @@ def roofline_costs(spec: ModelSpec, hw: HardwareProfile, tokens: int, prompt_len
     for layer in range(spec.n_layers):
         resident = spec.layer_resident_bytes(layer)
         kv = batch * ctx * spec.kv_bytes_per_token_layer
-        ffn_flops = 2 * (resident - spec.attention_bytes)  # router, shared experts or dense FFN
-        flops = batch * (np.array([spec.attention_flops(int(c)) for c in ctx]) + ffn_flops)
+        flops = batch * (np.array([spec.attention_flops(int(c)) for c in ctx]) + spec.dense_flops_per_token(layer))
         mem = (resident + kv) / hw.mem_bw
         attn[:, layer] = np.maximum(mem, flops / hw.flops(spec.dense_dtype)) + KERNELS_ATTENTION * hw.launch + hw.layer_overhead
     per_expert = spec.expert_bytes / hw.mem_bw + KERNELS_EXPERT * hw.launch
-    head_bytes = spec.embedding_bytes / (1 if spec.tie_embeddings else 2)
-    other = _roofline(head_bytes, batch * 2 * spec.vocab * spec.hidden, hw, KERNELS_HEAD, "bf16")
+    other = _roofline(spec.lm_head_bytes, batch * spec.lm_head_flops, hw, KERNELS_HEAD, "bf16")
     m = spec.n_moe_layers
     return Costs(attn, np.full((tokens, m), per_expert), np.full(tokens, other),
                  f"roofline ({hw.name})", spec.expert_flops(1) / hw.flops(spec.expert_dtype))

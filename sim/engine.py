@@ -49,8 +49,8 @@ class CopyEngine:
 
     def submit(self, n_experts: int, name: str, step: int, layer: int) -> simpy.Event:
         done = self.env.event()
-        self.issued += n_experts * self.link.per_expert
-        self.busy_until = max(self.busy_until, self.env.now) + n_experts * self.link.per_expert
+        self.issued += self.link.copy_time(n_experts)
+        self.busy_until = max(self.busy_until, self.env.now) + self.link.copy_time(n_experts)
         self.queue.append((n_experts, done, name, step, layer))
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
@@ -63,7 +63,7 @@ class CopyEngine:
                 self._wake = env.event()
                 yield self._wake
             n, done, name, step, layer = self.queue.popleft()
-            duration = n * self.link.per_expert
+            duration = self.link.copy_time(n)
             start = env.now
             yield env.timeout(duration)
             if self.spans is not None:

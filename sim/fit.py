@@ -23,7 +23,7 @@ from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile
 from moesim.sim.costs import KERNELS_ATTENTION, KERNELS_EXPERT, KERNELS_HEAD
 from moesim.sim.plan import build_plan
-from moesim.sim.simulate import POLICIES, simulate
+from moesim.sim.simulate import simulate
 from moesim.traces.format import Trace
 
 
@@ -41,16 +41,15 @@ def fit_profile(trace: Trace, base: HardwareProfile, name: str | None = None) ->
             nbytes = spec.layer_resident_bytes(layer) + spec.kv_bytes_per_token_layer * (ctx0 + t)
             rows.append((nbytes, KERNELS_ATTENTION, 1.0))
             y.append(tm["attn_s"][t, layer])
-    recorded = trace.header.get("policy", {}).get("name")
-    n_exec = build_plan(trace, recorded if recorded in POLICIES else "on-demand").execute
+    meta = trace.meta
+    n_exec = build_plan(trace, meta.replay_policy).execute
     for t in range(trace.n_tokens):
         for m in range(spec.n_moe_layers):
             n = int(n_exec[t, m])
             rows.append((n * spec.expert_bytes, n * KERNELS_EXPERT, 0.0))
             y.append(tm["expert_s"][t, m])
-    head = spec.embedding_bytes / (1 if spec.tie_embeddings else 2)
     for t in range(trace.n_tokens):
-        rows.append((head, KERNELS_HEAD, 0.0))
+        rows.append((spec.lm_head_bytes, KERNELS_HEAD, 0.0))
         y.append(tm["other_s"][t])
     a, y = np.array(rows, float), np.array(y, float)
     scale = a.max(0)
@@ -61,7 +60,7 @@ def fit_profile(trace: Trace, base: HardwareProfile, name: str | None = None) ->
         raise MoesimError("the trace's times do not grow with bytes: cannot fit a bandwidth (too few bytes per block?)")
     fitted = a @ (coef / scale)
     r2 = 1 - ((y - fitted) ** 2).sum() / ((y - y.mean()) ** 2).sum()
-    src = f"moesim fit of {trace.header.get('recorded', {}).get('device', 'a trace')}"
+    src = f"moesim fit of {meta.device or 'a trace'}"
     bw_gbs = 1 / inv_bw / 1e9
     prof = base.with_figure("mem_bw_achievable_gbs", bw_gbs, "fitted", src)
     if bw_gbs > prof["mem_bw_peak_gbs"]:
@@ -72,9 +71,8 @@ def fit_profile(trace: Trace, base: HardwareProfile, name: str | None = None) ->
         from dataclasses import replace
 
         prof = replace(prof, name=name, description=f"{base.description}; compute model fitted to a trace")
-    replay = simulate(trace, prof, recorded if recorded in POLICIES else "on-demand", timing="profile",
-                      cache_experts=trace.header.get("policy", {}).get("params", {}).get("cache_experts", 0),
-                      link_gbps=trace.header.get("recorded", {}).get("link_gbps"))
+    replay = simulate(trace, prof, meta.replay_policy, timing="profile", cache_experts=meta.cache_experts,
+                      link_gbps=meta.link_gbps)
     measured = tm["tpot_s"][1:]
     quality = {
         "blocks": int(y.size), "r2": float(r2),

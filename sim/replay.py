@@ -24,7 +24,7 @@ def trace_profile(trace: Trace, hw: str | None = None) -> tuple[HardwareProfile,
     """(profile, where its name came from): ``hw``, the trace's recording profile, or the default."""
     if hw:
         return get_profile(hw), "named"
-    recorded = trace.header.get("recorded", {}).get("hw_profile")
+    recorded = trace.meta.hw_profile
     if recorded:
         return get_profile(recorded), "recorded in the trace"
     return get_profile(DEFAULT_PROFILE), "default: the trace records no hardware"

@@ -10,7 +10,7 @@ import numpy as np
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile
 from moesim.models import ModelSpec, cache_capacity  # noqa: F401 (cache_capacity: defined with the byte accounting)
-from moesim.policy import EVICTIONS, POLICIES, get_policy
+from moesim.policy import EVICTIONS, get_policy
 from moesim.sim.costs import KERNELS_ATTENTION, Costs, measured_costs, roofline_costs
 from moesim.sim.engine import Span, run_simpy
 from moesim.sim.fastpath import run_fast
@@ -30,11 +30,10 @@ def pick_costs(trace: Trace, spec: ModelSpec, hw: HardwareProfile, timing: str) 
     """
     if timing not in TIMINGS:
         raise MoesimError(f"unknown timing source {timing!r}; known: {', '.join(TIMINGS)}")
-    recorded_on = trace.header.get("recorded", {}).get("hw_profile")
-    if timing == "measured" or (timing == "auto" and "expert_s" in trace.timings and recorded_on == hw.name):
+    meta = trace.meta
+    if timing == "measured" or (timing == "auto" and "expert_s" in trace.timings and meta.hw_profile == hw.name):
         # Charge other policies at the recorded run's measured per-expert rate.
-        recorded = trace.header.get("policy", {}).get("name")
-        recorded_plan = build_plan(trace, recorded if recorded in POLICIES else "on-demand")
+        recorded_plan = build_plan(trace, meta.replay_policy)
         return measured_costs(trace.timings, recorded_plan.execute)
     return roofline_costs(spec, hw, trace.n_tokens, trace.prompt_len, trace.batch)
 
@@ -45,26 +44,26 @@ def prefill_time(spec: ModelSpec, hw: HardwareProfile, prompt_len: int, offload:
     n = batch * prompt_len
     if n == 0:
         return 0.0
-    per_expert_copy = hw.transfer_latency + spec.expert_bytes / hw.link_bw
+    link = Link.from_profile(hw, spec)
     compute_end = copy_end = 0.0
     prev_compute_end = 0.0  # end of layer l-1: frees the slot set layer l+1 copies into
     for layer in range(spec.n_layers):
         moe = layer not in spec.dense_layers
         resident = spec.layer_resident_bytes(layer)
-        flops = n * (spec.attention_flops(prompt_len // 2) + 2 * (resident - spec.attention_bytes))
+        flops = n * (spec.attention_flops(prompt_len // 2) + spec.dense_flops_per_token(layer))
         mem = resident + n * spec.kv_bytes_per_token_layer
         if moe:
             flops += n * spec.top_k * spec.expert_flops(1)
             mem += spec.layer_expert_bytes
         compute = max(mem / hw.mem_bw, flops / hw.flops(spec.dense_dtype)) + hw.launch * KERNELS_ATTENTION
         if moe and offload:
-            copy_end = max(copy_end, prev_compute_end) + spec.n_experts * per_expert_copy
+            copy_end = max(copy_end, prev_compute_end) + link.copy_time(spec.n_experts)
             ready = copy_end
         else:
             ready = 0.0
         prev_compute_end = compute_end
         compute_end = max(compute_end, ready) + compute
-    head = spec.vocab * spec.hidden * 2 / hw.mem_bw
+    head = max(spec.lm_head_bytes / hw.mem_bw, batch * spec.lm_head_flops / hw.flops("bf16"))
     return compute_end + head
 
 
@@ -155,8 +154,8 @@ def simulate(
     costs = costs or pick_costs(trace, spec, hw, timing)
     work = make_workload(spec, plan, costs)
     link = Link.from_profile(hw, spec)
-    recorded = trace.header.get("policy", {}).get("name")
-    if costs.source.startswith("measured") and recorded in POLICIES and POLICIES[recorded].prefetch:
+    recorded = trace.meta.recorded_policy
+    if costs.source.startswith("measured") and recorded is not None and recorded.prefetch:
         # Times measured while copies overlapped compute already include the interference.
         link = replace(link, interference=0.0)
     spans: list[Span] = []
@@ -171,7 +170,7 @@ def simulate(
         "link_gbps": hw["h2d_pinned_gbs"], "batch": trace.batch, "engine": engine, "timing": costs.source,
         "synthetic_trace": trace.synthetic,
     }
-    ttft = trace.header.get("prefill_s") if costs.source.startswith("measured") else None
+    ttft = trace.meta.prefill_s if costs.source.startswith("measured") else None
     if ttft is None:
         ttft = prefill_time(spec, hw, trace.prompt_len, pol.offload, trace.batch)
     return SimResult(config, tpot, work.compute_per_token, copy, stall, plan, spec.expert_bytes, float(ttft),

@@ -29,6 +29,7 @@ from moesim.sim.costs import roofline_costs
 from moesim.sim.fastpath import run_fast
 from moesim.sim.workload import Link, Workload
 from moesim.traces.format import Trace
+from moesim.traces.records import NOT_CHOSEN, PAD_EXPERT, ROOT_PARENT, SDStep, sd_steps
 
 
 @dataclass
@@ -41,51 +42,35 @@ class Step:
     produced: float  # tokens the step produced (accepted candidates + the bonus token); expected under a model
 
 
-def _trees(trace: Trace) -> list[dict[str, Any]]:
-    tm = trace.timings
-    out = []
-    for s in range(len(tm["sd_accepted"])):
-        valid = tm["sd_tree_parents"][s] > -2
-        n = int(valid.sum())
-        chosen_order = tm["sd_chosen"][s][:n]
-        chosen = [int(i) for i in np.argsort(np.where(chosen_order >= 0, chosen_order, 10**6))[: int((chosen_order >= 0).sum())]]
-        out.append({
-            "tokens": tm["sd_tree_tokens"][s][:n].tolist(), "parents": tm["sd_tree_parents"][s][:n].tolist(),
-            "prob": tm["sd_tree_prob"][s][:n].tolist(), "chosen": chosen, "accepted": int(tm["sd_accepted"][s]),
-            "node_pred": tm["sd_node_pred"][s][:n], "root_pred": tm["sd_root_pred"][s], "row_true": tm["sd_row_true"][s],
-        })
-    return out
-
-
 def _sets(mask: np.ndarray) -> list[set[int]]:
     return [set(np.flatnonzero(row).tolist()) for row in mask]
 
 
 def recorded_steps(trace: Trace) -> list[Step]:
     steps = []
-    for t in _trees(trace):
-        rows = 1 + len(t["chosen"])
-        true = [set() for _ in range(t["root_pred"].shape[0])]
+    for t in sd_steps(trace.timings):
+        rows = 1 + len(t.chosen)
+        true = [set() for _ in range(t.root_pred.shape[0])]
         for r in range(rows):
-            for layer, ids in enumerate(t["row_true"][r]):
-                true[layer] |= {int(e) for e in ids if e >= 0}
-        pred = _sets(t["root_pred"])
-        for c in t["chosen"]:
-            for layer, es in enumerate(_sets(t["node_pred"][c])):
+            for layer, ids in enumerate(t.row_true[r]):
+                true[layer] |= {int(e) for e in ids if e != PAD_EXPERT}
+        pred = _sets(t.root_pred)
+        for c in t.chosen:
+            for layer, es in enumerate(_sets(t.node_pred[c])):
                 pred[layer] |= es
-        steps.append(Step(rows, true, pred, t["accepted"]))
+        steps.append(Step(rows, true, pred, t.accepted))
     return steps
 
 
-def _subtree(t: dict[str, Any], depth: int | None, branch: int | None) -> list[int]:
+def _subtree(t: SDStep, depth: int | None, branch: int | None) -> list[int]:
     """Nodes of a recorded tree within ``depth`` levels whose rank among their siblings (by
     draft probability) is below ``branch``: the tree a smaller shape would have drafted."""
     keep: list[int] = []
-    level = {-1: 0}
-    for i, p in enumerate(t["parents"]):
-        if p != -1 and p not in level:
+    level = {ROOT_PARENT: 0}
+    for i, p in enumerate(t.parents):
+        if p != ROOT_PARENT and p not in level:
             continue
-        siblings = sorted((j for j, q in enumerate(t["parents"]) if q == p), key=lambda j: -t["prob"][j])
+        siblings = sorted((j for j, q in enumerate(t.parents) if q == p), key=lambda j: -t.prob[j])
         if (depth is None or level[p] < depth) and (branch is None or siblings.index(i) < branch):
             level[i] = level[p] + 1
             keep.append(i)
@@ -101,24 +86,24 @@ def reselected_steps(trace: Trace, gamma: int, strategy: str, score: str = "rati
     nodes of min(1, acceptance x the node's cumulative draft probability) (1 = trust the
     draft's own probabilities; higher = a better-aligned draft)."""
     steps = []
-    trees = _trees(trace)
-    starts = np.concatenate([[0], np.cumsum([t["accepted"] for t in trees])])  # first token row of each step
+    trees = sd_steps(trace.timings)
+    starts = np.concatenate([[0], np.cumsum([t.accepted for t in trees])])  # first token row of each step
     for s_, t in enumerate(trees):
-        n_layers = t["root_pred"].shape[0]
-        keep = _subtree(t, depth, branch) if depth is not None or branch is not None else list(range(len(t["tokens"])))
+        n_layers = t.root_pred.shape[0]
+        keep = _subtree(t, depth, branch) if depth is not None or branch is not None else list(range(len(t.tokens)))
         index = {old: new for new, old in enumerate(keep)}
-        node_pred_all = [_sets(t["node_pred"][i]) for i in range(len(t["tokens"]))]
-        tree = Tree([t["tokens"][i] for i in keep], [index.get(t["parents"][i], -1) for i in keep],
-                    [t["prob"][i] for i in keep], [node_pred_all[i] for i in keep])
+        node_pred_all = [_sets(t.node_pred[i]) for i in range(len(t.tokens))]
+        tree = Tree([t.tokens[i] for i in keep], [index.get(t.parents[i], ROOT_PARENT) for i in keep],
+                    [t.prob[i] for i in keep], [node_pred_all[i] for i in keep])
         node_pred = tree.experts
         # The target's greedy path through the tree, as far as the recording saw it: the
         # tokens this step accepted (after its root), then the next step's root (the bonus).
-        known_next = trace.token_ids[0, starts[s_] + 1: starts[s_] + t["accepted"]].tolist()
+        known_next = trace.token_ids[0, starts[s_] + 1: starts[s_] + t.accepted].tolist()
         if s_ + 1 < len(trees):
             known_next.append(int(trace.token_ids[0, starts[s_ + 1]]))
-        chosen = select(tree, gamma, strategy, _sets(t["root_pred"]), score, lam)
+        chosen = select(tree, gamma, strategy, _sets(t.root_pred), score, lam)
         # Acceptance: follow the known path while the chosen set contains it.
-        produced, node = 1, -1
+        produced, node = 1, ROOT_PARENT
         for tok in known_next:
             child = next((c for c in chosen if tree.parents[c] == node and tree.tokens[c] == tok), None)
             if child is None:
@@ -128,16 +113,16 @@ def reselected_steps(trace: Trace, gamma: int, strategy: str, score: str = "rati
         if acceptance is not None:
             produced = 1 + sum(min(1.0, acceptance * tree.prob[c]) for c in chosen)
         true = [set() for _ in range(n_layers)]
-        verified = {index[c]: r + 1 for r, c in enumerate(t["chosen"]) if c in index}
+        verified = {index[c]: r + 1 for r, c in enumerate(t.chosen) if c in index}
         for layer in range(n_layers):
-            true[layer] |= {int(e) for e in t["row_true"][0][layer] if e >= 0}
+            true[layer] |= {int(e) for e in t.row_true[0][layer] if e != PAD_EXPERT}
         for c in chosen:
             for layer in range(n_layers):
                 if c in verified:
-                    true[layer] |= {int(e) for e in t["row_true"][verified[c]][layer] if e >= 0}
+                    true[layer] |= {int(e) for e in t.row_true[verified[c]][layer] if e != PAD_EXPERT}
                 else:
                     true[layer] |= node_pred[c][layer]
-        pred = _sets(t["root_pred"])
+        pred = _sets(t.root_pred)
         for c in chosen:
             for layer in range(n_layers):
                 pred[layer] |= node_pred[c][layer]
@@ -171,8 +156,9 @@ def simulate_steps(trace: Trace, steps: list[Step], hw: HardwareProfile, policy:
                 prefetch_next[s_, layer] = len(planner.prefetch(layer + 1, sorted(st.pred_union[layer + 1])))
             planner.finish(layer, plan)
             demand[s_, layer], executed[s_, layer] = len(plan.demand), len(plan.execute)
-    rec_rows = np.array([1 + int((tm["sd_chosen"][i] >= 0).sum()) for i in range(n_steps)])
-    rec_union = np.array([[len({int(e) for r in range(rec_rows[i]) for e in tm["sd_row_true"][i, r, layer] if e >= 0})
+    rec_rows = np.array([1 + int((tm["sd_chosen"][i] != NOT_CHOSEN).sum()) for i in range(n_steps)])
+    rec_union = np.array([[len({int(e) for r in range(rec_rows[i]) for e in tm["sd_row_true"][i, r, layer]
+                                if e != PAD_EXPERT})
                            for layer in range(n_layers)] for i in range(n_steps)])
     rows = np.array([st.rows for st in steps])
     if timing == "measured":
@@ -228,9 +214,9 @@ def replay_sd(trace: Trace, hw: HardwareProfile, policy: str | None = None, **kw
     """Replay a speculative trace as recorded and compare with what was measured."""
     if not trace.speculative:
         raise MoesimError("not a speculative-decoding trace (no sd_* records)")
-    params = trace.header.get("policy", {}).get("params", {})
-    kw.setdefault("cache_experts", params.get("cache_experts", 0))
-    sim = simulate_steps(trace, recorded_steps(trace), hw, policy or trace.header["policy"]["name"], **kw)
+    meta = trace.meta
+    kw.setdefault("cache_experts", meta.cache_experts)
+    sim = simulate_steps(trace, recorded_steps(trace), hw, policy or meta.replay_policy, **kw)
     meas = measured_summary(trace)
     return {"simulated": sim, "measured": meas, "error": sim["tpot_ms"] / meas["tpot_ms"] - 1}
 
@@ -249,7 +235,7 @@ def speculative_whatif(trace: Trace, hw: HardwareProfile | None = None, policies
     from moesim.sim.validate import recorded_profile
 
     hw = recorded_profile(trace, hw)
-    policies = policies or [trace.header["policy"]["name"]]
+    policies = policies or [trace.meta.replay_policy]
     base = replay_sd(trace, hw, policies[0], link_gbps=link_gbps, timing=timing)
     rows = [{"case": "as recorded", **base["simulated"]}]
     for p in policies[1:]:

@@ -51,16 +51,15 @@ def recorded_profile(trace: Trace, hw: HardwareProfile | None = None) -> Hardwar
     the recorded per-transfer latency, and the bandwidth that the mean measured copy
     duration implies (a link can run slower than its setting: a host thread that copies
     late, a busy bus)."""
-    rec = trace.header.get("recorded", {})
+    meta = trace.meta
     if hw is None:
-        name = rec.get("hw_profile")
-        if not name:
+        if not meta.hw_profile:
             raise MoesimError("the trace does not say which hardware profile recorded it; pass --hw")
-        hw = get_profile(name)
-    if "link_gbps" in rec:
-        hw = hw.with_figure("h2d_pinned_gbs", rec["link_gbps"], "measured", "the trace's recorded link")
-    if "latency_us" in rec:
-        hw = hw.with_figure("transfer_latency_us", rec["latency_us"], "measured", "the trace's recorded link")
+        hw = get_profile(meta.hw_profile)
+    if meta.link_gbps is not None:
+        hw = hw.with_figure("h2d_pinned_gbs", meta.link_gbps, "measured", "the trace's recorded link")
+    if meta.latency_us is not None:
+        hw = hw.with_figure("transfer_latency_us", meta.latency_us, "measured", "the trace's recorded link")
     tm = trace.timings
     if "copy_bytes" in tm and tm["copy_bytes"].size:
         busy = float((tm["copy_end_s"] - tm["copy_start_s"]).sum()) - tm["copy_bytes"].size * hw.transfer_latency
@@ -76,12 +75,11 @@ def validate_trace(trace: Trace, hw: HardwareProfile | None = None, policy: str 
     ``policy``) and compare per token. ``skip`` first steps are warm-up and not scored."""
     if not trace.measured:
         raise MoesimError("the trace has no measured timings to validate against (record one with moesim profile)")
-    rec_policy = trace.header.get("policy", {})
-    params = rec_policy.get("params", {})
-    policy = policy or rec_policy.get("name")
-    kw.setdefault("cache_experts", params.get("cache_experts", 0))
-    kw.setdefault("eviction", params.get("eviction", "lru"))
+    meta = trace.meta
+    policy = policy or meta.replay_policy
+    kw.setdefault("cache_experts", meta.cache_experts)
+    kw.setdefault("eviction", meta.eviction)
     result = simulate(trace, recorded_profile(trace, hw), policy, engine=engine, timing="measured", **kw)
     skip = min(skip, trace.n_tokens - 1)
     stats_ = error_stats(trace.timings["tpot_s"][skip:], result.tpot[skip:])
-    return {"policy": result.config["policy"], "recorded_policy": rec_policy.get("name"), **stats_}, result
+    return {"policy": result.config["policy"], "recorded_policy": meta.policy, **stats_}, result

@@ -18,7 +18,7 @@ from typing import Any
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile
 from moesim.models import ModelSpec
-from moesim.policy import get_policy
+from moesim.policy import expert_slots, get_policy
 from moesim.sim.plan import build_plan
 from moesim.sim.simulate import cache_capacity, pick_costs, simulate
 from moesim.traces.format import Trace
@@ -65,13 +65,13 @@ class Sweep:
 
 
 def device_bytes_needed(spec: ModelSpec, policy: str, cache_experts: int, batch: int, context: int) -> int:
-    """Device memory a configuration needs: resident weights, expert slots or all experts,
-    the cross-token cache and the KV cache at ``context`` tokens."""
+    """Device memory a configuration needs: resident weights, all experts (all-resident) or
+    the expert slots the executor allocates (:func:`moesim.policy.expert_slots`: two whole
+    layers for prefill plus the cross-token cache), and the KV cache at ``context`` tokens."""
     kv = batch * context * spec.n_layers * spec.kv_bytes_per_token_layer
     if not get_policy(policy).offload:
         return spec.non_expert_bytes + spec.all_expert_bytes + kv
-    slots = 2 * min(spec.n_experts, batch * spec.top_k) * spec.expert_bytes  # double-buffered
-    return spec.non_expert_bytes + slots + cache_experts * spec.expert_bytes + kv
+    return spec.non_expert_bytes + expert_slots(spec, policy, cache_experts) * spec.expert_bytes + kv
 
 
 def _run_group(sweep: Sweep, model: str, policy: str, cache_gib: float) -> list[dict[str, Any]]:

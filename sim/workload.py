@@ -30,7 +30,12 @@ class Link:
 
     @property
     def per_expert(self) -> float:
+        """Seconds one expert's copy occupies the link: the one definition of copy time."""
         return self.latency + self.expert_bytes / self.bandwidth
+
+    def copy_time(self, n_experts: int | float) -> float:
+        """Seconds ``n_experts`` back-to-back expert copies occupy the link (decode and prefill)."""
+        return n_experts * self.per_expert
 
     @classmethod
     def from_profile(cls, hw: HardwareProfile, spec: ModelSpec) -> Link:

@@ -69,3 +69,38 @@ def test_with_figure_validates():
     assert p.with_figure("h2d_pinned_gbs", 64).link_bw == 64e9
     with pytest.raises(MoesimError):
         p.with_figure("h2d_pinned_gbs", 0)
+
+
+def test_every_source_is_public_or_an_explained_estimate():
+    for name in builtin_profiles():
+        for key, fig in get_profile(name).figures.items():
+            where = f"{name}.{key}"
+            assert fig.source.strip(), where
+            assert "shared/" not in fig.source and "reference/" not in fig.source, where
+            if fig.kind == "datasheet":
+                assert "https://" in fig.source, where  # the datasheet's title and address
+            elif fig.kind in ("estimate", "measured"):
+                # "estimate: <reasoning>" or "measured: <benchmark, paper or issue thread>"
+                assert fig.source.startswith(f"{fig.kind}: ") and len(fig.source) > 40, where
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: p.with_suffix(".toml").write_bytes(b"name = \"x\"\n\xff\xfe not utf-8"), "not UTF-8"),
+    (lambda p: p.with_suffix(".toml").write_bytes(b"name = \"x\"\x00\x01"), "binary data"),
+    (lambda p: p.with_suffix(".toml").mkdir(), "is a directory"),
+])
+def test_unreadable_profiles_are_one_line(tmp_path, make, message):
+    base = tmp_path / "prof"
+    make(base)
+    with pytest.raises(MoesimError, match=message) as e:
+        get_profile(str(base.with_suffix(".toml")))
+    assert "\n" not in str(e.value)
+
+
+def test_a_trace_given_as_a_profile_is_one_line(tmp_path, tiny_trace):
+    from moesim.traces.format import write_trace
+
+    path = write_trace(tiny_trace, tmp_path / "t.npz")
+    with pytest.raises(MoesimError, match="not a hardware profile|not valid TOML") as e:
+        get_profile(str(path))
+    assert "\n" not in str(e.value)

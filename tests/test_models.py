@@ -123,3 +123,78 @@ def test_with_layers_keeps_geometry():
     assert m.n_layers == 5 and m.dense_layers == (0, 1, 2) and m.n_moe_layers == 2
     with pytest.raises(MoesimError):
         get_model("tiny").with_layers(0)
+
+
+TINY_QWEN = {"model_type": "qwen3_moe", "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2,
+             "hidden_size": 64, "moe_intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 16, "vocab_size": 128, "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "bert"}, "'bert' is not a supported MoE family"),
+    ({"model_type": "llama"}, "'llama' is not a supported MoE family"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads must be >= 1"),
+    ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads"),
+    ({"hidden_size": 2048.7}, "hidden_size must be an integer"),
+    ({"num_experts": "8"}, "num_experts must be an integer"),
+    ({"torch_dtype": "int8"}, "torch_dtype 'int8' not supported"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": 128}}, "fp8 block size"),
+])
+def test_bad_config_fields_are_one_line(tmp_path, change, message):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({**TINY_QWEN, **change}))
+    with pytest.raises(MoesimError, match=message) as e:
+        from_hf_config(p)
+    assert "\n" not in str(e.value)
+
+
+def test_config_dtype_sets_the_bytes(tmp_path):
+    p = tmp_path / "config.json"
+    specs = {}
+    for dtype in ("bfloat16", "float16", "float32"):
+        p.write_text(json.dumps({**TINY_QWEN, "torch_dtype": dtype}))
+        specs[dtype] = from_hf_config(p)
+    assert specs["float32"].expert_dtype == "fp32" and specs["float16"].expert_dtype == "fp16"
+    assert specs["float32"].expert_bytes == 2 * specs["bfloat16"].expert_bytes == 2 * specs["float16"].expert_bytes
+    assert specs["float32"].attention_bytes > specs["bfloat16"].attention_bytes
+
+
+def test_binary_config_is_one_line(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe\x00binary")
+    with pytest.raises(MoesimError, match="not UTF-8") as e:
+        from_hf_config(p)
+    assert "\n" not in str(e.value)
+
+
+def test_an_existing_path_wins_over_a_catalogue_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    d = tmp_path / "Qwen3-30B-A3B"  # a local checkout named like the catalogue entry
+    d.mkdir()
+    with pytest.raises(MoesimError, match="no config.json .*also the catalogue model 'qwen3-30b-a3b'"):
+        get_model("Qwen3-30B-A3B")  # never silently replaced by the catalogue entry
+    (d / "config.json").write_text(json.dumps(TINY_QWEN))
+    with pytest.warns(UserWarning, match="both a local path and the catalogue model"):
+        spec = get_model("Qwen3-30B-A3B")
+    assert (spec.n_layers, spec.n_experts) == (2, 8)  # the local geometry, not 48 x 128
+    assert get_model("qwen3-30b").n_layers == 48  # no such path here: the catalogue
+
+
+def test_flops_follow_weight_counts_not_bytes():
+    bf16 = ModelSpec("d", n_layers=2, n_experts=4, top_k=2, hidden=64, expert_inter=32, vocab=64,
+                     dense_layers=(0,), dense_inter=128)
+    fp8 = ModelSpec("d8", n_layers=2, n_experts=4, top_k=2, hidden=128, expert_inter=128, vocab=64,
+                    dense_layers=(0,), dense_inter=256, dense_dtype="fp8-block128", expert_dtype="fp8-block128")
+    # A bf16 dense FFN: FLOPs = 2 x weights (3 x hidden x inter), not 2 x bytes (twice that).
+    assert bf16.dense_flops_per_token(0) == 2 * 3 * 64 * 128 == bf16.dense_ffn_bytes
+    assert fp8.dense_flops_per_token(0) == 2 * 3 * 128 * 256  # whatever the storage format
+    assert bf16.dense_flops_per_token(1) == 2 * 4 * 64  # an MoE layer: its router
+    # Attention FLOPs come from the projection weight count too (bf16: bytes / 2 minus norms).
+    assert 2 * bf16.attention_weights == bf16.attention_bytes - 2 * 2 * 64
+
+
+def test_lm_head_bytes_is_the_one_definition():
+    for spec in CATALOGUE.values():
+        table = 0 if spec.tie_embeddings else 2 * spec.vocab * spec.hidden
+        assert spec.lm_head_bytes == 2 * spec.vocab * spec.hidden + 2 * spec.hidden
+        assert spec.embedding_bytes == table + spec.lm_head_bytes

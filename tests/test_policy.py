@@ -1,14 +1,50 @@
 import pytest
 
+from moesim import policy as policy_module
 from moesim.errors import MoesimError
-from moesim.policy import POLICIES, ExpertCache, Planner, get_policy
+from moesim.models import get_model
+from moesim.policy import POLICIES, ExpertCache, Planner, Policy, expert_slots, get_policy, register
 
 
 def test_policy_registry_and_aliases():
     assert set(POLICIES) == {"all-resident", "on-demand", "prefetch-spec", "prefetch-fom", "oracle"}
     assert get_policy("prefetch").name == "prefetch-fom"
+    assert get_policy(" Resident ").name == "all-resident"
     with pytest.raises(MoesimError, match="unknown policy"):
         get_policy("yolo")
+
+
+@pytest.fixture
+def scratch_registry():
+    """Restore the global registry after a test registers into it."""
+    saved = dict(policy_module._REGISTRY), dict(policy_module._ALIASES)
+    yield
+    for live, old in zip((policy_module._REGISTRY, policy_module._ALIASES), saved, strict=True):
+        live.clear()
+        live.update(old)
+
+
+def test_a_new_policy_joins_in_one_place(scratch_registry):
+    with pytest.raises(TypeError):
+        Policy("cpu-static", "summary", True)  # rows are keyword-only: no positional booleans
+    register(Policy(name="hot-experts", prefetch=True, aliases=("hot",), summary="keep the hottest experts"))
+    assert get_policy("hot") is POLICIES["hot-experts"]
+    assert Planner("hot-experts").policy.prefetch
+    with pytest.raises(MoesimError, match="already registered"):
+        register(Policy(name="other", aliases=("hot",), summary="clashes with an alias"))
+    with pytest.raises(MoesimError, match="cannot be exact"):
+        register(Policy(name="bad", prefetch=True, speculative=True, summary="speculative but exact"))
+    with pytest.raises(TypeError):
+        POLICIES["sneaky"] = POLICIES["oracle"]  # a read-only view: registering is the only way in
+
+
+def test_expert_slots_is_the_executor_pool_and_the_memory_check():
+    spec = get_model("qwen3-30b-a3b")
+    assert expert_slots(spec, "all-resident", 100) == 0  # every expert resident, counted with the model
+    # Prefill copies two whole layers (double-buffered), more than decode's 2 x batch x k.
+    assert expert_slots(spec, "on-demand", 10) == 2 * spec.n_experts + 10 > 2 * spec.top_k + 10
+    with pytest.raises(MoesimError, match=">= 0"):
+        expert_slots(spec, "on-demand", -1)
 
 
 def test_lru_evicts_least_recently_used():

@@ -228,3 +228,44 @@ def test_prediction_recall_is_the_traces_hit_rate():
     assert prediction_recall(trace) == pytest.approx(0.7, abs=0.02)
     perfect = synthetic_trace(get_model("tiny"), SyntheticParams(tokens=20, hit_rate=1.0, early_hit_rate=1.0))
     assert prediction_recall(perfect) == 1.0
+
+
+# --------------------------------------------------------------------------------------
+# One definition of each cost
+# --------------------------------------------------------------------------------------
+
+
+def _compute_bound(hw):
+    """A profile whose memory is effectively free, so the roofline is its math time."""
+    return hw.with_figure("mem_bw_achievable_gbs", 1e12).with_figure("kernel_launch_us", 1e-9)
+
+
+def test_roofline_charges_a_bf16_dense_layer_two_flops_per_weight():
+    from moesim.models import ModelSpec
+    from moesim.sim.costs import roofline_costs
+
+    spec = ModelSpec("dense", n_layers=2, n_experts=4, top_k=2, hidden=256, expert_inter=64, vocab=64,
+                     dense_layers=(0,), dense_inter=4096)
+    hw = _compute_bound(get_profile("h100-sxm"))
+    batch, ctx = 64, 10
+    c = roofline_costs(spec, hw, tokens=1, prompt_len=ctx, batch=batch)
+    weights = 3 * spec.hidden * spec.dense_inter  # the dense FFN's weight COUNT
+    flops = batch * (spec.attention_flops(ctx) + 2 * weights)
+    # 2 x bytes (the old formula) would be twice the FFN's FLOPs for bf16 weights.
+    assert c.attn[0, 0] == pytest.approx(flops / hw.flops("bf16"), rel=1e-6)
+    assert c.attn[0, 0] < batch * (spec.attention_flops(ctx) + 2 * spec.dense_ffn_bytes) / hw.flops("bf16")
+
+
+def test_lm_head_and_copy_time_are_defined_once():
+    from moesim.sim.costs import KERNELS_HEAD, roofline_costs
+    from moesim.sim.simulate import prefill_time
+
+    spec, hw = get_model("olmoe-1b-7b"), get_profile("a6000")
+    c = roofline_costs(spec, hw, tokens=1, prompt_len=4)
+    assert c.other[0] == pytest.approx(spec.lm_head_bytes / hw.mem_bw + KERNELS_HEAD * hw.launch)
+    link = Link.from_profile(hw, spec)
+    assert link.copy_time(3) == pytest.approx(3 * (hw.transfer_latency + spec.expert_bytes / hw.link_bw))
+    # With compute almost free, prefill is the link copying every MoE layer once.
+    fast = _compute_bound(hw).with_figure("bf16_tflops", 1e9)
+    expected = spec.n_moe_layers * Link.from_profile(fast, spec).copy_time(spec.n_experts)
+    assert prefill_time(spec, fast, 16, offload=True) == pytest.approx(expected, rel=1e-3)

@@ -48,7 +48,8 @@ def test_memory_fit_uses_the_byte_accounting():
     resident = device_bytes_needed(spec, "all-resident", 0, 1, 0)
     assert resident == spec.non_expert_bytes + spec.all_expert_bytes
     offload = device_bytes_needed(spec, "on-demand", 10, 1, 0)
-    assert offload == spec.non_expert_bytes + (2 * spec.top_k + 10) * spec.expert_bytes
+    # The executor's pool: two whole layers (prefill is double-buffered) plus the cache.
+    assert offload == spec.non_expert_bytes + (2 * spec.n_experts + 10) * spec.expert_bytes
 
 
 def test_bad_sweeps_are_rejected(sweep):

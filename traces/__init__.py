@@ -1,4 +1,4 @@
-"""Trace format v1 (reader, writer, checks) and the synthetic trace generator."""
+"""Trace format (version 2; version 1 still read): reader, writer, checks, typed header, record codec, and the synthetic trace generator."""
 
 from moesim.traces.format import FORMAT, VERSION, Trace, read_trace, write_trace
 

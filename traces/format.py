@@ -1,9 +1,12 @@
-"""Trace format v1: the contract between the executor, the simulator and users.
+"""Trace format (version 2; version 1 still read): the contract between the executor, the
+simulator and users.
 
 One compressed ``.npz`` file (no pickles) holding a JSON header and numpy arrays; every
 field and unit is documented in ``docs/trace-format.md``. :func:`read_trace` checks
-version, shapes and ranges and rejects a corrupt, truncated or inconsistent file with a
-one-line :class:`~moesim.errors.MoesimError`.
+version, shapes, ranges and the physical plausibility of measured times, and rejects a
+corrupt, truncated or inconsistent file with a one-line :class:`~moesim.errors.MoesimError`.
+The header is built by :func:`moesim.traces.header.make_header` and read as
+``Trace.meta``; the copy and speculative records are encoded in :mod:`moesim.traces.records`.
 """
 
 from __future__ import annotations
@@ -20,19 +23,24 @@ import numpy as np
 from moesim.atomic import atomic_write
 from moesim.errors import MoesimError
 from moesim.models import ModelSpec
+from moesim.traces.header import FORMAT, READABLE, VERSION, TraceMeta
+from moesim.traces.records import COPY_FIELDS, COPY_KINDS
 
-FORMAT = "moesim-trace"
-VERSION = 2  # 2 = 1 + optional speculative-decoding records (sd_*); readers take both
-READABLE = (1, 2)
+__all__ = ["COPY_FIELDS", "COPY_KINDS", "FORMAT", "READABLE", "ROUTING", "SD_FIELDS", "TIMING_1D", "TIMING_2D",
+           "VERSION", "Trace", "TraceMeta", "read_trace", "validate", "write_trace"]
 
 #: Routing arrays, all [tokens, moe_layers, batch, top_k].
 ROUTING = ("true_ids", "true_gates", "pred_ids", "pred_gates", "exec_ids")
 #: Optional measured timings, in seconds (shapes in docs/trace-format.md).
 TIMING_2D = {"attn_s": "layers", "expert_s": "moe", "stall_s": "moe", "predict_s": "layers"}
 TIMING_1D = ("other_s", "tpot_s")
-COPY_FIELDS = ("copy_token", "copy_layer", "copy_expert", "copy_bytes", "copy_kind",
-               "copy_issue_s", "copy_start_s", "copy_end_s")
-COPY_KINDS = ("prefetch", "demand")
+#: Plausibility limits on measured times (docs/trace-format.md, "Plausibility"): no single
+#: recorded time (a block, a step, a copy, prefill) may exceed MAX_TIME_S, and a step's
+#: measured TPOT may not differ from the sum of its measured parts by more than
+#: PARTS_RATIO either way. Both are orders of magnitude beyond any real run, so they only
+#: catch corrupt or hand-edited values (attn_s = 1e30), never a slow machine.
+MAX_TIME_S = 3600.0
+PARTS_RATIO = 100.0
 #: Speculative decoding (version 2), all or none: per verification step s, candidate node n
 #: (N = most candidates of a step, padded), MoE layer m, expert e; rows = root + candidates.
 SD_FIELDS = {
@@ -47,8 +55,9 @@ SD_FIELDS = {
 class Trace:
     """A decode run: routing per step and MoE layer, optional measured timings.
 
-    ``header['model']`` is the model spec; ``pred_ids`` is -1 where no prediction ran
-    (always at the first MoE layer); ``timings`` is empty when nothing was measured.
+    ``header`` is the raw JSON header (as in the file) and ``meta`` its typed view;
+    ``pred_ids`` is -1 where no prediction ran (always at the first MoE layer);
+    ``timings`` is empty when nothing was measured.
     """
 
     header: dict[str, Any]
@@ -60,6 +69,11 @@ class Trace:
     pred_gates: np.ndarray  # float32, same shape, 0 where no prediction
     exec_ids: np.ndarray  # int16, same shape: what the recorded run executed
     timings: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def meta(self) -> TraceMeta:
+        """The header as typed attributes (recorded policy, hardware, link, ...)."""
+        return TraceMeta.from_header(self.header)
 
     @property
     def model(self) -> ModelSpec:
@@ -75,7 +89,8 @@ class Trace:
 
     @property
     def prompt_len(self) -> int:
-        return int(self.header.get("prompt_len", self.prompt_ids.shape[1]))
+        p = self.meta.prompt_len
+        return int(self.prompt_ids.shape[1] if p is None else p)
 
     @property
     def measured(self) -> bool:
@@ -88,7 +103,7 @@ class Trace:
 
     @property
     def synthetic(self) -> bool:
-        return bool(self.header.get("synthetic", False))
+        return self.meta.synthetic
 
     def head(self, n: int) -> Trace:
         """The first ``n`` decode steps (an interrupted run keeps what it finished)."""
@@ -165,9 +180,12 @@ def validate(trace: Trace, where: str) -> None:
     h = trace.header
     if "model" not in h:
         raise bad("header has no model spec")
-    spec = ModelSpec.from_dict(h["model"]) if isinstance(h["model"], dict) else None
-    if spec is None:
+    if not isinstance(h["model"], dict):
         raise bad("header model is not an object")
+    try:
+        spec = TraceMeta.from_header(h).model
+    except MoesimError as e:
+        raise bad(str(e)) from None
     for k in ROUTING:
         a = getattr(trace, k)
         if a.ndim != 4:
@@ -259,4 +277,31 @@ def _validate_timings(trace: Trace, spec: ModelSpec, bad) -> None:
     for k, a in tm.items():
         if a.dtype.kind == "f" and (not np.isfinite(a).all() or (a.size and a.min() < 0)):
             raise bad(f"{k} must be finite and non-negative")
+    _check_plausible(trace, bad)
+
+
+def _check_plausible(trace: Trace, bad) -> None:
+    """Reject physically impossible measured times (limits: MAX_TIME_S, PARTS_RATIO)."""
+    tm = trace.timings
+    prefill = trace.meta.prefill_s
+    times = {k: a for k, a in tm.items() if k.endswith("_s") and a.size}
+    if prefill is not None and not 0 <= prefill <= MAX_TIME_S:
+        raise bad(f"prefill_s = {prefill:.3g} s is not a plausible time (0 to {MAX_TIME_S:g} s)")
+    for k, a in times.items():
+        if a.max() > MAX_TIME_S:
+            raise bad(f"{k} holds {a.max():.3g} s, more than {MAX_TIME_S:g} s for one measured time: "
+                      "not a plausible measurement")
+    checks = [("tpot_s", ("attn_s", "expert_s", "stall_s", "other_s")),
+              ("sd_verify_s", ("sd_attn_s", "sd_expert_s", "sd_stall_s"))]
+    for total, parts in checks:
+        if total not in tm or any(p not in tm for p in parts):
+            continue
+        whole = tm[total].astype(float)
+        summed = sum(tm[p].reshape(len(whole), -1).sum(1) for p in parts)
+        ok = (whole > 0) & (summed > 0)
+        ratio = np.where(ok, whole / np.where(ok, summed, 1.0), 1.0)
+        worst = int(np.argmax(np.abs(np.log(ratio))))
+        if ratio[worst] > PARTS_RATIO or ratio[worst] < 1 / PARTS_RATIO:
+            raise bad(f"step {worst}: {total} = {whole[worst]:.3g} s but its parts ({', '.join(parts)}) sum to "
+                      f"{summed[worst]:.3g} s (more than {PARTS_RATIO:g}x apart): not a plausible measurement")
 

@@ -29,9 +29,18 @@ __all__ = ["app", "main"]
 
 
 def main() -> None:
-    """Console entry point: user errors become one line and exit code 2."""
+    """Console entry point: user errors become one line and exit code 2; Ctrl-C before
+    anything worth keeping finished, one line and exit code 130."""
     try:
         app()
     except MoesimError as e:
+        from moesim.executor.interrupt import Interrupted  # no torch: errors only
+
+        if isinstance(e, Interrupted):
+            err.print(str(e), highlight=False, markup=False, soft_wrap=True)
+            sys.exit(130)
         err.print(f"error: {e}", highlight=False, markup=False, soft_wrap=True)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C before anything worth keeping: one line, no traceback
+        err.print("interrupted (Ctrl-C)", highlight=False, markup=False)
+        sys.exit(130)

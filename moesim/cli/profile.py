@@ -47,7 +47,7 @@ def profile(
                                                               "(--device) and write a hardware profile.")] = False,
     name: Annotated[str | None, typer.Option(help="With --hardware: the profile's name.")] = None,
 ) -> None:
-    """Decode with the reference executor under a policy and record a trace v1.
+    """Decode with the reference executor under a policy and record a trace.
 
     Routing, predictions, executed experts, per-layer timings (attention and router,
     expert compute, stalls, every copy's bytes and issue/start/end), per-token TPOT, the
@@ -85,9 +85,9 @@ def profile(
     note = "" if rec.steps == rec.asked else f" (interrupted: kept {rec.steps} of {rec.asked} steps)"
     recall = [x for x in rec.trace.header["metrics"]["recall_at_k"] if x == x]
     fid = rec.extra.get("fidelity")
-    hw = rec.trace.header.get("recorded", {})
+    meta = rec.trace.meta
     err.print(f"wrote {rec.path}{note}: {rec.steps} steps, TPOT {t.mean() * 1e3:.3g} ms mean "
-              f"(p90 {np.percentile(t, 90) * 1e3:.3g}), TTFT {rec.trace.header.get('prefill_s', 0) * 1e3:.3g} ms"
+              f"(p90 {np.percentile(t, 90) * 1e3:.3g}), TTFT {meta.prefill_s * 1e3:.3g} ms"
               + (f", prediction recall@k {sum(recall) / len(recall):.3f}" if recall else "")
               + (f", fidelity: agreement {fid['next_token_agreement']:.3f}, KL {fid['mean_kl']:.2e}" if fid else "")
-              + f"; link: {hw.get('hw_profile', hw_name)} at {hw.get('link_gbps', 0):.3g} GB/s")
+              + f"; link: {meta.hw_profile} at {meta.link_gbps:.3g} GB/s")

@@ -25,7 +25,7 @@ SD = "Speculative traces, with --gamma: "
 
 @app.command()
 def replay(
-    trace_path: Annotated[Path, typer.Argument(metavar="TRACE", help="A trace file (.npz, format v1 or v2).")],
+    trace_path: Annotated[Path, typer.Argument(metavar="TRACE", help="A trace file (.npz, format version 1 or 2).")],
     hw_name: Annotated[str | None, typer.Option("--hw", help="Hardware profile name or .toml path (default: the one "
                                                          f"the trace was recorded on, else {DEFAULT_PROFILE}).")] = None,
     policy: Annotated[str, typer.Option(help="Comma-separated policies: all-resident, on-demand, prefetch-spec, "

@@ -34,7 +34,7 @@ def speculate(
 ) -> None:
     """Speculative decoding (greedy, lossless) with a draft tree on the offload engine,
     selecting the verified nodes by confidence or by EcoSpec's cost-aware score; records
-    a version-2 trace with one record per verification step.
+    a trace with one record per verification step.
 
     Example: `moesim speculate --selection ecospec --gamma 2 --tokens 8 --link-gbps 0.5 --out sd.npz`,
     then `moesim replay sd.npz` replays it.
@@ -45,8 +45,8 @@ def speculate(
                            cache_experts, prompt, threads)
     with err.status("speculating"):
         rec, s = record_speculative(req, out_path)
-    hw = rec.trace.header.get("recorded", {})
+    meta = rec.trace.meta
     err.print(f"wrote {rec.path}: {s.tokens} tokens in {s.steps} verification steps "
               f"({s.tokens / max(s.steps, 1):.2f} a step), {s.ms_per_token:.3g} ms a token, "
-              f"{s.distinct_experts_per_step:.1f} distinct experts a step; link: {hw.get('hw_profile', hw_name)} "
-              f"at {hw.get('link_gbps', 0):.3g} GB/s")
+              f"{s.distinct_experts_per_step:.1f} distinct experts a step; link: {meta.hw_profile} "
+              f"at {meta.link_gbps:.3g} GB/s")

@@ -1,0 +1,81 @@
+"""One import name: a built wheel installs only ``moesim``, and works from there.
+
+The wheel is built from this source tree and unpacked into a fresh target folder; the
+checks run in a subprocess whose path puts that folder first and whose working directory
+is outside the repository, so nothing from the checkout can be imported by accident.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
+                        str(ROOT)], capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        pytest.fail(f"building the wheel failed: {r.stderr[-2000:]}")
+    (whl,) = out.glob("moesim-*.whl")
+    return whl
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> Path:
+    target = tmp_path_factory.mktemp("site")
+    with zipfile.ZipFile(wheel) as z:  # a wheel is a zip of the install tree (pure Python)
+        z.extractall(target)
+    return target
+
+
+def run_installed(target: Path, code: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(target), "MPLBACKEND": "Agg"}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=target.parent, env=env,
+                          timeout=300)
+
+
+def test_wheel_adds_only_the_moesim_import_name(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        top = {n.split("/")[0] for n in z.namelist()}
+    assert {t for t in top if not t.endswith(".dist-info")} == {"moesim"}
+
+
+def test_wheel_ships_profiles_checkpoints_and_example_data(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+    assert "moesim/hwprofiles/h200.toml" in names
+    assert "moesim/executor/checkpoints/moe-stdlib/model.safetensors" in names
+    assert "moesim/executor/checkpoints/moe-stdlib-draft/expert_predictor.safetensors" in names
+
+
+def test_installed_package_imports_under_one_name_and_finds_its_data(installed):
+    code = (
+        "import importlib.util, moesim, moesim.sim, moesim.traces, moesim.executor, moesim.reports, moesim.hwprofiles\n"
+        "from pathlib import Path\n"
+        "root = Path(moesim.__file__).parent\n"
+        "for m in (moesim.sim, moesim.traces, moesim.executor, moesim.reports, moesim.hwprofiles):\n"
+        "    assert Path(m.__file__).is_relative_to(root), m.__file__\n"
+        "for name in ('sim', 'traces', 'executor', 'reports', 'hwprofiles'):\n"
+        "    assert importlib.util.find_spec(name) is None, name + ' is importable at top level'\n"
+        "from moesim.hardware import get_profile\n"
+        "print(get_profile('h200').name)\n"
+    )
+    r = run_installed(installed, code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "h200"
+
+
+def test_installed_cli_runs(installed):
+    r = run_installed(installed, "import sys; sys.argv = ['moesim', 'models', '--json']; "
+                                 "from moesim.cli import main; main()")
+    assert r.returncode == 0, r.stderr
+    assert "qwen3-30b-a3b" in r.stdout
