@@ -44,3 +44,7 @@ def main() -> None:
     except KeyboardInterrupt:  # Ctrl-C before anything worth keeping: one line, no traceback
         err.print("interrupted (Ctrl-C)", highlight=False, markup=False)
         sys.exit(130)
+    except SystemExit as e:
+        if e.code == 130:  # typer turns a KeyboardInterrupt inside a command into a silent exit 130
+            err.print("interrupted (Ctrl-C)", highlight=False, markup=False)
+        raise
