@@ -21,7 +21,9 @@ import torch
 from moesim import __version__
 from moesim.atomic import atomic_write, atomic_write_text
 from moesim.errors import MoesimError
+from moesim.executor.corpus import held_out_split
 from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
+from moesim.executor.loading import shipped_model  # noqa: F401 (re-exported for bench/ scripts)
 from moesim.executor.model import MoEModel, ResidentExperts, log_softmax_kl
 from moesim.executor.runtime import OffloadedDecoder, StepRecord, make_transport
 from moesim.hardware import HardwareProfile
@@ -33,20 +35,12 @@ DEFAULT_VECTORS = "default_vectors.safetensors"
 DEFAULT_PROMPT = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n"
 
 
-def shipped_model() -> Path:
-    """The learned-routing checkpoint that ships with moesim (executor/checkpoints/moe-stdlib)."""
-    return Path(__file__).parent / "checkpoints" / "moe-stdlib"
-
-
 def eval_text(vocab: int, n: int, seed: int) -> torch.Tensor:
     """A fixed evaluation text [1, n] for fidelity: for byte-level models the start of the
-    held-out 5% of the Python standard library corpus (never trained on; the same for a
+    held-out tail of the Python standard library corpus (never trained on; the same for a
     given Python version), else seeded random ids."""
     if vocab == 256:
-        from moesim.executor.train import stdlib_corpus
-
-        corpus, _ = stdlib_corpus()
-        data = corpus[int(len(corpus) * 0.95):][:n]
+        data = held_out_split()[0][:n]
         return torch.tensor(list(data), dtype=torch.long).view(1, -1)
     return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed + 7))
 

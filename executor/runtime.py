@@ -40,6 +40,19 @@ from moesim.policy import Planner, get_policy
 PREDICTORS = ("quasi", "stale", "oracle", "estimator", "hybrid")
 
 
+def predictor_inputs(policy: str, predictor: str) -> tuple[bool, bool]:
+    """What ``predictor`` reads under ``policy``: (default vectors, a trained estimator).
+
+    Nothing is predicted without offloading, and the oracle policy reads true ids. Every
+    other offloading policy predicts, on-demand too (its trace records the predictions so
+    that it can stand in for the prefetching policies); only a prefetching policy cannot
+    run without them (checked in :class:`OffloadedDecoder`)."""
+    pol = get_policy(policy)
+    if not pol.offload or pol.oracle:
+        return False, False
+    return predictor in ("quasi", "estimator", "hybrid"), predictor in ("estimator", "hybrid")
+
+
 @dataclass
 class StepRecord:
     """What one decode step did and how long each part took (seconds)."""
@@ -98,9 +111,10 @@ class OffloadedDecoder:
             raise MoesimError(f"unknown predictor {predictor!r}; known: {', '.join(PREDICTORS)}")
         if self.policy.oracle:
             predictor = "oracle"
-        if self.policy.prefetch and predictor in ("quasi", "estimator", "hybrid") and default_vectors is None:
+        uses_dv, uses_est = predictor_inputs(self.policy.name, predictor)
+        if self.policy.prefetch and uses_dv and default_vectors is None:
             raise MoesimError(f"the {predictor} predictor needs default vectors (moesim calibrate)")
-        if self.policy.prefetch and predictor in ("estimator", "hybrid") and estimator is None:
+        if self.policy.prefetch and uses_est and estimator is None:
             raise MoesimError(f"the {predictor} predictor needs a trained estimator (moesim train-estimator)")
         self.estimator = estimator
         self.predictor, self.dv = predictor, default_vectors

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -20,23 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from moesim.atomic import atomic_write_text
+from moesim.executor.corpus import split_index, stdlib_corpus  # noqa: F401 (stdlib_corpus re-exported)
 from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
 from moesim.executor.model import ExecConfig, MoEModel, ResidentExperts, count_params, save_checkpoint
 from moesim.models import Attention, ModelSpec
 
 STDLIB_SOURCE = "trained by moesim (executor/train.py) on the Python standard library's source"
-
-
-def stdlib_corpus() -> tuple[bytes, dict]:
-    """All ``*.py`` files of this Python's standard library (no site-packages, no tests),
-    sorted by path and joined; the description records exactly what was read."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py")
-                   if "site-packages" not in p.parts and "test" not in p.parts and "tests" not in p.parts
-                   and "idlelib" not in p.parts)
-    data = b"\n".join(p.read_bytes() for p in files)
-    return data, {"corpus": "Python standard library source (*.py, excluding test/, tests/, idlelib/, site-packages/)",
-                  "python": sys.version.split()[0], "root": str(root), "files": len(files), "bytes": len(data)}
 
 
 def batches(data: torch.Tensor, batch: int, seq: int, gen: torch.Generator):
@@ -79,7 +66,7 @@ def train(out: Path, steps: int = 3000, batch: int = 16, seq: int = 128, lr: flo
     torch.set_num_threads(threads)
     data, desc = stdlib_corpus()
     ids = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    split = int(ids.numel() * 0.95)
+    split = split_index(ids.numel())
     train_ids, eval_ids = ids[:split], ids[split:]
     cfg = ExecConfig(spec, rope_theta=1e4, rms_eps=1e-6, max_seq_len=1024)
     model = MoEModel(cfg)

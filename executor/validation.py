@@ -26,7 +26,7 @@ import torch
 from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
 from moesim.executor.model import ExecConfig, MoEModel, load_checkpoint, random_model
 from moesim.executor.profile import ProfileSettings, build_trace, calibrate, generate, load_default_vectors
-from moesim.hardware import HardwareProfile, get_profile
+from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, get_profile
 from moesim.models import Attention, ModelSpec
 from moesim.sim.simulate import simulate
 from moesim.sim.validate import error_stats, recorded_profile, validate_trace
@@ -71,7 +71,7 @@ def machine_profile() -> HardwareProfile:
     copy_gbs = big.numel() * 4 / best_time(lambda: dst.copy_(big)) / 1e9  # what the link thread's memcpy reaches
     alpha = cpu_interference(copy_gbs)
     src = "measured by moesim validate on this machine (executor/hwbench.py)"
-    return (get_profile("a6000").with_figure("copy_interference", alpha, "measured", src)
+    return (get_profile(DEFAULT_PROFILE).with_figure("copy_interference", alpha, "measured", src)
             .with_figure("copy_interference_gbs", copy_gbs, "measured", src)
             .with_figure("wait_wakeup_us", cpu_wakeup() * 1e6, "measured", src))
 
@@ -94,7 +94,7 @@ def run_suite(out: Path, shipped: Path, tokens: int = 32, models: list[str] | No
             model, dv, synthetic = load()
             prompt = torch.tensor([b % model.spec.vocab for b in PROMPT]).view(1, -1)
             for gbps in links:
-                hw = get_profile("a6000").with_figure("h2d_pinned_gbs", gbps, "estimate", "validation suite link")
+                hw = get_profile(DEFAULT_PROFILE).with_figure("h2d_pinned_gbs", gbps, "estimate", "validation suite link")
                 runs: dict[str, Trace] = {}
                 for policy in POLICIES:
                     if progress:

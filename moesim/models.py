@@ -376,6 +376,18 @@ CATALOGUE: dict[str, ModelSpec] = {
 ALIASES = {"deepseek-v3.1": "deepseek-v3", "olmoe-1b-7b-0924": "olmoe-1b-7b", "qwen3-30b": "qwen3-30b-a3b"}
 
 
+def cache_capacity(spec: ModelSpec, cache_gib: float = 0.0, cache_experts: int = 0) -> int:
+    """Cross-token cache capacity in experts, from GiB or an expert count (not both). Shared
+    by the simulator and the executor, so a cache of N GiB holds the same experts in both."""
+    if cache_gib < 0 or cache_experts < 0:
+        raise MoesimError("cache size must be >= 0")
+    if cache_gib and cache_experts:
+        raise MoesimError("give the cache size in GiB or in experts, not both")
+    if cache_gib:
+        return int(cache_gib * 2**30 // spec.expert_bytes)
+    return cache_experts
+
+
 def get_model(name_or_path: str) -> ModelSpec:
     """A model directory / ``config.json`` path, or a catalogue model by name.
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile
-from moesim.models import ModelSpec
+from moesim.models import ModelSpec, cache_capacity  # noqa: F401 (cache_capacity: defined with the byte accounting)
 from moesim.policy import EVICTIONS, Policy, get_policy
 from moesim.sim.costs import KERNELS_ATTENTION, Costs, measured_costs, roofline_costs
 from moesim.sim.engine import Span, run_simpy
@@ -21,17 +21,6 @@ from moesim.traces.format import Trace
 
 ENGINES = ("simpy", "fast")
 TIMINGS = ("auto", "profile", "measured")
-
-
-def cache_capacity(spec: ModelSpec, cache_gib: float = 0.0, cache_experts: int = 0) -> int:
-    """Cross-token cache capacity in experts, from GiB or an expert count (not both)."""
-    if cache_gib < 0 or cache_experts < 0:
-        raise MoesimError("cache size must be >= 0")
-    if cache_gib and cache_experts:
-        raise MoesimError("give the cache size in GiB or in experts, not both")
-    if cache_gib:
-        return int(cache_gib * 2**30 // spec.expert_bytes)
-    return cache_experts
 
 
 def pick_costs(trace: Trace, spec: ModelSpec, hw: HardwareProfile, timing: str) -> Costs:

@@ -232,3 +232,37 @@ def replay_sd(trace: Trace, hw: HardwareProfile, policy: str | None = None, **kw
     sim = simulate_steps(trace, recorded_steps(trace), hw, policy or meta.replay_policy, **kw)
     meas = measured_summary(trace)
     return {"simulated": sim, "measured": meas, "error": sim["tpot_ms"] / meas["tpot_ms"] - 1}
+
+
+def speculative_whatif(trace: Trace, hw: HardwareProfile | None = None, policies: list[str] | None = None,
+                       gammas: list[int] | None = None, selections: tuple[str, ...] = ("confidence", "ecospec"),
+                       score: str = "ratio", lambdas: tuple[float, ...] = (0.05,), link_gbps: float | None = None,
+                       timing: str = "measured", depth: int | None = None, branch: int | None = None,
+                       acceptance: float | None = None) -> dict[str, Any]:
+    """``moesim replay`` of a speculative trace: measured against simulated as recorded
+    (under each policy; the first is compared with the measurement), then, with
+    ``gammas``, the selection re-run on the recorded trees for every policy x gamma x
+    selection (x lambda for the Lagrangian EcoSpec score). ``hw`` defaults to the
+    recording profile with the link the trace measured. Returns ``measured``, ``error``
+    (of the first policy as recorded) and ``rows`` (each with its ``case``)."""
+    from moesim.sim.validate import recorded_profile
+
+    hw = recorded_profile(trace, hw)
+    policies = policies or [trace.meta.replay_policy]
+    base = replay_sd(trace, hw, policies[0], link_gbps=link_gbps, timing=timing)
+    rows = [{"case": "as recorded", **base["simulated"]}]
+    for p in policies[1:]:
+        rows.append({"case": "as recorded", **simulate_steps(trace, recorded_steps(trace), hw, p,
+                                                             link_gbps=link_gbps, timing=timing)})
+    shape = (depth, branch, acceptance)
+    for p in policies if gammas else []:
+        for g in gammas:
+            for sel in selections:
+                for lam in (lambdas if sel == "ecospec" and score == "lagrangian" else [0.0]):
+                    steps = reselected_steps(trace, g, sel, score, lam, *shape)
+                    label = "" if sel != "ecospec" else f" {score}" + (f" {lam:g}" if score == "lagrangian" else "")
+                    label += "".join(f" {k} {v:g}" for k, v in zip(("depth", "branch", "acceptance"), shape,
+                                                                    strict=True) if v is not None)
+                    rows.append({"case": f"what-if gamma {g} {sel}{label}",
+                                 **simulate_steps(trace, steps, hw, p, link_gbps=link_gbps, timing=timing)})
+    return {"measured": base["measured"], "error": base["error"], "rows": rows}
