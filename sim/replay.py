@@ -7,6 +7,7 @@ which of the three it was, so no printed number hides where its hardware came fr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 from moesim.errors import MoesimError
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, get_profile
 from moesim.models import ModelSpec, get_model
-from moesim.sim.simulate import SimResult, simulate
+from moesim.sim.simulate import SimResult, simulate_policies
 from moesim.traces.format import Trace, read_trace
 
 DEFAULT_POLICIES = ("on-demand", "prefetch-fom", "prefetch-spec", "oracle")
@@ -52,11 +53,13 @@ class Replay:
 
 
 def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str] | tuple[str, ...] = DEFAULT_POLICIES,
-           *, model: str | None = None, step: int = 1, where: str | Path | None = None, **kw: Any) -> Replay:
+           *, model: str | None = None, step: int = 1, where: str | Path | None = None,
+           progress: Callable[[int, int], None] | None = None, **kw: Any) -> Replay:
     """Simulate a (non-speculative) trace under each policy; ``kw`` goes to
     :func:`moesim.sim.simulate.simulate` (cache, eviction, engine, timing, link_gbps).
     ``model`` checks the trace against a model; ``step`` must be one of the trace's steps
-    (the report's timeline shows it); ``where`` names the trace in errors."""
+    (the report's timeline shows it); ``where`` names the trace in errors; ``progress(done,
+    total)`` counts layer-steps planned and timed, for a progress bar on long traces."""
     where = where or ("the trace" if isinstance(trace, Trace) else trace)
     trace = trace if isinstance(trace, Trace) else read_trace(trace)
     if trace.speculative:
@@ -66,4 +69,4 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
     profile, source = trace_profile(trace, hw)
     if not 0 <= step < trace.n_tokens:
         raise MoesimError(f"--step {step} outside the trace's {trace.n_tokens} steps")
-    return Replay(trace, profile, source, [simulate(trace, profile, p, **kw) for p in policies])
+    return Replay(trace, profile, source, simulate_policies(trace, profile, list(policies), progress=progress, **kw))

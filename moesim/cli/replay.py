@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, err, floats, out, print_json, results_table, split
+from moesim.cli.app import app, err, floats, out, print_json, progress_bar, results_table, split
 from moesim.errors import MoesimError
 from moesim.hardware import DEFAULT_PROFILE
 
@@ -83,9 +83,10 @@ def replay(
     if validate:
         print_validation(trace, trace_path, hw_name, engine, as_json, out_dir)
         return
-    rep = run_replay(trace, hw_name, split(policy, "--policy"), model=model, step=step, where=trace_path,
-                     cache_gib=cache_gib, cache_experts=cache_experts, eviction=eviction, engine=engine, timing=timing,
-                     link_gbps=link_gbps)
+    with progress_bar("replaying", "layer-steps", disable=as_json) as update:
+        rep = run_replay(trace, hw_name, split(policy, "--policy"), model=model, step=step, where=trace_path,
+                         cache_gib=cache_gib, cache_experts=cache_experts, eviction=eviction, engine=engine,
+                         timing=timing, link_gbps=link_gbps, progress=update)
     rows = rep.rows
     if as_json:
         print_json(rows)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, err, floats, out, print_json, results_table, split
+from moesim.cli.app import app, err, floats, out, print_json, progress_bar, results_table, split
 
 WHATIF_COLS = (("model", "model"), ("hw", "hw"), ("policy", "policy"), ("link_gbps", "link GB/s"),
                ("cache_gib", "cache GiB"), ("fits", "fits"), ("tpot_ms", "TPOT ms"), ("tokens_per_s", "tok/s"),
@@ -29,7 +29,13 @@ def whatif(
     batch: Annotated[int, typer.Option(help="Batch size of the synthetic trace.")] = 1,
     goal: Annotated[str, typer.Option(help="What 'best' means: tpot, p99, ttft or bytes.")] = "tpot",
     engine: Annotated[str, typer.Option(help="fast (default for sweeps) or simpy.")] = "fast",
-    jobs: Annotated[int, typer.Option(help="Worker processes (0 = all cores).")] = 0,
+    jobs: Annotated[int, typer.Option(help="Worker processes (0 = all cores; local backend).")] = 0,
+    backend: Annotated[str, typer.Option(help="local (process pool on this machine) or ray (a Ray cluster: "
+                                              "docs/cluster.md).")] = "local",
+    address: Annotated[str | None, typer.Option(help="Ray cluster address (default: RAY_ADDRESS, else a new local "
+                                                     "Ray).")] = None,
+    rows_csv: Annotated[Path | None, typer.Option("--rows", help="Stream every row to this CSV as it finishes; run "
+                                                                 "the same sweep again to resume from it.")] = None,
     top: Annotated[int, typer.Option(help="Rows to print (all go to the CSV).")] = 15,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")] = False,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Report folder: HTML, PNG heatmaps and breakdown, CSV.")] = Path("moesim-whatif"),
@@ -42,19 +48,16 @@ def whatif(
     Example: `moesim whatif --model olmoe-1b-7b --hw a6000,gh200 --policy on-demand,prefetch,oracle
     --link-gbps 16,32 --cache-gib 0,1 --tokens 32 --jobs 1`
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from moesim.sim.analysis import why
     from moesim.sim.sweep import whatif as run_whatif
     from moesim.sim.whatif import GOALS
 
-    with Progress(TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TextColumn("groups"),
-                  TimeElapsedColumn(), console=err, transient=True, disable=as_json) as bar:
-        task = bar.add_task("sweep", total=None)
+    with progress_bar("simulating", "configurations", disable=as_json) as update:
         res = run_whatif(trace_path, split(model, "--model"), split(hw_names, "--hw"), split(policy, "--policy"),
                          floats(link_gbps, "--link-gbps") if link_gbps else None, floats(cache_gib, "--cache-gib"),
                          eviction, tokens, prompt_len, batch, goal, engine, jobs or None,
-                         lambda done, total: bar.update(task, completed=done, total=total))
+                         update,
+                         backend=backend, address=address, rows_csv=rows_csv)
     rows, winner = res.rows, res.winner
     if as_json:
         print_json({"goal": goal, "best": winner, "rows": rows})
