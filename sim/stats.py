@@ -363,7 +363,8 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
             lines.append(f"predictor {name}: recall@k {np.mean(vals):.3f} (layers {min(vals):.2f}-{max(vals):.2f})")
     lines.append("cache hit rate (experts in cache: LRU / LFU / Belady's optimum):")
     for s, a, b, c, nbytes in zip(hr["sizes"], hr["lru"], hr["lfu"], hr["belady"], hr["bytes"], strict=True):
-        lines.append(f"  {s:6d} experts ({nbytes / 2**30:7.2f} GiB): {a:6.1%} / {b:6.1%} / {c:6.1%}")
+        size = f"{nbytes / 2**30:7.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:7.1f} MiB"
+        lines.append(f"  {s:6d} experts ({size}): {a:6.1%} / {b:6.1%} / {c:6.1%}")
     if "tpot" in res:
         tp = res["tpot"]
         lines.append(f"how many experts on the GPU ({tp['policy']}, {tp['hw']}): the knee is {tp['knee_experts']} "
