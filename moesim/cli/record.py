@@ -27,8 +27,9 @@ def record(
     `transformers` reference classes and capture, per step and MoE layer, the true top-k
     experts and gates, with the stale-gate, quasi-hidden and oracle predictions.
 
-    The trace has routing but no timings; replay it on any profile, or study it with
-    `moesim stats`. Example: `moesim record moe-stdlib --prompt "def f(x):" --tokens 8 --out real.npz`, then `moesim stats real.npz`
+    The trace has routing but no timings: replay it on any profile, or study it with
+    moesim stats. Example: `moesim record moe-stdlib --prompt "def f(x):" --tokens 8 --out real.npz`,
+    then `moesim stats real.npz`
     """
     from moesim.executor.record import record_trace
 
