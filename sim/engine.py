@@ -145,3 +145,84 @@ def run_simpy(w: Workload, link: Link, record: bool = False) -> tuple[np.ndarray
     stream = ComputeStream(env, w, copier, spans)
     env.run(env.process(stream.run()))
     return np.array(stream.ends), np.array(stream.copy_busy), np.array(stream.stalls), spans or []
+
+
+# ---------------------------------------------------------------------------------------
+# CPU-compute policies (cpu-static, hot-experts, cpu-on-miss): see moesim.sim.hybrid
+# ---------------------------------------------------------------------------------------
+
+
+def run_simpy_hybrid(w, planner, link: Link, record: bool = False):
+    """Reference run of a :class:`moesim.sim.hybrid.HybridWork`: the device stream, the copy
+    engine and the CPU as SimPy entities. At each MoE layer's router the stream asks the
+    planner for the device/CPU split (and, under cpu-on-miss, :func:`moesim.policy.cpu_or_copy`
+    how many misses to copy, given the copy engine's queue), starts the CPU job, waits for
+    its copies, runs its experts and then waits for the CPU."""
+    from moesim.policy import cpu_or_copy
+    from moesim.sim.hybrid import HybridRun
+
+    env = simpy.Environment()
+    spans: list[Span] | None = [] if record else None
+    copier = CopyEngine(env, link, spans)
+    cpu = simpy.Resource(env, capacity=1)
+    times = w.times
+    n_t, n_layers = w.attn.shape
+    m_of = {layer: i for i, layer in enumerate(w.moe)}
+    shape = (n_t, len(w.moe))
+    n_gpu, n_cpu, n_copied, n_hits = (np.zeros(shape, np.int32) for _ in range(4))
+    ends, copy_s, stall_s, wait_s, busy_s = (np.zeros(n_t) for _ in range(5))
+
+    def cpu_job(seconds: float, step: int, layer: int):
+        with cpu.request() as req:
+            yield req
+            start = env.now
+            yield env.timeout(seconds)
+            if spans is not None:
+                spans.append(Span("cpu", f"cpu experts L{layer}", start, env.now, step, layer))
+
+    def stream():
+        for step, (attn, routed, other) in enumerate(zip(w.attn.tolist(), w.routed, w.other.tolist())):
+            for layer in range(n_layers):
+                start = env.now
+                yield env.timeout(attn[layer])
+                if spans is not None:
+                    spans.append(Span("compute", f"attn L{layer}", start, env.now, step, layer))
+                m = m_of.get(layer)
+                if m is None:
+                    continue
+                now = env.now
+                tokens = dict(routed[m])
+                hits, misses = planner.split(m, list(tokens))
+                hit_a = sum(tokens[e] for e in hits)
+                miss_a = [tokens[e] for e in misses]
+                c = 0
+                if planner.copies:
+                    c = cpu_or_copy(miss_a, hit_a, len(hits), now=now, link_free=copier.busy_until, times=times)
+                landed = copier.submit(c, f"miss L{layer} x{c}", step, layer) if c else None
+                cpu_s = times.cpu(len(misses) - c, sum(miss_a[c:]))
+                cpu_done = env.process(cpu_job(cpu_s, step, layer)) if cpu_s else None
+                if landed is not None:
+                    copy_s[step] += link.copy_time(c)
+                    yield landed
+                    stall_s[step] += env.now - now
+                gpu_s = times.gpu(len(hits) + c, hit_a + sum(miss_a[:c]))
+                start = env.now
+                yield env.timeout(gpu_s)
+                if spans is not None and gpu_s:
+                    spans.append(Span("compute", f"experts L{layer}", start, env.now, step, layer))
+                if cpu_done is not None:
+                    gpu_end = env.now
+                    yield cpu_done
+                    wait_s[step] += env.now - gpu_end
+                busy_s[step] += cpu_s
+                planner.finish(m, hits, misses[:c])
+                n_gpu[step, m], n_cpu[step, m] = len(hits) + c, len(misses) - c
+                n_copied[step, m], n_hits[step, m] = c, len(hits)
+            start = env.now
+            yield env.timeout(other)
+            if spans is not None:
+                spans.append(Span("compute", "lm head", start, env.now, step, -1))
+            ends[step] = env.now
+
+    env.run(env.process(stream()))
+    return HybridRun(ends, copy_s, stall_s, wait_s, busy_s, n_gpu, n_cpu, n_copied, n_hits, spans or [])
