@@ -157,6 +157,15 @@ def simulate(
     if eviction not in EVICTIONS:
         raise MoesimError(f"unknown eviction policy {eviction!r}; known: {', '.join(EVICTIONS)}")
     pol = get_policy(policy)
+    if pol.cpu:  # experts computed on the CPU: the hybrid step model (moesim.sim.hybrid)
+        from moesim.sim.hybrid import simulate_hybrid
+
+        if timing == "measured":
+            raise MoesimError(f"{pol.name} computes experts on the CPU; a trace's measured times are device times, "
+                              "so it is timed from the profiles (--timing profile)")
+        capacity = cache_capacity(trace.model, cache_gib, cache_experts)
+        return simulate_hybrid(trace, hw, pol, cache_experts=capacity, eviction=eviction, engine=engine,
+                               link_gbps=link_gbps, record=record)
     spec = trace.model
     if link_gbps is not None:
         hw = hw.with_figure("h2d_pinned_gbs", link_gbps)

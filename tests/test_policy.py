@@ -7,7 +7,8 @@ from moesim.policy import POLICIES, ExpertCache, Planner, Policy, expert_slots, 
 
 
 def test_policy_registry_and_aliases():
-    assert set(POLICIES) == {"all-resident", "on-demand", "prefetch-spec", "prefetch-fom", "oracle"}
+    assert set(POLICIES) == {"all-resident", "on-demand", "prefetch-spec", "prefetch-fom", "oracle",
+                             "cpu-static", "hot-experts", "cpu-on-miss"}
     assert get_policy("prefetch").name == "prefetch-fom"
     assert get_policy(" Resident ").name == "all-resident"
     with pytest.raises(MoesimError, match="unknown policy"):
@@ -27,9 +28,9 @@ def scratch_registry():
 def test_a_new_policy_joins_in_one_place(scratch_registry):
     with pytest.raises(TypeError):
         Policy("cpu-static", "summary", True)  # rows are keyword-only: no positional booleans
-    register(Policy(name="hot-experts", prefetch=True, aliases=("hot",), summary="keep the hottest experts"))
-    assert get_policy("hot") is POLICIES["hot-experts"]
-    assert Planner("hot-experts").policy.prefetch
+    register(Policy(name="hot-test", prefetch=True, aliases=("hot",), summary="keep the hottest experts"))
+    assert get_policy("hot") is POLICIES["hot-test"]
+    assert Planner("hot-test").policy.prefetch
     with pytest.raises(MoesimError, match="already registered"):
         register(Policy(name="other", aliases=("hot",), summary="clashes with an alias"))
     with pytest.raises(MoesimError, match="cannot be exact"):

@@ -1,0 +1,107 @@
+"""Experts computed on the CPU, from the host store, while the device keeps working.
+
+The executor half of the CPU-compute policies (``cpu-static``, ``hot-experts``,
+``cpu-on-miss``; docs/policies.md): after a layer's router the runtime splits the
+routed experts (``moesim.placement.HybridPlanner``), hands the CPU's share to
+:meth:`HostExperts.submit` and goes on issuing the device's experts; the job copies the
+rows' hidden states to the host, a thread pool multiplies each expert from its host
+buffer (torch releases the GIL inside its kernels, so the device stream's Python thread
+is not blocked), and :meth:`HostJob.result` returns the gated partial output on the
+device for the runtime to add. The layer ends when both are done, as the step model
+(``moesim.sim.hybrid``) says.
+
+Weights are the runtime's host buffers (flat ``[gate; up; down]``, as
+``executor.model.expert_forward`` reads them) or quantised experts from
+``executor.quant_experts`` (dequantise-and-multiply).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from moesim.executor.model import expert_forward
+
+ExpertFn = Callable[[int, int, Tensor], Tensor]  # (layer, expert, x rows) -> y rows
+
+
+@dataclass
+class HostJob:
+    """One layer's CPU experts in flight."""
+
+    futures: list[tuple[Future, Tensor, Tensor]]  # (expert output, rows, gates of those rows)
+    shape: tuple[int, int]
+    device: torch.device
+    dtype: torch.dtype
+    started: float
+
+    def done(self) -> bool:
+        return all(f.done() for f, _, _ in self.futures)
+
+    def result(self) -> Tensor:
+        """The gated sum of the CPU experts' outputs, ``[rows, hidden]`` on the device."""
+        out = torch.zeros(self.shape, dtype=torch.float32)
+        for fut, rows, g in self.futures:
+            y = fut.result()
+            out.index_add_(0, rows, y.float() * g[:, None])
+        return out.to(self.device, self.dtype, non_blocking=True)
+
+
+class HostExperts:
+    """A thread pool that multiplies experts held in host memory.
+
+    ``weights[layer][expert]`` is a flat host buffer, or ``expert_fn`` computes one expert
+    from whatever the caller stores (quantised experts). ``workers`` threads each take
+    whole experts; torch's own intra-op threads split the rest of the cores among them.
+    """
+
+    def __init__(self, hidden: int, inter: int, weights: Sequence[Sequence[Tensor]] | None = None,
+                 expert_fn: ExpertFn | None = None, workers: int | None = None) -> None:
+        if (weights is None) == (expert_fn is None):
+            raise ValueError("give host weights or an expert function, exactly one")
+        self.hidden, self.inter = hidden, inter
+        self._weights = weights
+        self._fn = expert_fn or self._dense
+        self.workers = workers or max(1, min(4, os.cpu_count() or 1))
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="moesim-host-expert")
+
+    def _dense(self, layer: int, expert: int, x: Tensor) -> Tensor:
+        w = self._weights[layer][expert]
+        return expert_forward(w, x.to(w.dtype), self.hidden, self.inter)
+
+    def submit(self, layer: int, x: Tensor, ids: np.ndarray, gates: Tensor, experts: Sequence[int]) -> HostJob:
+        """Start the CPU experts ``experts`` of ``layer`` for tokens ``x`` [rows, hidden].
+
+        ``ids`` [rows, k] are the routed ids on the host (the runtime already has them);
+        ``gates`` [rows, k] the router weights. Only the (row, slot) pairs routed to one of
+        ``experts`` are computed; the caller computes the others on the device.
+        """
+        started = time.perf_counter()
+        x_host = x.detach().to("cpu", torch.float32)
+        g_host = gates.detach().to("cpu", torch.float32)
+        wanted = set(int(e) for e in experts)
+        futures = []
+        for e in wanted:
+            rows, cols = np.nonzero(ids == e)
+            if rows.size == 0:
+                continue
+            r = torch.from_numpy(rows.astype(np.int64))
+            c = torch.from_numpy(cols.astype(np.int64))
+            futures.append((self._pool.submit(self._fn, layer, e, x_host[r]), r, g_host[r, c]))
+        return HostJob(futures, (x.shape[0], x.shape[1]), x.device, x.dtype, started)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> HostExperts:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
