@@ -11,7 +11,7 @@ from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile
 from moesim.models import ModelSpec
 from moesim.policy import EVICTIONS, get_policy
-from moesim.sim.costs import KERNELS_ATTENTION, Costs, measured_costs, roofline_costs
+from moesim.sim.costs import KERNELS_ATTENTION, Costs, charge_prediction, measured_costs, roofline_costs
 from moesim.sim.engine import Span, run_simpy
 from moesim.sim.fastpath import run_fast
 from moesim.sim.plan import Plan, build_plan
@@ -172,6 +172,8 @@ def simulate(
     capacity = cache_capacity(spec, cache_gib, cache_experts) if pol.offload else 0
     plan = plan or build_plan(trace, pol, capacity, eviction)
     costs = costs or pick_costs(trace, spec, hw, timing)
+    costs = charge_prediction(costs, spec, hw, pol.prefetch and not pol.oracle, trace.batch,
+                              trace.timings.get("predict_s"))
     work = make_workload(spec, plan, costs)
     link = Link.from_profile(hw, spec)
     recorded = trace.meta.recorded_policy

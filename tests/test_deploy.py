@@ -257,3 +257,41 @@ def test_no_warnings_from_shipped_profiles():
         warnings.simplefilter("error")
         for name in builtin_profiles():
             get_profile(name)
+
+
+# -- sharper copy model: prediction costs time ------------------------------------------------
+
+
+def test_prediction_is_charged_where_a_prefetch_is_issued():
+    from moesim.sim.costs import KERNELS_PREDICT, prediction_seconds
+
+    spec, hw = get_model("glm-4.7-flash"), get_profile("h100-sxm")  # layer 0 is dense
+    p = prediction_seconds(spec, hw)
+    moe = spec.moe_layers
+    expected = max((2 * spec.hidden + spec.router_bytes) / hw.mem_bw, 2 * spec.n_experts * spec.hidden / hw.flops()) \
+        + KERNELS_PREDICT * hw.launch
+    charged = [m - 1 for m in moe[1:]]
+    assert np.allclose(p[charged], expected) and p[[i for i in range(spec.n_layers) if i not in charged]].sum() == 0
+
+
+def test_predicting_policies_pay_for_the_predictor(tiny_trace):
+    from moesim.sim.costs import prediction_seconds
+    from moesim.sim.simulate import simulate
+
+    hw = get_profile("a6000")
+    extra = prediction_seconds(tiny_trace.model, hw).sum()
+    rows = {p: simulate(tiny_trace, hw, p, engine="fast") for p in ("prefetch-fom", "oracle", "on-demand")}
+    assert rows["prefetch-fom"].config["timing"].endswith("+ predictor")
+    assert rows["oracle"].config["timing"] == rows["on-demand"].config["timing"] == "roofline (a6000)"
+    assert rows["prefetch-fom"].compute.mean() == pytest.approx(rows["oracle"].compute.mean() + extra, rel=1e-12)
+
+
+def test_measured_prediction_time_is_removed_for_policies_without_one(tiny_trace):
+    from moesim.sim.simulate import simulate
+
+    t, hw = tiny_trace, get_profile("a6000")
+    t.timings = {"attn_s": np.full((t.n_tokens, 4), 1e-3), "expert_s": np.full((t.n_tokens, 4), 2e-3),
+                 "other_s": np.full(t.n_tokens, 5e-4), "predict_s": np.full((t.n_tokens, 4), 2e-4)}
+    resident = simulate(t, hw, "all-resident", timing="measured")
+    assert resident.tpot.mean() == pytest.approx(4 * 0.8e-3 + 4 * 2e-3 + 5e-4)
+    assert simulate(t, hw, "prefetch-fom", timing="measured").compute.mean() == pytest.approx(4 * 1e-3 + 4 * 2e-3 + 5e-4)
