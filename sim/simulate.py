@@ -12,7 +12,7 @@ from moesim.hardware import HardwareProfile
 from moesim.models import ModelSpec
 from moesim.policy import EVICTIONS, get_policy
 from moesim.sim.costs import KERNELS_ATTENTION, Costs, charge_prediction, measured_costs, roofline_costs
-from moesim.sim.engine import Span, run_simpy
+from moesim.sim.engine import QUEUES, Span, run_simpy, run_simpy_queued
 from moesim.sim.fastpath import run_fast
 from moesim.sim.plan import Plan, build_plan
 from moesim.sim.workload import Link, make_workload
@@ -145,6 +145,7 @@ def simulate(
     record: bool = False,
     plan: Plan | None = None,
     costs: Costs | None = None,
+    copy_queue: str = "fifo",
 ) -> SimResult:
     """Simulate ``trace`` under ``policy`` on ``hw``.
 
@@ -154,6 +155,10 @@ def simulate(
     """
     if engine not in ENGINES:
         raise MoesimError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+    if copy_queue not in QUEUES:
+        raise MoesimError(f"unknown copy queue {copy_queue!r}; known: {', '.join(QUEUES)}")
+    if copy_queue != "fifo" and engine != "simpy":
+        raise MoesimError(f"copy queue {copy_queue!r} is modelled by the SimPy engine only (--engine simpy)")
     if eviction not in EVICTIONS:
         raise MoesimError(f"unknown eviction policy {eviction!r}; known: {', '.join(EVICTIONS)}")
     pol = get_policy(policy)
@@ -181,7 +186,11 @@ def simulate(
         # Times measured while copies overlapped compute already include the interference.
         link = replace(link, interference=0.0)
     spans: list[Span] = []
-    if engine == "simpy":
+    if copy_queue != "fifo":
+        useful = np.zeros(work.shape, np.int64)
+        useful[:, list(spec.moe_layers)] = plan.prefetch_hits
+        ends, copy, stall, spans = run_simpy_queued(work, link, useful, copy_queue, record)
+    elif engine == "simpy":
         ends, copy, stall, spans = run_simpy(work, link, record)
     else:
         ends, copy, stall = run_fast(work, link)
@@ -190,7 +199,7 @@ def simulate(
         "model": spec.name, "hw": hw.name, "policy": pol.name, "cache_experts": capacity,
         "cache_gib": round(capacity * spec.expert_bytes / 2**30, 2), "eviction": eviction if capacity else "-",
         "link_gbps": hw["h2d_pinned_gbs"], "batch": trace.batch, "engine": engine, "timing": costs.source,
-        "synthetic_trace": trace.synthetic,
+        "synthetic_trace": trace.synthetic, **({"copy_queue": copy_queue} if copy_queue != "fifo" else {}),
     }
     ttft = trace.meta.prefill_s if costs.source.startswith("measured") else None
     if ttft is None:

@@ -295,3 +295,44 @@ def test_measured_prediction_time_is_removed_for_policies_without_one(tiny_trace
     resident = simulate(t, hw, "all-resident", timing="measured")
     assert resident.tpot.mean() == pytest.approx(4 * 0.8e-3 + 4 * 2e-3 + 5e-4)
     assert simulate(t, hw, "prefetch-fom", timing="measured").compute.mean() == pytest.approx(4 * 1e-3 + 4 * 2e-3 + 5e-4)
+
+
+# -- sharper copy model: demand before prefetch ---------------------------------------------
+
+
+def test_queued_engine_is_fifo_when_nothing_competes(tiny_trace):
+    from moesim.sim.simulate import simulate
+
+    hw = get_profile("a6000")
+    # The oracle never copies on demand and uses every prefetched expert: no order to change.
+    fifo = simulate(tiny_trace, hw, "oracle")
+    for queue in ("demand-first", "cancel-unstarted"):
+        q = simulate(tiny_trace, hw, "oracle", copy_queue=queue)
+        np.testing.assert_allclose(q.tpot, fifo.tpot, rtol=1e-9)
+        assert q.config["copy_queue"] == queue
+
+
+@given(seed=st.integers(0, 50), hit=st.floats(0.2, 0.95), link=st.sampled_from([5.0, 25.0, 100.0]),
+       cache=st.sampled_from([0, 8]))
+@settings(max_examples=25, deadline=None)
+def test_demand_first_and_cancelling_never_hurt(seed, hit, link, cache):
+    from moesim.sim.simulate import simulate
+
+    trace = synthetic_trace(get_model("tiny"), SyntheticParams(tokens=8, prompt_len=4, seed=seed, hit_rate=hit))
+    hw = get_profile("a6000")
+    kw = dict(link_gbps=link, cache_experts=cache)
+    fifo = simulate(trace, hw, "prefetch-fom", **kw).tpot.sum()
+    first = simulate(trace, hw, "prefetch-fom", copy_queue="demand-first", **kw)
+    cancel = simulate(trace, hw, "prefetch-fom", copy_queue="cancel-unstarted", **kw)
+    assert first.tpot.sum() <= fifo * (1 + 1e-9)
+    assert cancel.tpot.sum() <= first.tpot.sum() * (1 + 1e-9)
+    assert cancel.copy.sum() <= first.copy.sum() + 1e-12  # cancelled copies are not issued work
+
+
+def test_queues_other_than_fifo_need_simpy(tiny_trace):
+    from moesim.sim.simulate import simulate
+
+    with pytest.raises(MoesimError, match="SimPy engine only"):
+        simulate(tiny_trace, get_profile("a6000"), "prefetch-fom", engine="fast", copy_queue="demand-first")
+    with pytest.raises(MoesimError, match="unknown copy queue"):
+        simulate(tiny_trace, get_profile("a6000"), "prefetch-fom", copy_queue="lifo")
