@@ -79,6 +79,7 @@ class Placement:
     resident: np.ndarray  # [m, E] bool
     source: str  # how it was chosen, for reports
     optimistic: bool = False  # chosen from the replayed trace itself: an upper bound
+    hottest: tuple[tuple[int, int], ...] = ()  # resident (layer, expert) keys, most routed first (hot sets)
 
     @property
     def n_resident(self) -> int:
@@ -103,8 +104,9 @@ def hot_set(counts: np.ndarray, spec: ModelSpec, budget_bytes: int, source: str,
     resident = np.zeros(m * e, bool)
     resident[order] = True
     what = f"{n} hottest experts ({n / (m * e):.0%}) by {source}"
+    keys = tuple((int(i) // e, int(i) % e) for i in order)
     return Placement(resident.reshape(m, e), what + (" (optimistic: counted on the replayed trace)" if optimistic else ""),
-                     optimistic)
+                     optimistic, keys)
 
 
 def make_placement(policy: str | Policy, spec: ModelSpec, device_bytes: float, *, batch: int = 1, context: int = 0,
@@ -136,6 +138,34 @@ def make_placement(policy: str | Policy, spec: ModelSpec, device_bytes: float, *
                    source, optimistic)
 
 
+def device_bytes(spec: ModelSpec, policy: str | Policy, placement: Placement | None, cache_experts: int = 0,
+                 batch: int = 1, context: int = 0) -> int:
+    """Device memory a CPU-compute configuration needs: non-expert weights, the KV cache,
+    the placement's resident experts (static policies) or the cache and one layer of
+    staging buffers (cpu-on-miss), and :data:`WORKSPACE_BYTES`. The what-if memory check
+    for these policies (the copy family uses ``moesim.sim.whatif.device_bytes_needed``)."""
+    pol = get_policy(policy)
+    if pol.cpu == "miss":
+        experts = cache_experts + spec.n_experts
+    else:
+        experts = placement.n_resident if placement is not None else 0
+    return spec.non_expert_bytes + kv_bytes(spec, batch, context) + experts * spec.expert_bytes + WORKSPACE_BYTES
+
+
+def load_calibration(path: str, spec: ModelSpec) -> np.ndarray:
+    """The routing ``[t, m, b, k]`` of a calibration trace (``--placement-from``), checked
+    against the model being simulated: a trace of another model is one clear error."""
+    from moesim.traces.format import read_trace
+
+    trace = read_trace(path)
+    other = trace.model
+    if (other.n_moe_layers, other.n_experts) != (spec.n_moe_layers, spec.n_experts):
+        raise MoesimError(f"calibration trace {path} is of {other.name} ({other.n_moe_layers} MoE layers x "
+                          f"{other.n_experts} experts); the simulated model {spec.name} has "
+                          f"{spec.n_moe_layers} x {spec.n_experts}")
+    return trace.true_ids
+
+
 class HybridPlanner:
     """Per-layer split of the routed experts into those the device runs and the misses.
 
@@ -156,9 +186,9 @@ class HybridPlanner:
             if cache_experts <= 0:
                 raise MoesimError("cpu-on-miss needs a device expert cache (--cache-gib or --cache-experts > 0)")
             self.cache = ExpertCache(cache_experts, eviction)
-            if placement is not None:
-                keys = [tuple(map(int, k)) for k in np.argwhere(placement.resident)][:cache_experts]
-                for key in keys:
+            if placement is not None:  # warm: the hottest that fit, used coldest first (LRU/LFU order)
+                keys = placement.hottest or tuple(tuple(map(int, k)) for k in np.argwhere(placement.resident))
+                for key in reversed(keys[:cache_experts]):
                     self.cache.use(key)
         elif placement is None:
             raise MoesimError(f"{self.policy.name} needs a placement")

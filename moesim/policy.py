@@ -124,11 +124,18 @@ def expert_slots(spec: ModelSpec, policy: str | Policy, cache_experts: int = 0) 
     layer's experts (at most ``n_experts`` distinct ones, prefetched plus missed) and the
     next layer's prefetch (at most ``n_experts``). ``2 * min(E, batch * k)`` would
     undercount prefill and prefetch-on-miss. All-resident keeps every expert on the device
-    (counted with the model, not here), so it needs no slots and no cache.
+    (counted with the model, not here), so it needs no slots and no cache. The static
+    CPU-compute policies copy nothing (their resident experts are counted by
+    :func:`moesim.placement.device_bytes`); cpu-on-miss stages at most one layer's misses.
     """
     if cache_experts < 0:
         raise MoesimError(f"cache capacity must be >= 0 experts, got {cache_experts}")
-    if not get_policy(policy).offload:
+    pol = get_policy(policy)
+    if not pol.offload:
+        return 0
+    if pol.cpu == "miss":  # misses it copies land in the cache's own buffers, plus one layer to stage them
+        return spec.n_experts + cache_experts
+    if pol.cpu:  # static placements copy nothing: their resident experts are the placement's
         return 0
     return 2 * spec.n_experts + cache_experts
 

@@ -31,7 +31,7 @@ import numpy as np
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile, HostProfile, get_host
 from moesim.models import ModelSpec
-from moesim.placement import HybridPlanner, Placement, make_placement
+from moesim.placement import HybridPlanner, Placement, device_bytes, make_placement
 from moesim.policy import EVICTIONS, ExpertTimes, get_policy
 from moesim.sim.costs import KERNELS_ATTENTION, KERNELS_EXPERT, roofline_costs
 from moesim.sim.plan import Plan
@@ -217,4 +217,7 @@ def simulate_hybrid(trace: Trace, hw: HardwareProfile, policy: str = "cpu-static
         "resident_experts": placement.n_resident if placement is not None else 0,
         "expert_bytes": spec.expert_bytes, "synthetic_trace": trace.synthetic,
     }
+    need = device_bytes(spec, pol, placement, cache_experts, b, context)
+    config["device_gb_needed"] = need / 1e9
+    config["fits"] = need <= hw["device_memory_gb"] * 1e9
     return HybridResult(config, tpot, run, plan, ttft, placement)

@@ -336,3 +336,34 @@ def test_queues_other_than_fifo_need_simpy(tiny_trace):
         simulate(tiny_trace, get_profile("a6000"), "prefetch-fom", engine="fast", copy_queue="demand-first")
     with pytest.raises(MoesimError, match="unknown copy queue"):
         simulate(tiny_trace, get_profile("a6000"), "prefetch-fom", copy_queue="lifo")
+
+
+def test_memory_check_and_calibration_file(tmp_path, tiny_trace):
+    from moesim.placement import device_bytes, load_calibration
+    from moesim.policy import expert_slots
+    from moesim.traces.format import write_trace
+
+    spec = tiny_trace.model
+    assert expert_slots(spec, "cpu-static") == 0 and expert_slots(spec, "cpu-on-miss", 5) == spec.n_experts + 5
+    hw = get_profile("a6000")
+    r = simulate_hybrid(tiny_trace, hw, "cpu-static", cpu_layers=1, engine="fast")
+    assert r.config["device_gb_needed"] * 1e9 == device_bytes(spec, "cpu-static", r.placement, 0, 1,
+                                                               tiny_trace.prompt_len + tiny_trace.n_tokens)
+    assert r.placement.n_resident == 3 * spec.n_experts and r.config["fits"]
+    path = write_trace(tiny_trace, tmp_path / "cal.npz")
+    assert (load_calibration(str(path), spec) == tiny_trace.true_ids).all()
+    with pytest.raises(MoesimError, match="calibration trace .* is of tiny"):
+        load_calibration(str(path), get_model("olmoe-1b-7b"))
+
+
+def test_a_warm_cpu_on_miss_cache_starts_with_the_hottest():
+    from moesim.placement import HybridPlanner, hot_set
+
+    spec = get_model("tiny")
+    counts = np.zeros((spec.n_moe_layers, spec.n_experts), np.int64)
+    counts[2, 5], counts[0, 1], counts[3, 0] = 9, 7, 5
+    p = hot_set(counts, spec, 3 * spec.expert_bytes, "hand counts", False)
+    assert p.hottest == ((2, 5), (0, 1), (3, 0))
+    planner = HybridPlanner("cpu-on-miss", spec, p, cache_experts=2)
+    assert set(planner.cache.keys()) == {(2, 5), (0, 1)}
+    assert planner.split(2, [5, 6]) == ([5], [6])
