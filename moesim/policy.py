@@ -300,11 +300,12 @@ class Planner:
 class ExpertTimes:
     """Seconds the two places to run an expert cost, as the roofline gives them.
 
-    A set of ``n`` experts serving ``a`` token-expert pairs takes
-    ``max(n * mem, a * tok) + n * fixed`` on each side: the weights are read once per
-    expert (memory-bound at small batch), the math grows with the tokens (compute-bound
-    at large batch or in prefill). The CPU side also pays the activation ``roundtrip``
-    once per layer (hidden states down, expert outputs back up).
+    A set of ``n`` experts serving ``a`` token-expert pairs takes, on the device,
+    ``max(n * (mem + launches), a * tok)`` (the roofline's ``Costs.expert_compute``) and on
+    the CPU ``max(n * mem, a * tok) + n * dispatch + roundtrip``: the weights are read
+    once per expert (memory-bound at small batch), the math grows with the tokens
+    (compute-bound at large batch or in prefill). The CPU pays the activation
+    ``roundtrip`` once per layer (hidden states down, expert outputs back up).
     """
 
     gpu_mem: float  # one expert's weights read from device memory
@@ -317,7 +318,8 @@ class ExpertTimes:
     copy: float  # one expert's host-to-device copy on the link
 
     def gpu(self, n: int, assign: int) -> float:
-        return max(n * self.gpu_mem, assign * self.gpu_tok) + n * self.gpu_fixed if n else 0.0
+        """As ``moesim.sim.costs.Costs.expert_compute``: launches overlap the math."""
+        return max(n * (self.gpu_mem + self.gpu_fixed), assign * self.gpu_tok)
 
     def cpu(self, n: int, assign: int) -> float:
         return max(n * self.cpu_mem, assign * self.cpu_tok) + n * self.cpu_fixed + self.roundtrip if n else 0.0

@@ -6,7 +6,7 @@ holds and misses; under cpu-on-miss :func:`moesim.policy.cpu_or_copy` sends some
 over the link, the others (all of them under the static policies) run on the CPU. Device
 and CPU work concurrently; the layer ends when the later finishes:
 
-    gpu_end = (copies landed, or now) + gpu(n_dev, a_dev)
+    gpu_end = (copies landed, or now) + max(n_dev * (gpu_mem + launches), a_dev * gpu_tok)
     cpu_end = now + roundtrip + max(n_cpu * cpu_mem, a_cpu * cpu_tok) + n_cpu * dispatch
 
 with ``n`` experts serving ``a`` token-expert pairs (:class:`moesim.policy.ExpertTimes`):

@@ -367,3 +367,14 @@ def test_a_warm_cpu_on_miss_cache_starts_with_the_hottest():
     planner = HybridPlanner("cpu-on-miss", spec, p, cache_experts=2)
     assert set(planner.cache.keys()) == {(2, 5), (0, 1)}
     assert planner.split(2, [5, 6]) == ([5], [6])
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_no_cpu_layers_is_the_all_resident_model(batch):
+    from moesim.sim.simulate import simulate
+
+    trace = synthetic_trace(get_model("tiny"), SyntheticParams(tokens=6, prompt_len=4, batch=batch, seed=2))
+    hw = get_profile("h100-sxm")
+    hybrid = simulate_hybrid(trace, hw, "cpu-static", cpu_layers=0, engine="fast")
+    resident = simulate(trace, hw, "all-resident", engine="fast")
+    np.testing.assert_allclose(hybrid.tpot, resident.tpot, rtol=1e-12)
