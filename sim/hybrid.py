@@ -149,8 +149,15 @@ class HybridResult:
     def summary(self) -> dict[str, Any]:
         r, tp, ms = self.run, self.tpot, 1e3
         executed = (r.n_gpu + r.n_cpu).sum()
+        device = tp - r.stall - r.cpu_wait  # the device stream's own work: attention, its experts, the head
         return {
             **self.config,
+            "cache_gib": round(self.config["cache_experts"] * self.config["expert_bytes"] / 2**30, 2),
+            "compute_ms": float(device.mean() * ms),
+            "serial_bound_ms": float((device + r.copy).mean() * ms),
+            "overlap_bound_ms": float(np.maximum(device, r.copy).mean() * ms),
+            "cache_hit_rate": float(r.n_hits.sum() / executed) if self.config["cache_experts"] else 0.0,
+            "prefetch_hit_rate": 0.0,
             "tokens": int(tp.size),
             "tpot_ms": float(tp.mean() * ms),
             "tpot_p50_ms": float(np.percentile(tp, 50) * ms),
