@@ -11,6 +11,10 @@ Double-buffered expert slots need no resource of their own: layer l+1's prefetch
 issued after layer l's router, which runs after layer l-1's experts finished with the
 slot set l+1 reuses. The model can record every interval it simulates (``record=True``)
 for timelines and Chrome traces.
+
+Two more references live here: :func:`run_simpy_hybrid`, the CPU-compute policies' step
+model (device stream, copy engine and CPU; see ``moesim.sim.hybrid``), and
+:func:`run_simpy_queued`, the copy-queue disciplines that serve demand before prefetch.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from moesim.sim.workload import Link, Workload
 class Span:
     """One simulated interval on a resource, for timelines and Chrome traces."""
 
-    lane: str  # "compute" or "copy"
+    lane: str  # "compute", "copy" or "cpu"
     name: str
     start: float
     end: float
