@@ -146,12 +146,21 @@ def simulate(
     plan: Plan | None = None,
     costs: Costs | None = None,
     copy_queue: str = "fifo",
+    host: Any = None,
+    cpu_layers: int | str = "auto",
+    calibration: np.ndarray | None = None,
+    calibrate_on_replay: bool = False,
+    amx: bool = True,
 ) -> SimResult:
     """Simulate ``trace`` under ``policy`` on ``hw``.
 
     ``link_gbps`` overrides the profile's pinned host-to-device bandwidth (what-if);
     ``engine`` picks the SimPy reference or the fast path; ``plan`` and ``costs`` may be
-    passed in when a sweep reuses them.
+    passed in when a sweep reuses them; ``copy_queue`` picks a copy-queue discipline
+    (SimPy only). The CPU-compute policies (docs/policies.md) go to
+    :func:`moesim.sim.hybrid.simulate_hybrid` with ``host`` (name, path or profile;
+    default: the GPU profile's), ``cpu_layers``, ``calibration`` routing,
+    ``calibrate_on_replay`` and ``amx``.
     """
     if engine not in ENGINES:
         raise MoesimError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
@@ -169,8 +178,11 @@ def simulate(
             raise MoesimError(f"{pol.name} computes experts on the CPU; a trace's measured times are device times, "
                               "so it is timed from the profiles (--timing profile)")
         capacity = cache_capacity(trace.model, cache_gib, cache_experts)
-        return simulate_hybrid(trace, hw, pol, cache_experts=capacity, eviction=eviction, engine=engine,
-                               link_gbps=link_gbps, record=record)
+        if copy_queue != "fifo":
+            raise MoesimError(f"{pol.name} copies at most its misses; copy queues apply to the copy policies")
+        return simulate_hybrid(trace, hw, pol, host=host, cpu_layers=cpu_layers, calibration=calibration,
+                               calibrate_on_replay=calibrate_on_replay, cache_experts=capacity, eviction=eviction,
+                               engine=engine, link_gbps=link_gbps, amx=amx, record=record)
     spec = trace.model
     if link_gbps is not None:
         hw = hw.with_figure("h2d_pinned_gbs", link_gbps)

@@ -378,3 +378,35 @@ def test_no_cpu_layers_is_the_all_resident_model(batch):
     hybrid = simulate_hybrid(trace, hw, "cpu-static", cpu_layers=0, engine="fast")
     resident = simulate(trace, hw, "all-resident", engine="fast")
     np.testing.assert_allclose(hybrid.tpot, resident.tpot, rtol=1e-12)
+
+
+def test_simulate_is_the_one_front_door_for_cpu_policies(tiny_trace):
+    from moesim.sim.simulate import simulate
+
+    hw = get_profile("a6000")
+    via = simulate(tiny_trace, hw, "hot-experts", host="xeon-8480", calibration=tiny_trace.true_ids, engine="fast")
+    direct = simulate_hybrid(tiny_trace, hw, "hot-experts", host="xeon-8480", calibration=tiny_trace.true_ids,
+                             engine="fast")
+    np.testing.assert_array_equal(via.tpot, direct.tpot)
+    assert via.config["host"] == "xeon-8480"
+    with pytest.raises(MoesimError, match="measured"):
+        simulate(tiny_trace, hw, "cpu-static", timing="measured")
+
+
+def test_a_quantised_replay_moves_fewer_bytes(tiny_trace):
+    from moesim.sim.quantised import with_expert_dtype
+    from moesim.sim.simulate import simulate
+
+    t = tiny_trace
+    t.timings = {"attn_s": np.full((t.n_tokens, 4), 1e-3), "expert_s": np.full((t.n_tokens, 4), 2e-3),
+                 "other_s": np.full(t.n_tokens, 5e-4)}
+    q = with_expert_dtype(t, "int4-g32")
+    assert q.model.expert_bytes == get_model("tiny").with_expert_dtype("int4-g32").expert_bytes
+    assert q.timings == {} and t.timings  # measured at bf16: not reused
+    assert (q.true_ids == t.true_ids).all()
+    hw = get_profile("a6000")
+    bf16 = simulate(t, hw, "on-demand", timing="profile", engine="fast").summary()
+    int4 = simulate(q, hw, "on-demand", engine="fast").summary()
+    assert int4["gb_moved_per_token"] == pytest.approx(bf16["gb_moved_per_token"] * q.model.expert_bytes
+                                                       / t.model.expert_bytes)
+    assert int4["tpot_ms"] < bf16["tpot_ms"]
