@@ -410,3 +410,31 @@ def test_a_quantised_replay_moves_fewer_bytes(tiny_trace):
     assert int4["gb_moved_per_token"] == pytest.approx(bf16["gb_moved_per_token"] * q.model.expert_bytes
                                                        / t.model.expert_bytes)
     assert int4["tpot_ms"] < bf16["tpot_ms"]
+
+
+def test_prefetch_top_m_copies_fewer_ahead(tmp_path):
+    from moesim.sim.plan import build_plan
+    from moesim.sim.prefetch_top import keep_top_predictions
+    from moesim.traces.format import read_trace, write_trace
+
+    trace = synthetic_trace(get_model("tiny"), SyntheticParams(tokens=12, prompt_len=4, batch=2, seed=4))
+    top1 = keep_top_predictions(trace, 1)
+    assert keep_top_predictions(trace, 2) is trace
+    full, cut = build_plan(trace, "prefetch-fom"), build_plan(top1, "prefetch-fom")
+    assert (cut.prefetch <= 1 * trace.batch).all() and cut.prefetch.sum() < full.prefetch.sum()
+    assert (cut.execute == full.execute).all()  # fetch-on-miss: the same experts run, the rest on demand
+    assert cut.demand.sum() >= full.demand.sum()
+    back = read_trace(write_trace(top1, tmp_path / "top1.npz"))  # still a valid trace
+    assert (back.pred_ids == top1.pred_ids).all()
+    with pytest.raises(MoesimError, match="top-m"):
+        keep_top_predictions(trace, 3)
+
+
+def test_without_amx_the_cpu_is_slower_once_compute_bound():
+    spec, hw = get_model("qwen3-30b-a3b"), get_profile("h100-sxm")
+    host = get_host("xeon-8480")
+    link = Link.from_profile(hw, spec)
+    amx, vec = expert_times(spec, hw, host, link, amx=True), expert_times(spec, hw, host, link, amx=False)
+    assert vec.cpu_mem == amx.cpu_mem and vec.cpu_tok > 5 * amx.cpu_tok
+    assert vec.cpu(4, 4) == amx.cpu(4, 4)  # batch 1: reading the weights dominates either way
+    assert vec.cpu(4, 4096) > 2 * amx.cpu(4, 4096)
