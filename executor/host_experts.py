@@ -105,3 +105,32 @@ class HostExperts:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def hybrid_moe(layer: int, moe_index: int, x: Tensor, ids: np.ndarray, gates: Tensor, planner,
+               device_weights: Sequence[Tensor], host: HostExperts, hidden: int, inter: int,
+               copied: Sequence[int] = ()) -> Tensor:
+    """One MoE layer split between the device and the CPU, as the runtime's layer hook runs it.
+
+    ``planner`` (a ``moesim.placement.HybridPlanner``) says which routed experts the device
+    holds; ``copied`` are misses the caller copied this layer (cpu-on-miss, decided with
+    ``moesim.policy.cpu_or_copy``) and now holds in ``device_weights``. The CPU's share is
+    submitted first so it runs while the device multiplies its own; the result is the
+    same gated sum as running every expert in one place.
+    """
+    experts = list(dict.fromkeys(int(e) for e in ids.reshape(-1) if e >= 0))
+    hits, misses = planner.split(moe_index, experts)
+    copied = [e for e in copied if e in misses]
+    on_cpu = [e for e in misses if e not in copied]
+    job = host.submit(layer, x, ids, gates, on_cpu) if on_cpu else None
+    out = torch.zeros_like(x)
+    for e in hits + copied:
+        rows, cols = np.nonzero(ids == e)
+        r = torch.from_numpy(rows.astype(np.int64)).to(x.device)
+        c = torch.from_numpy(cols.astype(np.int64)).to(x.device)
+        y = expert_forward(device_weights[e], x[r], hidden, inter)
+        out.index_add_(0, r, y * gates[r, c, None].to(y.dtype))
+    if job is not None:
+        out = out + job.result()
+    planner.finish(moe_index, hits, copied)
+    return out

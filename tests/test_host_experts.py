@@ -112,3 +112,28 @@ def test_quantised_experts_run_on_the_host_pool():
         y = host.submit(0, x, ids, gates, [0]).result()
     torch.testing.assert_close(y[:2], q.forward(x[:2]), rtol=1e-5, atol=1e-6)
     assert torch.equal(y[2], torch.zeros(H))
+
+
+@pytest.mark.parametrize("policy", ["cpu-static", "cpu-on-miss"])
+def test_a_hybrid_layer_equals_the_all_resident_layer(policy):
+    from moesim.executor.host_experts import hybrid_moe
+    from moesim.executor.model import ExecConfig, random_model
+    from moesim.placement import HybridPlanner, static_layers
+
+    spec = get_model("tiny")
+    model = random_model(ExecConfig(spec), seed=3)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, spec.hidden, generator=g)
+    ids = torch.stack([torch.randperm(spec.n_experts, generator=g)[: spec.top_k] for _ in range(3)])
+    gates = torch.rand(3, spec.top_k, generator=g)
+    placement = static_layers(spec, 2)  # layers 0-1 on the CPU, 2-3 resident
+    planner = HybridPlanner(policy, spec, placement if policy == "cpu-static" else None, cache_experts=4)
+    with HostExperts(spec.hidden, spec.expert_inter, weights=model.experts, workers=2) as host:
+        for layer in range(spec.n_layers):
+            ref = model.moe(layer, x, ids, gates)
+            copied = [int(ids[0, 0])] if policy == "cpu-on-miss" else []
+            y = hybrid_moe(layer, layer, x, ids.numpy(), gates, planner, model.experts[layer], host,
+                           spec.hidden, spec.expert_inter, copied)
+            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    if policy == "cpu-on-miss":  # the copied misses entered the device cache
+        assert {(m, int(ids[0, 0])) for m in range(spec.n_layers)} <= set(planner.cache.keys())
