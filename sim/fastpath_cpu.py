@@ -1,5 +1,7 @@
 """The fast path of the CPU-compute policies: :mod:`moesim.sim.hybrid`'s step model as a
-per-layer recurrence, no event queue (the lead folds it into ``sim.fastpath``).
+per-layer recurrence, no event queue (the lead folds it into ``sim.fastpath``). Static
+placements (cpu-static, hot-experts) copy nothing, so their layers are independent and
+are computed for all steps at once from token counts.
 
 Two clocks: ``t``, when the device stream is next free, and ``link_free``, when the copy
 engine is next free. The CPU needs no clock of its own: a layer waits for its CPU work,
@@ -18,6 +20,9 @@ from moesim.policy import cpu_or_copy
 def run_fast_hybrid(w, planner: HybridPlanner):
     """Simulate every step of ``w`` (a :class:`moesim.sim.hybrid.HybridWork`)."""
     from moesim.sim.hybrid import HybridRun
+
+    if not planner.copies and w.counts is not None:
+        return _run_static(w, planner, HybridRun)
 
     times, per = w.times, w.times.copy
     n_t, n_layers = w.attn.shape
@@ -56,3 +61,25 @@ def run_fast_hybrid(w, planner: HybridPlanner):
         t += other
         ends[step] = t
     return HybridRun(ends, copy_s, stall_s, wait_s, busy_s, n_gpu, n_cpu, n_copied, n_hits)
+
+
+def _run_static(w, planner: HybridPlanner, run_cls):
+    """Static placements copy nothing, so no layer depends on the link's past: every
+    layer's time is ``max(device, CPU)`` from counts alone, all steps at once."""
+    t_ = w.times
+    c = w.counts
+    res = planner.resident[None, :, :]
+    routed = c > 0
+    n_dev = (routed & res).sum(-1)
+    n_cpu = (routed & ~res).sum(-1)
+    a_dev = np.where(res, c, 0).sum(-1)
+    a_cpu = np.where(res, 0, c).sum(-1)
+    gpu = np.maximum(n_dev * (t_.gpu_mem + t_.gpu_fixed), a_dev * t_.gpu_tok)
+    cpu = np.where(n_cpu > 0, np.maximum(n_cpu * t_.cpu_mem, a_cpu * t_.cpu_tok) + n_cpu * t_.cpu_fixed + t_.roundtrip,
+                   0.0)
+    layer = np.maximum(gpu, cpu)
+    step = w.attn.sum(1) + layer.sum(1) + w.other
+    zeros = np.zeros(len(step))
+    return run_cls(np.cumsum(step), zeros, zeros.copy(), np.maximum(cpu - gpu, 0).sum(1), cpu.sum(1),
+                   n_dev.astype(np.int32), n_cpu.astype(np.int32), np.zeros_like(n_dev, np.int32),
+                   n_dev.astype(np.int32))

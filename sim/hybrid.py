@@ -49,6 +49,7 @@ class HybridWork:
     moe: tuple[int, ...]  # model layer index of each MoE layer
     routed: list[list[list[tuple[int, int]]]]  # [t][m] -> [(expert, tokens)]
     times: ExpertTimes
+    counts: np.ndarray | None = None  # [t, m, E] tokens routed to each expert (the vectorised static path)
 
 
 @dataclass
@@ -96,10 +97,22 @@ def expert_times(spec: ModelSpec, hw: HardwareProfile, host: HostProfile, link: 
     )
 
 
+def token_counts(ids: np.ndarray, n_experts: int) -> np.ndarray:
+    """``[t, m, b, k]`` ids -> ``[t, m, E]`` tokens routed to each expert."""
+    t, m, b, k = ids.shape
+    flat = ids.reshape(t * m, b * k).astype(np.int64)
+    row = np.repeat(np.arange(t * m), b * k)
+    ok = flat.reshape(-1) >= 0
+    counts = np.zeros(t * m * n_experts, np.int32)
+    np.add.at(counts, row[ok] * n_experts + flat.reshape(-1)[ok], 1)
+    return counts.reshape(t, m, n_experts)
+
+
 def build_work(trace: Trace, hw: HardwareProfile, times: ExpertTimes) -> HybridWork:
     spec = trace.model
     costs = roofline_costs(spec, hw, trace.n_tokens, trace.prompt_len, trace.batch)
-    return HybridWork(costs.attn, costs.other, spec.moe_layers, routed_sets(trace.true_ids), times)
+    return HybridWork(costs.attn, costs.other, spec.moe_layers, routed_sets(trace.true_ids), times,
+                      token_counts(trace.true_ids, spec.n_experts))
 
 
 def prefill_time_hybrid(spec: ModelSpec, hw: HardwareProfile, times: ExpertTimes, resident: np.ndarray | None,
