@@ -120,31 +120,43 @@ def prefill_time_hybrid(spec: ModelSpec, hw: HardwareProfile, times: ExpertTimes
     """Time to first token when some experts live on the CPU.
 
     Prefill routes (nearly) every expert, tokens assumed spread evenly over a layer's
-    experts. A layer's CPU-held experts are either computed on the CPU (weights read
-    once, math for every token routed to them, the prompt's activations over the link)
-    or copied to the device and run there, whichever ends first: llama.cpp copies such
-    weights for large batches (its op offload), so long prompts are not CPU-bound.
+    experts. The device runs attention and its resident experts as one roofline block
+    (as ``moesim.sim.simulate.prefill_time`` does for an all-resident model, which this
+    equals when nothing is on the CPU). A layer's CPU-held experts start after attention
+    and either run on the CPU (weights read once, math for every token routed to them,
+    the prompt's activations over the link) or are copied and run on the device,
+    whichever ends first: llama.cpp copies such weights for large batches (its op
+    offload), so long prompts are not CPU-bound. Copies are not overlapped with compute
+    here (conservative).
     """
     n = batch * prompt_len
     if n == 0:
         return 0.0
     e, k = spec.n_experts, spec.top_k
+    rate = hw.flops(spec.dense_dtype)
+
+    def block(nbytes: float, flops: float) -> float:
+        return max(nbytes / hw.mem_bw, flops / rate) + hw.launch * KERNELS_ATTENTION
+
     total, m = 0.0, 0
     for layer in range(spec.n_layers):
         flops = n * (spec.attention_flops(prompt_len // 2) + spec.dense_flops_per_token(layer))
         mem = spec.layer_resident_bytes(layer) + n * spec.kv_bytes_per_token_layer
-        t = max(mem / hw.mem_bw, flops / hw.flops(spec.dense_dtype)) + hw.launch * KERNELS_ATTENTION
-        if layer not in spec.dense_layers:
-            on_dev = int(resident[m].sum()) if resident is not None else 0
-            m += 1
-            on_cpu = e - on_dev
-            pairs = n * k
-            dev_pairs = pairs * on_dev // e
-            gpu = times.gpu(on_dev, dev_pairs)
-            cpu_side = times.cpu(on_cpu, pairs - dev_pairs) + (2 * 2 * n * spec.hidden / hw.link_bw if on_cpu else 0)
-            copy_all = on_cpu * times.copy + times.gpu(e, pairs)
-            t += min(max(gpu, cpu_side), copy_all)
-        total += t
+        if layer in spec.dense_layers:
+            total += block(mem, flops)
+            continue
+        on_dev = int(resident[m].sum()) if resident is not None else 0
+        m += 1
+        on_cpu, pairs = e - on_dev, n * k
+        dev_pairs = pairs * on_dev // e
+        device = block(mem + on_dev * spec.expert_bytes, flops + dev_pairs * spec.expert_flops(1))
+        if not on_cpu:
+            total += device
+            continue
+        attention = block(mem, flops)
+        cpu = attention + times.cpu(on_cpu, pairs - dev_pairs) + 2 * 2 * n * spec.hidden / hw.link_bw
+        copy = on_cpu * times.copy + block(mem + spec.layer_expert_bytes, flops + pairs * spec.expert_flops(1))
+        total += min(max(device, cpu), copy)
     return total + max(spec.lm_head_bytes / hw.mem_bw, batch * spec.lm_head_flops / hw.flops("bf16"))
 
 

@@ -438,3 +438,14 @@ def test_without_amx_the_cpu_is_slower_once_compute_bound():
     assert vec.cpu_mem == amx.cpu_mem and vec.cpu_tok > 5 * amx.cpu_tok
     assert vec.cpu(4, 4) == amx.cpu(4, 4)  # batch 1: reading the weights dominates either way
     assert vec.cpu(4, 4096) > 2 * amx.cpu(4, 4096)
+
+
+def test_prefill_with_nothing_on_the_cpu_is_the_resident_prefill():
+    from moesim.sim.simulate import prefill_time
+
+    spec, hw = get_model("glm-4.7-flash"), get_profile("h100-sxm")  # a dense first layer too
+    times = expert_times(spec, hw, get_host(None, hw), Link.from_profile(hw, spec))
+    resident = np.ones((spec.n_moe_layers, spec.n_experts), bool)
+    for prompt in (16, 2048):
+        assert prefill_time_hybrid(spec, hw, times, resident, prompt) == pytest.approx(
+            prefill_time(spec, hw, prompt, offload=False), rel=1e-12)
