@@ -234,6 +234,9 @@ class Planner:
 
     def __init__(self, policy: Policy | str, cache_experts: int = 0, eviction: str = "lru") -> None:
         self.policy = get_policy(policy) if isinstance(policy, str) else policy
+        if self.policy.cpu:  # planning it as a copy policy would be a silently wrong answer
+            raise MoesimError(f"policy {self.policy.name!r} computes experts on the CPU: it is planned by "
+                              "moesim.placement.HybridPlanner (moesim.sim.simulate / the executor's host experts)")
         self.cache = ExpertCache(cache_experts, eviction) if cache_experts > 0 else None
         self._slots: dict[int, set[int]] = {}  # layer -> experts prefetched into its slot set
         self._protect: set[Key] = set()

@@ -449,3 +449,14 @@ def test_prefill_with_nothing_on_the_cpu_is_the_resident_prefill():
     for prompt in (16, 2048):
         assert prefill_time_hybrid(spec, hw, times, resident, prompt) == pytest.approx(
             prefill_time(spec, hw, prompt, offload=False), rel=1e-12)
+
+
+def test_the_copy_planner_refuses_cpu_policies(tiny_trace):
+    from moesim.policy import Planner
+    from moesim.sim.plan import build_plan
+
+    for name in ("cpu-static", "hot-experts", "cpu-on-miss"):
+        with pytest.raises(MoesimError, match="HybridPlanner"):
+            Planner(name)
+    with pytest.raises(MoesimError, match="computes experts on the CPU"):
+        build_plan(tiny_trace, "cpu-static")
