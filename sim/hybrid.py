@@ -171,6 +171,24 @@ class HybridResult:
     ttft: float
     placement: Placement | None
 
+    # The copy family's per-step arrays, so reports and sweeps read either result alike.
+    @property
+    def copy(self) -> np.ndarray:
+        return self.run.copy
+
+    @property
+    def stall(self) -> np.ndarray:
+        return self.run.stall
+
+    @property
+    def compute(self) -> np.ndarray:
+        """The device stream's own work per step (attention, its experts, the head)."""
+        return self.tpot - self.run.stall - self.run.cpu_wait
+
+    @property
+    def spans(self) -> list:
+        return self.run.spans
+
     def summary(self) -> dict[str, Any]:
         r, tp, ms = self.run, self.tpot, 1e3
         executed = (r.n_gpu + r.n_cpu).sum()
@@ -183,6 +201,7 @@ class HybridResult:
             "overlap_bound_ms": float(np.maximum(device, r.copy).mean() * ms),
             "cache_hit_rate": float(r.n_hits.sum() / executed) if self.config["cache_experts"] else 0.0,
             "prefetch_hit_rate": 0.0,
+            "pred_recall": float("nan"),  # these policies use no prediction
             "tokens": int(tp.size),
             "tpot_ms": float(tp.mean() * ms),
             "tpot_p50_ms": float(np.percentile(tp, 50) * ms),
@@ -221,6 +240,8 @@ def simulate_hybrid(trace: Trace, hw: HardwareProfile, policy: str = "cpu-static
     if eviction not in EVICTIONS:
         raise MoesimError(f"unknown eviction policy {eviction!r}; known: {', '.join(EVICTIONS)}")
     spec = trace.model
+    if pol.cpu != "miss":
+        cache_experts = 0  # static placements keep no cache: their resident set is the placement
     host = host if isinstance(host, HostProfile) else get_host(host, hw)
     if link_gbps is not None:
         hw = hw.with_figure("h2d_pinned_gbs", link_gbps)

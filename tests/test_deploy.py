@@ -460,3 +460,22 @@ def test_the_copy_planner_refuses_cpu_policies(tiny_trace):
             Planner(name)
     with pytest.raises(MoesimError, match="computes experts on the CPU"):
         build_plan(tiny_trace, "cpu-static")
+
+
+def test_replay_cli_reports_a_cpu_policy(tmp_path):
+    """The real command: a CPU-compute policy replays, and its timeline has a CPU lane."""
+    import json
+    import subprocess
+    import sys
+
+    env_run = dict(capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    trace = tmp_path / "t.npz"
+    r = subprocess.run([sys.executable, "-m", "moesim", "synth", "--model", "tiny", "--tokens", "4", "--out", str(trace)],
+                       **env_run)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-m", "moesim", "replay", str(trace), "--hw", "a6000", "--policy", "cpu-on-miss",
+                        "--cache-gib", "0.001", "--out", str(tmp_path / "rep")], **env_run)
+    assert r.returncode == 0, r.stderr
+    events = json.loads((tmp_path / "rep" / "simulated.trace.json").read_text())["traceEvents"]
+    assert any(e.get("tid") == 3 and e["ph"] == "X" for e in events)  # the CPU lane
+    assert (tmp_path / "rep" / "timeline.png").exists()
