@@ -22,7 +22,8 @@ from torch import Tensor, nn
 
 from moesim.atomic import atomic_write, atomic_write_text
 from moesim.errors import MoesimError
-from moesim.executor.model import MoEModel, read_tensors, route
+from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
+from moesim.executor.model import MoEModel, ResidentExperts, quasi_hidden, read_tensors
 
 ESTIMATOR_FILE = "estimator.safetensors"
 RECORD_FILE = "estimator.json"
@@ -49,23 +50,23 @@ def collect(model: MoEModel, dv: Tensor, tokens: Tensor, chunk: int = 256) -> tu
     state ``q_l`` and layer l+1's true router probabilities. Returns (q, probs, layer index)."""
     s = model.spec
     qs, ps, ls = [], [], []
+    prev: list[Tensor] = []  # q_{l-1}, waiting for layer l's true router
+
+    def capture(layer: int, x: Tensor, logits: Tensor, resid: Tensor, ids: Tensor, gates: Tensor) -> None:
+        if prev:
+            qs.append(prev.pop())
+            ps.append(logits.float().softmax(-1))
+            ls.append(torch.full((x.shape[0],), layer - 1, dtype=torch.long))
+        if layer + 1 < s.n_layers:
+            prev.append(quasi_hidden(model, layer, resid, ids, gates, dv).float())
+
+    hook = ResidentExperts(model, on_route=capture)
     for i in range(0, tokens.numel() - 1, chunk):
-        h = model.embed_tokens(tokens[i:i + chunk].view(1, -1))
-        prev = None  # (q_{l-1}) waiting for this layer's true router
-        for layer, blk in enumerate(model.layers):
-            h = h + blk.self_attn(blk.input_layernorm(h), None, layer, 0)
-            x = blk.post_attention_layernorm(h).reshape(-1, s.hidden)
-            logits = blk.gate(x)
-            if prev is not None:
-                qs.append(prev)
-                ps.append(logits.float().softmax(-1))
-                ls.append(torch.full((x.shape[0],), layer - 1, dtype=torch.long))
-            ids, gates = route(logits, s.top_k, s.norm_topk_prob)
-            resid = h.reshape(-1, s.hidden)
-            if layer + 1 < s.n_layers:
-                d = (dv[layer][ids] * gates[..., None]).sum(1)
-                prev = model.layers[layer + 1].post_attention_layernorm(resid + d.to(resid.dtype)).float()
-            h = h + model.moe(layer, x, ids, gates).view_as(h)
+        if stop_requested():  # Ctrl-C: the caller writes nothing from a partial collection
+            break
+        model.hidden_states(tokens[i:i + chunk].view(1, -1), hook)
+    if not qs:
+        return torch.empty(0, s.hidden), torch.empty(0, s.n_experts), torch.empty(0, dtype=torch.long)
     return torch.cat(qs), torch.cat(ps), torch.cat(ls)
 
 
@@ -80,58 +81,81 @@ def recall_by_layer(pred_logits: Tensor, true_probs: Tensor, layers: Tensor, n_l
 def train_estimator(model: MoEModel, dv: Tensor, train_tokens: Tensor, eval_tokens: Tensor, out_dir: Path,
                     epochs: int = 6, width: int = 256, lr: float = 3e-3, batch: int = 1024, seed: int = 0,
                     progress: Callable[[int, int, float], None] | None = None) -> dict:
-    """Distil the routers into an estimator; checkpoint every epoch; evaluate on held-out text."""
+    """Distil the routers into an estimator; evaluate on held-out text and checkpoint (the
+    estimator and its record, with the hybrid choice) after every epoch and on Ctrl-C, so an
+    interrupted run keeps a loadable estimator that says how far it trained."""
     torch.manual_seed(seed)
     s = model.spec
     t0 = time.time()
-    q, p, lay = collect(model, dv, train_tokens)
-    qe, pe, le = collect(model, dv, eval_tokens)
-    collect_s = time.time() - t0
-    est = Estimator(s.hidden, s.n_experts, s.n_layers, width)
-    opt = torch.optim.AdamW(est.parameters(), lr=lr, weight_decay=0.01)
-    n = q.shape[0]
-    steps = epochs * (n // batch)
-    with torch.no_grad():  # the router-based (quasi-hidden) baseline on the same held-out states
-        router_recall = []
-        for layer in range(s.n_layers - 1):
-            sel = le == layer
-            logits = model.layers[layer + 1].gate(qe[sel].to(model.embed_tokens.weight.dtype)).float()
-            router_recall += recall_by_layer(logits, pe[sel], torch.zeros(int(sel.sum()), dtype=torch.long), 2, s.top_k)
-    curve = []
-    step = 0
-    gen = torch.Generator().manual_seed(seed)
-    for epoch in range(epochs):
-        perm = torch.randperm(n, generator=gen)
-        for i in range(0, n - batch + 1, batch):
-            idx = perm[i:i + batch]
-            logits = est(q[idx], lay[idx])
-            loss = F.kl_div(logits.log_softmax(-1), p[idx], reduction="batchmean")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            step += 1
-            if progress:
-                progress(step, steps, loss.item())
-        with torch.no_grad():
-            ev = est(qe, le)
-            eval_kl = float(F.kl_div(ev.log_softmax(-1), pe, reduction="batchmean"))
-            curve.append({"epoch": epoch + 1, "training_tokens": (epoch + 1) * n // (s.n_layers - 1),
-                          "training_examples": (epoch + 1) * n, "eval_kl": eval_kl,
+    with stop_on_interrupt():
+        q, p, lay = collect(model, dv, train_tokens)
+        qe, pe, le = collect(model, dv, eval_tokens)
+        if stop_requested():
+            raise Interrupted("interrupted while collecting activations: nothing written")
+        collect_s = time.time() - t0
+        est = Estimator(s.hidden, s.n_experts, s.n_layers, width)
+        opt = torch.optim.AdamW(est.parameters(), lr=lr, weight_decay=0.01)
+        n = q.shape[0]
+        steps = epochs * (n // batch)
+        with torch.no_grad():  # the router-based (quasi-hidden) baseline on the same held-out states
+            router_recall = []
+            for layer in range(s.n_layers - 1):
+                sel = le == layer
+                logits = model.layers[layer + 1].gate(qe[sel].to(model.embed_tokens.weight.dtype)).float()
+                router_recall += recall_by_layer(logits, pe[sel], torch.zeros(int(sel.sum()), dtype=torch.long), 2,
+                                                 s.top_k)
+        curve: list[dict] = []
+        step = 0
+        gen = torch.Generator().manual_seed(seed)
+
+        def checkpoint(epoch: int) -> dict:
+            """Evaluate, then write the estimator and its record (each atomically)."""
+            with torch.no_grad():
+                ev = est(qe, le)
+                eval_kl = float(F.kl_div(ev.log_softmax(-1), pe, reduction="batchmean"))
+            curve.append({"epoch": epoch, "steps": step, "training_tokens": step * batch // (s.n_layers - 1),
+                          "training_examples": step * batch, "eval_kl": eval_kl,
                           "recall_at_k": recall_by_layer(ev, pe, le, s.n_layers, s.top_k)})
-        save_estimator(out_dir, est)  # a checkpoint per epoch: an interrupted run keeps the last one
-    final = curve[-1]["recall_at_k"]
-    hybrid = ["estimator" if e > r else "quasi" for e, r in zip(final, router_recall, strict=True)]
-    record = {
-        "command": f"moesim train-estimator --epochs {epochs} --width {width} --lr {lr} --batch {batch} --seed {seed}",
-        "parameters": sum(p_.numel() for p_ in est.parameters()), "width": width, "epochs": epochs,
-        "train_examples": n, "eval_examples": int(qe.shape[0]), "train_tokens": int(train_tokens.numel()),
-        "eval_tokens": int(eval_tokens.numel()), "collect_seconds": round(collect_s, 1),
-        "train_seconds": round(time.time() - t0 - collect_s, 1),
-        "router_recall_at_k": router_recall, "estimator_recall_at_k": final,
-        "hybrid": hybrid, "curve": curve,
-        "note": "recall at index l: predicting layer l+1 from layer l's quasi-hidden state (held-out text)",
-    }
-    atomic_write_text(out_dir / RECORD_FILE, json.dumps(record, indent=2) + "\n")
+            final = curve[-1]["recall_at_k"]
+            record = {
+                "command": f"moesim train-estimator --epochs {epochs} --width {width} --lr {lr} --batch {batch} "
+                           f"--seed {seed}",
+                "parameters": sum(p_.numel() for p_ in est.parameters()), "width": width, "epochs": epochs,
+                "train_examples": n, "eval_examples": int(qe.shape[0]), "train_tokens": int(train_tokens.numel()),
+                "eval_tokens": int(eval_tokens.numel()), "collect_seconds": round(collect_s, 1),
+                "train_seconds": round(time.time() - t0 - collect_s, 1),
+                "router_recall_at_k": router_recall, "estimator_recall_at_k": final,
+                "hybrid": ["estimator" if e > r else "quasi" for e, r in zip(final, router_recall, strict=True)],
+                "curve": curve,
+                "note": "recall at index l: predicting layer l+1 from layer l's quasi-hidden state (held-out text)",
+                **({"status": f"stopped by Ctrl-C after {step} of {steps} steps"} if step < steps else {}),
+            }
+            save_estimator(out_dir, est)
+            atomic_write_text(out_dir / RECORD_FILE, json.dumps(record, indent=2) + "\n")
+            return record
+
+        record = None
+        for epoch in range(epochs):
+            perm = torch.randperm(n, generator=gen)
+            start = step
+            for i in range(0, n - batch + 1, batch):
+                if stop_requested():
+                    break
+                idx = perm[i:i + batch]
+                logits = est(q[idx], lay[idx])
+                loss = F.kl_div(logits.log_softmax(-1), p[idx], reduction="batchmean")
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                step += 1
+                if progress:
+                    progress(step, steps, loss.item())
+            if step > start:  # nothing new since the last checkpoint otherwise
+                record = checkpoint(epoch + 1)
+            if stop_requested():
+                break
+    if record is None:
+        raise Interrupted("interrupted before the first training step: nothing written")
     return record
 
 

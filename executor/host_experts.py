@@ -134,3 +134,37 @@ def hybrid_moe(layer: int, moe_index: int, x: Tensor, ids: np.ndarray, gates: Te
         out = out + job.result()
     planner.finish(moe_index, hits, copied)
     return out
+
+
+class HybridExperts:
+    """An :class:`~moesim.executor.model.ExpertHook` for the CPU-compute policies: routes a
+    layer, runs the CPU's share on ``host`` and the device's share from ``weights``
+    (``weights[layer][e]``: resident or copied buffers) with :func:`hybrid_moe`.
+
+    ``copy_for(layer, misses)`` (optional) returns the misses to copy this layer; it is
+    where the runtime calls ``moesim.policy.cpu_or_copy`` with its clock and link queue
+    and performs the copies. Without it no miss is copied (the static policies).
+    """
+
+    def __init__(self, model, planner, host: HostExperts, weights=None,
+                 copy_for: Callable[[int, list[int]], Sequence[int]] | None = None) -> None:
+        from moesim.executor.model import route
+
+        self._route = route
+        self.spec = model.spec
+        self.planner, self.host = planner, host
+        self.weights = weights if weights is not None else model.experts
+        self.copy_for = copy_for
+        self._moe = {layer: i for i, layer in enumerate(self.spec.moe_layers)}
+
+    def __call__(self, layer: int, x: Tensor, logits: Tensor, resid: Tensor) -> Tensor:
+        s = self.spec
+        ids, gates = self._route(logits, s.top_k, s.norm_topk_prob)
+        ids_host = ids.cpu().numpy()
+        m = self._moe[layer]
+        copied: Sequence[int] = ()
+        if self.copy_for is not None:
+            _, misses = self.planner.split(m, list(dict.fromkeys(int(e) for e in ids_host.reshape(-1))))
+            copied = self.copy_for(layer, misses)
+        return hybrid_moe(layer, m, x, ids_host, gates, self.planner, self.weights[layer], self.host,
+                          s.hidden, s.expert_inter, copied)

@@ -15,6 +15,7 @@ import socket
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -235,3 +236,24 @@ def measure(device: str, name: str | None, step: Step) -> HardwareProfile:
     elif dev.type == "cuda" and "pcie_max" in facts:
         link = {"gen 3": "pcie3", "gen 4": "pcie4", "gen 5": "pcie5"}.get(facts["pcie_max"].split(" x")[0], "pcie5")
     return HardwareProfile(name or f"measured-{host}-{dev.type}", desc, link, figures)
+
+
+def measure_to_file(device: str, name: str | None, out: Path | None, threads: int,
+                    step: Step) -> tuple[HardwareProfile, Path]:
+    """``moesim profile --hardware``: measure this machine and write the profile (TOML) to
+    ``out``, by default ``./<name>.toml`` in the current directory (never into the
+    package's hwprofiles/); what was written must load back."""
+    from moesim.atomic import atomic_write_text
+    from moesim.errors import MoesimError
+    from moesim.executor.profile import check_device
+    from moesim.hardware import get_profile
+
+    if out is not None and out.suffix != ".toml":
+        raise MoesimError(f"--out {out}: a hardware profile is a .toml file")
+    torch.set_num_threads(threads)
+    check_device(device)
+    prof = measure(device, name, step)
+    path = out or Path(f"{prof.name}.toml")
+    atomic_write_text(path, f"# {prof.description}\n" + prof.to_toml())
+    get_profile(str(path))
+    return prof, path

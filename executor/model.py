@@ -1,21 +1,31 @@
-"""A readable Qwen3-MoE-family decoder (Qwen3-MoE, Mixtral, OLMoE) in one file.
+"""A readable Qwen3-MoE-family decoder (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) in one file.
 
 Pre-norm blocks: RMSNorm -> grouped-query attention with RoPE and a KV cache -> residual
--> RMSNorm -> softmax top-k router -> SwiGLU experts -> residual. Geometry comes from
+-> RMSNorm -> softmax top-k router -> SwiGLU experts (+ shared experts, Qwen2-MoE's with
+a sigmoid gate) -> residual; or a dense SwiGLU MLP in a dense layer. Geometry comes from
 :class:`moesim.models.ModelSpec` (the one source of truth); this file adds only what
 executing needs (RoPE base, norm epsilon, q/k-norm flavour).
 
 Each expert's weights are one flat, contiguous tensor ``[gate; up; down]`` so that moving
 an expert is one copy; :func:`expert_forward` computes an expert from such a buffer
 wherever it lives (resident table, device slot or host store).
+
+The layer pass exists once (:meth:`Block.forward`, looped by :meth:`MoEModel.hidden_states`).
+How the routed experts are executed is a hook (:class:`ExpertHook`): all resident
+(:class:`ResidentExperts`, which can also capture routing for calibration, distillation
+and the training loss), or offloaded (``runtime.OffloadedDecoder``). Every hook mixes
+experts with the one :func:`mix_experts`.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -23,7 +33,7 @@ from torch import Tensor, nn
 from moesim.errors import MoesimError
 from moesim.models import ModelSpec, from_hf_config
 
-FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -38,14 +48,19 @@ class ExecConfig:
 
     def __post_init__(self) -> None:
         s = self.spec
-        if s.attention.kind != "gqa" or s.dense_layers or s.n_shared or s.expert_dtype not in TORCH_DTYPES:
-            raise MoesimError(f"the executor runs GQA models with only routed bf16/fp32 experts ({', '.join(FAMILIES)}); "
+        if s.attention.kind != "gqa" or s.expert_dtype not in TORCH_DTYPES:
+            raise MoesimError(f"the executor runs GQA models with bf16/fp32 experts ({', '.join(FAMILIES)}); "
                               f"{s.name} is not one")
 
     def with_dtype(self, dtype: torch.dtype) -> ExecConfig:
         """The same model stored in ``dtype``: the spec's byte accounting follows (one source of truth)."""
         name = next(k for k, v in TORCH_DTYPES.items() if v == dtype)
         return replace(self, spec=replace(self.spec, expert_dtype=name, dense_dtype=name))
+
+    @property
+    def shared_gate(self) -> bool:
+        """Qwen2-MoE scales its shared expert by ``sigmoid(w . x)`` per token; DeepSeek does not."""
+        return self.spec.family == "qwen2_moe"
 
     @property
     def qk_norm(self) -> str:
@@ -61,6 +76,8 @@ class ExecConfig:
         if spec.family not in FAMILIES:
             raise MoesimError(f"{path}: model_type {spec.family!r} is not executable; supported: {', '.join(FAMILIES)}")
         cfg = json.loads(path.read_text())
+        if cfg.get("use_sliding_window"):
+            raise MoesimError(f"{path}: sliding-window attention is not executable")
         theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 1e4
         return cls(spec, float(theta), float(cfg.get("rms_norm_eps", 1e-6)),
                    int(cfg.get("max_position_embeddings", 4096)))
@@ -210,14 +227,142 @@ def route(logits: Tensor, top_k: int, renorm: bool) -> tuple[Tensor, Tensor]:
     return ids, gates
 
 
+# --------------------------------------------------------------------------------------
+# Expert execution: one mixing function, and hooks that say where experts run
+# --------------------------------------------------------------------------------------
+
+ExpertVisitor = Callable[[int, int, Tensor, Tensor], None]  # (layer, expert, rows, ungated output)
+
+
+def mix_experts(x: Tensor, ids: np.ndarray, gates: Tensor, weights, hidden: int, inter: int,
+                each: Callable[[int, Tensor, Tensor], None] | None = None) -> Tensor:
+    """``sum_c gates[r, c] * expert_{ids[r, c]}(x[r])`` for every row ``r``.
+
+    ``x`` [rows, hidden]; ``ids`` [rows, k] on the HOST (numpy): grouping rows by expert is
+    host work, and taking ids already on the host keeps this free of device syncs (the
+    offloaded runtime copies them once per layer anyway); ``gates`` [rows, k] on x's
+    device; ``weights[e]``: expert e's flat buffer (a resident table, device slots, or
+    trainable rows). ``each(e, rows, y)`` sees every expert's ungated output (calibration).
+    Experts run in increasing id order, so every caller sums in the same order.
+    """
+    out = torch.zeros_like(x)
+    if x.shape[0] == 1:  # decode at batch 1: every expert sees the single row, no gather
+        for c, e in enumerate(ids[0].tolist()):
+            y = expert_forward(weights[e].to(x.device), x, hidden, inter)
+            if each is not None:
+                each(e, torch.zeros(1, dtype=torch.long, device=x.device), y)
+            out += gates[:, c, None].to(x.dtype) * y
+        return out
+    groups: dict[int, tuple[list[int], list[int]]] = {}
+    for r, row in enumerate(ids.tolist()):
+        for c, e in enumerate(row):
+            rows, cols = groups.setdefault(e, ([], []))
+            rows.append(r)
+            cols.append(c)
+    for e in sorted(groups):
+        rows, cols = groups[e]
+        r = torch.tensor(rows, device=x.device)
+        y = expert_forward(weights[e].to(x.device), x[r], hidden, inter)  # [n_e, hidden]
+        if each is not None:
+            each(e, r, y)
+        out.index_add_(0, r, y * gates[r, torch.tensor(cols, device=x.device), None].to(y.dtype))
+    return out
+
+
+class ExpertHook(Protocol):
+    """How a block's routed experts are executed. ``x`` [rows, hidden]: the router input
+    (post-attention norm); ``logits`` [rows, experts]: the router's; ``resid`` [rows, hidden]:
+    the residual stream after attention and the resident shared experts, which the routed
+    output is added to (predictors read it). Returns the routed experts' mixed output
+    [rows, hidden]. Implementations: :class:`ResidentExperts` (all weights in
+    place; optional capture for calibration, distillation and training losses) and the
+    offloaded runtime's per-step hook (routing, prediction, copies, stalls, timing)."""
+
+    def __call__(self, layer: int, x: Tensor, logits: Tensor, resid: Tensor) -> Tensor: ...
+
+
+class ResidentExperts:
+    """Route and run experts whose weights are all in place: ``weights[layer][e]``
+    (default: the model's table; training passes its parameters). ``on_route(layer, x,
+    logits, resid, ids, gates)`` observes every layer's routing; ``each(layer, e, rows, y)``
+    every expert's ungated output."""
+
+    def __init__(self, model: MoEModel, weights=None, on_route: Callable | None = None,
+                 each: ExpertVisitor | None = None) -> None:
+        self.spec, self.weights = model.spec, weights if weights is not None else model.experts
+        self.on_route, self.each = on_route, each
+
+    def __call__(self, layer: int, x: Tensor, logits: Tensor, resid: Tensor) -> Tensor:
+        s = self.spec
+        ids, gates = route(logits, s.top_k, s.norm_topk_prob)  # [rows, k] each
+        if self.on_route is not None:
+            self.on_route(layer, x, logits, resid, ids, gates)
+        each = None if self.each is None else (lambda e, rows, y: self.each(layer, e, rows, y))
+        return mix_experts(x, ids.cpu().numpy(), gates, self.weights[layer], s.hidden, s.expert_inter, each)
+
+
+def quasi_hidden(model: MoEModel, layer: int, resid: Tensor, ids: Tensor, gates: Tensor, dv: Tensor) -> Tensor:
+    """The quasi-hidden state q_l: layer l+1's router input as it would be if layer l's
+    experts returned their default vectors ``dv`` [L, E, hidden]: LN_{l+1}(r_l + d_l) with
+    d_l the gate-weighted default vectors of the chosen ``ids`` [rows, k]. [rows, hidden]."""
+    d = (dv[layer][ids] * gates[..., None].to(dv.dtype)).sum(1)  # [rows, hidden]
+    return model.layers[layer + 1].post_attention_layernorm(resid + d.to(resid.dtype))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: a dense layer's FFN, or a layer's shared experts fused into one
+    (``n_shared`` experts of ``inter`` = one MLP of ``n_shared * inter``)."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: ExecConfig) -> None:
+    """Pre-norm decoder block: the ONE place where a layer's feed-forward part is assembled.
+
+    A dense layer (``ModelSpec.dense_layers``: DeepSeek's leading layers, Qwen2-MoE's
+    ``mlp_only_layers``) runs its MLP. An MoE layer runs its shared experts, if any
+    (``n_shared``; Qwen2-MoE gates them with a sigmoid), which are resident, and its routed
+    experts through ``experts`` (an :class:`ExpertHook`), which decides where they run."""
+
+    def __init__(self, cfg: ExecConfig, layer: int) -> None:
         super().__init__()
         s = cfg.spec
         self.input_layernorm = RMSNorm(s.hidden, cfg.rms_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(s.hidden, cfg.rms_eps)
+        self.is_moe = layer not in s.dense_layers
+        self.shared_expert = self.shared_expert_gate = None
+        if not self.is_moe:
+            self.mlp = FeedForward(s.hidden, s.dense_inter)
+            return
         self.gate = nn.Linear(s.hidden, s.n_experts, bias=False)  # the router
+        if s.n_shared:
+            self.shared_expert = FeedForward(s.hidden, s.n_shared * (s.shared_inter or s.expert_inter))
+            if cfg.shared_gate:
+                self.shared_expert_gate = nn.Linear(s.hidden, 1, bias=False)
+
+    def forward(self, h: Tensor, layer: int, experts: ExpertHook, cache: KVCache | None, start: int,
+                tree: TreeMask | None = None) -> Tensor:
+        """``h`` [batch, seq, hidden] -> [batch, seq, hidden]."""
+        h = h + self.self_attn(self.input_layernorm(h), cache, layer, start, tree)
+        x = self.post_attention_layernorm(h)  # [batch, seq, hidden]
+        if not self.is_moe:
+            return h + self.mlp(x)
+        x = x.flatten(0, 1)  # [batch*seq, hidden]
+        resid = h.flatten(0, 1)  # [batch*seq, hidden]: what the routed experts add to
+        if self.shared_expert is not None:  # resident; runs while the routed experts' copies fly
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            resid = resid + shared
+        return (resid + experts(layer, x, self.gate(x), resid)).view_as(h)
 
 
 class MoEModel(nn.Module):
@@ -229,49 +374,36 @@ class MoEModel(nn.Module):
         s = cfg.spec
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(s.vocab, s.hidden)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(s.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, layer) for layer in range(s.n_layers))
         self.norm = RMSNorm(s.hidden, cfg.rms_eps)
         self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False)
         if s.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.experts: list[list[Tensor]] = []
+        self.experts: list[list[Tensor]] = []  # [] for a dense layer
 
     @property
     def spec(self) -> ModelSpec:
         return self.cfg.spec
 
-    def moe(self, layer: int, x: Tensor, ids: Tensor, gates: Tensor, weights: list[Tensor] | None = None) -> Tensor:
-        """Mix the experts ``ids`` [tokens, k] with ``gates`` for tokens ``x`` [tokens, hidden].
-        ``weights`` maps expert id -> flat buffer (default: the resident table)."""
-        weights = weights if weights is not None else self.experts[layer]
-        s = self.spec
-        out = torch.zeros_like(x)
-        flat_ids = ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=s.n_experts).tolist()
-        rows = (order // ids.shape[1])
-        cols = order % ids.shape[1]
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            r, c = rows[start:start + n], cols[start:start + n]
-            start += n
-            y = expert_forward(weights[e], x[r], s.hidden, s.expert_inter)
-            out.index_add_(0, r, y * gates[r, c, None].to(y.dtype))
-        return out
+    def blocks(self, h: Tensor, experts: ExpertHook, cache: KVCache | None = None, start: int = 0,
+               tree: TreeMask | None = None) -> Tensor:
+        """The layer pass: ``h`` [batch, seq, hidden] through every block, routed experts
+        executed by ``experts``. ``cache`` None attends within the sequence only (training)."""
+        for layer, blk in enumerate(self.layers):
+            h = blk(h, layer, experts, cache, start, tree)
+        return h
+
+    def hidden_states(self, tokens: Tensor, experts: ExpertHook | None = None, cache: KVCache | None = None,
+                      start: int = 0, tree: TreeMask | None = None) -> Tensor:
+        """``tokens`` [batch, seq] -> final normed hidden [batch, seq, hidden]; experts all
+        resident unless a hook says otherwise."""
+        h = self.embed_tokens(tokens)  # [batch, seq, hidden]
+        return self.norm(self.blocks(h, experts or ResidentExperts(self), cache, start, tree))
 
     @torch.no_grad()
     def forward(self, tokens: Tensor, cache: KVCache, start: int) -> Tensor:
         """Plain all-resident forward over ``tokens`` [batch, seq] -> logits [batch, seq, vocab]."""
-        h = self.embed_tokens(tokens)
-        b, t, d = h.shape
-        for i, blk in enumerate(self.layers):
-            h = h + blk.self_attn(blk.input_layernorm(h), cache, i, start)
-            x = blk.post_attention_layernorm(h).reshape(b * t, d)
-            ids, gates = route(blk.gate(x), self.spec.top_k, self.spec.norm_topk_prob)
-            h = h + self.moe(i, x, ids, gates).view(b, t, d)
-        return self.lm_head(self.norm(h))
+        return self.lm_head(self.hidden_states(tokens, None, cache, start))
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.embed_tokens.weight
@@ -285,10 +417,18 @@ class MoEModel(nn.Module):
 # Per-expert on-disk names for each family: (gate, up, down).
 _EXPERT_KEYS = {
     "qwen3_moe": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj"),
+    "qwen2_moe": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj"),
     "olmoe": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj"),
     "mixtral": ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3", "block_sparse_moe.experts.{e}.w2"),
 }
-_ROUTER_KEY = {"qwen3_moe": "mlp.gate", "olmoe": "mlp.gate", "mixtral": "block_sparse_moe.gate"}
+_ROUTER_KEY = {"qwen3_moe": "mlp.gate", "qwen2_moe": "mlp.gate", "olmoe": "mlp.gate", "mixtral": "block_sparse_moe.gate"}
+
+
+def _hub_key(name: str, family: str) -> str:
+    """The checkpoint's name of our parameter ``name`` (dense MLPs are ``mlp.*`` in both)."""
+    key = f"model.{name}" if not name.startswith("lm_head") else name
+    key = key.replace(".shared_expert", ".mlp.shared_expert")  # also .shared_expert_gate
+    return key.replace(".gate.weight", f".{_ROUTER_KEY[family]}.weight")
 
 
 def random_model(cfg: ExecConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -305,7 +445,7 @@ def random_model(cfg: ExecConfig, seed: int = 0, dtype: torch.dtype = torch.floa
     g = torch.Generator().manual_seed(seed + 1)
     n = s.expert_weights
     model.experts = [[_store((torch.randn(n, generator=g) * 0.02).to(dtype), expert_device, pin)
-                      for _ in range(s.n_experts)] for _ in range(s.n_layers)]
+                      for _ in range(s.n_experts)] if layer in s.moe_layers else [] for layer in range(s.n_layers)]
     return model
 
 
@@ -338,8 +478,7 @@ def load_checkpoint(model_dir: str | Path, dtype: torch.dtype = torch.float32,
     model = MoEModel(cfg)
     state = {}
     for name in model.state_dict():
-        key = f"model.{name}" if not name.startswith("lm_head") else name
-        key = key.replace(".gate.weight", f".{_ROUTER_KEY[fam]}.weight")
+        key = _hub_key(name, fam)
         if key not in tensors:
             if name == "lm_head.weight" and s.tie_embeddings:
                 continue
@@ -350,7 +489,7 @@ def load_checkpoint(model_dir: str | Path, dtype: torch.dtype = torch.float32,
     experts = []
     for layer in range(s.n_layers):
         row = []
-        for e in range(s.n_experts):
+        for e in range(s.n_experts if layer in s.moe_layers else 0):
             parts = []
             for pat in _EXPERT_KEYS[fam]:
                 key = f"model.layers.{layer}.{pat.format(e=e)}.weight"
@@ -377,8 +516,7 @@ def save_checkpoint(model: MoEModel, model_dir: str | Path, extra_config: dict |
     model_dir.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, t in model.state_dict().items():
-        key = f"model.{name}" if not name.startswith("lm_head") else name
-        tensors[key.replace(".gate.weight", ".mlp.gate.weight")] = t.to(dtype).contiguous()
+        tensors[_hub_key(name, "qwen3_moe")] = t.to(dtype).contiguous()
     n = s.expert_inter * s.hidden
     for layer, row in enumerate(model.experts):
         for e, w in enumerate(row):
@@ -428,5 +566,6 @@ def log_softmax_kl(p_logits: Tensor, q_logits: Tensor) -> Tensor:
     return (p.exp() * (p - q)).sum(-1)
 
 
-__all__ = ["ExecConfig", "MoEModel", "KVCache", "expert_forward", "route", "random_model", "load_checkpoint",
+__all__ = ["ExecConfig", "MoEModel", "KVCache", "ExpertHook", "ResidentExperts", "expert_forward", "mix_experts",
+           "quasi_hidden", "route", "random_model", "load_checkpoint",
            "save_checkpoint", "count_params", "log_softmax_kl"]

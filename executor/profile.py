@@ -21,7 +21,10 @@ import torch
 from moesim import __version__
 from moesim.atomic import atomic_write, atomic_write_text
 from moesim.errors import MoesimError
-from moesim.executor.model import MoEModel, expert_forward, log_softmax_kl, route
+from moesim.executor.corpus import held_out_split
+from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
+from moesim.executor.loading import shipped_model  # noqa: F401 (re-exported for bench/ scripts)
+from moesim.executor.model import MoEModel, ResidentExperts, log_softmax_kl
 from moesim.executor.runtime import OffloadedDecoder, StepRecord, make_transport
 from moesim.hardware import HardwareProfile
 from moesim.traces.format import COPY_KINDS, Trace
@@ -32,20 +35,12 @@ DEFAULT_VECTORS = "default_vectors.safetensors"
 DEFAULT_PROMPT = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n"
 
 
-def shipped_model() -> Path:
-    """The learned-routing checkpoint that ships with moesim (executor/checkpoints/moe-stdlib)."""
-    return Path(__file__).parent / "checkpoints" / "moe-stdlib"
-
-
 def eval_text(vocab: int, n: int, seed: int) -> torch.Tensor:
     """A fixed evaluation text [1, n] for fidelity: for byte-level models the start of the
-    held-out 5% of the Python standard library corpus (never trained on; the same for a
+    held-out tail of the Python standard library corpus (never trained on; the same for a
     given Python version), else seeded random ids."""
     if vocab == 256:
-        from moesim.executor.train import stdlib_corpus
-
-        corpus, _ = stdlib_corpus()
-        data = corpus[int(len(corpus) * 0.95):][:n]
+        data = held_out_split()[0][:n]
         return torch.tensor(list(data), dtype=torch.long).view(1, -1)
     return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed + 7))
 
@@ -62,21 +57,14 @@ def calibrate(model: MoEModel, tokens: torch.Tensor, chunk: int = 256) -> torch.
     s = model.spec
     sums = torch.zeros(s.n_layers, s.n_experts, s.hidden)
     counts = torch.zeros(s.n_layers, s.n_experts)
+
+    def accumulate(layer: int, e: int, rows: torch.Tensor, y: torch.Tensor) -> None:  # y [rows, hidden], ungated
+        sums[layer, e] += y.float().sum(0).cpu()
+        counts[layer, e] += rows.numel()
+
+    capture = ResidentExperts(model, each=accumulate)
     for i in range(0, tokens.numel() - 1, chunk):
-        x_tok = tokens[i:i + chunk].view(1, -1).to(model.embed_tokens.weight.device)
-        h = model.embed_tokens(x_tok)
-        for layer, blk in enumerate(model.layers):
-            h = h + blk.self_attn(blk.input_layernorm(h), None, layer, 0)
-            x = blk.post_attention_layernorm(h).reshape(-1, s.hidden)
-            ids, gates = route(blk.gate(x), s.top_k, s.norm_topk_prob)
-            out = torch.zeros_like(x)
-            for e in ids.unique().tolist():
-                rows, cols = (ids == e).nonzero(as_tuple=True)
-                y = expert_forward(model.experts[layer][e].to(x.device), x[rows], s.hidden, s.expert_inter)
-                sums[layer, e] += y.float().sum(0).cpu()
-                counts[layer, e] += rows.numel()
-                out.index_add_(0, rows, y * gates[rows, cols, None].to(y.dtype))
-            h = h + out.view_as(h)
+        model.hidden_states(tokens[i:i + chunk].view(1, -1).to(model.embed_tokens.weight.device), capture)
     return sums / counts.clamp(min=1)[..., None]
 
 
@@ -132,8 +120,10 @@ def generate(model: MoEModel, prompt: torch.Tensor, st: ProfileSettings, hw: Har
              progress: Callable[[int, int], None] | None = None,
              estimator=None) -> tuple[float, list[StepRecord], list[torch.Tensor]]:
     """Prefill ``prompt`` [B, P], then decode ``st.tokens`` steps (or feed ``forced`` [B, T]
-    tokens: teacher forcing). Returns (prefill seconds, step records, generated tokens).
-    Ctrl-C stops after the last finished step and returns what was done."""
+    tokens: teacher forcing). Returns (prefill seconds, step records, the token each step
+    consumed). Ctrl-C at any instant returns the finished steps, records and tokens always
+    of equal length (a step's record and token are committed together, after the step);
+    before the first finished step it raises :class:`Interrupted`."""
     policy = policy or st.policy
     b, p = prompt.shape
     n = forced.shape[1] if forced is not None else st.tokens
@@ -143,37 +133,47 @@ def generate(model: MoEModel, prompt: torch.Tensor, st: ProfileSettings, hw: Har
         dec.oracle_routes = [(r.true_ids, r.true_gates) for r in pre]
     gen = torch.Generator().manual_seed(st.seed)
     cache = model.new_cache(b, p + n + 1)
-    records: list[StepRecord] = []
-    out: list[torch.Tensor] = []
-    try:
-        pre_rec = dec.step(prompt.to(dec.device), cache, 0, prefill=True)
-        tok = _next_token(pre_rec.logits, st.temperature, gen)
-        for i in range(n):
-            if forced is not None:
-                tok = forced[:, i:i + 1].to(dec.device)
-            out.append(tok.cpu())
-            rec = dec.step(tok, cache, p + i, i)
-            records.append(rec)
-            tok = _next_token(rec.logits, st.temperature, gen)
-            if progress:
-                progress(i + 1, n)
-    except KeyboardInterrupt:
-        if not records:
-            raise
-    finally:
-        dec.transport.close()
-    return pre_rec.tpot_s, records, out
+    done: list[tuple[StepRecord, torch.Tensor]] = []  # (record, the token it consumed): one append a step
+    cut = False
+    with stop_on_interrupt():
+        try:
+            pre_rec = dec.step(prompt.to(dec.device), cache, 0, prefill=True)
+            tok = _next_token(pre_rec.logits, st.temperature, gen)
+            for i in range(n):
+                if stop_requested():
+                    cut = True
+                    break
+                if forced is not None:
+                    tok = forced[:, i:i + 1].to(dec.device)
+                rec = dec.step(tok, cache, p + i, i)
+                done.append((rec, tok.cpu()))
+                tok = _next_token(rec.logits, st.temperature, gen)
+                if progress:
+                    progress(i + 1, n)
+        except KeyboardInterrupt:
+            cut = True
+        finally:
+            dec.transport.close()
+    if cut and not done:
+        raise Interrupted("interrupted before the first decode step finished: nothing to keep")
+    return pre_rec.tpot_s, [r for r, _ in done], [t for _, t in done]
 
 
 def fidelity(model: MoEModel, st: ProfileSettings, hw: HardwareProfile, dv, eval_tokens: torch.Tensor,
              estimator=None) -> dict:
     """Speculative output against exact output, teacher-forced over ``eval_tokens`` [1, T]:
-    next-token agreement and mean KL(exact || policy) of the output distributions."""
+    next-token agreement and mean KL(exact || policy) of the output distributions. If
+    Ctrl-C cuts it short: over the tokens both runs finished (``tokens`` says how many),
+    or None if none."""
     prompt, forced = eval_tokens[:, :1], eval_tokens[:, 1:]
-    _, exact, _ = generate(model, prompt, st, hw, dv, forced, "all-resident")
-    _, spec, _ = generate(model, prompt, st, hw, dv, forced, estimator=estimator)
-    a = torch.stack([r.logits for r in exact]).reshape(-1, model.spec.vocab)
-    b = torch.stack([r.logits for r in spec]).reshape(-1, model.spec.vocab)
+    try:
+        _, exact, _ = generate(model, prompt, st, hw, dv, forced, "all-resident")
+        _, spec, _ = generate(model, prompt, st, hw, dv, forced, estimator=estimator)
+    except Interrupted:
+        return None
+    n = min(len(exact), len(spec))
+    a = torch.stack([r.logits for r in exact[:n]]).reshape(-1, model.spec.vocab)
+    b = torch.stack([r.logits for r in spec[:n]]).reshape(-1, model.spec.vocab)
     return {"tokens": int(a.shape[0]), "next_token_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
             "mean_kl": float(log_softmax_kl(a, b).mean())}
 

@@ -7,6 +7,10 @@ by :class:`moesim.policy.Planner`, the same object the simulator times.
 
 Per MoE layer ``l`` of a step (batch rows decode one token each):
 
+The layer pass is the model's own (``Block.forward``); the decoder supplies the expert
+hook that does steps 1-4 below, split into small methods (prediction, the host sync,
+planning and copies, the step's timing).
+
 1. attention, router (true top-k), and the prediction for layer ``l+1``:
    ``quasi`` applies layer l+1's router to ``LN_{l+1}(r_l + d_l)`` with default vectors,
    ``stale`` applies it to layer l's own router input, ``oracle`` reads the true ids of a
@@ -29,11 +33,24 @@ import torch
 from torch import Tensor
 
 from moesim.errors import MoesimError
-from moesim.executor.model import MoEModel, TreeMask, expert_forward, route
+from moesim.executor.model import MoEModel, TreeMask, mix_experts, quasi_hidden, route
 from moesim.executor.transport import CudaTransport, EmulatedLink, Transfer
 from moesim.policy import Planner, get_policy
 
 PREDICTORS = ("quasi", "stale", "oracle", "estimator", "hybrid")
+
+
+def predictor_inputs(policy: str, predictor: str) -> tuple[bool, bool]:
+    """What ``predictor`` reads under ``policy``: (default vectors, a trained estimator).
+
+    Nothing is predicted without offloading, and the oracle policy reads true ids. Every
+    other offloading policy predicts, on-demand too (its trace records the predictions so
+    that it can stand in for the prefetching policies); only a prefetching policy cannot
+    run without them (checked in :class:`OffloadedDecoder`)."""
+    pol = get_policy(policy)
+    if not pol.offload or pol.oracle:
+        return False, False
+    return predictor in ("quasi", "estimator", "hybrid"), predictor in ("estimator", "hybrid")
 
 
 @dataclass
@@ -94,15 +111,19 @@ class OffloadedDecoder:
             raise MoesimError(f"unknown predictor {predictor!r}; known: {', '.join(PREDICTORS)}")
         if self.policy.oracle:
             predictor = "oracle"
-        if self.policy.prefetch and predictor in ("quasi", "estimator", "hybrid") and default_vectors is None:
+        uses_dv, uses_est = predictor_inputs(self.policy.name, predictor)
+        if self.policy.prefetch and uses_dv and default_vectors is None:
             raise MoesimError(f"the {predictor} predictor needs default vectors (moesim calibrate)")
-        if self.policy.prefetch and predictor in ("estimator", "hybrid") and estimator is None:
+        if self.policy.prefetch and uses_est and estimator is None:
             raise MoesimError(f"the {predictor} predictor needs a trained estimator (moesim train-estimator)")
         self.estimator = estimator
         self.predictor, self.dv = predictor, default_vectors
         self.can_predict = predictor == "stale" or (default_vectors is not None and (
             predictor == "quasi" or (predictor in ("estimator", "hybrid") and estimator is not None)))
         s = model.spec
+        if s.dense_layers:  # the trace and the planner index MoE layers; dense ones would need mapping
+            raise MoesimError(f"offloaded decoding of models with dense layers ({s.name}) is not supported yet; "
+                              "the all-resident forward runs them")
         p = model.embed_tokens.weight
         self.device, self.dtype = p.device, p.dtype
         self.planner = Planner(self.policy, cache_experts if self.policy.offload else 0, eviction)
@@ -162,12 +183,27 @@ class OffloadedDecoder:
         s = self.model.spec
         if self.predictor == "stale":
             return route(nxt.gate(x), s.top_k, s.norm_topk_prob)
-        d = (self.dv[layer][ids] * gates[..., None].to(self.dv.dtype)).sum(1)  # router-weighted default vectors
-        q = nxt.post_attention_layernorm(resid + d.to(resid.dtype))
+        q = quasi_hidden(self.model, layer, resid, ids, gates, self.dv)
         use = self.predictor if self.predictor != "hybrid" else self.estimator[1][layer]
         if use == "estimator":
             return route(self.estimator[0](q.to(self.est_dtype), layer), s.top_k, s.norm_topk_prob)
         return route(nxt.gate(q), s.top_k, s.norm_topk_prob)
+
+    def _predict_next(self, st: _StepState, layer: int, resid: Tensor, x: Tensor, ids: Tensor,
+                      gates: Tensor) -> tuple[Tensor, Tensor] | None:
+        """Layer ``layer + 1``'s predicted (ids, gates) on the device, or None. Offloading
+        policies all run the predictor: prefetchers use it, on-demand records it (its cost
+        stays in attn_s) so its trace can predict the prefetching policies. Verification
+        brings its own predictions; prefill predicts nothing."""
+        if st.predicted is not None or st.prefill or layer + 1 >= self.model.spec.n_layers:
+            return None
+        if not (self.policy.offload and (self.policy.prefetch or self.can_predict)):
+            return None
+        if self.predictor == "oracle":
+            ids_o, gates_o = self.oracle_routes[st.step_index]
+            return (torch.as_tensor(ids_o[layer + 1].astype(np.int64), device=self.device),
+                    torch.as_tensor(gates_o[layer + 1], device=self.device))
+        return self._predict(layer, resid, x, ids, gates)
 
     @property
     def est_dtype(self) -> torch.dtype:
@@ -181,129 +217,147 @@ class OffloadedDecoder:
         of a prompt (``prefill``: no prediction; each layer copies the union of the experts
         the prompt routes to, which for a long prompt is nearly the whole layer), or the
         verification of a candidate tree (``tree``; ``predicted``: per layer, the union of
-        the experts predicted for its tokens, which prefetching policies copy ahead)."""
-        m, s, tm = self.model, self.model.spec, self.timer
-        L, (b, t), k = s.n_layers, tokens.shape, s.top_k
-        tm.marks.clear()
-        if isinstance(self.transport, CudaTransport):
-            self.transport.start_step(tm.mark())
-            t_start = tm.marks[-1]
+        the experts predicted for its tokens, which prefetching policies copy ahead).
+
+        The model's own layer pass runs the step; this decoder only supplies the expert
+        hook (:meth:`_layer_experts`), so the block is the same one every other caller runs."""
+        m = self.model
+        st = self._begin_step(tokens.numel(), step_index, prefill, predicted)
+        h = m.embed_tokens(tokens)  # [B, t, hidden]
+        st.t_embed = st.t_layer = self.timer.mark()
+        h = m.blocks(h, lambda *a: self._layer_experts(st, *a), cache, pos, tree)
+        hn = m.norm(h)  # [B, t, hidden]
+        if tree is not None:
+            st.rec.all_logits = m.lm_head(hn)  # [B, t, vocab]
+            logits = st.rec.all_logits[:, -1]
         else:
-            t_start = tm.mark()
-        shape = (L, b * t, k)
+            logits = m.lm_head(hn)[:, -1]  # [B, vocab]
+        self._end_step(st, self.timer.mark())
+        st.rec.logits = logits
+        return st.rec
+
+    def _begin_step(self, rows: int, step_index: int, prefill: bool, predicted) -> _StepState:
+        tm = self.timer
+        tm.marks.clear()
+        t_start = tm.mark()
+        if isinstance(self.transport, CudaTransport):
+            self.transport.start_step(t_start)
+        s = self.model.spec
+        L, shape = s.n_layers, (s.n_layers, rows, s.top_k)
         rec = StepRecord(np.full(shape, -1, np.int16), np.zeros(shape, np.float32), np.full(shape, -1, np.int16),
                          np.zeros(shape, np.float32), np.full(shape, -1, np.int16), np.zeros(L), np.zeros(L), np.zeros(L),
                          np.zeros(L))
-        true_gates: list[Tensor] = []  # kept on the device, copied once at the end of the step
-        pred_gates: dict[int, Tensor] = {}
-        h = m.embed_tokens(tokens)
-        t_embed = tm.mark()
-        pending: list[Transfer] = []  # prefetched copies for the current layer
-        pred_next: tuple[Tensor, Tensor] | None = None
-        pred_next_host: np.ndarray | None = None
-        marks = []
-        for layer, blk in enumerate(m.layers):
-            t0 = tm.mark()
-            h = h + blk.self_attn(blk.input_layernorm(h), cache, layer, pos, tree)
-            x = blk.post_attention_layernorm(h).reshape(b * t, -1)
-            ids, gates = route(blk.gate(x), k, s.norm_topk_prob)
-            pred_here, pred_host = pred_next, pred_next_host
-            pred_next = pred_next_host = None
-            tp0 = tm.mark()
-            # Offloading policies all run the predictor: prefetchers use it, on-demand records
-            # it (its cost stays in attn_s) so its trace can predict the prefetching policies.
-            if predicted is not None or prefill:
-                pass  # verification brings its own predictions; prefill predicts nothing
-            elif self.policy.offload and layer + 1 < L and (self.policy.prefetch or self.can_predict):
-                if self.predictor == "oracle":
-                    ids_o, gates_o = self.oracle_routes[step_index]
-                    pred_next = (torch.as_tensor(ids_o[layer + 1].astype(np.int64), device=self.device),
-                                 torch.as_tensor(gates_o[layer + 1], device=self.device))
-                else:
-                    pred_next = self._predict(layer, h.reshape(b * t, -1), x, ids, gates)
-            tp1 = tm.mark()
-            # The one host synchronisation of the layer: true ids and the next layer's prediction.
-            both = torch.cat([ids, pred_next[0]], 1) if pred_next is not None else ids
-            host = both.cpu().numpy()
-            true_host = host[:, :k]
-            if pred_next is not None:
-                pred_next_host = host[:, k:]
-            rec.true_ids[layer] = true_host
-            true_gates.append(gates)
-            if pred_here is not None:
-                rec.pred_ids[layer] = pred_host
-                pred_gates[layer] = pred_here[1]
-            here = _union(pred_host) if pred_host is not None else None
-            if predicted is not None:
-                here = predicted[layer] if layer > 0 else None
-            plan = self.planner.route(layer, _union(true_host), here)
-            demand: list[Transfer] = []
-            self._issue(layer, list(plan.demand), 1, demand)
-            prefetch: list[Transfer] = []
-            if pred_next is not None:
-                self._issue(layer + 1, self.planner.prefetch(layer + 1, _union(pred_next_host)), 0, prefetch)
-            elif predicted is not None and layer + 1 < L:
-                self._issue(layer + 1, self.planner.prefetch(layer + 1, predicted[layer + 1]), 0, prefetch)
-            t1 = tm.mark()
-            self.transport.wait(pending + demand)
-            t2 = tm.mark()
-            speculative = self.policy.speculative and pred_here is not None and predicted is None
-            run_ids, run_gates = (pred_host, pred_here[1]) if speculative else (true_host, gates)
-            rec.exec_ids[layer] = run_ids
-            h = h + _apply_experts(x, run_ids, run_gates, self._weights(layer), s.hidden, s.expert_inter).view_as(h)
-            t3 = tm.mark()
-            _, evicted = self.planner.finish(layer, plan)
-            self._release(layer, evicted)
-            rec.copies += demand + prefetch
-            pending = prefetch
-            marks.append((t0, t1, t2, t3, tp0, tp1))
-        if tree is not None:
-            rec.all_logits = m.lm_head(m.norm(h))
-            logits = rec.all_logits[:, -1]
-        else:
-            logits = m.lm_head(m.norm(h))[:, -1]
-        t_end = tm.mark()
-        rec.true_gates[:] = torch.stack(true_gates).float().cpu().numpy()
-        for layer, g in pred_gates.items():
+        return _StepState(rec, step_index, prefill, predicted, t_start)
+
+    def _layer_experts(self, st: _StepState, layer: int, x: Tensor, logits: Tensor, resid: Tensor) -> Tensor:
+        """The expert hook of one MoE layer: route, predict the next layer, sync once, plan
+        and issue copies, wait for this layer's, run the executed experts. ``x``, ``resid``
+        [rows, hidden]; ``logits`` [rows, experts]. Marks: attn_s runs from the end of the
+        previous layer (its attention, router, prediction, planning) to t1; stall_s t1-t2;
+        expert_s t2-t3."""
+        tm, s = self.timer, self.model.spec
+        ids, gates = route(logits, s.top_k, s.norm_topk_prob)  # [rows, k] each, on the device
+        pred_here, pred_here_host = st.pred_next, st.pred_next_host
+        tp0 = tm.mark()
+        st.pred_next = self._predict_next(st, layer, resid, x, ids, gates)
+        tp1 = tm.mark()
+        true_host, st.pred_next_host = self._to_host(ids, st.pred_next)
+        self._record_routing(st, layer, true_host, gates, pred_here, pred_here_host)
+        plan, demand, prefetch = self._plan_copies(st, layer, true_host, pred_here_host)
+        t1 = tm.mark()
+        self.transport.wait(st.pending + demand)
+        t2 = tm.mark()
+        speculative = self.policy.speculative and pred_here is not None and st.predicted is None
+        run_ids, run_gates = (pred_here_host, pred_here[1]) if speculative else (true_host, gates)
+        st.rec.exec_ids[layer] = run_ids
+        y = mix_experts(x, run_ids, run_gates, self._weights(layer), s.hidden, s.expert_inter)  # [rows, hidden]
+        t3 = tm.mark()
+        _, evicted = self.planner.finish(layer, plan)
+        self._release(layer, evicted)
+        st.rec.copies += demand + prefetch
+        st.pending = prefetch
+        st.marks.append((st.t_layer, t1, t2, t3, tp0, tp1))
+        st.t_layer = t3
+        return y
+
+    @staticmethod
+    def _to_host(ids: Tensor, pred: tuple[Tensor, Tensor] | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """The one host synchronisation of a layer: true ids and the next layer's predicted
+        ids in one device-to-host copy (the host plans the copies)."""
+        k = ids.shape[1]
+        host = (torch.cat([ids, pred[0]], 1) if pred is not None else ids).cpu().numpy()
+        return host[:, :k], (host[:, k:] if pred is not None else None)
+
+    @staticmethod
+    def _record_routing(st: _StepState, layer: int, true_host: np.ndarray, gates: Tensor, pred: tuple | None,
+                        pred_host: np.ndarray | None) -> None:
+        """Ids go into the record now; gates stay on the device until the step's end."""
+        st.rec.true_ids[layer] = true_host
+        st.true_gates.append(gates)
+        if pred is not None:
+            st.rec.pred_ids[layer] = pred_host
+            st.pred_gates[layer] = pred[1]
+
+    def _plan_copies(self, st: _StepState, layer: int, true_host: np.ndarray, pred_here_host: np.ndarray | None):
+        """Ask the shared planner, then issue this layer's on-demand copies and the next
+        layer's prefetch. Returns (plan, demand copies, prefetch copies)."""
+        here = _union(pred_here_host) if pred_here_host is not None else None
+        if st.predicted is not None:
+            here = st.predicted[layer] if layer > 0 else None
+        plan = self.planner.route(layer, _union(true_host), here)
+        demand: list[Transfer] = []
+        self._issue(layer, list(plan.demand), 1, demand)
+        prefetch: list[Transfer] = []
+        nxt = layer + 1
+        if st.pred_next_host is not None:
+            self._issue(nxt, self.planner.prefetch(nxt, _union(st.pred_next_host)), 0, prefetch)
+        elif st.predicted is not None and nxt < self.model.spec.n_layers:
+            self._issue(nxt, self.planner.prefetch(nxt, st.predicted[nxt]), 0, prefetch)
+        return plan, demand, prefetch
+
+    def _end_step(self, st: _StepState, t_end) -> None:
+        """Copy the step's gates to the host (once), then turn marks into seconds: on CUDA
+        after the step's last event has completed."""
+        rec, tm = st.rec, self.timer
+        rec.true_gates[:] = torch.stack(st.true_gates).float().cpu().numpy()
+        for layer, g in st.pred_gates.items():
             rec.pred_gates[layer] = g.float().cpu().numpy()
         if tm.cuda:
             t_end.synchronize()
             self.transport.finish_step(rec.copies)
-        for layer, (t0, t1, t2, t3, tp0, tp1) in enumerate(marks):
+        for layer, (t0, t1, t2, t3, tp0, tp1) in enumerate(st.marks):
             rec.predict_s[layer] = tm.seconds(tp0, tp1)
             rec.attn_s[layer] = tm.seconds(t0, t1)
             rec.stall_s[layer] = tm.seconds(t1, t2)
             rec.expert_s[layer] = tm.seconds(t2, t3)
-        rec.other_s = tm.seconds(t_start, t_embed) + tm.seconds(marks[-1][3], t_end)
-        rec.tpot_s = tm.seconds(t_start, t_end)
+        rec.other_s = tm.seconds(st.t_start, st.t_embed) + tm.seconds(st.marks[-1][3], t_end)
+        rec.tpot_s = tm.seconds(st.t_start, t_end)
         if not tm.cuda:
             for c in rec.copies:
-                c.issue, c.start, c.end = c.issue - t_start, c.start - t_start, c.end - t_start
-        rec.logits = logits
-        return rec
+                c.issue, c.start, c.end = c.issue - st.t_start, c.start - st.t_start, c.end - st.t_start
+
+
+@dataclass
+class _StepState:
+    """What the layer hook threads from one layer to the next within a step."""
+
+    rec: StepRecord
+    step_index: int
+    prefill: bool
+    predicted: list[list[int]] | None  # per layer, a verification pass's predicted union
+    t_start: object
+    t_embed: object = None
+    t_layer: object = None  # mark where the current layer began (the previous layer's end)
+    true_gates: list[Tensor] = field(default_factory=list)  # kept on the device, copied once at the end
+    pred_gates: dict[int, Tensor] = field(default_factory=dict)
+    pending: list[Transfer] = field(default_factory=list)  # the current layer's prefetched copies
+    pred_next: tuple[Tensor, Tensor] | None = None
+    pred_next_host: np.ndarray | None = None
+    marks: list = field(default_factory=list)  # per layer (t0, t1, t2, t3, tp0, tp1)
 
 
 def _union(ids: np.ndarray) -> list[int]:
     return list(dict.fromkeys(int(e) for e in ids.reshape(-1) if e >= 0))
-
-
-def _apply_experts(x: Tensor, ids: np.ndarray, gates: Tensor, weights, hidden: int, inter: int) -> Tensor:
-    """Mix experts per row: ``ids`` [rows, k] on the host (so no device sync), ``gates`` [rows, k]."""
-    out = torch.zeros_like(x)
-    if x.shape[0] == 1:  # decode at batch 1: every expert sees the single row
-        for c, e in enumerate(ids[0].tolist()):
-            out += gates[:, c, None].to(x.dtype) * expert_forward(weights[e], x, hidden, inter)
-        return out
-    groups: dict[int, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
-    for r, row in enumerate(ids.tolist()):
-        for c, e in enumerate(row):
-            groups[e][0].append(r)
-            groups[e][1].append(c)
-    for e, (rows, cols) in groups.items():
-        r = torch.tensor(rows, device=x.device)
-        y = expert_forward(weights[e], x[r], hidden, inter)
-        out.index_add_(0, r, y * gates[r, torch.tensor(cols, device=x.device), None].to(y.dtype))
-    return out
 
 
 def make_transport(device: torch.device, link_bw: float, latency: float):

@@ -28,7 +28,8 @@ from torch import Tensor, nn
 
 from moesim.atomic import atomic_write, atomic_write_text
 from moesim.errors import MoesimError
-from moesim.executor.model import MoEModel, TreeMask, read_tensors, route
+from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
+from moesim.executor.model import MoEModel, ResidentExperts, TreeMask, read_tensors
 from moesim.executor.runtime import OffloadedDecoder
 from moesim.selection import SCORES, SELECTIONS, Tree, accept, select
 
@@ -57,14 +58,7 @@ def draft_hidden(draft: MoEModel, tokens: Tensor, tree: TreeMask | None = None, 
                  start: int = 0) -> tuple[Tensor, Tensor]:
     """Draft forward over ``tokens`` [1, t] (after ``start`` cached tokens when ``cache``):
     (logits [t, V], final normed hidden [t, d])."""
-    s = draft.spec
-    h = draft.embed_tokens(tokens)
-    for layer, blk in enumerate(draft.layers):
-        h = h + blk.self_attn(blk.input_layernorm(h), cache, layer, start, tree)
-        x = blk.post_attention_layernorm(h).reshape(-1, s.hidden)
-        ids, gates = route(blk.gate(x), s.top_k, s.norm_topk_prob)
-        h = h + draft.moe(layer, x, ids, gates).view_as(h)
-    hn = draft.norm(h)[0]
+    hn = draft.hidden_states(tokens, None, cache, start, tree)[0]  # [t, d]
     return draft.lm_head(hn), hn
 
 
@@ -91,17 +85,10 @@ class DraftState:
 @torch.no_grad()
 def _target_router_probs(target: MoEModel, tokens: Tensor) -> Tensor:
     """Every target layer's router distribution for each token: [t, layers, experts]."""
-    s = target.spec
-    h = target.embed_tokens(tokens.view(1, -1))
-    out_probs = []
-    for layer, blk in enumerate(target.layers):
-        h = h + blk.self_attn(blk.input_layernorm(h), None, layer, 0)
-        x = blk.post_attention_layernorm(h).reshape(-1, s.hidden)
-        logits = blk.gate(x)
-        out_probs.append(logits.float().softmax(-1))
-        ids, gates = route(logits, s.top_k, s.norm_topk_prob)
-        h = h + target.moe(layer, x, ids, gates).view_as(h)
-    return torch.stack(out_probs, 1)
+    probs: list[Tensor] = []  # per layer [t, experts]
+    target.hidden_states(tokens.view(1, -1), ResidentExperts(
+        target, on_route=lambda layer, x, logits, *_: probs.append(logits.float().softmax(-1))))
+    return torch.stack(probs, 1)
 
 
 def train_expert_predictor(draft: MoEModel, target: MoEModel, train: Tensor, held_out: Tensor, out_dir: Path,
@@ -235,7 +222,9 @@ def build_tree(state: DraftState, predictor: ExpertPredictor | None, branch: int
 def speculative_generate(decoder: OffloadedDecoder, draft: MoEModel, predictor: ExpertPredictor | None,
                          prompt: Tensor, st: SpecSettings) -> tuple[float, list[VerifyRecord], list[int]]:
     """Greedy speculative decoding of ``prompt`` [1, P] (batch 1). Returns (prefill seconds,
-    verification records, produced tokens)."""
+    verification records, produced tokens). Ctrl-C at any instant keeps the finished
+    verification steps (and the tokens they produced); before the first one it raises
+    :class:`Interrupted`."""
     target = decoder.model
     if decoder.policy.speculative:
         raise MoesimError("speculative decoding verifies exactly: use an exact policy (not prefetch-spec)")
@@ -246,51 +235,59 @@ def speculative_generate(decoder: OffloadedDecoder, draft: MoEModel, predictor: 
     s, k = target.spec, target.spec.top_k
     p = prompt.shape[1]
     cache = target.new_cache(1, p + st.tokens + st.depth + st.gamma + 2)
-    pre = decoder.step(prompt.to(decoder.device), cache, 0, prefill=True)
     out: list[int] = []
     committed = prompt[0].tolist()
-    root = int(pre.logits[0].argmax())
     pos = p
     records: list[VerifyRecord] = []
     n_tree = sum(st.branch ** d for d in range(1, st.depth + 1))  # candidates a tree can hold
     state = DraftState(draft, p + st.tokens + n_tree + 2)
-    try:
-        while len(out) < st.tokens:
-            out.append(root)
-            committed.append(root)
-            if len(out) >= st.tokens:
-                break
-            t0 = time.perf_counter()
-            state.advance(committed)
-            tree, root_experts = build_tree(state, predictor, st.branch, st.depth, k)
-            chosen = select(tree, st.gamma, st.strategy, root_experts or None, st.score, st.lam)
-            draft_s = time.perf_counter() - t0
-            parents = [-1] + [0 if tree.parents[c] == -1 else 1 + chosen.index(tree.parents[c]) for c in chosen]
-            rows = torch.tensor([[root] + [tree.tokens[c] for c in chosen]])
-            pred_union = [set(root_experts[layer]) if root_experts else set() for layer in range(s.n_layers)]
-            for c in chosen:
-                if tree.experts:
-                    for layer in range(s.n_layers):
-                        pred_union[layer] |= tree.experts[c][layer]
-            tm = TreeMask.from_parents(parents, pos, decoder.device)
-            rec = decoder.step(rows.to(decoder.device), cache, pos, step_index=len(records), tree=tm,
-                               predicted=[sorted(u) for u in pred_union] if predictor is not None else None)
-            target_next = rec.all_logits[0].argmax(-1).tolist()  # the target's next token after every row
-            acc = accept(tree, chosen, target_next)
-            cache.keep(pos, acc)
-            new = [int(rows[0, r]) for r in acc[1:]]
-            true_union = [set(rec.true_ids[layer].reshape(-1).tolist()) for layer in range(s.n_layers)]
-            records.append(VerifyRecord(tree, chosen, acc, new, true_union, pred_union, draft_s, rec,
-                                        rec.true_ids.copy(), rows[0].tolist(), root_experts))
-            out.extend(new)
-            committed.extend(new)
-            pos += len(acc)
-            root = target_next[acc[-1]]
-    except KeyboardInterrupt:
+    cut = False
+    with stop_on_interrupt():
+        try:
+            pre = decoder.step(prompt.to(decoder.device), cache, 0, prefill=True)
+            root = int(pre.logits[0].argmax())
+            while len(out) < st.tokens:
+                if stop_requested():
+                    cut = True
+                    break
+                out.append(root)
+                committed.append(root)
+                if len(out) >= st.tokens:
+                    break
+                t0 = time.perf_counter()
+                state.advance(committed)
+                tree, root_experts = build_tree(state, predictor, st.branch, st.depth, k)
+                chosen = select(tree, st.gamma, st.strategy, root_experts or None, st.score, st.lam)
+                draft_s = time.perf_counter() - t0
+                parents = [-1] + [0 if tree.parents[c] == -1 else 1 + chosen.index(tree.parents[c]) for c in chosen]
+                rows = torch.tensor([[root] + [tree.tokens[c] for c in chosen]])
+                pred_union = [set(root_experts[layer]) if root_experts else set() for layer in range(s.n_layers)]
+                for c in chosen:
+                    if tree.experts:
+                        for layer in range(s.n_layers):
+                            pred_union[layer] |= tree.experts[c][layer]
+                tm = TreeMask.from_parents(parents, pos, decoder.device)
+                rec = decoder.step(rows.to(decoder.device), cache, pos, step_index=len(records), tree=tm,
+                                   predicted=[sorted(u) for u in pred_union] if predictor is not None else None)
+                target_next = rec.all_logits[0].argmax(-1).tolist()  # the target's next token after every row
+                acc = accept(tree, chosen, target_next)
+                cache.keep(pos, acc)
+                new = [int(rows[0, r]) for r in acc[1:]]
+                true_union = [set(rec.true_ids[layer].reshape(-1).tolist()) for layer in range(s.n_layers)]
+                records.append(VerifyRecord(tree, chosen, acc, new, true_union, pred_union, draft_s, rec,
+                                            rec.true_ids.copy(), rows[0].tolist(), root_experts))
+                out.extend(new)
+                committed.extend(new)
+                pos += len(acc)
+                root = target_next[acc[-1]]
+        except KeyboardInterrupt:
+            cut = True
+        finally:
+            decoder.transport.close()
+    if cut:  # the tokens of the finished verification steps only: each step's root and what it accepted
         if not records:
-            raise
-    finally:
-        decoder.transport.close()
+            raise Interrupted("interrupted before the first verification step finished: nothing to keep")
+        out = [t for r in records for t in (r.row_tokens[0], *r.new_tokens)]
     return pre.tpot_s, records, out[: st.tokens]
 
 

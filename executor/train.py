@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -20,22 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from moesim.atomic import atomic_write_text
-from moesim.executor.model import ExecConfig, MoEModel, count_params, route, save_checkpoint
+from moesim.executor.corpus import split_index, stdlib_corpus  # noqa: F401 (stdlib_corpus re-exported)
+from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
+from moesim.executor.model import ExecConfig, MoEModel, ResidentExperts, count_params, save_checkpoint
 from moesim.models import Attention, ModelSpec
 
 STDLIB_SOURCE = "trained by moesim (executor/train.py) on the Python standard library's source"
-
-
-def stdlib_corpus() -> tuple[bytes, dict]:
-    """All ``*.py`` files of this Python's standard library (no site-packages, no tests),
-    sorted by path and joined; the description records exactly what was read."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py")
-                   if "site-packages" not in p.parts and "test" not in p.parts and "tests" not in p.parts
-                   and "idlelib" not in p.parts)
-    data = b"\n".join(p.read_bytes() for p in files)
-    return data, {"corpus": "Python standard library source (*.py, excluding test/, tests/, idlelib/, site-packages/)",
-                  "python": sys.version.split()[0], "root": str(root), "files": len(files), "bytes": len(data)}
 
 
 def batches(data: torch.Tensor, batch: int, seq: int, gen: torch.Generator):
@@ -48,19 +36,14 @@ def batches(data: torch.Tensor, batch: int, seq: int, gen: torch.Generator):
 def forward_train(model: MoEModel, experts: list[torch.nn.Parameter], tokens: torch.Tensor):
     """Differentiable forward: (logits, load-balancing loss summed over layers)."""
     s = model.spec
-    h = model.embed_tokens(tokens)
-    b, t, d = h.shape
-    aux = h.new_zeros(())
-    for i, blk in enumerate(model.layers):
-        h = h + blk.self_attn(blk.input_layernorm(h), None, i, 0)
-        x = blk.post_attention_layernorm(h).reshape(b * t, d)
-        logits = blk.gate(x)
-        ids, gates = route(logits, s.top_k, s.norm_topk_prob)
-        probs = logits.float().softmax(-1)
+    aux: list[torch.Tensor] = []
+
+    def balance(layer, x, logits, resid, ids, gates) -> None:  # Switch-Transformer balance loss, per layer
         frac = torch.bincount(ids.reshape(-1), minlength=s.n_experts).float() / ids.numel()
-        aux = aux + s.n_experts * (frac * probs.mean(0)).sum()  # Switch-Transformer balance loss
-        h = h + model.moe(i, x, ids, gates, list(experts[i])).view(b, t, d)
-    return model.lm_head(model.norm(h)), aux
+        aux.append(s.n_experts * (frac * logits.float().softmax(-1).mean(0)).sum())
+
+    hn = model.hidden_states(tokens, ResidentExperts(model, experts, on_route=balance))
+    return model.lm_head(hn), torch.stack(aux).sum()
 
 
 def stdlib_spec(name: str = "moe-stdlib", layers: int = 4, experts: int = 32, top_k: int = 4, hidden: int = 128,
@@ -75,12 +58,15 @@ STDLIB_SPEC = stdlib_spec()  # the shipped learned-routing model
 
 
 def train(out: Path, steps: int = 3000, batch: int = 16, seq: int = 128, lr: float = 3e-3, aux_coef: float = 0.01,
-          seed: int = 0, threads: int = 1, progress=None, spec: ModelSpec = STDLIB_SPEC) -> dict:
+          seed: int = 0, threads: int = 1, progress=None, spec: ModelSpec = STDLIB_SPEC, save_every: int = 500) -> dict:
+    """Train and write the checkpoint to ``out``: every ``save_every`` steps (with a held-out
+    evaluation), at the end, and on Ctrl-C (whatever step it reached), each file atomically,
+    so an interrupted run keeps a loadable checkpoint and an honest training.json."""
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
     data, desc = stdlib_corpus()
     ids = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    split = int(ids.numel() * 0.95)
+    split = split_index(ids.numel())
     train_ids, eval_ids = ids[:split], ids[split:]
     cfg = ExecConfig(spec, rope_theta=1e4, rms_eps=1e-6, max_seq_len=1024)
     model = MoEModel(cfg)
@@ -104,39 +90,63 @@ def train(out: Path, steps: int = 3000, batch: int = 16, seq: int = 128, lr: flo
                       for x, y in (next(ev) for _ in range(8))]
         return sum(losses) / len(losses)
 
-    for step in range(1, steps + 1):
-        warm = min(1.0, step / 100)
-        for g in opt.param_groups:
-            g["lr"] = lr * warm * 0.5 * (1 + math.cos(math.pi * step / steps))
-        x, y = next(it)
-        logits, aux = forward_train(model, experts, x)
-        loss = F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        (loss + aux_coef * aux).backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        if step % 25 == 0 or step == 1:
-            curve.append({"step": step, "loss": round(loss.item(), 4), "aux": round(aux.item() / s.n_layers, 4),
-                          "seconds": round(time.time() - t0, 1)})
-        if step % 500 == 0 or step == steps:
-            evals.append({"step": step, "eval_loss": round(evaluate(), 4)})
-        if progress:
-            progress(step, steps, loss.item())
-    model.experts = [[w.detach().clone() for w in layer] for layer in experts]
-    record = {
-        "command": f"moesim train --out {out} --steps {steps} --batch {batch} --seq {seq} --lr {lr} "
-                   f"--aux-coef {aux_coef} --seed {seed} --threads {threads}"
-                   + ("" if spec == STDLIB_SPEC else f" --layers {spec.n_layers} --experts {spec.n_experts} "
-                      f"--top-k {spec.top_k} --hidden {spec.hidden} --inter {spec.expert_inter} "
-                      f"--heads {spec.attention.n_heads} --name {spec.name}"),
-        "data": {**desc, "train_bytes": split, "eval_bytes": ids.numel() - split, "vocabulary": "bytes (256)"},
-        "model": s.to_dict(), "parameters": count_params(model), "steps": steps, "tokens_seen": steps * batch * seq,
-        "wall_seconds": round(time.time() - t0, 1), "threads": threads, "machine": _machine(),
-        "final_eval_loss_nats_per_byte": evals[-1]["eval_loss"], "curve": curve, "evals": evals,
-    }
-    save_checkpoint(model, out, extra_config={"moesim_synthetic": False})
-    atomic_write_text(out / "training.json", json.dumps(record, indent=2) + "\n")
-    _plot(record, out / "loss.png")
+    def save(done: int, status: str | None) -> dict:
+        """Checkpoint, training.json and loss.png as of ``done`` steps, each written atomically."""
+        model.experts = [[w.detach().clone() for w in layer] for layer in experts]
+        record = {
+            "command": f"moesim train --out {out} --steps {steps} --batch {batch} --seq {seq} --lr {lr} "
+                       f"--aux-coef {aux_coef} --seed {seed} --threads {threads}"
+                       + ("" if spec == STDLIB_SPEC else f" --layers {spec.n_layers} --experts {spec.n_experts} "
+                          f"--top-k {spec.top_k} --hidden {spec.hidden} --inter {spec.expert_inter} "
+                          f"--heads {spec.attention.n_heads} --name {spec.name}"),
+            "data": {**desc, "train_bytes": split, "eval_bytes": ids.numel() - split, "vocabulary": "bytes (256)"},
+            "model": s.to_dict(), "parameters": count_params(model), "steps": done, "tokens_seen": done * batch * seq,
+            "wall_seconds": round(time.time() - t0, 1), "threads": threads, "machine": _machine(),
+            "final_eval_loss_nats_per_byte": evals[-1]["eval_loss"] if evals else None, "curve": curve, "evals": evals,
+            **({"status": status} if status else {}),
+        }
+        save_checkpoint(model, out, extra_config={"moesim_synthetic": False})
+        atomic_write_text(out / "training.json", json.dumps(record, indent=2) + "\n")
+        _plot(record, out / "loss.png")
+        return record
+
+    done, record = 0, None
+    with stop_on_interrupt():
+        try:
+            for step in range(1, steps + 1):
+                if stop_requested():
+                    break
+                warm = min(1.0, step / 100)
+                for g in opt.param_groups:
+                    g["lr"] = lr * warm * 0.5 * (1 + math.cos(math.pi * step / steps))
+                x, y = next(it)
+                logits, aux = forward_train(model, experts, x)
+                loss = F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1))
+                opt.zero_grad(set_to_none=True)
+                (loss + aux_coef * aux).backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                done = step
+                if step % 25 == 0 or step == 1:
+                    curve.append({"step": step, "loss": round(loss.item(), 4), "aux": round(aux.item() / s.n_layers, 4),
+                                  "seconds": round(time.time() - t0, 1)})
+                if step % save_every == 0 or step == steps:
+                    evals.append({"step": step, "eval_loss": round(evaluate(), 4)})
+                    partial = f"periodic checkpoint after {step} of {steps} steps (training went on)"
+                    record = save(step, partial if step < steps else None)  # Ctrl-C keeps the latest
+                if progress:
+                    progress(step, steps, loss.item())
+        except KeyboardInterrupt:  # a second Ctrl-C: the last periodic checkpoint stays
+            if record is None:
+                raise Interrupted("interrupted before the first checkpoint: nothing written") from None
+            return record
+        if done < steps and done > 0 and (record is None or record["steps"] < done):
+            if not evals or evals[-1]["step"] != done:
+                evals.append({"step": done, "eval_loss": round(evaluate(), 4)})
+            record = save(done, f"stopped by Ctrl-C after {done} of {steps} steps (the learning-rate "
+                                f"schedule was planned for {steps})")
+    if record is None:
+        raise Interrupted("interrupted before the first training step finished: nothing written")
     return record
 
 

@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
 from moesim.executor.model import ExecConfig, MoEModel, load_checkpoint, random_model
 from moesim.executor.profile import ProfileSettings, build_trace, calibrate, generate, load_default_vectors
-from moesim.hardware import HardwareProfile, get_profile
+from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, get_profile
 from moesim.models import Attention, ModelSpec
 from moesim.sim.simulate import simulate
 from moesim.sim.validate import error_stats, recorded_profile, validate_trace
@@ -70,7 +71,7 @@ def machine_profile() -> HardwareProfile:
     copy_gbs = big.numel() * 4 / best_time(lambda: dst.copy_(big)) / 1e9  # what the link thread's memcpy reaches
     alpha = cpu_interference(copy_gbs)
     src = "measured by moesim validate on this machine (executor/hwbench.py)"
-    return (get_profile("a6000").with_figure("copy_interference", alpha, "measured", src)
+    return (get_profile(DEFAULT_PROFILE).with_figure("copy_interference", alpha, "measured", src)
             .with_figure("copy_interference_gbs", copy_gbs, "measured", src)
             .with_figure("wait_wakeup_us", cpu_wakeup() * 1e6, "measured", src))
 
@@ -78,59 +79,85 @@ def machine_profile() -> HardwareProfile:
 def run_suite(out: Path, shipped: Path, tokens: int = 32, models: list[str] | None = None,
               progress: Callable[[str], None] | None = None,
               repeats: int = 3) -> tuple[list[dict[str, Any]], dict[str, Trace], dict]:
+    """Run and score every case. Ctrl-C stops after the last finished case (its trace is
+    written as it finishes); the cases finished so far are scored and returned."""
     torch.set_num_threads(1)
     if progress:
         progress("measuring copy/compute interference")
     machine_hw = machine_profile()
     rows: list[dict[str, Any]] = []
     traces: dict[str, Trace] = {}
-    for name, load, links, scale in suite_models(shipped):
-        if models and name not in models:
-            continue
-        model, dv, synthetic = load()
-        vocab = model.spec.vocab
-        ids = [b % vocab for b in PROMPT]
-        prompt = torch.tensor(ids).view(1, -1)
-        for gbps in links:
-            hw = get_profile("a6000").with_figure("h2d_pinned_gbs", gbps, "estimate", "validation suite link")
-            runs: dict[str, Trace] = {}
-            for policy in POLICIES:
-                if progress:
-                    progress(f"{name}, {gbps:g} GB/s, {policy}")
-                st = ProfileSettings(policy=policy, predictor="quasi", tokens=tokens * scale)
-                generate(model, prompt, ProfileSettings(policy=policy, tokens=2), hw, dv)  # warm-up
-                # A single run on a shared machine can come out slow as a whole; keep the
-                # run with the median TPOT of ``repeats``.
-                candidates = []
-                for _ in range(repeats):
-                    prefill, records, out_tokens = generate(model, prompt, st, hw, dv)
-                    candidates.append(build_trace(model, prompt, st, hw, prefill, records, out_tokens, "cpu",
-                                                  synthetic, name))
-                candidates.sort(key=lambda c: float(c.timings["tpot_s"][1:].mean()))
-                tr = candidates[len(candidates) // 2]
-                key = f"{name}-{gbps:g}gbps-{policy}"
-                write_trace(tr, out / "traces" / f"{key}.npz")
-                runs[policy] = traces[key] = tr
-            base = runs["on-demand"]
-            for policy, tr in runs.items():
-                tm = tr.timings
-                measured = {"measured_compute_ms": float((tm["attn_s"].sum(1) + tm["expert_s"].sum(1) + tm["other_s"])[1:].mean() * 1e3),
-                            "measured_copy_ms": float(len(tm["copy_bytes"]) / tr.n_tokens
-                                                      * (hw.transfer_latency + model.spec.expert_bytes / hw.link_bw) * 1e3)}
-                same, _ = validate_trace(tr, machine_hw)
-                rows.append({"model": name, "link_gbps": gbps, "policy": policy, "case": "same-policy", **measured,
-                             **_short(same)})
-                if policy != "on-demand":
-                    pred = simulate(base, recorded_profile(base, machine_hw), policy, timing="measured").tpot[1:]
-                    stats_ = error_stats(tr.timings["tpot_s"][1:], pred[: tr.n_tokens - 1])
-                    rows.append({"model": name, "link_gbps": gbps, "policy": policy, "case": "transfer from on-demand",
-                                 **measured, **_short(stats_)})
-    summary = summarise(rows)
+    with stop_on_interrupt():
+        for name, load, links, scale in suite_models(shipped):
+            if models and name not in models:
+                continue
+            model, dv, synthetic = load()
+            prompt = torch.tensor([b % model.spec.vocab for b in PROMPT]).view(1, -1)
+            for gbps in links:
+                hw = get_profile(DEFAULT_PROFILE).with_figure("h2d_pinned_gbs", gbps, "estimate", "validation suite link")
+                runs: dict[str, Trace] = {}
+                for policy in POLICIES:
+                    if progress:
+                        progress(f"{name}, {gbps:g} GB/s, {policy}")
+                    tr = _run_case(model, dv, prompt, policy, tokens * scale, hw, repeats, synthetic, name)
+                    if tr is None:  # Ctrl-C: this case did not finish
+                        break
+                    key = f"{name}-{gbps:g}gbps-{policy}"
+                    write_trace(tr, out / "traces" / f"{key}.npz")
+                    runs[policy] = traces[key] = tr
+                rows += _score(name, gbps, hw, runs, model, machine_hw)
+                if stop_requested():
+                    break
+            if stop_requested():
+                break
+        summary = summarise(rows)
+        if stop_requested():
+            summary["interrupted"] = f"Ctrl-C: {len(traces)} finished cases kept and scored; the rest did not run"
     summary["machine figures (measured)"] = (
         f"{machine_hw['copy_interference']:.1%} compute slowdown at {machine_hw['copy_interference_gbs']:.1f} GB/s "
         f"of back-to-back copying, scaled by each link's rate; {machine_hw['wait_wakeup_us']:.0f} us from a copy "
         "landing to the waiting thread running")
     return rows, traces, summary
+
+
+def _run_case(model: MoEModel, dv, prompt: torch.Tensor, policy: str, tokens: int, hw: HardwareProfile, repeats: int,
+              synthetic: bool, name: str) -> Trace | None:
+    """One case: a warm-up, then ``repeats`` runs; the run with the median TPOT (a single run
+    on a shared machine can come out slow as a whole). None if Ctrl-C cut any run short."""
+    st = ProfileSettings(policy=policy, predictor="quasi", tokens=tokens)
+    candidates = []
+    try:
+        generate(model, prompt, ProfileSettings(policy=policy, tokens=2), hw, dv)  # warm-up
+        for _ in range(repeats):
+            prefill, records, out_tokens = generate(model, prompt, st, hw, dv)
+            if len(records) < tokens:
+                return None
+            candidates.append(build_trace(model, prompt, st, hw, prefill, records, out_tokens, "cpu", synthetic, name))
+    except Interrupted:
+        return None
+    candidates.sort(key=lambda c: float(c.timings["tpot_s"][1:].mean()))
+    return candidates[len(candidates) // 2]
+
+
+def _score(name: str, gbps: float, hw: HardwareProfile, runs: dict[str, Trace], model: MoEModel,
+           machine_hw: HardwareProfile) -> list[dict[str, Any]]:
+    """Same-policy replay of every finished run; transfer from the on-demand run when it finished."""
+    rows = []
+    base = runs.get("on-demand")
+    for policy, tr in runs.items():
+        tm = tr.timings
+        measured = {"measured_compute_ms": float((tm["attn_s"].sum(1) + tm["expert_s"].sum(1) + tm["other_s"])[1:].mean() * 1e3),
+                    "measured_copy_ms": float(len(tm["copy_bytes"]) / tr.n_tokens
+                                              * (hw.transfer_latency + model.spec.expert_bytes / hw.link_bw) * 1e3)}
+        same, _ = validate_trace(tr, machine_hw)
+        rows.append({"model": name, "link_gbps": gbps, "policy": policy, "case": "same-policy", **measured,
+                     **_short(same)})
+        if policy != "on-demand" and base is not None:
+            pred = simulate(base, recorded_profile(base, machine_hw), policy, timing="measured").tpot[1:]
+            stats_ = error_stats(tr.timings["tpot_s"][1:], pred[: tr.n_tokens - 1])
+            rows.append({"model": name, "link_gbps": gbps, "policy": policy, "case": "transfer from on-demand",
+                         **measured, **_short(stats_)})
+    return rows
 
 
 def _short(s: dict[str, Any]) -> dict[str, Any]:

@@ -24,6 +24,10 @@ from moesim.errors import MoesimError
 
 LINK_KINDS = ("pcie3", "pcie4", "pcie5", "nvlink-c2c", "emulated")
 FIGURE_KINDS = ("datasheet", "measured", "estimate", "fitted")
+# The profile a run uses when nothing names one: a trace that does not record its hardware
+# (a synthetic trace) and the executor's emulated link. A PCIe 4.0 workstation GPU is the
+# common case for offloading (experts in host memory because they do not fit).
+DEFAULT_PROFILE = "a6000"
 
 #: Figure name -> (unit, required, whether an integer, description).
 FIGURES: dict[str, tuple[str, bool, bool, str]] = {

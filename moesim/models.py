@@ -430,6 +430,18 @@ CATALOGUE: dict[str, ModelSpec] = {
 ALIASES = {"deepseek-v3.1": "deepseek-v3", "olmoe-1b-7b-0924": "olmoe-1b-7b", "qwen3-30b": "qwen3-30b-a3b"}
 
 
+def cache_capacity(spec: ModelSpec, cache_gib: float = 0.0, cache_experts: int = 0) -> int:
+    """Cross-token cache capacity in experts, from GiB or an expert count (not both). Shared
+    by the simulator and the executor, so a cache of N GiB holds the same experts in both."""
+    if cache_gib < 0 or cache_experts < 0:
+        raise MoesimError("cache size must be >= 0")
+    if cache_gib and cache_experts:
+        raise MoesimError("give the cache size in GiB or in experts, not both")
+    if cache_gib:
+        return int(cache_gib * 2**30 // spec.expert_bytes)
+    return cache_experts
+
+
 def get_model(name_or_path: str) -> ModelSpec:
     """A model directory / ``config.json`` path, or a catalogue model by name.
 
@@ -473,7 +485,7 @@ def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
 
 #: ``model_type`` values whose config keys :func:`from_hf_config` knows; any other family
 #: (llama, bert, ...) is refused rather than read with guessed keys.
-HF_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe",
+HF_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe",
                "glm4_moe_lite")
 #: ``torch_dtype`` / ``dtype`` values and the storage format they mean.
 HF_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -497,7 +509,7 @@ def _int(cfg: dict[str, Any], path: Path, *keys: str, default: int | None = None
 def from_hf_config(path: str | Path) -> ModelSpec:
     """Build a spec from a Hugging Face ``config.json`` of a supported MoE family.
 
-    Covers the key spellings of Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V2/V3, gpt-oss and
+    Covers the key spellings of Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V2/V3, gpt-oss and
     GLM-4 MoE (:data:`HF_FAMILIES`). Weight formats come from ``torch_dtype`` (or
     ``dtype``) and ``quantization_config`` (fp8 block or mxfp4). Every field is checked:
     an unknown family, a non-integer size, zero KV heads or an unknown dtype is a
@@ -563,7 +575,7 @@ def from_hf_config(path: str | Path) -> ModelSpec:
                               "give head_dim")
         attention = Attention(
             "gqa", heads, kv_heads, _int(cfg, path, "head_dim", default=hidden // heads),
-            bias=bool(cfg.get("attention_bias", mtype == "gpt_oss")),
+            bias=bool(_first(cfg, "attention_bias", "qkv_bias", default=mtype in ("gpt_oss", "qwen2_moe"))),
             qk_norm=mtype in ("qwen3_moe", "olmoe") or bool(cfg.get("use_qk_norm", False)),
         )
 
@@ -590,7 +602,10 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         n_layers=n_layers, n_experts=int(n_experts), top_k=top_k, hidden=hidden,
         expert_inter=expert_inter, vocab=vocab, attention=attention,
         dense_layers=tuple(sorted(dense)), dense_inter=dense_inter,
-        n_shared=_int(cfg, path, "n_shared_experts", default=0, minimum=0),
+        # DeepSeek/GLM: n_shared_experts of moe_intermediate_size; Qwen2-MoE: one of its own size.
+        n_shared=_int(cfg, path, "n_shared_experts", default=0, minimum=0)
+        or (1 if cfg.get("shared_expert_intermediate_size") else 0),
+        shared_inter=_int(cfg, path, "shared_expert_intermediate_size", default=0, minimum=0),
         expert_dtype=expert_dtype, dense_dtype=dense_dtype,
         expert_bias=mtype == "gpt_oss",
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),

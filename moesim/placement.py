@@ -152,20 +152,6 @@ def device_bytes(spec: ModelSpec, policy: str | Policy, placement: Placement | N
     return spec.non_expert_bytes + kv_bytes(spec, batch, context) + experts * spec.expert_bytes + WORKSPACE_BYTES
 
 
-def load_calibration(path: str, spec: ModelSpec) -> np.ndarray:
-    """The routing ``[t, m, b, k]`` of a calibration trace (``--placement-from``), checked
-    against the model being simulated: a trace of another model is one clear error."""
-    from moesim.traces.format import read_trace
-
-    trace = read_trace(path)
-    other = trace.model
-    if (other.n_moe_layers, other.n_experts) != (spec.n_moe_layers, spec.n_experts):
-        raise MoesimError(f"calibration trace {path} is of {other.name} ({other.n_moe_layers} MoE layers x "
-                          f"{other.n_experts} experts); the simulated model {spec.name} has "
-                          f"{spec.n_moe_layers} x {spec.n_experts}")
-    return trace.true_ids
-
-
 class HybridPlanner:
     """Per-layer split of the routed experts into those the device runs and the misses.
 

@@ -4,6 +4,7 @@ and the validation suite (``moesim validate``)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -204,3 +205,27 @@ def write_suite_report(rows: list[dict[str, Any]], traces: dict[str, Trace], sum
     sections.append({"heading": "All cases", "rows": rows, "cols": [
         "model", "link_gbps", "policy", "case", "measured_ms", "predicted_ms", "error", "mape", "equivalent"]})
     return write_html(out / "report.html", "moesim validation suite", f"Simulator against executor on {machine}.", sections)
+
+
+def validation_suite(out: Path, tokens: int = 32, model: str | None = None, repeats: int = 3,
+                     progress: Callable[[str], None] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any], str, Path]:
+    """``moesim validate``: run the suite (moesim.executor.validation) and write its report
+    to ``out``; returns (rows, summary, the machine, the report page). Lives in the reports
+    layer because it joins the executor's runs with the simulator's replays."""
+    from moesim.errors import MoesimError
+    from moesim.executor.loading import shipped_model
+    from moesim.executor.validation import machine, run_suite
+    from moesim.sim.validate import recorded_profile
+
+    if tokens < 3 or repeats < 1:
+        raise MoesimError("--tokens must be >= 3 (the first step is warm-up) and --repeats >= 1")
+    from moesim.executor.interrupt import stop_on_interrupt
+
+    with stop_on_interrupt():  # Ctrl-C: report the finished cases
+        rows, traces, summary = run_suite(out, shipped_model(), tokens, [model] if model else None, progress, repeats)
+    if not rows:
+        raise MoesimError(f"no suite model called {model!r}")
+    example = next((tr for k, tr in traces.items() if k.endswith("prefetch-fom")), None)
+    page = write_suite_report(rows, traces, summary, out,
+                              (example, recorded_profile(example)) if example is not None else None, machine())
+    return rows, summary, machine(), page

@@ -57,12 +57,15 @@ def _roofline(nbytes: float, flops: float, hw: HardwareProfile, kernels: int, dt
 
 def roofline_costs(spec: ModelSpec, hw: HardwareProfile, tokens: int, prompt_len: int, batch: int = 1) -> Costs:
     """Compute times predicted from the profile's bandwidth, FLOP rate and launch cost."""
-    ctx = prompt_len + np.arange(tokens)
+    ctx = prompt_len + np.arange(tokens, dtype=np.int64)
     attn = np.empty((tokens, spec.n_layers))
+    # attention_flops is affine in the context (weights + per-token score work): vectorised.
+    base = spec.attention_flops(0)
+    attn_flops = base + (spec.attention_flops(1) - base) * ctx
+    kv = batch * ctx * spec.kv_bytes_per_token_layer
     for layer in range(spec.n_layers):
         resident = spec.layer_resident_bytes(layer)
-        kv = batch * ctx * spec.kv_bytes_per_token_layer
-        flops = batch * (np.array([spec.attention_flops(int(c)) for c in ctx]) + spec.dense_flops_per_token(layer))
+        flops = batch * (attn_flops + spec.dense_flops_per_token(layer))
         mem = (resident + kv) / hw.mem_bw
         attn[:, layer] = np.maximum(mem, flops / hw.flops(spec.dense_dtype)) + KERNELS_ATTENTION * hw.launch + hw.layer_overhead
     per_expert = spec.expert_bytes / hw.mem_bw + KERNELS_EXPERT * hw.launch

@@ -36,7 +36,7 @@ from moesim.policy import EVICTIONS, ExpertTimes, get_policy
 from moesim.sim.costs import KERNELS_ATTENTION, KERNELS_EXPERT, roofline_costs
 from moesim.sim.plan import Plan
 from moesim.sim.workload import Link
-from moesim.traces.format import Trace
+from moesim.traces.format import Trace, read_trace
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,18 @@ def routed_sets(ids: np.ndarray) -> list[list[list[tuple[int, int]]]]:
             rows.append(sorted(count.items(), key=lambda p: (-p[1], p[0])))
         out.append(rows)
     return out
+
+
+def load_calibration(path: str, spec: ModelSpec) -> np.ndarray:
+    """The routing ``[t, m, b, k]`` of a calibration trace (``--placement-from``), checked
+    against the model being simulated: a trace of another model is one clear error."""
+    trace = read_trace(path)
+    other = trace.model
+    if (other.n_moe_layers, other.n_experts) != (spec.n_moe_layers, spec.n_experts):
+        raise MoesimError(f"calibration trace {path} is of {other.name} ({other.n_moe_layers} MoE layers x "
+                          f"{other.n_experts} experts); the simulated model {spec.name} has "
+                          f"{spec.n_moe_layers} x {spec.n_experts}")
+    return trace.true_ids
 
 
 def expert_times(spec: ModelSpec, hw: HardwareProfile, host: HostProfile, link: Link, batch: int = 1,

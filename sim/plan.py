@@ -8,6 +8,8 @@ hardware, so a what-if sweep builds each plan once and times it on every profile
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,29 +37,20 @@ class Plan:
         """Experts copied host-to-device per step and layer."""
         return self.prefetch + self.demand
 
+    @functools.cached_property
+    def totals(self) -> dict[str, float]:
+        """Whole-trace figures every summary of this plan needs, computed once per plan
+        (a sweep summarises one plan on every profile and link)."""
+        return {"loads_per_token": float(self.loads.sum(1).mean()), "executed": float(self.execute.sum()),
+                "cache_hits": float(self.cache_hits.sum()), "prefetch_hits": float(self.prefetch_hits.sum())}
 
-def _sets(ids: np.ndarray) -> list[list[list[int]]]:
-    """[t, m, b, k] ids -> per (t, m) the ordered union over the batch (-1 dropped)."""
-    t, m, b, k = ids.shape
-    flat = ids.reshape(t, m, b * k).tolist()
-    return [[[e for e in dict.fromkeys(row) if e >= 0] for row in layer] for layer in flat]
 
-
-def build_plan(trace: Trace, policy: Policy | str, cache_experts: int = 0, eviction: str = "lru") -> Plan:
+def build_plan(trace: Trace, policy: Policy | str, cache_experts: int = 0, eviction: str = "lru",
+               progress: Callable[[int, int], None] | None = None) -> Plan:
+    """The plan of ``trace`` under ``policy``: :meth:`Planner.plan_trace`, the compiled batch
+    form of the executor's per-layer calls (held identical to them by tests/test_policy.py).
+    Memory: six int32 counts per (step, MoE layer); ``progress(steps_done, steps)``."""
     policy = get_policy(policy) if isinstance(policy, str) else policy
-    t, m, b, k = trace.true_ids.shape
-    true = _sets(trace.true_ids)
-    pred = true if policy.oracle else _sets(trace.pred_ids)
     planner = Planner(policy, cache_experts, eviction)
-    counts = np.zeros((6, t, m), np.int32)
-    for step in range(t):
-        tr, pr = true[step], pred[step]
-        for layer in range(m):
-            # The first MoE layer has no earlier router to predict from; it is on demand.
-            plan = planner.route(layer, tr[layer], pr[layer] if layer > 0 and pr[layer] else None)
-            if layer + 1 < m:  # layer+1's prediction exists once this router ran
-                counts[0, step, layer + 1] = len(planner.prefetch(layer + 1, pr[layer + 1] or None))
-            planner.finish(layer, plan)
-            counts[1:, step, layer] = (len(plan.demand), len(plan.execute), b * k,
-                                       plan.cache_hits, plan.prefetch_hits)
+    counts = planner.plan_trace(trace.true_ids, trace.pred_ids, trace.model.n_experts, progress)
     return Plan(policy, cache_experts, eviction, *counts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -9,28 +10,17 @@ import numpy as np
 
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile
-from moesim.models import ModelSpec
-from moesim.policy import EVICTIONS, get_policy
+from moesim.models import ModelSpec, cache_capacity  # noqa: F401 (cache_capacity: defined with the byte accounting)
+from moesim.policy import EVICTIONS, Policy, get_policy
 from moesim.sim.costs import KERNELS_ATTENTION, Costs, charge_prediction, measured_costs, roofline_costs
 from moesim.sim.engine import QUEUES, Span, run_simpy, run_simpy_queued
 from moesim.sim.fastpath import run_fast
 from moesim.sim.plan import Plan, build_plan
-from moesim.sim.workload import Link, make_workload
+from moesim.sim.workload import Link, Workload, make_workload
 from moesim.traces.format import Trace
 
 ENGINES = ("simpy", "fast")
 TIMINGS = ("auto", "profile", "measured")
-
-
-def cache_capacity(spec: ModelSpec, cache_gib: float = 0.0, cache_experts: int = 0) -> int:
-    """Cross-token cache capacity in experts, from GiB or an expert count (not both)."""
-    if cache_gib < 0 or cache_experts < 0:
-        raise MoesimError("cache size must be >= 0")
-    if cache_gib and cache_experts:
-        raise MoesimError("give the cache size in GiB or in experts, not both")
-    if cache_gib:
-        return int(cache_gib * 2**30 // spec.expert_bytes)
-    return cache_experts
 
 
 def pick_costs(trace: Trace, spec: ModelSpec, hw: HardwareProfile, timing: str) -> Costs:
@@ -102,18 +92,18 @@ class SimResult:
         return np.maximum(self.compute, self.copy)
 
     def summary(self) -> dict[str, Any]:
-        p = self.plan
-        loads = p.loads.sum(1)
-        executed = p.execute.sum()
+        totals = self.plan.totals
+        loads, executed = totals["loads_per_token"], totals["executed"]
         tp = self.tpot
         ms = 1e3
+        p50, p90, p99 = np.percentile(tp, [50, 90, 99])
         return {
             **self.config,
             "tokens": int(tp.size),
             "tpot_ms": float(tp.mean() * ms),
-            "tpot_p50_ms": float(np.percentile(tp, 50) * ms),
-            "tpot_p90_ms": float(np.percentile(tp, 90) * ms),
-            "tpot_p99_ms": float(np.percentile(tp, 99) * ms),
+            "tpot_p50_ms": float(p50 * ms),
+            "tpot_p90_ms": float(p90 * ms),
+            "tpot_p99_ms": float(p99 * ms),
             "tokens_per_s": float(1 / tp.mean()),
             "compute_ms": float(self.compute.mean() * ms),
             "copy_ms": float(self.copy.mean() * ms),
@@ -122,10 +112,10 @@ class SimResult:
             "serial_bound_ms": float(self.serial_bound.mean() * ms),
             "overlap_bound_ms": float(self.overlap_bound.mean() * ms),
             "max_prefetch_gain": float(np.minimum(self.compute, self.copy).sum() / self.serial_bound.sum()),
-            "experts_loaded_per_token": float(loads.mean()),
-            "gb_moved_per_token": float(loads.mean() * self.expert_bytes / 1e9),
-            "cache_hit_rate": float(p.cache_hits.sum() / executed),
-            "prefetch_hit_rate": float(p.prefetch_hits.sum() / executed),
+            "experts_loaded_per_token": loads,
+            "gb_moved_per_token": float(loads * self.expert_bytes / 1e9),
+            "cache_hit_rate": float(totals["cache_hits"] / executed),
+            "prefetch_hit_rate": float(totals["prefetch_hits"] / executed),
             "pred_recall": self.pred_recall,
             "ttft_ms": float(self.ttft * ms),
         }
@@ -145,6 +135,8 @@ def simulate(
     record: bool = False,
     plan: Plan | None = None,
     costs: Costs | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    pred_recall: float | None = None,
     copy_queue: str = "fifo",
     host: Any = None,
     cpu_layers: int | str = "auto",
@@ -156,10 +148,11 @@ def simulate(
 
     ``link_gbps`` overrides the profile's pinned host-to-device bandwidth (what-if);
     ``engine`` picks the SimPy reference or the fast path; ``plan`` and ``costs`` may be
-    passed in when a sweep reuses them; ``copy_queue`` picks a copy-queue discipline
-    (SimPy only). The CPU-compute policies (docs/policies.md) go to
-    :func:`moesim.sim.hybrid.simulate_hybrid` with ``host`` (name, path or profile;
-    default: the GPU profile's), ``cpu_layers``, ``calibration`` routing,
+    passed in when a sweep reuses them; ``progress(steps_planned, steps)`` reports planning,
+    the part that grows with the trace (see :func:`simulate_policies` for a whole replay);
+    ``copy_queue`` picks a copy-queue discipline (SimPy only). The CPU-compute policies
+    (docs/policies.md) go to :func:`moesim.sim.hybrid.simulate_hybrid` with ``host`` (name,
+    path or profile; default: the GPU profile's), ``cpu_layers``, ``calibration`` routing,
     ``calibrate_on_replay`` and ``amx``.
     """
     if engine not in ENGINES:
@@ -177,9 +170,9 @@ def simulate(
         if timing == "measured":
             raise MoesimError(f"{pol.name} computes experts on the CPU; a trace's measured times are device times, "
                               "so it is timed from the profiles (--timing profile)")
-        capacity = cache_capacity(trace.model, cache_gib, cache_experts)
         if copy_queue != "fifo":
             raise MoesimError(f"{pol.name} copies at most its misses; copy queues apply to the copy policies")
+        capacity = cache_capacity(trace.model, cache_gib, cache_experts)
         return simulate_hybrid(trace, hw, pol, host=host, cpu_layers=cpu_layers, calibration=calibration,
                                calibrate_on_replay=calibrate_on_replay, cache_experts=capacity, eviction=eviction,
                                engine=engine, link_gbps=link_gbps, amx=amx, record=record)
@@ -187,16 +180,12 @@ def simulate(
     if link_gbps is not None:
         hw = hw.with_figure("h2d_pinned_gbs", link_gbps)
     capacity = cache_capacity(spec, cache_gib, cache_experts) if pol.offload else 0
-    plan = plan or build_plan(trace, pol, capacity, eviction)
+    plan = plan or build_plan(trace, pol, capacity, eviction, progress)
     costs = costs or pick_costs(trace, spec, hw, timing)
     costs = charge_prediction(costs, spec, hw, pol.prefetch and not pol.oracle, trace.batch,
                               trace.timings.get("predict_s"))
     work = make_workload(spec, plan, costs)
-    link = Link.from_profile(hw, spec)
-    recorded = trace.meta.recorded_policy
-    if costs.source.startswith("measured") and recorded is not None and recorded.prefetch:
-        # Times measured while copies overlapped compute already include the interference.
-        link = replace(link, interference=0.0)
+    link = sim_link(trace, hw, costs)
     spans: list[Span] = []
     if copy_queue != "fifo":
         useful = np.zeros(work.shape, np.int64)
@@ -206,26 +195,88 @@ def simulate(
         ends, copy, stall, spans = run_simpy(work, link, record)
     else:
         ends, copy, stall = run_fast(work, link)
+    result = make_result(trace, hw, pol, eviction, engine, plan, costs, work, ends, copy, stall, spans, pred_recall)
+    if copy_queue != "fifo":
+        result.config["copy_queue"] = copy_queue
+    return result
+
+
+def sim_link(trace: Trace, hw: HardwareProfile, costs: Costs, spec: ModelSpec | None = None) -> Link:
+    """The copy engine of ``hw`` for this trace's model (``spec``, parsed once by sweeps),
+    as the timing source needs it."""
+    link = Link.from_profile(hw, spec or trace.model)
+    recorded = trace.meta.recorded_policy
+    if costs.source.startswith("measured") and recorded is not None and recorded.prefetch:
+        # Times measured while copies overlapped compute already include the interference.
+        link = replace(link, interference=0.0)
+    return link
+
+
+def ttft_of(trace: Trace, hw: HardwareProfile, pol: Policy, costs: Costs) -> float:
+    """Time to first token: the trace's measured prefill with measured times, else the roofline."""
+    ttft = trace.meta.prefill_s if costs.source.startswith("measured") else None
+    if ttft is None:
+        ttft = prefill_time(trace.model, hw, trace.prompt_len, pol.offload, trace.batch)
+    return float(ttft)
+
+
+def make_result(trace: Trace, hw: HardwareProfile, pol: Policy, eviction: str, engine: str, plan: Plan, costs: Costs,
+                work: Workload, ends: np.ndarray, copy: np.ndarray, stall: np.ndarray, spans: list[Span] | None = None,
+                pred_recall: float | None = None, ttft: float | None = None,
+                spec: ModelSpec | None = None) -> SimResult:
+    """The :class:`SimResult` of one timed configuration (``hw`` already carries any link
+    override); sweeps pass ``pred_recall``, ``ttft`` and ``spec`` computed once per trace and link."""
+    spec = spec or trace.model
+    capacity = plan.cache_experts
     tpot = np.diff(ends, prepend=0.0)
     config = {
         "model": spec.name, "hw": hw.name, "policy": pol.name, "cache_experts": capacity,
         "cache_gib": round(capacity * spec.expert_bytes / 2**30, 2), "eviction": eviction if capacity else "-",
         "link_gbps": hw["h2d_pinned_gbs"], "batch": trace.batch, "engine": engine, "timing": costs.source,
-        "synthetic_trace": trace.synthetic, **({"copy_queue": copy_queue} if copy_queue != "fifo" else {}),
+        "synthetic_trace": trace.synthetic,
     }
-    ttft = trace.meta.prefill_s if costs.source.startswith("measured") else None
     if ttft is None:
-        ttft = prefill_time(spec, hw, trace.prompt_len, pol.offload, trace.batch)
+        ttft = ttft_of(trace, hw, pol, costs)
+    recall = prediction_recall(trace) if pred_recall is None else pred_recall
     return SimResult(config, tpot, work.compute_per_token, copy, stall, plan, spec.expert_bytes, float(ttft),
-                     prediction_recall(trace), spans)
+                     recall, spans or [])
 
 
 def prediction_recall(trace: Trace) -> float:
     """Mean recall@k of the recorded predictions (share of true experts predicted), over
     the (step, layer, sequence) rows that have a prediction; NaN when none has."""
-    pred, true = trace.pred_ids, trace.true_ids
-    has = (pred >= 0).any(-1)
-    if not has.any():
-        return float("nan")
-    hits = (pred[..., :, None] == true[..., None, :]).any(-1).sum(-1) / true.shape[-1]
-    return float(hits[has].mean())
+    hits_sum, rows = 0.0, 0
+    chunk = max(1, 1_000_000 // max(1, trace.true_ids[0].size * trace.true_ids.shape[-1]))  # bounded temporaries
+    for t0 in range(0, trace.n_tokens, chunk):
+        pred, true = trace.pred_ids[t0:t0 + chunk], trace.true_ids[t0:t0 + chunk]
+        has = (pred >= 0).any(-1)
+        hits = (pred[..., :, None] == true[..., None, :]).any(-1).sum(-1) / true.shape[-1]
+        hits_sum += float(hits[has].sum())
+        rows += int(has.sum())
+    return hits_sum / rows if rows else float("nan")
+
+def simulate_policies(trace: Trace, hw: HardwareProfile, policies: list[str], *,
+                      progress: Callable[[int, int], None] | None = None, **kw: Any) -> list[SimResult]:
+    """:func:`simulate` for each policy, sharing the compute times and the prediction recall
+    (they do not depend on the policy). ``progress(done, total)`` counts layer-steps
+    planned and timed over all policies, for a progress bar on long traces."""
+    for p in policies:
+        get_policy(p)  # every name checked before any work
+    per_policy = trace.n_tokens * trace.model.n_moe_layers
+    total = 2 * per_policy * len(policies)  # planning, then timing, per policy
+    link_gbps = kw.get("link_gbps")
+    profile = hw.with_figure("h2d_pinned_gbs", link_gbps) if link_gbps is not None else hw
+    costs = kw.pop("costs", None) or pick_costs(trace, trace.model, profile, kw.get("timing", "auto"))
+    recall = prediction_recall(trace)
+    results = []
+    for i, p in enumerate(policies):
+        done = 2 * i * per_policy
+
+        def planned(steps: int, _total: int, done: int = done) -> None:
+            if progress is not None:
+                progress(done + steps * trace.model.n_moe_layers, total)
+
+        results.append(simulate(trace, hw, p, costs=costs, progress=planned, pred_recall=recall, **kw))
+        if progress is not None:
+            progress(done + 2 * per_policy, total)
+    return results

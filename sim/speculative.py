@@ -46,6 +46,11 @@ def _sets(mask: np.ndarray) -> list[set[int]]:
     return [set(np.flatnonzero(row).tolist()) for row in mask]
 
 
+def sd_measured(trace: Trace) -> bool:
+    """Whether the speculative records hold measured times (synthetic ones are all zero)."""
+    return bool(trace.timings["sd_verify_s"].any())
+
+
 def recorded_steps(trace: Trace) -> list[Step]:
     steps = []
     for t in sd_steps(trace.timings):
@@ -141,6 +146,9 @@ def simulate_steps(trace: Trace, steps: list[Step], hw: HardwareProfile, policy:
     if link_gbps is not None:
         hw = hw.with_figure("h2d_pinned_gbs", link_gbps)
     tm = trace.timings
+    if spec.dense_layers:  # below, step sets (per MoE layer) are indexed by model layer
+        raise MoesimError(f"{spec.name} has dense layers; time its speculative steps with "
+                          "moesim.sim.placement.time_steps (the EcoSpec what-if)")
     n_steps, n_layers = len(steps), spec.n_layers
     if len(tm["sd_accepted"]) != n_steps:
         raise MoesimError("steps do not match the trace")
@@ -161,6 +169,8 @@ def simulate_steps(trace: Trace, steps: list[Step], hw: HardwareProfile, policy:
                                 if e != PAD_EXPERT})
                            for layer in range(n_layers)] for i in range(n_steps)])
     rows = np.array([st.rows for st in steps])
+    if timing == "measured" and not sd_measured(trace):
+        raise MoesimError("a synthetic speculative trace has no measured times; use timing='profile'")
     if timing == "measured":
         per_expert = tm["sd_expert_s"] / np.maximum(rec_union, 1)
         attn = tm["sd_attn_s"] * (rows / rec_rows)[:, None]  # attention work grows with the rows verified
@@ -214,8 +224,45 @@ def replay_sd(trace: Trace, hw: HardwareProfile, policy: str | None = None, **kw
     """Replay a speculative trace as recorded and compare with what was measured."""
     if not trace.speculative:
         raise MoesimError("not a speculative-decoding trace (no sd_* records)")
+    if not sd_measured(trace):
+        raise MoesimError("a synthetic speculative trace has no measurements to replay; use the EcoSpec what-if "
+                          "(moesim.sim.ecospec) or timing='profile'")
     meta = trace.meta
     kw.setdefault("cache_experts", meta.cache_experts)
     sim = simulate_steps(trace, recorded_steps(trace), hw, policy or meta.replay_policy, **kw)
     meas = measured_summary(trace)
     return {"simulated": sim, "measured": meas, "error": sim["tpot_ms"] / meas["tpot_ms"] - 1}
+
+
+def speculative_whatif(trace: Trace, hw: HardwareProfile | None = None, policies: list[str] | None = None,
+                       gammas: list[int] | None = None, selections: tuple[str, ...] = ("confidence", "ecospec"),
+                       score: str = "ratio", lambdas: tuple[float, ...] = (0.05,), link_gbps: float | None = None,
+                       timing: str = "measured", depth: int | None = None, branch: int | None = None,
+                       acceptance: float | None = None) -> dict[str, Any]:
+    """``moesim replay`` of a speculative trace: measured against simulated as recorded
+    (under each policy; the first is compared with the measurement), then, with
+    ``gammas``, the selection re-run on the recorded trees for every policy x gamma x
+    selection (x lambda for the Lagrangian EcoSpec score). ``hw`` defaults to the
+    recording profile with the link the trace measured. Returns ``measured``, ``error``
+    (of the first policy as recorded) and ``rows`` (each with its ``case``)."""
+    from moesim.sim.validate import recorded_profile
+
+    hw = recorded_profile(trace, hw)
+    policies = policies or [trace.meta.replay_policy]
+    base = replay_sd(trace, hw, policies[0], link_gbps=link_gbps, timing=timing)
+    rows = [{"case": "as recorded", **base["simulated"]}]
+    for p in policies[1:]:
+        rows.append({"case": "as recorded", **simulate_steps(trace, recorded_steps(trace), hw, p,
+                                                             link_gbps=link_gbps, timing=timing)})
+    shape = (depth, branch, acceptance)
+    for p in policies if gammas else []:
+        for g in gammas:
+            for sel in selections:
+                for lam in (lambdas if sel == "ecospec" and score == "lagrangian" else [0.0]):
+                    steps = reselected_steps(trace, g, sel, score, lam, *shape)
+                    label = "" if sel != "ecospec" else f" {score}" + (f" {lam:g}" if score == "lagrangian" else "")
+                    label += "".join(f" {k} {v:g}" for k, v in zip(("depth", "branch", "acceptance"), shape,
+                                                                    strict=True) if v is not None)
+                    rows.append({"case": f"what-if gamma {g} {sel}{label}",
+                                 **simulate_steps(trace, steps, hw, p, link_gbps=link_gbps, timing=timing)})
+    return {"measured": base["measured"], "error": base["error"], "rows": rows}

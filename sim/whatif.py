@@ -1,26 +1,45 @@
 """What-if sweeps: the cross product of models, hardware, policies, link bandwidths and
-cache sizes, timed on one trace per model, on every core.
+cache sizes, timed on one trace per model, on every core or on a Ray cluster.
 
 Work is grouped by (model, policy, cache): a group builds its plan once (the expensive,
-hardware-independent part) and times it on every hardware profile and link bandwidth
-with the fast path. Groups run in a process pool.
+hardware-independent part) and times it on every hardware profile and link bandwidth,
+all links of a profile in one compiled call (:func:`moesim.sim.fastpath.run_fast_many`).
+Groups are the unit of parallel work, of streaming and of resuming:
+
+- ``backend="local"``: a process pool on this machine's cores (traces reach each worker
+  once, with the pool's initializer); ``backend="ray"``: tasks on a Ray cluster (traces
+  put in the object store once). Both run the same groups, so rows are identical.
+- ``out=path.csv``: each finished group's rows are appended to the CSV and flushed, so
+  memory holds the rows once and an interrupted sweep keeps what it finished; run the
+  same sweep with the same ``out`` again and it skips the finished groups.
+- A failing group does not stop the others: :class:`SweepError` names each failed
+  configuration group and why, and carries the finished rows.
 """
 
 from __future__ import annotations
 
+import csv
+import functools
+import hashlib
 import itertools
+import json
 import os
-from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from moesim.atomic import atomic_write_text
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile
 from moesim.models import ModelSpec
 from moesim.policy import expert_slots, get_policy
+from moesim.sim.costs import charge_prediction
+from moesim.sim.fastpath import run_fast_many
 from moesim.sim.plan import build_plan
-from moesim.sim.simulate import cache_capacity, pick_costs, simulate
+from moesim.sim.simulate import cache_capacity, make_result, pick_costs, prediction_recall, sim_link, ttft_of
+from moesim.sim.workload import make_workload
 from moesim.traces.format import Trace
 
 GOALS = {
@@ -29,6 +48,10 @@ GOALS = {
     "ttft": ("ttft_ms", "lowest time to first token"),
     "bytes": ("gb_moved_per_token", "fewest bytes over the host link per token"),
 }
+BACKENDS = ("local", "ray")
+RAY_HINT = 'pip install "moesim[distributed]"'
+
+Group = tuple[str, str, float]  # (model, policy, cache GiB asked)
 
 
 @dataclass(frozen=True)
@@ -53,15 +76,52 @@ class Sweep:
     @property
     def size(self) -> int:
         """Configurations the sweep times."""
-        return len(self.groups()) * len(self.hws) * len(self.link_gbps)
+        return len(self.groups()) * self.group_size
 
-    def groups(self) -> list[tuple[str, str, float]]:
+    @property
+    def group_size(self) -> int:
+        """Configurations (rows) per group: every profile times every link bandwidth."""
+        return len(self.hws) * len(self.link_gbps)
+
+    def groups(self) -> list[Group]:
         out = []
         for model, policy, cache in itertools.product(self.traces, self.policies, self.cache_gib):
             if not get_policy(policy).offload and (cache, model) != (self.cache_gib[0], model):
                 continue  # all-resident ignores the cache: one row is enough
             out.append((model, policy, cache))
         return out
+
+    @functools.cached_property
+    def recalls(self) -> dict[str, float]:
+        """Each trace's prediction recall (per trace, not per configuration); computed once
+        in the parent, it travels to the workers with the sweep."""
+        return {m: prediction_recall(t) for m, t in self.traces.items()}
+
+    @functools.cached_property
+    def _ttft_memo(self) -> dict[tuple[str, int, int, bool], float]:
+        """(model, profile, link, offload) -> TTFT: the same for every policy and cache, so a
+        worker computes it once per sweep, not once per configuration (per process)."""
+        return {}
+
+    @functools.cached_property
+    def _costs_memo(self) -> dict[tuple[str, int], Any]:
+        """(model, profile) -> compute times, for the model a worker is on (groups come in
+        model order); they do not depend on the policy or cache."""
+        return {}
+
+    def fingerprint(self) -> str:
+        """Identifies the sweep's inputs (traces by content), so a resumed output belongs to it."""
+        h = hashlib.sha256()
+        for name, tr in self.traces.items():
+            h.update(name.encode())
+            h.update(json.dumps(tr.header, sort_keys=True, default=str).encode())
+            for a in (tr.true_ids, tr.pred_ids):
+                h.update(memoryview(a.tobytes()))
+        spec = {"hws": [[hw.name, {k: hw[k] for k in sorted(hw.figures)}] for hw in self.hws],
+                "policies": self.policies, "link_gbps": self.link_gbps, "cache_gib": self.cache_gib,
+                "eviction": self.eviction, "engine": self.engine, "timing": self.timing}
+        h.update(json.dumps(spec, sort_keys=True, default=str).encode())
+        return h.hexdigest()[:16]
 
 
 def device_bytes_needed(spec: ModelSpec, policy: str, cache_experts: int, batch: int, context: int) -> int:
@@ -74,26 +134,54 @@ def device_bytes_needed(spec: ModelSpec, policy: str, cache_experts: int, batch:
     return spec.non_expert_bytes + expert_slots(spec, policy, cache_experts) * spec.expert_bytes + kv
 
 
-def _run_group(sweep: Sweep, model: str, policy: str, cache_gib: float) -> list[dict[str, Any]]:
+def run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
+    """The rows of group ``index`` of ``sweep.groups()``: one plan, every profile and link."""
+    model, policy, cache_gib = sweep.groups()[index]
     trace = sweep.traces[model]
     spec = trace.model
-    capacity = cache_capacity(spec, cache_gib) if get_policy(policy).offload else 0
-    plan = build_plan(trace, policy, capacity, sweep.eviction)
+    pol = get_policy(policy)
+    capacity = cache_capacity(spec, cache_gib) if pol.offload else 0
+    plan = build_plan(trace, pol, capacity, sweep.eviction)
+    recall = sweep.recalls[model]
+    need = device_bytes_needed(spec, policy, capacity, trace.batch, trace.prompt_len + trace.n_tokens)
     rows = []
-    for hw in sweep.hws:
-        costs = pick_costs(trace, spec, hw, sweep.timing)
-        for gbps in sweep.link_gbps:
-            r = simulate(trace, hw, policy, cache_experts=capacity, eviction=sweep.eviction,
-                         engine=sweep.engine, link_gbps=gbps, plan=plan, costs=costs)
-            row = r.summary()
+    memo = sweep._costs_memo
+    if any(k[0] != model for k in memo):
+        memo.clear()  # one model's compute times at a time: memory stays one trace's worth
+    for hi, hw in enumerate(sweep.hws):
+        if (model, hi) not in memo:
+            memo[model, hi] = pick_costs(trace, spec, hw, sweep.timing)
+        # A predicting policy pays for its predictor, as in simulate() (sim.costs.charge_prediction).
+        costs = charge_prediction(memo[model, hi], spec, hw, pol.prefetch and not pol.oracle, trace.batch,
+                                  trace.timings.get("predict_s"))
+        work = make_workload(spec, plan, costs)
+        profiles = [hw if g is None else hw.with_figure("h2d_pinned_gbs", g) for g in sweep.link_gbps]
+        links = [sim_link(trace, h, costs, spec) for h in profiles]
+        if sweep.engine == "fast":
+            timed = zip(*run_fast_many(work, links))
+        else:
+            from moesim.sim.engine import run_simpy
+
+            timed = (run_simpy(work, k)[:3] for k in links)
+        for li, (h, (ends, copy, stall)) in enumerate(zip(profiles, timed)):
+            key = (model, hi, li, pol.offload)
+            if key not in sweep._ttft_memo:
+                sweep._ttft_memo[key] = ttft_of(trace, h, pol, costs)
+            row = make_result(trace, h, pol, sweep.eviction, sweep.engine, plan, costs, work, ends, copy, stall,
+                              pred_recall=recall, ttft=sweep._ttft_memo[key], spec=spec).summary()
             row["cache_gib"] = cache_gib if capacity else 0.0  # as asked; cache_experts is what fits
-            need = device_bytes_needed(spec, policy, capacity, trace.batch, trace.prompt_len + trace.n_tokens)
             row["device_gb_needed"] = need / 1e9
-            row["fits"] = need <= hw["device_memory_gb"] * 1e9
+            row["fits"] = need <= h["device_memory_gb"] * 1e9
+            row["group"] = index
             rows.append(row)
     return rows
 
 
+# --------------------------------------------------------------------------------------
+# Backends: each yields (group index, rows or the exception that group raised)
+# --------------------------------------------------------------------------------------
+
+Outcome = tuple[int, list[dict[str, Any]] | BaseException]
 _WORKER_SWEEP: Sweep | None = None
 
 
@@ -102,30 +190,212 @@ def _init_worker(sweep: Sweep) -> None:
     _WORKER_SWEEP = sweep
 
 
-def _worker(group: tuple[str, str, float]) -> list[dict[str, Any]]:
+def _worker(index: int) -> list[dict[str, Any]]:
     assert _WORKER_SWEEP is not None
-    return _run_group(_WORKER_SWEEP, *group)
+    return run_group(_WORKER_SWEEP, index)
 
 
-def run_sweep(sweep: Sweep, jobs: int | None = None,
-              progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
-    """All rows of the sweep, in a stable order; ``progress(done, total)`` after each group."""
+def _warm_kernels() -> None:
+    """Compile (first run on a machine) or load the numba kernels once, before forking
+    workers, so each worker inherits them instead of loading them again."""
+    import numpy as np
+
+    from moesim.policy import Planner
+    from moesim.sim.workload import Link, Workload
+
+    ids = np.zeros((1, 1, 1, 1), np.int16)
+    Planner("on-demand", 1).plan_trace(ids, ids, 1)
+    z = np.zeros((1, 1))
+    run_fast_many(Workload(z, z, z.astype(np.int32), z.astype(np.int32), np.zeros(1), "warm-up"), [Link(1.0, 0.0, 1)])
+
+
+def _local(sweep: Sweep, todo: list[int], jobs: int) -> Iterator[Outcome]:
+    if jobs <= 1:
+        for i in todo:
+            try:
+                yield i, run_group(sweep, i)
+            except Exception as e:  # noqa: BLE001 - reported per group by run_sweep
+                yield i, e
+        return
+    _warm_kernels()
+    pool = ProcessPoolExecutor(jobs, initializer=_init_worker, initargs=(sweep,))
+    try:
+        pending = {pool.submit(_worker, i): i for i in todo}
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in done:
+                i = pending.pop(fut)
+                exc = fut.exception()
+                yield i, exc if exc is not None else fut.result()
+    finally:  # interrupted (Ctrl-C, an error in the caller): drop queued groups, finish running ones
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _ray(sweep: Sweep, todo: list[int], address: str | None) -> Iterator[Outcome]:
+    try:
+        import ray
+    except ImportError:
+        raise MoesimError(f"backend ray needs Ray: {RAY_HINT}") from None
+    if not ray.is_initialized():
+        # address None: RAY_ADDRESS if set, else a new local cluster (ray.init's own rule).
+        ray.init(address=address or os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True,
+                 log_to_driver=False, include_dashboard=False)
+    group_task = ray.remote(max_retries=0)(run_group)
+    sweep_ref = ray.put(sweep)  # traces travel to the object store once, not once per group
+    pending = {group_task.remote(sweep_ref, i): i for i in todo}
+    try:
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            for ref in done:
+                i = pending.pop(ref)
+                try:
+                    rows = ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - a RayTaskError wraps the worker's exception
+                    rows = getattr(e, "cause", None) or e
+                yield i, rows
+    finally:  # interrupted: do not leave the cluster computing groups nobody will collect
+        for ref in pending:
+            ray.cancel(ref)
+
+
+# --------------------------------------------------------------------------------------
+# Streaming and resuming
+# --------------------------------------------------------------------------------------
+
+
+def _parse(value: str) -> Any:
+    """A CSV cell back to the type the row had (the writer writes repr-exact floats)."""
+    if value in ("True", "False"):
+        return value == "True"
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+def _resume(sweep: Sweep, out: Path) -> dict[int, list[dict[str, Any]]]:
+    """Finished groups of an earlier run of the same sweep in ``out`` (incomplete groups
+    and a torn last line are dropped, and the file rewritten without them)."""
+    manifest = out.with_name(out.name + ".sweep.json")
+    fingerprint = sweep.fingerprint()
+    if out.exists():
+        if not manifest.exists():
+            raise MoesimError(f"{out} exists and is not a resumable sweep output; choose another path or remove it")
+        try:
+            old = json.loads(manifest.read_text()).get("fingerprint")
+        except (OSError, json.JSONDecodeError, AttributeError):
+            old = None
+        if old != fingerprint:
+            raise MoesimError(f"{out} holds a different sweep (other traces, hardware or settings); "
+                              "choose another path or remove it to start over")
+    atomic_write_text(manifest, json.dumps({"fingerprint": fingerprint, "groups": len(sweep.groups()),
+                                            "rows_per_group": sweep.group_size}))
+    if not out.exists():
+        return {}
+    finished: dict[int, list[dict[str, Any]]] = {}
+    with out.open(newline="") as f:
+        text = f.read()
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines = lines[:-1]  # torn by the interruption
+    reader = csv.DictReader(lines)
+    for rec in reader:
+        if None in rec or None in rec.values():
+            continue  # a short or long line
+        row = {k: _parse(v) for k, v in rec.items()}
+        finished.setdefault(row["group"], []).append(row)
+    finished = {g: rows for g, rows in finished.items() if len(rows) == sweep.group_size}
+    body = [r for g in sorted(finished) for r in finished[g]]
+    _write_rows(out, body, fresh=True)
+    return finished
+
+
+def _write_rows(out: Path, rows: list[dict[str, Any]], fresh: bool = False) -> None:
+    """Append ``rows`` to ``out`` and flush them to disk (``fresh``: atomically replace it)."""
+    if fresh:
+        if not rows:
+            out.unlink(missing_ok=True)
+            return
+        import io
+
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+        w.writeheader()
+        w.writerows(rows)
+        atomic_write_text(out, buf.getvalue())
+        return
+    new = not out.exists()
+    with out.open("a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]), lineterminator="\n")
+        if new:
+            w.writeheader()
+        w.writerows(rows)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class SweepError(MoesimError):
+    """Some groups failed; ``failures`` = [(group, reason)], ``rows`` = the finished rows."""
+
+    def __init__(self, message: str, failures: list[tuple[Group, str]], rows: list[dict[str, Any]]) -> None:
+        super().__init__(message)
+        self.failures = failures
+        self.rows = rows
+
+
+def run_sweep(sweep: Sweep, jobs: int | None = None, progress: Callable[[int, int], None] | None = None, *,
+              backend: str = "local", address: str | None = None, out: str | Path | None = None,
+              keep_rows: bool = True) -> list[dict[str, Any]]:
+    """All rows of the sweep, in group order (rows of a group: profile, then link).
+
+    ``progress(configurations_done, configurations)`` after each group (resumed groups
+    count as done at once). ``backend``: ``local`` (``jobs`` processes, default all cores)
+    or ``ray`` (the cluster at ``address``, else RAY_ADDRESS, else a new local one).
+    ``out``: stream rows to this CSV as groups finish and resume from it (see the module
+    docstring); with ``keep_rows=False`` it returns [] and holds one group's rows at a time.
+    """
+    if backend not in BACKENDS:
+        raise MoesimError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+    if backend == "ray":
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise MoesimError(f"backend ray needs Ray: {RAY_HINT}") from None
     groups = sweep.groups()
-    jobs = max(1, min(jobs or os.cpu_count() or 1, len(groups)))
-    results: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
-    if jobs == 1:
-        for i, g in enumerate(groups):
-            results[g] = _run_group(sweep, *g)
-            if progress:
-                progress(i + 1, len(groups))
+    sweep.recalls  # noqa: B018 - computed once here, shipped with the sweep to every worker
+    out = Path(out) if out is not None else None
+    finished = _resume(sweep, out) if out is not None else {}
+    results: dict[int, list[dict[str, Any]]] = finished if keep_rows else {}
+    todo = [i for i in range(len(groups)) if i not in finished]
+    total, done = sweep.size, len(finished) * sweep.group_size
+    if progress:
+        progress(done, total)
+    if backend == "ray":
+        outcomes = _ray(sweep, todo, address)
     else:
-        with ProcessPoolExecutor(jobs, initializer=_init_worker, initargs=(sweep,)) as pool:
-            futures = {pool.submit(_worker, g): g for g in groups}
-            for i, fut in enumerate(as_completed(futures)):
-                results[futures[fut]] = fut.result()
-                if progress:
-                    progress(i + 1, len(groups))
-    return [row for g in groups for row in results[g]]
+        outcomes = _local(sweep, todo, max(1, min(jobs or os.cpu_count() or 1, len(todo) or 1)))
+    failures: list[tuple[Group, str]] = []
+    for i, rows in outcomes:
+        if isinstance(rows, BaseException):
+            failures.append((groups[i], f"{type(rows).__name__}: {rows}"))
+            continue
+        if out is not None:
+            _write_rows(out, rows)
+        if keep_rows:
+            results[i] = rows
+        done += len(rows)
+        if progress:
+            progress(done, total)
+    ordered = [r for i in sorted(results) for r in results[i]]
+    if failures:
+        (model, policy, cache), why = failures[0]
+        kept = f"; finished rows are in {out}" if out is not None else ""
+        raise SweepError(f"{len(failures)} of {len(groups)} configuration groups failed, first: model {model}, "
+                         f"policy {policy}, cache {cache:g} GiB (every profile and link of it): {why}{kept}",
+                         failures, ordered)
+    return ordered
 
 
 def best(rows: list[dict[str, Any]], goal: str = "tpot") -> dict[str, Any] | None:

@@ -7,6 +7,7 @@ take exactly these two and must agree.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,7 +75,7 @@ class Workload:
     def shape(self) -> tuple[int, int]:
         return self.attn.shape
 
-    @property
+    @functools.cached_property
     def compute_per_token(self) -> np.ndarray:
         return self.attn.sum(1) + self.experts.sum(1) + self.other
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from moesim.models import Attention, ModelSpec, get_model
-from moesim.traces.format import FORMAT, VERSION, Trace
+from moesim.traces.format import Trace
+from moesim.traces.header import make_header
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
 
@@ -22,8 +23,8 @@ def hand_trace(spec: ModelSpec, true: list, pred: list) -> Trace:
     pred_ids = np.array(pred, np.int16)[:, :, None, :]
     t = true_ids.shape[0]
     gates = np.full(true_ids.shape, 1 / spec.top_k, np.float32)
-    header = {"format": FORMAT, "version": VERSION, "model": spec.to_dict(), "policy": {"name": "none"},
-              "prompt_len": 0, "n_tokens": t, "batch": 1, "synthetic": True}
+    header = make_header(spec, policy="none", prompt_len=0, n_tokens=t, batch=1, seed=0, synthetic=True,
+                         recorded={"tool": "tests/conftest.py", "how": "hand-written"})
     return Trace(header, np.zeros((1, 0), np.int32), np.zeros((1, t), np.int32), true_ids, gates, pred_ids,
                  np.where(pred_ids >= 0, gates, 0).astype(np.float32), true_ids.copy())
 

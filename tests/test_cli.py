@@ -76,7 +76,7 @@ def test_whatif_with_no_arguments_answers_and_writes_a_report(tmp_path):
     r = moesim("whatif", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "best for lowest mean time per output token" in r.stdout
-    assert (tmp_path / "reports" / "whatif" / "report.html").exists()
+    assert (tmp_path / "moesim-whatif" / "report.html").exists()
 
 
 def _assert_one_line_error(r, text):
@@ -143,7 +143,8 @@ def test_profile_and_calibrate_errors_are_one_line(tmp_path):
 
 
 def test_importing_the_simulator_never_imports_torch():
-    code = ("import sys, sim, sim.whatif, sim.speculative, sim.validate, sim.fit, traces, moesim.cli, reports.render; "
+    code = ("import sys, sim, sim.whatif, sim.speculative, sim.validate, sim.fit, traces, moesim.cli, reports.render, "
+            "moesim.sim.replay, moesim.sim.sweep, moesim.sim.analysis, moesim.executor.defaults; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -169,3 +170,121 @@ def test_validation_suite_runs_end_to_end(tmp_path):
     assert {r["case"] for r in rows} == {"same-policy", "transfer from on-demand"}
     for f in ("report.html", "scatter.png", "timeline.png", "errors.csv", "timelines.trace.json"):
         assert (tmp_path / f).exists(), f
+
+
+def test_version():
+    from moesim import __version__
+
+    r = moesim("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"moesim {__version__}"
+
+
+def _tree_bytes(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def invoke(*args, cwd):
+    """The CLI in-process (one torch import for many calls); restores torch's thread count."""
+    import os
+
+    import torch
+    from typer.testing import CliRunner
+
+    from moesim.cli import app
+
+    threads, here = torch.get_num_threads(), os.getcwd()
+    os.chdir(cwd)
+    try:
+        return CliRunner().invoke(app, [str(a) for a in args])
+    finally:
+        os.chdir(here)
+        torch.set_num_threads(threads)
+
+
+def test_no_command_overwrites_a_shipped_checkpoint_without_force(tmp_path):
+    from moesim.errors import MoesimError
+    from moesim.executor.loading import shipped_model
+
+    target, draft = shipped_model(), shipped_model("moe-stdlib-draft")
+    before = (_tree_bytes(target), _tree_bytes(draft))
+    for args in [("calibrate", "--out", target), ("train-estimator", "--out", target)]:  # as a user sees it
+        _assert_one_line_error(moesim(*args, cwd=tmp_path), "shipped checkpoint")
+    for args in [("calibrate", "--model", target, "--out", target, "--tokens", 64),
+                 ("train-expert-predictor", "--out", draft),
+                 ("train", "--out", target / "retrained", "--steps", 1)]:
+        r = invoke(*args, cwd=tmp_path)
+        assert isinstance(r.exception, MoesimError) and "shipped checkpoint" in str(r.exception), (args, r.output)
+    assert (_tree_bytes(target), _tree_bytes(draft)) == before
+    assert list(tmp_path.iterdir()) == []  # refused before any work
+
+
+def test_derived_checkpoint_folders(tmp_path):
+    from moesim.errors import MoesimError
+    from moesim.executor.loading import check_derived_out, derived_checkpoint, is_shipped, shipped_model
+
+    assert is_shipped(shipped_model()) and is_shipped(shipped_model() / "config.json")
+    assert not is_shipped(tmp_path) and not is_shipped(shipped_model().parent.parent)
+    src = tmp_path / "model"
+    src.mkdir()
+    (src / "config.json").write_text('{"a": 1}')
+    (src / "model.safetensors").write_bytes(b"weights")
+    out = derived_checkpoint(src, tmp_path / "copy", force=False)
+    assert _tree_bytes(out) == _tree_bytes(src)
+    (out / "model.safetensors").write_bytes(b"derived")  # a later run keeps what an earlier one made
+    derived_checkpoint(src, out, force=False)
+    assert (out / "model.safetensors").read_bytes() == b"derived"
+    assert derived_checkpoint(src, src, force=False) == src  # in place: nothing copied
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(MoesimError, match="does not hold a copy"):
+        check_derived_out(src, other, force=False)
+    check_derived_out(src, other, force=True)
+
+
+def test_calibrate_writes_a_model_folder_in_the_current_directory(tmp_path):
+    r = invoke("calibrate", "--tokens", 64, cwd=tmp_path)
+    assert r.exit_code == 0, (r.output, r.exception)
+    out = tmp_path / "moe-stdlib-calibrated"
+    assert {"config.json", "model.safetensors", "default_vectors.safetensors", "calibration.json"} <= {
+        p.name for p in out.iterdir()}
+    assert json.loads((out / "calibration.json").read_text())["tokens"] == 64
+    r = invoke("profile", "--model", out.name, "--policy", "prefetch-fom", "--tokens", 2, cwd=tmp_path)
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert (tmp_path / "profile.npz").exists()
+
+
+def test_synthetic_trace_replays_on_the_named_default_profile(olmoe_trace):
+    from moesim.hardware import DEFAULT_PROFILE
+
+    r = moesim("replay", olmoe_trace, "--policy", "on-demand")
+    assert r.returncode == 0, r.stderr
+    assert f"on {DEFAULT_PROFILE} (default: the trace records no hardware), link" in r.stdout.replace("\n", " ")
+    row = json.loads(moesim("replay", olmoe_trace, "--policy", "on-demand", "--json").stdout)[0]
+    assert row["hw"] == DEFAULT_PROFILE
+
+
+def test_predictor_inputs_say_what_each_predictor_reads():
+    from moesim.executor.runtime import predictor_inputs
+
+    assert predictor_inputs("prefetch-fom", "quasi") == (True, False)
+    assert predictor_inputs("on-demand", "hybrid") == (True, True)  # recorded, so the trace can predict
+    assert predictor_inputs("prefetch", "stale") == (False, False)
+    assert predictor_inputs("oracle", "quasi") == (False, False)
+    assert predictor_inputs("all-resident", "estimator") == (False, False)
+
+
+def test_corpus_split_is_defined_once():
+    from moesim.executor.corpus import (
+        TRAIN_FRACTION,
+        held_out_split,
+        split_index,
+        splits,
+        stdlib_corpus,
+        training_split,
+    )
+
+    corpus, _ = stdlib_corpus()
+    train, held_out, _ = splits()
+    assert train + held_out == corpus and len(train) == int(len(corpus) * TRAIN_FRACTION) == split_index(len(corpus))
+    assert training_split()[0] == train and held_out_split()[0] == held_out

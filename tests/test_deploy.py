@@ -339,8 +339,9 @@ def test_queues_other_than_fifo_need_simpy(tiny_trace):
 
 
 def test_memory_check_and_calibration_file(tmp_path, tiny_trace):
-    from moesim.placement import device_bytes, load_calibration
+    from moesim.placement import device_bytes
     from moesim.policy import expert_slots
+    from moesim.sim.hybrid import load_calibration
     from moesim.traces.format import write_trace
 
     spec = tiny_trace.model

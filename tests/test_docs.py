@@ -1,13 +1,17 @@
-"""The docs stay true: every CLI option is documented, the README's commands exist."""
+"""The docs stay true: every CLI option is documented, every example runs, the README's commands exist."""
 
 import re
+import shlex
 from pathlib import Path
 
+import pytest
 import typer
+from typer.testing import CliRunner
 
 from moesim.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
+LONG = "long-running"
 
 
 def test_every_cli_option_is_in_the_reference():
@@ -19,6 +23,70 @@ def test_every_cli_option_is_in_the_reference():
             for opt in param.opts:
                 if opt.startswith("--"):
                     assert opt in doc, f"{name} {opt}"
+
+
+def help_examples() -> list[str]:
+    """Every `moesim ...` span in the top-level help and each command's help, in that
+    order (top level first, then commands as registered). A span followed by
+    "(long-running" is skipped, as documented in docs/cli.md."""
+    group = typer.main.get_command(app)
+    texts = [group.help] + [cmd.help for cmd in group.commands.values()]
+    found = []
+    for text in texts:
+        for m in re.finditer(r"`(moesim [^`]+)`(\s*\([^)]*)?", text or ""):
+            if LONG not in (m.group(2) or ""):
+                found.append(" ".join(m.group(1).split()))
+    return found
+
+
+def doc_examples(include_long: bool = False) -> list[str]:
+    """Every line starting with `moesim ` in the ```sh blocks of docs/cli.md, in order;
+    a line ending in "# long-running" is skipped (unless ``include_long``)."""
+    doc = (ROOT / "docs" / "cli.md").read_text()
+    lines = []
+    for block in re.findall(r"```sh\n(.*?)```", doc, re.S):
+        lines += [ln.strip() for ln in block.splitlines()
+                  if ln.strip().startswith("moesim ") and (include_long or not ln.strip().endswith(f"# {LONG}"))]
+    return lines
+
+
+def run_in_order(examples: list[str], cwd: Path, monkeypatch) -> None:
+    """Run each example through the real CLI app, in-process (one torch import, not one per
+    example), in ``cwd``; each must exit 0."""
+    monkeypatch.chdir(cwd)
+    torch = pytest.importorskip("torch")
+    threads = torch.get_num_threads()
+    runner = CliRunner()
+    try:
+        for line in examples:
+            args = shlex.split(line.split("  #")[0])[1:]
+            r = runner.invoke(app, args)
+            assert r.exit_code == 0, f"{line}\n{r.output}\n{r.exception!r}"
+    finally:
+        torch.set_num_threads(threads)  # commands set it; later tests expect the default
+
+
+def test_examples_are_found():
+    helps, docs = help_examples(), doc_examples()
+    assert "moesim models" in helps and "moesim validate" not in helps
+    assert any(e.startswith("moesim replay sd.npz") for e in docs)
+    assert "moesim validate" not in docs  # marked long-running
+    group = typer.main.get_command(app)
+    documented = doc_examples(include_long=True)
+    for name in group.commands:  # every command teaches by example, in its help and in the reference
+        assert any(e.split("  #")[0].strip() == f"moesim {name}" or e.startswith(f"moesim {name} ")
+                   for e in documented), name
+        assert "Example" in (group.commands[name].help or ""), name
+
+
+@pytest.mark.slow
+def test_help_examples_run(tmp_path, monkeypatch):
+    run_in_order(help_examples(), tmp_path, monkeypatch)
+
+
+@pytest.mark.slow
+def test_reference_examples_run(tmp_path, monkeypatch):
+    run_in_order(doc_examples(), tmp_path, monkeypatch)
 
 
 def test_readme_test_command_is_what_ci_runs():

@@ -68,3 +68,21 @@ def test_collect_pairs_quasi_states_with_next_layer_routers(trained):
     assert q.shape[0] == p.shape[0] == layers.shape[0] == 20 * (model.spec.n_layers - 1)
     assert sorted(set(layers.tolist())) == list(range(model.spec.n_layers - 1))
     torch.testing.assert_close(p.sum(-1), torch.ones(p.shape[0]))
+
+
+def test_interrupted_training_keeps_a_loadable_estimator_that_says_so(trained, tmp_path):
+    from moesim.executor.interrupt import request_stop
+
+    model, dv, _, _ = trained
+
+    def stop_at_five(step, n, loss):
+        if step == 5:
+            request_stop()
+
+    gen = torch.Generator().manual_seed(3)
+    rec = train_estimator(model, dv, torch.randint(0, 256, (2048,), generator=gen),
+                          torch.randint(0, 256, (512,), generator=gen), tmp_path, epochs=8, width=32, batch=256,
+                          progress=stop_at_five)
+    assert rec["curve"][-1]["steps"] == 5 and "after 5 of" in rec["status"]  # 2048 * 3 / 256 = 24 steps an epoch
+    est, hybrid = load_estimator(tmp_path)
+    assert hybrid == rec["hybrid"] and json.loads((tmp_path / "estimator.json").read_text())["status"] == rec["status"]

@@ -1,9 +1,6 @@
 """The reference executor: exact policies are exact, the emulated link keeps time, traces
 round-trip. Runs on the CPU with the emulated link (and on CUDA when present)."""
 
-import statistics
-import time
-
 import numpy as np
 import pytest
 
@@ -82,20 +79,32 @@ def test_policies_copy_what_the_shared_planner_decides(tiny):
 
 
 def test_emulated_link_paces_to_latency_plus_bytes_over_bandwidth():
-    link = EmulatedLink(bandwidth=2e9, latency=50e-6)
-    src = torch.zeros(2_000_000)  # 8 MB: 4 ms at 2 GB/s
-    dst = torch.empty_like(src)
-    ideal = 50e-6 + src.numel() * 4 / 2e9
-    ratios = []
-    for _ in range(7):
-        t = Transfer(0, 0, src.numel() * 4, 1)
-        t0 = time.perf_counter()
-        link.copy_batch([(dst, src, t, None)])
-        link.wait([t])
-        ratios.append((time.perf_counter() - t0) / ideal)
+    """The link keeps an ideal FIFO clock: a copy lasts latency + bytes / bandwidth (longer
+    only if the real memcpy is slower), the next starts when it ends, and the waiter is
+    never woken before the clock says the copy landed. Those are asserted on every try.
+    How promptly the memcpy fits and the waiter wakes are wall-clock MEASUREMENTS on a
+    shared machine: retried, and bounded generously."""
+    link = EmulatedLink(bandwidth=4e6, latency=50e-6)
+    src = torch.arange(16384, dtype=torch.float32)  # 64 KiB: 16.4 ms on this link, ~10 us of memcpy
+    ideal = 50e-6 + src.numel() * 4 / 4e6
+    on_time, late = [], []
+    for _ in range(5):
+        dst_a, dst_b = torch.zeros_like(src), torch.zeros_like(src)  # pages touched: no faults in the copy
+        a, b = Transfer(0, 0, src.numel() * 4, 1), Transfer(0, 1, src.numel() * 4, 1)
+        link.copy_batch([(dst_a, src, a, None), (dst_b, src, b, None)])
+        link.wait([a, b])
+        woke = link.now()
+        assert torch.equal(dst_a, src) and torch.equal(dst_b, src)
+        assert a.start >= a.issue and b.start == a.end  # FIFO: the second starts when the first ends
+        assert a.end - a.start >= ideal * (1 - 1e-9) and b.end - b.start >= ideal * (1 - 1e-9)
+        assert woke >= b.end  # never signalled early
+        on_time.append(all(t.end - t.start == pytest.approx(ideal, rel=1e-6) for t in (a, b)))
+        late.append(woke - b.end)
+        if on_time[-1] and late[-1] < 0.02:
+            break
     link.close()
-    assert torch.equal(dst, src)
-    assert statistics.median(ratios) == pytest.approx(1.0, abs=0.05)
+    assert any(on_time), "the memcpy never fit in the ideal copy time"  # 64 KiB in 16 ms: only a stalled machine
+    assert min(late) < 0.02, late  # woken within 20 ms of landing (generous against a 33 ms batch)
 
 
 def test_trace_records_timings_and_round_trips(tiny, tmp_path):
@@ -108,9 +117,11 @@ def test_trace_records_timings_and_round_trips(tiny, tmp_path):
     tm = back.timings
     np.testing.assert_array_equal(back.true_ids, trace.true_ids)
     assert (tm["tpot_s"] > 0).all() and (tm["copy_end_s"] >= tm["copy_start_s"]).all()
-    # The parts of a step add up to the step (measured with one clock).
+    # The parts of a step add up to the step: contiguous marks on one clock (a layer's attn_s
+    # starts where the previous layer's experts ended), so only rounding separates them.
     parts = tm["attn_s"].sum(1) + tm["expert_s"].sum(1) + tm["stall_s"].sum(1) + tm["other_s"]
-    np.testing.assert_allclose(parts, tm["tpot_s"], rtol=0.02)
+    np.testing.assert_allclose(parts, tm["tpot_s"], rtol=1e-6)
+    assert (tm["predict_s"] <= tm["attn_s"]).all()  # the prediction is part of attn_s
     assert back.header["recorded"]["hw_profile"] == "a6000" and back.header["synthetic"] is True
     assert len(back.header["metrics"]["recall_at_k"]) == 4
 

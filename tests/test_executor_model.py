@@ -17,7 +17,15 @@ FAMILIES = {
         num_local_experts=4, num_experts_per_tok=2, intermediate_size=16, **COMMON)),
     "olmoe": lambda: transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
         num_experts=8, num_experts_per_tok=2, intermediate_size=16, norm_topk_prob=False, **COMMON)),
+    # A shared expert with a sigmoid gate, attention biases, and layer 1 dense (mlp_only_layers).
+    "qwen2_moe": lambda: transformers.Qwen2MoeForCausalLM(_qwen2_config(mlp_only_layers=[1])),
 }
+
+
+def _qwen2_config(**kw):
+    return transformers.Qwen2MoeConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                                       shared_expert_intermediate_size=24, intermediate_size=40,
+                                       norm_topk_prob=False, **COMMON, **kw)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -64,3 +72,40 @@ def test_unsupported_and_broken_checkpoints(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(MoesimError, match="cannot read checkpoint"):
         load_checkpoint(tmp_path)
+
+
+def test_qwen2_moe_offloaded_decoding_equals_the_reference(tmp_path):
+    """Shared experts (resident) join the offloaded runtime through the one block: exact
+    policies decode the reference's logits."""
+    from moesim.executor.runtime import OffloadedDecoder
+    from moesim.executor.transport import EmulatedLink
+
+    torch.manual_seed(0)
+    ref = transformers.Qwen2MoeForCausalLM(_qwen2_config()).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.2)
+    ref.save_pretrained(tmp_path)
+    ours = load_checkpoint(tmp_path)
+    assert ours.spec.n_shared == 1 and ours.spec.shared_inter == 24 and ours.spec.attention.bias
+    tokens = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = ref(tokens).logits
+    for policy in ("all-resident", "on-demand", "prefetch-fom"):
+        dec = OffloadedDecoder(ours, policy, EmulatedLink(1e9, 0), predictor="stale", cache_experts=4)
+        cache = ours.new_cache(2, 8)
+        got = [dec.step(tokens[:, :4], cache, 0, prefill=True).logits]
+        got += [dec.step(tokens[:, i:i + 1], cache, i, step_index=i - 4).logits for i in range(4, 8)]
+        dec.transport.close()
+        torch.testing.assert_close(torch.stack(got, 1), want[:, 3:], rtol=1e-4, atol=1e-4)
+
+
+def test_dense_layers_run_resident_but_are_refused_offloaded(tmp_path):
+    from moesim.executor.runtime import OffloadedDecoder
+    from moesim.executor.transport import EmulatedLink
+
+    transformers.Qwen2MoeForCausalLM(_qwen2_config(mlp_only_layers=[0])).save_pretrained(tmp_path)
+    ours = load_checkpoint(tmp_path)
+    assert ours.spec.dense_layers == (0,) and ours.experts[0] == [] and len(ours.experts[1]) == 8
+    with pytest.raises(MoesimError, match="dense layers"):
+        OffloadedDecoder(ours, "on-demand", EmulatedLink(1e9, 0))

@@ -28,7 +28,7 @@ def measured_trace(noise: float, seed: int = 0):
                      + KERNELS_ATTENTION * TRUE_LAUNCH + TRUE_OVERHEAD for layer in range(L)], 1)
     n_exec = build_plan(trace, "on-demand").execute
     expert = n_exec * (spec.expert_bytes / TRUE_BW + KERNELS_EXPERT * TRUE_LAUNCH)
-    head = spec.embedding_bytes / (1 if spec.tie_embeddings else 2) / TRUE_BW + KERNELS_HEAD * TRUE_LAUNCH
+    head = spec.lm_head_bytes / TRUE_BW + KERNELS_HEAD * TRUE_LAUNCH
     other = np.full(t, head)
     attn, expert, other = attn * jitter(attn.shape), expert * jitter(expert.shape), other * jitter(other.shape)
     trace.timings.update({"attn_s": attn, "expert_s": expert, "stall_s": np.zeros((t, M)),

@@ -115,25 +115,28 @@ def test_quantised_experts_run_on_the_host_pool():
 
 
 @pytest.mark.parametrize("policy", ["cpu-static", "cpu-on-miss"])
-def test_a_hybrid_layer_equals_the_all_resident_layer(policy):
-    from moesim.executor.host_experts import hybrid_moe
+def test_a_hybrid_layer_pass_equals_the_all_resident_model(policy):
+    """The real layer pass with the CPU-compute hook gives the all-resident hidden states."""
+    from moesim.executor.host_experts import HybridExperts
     from moesim.executor.model import ExecConfig, random_model
     from moesim.placement import HybridPlanner, static_layers
 
     spec = get_model("tiny")
     model = random_model(ExecConfig(spec), seed=3)
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(3, spec.hidden, generator=g)
-    ids = torch.stack([torch.randperm(spec.n_experts, generator=g)[: spec.top_k] for _ in range(3)])
-    gates = torch.rand(3, spec.top_k, generator=g)
+    tokens = torch.randint(0, spec.vocab, (2, 5), generator=torch.Generator().manual_seed(4))
     placement = static_layers(spec, 2)  # layers 0-1 on the CPU, 2-3 resident
     planner = HybridPlanner(policy, spec, placement if policy == "cpu-static" else None, cache_experts=4)
-    with HostExperts(spec.hidden, spec.expert_inter, weights=model.experts, workers=2) as host:
-        for layer in range(spec.n_layers):
-            ref = model.moe(layer, x, ids, gates)
-            copied = [int(ids[0, 0])] if policy == "cpu-on-miss" else []
-            y = hybrid_moe(layer, layer, x, ids.numpy(), gates, planner, model.experts[layer], host,
-                           spec.hidden, spec.expert_inter, copied)
-            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    copied_log: list[tuple[int, list[int]]] = []
+
+    def copy_first(layer, misses):  # stands in for cpu_or_copy: copy one miss a layer
+        copied_log.append((layer, misses[:1]))
+        return misses[:1]
+
+    with torch.no_grad(), HostExperts(spec.hidden, spec.expert_inter, weights=model.experts, workers=2) as host:
+        hook = HybridExperts(model, planner, host, copy_for=copy_first if policy == "cpu-on-miss" else None)
+        hybrid = model.hidden_states(tokens, hook)
+        reference = model.hidden_states(tokens)
+    torch.testing.assert_close(hybrid, reference, rtol=1e-5, atol=1e-5)
     if policy == "cpu-on-miss":  # the copied misses entered the device cache
-        assert {(m, int(ids[0, 0])) for m in range(spec.n_layers)} <= set(planner.cache.keys())
+        assert all((layer, e) in planner.cache for layer, es in copied_log for e in es)
+        assert len(copied_log) == spec.n_layers

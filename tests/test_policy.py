@@ -1,9 +1,12 @@
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moesim import policy as policy_module
 from moesim.errors import MoesimError
 from moesim.models import get_model
-from moesim.policy import POLICIES, ExpertCache, Planner, Policy, expert_slots, get_policy, register
+from moesim.policy import EVICTIONS, POLICIES, ExpertCache, Planner, Policy, expert_slots, get_policy, register
 
 
 def test_policy_registry_and_aliases():
@@ -116,3 +119,63 @@ def test_the_cache_never_evicts_an_expert_the_layer_just_used():
     admitted, evicted = p.finish(0, plan)
     assert evicted == [(0, 1)] and admitted == [3]  # not (0,2), the rarest but just used
     assert (0, 2) in p.cache and (0, 3) in p.cache
+
+
+# --------------------------------------------------------------------------------------
+# The batch form the simulator uses is the per-layer methods, decision for decision
+# --------------------------------------------------------------------------------------
+
+routing = st.fixed_dictionaries({
+    "tokens": st.integers(1, 30), "layers": st.integers(1, 5), "batch": st.integers(1, 3), "top_k": st.integers(1, 3),
+    "experts": st.integers(2, 12), "none": st.floats(0, 0.3), "seed": st.integers(0, 2**31),
+})
+
+
+def _ids(r):
+    """Random routing with repeats, -1 gaps (no prediction) and duplicates within a row."""
+    rng = np.random.default_rng(r["seed"])
+    shape = (r["tokens"], r["layers"], r["batch"], r["top_k"])
+    hot = rng.integers(0, r["experts"], size=max(1, r["experts"] // 3))  # a few popular experts: cache hits
+    true = np.where(rng.random(shape) < 0.5, rng.choice(hot, shape), rng.integers(0, r["experts"], shape))
+    pred = np.where(rng.random(shape) < 0.6, true, rng.integers(0, r["experts"], shape))
+    pred = np.where(rng.random(shape[:3] + (1,)) < r["none"], -1, pred)
+    return true.astype(np.int16), pred.astype(np.int16)
+
+
+@settings(max_examples=60, deadline=None)
+@given(routing, st.sampled_from([0, 1, 2, 3, 7, 1000]), st.sampled_from(EVICTIONS))
+def test_plan_trace_makes_the_per_layer_decisions(r, capacity, eviction):
+    true, pred = _ids(r)
+    for policy in (p for p in POLICIES if not POLICIES[p].cpu):  # CPU-compute policies: moesim.placement
+        stepwise = Planner(policy, capacity, eviction).plan_trace_stepwise(true, pred)
+        batch = Planner(policy, capacity, eviction).plan_trace(true, pred, r["experts"])
+        np.testing.assert_array_equal(batch, stepwise, err_msg=f"{policy}, cache {capacity} {eviction}")
+
+
+def test_plan_trace_reports_progress_and_refuses_a_used_planner():
+    true, pred = _ids({"tokens": 50, "layers": 3, "batch": 1, "top_k": 2, "experts": 8, "none": 0, "seed": 1})
+    seen = []
+    Planner("on-demand", 4).plan_trace(true, pred, 8, lambda done, total: seen.append((done, total)))
+    assert seen and seen[-1] == (50, 50)
+    used = Planner("on-demand", 4)
+    used.finish(0, used.route(0, [1], None))
+    with pytest.raises(MoesimError, match="empty planner"):
+        used.plan_trace(true, pred, 8)
+    with pytest.raises(MoesimError, match="n_experts"):
+        Planner("on-demand").plan_trace(true, pred, 4)
+
+
+def test_lfu_breaks_ties_by_the_current_residency_not_an_old_one():
+    c = ExpertCache(2, "lfu")
+    c.use((0, 1))  # tick 1
+    c.use((0, 2))  # tick 2
+    assert c.evict_for(1, set()) == [(0, 1)]
+    c.use((0, 1))  # re-admitted at tick 3: now more recent than (0, 2)
+    assert c.evict_for(1, set()) == [(0, 2)]
+
+
+def test_lfu_heap_stays_proportional_to_the_capacity():
+    c = ExpertCache(4, "lfu")
+    for i in range(10_000):
+        c.use((0, i % 3))
+    assert len(c._heap) <= 4 * 4 + 64 + 1

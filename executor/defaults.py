@@ -1,0 +1,12 @@
+"""The executor's named defaults, importable without torch (the CLI shows them in --help).
+
+``DECODE_THREADS``: torch compute threads while decoding is timed; the other core is left
+to the emulated link's copy thread (a copy thread starved of a core would look like a slow
+link). ``OFFLINE_THREADS``: threads for untimed jobs (calibration, estimator and
+expert-predictor training).
+"""
+
+SHIPPED_MODEL = "moe-stdlib"  # the shipped learned-routing checkpoint
+DRAFT_MODEL = "moe-stdlib-draft"  # its shipped draft for speculative decoding
+DECODE_THREADS = 1
+OFFLINE_THREADS = 2

@@ -1,0 +1,116 @@
+"""Files derived from a checkpoint: default vectors, the neural estimator, the expert predictor.
+
+``moesim calibrate``, ``moesim train-estimator`` and ``moesim train-expert-predictor`` as
+one call each. They write into ``out``: by default a new folder in the current directory
+(``<model>-calibrated``, ``<model>-estimator``, ``<draft>-predictor``) that receives a copy
+of the checkpoint plus the new files, so the folder is what a user then passes as
+``--model`` (or ``--draft``). Writing into a shipped checkpoint needs ``force``: the
+shipped files define what every other run measures. Every check runs before any work.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from moesim.errors import MoesimError
+from moesim.executor.corpus import describe_training_split, splits
+from moesim.executor.defaults import OFFLINE_THREADS
+from moesim.executor.loading import check_derived_out, checkpoint_dir, derived_checkpoint
+
+
+def default_out(source: Path, suffix: str) -> Path:
+    """``./<checkpoint folder name>-<suffix>`` in the current directory."""
+    return Path(f"{source.name}-{suffix}")
+
+
+def calibrate_checkpoint(model: str, out: Path | None = None, text: Path | None = None, tokens: int = 32768,
+                         force: bool = False, threads: int = OFFLINE_THREADS) -> tuple[Path, int, str]:
+    """Default vectors for the quasi-hidden predictor, from ``text`` (bytes) or the start of
+    the corpus's training split; returns (folder written, tokens used, what the text was)."""
+    from moesim.executor.model import load_checkpoint
+    from moesim.executor.profile import calibrate, save_default_vectors
+
+    path = checkpoint_dir(model)
+    out = out or default_out(path, "calibrated")
+    check_derived_out(path, out, force)
+    m = load_checkpoint(path)
+    if m.spec.vocab != 256:
+        raise MoesimError("calibrate reads text as bytes: it needs a byte-level (256-token) model")
+    if text is not None:
+        try:
+            data, what = text.read_bytes(), str(text)
+        except OSError as e:
+            raise MoesimError(f"cannot read {text}: {e.strerror}") from None
+    else:
+        data, _, desc = splits()
+        what = describe_training_split(desc)
+    ids = torch.tensor(list(data[:tokens]), dtype=torch.long)
+    if ids.numel() < 2:
+        raise MoesimError("calibration text is empty")
+    torch.set_num_threads(threads)
+    dv = calibrate(m, ids)
+    out = derived_checkpoint(path, out, force)
+    command = f"moesim calibrate --model {model}" + (f" --text {text}" if text else "") + f" --tokens {tokens}"
+    save_default_vectors(out, dv, {"text": what, "tokens": int(ids.numel()), "command": command})
+    return out, int(ids.numel()), what
+
+
+def train_estimator_into(model: str, out: Path | None = None, tokens: int = 65536, eval_tokens: int = 16384,
+                         epochs: int = 6, width: int = 256, lr: float = 3e-3, seed: int = 0, force: bool = False,
+                         threads: int = OFFLINE_THREADS,
+                         progress: Callable[[int, int, float], None] | None = None) -> tuple[Path, dict, int]:
+    """Train the neural estimator (distillation on the training split, held-out evaluation)
+    into ``out``; returns (folder, the record, the model's top-k)."""
+    from moesim.executor.estimator import train_estimator
+    from moesim.executor.model import load_checkpoint
+    from moesim.executor.profile import load_default_vectors
+
+    path = checkpoint_dir(model)
+    out = out or default_out(path, "estimator")
+    if min(tokens, eval_tokens, epochs, width) < 1 or lr <= 0:
+        raise MoesimError("tokens, eval-tokens, epochs and width must be >= 1 and lr > 0")
+    check_derived_out(path, out, force)
+    m = load_checkpoint(path)
+    dv = load_default_vectors(path)
+    if dv is None:
+        raise MoesimError(f"{model} has no default vectors; run `moesim calibrate --model {model} --out DIR` "
+                          "and train with --model DIR")
+    if m.spec.vocab != 256:
+        raise MoesimError("train-estimator reads the corpus as bytes: it needs a byte-level (256-token) model")
+    torch.set_num_threads(threads)
+    train, held_out, _ = splits()
+    train_ids = torch.tensor(list(train[:tokens]), dtype=torch.long)
+    eval_ids = torch.tensor(list(held_out[:eval_tokens]), dtype=torch.long)
+    out = derived_checkpoint(path, out, force)
+    rec = train_estimator(m, dv, train_ids, eval_ids, out, epochs, width, lr, seed=seed, progress=progress)
+    return out, rec, m.spec.top_k
+
+
+def train_predictor_into(draft: str, model: str, out: Path | None = None, tokens: int = 32768,
+                         eval_tokens: int = 8192, epochs: int = 20, force: bool = False,
+                         threads: int = OFFLINE_THREADS) -> tuple[Path, dict, int]:
+    """Train EcoSpec's expert predictor (draft hidden state -> target router logits) into
+    ``out``, a copy of the draft; returns (folder, the record, the target's top-k)."""
+    from moesim.executor.model import load_checkpoint
+    from moesim.executor.speculative import train_expert_predictor
+
+    dpath, tpath = checkpoint_dir(draft), checkpoint_dir(model)
+    out = out or default_out(dpath, "predictor")
+    check_derived_out(dpath, out, force)
+    d, t = load_checkpoint(dpath), load_checkpoint(tpath)
+    if d.spec.vocab != t.spec.vocab:
+        raise MoesimError("draft and target must share a vocabulary")
+    chunk = inspect.signature(train_expert_predictor).parameters["chunk"].default
+    if min(tokens, eval_tokens) < chunk or epochs < 1:
+        raise MoesimError(f"tokens and eval-tokens must be >= {chunk} (the predictor reads {chunk}-token chunks) "
+                          "and epochs >= 1")
+    torch.set_num_threads(threads)
+    train, held_out, _ = splits()
+    out = derived_checkpoint(dpath, out, force)
+    rec = train_expert_predictor(d, t, torch.tensor(list(train[:tokens])), torch.tensor(list(held_out[:eval_tokens])),
+                                 out, epochs)
+    return out, rec, t.spec.top_k

@@ -1,0 +1,158 @@
+"""From what a user names to what the executor runs: checkpoints, models, prompts, inputs.
+
+A model argument is one of: the name of a shipped checkpoint (``moe-stdlib``, the
+learned-routing model, or ``moe-stdlib-draft``, its draft), a checkpoint directory, or a
+catalogue name, which gets seeded random weights (its routing is **synthetic**). The
+shipped checkpoints live inside the installed package; :func:`is_shipped` is the one test
+every writer uses before it may touch them (only with ``force``), because overwriting
+them would silently change what every later run of the tool measures.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moesim.errors import MoesimError
+from moesim.executor.defaults import DECODE_THREADS, DRAFT_MODEL, OFFLINE_THREADS, SHIPPED_MODEL  # noqa: F401
+from moesim.executor.model import ExecConfig, MoEModel, load_checkpoint, random_model
+from moesim.executor.runtime import predictor_inputs
+from moesim.models import CATALOGUE, get_model
+
+CHECKPOINTS = Path(__file__).parent / "checkpoints"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def shipped_model(name: str = SHIPPED_MODEL) -> Path:
+    """A checkpoint that ships with moesim (inside the package: read, never write)."""
+    return CHECKPOINTS / name
+
+
+def is_shipped(path: str | Path) -> bool:
+    """Whether ``path`` is, or lies inside, the shipped checkpoints."""
+    root = CHECKPOINTS.resolve()
+    p = Path(path).expanduser().resolve()
+    return p == root or root in p.parents
+
+
+def refuse_shipped(path: str | Path, force: bool) -> None:
+    """One-line error, before any work, if ``path`` would write into a shipped checkpoint."""
+    if is_shipped(path) and not force:
+        raise MoesimError(f"{path} is a shipped checkpoint folder: refusing to overwrite it "
+                          "(choose another --out, or pass --force to overwrite on purpose)")
+
+
+def checkpoint_dir(name: str | Path) -> Path:
+    """A shipped checkpoint's name, or a checkpoint directory."""
+    path = shipped_model(str(name)) if str(name) in (SHIPPED_MODEL, DRAFT_MODEL) else Path(name)
+    if not path.is_dir():
+        raise MoesimError(f"{name} is not a checkpoint directory")
+    return path
+
+
+def check_derived_out(source: Path, out: Path, force: bool) -> None:
+    """Errors, before any work, for an ``out`` that :func:`derived_checkpoint` must not write:
+    a shipped checkpoint, or a folder holding something other than a copy of ``source``
+    (both allowed with ``force``)."""
+    refuse_shipped(out, force)
+    if force or out.resolve() == source.resolve() or not out.exists():
+        return
+    config = out / "config.json"
+    if not out.is_dir() or (any(out.iterdir()) and not (
+            config.exists() and filecmp.cmp(config, source / "config.json", shallow=False))):
+        raise MoesimError(f"{out} exists and does not hold a copy of {source}; choose a new --out (or --force)")
+
+
+def derived_checkpoint(source: Path, out: Path, force: bool) -> Path:
+    """A checkpoint folder ``out`` to write files derived from ``source`` into.
+
+    ``out`` is ``source`` itself (write beside the model), or a folder that first receives
+    a copy of the checkpoint's files it lacks, so that ``out`` alone is a complete model to pass as
+    ``--model`` (the checkpoints here are a few MB, and a copy leaves every reader as it is;
+    a pointer to the source would make every loader follow it)."""
+    check_derived_out(source, out, force)
+    if out.resolve() == source.resolve():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for f in sorted(source.iterdir()):
+        if f.is_file() and not (out / f.name).exists():  # a copy made earlier keeps what was derived in it
+            tmp = out / f".{f.name}.tmp"
+            shutil.copyfile(f, tmp)
+            tmp.replace(out / f.name)
+    return out
+
+
+@dataclass
+class LoadedModel:
+    model: MoEModel
+    synthetic: bool  # seeded random weights: routing is not learned
+    source: str  # where it came from, recorded in traces
+    path: Path | None  # the checkpoint directory, if any
+
+
+def load_model(model: str, layers: int | None = None, dtype: str = "fp32", device: str = "cpu",
+               seed: int = 0) -> LoadedModel:
+    """A checkpoint directory, a shipped checkpoint, or a catalogue geometry with seeded
+    random weights (optionally its first ``layers`` layers)."""
+    dt = DTYPES.get(dtype)
+    if dt is None:
+        raise MoesimError(f"unknown dtype {dtype!r}; use fp32 or bf16")
+    dev = torch.device(device)
+    pin = dev.type == "cuda"
+    path = shipped_model(model) if model in (SHIPPED_MODEL, DRAFT_MODEL) else Path(model)
+    if path.is_dir():
+        m = load_checkpoint(path, dt, pin=pin).to(dev)
+        if layers:
+            raise MoesimError("--layers applies to catalogue models, not checkpoints")
+        return LoadedModel(m, False, str(path), path)
+    if model.lower() not in CATALOGUE:
+        get_model(model)  # raises the standard unknown-model error
+    spec = get_model(model)
+    if layers:
+        spec = spec.with_layers(layers)
+    m = random_model(ExecConfig(spec, rope_theta=1e6), seed=seed, dtype=dt, pin=pin)
+    return LoadedModel(m.to(dev), True, f"catalogue {model} with seeded random weights (synthetic)", None)
+
+
+def prompt_ids(model: MoEModel, text: str, prompt_len: int, batch: int, seed: int) -> torch.Tensor:
+    """[batch, n] prompt: the text's bytes for byte-level models, else ``prompt_len`` seeded random ids."""
+    if model.spec.vocab == 256:
+        ids = torch.tensor(list(text.encode()), dtype=torch.long)
+    else:
+        ids = torch.randint(0, model.spec.vocab, (prompt_len,), generator=torch.Generator().manual_seed(seed))
+    if ids.numel() == 0:
+        raise MoesimError("empty prompt")
+    return ids.view(1, -1).repeat(batch, 1)
+
+
+def predictor_files(loaded: LoadedModel, name: str, policy: str, predictor: str, seed: int,
+                    device: torch.device) -> tuple[torch.Tensor | None, tuple | None]:
+    """(default vectors, estimator) that ``predictor`` reads under ``policy``
+    (:func:`moesim.executor.runtime.predictor_inputs` says which). A synthetic model gets
+    default vectors calibrated on seeded random ids; a missing file is an error only where
+    the run needs it (the estimator whenever chosen; default vectors when prefetching)."""
+    from moesim.executor.estimator import load_estimator
+    from moesim.executor.profile import calibrate, load_default_vectors
+    from moesim.policy import get_policy
+
+    uses_dv, uses_est = predictor_inputs(policy, predictor)
+    dv, est = None, None
+    if uses_est:
+        est = None if loaded.path is None else load_estimator(loaded.path)
+        if est is None:
+            raise MoesimError(f"{name} has no trained estimator; run `moesim train-estimator --model {name}` first")
+        est = (est[0].to(device), est[1])
+    if uses_dv:
+        m = loaded.model
+        if loaded.synthetic:
+            dv = calibrate(m, torch.randint(0, m.spec.vocab, (1024,), generator=torch.Generator().manual_seed(seed)))
+        else:
+            dv = load_default_vectors(loaded.path)
+        if dv is None and get_policy(policy).prefetch:
+            raise MoesimError(f"{loaded.source} has no default vectors; run `moesim calibrate --model {name}` first")
+        dv = dv.to(device) if dv is not None else None
+    return dv, est

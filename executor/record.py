@@ -1,0 +1,407 @@
+"""Record real routing from any Hugging Face MoE checkpoint the installed transformers runs.
+
+The checkpoint runs with transformers' own reference classes (Qwen2-MoE, Qwen3-MoE,
+Mixtral, OLMoE, DeepSeek-V2/V3, GLM-4 MoE, gpt-oss, ...). In transformers 5.x every MoE
+block calls a router module that returns ``(logits, weights, ids)`` -- computed exactly as
+the family does (softmax or sigmoid scores, ``norm_topk_prob``, DeepSeek-V3/GLM
+group-limited top-k with the score-correction bias, gpt-oss top-k of logits then
+softmax). :func:`record` hooks that module, so the recorded ids *are* the model's,
+not a re-implementation. Per decode step and MoE layer it keeps:
+
+- the true top-k ids and gate weights (largest first; DeepSeek-style
+  ``routed_scaling_factor`` divided out so gates lie in [0, 1]; the factor goes in the header);
+- the router's input (the post-attention-normed state) and the residual stream after
+  attention, from which three predictions of layer ``j``'s experts are computed after the
+  run, each from MoE layer ``j-1``'s state and layer ``j``'s own router module:
+
+  * ``quasi`` (stored in the trace's ``pred_ids``/``pred_gates``): the router on
+    ``LN_j(r_{j-1} + d_{j-1})``, ``d`` the gate-weighted *default vectors* -- per layer
+    and expert the mean expert output over this run's tokens routed to it (calibrated from
+    the same run, by calling the block's expert module with one expert at a time);
+  * ``stale``: the router on layer ``j-1``'s own router input (Pre-gated MoE, Hwang et
+    al. 2024, arXiv:2308.12066; the "stale gate" of Eliseev & Mazur 2023, arXiv:2312.17238);
+  * ``oracle``: the true ids (recall 1, the ceiling);
+
+  recall@k per layer of all three goes in ``header['metrics']['predictors']``.
+
+Dense layers and shared experts are what the model spec says
+(:func:`moesim.models.from_hf_config`): routing arrays cover MoE layers only. Prefill is
+not recorded; decode steps are. Ctrl-C keeps the finished steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moesim import __version__
+from moesim.errors import MoesimError
+from moesim.models import ModelSpec, from_hf_config
+from moesim.traces.format import Trace
+from moesim.traces.header import make_header
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+PREDICTORS = ("quasi", "stale", "oracle")
+MAIN_PREDICTOR = "quasi"
+
+
+# --------------------------------------------------------------------------------------
+# Checkpoint identity and size
+# --------------------------------------------------------------------------------------
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    return sorted(p for p in Path(model_dir).iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+
+
+def revision_hash(model_dir: str | Path) -> str:
+    """sha256 over config.json and the weight files (names and bytes, in name order)."""
+    model_dir = Path(model_dir)
+    h = hashlib.sha256()
+    for p in [model_dir / "config.json", *weight_files(model_dir)]:
+        h.update(p.name.encode() + b"\0")
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def _host_available() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def check_fits(model_dir: Path, device: str, upcast: float = 1.0) -> int:
+    """Raise one line if the weights (times ``upcast``) cannot fit where they would load."""
+    need = int(sum(p.stat().st_size for p in weight_files(model_dir)) * upcast)
+    host = _host_available()
+    if device == "cpu":
+        have, where = int(host * 0.9), "host memory"
+    else:
+        gpus = sum(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
+        have, where = int(0.9 * (gpus + host)), "GPU memory plus host memory (device_map='auto')"
+    if need > have:
+        raise MoesimError(f"{model_dir.name} needs ~{need / 2**30:.1f} GiB to load; {where} has "
+                          f"{have / 2**30:.1f} GiB free")
+    return need
+
+
+# --------------------------------------------------------------------------------------
+# Finding the routers
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class MoeLayer:
+    """One MoE block of the loaded model and what the hooks capture there, per decode step."""
+
+    layer: int  # model layer index
+    block: torch.nn.Module
+    router: torch.nn.Module
+    norm: torch.nn.Module  # the layer's post-attention norm (the router input's norm)
+    ids: list[np.ndarray] = field(default_factory=list)  # per step [B, k]
+    gates: list[np.ndarray] = field(default_factory=list)
+    x: list[torch.Tensor] = field(default_factory=list)  # router input [B, H]
+    resid: list[torch.Tensor] = field(default_factory=list)  # residual after attention [B, H]
+
+
+def _decoder_layers(model: torch.nn.Module) -> Sequence[torch.nn.Module]:
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise MoesimError(f"{type(model).__name__}: no decoder layers found (model.model.layers)")
+    return layers
+
+
+def find_moe_layers(model: torch.nn.Module) -> list[MoeLayer]:
+    """Per decoder layer with a router module (a child returning (logits, weights, ids))."""
+    out = []
+    for i, layer in enumerate(_decoder_layers(model)):
+        block = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
+        if block is None:
+            continue
+        router = next((getattr(block, n) for n in ("gate", "router") if hasattr(block, n)), None)
+        if router is None or not hasattr(block, "experts") or not type(router).__name__.lower().endswith("router"):
+            continue  # a dense MLP (its ``gate_proj`` is not a router)
+        norm = getattr(layer, "post_attention_layernorm", None)
+        if norm is None:
+            raise MoesimError(f"{type(layer).__name__}: no post_attention_layernorm; cannot record predictors")
+        out.append(MoeLayer(i, block, router, norm))
+    return out
+
+
+def _placement(module: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
+    """Where ``module`` computes and in what dtype. With ``device_map='auto'`` and host
+    offload, accelerate leaves weights on ``meta`` and names the device in its hook."""
+    p = next(module.parameters())
+    hook = getattr(module, "_hf_hook", None)
+    dev = getattr(hook, "execution_device", None) if p.device.type == "meta" else None
+    return (torch.device(dev) if dev is not None else p.device), p.dtype
+
+
+def _route(router: torch.nn.Module, x: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, gates) [N, k] from the router module, largest gate first, gates / ``scale``."""
+    _, w, ids = router(x)
+    w = w.float() / scale
+    order = w.argsort(dim=-1, descending=True, stable=True)
+    return ids.gather(-1, order), w.gather(-1, order)
+
+
+# --------------------------------------------------------------------------------------
+# Prompts
+# --------------------------------------------------------------------------------------
+
+
+def prompt_ids(prompts: Any, model_dir: Path, vocab: int, batch: int | None) -> tuple[torch.Tensor, str]:
+    """[B, P] token ids from ids or texts; texts use the checkpoint's tokenizer (bytes for a
+    256-token vocabulary). Rows of unequal length keep their last ``min length`` tokens."""
+    if isinstance(prompts, (np.ndarray, torch.Tensor)) or (prompts and not isinstance(prompts[0], str)):
+        rows = [list(map(int, r)) for r in (prompts.tolist() if hasattr(prompts, "tolist") else prompts)]
+        how = "token ids"
+    else:
+        texts = list(prompts)
+        if any((model_dir / f).is_file() for f in TOKENIZER_FILES):
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+            rows = [tok(t)["input_ids"] for t in texts]
+            how = "texts, checkpoint tokenizer"
+        elif vocab == 256:  # byte-level model (the shipped moe-stdlib)
+            rows = [list(t.encode()) for t in texts]
+            how = "texts, UTF-8 bytes"
+        else:
+            raise MoesimError(f"{model_dir.name} has no tokenizer files; pass token ids as prompts")
+    if not rows or any(len(r) == 0 for r in rows):
+        raise MoesimError("record: every prompt needs at least one token")
+    if batch:
+        rows = [rows[i % len(rows)] for i in range(batch)]
+    n = min(len(r) for r in rows)
+    ids = torch.tensor([r[len(r) - n:] for r in rows], dtype=torch.long)
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise MoesimError(f"record: prompt token ids outside the vocabulary [0, {vocab})")
+    return ids, how
+
+
+# --------------------------------------------------------------------------------------
+# Recording
+# --------------------------------------------------------------------------------------
+
+
+def _next_token(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> torch.Tensor:
+    if temperature <= 0:
+        return logits.argmax(-1, keepdim=True)
+    probs = (logits.float() / temperature).softmax(-1).cpu()
+    return torch.multinomial(probs, 1, generator=gen).to(logits.device)
+
+
+def _forward(model, ids: torch.Tensor, cache):
+    kw = {"use_cache": True}
+    if cache is not None:
+        kw["cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"] = cache
+    out = model(input_ids=ids, **kw)
+    return out.logits[:, -1], getattr(out, "past_key_values", None) or getattr(out, "cache", None)
+
+
+def load_model(model_dir: Path, device: str):
+    """The checkpoint in transformers' reference classes: fp32 on CPU, its own dtype with
+    ``device_map='auto'`` on CUDA (large checkpoints spread over GPUs, then host)."""
+    from transformers import AutoModelForCausalLM
+
+    if device == "cpu":
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto", device_map="auto",
+                                                     local_files_only=True)
+    return model.eval()
+
+
+@torch.no_grad()
+def record(model_dir: str | Path, prompts: Any, tokens: int = 64, device: str = "cpu", batch: int | None = None,
+           temperature: float = 0.0, seed: int = 0, progress: Callable[[int, int], None] | None = None,
+           prompt_source: str = "") -> Trace:
+    """Decode ``tokens`` steps from ``prompts`` with the checkpoint in ``model_dir`` and
+    return its routing as a trace (no timings). ``temperature`` 0 = greedy."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise MoesimError(f"{model_dir}: not a Hugging Face checkpoint (no config.json)")
+    if tokens < 1:
+        raise MoesimError("record: tokens must be >= 1")
+    if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
+        raise MoesimError(f"record: device {device!r} is not available (cpu, or cuda when present)")
+    spec = from_hf_config(model_dir / "config.json")
+    if not spec.top_k:
+        raise MoesimError(f"{model_dir}: config has no experts-per-token")
+    prompt, how = prompt_ids(prompts, model_dir, spec.vocab, batch)
+    cfg_dtype = str(_config(model_dir).get("torch_dtype") or _config(model_dir).get("dtype") or "float32")
+    check_fits(model_dir, device, upcast=2.0 if device == "cpu" and "16" in cfg_dtype else 1.0)
+    model = load_model(model_dir, device)
+    layers = find_moe_layers(model)
+    if tuple(m.layer for m in layers) != spec.moe_layers:
+        raise MoesimError(f"{model_dir.name}: routers found at layers {[m.layer for m in layers]}, but the config "
+                          f"says MoE layers are {list(spec.moe_layers)}")
+    scale = float(_config(model_dir).get("routed_scaling_factor") or 1.0)
+    first_device = model.get_input_embeddings().weight.device  # device_map='auto': inputs go where the embedding is
+    b = prompt.shape[0]
+
+    state = {"on": False}
+    hooks = []
+    for m in layers:
+        def on_router(mod, args, out, m=m):
+            if state["on"]:
+                x = args[0].reshape(-1, args[0].shape[-1])
+                w = out[1].float() / scale
+                order = w.argsort(dim=-1, descending=True, stable=True)
+                m.ids.append(out[2].gather(-1, order).cpu().numpy())
+                m.gates.append(w.gather(-1, order).cpu().numpy())
+                m.x.append(x.detach().cpu())  # model dtype (bf16 on GPU): T x M x B x H each for x and resid
+
+        def on_norm(mod, args, m=m):
+            if state["on"]:
+                m.resid.append(args[0].reshape(-1, args[0].shape[-1]).detach().cpu())
+
+        hooks += [m.router.register_forward_hook(on_router), m.norm.register_forward_pre_hook(on_norm)]
+
+    gen = torch.Generator().manual_seed(seed)
+    out_tokens: list[torch.Tensor] = []
+    try:
+        logits, cache = _forward(model, prompt.to(first_device), None)
+        tok = _next_token(logits, temperature, gen)
+        for i in range(tokens):
+            state["on"] = True
+            try:
+                logits, cache = _forward(model, tok.to(first_device), cache)
+            finally:
+                state["on"] = False
+            out_tokens.append(tok.cpu())
+            tok = _next_token(logits, temperature, gen)
+            if progress:
+                progress(i + 1, tokens)
+    except KeyboardInterrupt:
+        pass  # keep what finished
+    finally:
+        for h in hooks:
+            h.remove()
+    done = min(len(out_tokens), *(min(len(m.ids), len(m.resid)) for m in layers))
+    if done == 0:
+        raise MoesimError("record: interrupted before the first decode step finished")
+    for m in layers:
+        for name in ("ids", "gates", "x", "resid"):
+            setattr(m, name, getattr(m, name)[:done])
+    if any(m.ids[0].shape != (b, spec.top_k) for m in layers):
+        raise MoesimError(f"{model_dir.name}: the router returned shape {layers[0].ids[0].shape}, expected "
+                          f"[batch={b}, top_k={spec.top_k}]")
+
+    true_ids = np.stack([np.stack(m.ids) for m in layers], 1).astype(np.int16)  # [T, M, B, k]
+    true_gates = np.stack([np.stack(m.gates) for m in layers], 1).astype(np.float32)
+    preds = predictions(layers, spec, scale)
+    recalls = {name: _recall(true_ids, p[0]) for name, p in preds.items()}
+    pred_ids, pred_gates = preds[MAIN_PREDICTOR]
+    header = make_header(
+        spec, policy="none", params={"predictor": MAIN_PREDICTOR, "temperature": temperature},
+        prompt_len=int(prompt.shape[1]), n_tokens=done, batch=b, seed=seed, synthetic=False,
+        metrics={"recall_at_k": recalls[MAIN_PREDICTOR], "predictors": recalls},
+        recorded={
+            "tool": f"moesim {__version__}", "how": "recorded from a real model (transformers reference classes, "
+            "router modules hooked); routing only, no timings",
+            "model_name": spec.name, "model_source": str(model_dir), "revision_sha256": revision_hash(model_dir),
+            "prompts": prompt_source or how, "decoding": "greedy" if temperature <= 0 else f"sampled, T={temperature}",
+            "routed_scaling_factor": scale, "device": device, "torch": torch.__version__,
+            "transformers": _transformers_version(), "created": datetime.now(UTC).isoformat(timespec="seconds"),
+            "interrupted": done < tokens,
+        },
+    )
+    token_ids = torch.cat(out_tokens[:done], 1).numpy().astype(np.int32)
+    return Trace(header, prompt.numpy().astype(np.int32), token_ids, true_ids, np.clip(true_gates, 0, 1),
+                 pred_ids, pred_gates, true_ids.copy())
+
+
+def _config(model_dir: Path) -> dict:
+    import json
+
+    return json.loads((model_dir / "config.json").read_text())
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _recall(true_ids: np.ndarray, pred_ids: np.ndarray) -> list[float]:
+    from moesim.sim.stats import recall_per_layer
+
+    return [float(x) for x in recall_per_layer(true_ids, pred_ids)]
+
+
+def default_vectors(layers: list[MoeLayer], spec: ModelSpec) -> list[torch.Tensor]:
+    """Per MoE layer [E, H]: each expert's mean output over this run's tokens routed to it
+    (zero for an expert never chosen), computed by the block's own expert module."""
+    out = []
+    for m in layers:
+        dev, dtype = _placement(m.block.experts)
+        x = torch.cat(m.x).to(dev, dtype)  # [T*B, H]
+        ids = torch.from_numpy(np.concatenate(m.ids)).to(dev).long()  # [T*B, k]
+        sums = torch.zeros(spec.n_experts, x.shape[-1])
+        counts = torch.zeros(spec.n_experts)
+        one = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
+        for s in range(ids.shape[1]):
+            y = m.block.experts(x, ids[:, s:s + 1], one).float().cpu()
+            sums.index_add_(0, ids[:, s].cpu(), y)
+            counts.index_add_(0, ids[:, s].cpu(), torch.ones(ids.shape[0]))
+        out.append(sums / counts.clamp(min=1)[:, None])
+    return out
+
+
+def predictions(layers: list[MoeLayer], spec: ModelSpec, scale: float) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """quasi / stale / oracle predictions [T, M, B, k] of each MoE layer from the previous one."""
+    t, b, k = len(layers[0].ids), layers[0].ids[0].shape[0], spec.top_k
+    m_count = len(layers)
+    dv = default_vectors(layers, spec)
+    out = {}
+    for name in ("quasi", "stale"):
+        ids = np.full((t, m_count, b, k), -1, np.int16)
+        gates = np.zeros((t, m_count, b, k), np.float32)
+        for j in range(1, m_count):
+            prev, cur = layers[j - 1], layers[j]
+            r_dev, r_dtype = _placement(cur.router)
+            if name == "stale":
+                q = torch.cat(prev.x)
+            else:
+                g = torch.from_numpy(np.concatenate(prev.gates))  # [T*B, k]
+                e = torch.from_numpy(np.concatenate(prev.ids)).long()
+                d = (dv[j - 1][e] * g[..., None]).sum(1)
+                q = cur.norm((torch.cat(prev.resid).float() + d).to(*_placement(cur.norm)))
+            pi, pg = _route(cur.router, q.to(r_dev, r_dtype if r_dtype.is_floating_point else q.dtype), scale)
+            ids[:, j] = pi.cpu().numpy().reshape(t, b, k)
+            gates[:, j] = np.clip(pg.cpu().numpy().reshape(t, b, k), 0, 1)
+        out[name] = (ids, gates)
+    true_ids = np.stack([np.stack(m.ids) for m in layers], 1).astype(np.int16)
+    true_gates = np.stack([np.stack(m.gates) for m in layers], 1).astype(np.float32)
+    oracle_ids, oracle_gates = true_ids.copy(), np.clip(true_gates, 0, 1)
+    oracle_ids[:, 0], oracle_gates[:, 0] = -1, 0  # like every predictor: nothing before the first MoE layer
+    out["oracle"] = (oracle_ids, oracle_gates)
+    return out
+
+
+def record_trace(model_dir: str | Path, out: str | Path, prompts: Any, **kw: Any) -> Trace:
+    """``moesim record``: :func:`record`, then write the trace atomically to ``out``."""
+    from moesim.traces.format import write_trace
+
+    trace = record(model_dir, prompts, **kw)
+    write_trace(trace, out)
+    return trace

@@ -1,0 +1,107 @@
+"""The typer ``app``, the consoles and the small parse helpers every command module shares.
+
+Commands live one per module (``moesim/cli/<command>.py``): parse the options, call one
+library function, print. Domain logic belongs to the library, so a Python user can do
+what a command does with the same call (docs/cli.md names it next to each command).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from moesim import __version__
+from moesim.errors import MoesimError
+
+HELP = """How fast will this MoE decode on this hardware, with which offloading policy, and why?
+
+moesim models MoE decoding with expert weights in host memory: it replays routing traces
+against hardware profiles (SimPy discrete-event model, plus a fast path for sweeps).
+Commands write their outputs into the current directory unless told otherwise.
+
+**Start here:** `moesim whatif` (long-running: no arguments) sweeps Qwen3-30B-A3B on three GPUs under
+every policy and writes a report to ./moesim-whatif/.
+
+**Examples:**
+
+* `moesim models` - the model catalogue with byte accounting
+* `moesim hw h200` - a hardware profile, every figure with its source
+* `moesim synth --model olmoe-1b-7b --tokens 64 --out olmoe.npz` - a synthetic trace
+* `moesim replay olmoe.npz --hw a6000 --policy on-demand,prefetch,oracle --out olmoe-report`
+* `moesim whatif --model olmoe-1b-7b --hw a6000,gh200 --link-gbps 16,32 --cache-gib 0,1 --tokens 32 --jobs 1`
+* `moesim profile --model tiny --policy prefetch-fom --link-gbps 0.5 --tokens 4 --out run.npz` - decode with the reference executor
+* `moesim replay run.npz --validate` - the simulator against that measurement
+* `moesim validate` (long-running) - the validation suite on this machine
+"""
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown", help=HELP)
+out = Console(width=None if sys.stdout.isatty() else 200)  # pipes and files get whole tables
+err = Console(stderr=True)
+
+
+def _version(value: bool) -> None:
+    if value:
+        sys.stdout.write(f"moesim {__version__}\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Print the version and exit.")] = False) -> None:
+    pass
+
+
+def split(value: str, option: str) -> list[str]:
+    """A comma-separated option as a list (at least one item)."""
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if not items:
+        raise MoesimError(f"{option}: give at least one value")
+    return items
+
+
+def floats(value: str, option: str) -> list[float]:
+    try:
+        return [float(v) for v in split(value, option)]
+    except ValueError:
+        raise MoesimError(f"{option}: {value!r} is not a comma-separated list of numbers") from None
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def table(title: str, columns: tuple[str, ...] | list[str], rows: list[list[str]],
+          justify: str | list[str] = "left") -> Table:
+    """A rich table; ``justify`` for all columns or one per column."""
+    t = Table(title=title)
+    for i, c in enumerate(columns):
+        t.add_column(c, justify=justify if isinstance(justify, str) else justify[i])
+    for r in rows:
+        t.add_row(*r)
+    return t
+
+
+def results_table(rows: list[dict[str, Any]], title: str, cols: tuple[tuple[str, str], ...]) -> Table:
+    """Result rows, floats to 3 significant digits."""
+    return table(title, [label for _, label in cols],
+                 [[f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k]) for k, _ in cols] for r in rows], "right")
+
+
+@contextmanager
+def progress_bar(what: str, unit: str, disable: bool = False) -> Iterator[Callable[[int, int], None]]:
+    """A transient progress bar with the time left on stderr; yields ``update(done, total)``
+    for a library call's ``progress`` callback."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TextColumn(unit), TimeRemainingColumn(),
+                  console=err, transient=True, disable=disable) as bar:
+        task = bar.add_task(what, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+

@@ -1,0 +1,42 @@
+"""``moesim hw``: hardware profiles with the source of every figure. Python: ``moesim.hardware.get_profile(name)``."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from moesim.cli.app import app, out, print_json, table
+
+
+@app.command()
+def hw(
+    profile: Annotated[str | None, typer.Argument(help="A built-in profile name or a .toml path; all if omitted.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """List hardware profiles, or show one with the kind and source of every figure.
+
+    Profiles are TOML files (docs/hwprofile-format.md); any command's `--hw` also takes
+    the path of your own. Examples: `moesim hw`, `moesim hw gh200`, `moesim hw h100-sxm --json`.
+    """
+    from moesim.hardware import DEFAULT_PROFILE, FIGURES, builtin_profiles, get_profile
+
+    if profile:
+        p = get_profile(profile)
+        if as_json:
+            print_json({"name": p.name, "description": p.description, "link": p.link,
+                        "figures": {k: vars(f) for k, f in p.figures.items()}})
+            return
+        out.print(table(f"{p.name}: {p.description} (link: {p.link})", ("figure", "value", "unit", "kind", "source"),
+                        [[k, f"{f.value:g}", FIGURES[k][0], f.kind, f.source] for k, f in p.figures.items()]))
+        return
+    profiles = [get_profile(n) for n in builtin_profiles()]
+    if as_json:
+        print_json([{"name": p.name, "link": p.link, **{k: f.value for k, f in p.figures.items()}} for p in profiles])
+        return
+    out.print(table(f"Hardware profiles (show one with `moesim hw NAME` for sources; default: {DEFAULT_PROFILE})",
+                    ("name", "link", "device GB", "HBM GB/s (achievable)", "bf16 TFLOP/s", "H2D pinned GB/s",
+                     "latency us", "description"),
+                    [[p.name, p.link, f"{p['device_memory_gb']:g}", f"{p['mem_bw_achievable_gbs']:g}",
+                      f"{p['bf16_tflops']:g}", f"{p['h2d_pinned_gbs']:g}", f"{p['transfer_latency_us']:g}",
+                      p.description] for p in profiles]))

@@ -1,0 +1,43 @@
+"""``moesim models``: the catalogue with byte accounting. Python: ``moesim.models.get_model(name)``."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from moesim.cli.app import app, out, print_json, table
+
+COLUMNS = ("model", "layers (MoE)", "experts + shared", "top-k", "hidden / inter", "expert dtype",
+           "MB / expert", "GB / layer", "GB experts", "GB non-expert", "GB / token")
+
+
+@app.command()
+def models(
+    model: Annotated[list[str] | None, typer.Argument(help="Catalogue names or model directories (config.json); all if omitted.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """List MoE models with their geometry and exact byte accounting.
+
+    Sizes in decimal GB/MB. "per token" is what one decoded token touches at batch 1:
+    every non-expert weight plus top-k experts in every MoE layer (no KV cache).
+
+    Examples: `moesim models`, `moesim models qwen3-30b-a3b --json`; a model directory
+    (a Hugging Face folder with its config.json) works as a name too.
+    """
+    from moesim.models import CATALOGUE, get_model
+
+    specs = [get_model(m) for m in model] if model else list(CATALOGUE.values())
+    rows = [{"model": s.name, "layers": s.n_layers, "moe_layers": s.n_moe_layers, "experts": s.n_experts,
+             "shared": s.n_shared, "top_k": s.top_k, "hidden": s.hidden, "expert_inter": s.expert_inter,
+             "expert_dtype": s.expert_dtype, "expert_bytes": s.expert_bytes,
+             "layer_expert_bytes": s.layer_expert_bytes, "all_expert_bytes": s.all_expert_bytes,
+             "non_expert_bytes": s.non_expert_bytes, "bytes_per_token": s.bytes_per_token()} for s in specs]
+    if as_json:
+        print_json({"models": rows, "specs": [s.to_dict() for s in specs]})
+        return
+    out.print(table("MoE models (sizes in decimal units)", COLUMNS, [
+        [r["model"], f"{r['layers']} ({r['moe_layers']})", f"{r['experts']} + {r['shared']}", str(r["top_k"]),
+         f"{r['hidden']} / {r['expert_inter']}", r["expert_dtype"], f"{r['expert_bytes'] / 1e6:.2f}",
+         f"{r['layer_expert_bytes'] / 1e9:.3f}", f"{r['all_expert_bytes'] / 1e9:.1f}",
+         f"{r['non_expert_bytes'] / 1e9:.2f}", f"{r['bytes_per_token'] / 1e9:.2f}"] for r in rows], ["left"] + ["right"] * 10))

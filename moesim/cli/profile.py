@@ -1,0 +1,93 @@
+"""``moesim profile``. Python: ``moesim.executor.runs.record_decode(DecodeRequest(...), out)``;
+``--hardware``: ``moesim.executor.hwbench.measure_to_file(device, name, out, threads, step)``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import numpy as np
+import typer
+
+from moesim.cli.app import app, err, out, table
+from moesim.executor.defaults import DECODE_THREADS, SHIPPED_MODEL
+from moesim.hardware import DEFAULT_PROFILE
+
+
+@app.command()
+def profile(
+    model: Annotated[str, typer.Option(help="A checkpoint directory, 'moe-stdlib' (the shipped learned-routing model) "
+                                            "or a catalogue name (seeded random weights: synthetic).")] = SHIPPED_MODEL,
+    policy: Annotated[str, typer.Option(help="all-resident, on-demand, prefetch-spec, prefetch-fom (alias prefetch), oracle.")] = "prefetch-fom",
+    predictor: Annotated[str, typer.Option(help="For prefetch policies: quasi (quasi-hidden state with default vectors) "
+                                                "stale (this layer's router input), oracle (true ids from an exact pre-pass), "
+                                                "estimator (the trained neural estimator) or hybrid (per layer, the better "
+                                                "of quasi and estimator on held-out text).")] = "quasi",
+    device: Annotated[str, typer.Option(help="cpu (emulated link) or cuda.")] = "cpu",
+    hw_name: Annotated[str, typer.Option("--hw", help="Profile whose link the CPU emulated link imitates (and recorded in the trace).")] = DEFAULT_PROFILE,
+    link_gbps: Annotated[float | None, typer.Option(help="Override the profile's host-to-device GB/s.")] = None,
+    tokens: Annotated[int, typer.Option(help="Decode steps.")] = 64,
+    batch: Annotated[int, typer.Option(help="Sequences decoded together.")] = 1,
+    prompt: Annotated[str | None, typer.Option(help="Prompt text (byte-level models; default: a Python snippet); "
+                                                    "other models get --prompt-len random ids.")] = None,
+    prompt_len: Annotated[int, typer.Option(help="Prompt length for non-byte models.")] = 32,
+    cache_gib: Annotated[float, typer.Option(help="Cross-token expert cache, GiB.")] = 0.0,
+    cache_experts: Annotated[int, typer.Option(help="The same cache in experts.")] = 0,
+    eviction: Annotated[str, typer.Option(help="lru or lfu.")] = "lru",
+    layers: Annotated[int | None, typer.Option(help="Keep only the first N layers of a catalogue model (to fit memory).")] = None,
+    dtype: Annotated[str, typer.Option(help="fp32 or bf16.")] = "fp32",
+    temperature: Annotated[float, typer.Option(help="0 = greedy; else sampling temperature.")] = 0.0,
+    seed: Annotated[int, typer.Option(help="Seed for weights of synthetic models, prompts and sampling.")] = 0,
+    fidelity_tokens: Annotated[int, typer.Option(help="For speculative policies: tokens of the fixed evaluation text "
+                                                      "over which agreement and KL are measured (0 = skip).")] = 128,
+    threads: Annotated[int, typer.Option(help="torch threads for compute (the emulated link uses its own thread).")] = DECODE_THREADS,
+    out_path: Annotated[Path | None, typer.Option("--out", help="Trace file to write (default ./profile.npz; "
+                                                               "with --hardware, ./NAME.toml).")] = None,
+    hardware: Annotated[bool, typer.Option("--hardware", help="Instead of decoding: microbenchmark this machine "
+                                                              "(--device) and write a hardware profile.")] = False,
+    name: Annotated[str | None, typer.Option(help="With --hardware: the profile's name.")] = None,
+) -> None:
+    """Decode with the reference executor under a policy and record a trace.
+
+    Routing, predictions, executed experts, per-layer timings (attention and router,
+    expert compute, stalls, every copy's bytes and issue/start/end), per-token TPOT, the
+    machine, per-layer hit rate and rank alignment, and for speculative policies the
+    output fidelity against exact execution. On CPU an emulated link, paced to the
+    profile's bandwidth and latency, moves the experts. Ctrl-C keeps the finished tokens.
+
+    With `--hardware` it measures the machine instead (CUDA: host-to-device bandwidth and
+    latency, device bandwidth, bf16 GEMM, launch overhead, NVML facts; CPU: matmul, memory,
+    op overhead, the emulated link's limits) and writes a profile marked measured.
+
+    Examples: `moesim profile --model tiny --policy prefetch-fom --link-gbps 0.5 --tokens 4 --out run.npz`,
+    then `moesim replay run.npz --validate`; `moesim profile --hardware --name mybox` (long-running) writes ./mybox.toml.
+    """
+    if hardware:
+        from moesim.executor.hwbench import measure_to_file
+        from moesim.hardware import FIGURES
+
+        with err.status("measuring") as status:
+            prof, path = measure_to_file(device, name, out_path, threads, lambda what: status.update(f"measuring: {what}"))
+        out.print(table(f"{prof.name} ({prof.link}), written to {path}", ("figure", "value", "unit", "how"),
+                        [[k, f"{f.value:g}", FIGURES[k][0], f.source.split(": ", 1)[-1]] for k, f in prof.figures.items()]))
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from moesim.executor.runs import DecodeRequest, record_decode
+
+    req = DecodeRequest(model, policy, predictor, device, hw_name, link_gbps, tokens, batch, prompt, prompt_len,
+                        cache_gib, cache_experts, eviction, layers, dtype, temperature, seed, fidelity_tokens, threads)
+    with Progress(TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err,
+                  transient=True) as bar:
+        task = bar.add_task("decode", total=tokens)
+        rec = record_decode(req, out_path or Path("profile.npz"), lambda i, n: bar.update(task, completed=i))
+    t = rec.trace.timings["tpot_s"]
+    note = "" if rec.steps == rec.asked else f" (interrupted: kept {rec.steps} of {rec.asked} steps)"
+    recall = [x for x in rec.trace.header["metrics"]["recall_at_k"] if x == x]
+    fid = rec.extra.get("fidelity")
+    meta = rec.trace.meta
+    err.print(f"wrote {rec.path}{note}: {rec.steps} steps, TPOT {t.mean() * 1e3:.3g} ms mean "
+              f"(p90 {np.percentile(t, 90) * 1e3:.3g}), TTFT {meta.prefill_s * 1e3:.3g} ms"
+              + (f", prediction recall@k {sum(recall) / len(recall):.3f}" if recall else "")
+              + (f", fidelity: agreement {fid['next_token_agreement']:.3f}, KL {fid['mean_kl']:.2e}" if fid else "")
+              + f"; link: {meta.hw_profile} at {meta.link_gbps:.3g} GB/s")

@@ -1,0 +1,104 @@
+"""``moesim replay TRACE``. Python: ``moesim.sim.replay.replay(trace, hw, policies, ...)``;
+``--validate``: ``moesim.sim.validate.validate_trace``; speculative traces:
+``moesim.sim.speculative.speculative_whatif``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from moesim.cli.app import app, err, floats, out, print_json, progress_bar, results_table, split
+from moesim.errors import MoesimError
+from moesim.hardware import DEFAULT_PROFILE
+
+REPLAY_POLICIES = "on-demand,prefetch-fom,prefetch-spec,oracle"
+SUMMARY_COLS = (("policy", "policy"), ("tpot_ms", "TPOT ms"), ("tpot_p99_ms", "p99 ms"), ("tokens_per_s", "tok/s"),
+                ("compute_ms", "compute"), ("copy_ms", "copy"), ("stall_ms", "stall"),
+                ("overlap_bound_ms", "overlap bound"), ("serial_bound_ms", "serial bound"),
+                ("experts_loaded_per_token", "loads/token"), ("gb_moved_per_token", "GB/token"),
+                ("cache_hit_rate", "cache hit"), ("prefetch_hit_rate", "prefetched"), ("pred_recall", "pred recall"),
+                ("ttft_ms", "TTFT ms"))
+SD = "Speculative traces, with --gamma: "
+
+
+@app.command()
+def replay(
+    trace_path: Annotated[Path, typer.Argument(metavar="TRACE", help="A trace file (.npz, format version 1 or 2).")],
+    hw_name: Annotated[str | None, typer.Option("--hw", help="Hardware profile name or .toml path (default: the one "
+                                                         f"the trace was recorded on, else {DEFAULT_PROFILE}).")] = None,
+    policy: Annotated[str, typer.Option(help="Comma-separated policies: all-resident, on-demand, prefetch-spec, "
+                                              "prefetch-fom (alias prefetch), oracle.")] = REPLAY_POLICIES,
+    cache_gib: Annotated[float, typer.Option(help="Cross-token expert cache on the device, GiB (0 = none).")] = 0.0,
+    cache_experts: Annotated[int, typer.Option(help="The same cache sized in experts instead.")] = 0,
+    eviction: Annotated[str, typer.Option(help="Cache eviction: lru or lfu.")] = "lru",
+    link_gbps: Annotated[float | None, typer.Option(help="Override the profile's pinned host-to-device GB/s.")] = None,
+    engine: Annotated[str, typer.Option(help="simpy (the reference) or fast (the recurrence).")] = "simpy",
+    timing: Annotated[str, typer.Option(help="Compute times: auto (measured if the trace has them for this hw), "
+                                              "profile (roofline) or measured.")] = "auto",
+    model: Annotated[str | None, typer.Option(help="Check the trace against this model (errors on mismatch).")] = None,
+    step: Annotated[int, typer.Option(help="Which decode step the report's timeline shows.")] = 1,
+    validate: Annotated[bool, typer.Option("--validate", help="Compare with the trace's measured TPOT: replay its recorded "
+                                                              "policy on its recorded profile and link, with its measured compute.")] = False,
+    gamma: Annotated[str | None, typer.Option(help="Speculative traces: what-if over these verification budgets "
+                                                   "(re-selecting on the recorded trees).")] = None,
+    selection: Annotated[str, typer.Option(help=SD + "confidence,ecospec.")] = "confidence,ecospec",
+    score: Annotated[str, typer.Option(help=SD + "EcoSpec score, ratio or lagrangian.")] = "ratio",
+    lam: Annotated[str, typer.Option("--lambda", help=SD + "lambda values (lagrangian).")] = "0.05",
+    depth: Annotated[int | None, typer.Option(help=SD + "cut the recorded trees to this depth.")] = None,
+    branch: Annotated[int | None, typer.Option(help=SD + "keep this many children a node.")] = None,
+    acceptance: Annotated[float | None, typer.Option(help=SD + "expected acceptance = this x a node's draft "
+                                                          "probability, instead of the recorded path.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")] = False,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Write a report here: HTML, PNGs, CSV, Chrome trace.")] = None,
+) -> None:
+    """Replay a trace under one or more policies on a hardware profile.
+
+    Prints TPOT (mean, p99, tokens/s), its compute / copy / stall breakdown, the bounds
+    (serial copy+compute; ideal overlap), bytes moved, hit rates and TTFT, and names the
+    profile, link and compute times it used.
+
+    Example: `moesim replay run.npz --hw h100-sxm --policy on-demand,prefetch --cache-gib 8 --out run-report`
+    """
+    from moesim.cli.replay_views import print_speculative, print_validation
+    from moesim.hardware import get_profile
+    from moesim.sim.analysis import why
+    from moesim.sim.replay import replay as run_replay
+    from moesim.traces.format import read_trace
+
+    trace = read_trace(trace_path)
+    if trace.speculative:
+        from moesim.sim.speculative import speculative_whatif
+
+        res = speculative_whatif(trace, get_profile(hw_name) if hw_name else None,
+                                 split(policy, "--policy") if policy != REPLAY_POLICIES else None,
+                                 [int(g) for g in floats(gamma, "--gamma")] if gamma is not None else None,
+                                 tuple(split(selection, "--selection")), score, tuple(floats(lam, "--lambda")),
+                                 link_gbps, "measured" if timing == "auto" else timing, depth, branch, acceptance)
+        print_json(res) if as_json else print_speculative(res, trace_path)
+        return
+    if gamma is not None or depth is not None or branch is not None or acceptance is not None:
+        raise MoesimError("--gamma, --depth, --branch and --acceptance apply to speculative-decoding traces (moesim speculate)")
+    if validate:
+        print_validation(trace, trace_path, hw_name, engine, as_json, out_dir)
+        return
+    with progress_bar("replaying", "layer-steps", disable=as_json) as update:
+        rep = run_replay(trace, hw_name, split(policy, "--policy"), model=model, step=step, where=trace_path,
+                         cache_gib=cache_gib, cache_experts=cache_experts, eviction=eviction, engine=engine,
+                         timing=timing, link_gbps=link_gbps, progress=update)
+    rows = rep.rows
+    if as_json:
+        print_json(rows)
+    else:
+        src = "synthetic trace" if trace.synthetic else "trace"
+        out.print(results_table(rows, f"{trace.model.name} on {rep.profile.name} ({rep.profile_source}), link "
+                                      f"{rows[0]['link_gbps']:g} GB/s, {trace.n_tokens} steps ({src}; compute: "
+                                      f"{rows[0]['timing']}; engine: {engine})", SUMMARY_COLS))
+        for r in rows:
+            out.print(f"[bold]{r['policy']}[/bold]: {why(r)}")
+    if out_dir is not None:
+        from moesim.reports.replay import write_replay_report
+
+        page = write_replay_report(trace, trace_path, rep.profile, rep.results, out_dir, step)
+        err.print(f"report: {page}")

@@ -1,0 +1,49 @@
+"""How ``moesim replay`` prints a speculative-decoding replay and a ``--validate`` comparison."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from moesim.cli.app import err, out, print_json, table
+
+
+def print_speculative(res: dict[str, Any], trace_path: Path) -> None:
+    m, rows = res["measured"], res["rows"]
+    out.print(f"measured: {m['tpot_ms']:.3g} ms a token, {m['accepted_per_step']:.2f} tokens and "
+              f"{m['distinct_experts_per_step']:.1f} distinct experts a step; verification "
+              f"{m['verify_ms_per_distinct_expert']:.3g} ms per distinct expert + {m['verify_ms_intercept']:.3g} ms "
+              f"(R^2 {m['verify_vs_experts_r2']:.2f}); simulated as recorded: {rows[0]['tpot_ms']:.3g} ms "
+              f"({res['error']:+.1%}) on {rows[0]['hw']}, link {rows[0]['link_gbps']:.3g} GB/s")
+    out.print(table(f"{trace_path.name}: speculative decoding, simulated ({rows[0]['timing']}); what-if rows re-select "
+                    "on the recorded trees (unverified nodes use predicted experts)",
+                    ("case", "policy", "hw", "TPOT ms", "tokens/step", "rows/step", "distinct experts/step", "step ms"),
+                    [[r["case"], r["policy"], r["hw"], f"{r['tpot_ms']:.3g}", f"{r['accepted_per_step']:.2f}",
+                      f"{r['rows_per_step']:.1f}", f"{r['distinct_experts_per_step']:.1f}", f"{r['step_ms']:.3g}"]
+                     for r in rows], "right"))
+
+
+def print_validation(trace, trace_path: Path, hw_name: str | None, engine: str, as_json: bool,
+                     out_dir: Path | None) -> None:
+    from moesim.hardware import get_profile
+    from moesim.sim.validate import recorded_profile, validate_trace
+
+    hw_profile = get_profile(hw_name) if hw_name else None
+    s, result = validate_trace(trace, hw_profile, engine=engine)
+    if as_json:
+        print_json(s)
+    else:
+        out.print(table(f"{trace_path.name}: simulated against measured TPOT ({s['policy']}, "
+                        f"{s['tokens']} tokens after 1 warm-up step)",
+                        ("measured ms", "predicted ms", "error of mean", "per-token MAPE", "bias", "p50 |err|",
+                         "p90 |err|", f"TOST +-{s['tost_margin']:.0%}"),
+                        [[f"{s['measured_ms']:.3f}", f"{s['predicted_ms']:.3f}", f"{s['error']:+.2%}", f"{s['mape']:.2%}",
+                          f"{s['bias']:+.2%}", f"{s['p50_abs_error']:.2%}", f"{s['p90_abs_error']:.2%}",
+                          f"{'equivalent' if s['equivalent'] else 'not shown'} (p={s['tost_p']:.3g})"]], "right"))
+        cfg = result.config
+        out.print(f"on {cfg['hw']}, link {cfg['link_gbps']:.3g} GB/s as the trace recorded it; compute: {cfg['timing']}")
+    if out_dir is not None:
+        from moesim.reports.validation import write_single_validation
+
+        page = write_single_validation(trace, trace_path, recorded_profile(trace, hw_profile), s, result, out_dir)
+        err.print(f"report: {page}")

@@ -1,0 +1,52 @@
+"""``moesim speculate``. Python: ``moesim.executor.runs.record_speculative(SpeculateRequest(...), out)``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from moesim.cli.app import app, err
+from moesim.executor.defaults import DECODE_THREADS, DRAFT_MODEL, SHIPPED_MODEL
+from moesim.hardware import DEFAULT_PROFILE
+
+
+@app.command()
+def speculate(
+    model: Annotated[str, typer.Option(help="Target checkpoint, or 'moe-stdlib'.")] = SHIPPED_MODEL,
+    draft: Annotated[str, typer.Option(help="Draft checkpoint (with its expert predictor), or 'moe-stdlib-draft'.")] = DRAFT_MODEL,
+    policy: Annotated[str, typer.Option(help="An exact policy for the target: all-resident, on-demand, prefetch-fom "
+                                             "(prefetches the predicted union of each next layer).")] = "on-demand",
+    selection: Annotated[str, typer.Option(help="confidence or ecospec.")] = "ecospec",
+    score: Annotated[str, typer.Option(help="EcoSpec score: ratio (p / delta) or lagrangian (p - lambda * delta).")] = "ratio",
+    lam: Annotated[float, typer.Option("--lambda", help="lambda of the Lagrangian score.")] = 0.05,
+    gamma: Annotated[int, typer.Option(help="Candidates verified per step (besides the root).")] = 4,
+    branch: Annotated[int, typer.Option(help="Children per node in the draft tree.")] = 2,
+    depth: Annotated[int, typer.Option(help="Depth of the draft tree.")] = 3,
+    tokens: Annotated[int, typer.Option(help="Tokens to produce.")] = 64,
+    hw_name: Annotated[str, typer.Option("--hw", help="Profile whose link the emulated link imitates.")] = DEFAULT_PROFILE,
+    link_gbps: Annotated[float | None, typer.Option(help="Override the profile's host-to-device GB/s.")] = None,
+    cache_experts: Annotated[int, typer.Option(help="Cross-token expert cache, in experts.")] = 0,
+    prompt: Annotated[str | None, typer.Option(help="Prompt text (default: a Python snippet).")] = None,
+    threads: Annotated[int, typer.Option(help="torch threads for compute (the emulated link uses its own thread).")] = DECODE_THREADS,
+    out_path: Annotated[Path, typer.Option("--out", help="Trace file to write (format version 2).")] = Path("speculate.npz"),
+) -> None:
+    """Speculative decoding (greedy, lossless) with a draft tree on the offload engine,
+    selecting the verified nodes by confidence or by EcoSpec's cost-aware score; records
+    a trace with one record per verification step.
+
+    Example: `moesim speculate --selection ecospec --gamma 2 --tokens 8 --link-gbps 0.5 --out sd.npz`,
+    then `moesim replay sd.npz` replays it.
+    """
+    from moesim.executor.runs import SpeculateRequest, record_speculative
+
+    req = SpeculateRequest(model, draft, policy, selection, score, lam, gamma, branch, depth, tokens, hw_name, link_gbps,
+                           cache_experts, prompt, threads)
+    with err.status("speculating"):
+        rec, s = record_speculative(req, out_path)
+    meta = rec.trace.meta
+    err.print(f"wrote {rec.path}: {s.tokens} tokens in {s.steps} verification steps "
+              f"({s.tokens / max(s.steps, 1):.2f} a step), {s.ms_per_token:.3g} ms a token, "
+              f"{s.distinct_experts_per_step:.1f} distinct experts a step; link: {meta.hw_profile} "
+              f"at {meta.link_gbps:.3g} GB/s")

@@ -1,0 +1,60 @@
+"""``moesim train``. Python: ``moesim.executor.train.train(out, steps, batch, seq, ..., spec=stdlib_spec(...))``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from moesim.cli.app import app, err
+from moesim.errors import MoesimError
+from moesim.executor.defaults import DECODE_THREADS, SHIPPED_MODEL
+
+
+@app.command()
+def train(
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Checkpoint folder to write (default: ./NAME-trained).")] = None,
+    steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 4000,
+    batch: Annotated[int, typer.Option(help="Sequences per step.")] = 16,
+    seq: Annotated[int, typer.Option(help="Bytes per sequence.")] = 128,
+    lr: Annotated[float, typer.Option(help="Peak learning rate (cosine decay, 100 warm-up steps).")] = 3e-3,
+    aux_coef: Annotated[float, typer.Option(help="Weight of the load-balancing loss.")] = 0.01,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    threads: Annotated[int, typer.Option(help="CPU threads for torch.")] = DECODE_THREADS,
+    name: Annotated[str, typer.Option(help="Model name.")] = SHIPPED_MODEL,
+    layers: Annotated[int, typer.Option(help="Layers.")] = 4,
+    experts: Annotated[int, typer.Option(help="Routed experts per layer.")] = 32,
+    top_k: Annotated[int, typer.Option(help="Experts per token.")] = 4,
+    hidden: Annotated[int, typer.Option(help="Hidden size.")] = 128,
+    inter: Annotated[int, typer.Option(help="Expert intermediate size.")] = 64,
+    heads: Annotated[int, typer.Option(help="Attention heads (half as many KV heads).")] = 4,
+    force: Annotated[bool, typer.Option("--force", help="Allow --out to be a shipped checkpoint folder.")] = False,
+) -> None:
+    """Train the small learned-routing MoE (default: 4 layers, 32 experts, top-4, bytes) on
+    the Python standard library's source, on the CPU. Smaller geometries make drafts.
+
+    Writes a Hugging Face style checkpoint plus training.json (this command, the data,
+    the loss curve) and loss.png. The shipped checkpoint took about 25 minutes on 2 cores.
+    Example: `moesim train --steps 2 --batch 2 --seq 16 --out tiny-trained`
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from moesim.executor.loading import refuse_shipped
+    from moesim.executor.train import stdlib_spec
+    from moesim.executor.train import train as run_train
+
+    out_dir = out_dir or Path(f"{name}-trained")
+    refuse_shipped(out_dir, force)
+    if min(steps, batch, seq, threads) < 1 or lr <= 0 or aux_coef < 0:
+        raise MoesimError("steps, batch, seq and threads must be >= 1, lr > 0, aux-coef >= 0")
+    if hidden % heads or heads < 2:
+        raise MoesimError("--hidden must be a multiple of --heads (>= 2)")
+    spec = stdlib_spec(name, layers, experts, top_k, hidden, inter, heads)
+    with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[loss]}"),
+                  TimeRemainingColumn(), console=err) as bar:
+        task = bar.add_task("train", total=steps, loss="")
+        record = run_train(out_dir, steps, batch, seq, lr, aux_coef, seed, threads,
+                           lambda i, n, loss: bar.update(task, completed=i, loss=f"loss {loss:.3f}"), spec)
+    err.print(f"wrote {out_dir}: held-out loss {record['final_eval_loss_nats_per_byte']} nats/byte "
+              f"after {record['wall_seconds']} s")

@@ -1,0 +1,90 @@
+"""What drafting a candidate tree costs, from a draft profile instead of a recorded time.
+
+A tree of ``depth`` levels takes ``depth`` sequential draft forwards (level j reads the
+whole frontier in one pass), plus one more when the expert predictor needs the hidden
+state of the deepest nodes. At decode batch sizes every forward is bound by reading the
+draft's weights, so each is charged like the target's blocks (:mod:`moesim.sim.costs`):
+the larger of bytes / bandwidth and FLOPs / FLOP rate, plus kernel launches.
+
+Kinds:
+
+- ``none``: no draft cost (the "draft proposes for free" limit);
+- ``eagle``: an EAGLE-style head (Li et al., "EAGLE: Speculative Sampling Requires
+  Rethinking Feature Uncertainty", ICML 2024, arXiv:2401.15077): one decoder layer on the
+  target's features, sized ``layer_fraction`` x one target layer (attention + the top-k
+  experts it activates), reusing the target's LM head (vocab x hidden, read every forward);
+- ``dense``: a small dense draft model of ``params_b`` billion parameters in ``dtype``
+  (roofline of its weights; its own LM head included in the count);
+- ``recorded``: the trace's measured ``sd_draft_s`` (only for recorded traces).
+
+The expert predictor (EcoSpec only) is the executor's design: one linear probe from the
+draft's hidden state to every MoE layer's router logits, ``hidden x moe_layers x experts``
+bf16 weights read once per level.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moesim.errors import MoesimError
+from moesim.hardware import HardwareProfile
+from moesim.models import ModelSpec, matrix_bytes
+from moesim.sim.costs import KERNELS_ATTENTION, KERNELS_EXPERT, KERNELS_HEAD
+
+DRAFT_KINDS = ("none", "eagle", "dense", "recorded")
+
+
+@dataclass(frozen=True)
+class DraftProfile:
+    kind: str = "eagle"
+    layer_fraction: float = 1.0  # eagle: head size as a fraction of one target layer
+    params_b: float = 0.0  # dense: parameters, billions
+    dtype: str = "bf16"  # dense: weight format
+    predictor: bool = True  # charge the expert predictor when the selection uses it (ecospec)
+
+    def __post_init__(self) -> None:
+        if self.kind not in DRAFT_KINDS:
+            raise MoesimError(f"unknown draft kind {self.kind!r}; known: {', '.join(DRAFT_KINDS)}")
+        if self.layer_fraction < 0 or self.params_b < 0:
+            raise MoesimError("draft layer_fraction and params_b must be >= 0")
+        if self.kind == "dense" and self.params_b <= 0:
+            raise MoesimError("a dense draft needs params_b > 0 (billions of parameters)")
+
+    @property
+    def label(self) -> str:
+        if self.kind == "eagle":
+            return f"eagle head ({self.layer_fraction:g} target layer)"
+        if self.kind == "dense":
+            return f"dense draft {self.params_b:g}B {self.dtype}"
+        return self.kind
+
+    def forward_bytes(self, spec: ModelSpec) -> float:
+        """Weight bytes one draft forward reads."""
+        if self.kind == "eagle":
+            layer = spec.layer_resident_bytes(spec.moe_layers[0]) + spec.top_k * spec.expert_bytes
+            return self.layer_fraction * layer + spec.vocab * spec.hidden * 2  # + the target's LM head (bf16)
+        if self.kind == "dense":
+            return self.params_b * 1e9 * matrix_bytes(1024, 1024, self.dtype) / 2**20
+        return 0.0
+
+    def predictor_bytes(self, spec: ModelSpec) -> float:
+        return 2.0 * spec.hidden * spec.n_moe_layers * spec.n_experts
+
+    def tree_seconds(self, spec: ModelSpec, hw: HardwareProfile, branch: int, depth: int, uses_predictor: bool,
+                     shards: int = 1) -> float:
+        """Seconds to draft a full ``branch``-ary tree of ``depth`` levels (and predict its
+        experts when ``uses_predictor``), weights split over ``shards`` devices."""
+        if self.kind in ("none", "recorded") or depth == 0:
+            return 0.0
+        w = self.forward_bytes(spec) / shards
+        params = w / (matrix_bytes(1024, 1024, self.dtype if self.kind == "dense" else spec.dense_dtype) / 2**20)
+        kernels = KERNELS_ATTENTION + KERNELS_HEAD + (KERNELS_EXPERT if self.kind == "eagle" else 0)
+        pred = uses_predictor and self.predictor
+        total = 0.0
+        for level in range(depth + (1 if pred else 0)):
+            rows = branch ** level  # the frontier this forward reads
+            t = max(w / hw.mem_bw, 2 * params * rows / hw.flops(spec.dense_dtype)) + kernels * hw.launch
+            if pred:
+                t += self.predictor_bytes(spec) / shards / hw.mem_bw + hw.launch
+            total += t
+        return total

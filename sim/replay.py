@@ -1,0 +1,72 @@
+"""Replay one trace under several policies on one hardware profile: ``moesim replay``.
+
+Which profile: the one named, else the one the trace was recorded on, else
+:data:`moesim.hardware.DEFAULT_PROFILE` (a synthetic trace records none); the result says
+which of the three it was, so no printed number hides where its hardware came from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moesim.errors import MoesimError
+from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, get_profile
+from moesim.models import ModelSpec, get_model
+from moesim.sim.simulate import SimResult, simulate_policies
+from moesim.traces.format import Trace, read_trace
+
+DEFAULT_POLICIES = ("on-demand", "prefetch-fom", "prefetch-spec", "oracle")
+
+
+def trace_profile(trace: Trace, hw: str | None = None) -> tuple[HardwareProfile, str]:
+    """(profile, where its name came from): ``hw``, the trace's recording profile, or the default."""
+    if hw:
+        return get_profile(hw), "named"
+    recorded = trace.meta.hw_profile
+    if recorded:
+        return get_profile(recorded), "recorded in the trace"
+    return get_profile(DEFAULT_PROFILE), "default: the trace records no hardware"
+
+
+def check_trace_model(trace: Trace, model: str | ModelSpec, where: str | Path = "the trace") -> None:
+    """Error unless ``trace`` was recorded for ``model``'s routing geometry (MoE layers, experts, top-k)."""
+    want = get_model(model) if isinstance(model, str) else model
+    got = trace.model
+    if (want.n_moe_layers, want.n_experts, want.top_k) != (got.n_moe_layers, got.n_experts, got.top_k):
+        raise MoesimError(f"{where} was recorded for {got.name} ({got.n_moe_layers} MoE layers, "
+                          f"{got.n_experts} experts, top-{got.top_k}), not {want.name}")
+
+
+@dataclass
+class Replay:
+    trace: Trace
+    profile: HardwareProfile
+    profile_source: str  # named / recorded in the trace / default
+    results: list[SimResult]
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        return [r.summary() for r in self.results]
+
+
+def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str] | tuple[str, ...] = DEFAULT_POLICIES,
+           *, model: str | None = None, step: int = 1, where: str | Path | None = None,
+           progress: Callable[[int, int], None] | None = None, **kw: Any) -> Replay:
+    """Simulate a (non-speculative) trace under each policy; ``kw`` goes to
+    :func:`moesim.sim.simulate.simulate` (cache, eviction, engine, timing, link_gbps).
+    ``model`` checks the trace against a model; ``step`` must be one of the trace's steps
+    (the report's timeline shows it); ``where`` names the trace in errors; ``progress(done,
+    total)`` counts layer-steps planned and timed, for a progress bar on long traces."""
+    where = where or ("the trace" if isinstance(trace, Trace) else trace)
+    trace = trace if isinstance(trace, Trace) else read_trace(trace)
+    if trace.speculative:
+        raise MoesimError("a speculative-decoding trace: replay it with moesim.sim.speculative.speculative_whatif")
+    if model is not None:
+        check_trace_model(trace, model, where)
+    profile, source = trace_profile(trace, hw)
+    if not 0 <= step < trace.n_tokens:
+        raise MoesimError(f"--step {step} outside the trace's {trace.n_tokens} steps")
+    return Replay(trace, profile, source, simulate_policies(trace, profile, list(policies), progress=progress, **kw))

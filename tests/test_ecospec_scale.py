@@ -1,0 +1,223 @@
+"""EcoSpec at scale: synthetic speculative traces, deployments, draft cost, the what-if.
+
+The fitted-generator check records a real speculative trace of the shipped tiny model
+with the executor (a subprocess of ``moesim speculate``), fits the generator to it, and
+compares a fresh-seed synthetic sample's statistics with the recording's.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from moesim.errors import MoesimError
+from moesim.models import get_model
+from moesim.sim.draft import DraftProfile
+from moesim.sim.ecospec import Selection, ecospec_whatif, latency_fit, selected_steps
+from moesim.sim.placement import DEPLOYMENTS, Deployment, check_fits, seconds_per_distinct_expert, time_steps
+from moesim.traces.format import read_trace, write_trace
+from moesim.traces.sd_ids import PAD, ids_to_mask, mask_to_ids
+from moesim.traces.synthetic_speculative import (
+    SpecSynthParams,
+    SynthSpec,
+    fit_params,
+    generate,
+    recorded_views,
+    statistics,
+    synth_speculative,
+    synthetic_sd_trace,
+    synthetic_views,
+    to_trace,
+)
+
+SMALL = SpecSynthParams(steps=12, branch=2, depth=3, seed=4)
+
+
+def test_id_codec_round_trips_masks():
+    rng = np.random.default_rng(0)
+    mask = rng.random((5, 3, 7, 40)) < 0.1
+    ids = mask_to_ids(mask)
+    assert ids.dtype == np.int16 and ids.shape[-1] == mask.sum(-1).max()
+    assert (ids_to_mask(ids, 40) == mask).all()
+    assert (mask_to_ids(np.zeros((2, 4), bool), 3) == PAD).all()
+    with pytest.raises(ValueError):
+        mask_to_ids(np.ones((1, 5), bool), 2)
+
+
+def test_synthetic_trace_is_marked_round_trips_and_replays_like_the_in_memory_steps(tmp_path):
+    """The written v2 trace, re-selected by the simulator's existing what-if, gives the very
+    steps the in-memory exact what-if gives (same selection code, same truth)."""
+    from moesim.hardware import get_profile
+    from moesim.sim.speculative import replay_sd, reselected_steps
+
+    synth = generate(get_model("tiny"), SMALL)
+    back = read_trace(write_trace(to_trace(synth), tmp_path / "sd.npz"))
+    assert back.synthetic and back.speculative and back.header["generator"]["name"] == "moesim.synthetic_speculative"
+    assert (back.timings["sd_chosen"] >= 0).sum() == SMALL.steps * SMALL.nodes  # every node verified
+    assert back.timings["sd_accepted"].tolist() == [1 + len(s.path) for s in synth.steps]
+    with pytest.raises(MoesimError, match="no measurements"):
+        replay_sd(back, get_profile("a6000"))
+    for gamma, sel in [(2, Selection("confidence")), (5, Selection("ecospec", "ratio")),
+                       (4, Selection("ecospec", "lagrangian", 1.0))]:
+        mine = selected_steps(synth, gamma, sel)
+        theirs = reselected_steps(back, gamma, sel.strategy, sel.score, sel.lam(synth.spec))
+        assert [s.produced for s in mine] == [s.produced for s in theirs]
+        assert [s.true_union for s in mine] == [s.true_union for s in theirs]
+        assert [s.rows for s in mine] == [s.rows for s in theirs]
+
+
+def test_same_seed_same_steps_and_overlap_knob_moves_dispersion():
+    spec = get_model("tiny")
+    a, b = generate(spec, SMALL), generate(spec, SMALL)
+    assert all((x.true_ids == y.true_ids).all() and x.path == y.path for x, y in zip(a.steps, b.steps, strict=True))
+    lo = statistics(synthetic_views(generate(spec, replace(SMALL, steps=60, parent_overlap=0.0, sibling_overlap=0.0)),
+                                    6, "confidence"), 3, 2)
+    hi = statistics(synthetic_views(generate(spec, replace(SMALL, steps=60, parent_overlap=0.9, sibling_overlap=0.9)),
+                                    6, "confidence"), 3, 2)
+    assert hi["parent_overlap"] > lo["parent_overlap"] + 0.3
+    assert hi["distinct_experts_per_step"] < lo["distinct_experts_per_step"]
+
+
+def test_bad_synthetic_parameters_are_one_line_errors():
+    for bad in ({"recall": 1.5}, {"steps": 0}, {"accept": (1.2,)}, {"child_prob": (0.7, 0.5)},
+                {"overlap_concentration": 0}):
+        with pytest.raises(MoesimError):
+            SpecSynthParams(**bad)
+
+
+def test_a_trace_whose_mask_would_not_fit_is_refused_before_allocating():
+    spec = get_model("deepseek-v3")
+    huge = SynthSpec(spec, SpecSynthParams(steps=1000, branch=2, depth=4), steps=[None] * 1000)
+    with pytest.raises(MoesimError, match="MiB expert mask"):
+        to_trace(huge)
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sd") / "sd.npz"
+    subprocess.run([sys.executable, "-m", "moesim", "speculate", "--tokens", "96", "--gamma", "6", "--depth", "4",
+                    "--out", str(out)], check=True, capture_output=True, timeout=300)
+    return read_trace(out)
+
+
+def test_fitted_generator_reproduces_a_recorded_trace(recorded):
+    """Tolerances: tokens a step and distinct experts a step within 12 %, overlaps and
+    recall within 0.06, per-depth acceptance within 0.12 (where the recording saw >= 10
+    trials), on a fresh seed (the fit calibrates on another)."""
+    sp = recorded.header["speculative"]
+    depth, branch = sp["depth"], sp["branch"]
+    want = statistics(recorded_views(recorded), depth, branch)
+    params = fit_params(recorded, steps=150, seed=11, rounds=3)
+    assert params.branch == branch and params.depth == depth
+    got = statistics(synthetic_views(generate(recorded.model, params), sp["gamma"], sp["strategy"], sp["score"],
+                                     sp["lambda"]), depth, branch)
+    for key in ("tokens_per_step", "distinct_experts_per_step"):
+        assert got[key] == pytest.approx(want[key], rel=0.12), key
+    for key in ("parent_overlap", "sibling_overlap", "step_overlap", "recall"):
+        assert abs(got[key] - want[key]) < 0.06, (key, got[key], want[key])
+    for d, (g, w, n) in enumerate(zip(got["accept_by_depth"], want["accept_by_depth"], want["accept_trials"],
+                                      strict=True)):
+        if n >= 10:
+            assert abs(g - w) < 0.12, (d + 1, g, w)
+
+
+def test_large_models_fit_eight_h200_and_deepseek_does_not_fit_eight_h100():
+    for name in ("qwen3-235b-a22b", "gpt-oss-120b", "deepseek-v3"):
+        for dep in ("8xh200-tp", "8xh200-ep", "1xh200-offload"):
+            check_fits(get_model(name), DEPLOYMENTS[dep])
+    with pytest.raises(MoesimError, match="does not fit 8xh100-tp"):
+        check_fits(get_model("deepseek-v3"), DEPLOYMENTS["8xh100-tp"])
+    with pytest.raises(MoesimError):
+        Deployment("x", "h200", 8, "single")
+    with pytest.raises(MoesimError):
+        Deployment("x", "h200", 8, "tp", offload=True)
+
+
+def test_no_speculation_limit_gives_speedup_one():
+    """Gamma 0, or a depth-0 tree with a free draft: every step verifies only the root."""
+    spec = get_model("gpt-oss-120b")
+    rows = ecospec_whatif(spec, ["8xh200-tp", "1xh200-offload"], [0], params=replace(SMALL, steps=6))
+    assert rows and all(r["speedup_vs_none"] == 1.0 and r["tokens_per_step"] == 1.0 for r in rows)
+    flat = ecospec_whatif(spec, ["8xh200-tp"], [4], params=replace(SMALL, steps=6, depth=0),
+                          draft=DraftProfile("none"))
+    assert all(r["speedup_vs_none"] == pytest.approx(1.0, abs=1e-12) for r in flat)
+
+
+def test_verification_latency_is_linear_in_distinct_experts_with_the_hbm_slope():
+    spec = get_model("qwen3-235b-a22b")
+    synth = generate(spec, replace(SMALL, steps=8))
+    for dep in ("8xh200-tp", "1xh200-offload"):
+        f = latency_fit(spec, dep, synth, [1, 4, 8])
+        assert f["r2"] > 0.99
+        assert f["slope_ms_per_expert"] == pytest.approx(f["analytic_ms_per_expert"], rel=0.15)
+    assert seconds_per_distinct_expert(spec, DEPLOYMENTS["8xh200-tp"]) == pytest.approx(
+        spec.expert_bytes / (8 * DEPLOYMENTS["8xh200-tp"].hw.mem_bw))
+
+
+def test_ecospec_loads_fewer_experts_than_confidence_when_candidates_differ():
+    spec = get_model("qwen3-30b-a3b")
+    synth = generate(spec, SpecSynthParams(steps=20, branch=3, depth=3, overlap_concentration=0.3,
+                                           parent_overlap=0.5, sibling_overlap=0.3, recall=0.9, seed=2))
+
+    def distinct(sel):
+        return np.mean([sum(len(u) for u in s.true_union) for s in selected_steps(synth, 6, sel)])
+
+    assert distinct(Selection("ecospec", "lagrangian", 2.0)) < 0.97 * distinct(Selection("confidence"))
+
+
+def test_draft_profiles_cost():
+    spec, hw = get_model("deepseek-v3"), DEPLOYMENTS["8xh200-tp"].hw
+    eagle = DraftProfile("eagle")
+    assert DraftProfile("none").tree_seconds(spec, hw, 2, 4, True) == 0.0
+    shallow, deep = eagle.tree_seconds(spec, hw, 2, 2, False), eagle.tree_seconds(spec, hw, 2, 4, False)
+    assert 0 < shallow < deep
+    assert eagle.tree_seconds(spec, hw, 2, 4, True) > deep  # the expert predictor is charged
+    assert eagle.tree_seconds(spec, hw, 2, 4, False, shards=8) < deep
+    dense = DraftProfile("dense", params_b=1.0)
+    assert dense.forward_bytes(spec) == pytest.approx(2e9)
+    with pytest.raises(MoesimError):
+        DraftProfile("dense")
+    with pytest.raises(MoesimError):
+        DraftProfile("medusa")
+
+
+def test_steps_of_another_model_are_refused():
+    steps = selected_steps(generate(get_model("tiny"), SMALL), 2, Selection("confidence"))
+    with pytest.raises(MoesimError, match="another model"):
+        time_steps(get_model("gpt-oss-120b"), steps, DEPLOYMENTS["8xh200-tp"])
+
+
+def test_synthetic_sd_trace_for_a_catalogue_model_with_dense_layers(tmp_path):
+    spec = get_model("deepseek-v2-lite")
+    tr = synthetic_sd_trace(spec, SpecSynthParams(steps=3, depth=2))
+    back = read_trace(write_trace(tr, tmp_path / "ds.npz"))
+    assert back.timings["sd_node_pred"].shape[2:] == (spec.n_moe_layers, spec.n_experts)
+    assert back.timings["sd_row_true"].shape[2:] == (spec.n_moe_layers, spec.top_k)
+    from moesim.hardware import get_profile
+    from moesim.sim.speculative import recorded_steps, simulate_steps
+
+    with pytest.raises(MoesimError, match="dense layers"):  # not an IndexError
+        simulate_steps(back, recorded_steps(back), get_profile("h200"), "on-demand", timing="profile")
+
+
+def test_synth_speculative_writes_a_trace_and_refuses_a_non_speculative_like(tmp_path, tiny_trace):
+    trace, params = synth_speculative("tiny", tmp_path / "s.npz", steps=5, depth=2, recall=0.9)
+    assert params.recall == 0.9 and read_trace(tmp_path / "s.npz").timings["sd_accepted"].shape == (5,)
+    plain = write_trace(tiny_trace, tmp_path / "plain.npz")
+    with pytest.raises(MoesimError, match="not a speculative"):
+        synth_speculative("tiny", tmp_path / "x.npz", like=plain)
+    with pytest.raises(MoesimError, match="unknown synthetic"):
+        synth_speculative("tiny", tmp_path / "x.npz", branches=3)
+    assert not (tmp_path / "x.npz").exists()
+
+
+def test_synth_speculative_like_a_recording(recorded, tmp_path):
+    path = tmp_path / "rec.npz"
+    write_trace(recorded, path)
+    trace, params = synth_speculative("qwen3-30b-a3b", tmp_path / "q.npz", like=path, steps=4)
+    assert trace.header["generator"]["fitted_from"] == str(path)
+    assert params.depth == recorded.header["speculative"]["depth"] and trace.model.name == "qwen3-30b-a3b"

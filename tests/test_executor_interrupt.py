@@ -1,0 +1,184 @@
+"""Ctrl-C at any instant keeps every finished step: a real SIGINT to a real `moesim profile`,
+and the library loops (profile, speculative decoding, training) stopped mid-run."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from moesim.executor.interrupt import Interrupted, request_stop, stop_on_interrupt  # noqa: E402
+from moesim.executor.model import ExecConfig, load_checkpoint, random_model  # noqa: E402
+from moesim.executor.profile import ProfileSettings, build_trace, generate  # noqa: E402
+from moesim.hardware import get_profile  # noqa: E402
+from moesim.models import get_model  # noqa: E402
+from moesim.traces.format import read_trace, write_trace  # noqa: E402
+
+HW = get_profile("a6000")
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def _interrupt_profile(out, when: str, delay: float) -> tuple[int, str]:
+    """Start `moesim profile --tokens 3000` with a live progress bar on stderr (as in a
+    terminal); once the bar shows ``when`` ('start': drawn, before prefill; 'steps': at least
+    one finished step), wait ``delay`` s and send SIGINT. Returns (exit code, stderr)."""
+    env = {**os.environ, "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1", "COLUMNS": "100"}
+    p = subprocess.Popen([sys.executable, "-m", "moesim", "profile", "--tokens", "3000", "--out", str(out)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    seen, chunks = threading.Event(), []
+
+    def read() -> None:
+        while chunk := p.stderr.read1(4096):
+            chunks.append(chunk.decode(errors="replace"))
+            counts = [int(c) for c in re.findall(r"(\d+)/3000", ANSI.sub("", "".join(chunks[-3:])))]
+            if counts and (when == "start" or max(counts) >= 1):
+                seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert seen.wait(120), "".join(chunks)
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        rc = p.wait(60)
+    finally:
+        p.kill()
+    reader.join(10)
+    return rc, ANSI.sub("", "".join(chunks))
+
+
+def test_sigint_to_moesim_profile_keeps_a_valid_trace(tmp_path):
+    cases = [("start", 0.0), ("steps", 0.0), ("steps", 0.4)]
+    results: dict[int, tuple[int, str]] = {}
+    threads = [threading.Thread(target=lambda i=i, c=c: results.__setitem__(i, _interrupt_profile(tmp_path / f"{i}.npz", *c)))
+               for i, c in enumerate(cases)]
+    for t in threads:  # in parallel: each run spends most of its time starting up
+        t.start()
+    for t in threads:
+        t.join()
+    kept = 0
+    for i, (rc, err) in results.items():
+        assert "Traceback" not in err, err
+        path = tmp_path / f"{i}.npz"
+        if rc == 130:  # interrupted before a step finished: one line, nothing written
+            assert not path.exists()
+            assert err.strip().splitlines()[-1].startswith("interrupted"), err
+            continue
+        assert rc == 0, err
+        trace = read_trace(path)
+        assert 1 <= trace.n_tokens < 3000
+        assert trace.token_ids.shape[1] == trace.true_ids.shape[0] == trace.timings["tpot_s"].shape[0] == trace.n_tokens
+        assert f"kept {trace.n_tokens} of 3000" in " ".join(err.split())  # the CLI says what it kept
+        kept += 1
+    assert kept >= 2  # the runs interrupted after a finished step kept it
+
+
+def _model():
+    torch.set_num_threads(1)
+    return random_model(ExecConfig(get_model("tiny"), rope_theta=1e4), seed=1)
+
+
+def test_stop_request_finishes_the_step_in_flight_and_keeps_tokens_and_records_equal(tmp_path):
+    model = _model()
+    prompt = torch.tensor([[1, 2, 3]])
+    st = ProfileSettings(policy="on-demand", tokens=20)
+
+    def stop_at_four(i, n):
+        if i == 4:
+            request_stop()
+
+    pre, records, out = generate(model, prompt, st, HW, progress=stop_at_four)
+    assert len(records) == len(out) == 4
+    trace = build_trace(model, prompt, st, HW, pre, records, out, "cpu", True, "test")
+    back = read_trace(write_trace(trace, tmp_path / "t.npz"))
+    assert back.n_tokens == back.token_ids.shape[1] == 4
+    # A stop requested before the first step: one clear error, not an empty trace.
+    with stop_on_interrupt(), pytest.raises(Interrupted, match="before the first decode step"):
+        request_stop()
+        generate(model, prompt, st, HW)
+
+
+def test_speculative_decoding_stopped_keeps_finished_verification_steps(monkeypatch):
+    from moesim.executor import speculative
+    from moesim.executor.runtime import OffloadedDecoder
+    from moesim.executor.transport import EmulatedLink
+
+    target = _model()
+    draft = random_model(ExecConfig(get_model("tiny").with_layers(2), rope_theta=1e4), seed=2)
+    calls = []
+    build = speculative.build_tree
+
+    def build_and_stop_on_third(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            request_stop()
+        return build(*a, **kw)
+
+    monkeypatch.setattr(speculative, "build_tree", build_and_stop_on_third)
+    dec = OffloadedDecoder(target, "on-demand", EmulatedLink(1e9, 0), predictor="stale")
+    prompt = torch.tensor([[3, 1, 4, 1]])
+    _, records, out = speculative.speculative_generate(dec, draft, None, prompt,
+                                                       speculative.SpecSettings(2, 2, 2, "confidence", tokens=30))
+    assert len(records) == 3  # the step that was drafting when asked to stop still finished
+    assert out == [t for r in records for t in (r.row_tokens[0], *r.new_tokens)]
+    assert out == speculative.greedy_reference(target, prompt, len(out))  # still lossless
+
+
+def test_training_stopped_keeps_a_loadable_checkpoint(tmp_path):
+    import json
+
+    from moesim.executor.train import stdlib_spec, train
+
+    def stop_at_three(step, n, loss):
+        if step == 3:
+            request_stop()
+
+    spec = stdlib_spec("t", layers=2, experts=4, top_k=2, hidden=16, inter=8, heads=2)
+    rec = train(tmp_path, steps=50, batch=2, seq=16, progress=stop_at_three, spec=spec, save_every=2)
+    assert rec["steps"] == 3 and "stopped by Ctrl-C after 3 of 50" in rec["status"]
+    stored = json.loads((tmp_path / "training.json").read_text())
+    assert stored["steps"] == 3 and [e["step"] for e in stored["evals"]] == [2, 3]
+    m = load_checkpoint(tmp_path)
+    assert m.spec.n_layers == 2 and m(torch.tensor([[1, 2]]), m.new_cache(1, 4), 0).isfinite().all()
+
+
+def test_validation_suite_stopped_scores_the_finished_cases(tmp_path, monkeypatch):
+    from moesim.executor import validation
+
+    model = _model()
+    hw = get_profile("a6000")
+    machine = (hw.with_figure("copy_interference", 0.0, "estimate", "test")
+               .with_figure("copy_interference_gbs", 1.0, "estimate", "test")
+               .with_figure("wait_wakeup_us", 0.0, "estimate", "test"))
+    monkeypatch.setattr(validation, "machine_profile", lambda: machine)  # skip the machine measurement
+    monkeypatch.setattr(validation, "suite_models", lambda shipped: [("tiny", lambda: (model, None, True), [1.0, 2.0], 1)])
+    monkeypatch.setattr(validation, "POLICIES", ("on-demand", "prefetch-fom"))
+    started = []
+
+    def stop_at_third_case(what: str) -> None:
+        if "GB/s" in what:
+            started.append(what)
+            if len(started) == 3:  # the first case of the second link
+                request_stop()
+
+    monkeypatch.setattr(validation, "generate", _stale_generate(validation.generate))
+    rows, traces, summary = validation.run_suite(tmp_path, tmp_path, tokens=4, progress=stop_at_third_case, repeats=1)
+    assert sorted(traces) == ["tiny-1gbps-on-demand", "tiny-1gbps-prefetch-fom"]  # the third case did not finish
+    assert [(r["policy"], r["case"]) for r in rows] == [("on-demand", "same-policy"), ("prefetch-fom", "same-policy"),
+                                                         ("prefetch-fom", "transfer from on-demand")]
+    assert "interrupted" in summary
+    assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == [f"{k}.npz" for k in sorted(traces)]
+
+
+def _stale_generate(generate_):
+    """The suite's runs with the stale predictor (the tiny model has no default vectors)."""
+    def run(model, prompt, st, hw, dv=None, **kw):
+        st.predictor = "stale"
+        return generate_(model, prompt, st, hw, dv, **kw)
+    return run

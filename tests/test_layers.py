@@ -1,0 +1,110 @@
+"""The package's layers, checked from the source (ast), without importing anything.
+
+Layers, lowest first; a module may import its own layer and those below, never above:
+
+0. vocabulary: ``moesim/*.py`` (models, hardware, policy, selection, atomic, errors, timing)
+1. ``moesim.traces`` (``traces/``): the trace format and synthetic traces
+2. ``moesim.sim`` (``sim/``) and ``moesim.executor`` (``executor/``), side by side but not
+   interchangeable: the simulator never imports the executor (it must run without torch),
+   and the executor imports the simulator only in the modules that validate the one
+   against the other (:data:`EXECUTOR_MAY_USE_SIM`), so that every other executor module
+   stays a reference implementation that knows nothing of the model it is checked by.
+3. ``moesim.reports`` (``reports/``): pages built from simulations and measurements
+4. ``moesim.cli`` (``moesim/cli/``) and ``moesim.__main__``: the command line. Nothing
+   below it imports it.
+
+``moesim.hwprofiles`` is data (TOML files) at layer 0. Both absolute imports and imports
+inside functions count: a lazy import is still a dependency.
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"moesim": 0, "traces": 1, "sim": 2, "executor": 2, "reports": 3}
+PACKAGES = {"moesim.__main__": 4, "moesim.hwprofiles": 0, "moesim.traces": 1, "moesim.sim": 2, "moesim.executor": 2,
+            "moesim.reports": 3, "moesim.cli": 4}
+EXECUTOR_MAY_USE_SIM = {"validation.py", "gpu_validate.py"}
+CLI_MODULE_MAX_LINES = 150
+
+
+def source_modules(root: Path = ROOT) -> dict[str, Path]:
+    """Dotted name -> file, for every module of the package in the source tree at ``root``."""
+    mods = {}
+    for folder in FOLDERS:
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = path.relative_to(root / folder).with_suffix("")
+            prefix = "moesim" if folder == "moesim" else f"moesim.{folder}"
+            mods[".".join([prefix, *rel.parts]).removesuffix(".__init__")] = path
+    return mods
+
+
+def layer(module: str) -> tuple[int, str]:
+    """(layer, package) of a dotted moesim module name."""
+    for pkg, n in sorted(PACKAGES.items(), key=lambda kv: -len(kv[0])):
+        if module == pkg or module.startswith(pkg + "."):
+            return n, pkg
+    return 0, "moesim"
+
+
+def imports(path: Path) -> list[str]:
+    """Every moesim module ``path`` imports (``from moesim import x`` counts as moesim.x)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] == "moesim"]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                and node.module.split(".")[0] == "moesim":
+            found += [f"{node.module}.{a.name}" if node.module == "moesim" else node.module for a in node.names]
+    return found
+
+
+def violations(root: Path = ROOT) -> list[str]:
+    bad = []
+    for name, path in source_modules(root).items():
+        here, pkg = layer(name)
+        for target in imports(path):
+            there, tpkg = layer(target)
+            if there > here:
+                bad.append(f"{path.relative_to(root)} (layer {here}) imports {target} (layer {there})")
+            elif pkg == "moesim.sim" and tpkg == "moesim.executor":
+                bad.append(f"{path.relative_to(root)}: the simulator imports the executor ({target})")
+            elif pkg == "moesim.executor" and tpkg == "moesim.sim" and path.name not in EXECUTOR_MAY_USE_SIM:
+                bad.append(f"{path.relative_to(root)}: only {sorted(EXECUTOR_MAY_USE_SIM)} may import the "
+                           f"simulator ({target})")
+    return bad
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    assert violations() == []
+
+
+def test_the_check_sees_upward_imports(tmp_path):
+    """The checker itself, on a planted tree: upward and sideways imports are reported
+    (else the test above proves nothing)."""
+    upward = "def f():\n    from moesim.cli.app import app\n    from moesim.sim import simulate\n"
+    for folder, code in {"traces": upward,
+                         "sim": "import moesim.executor.model\n",
+                         "executor": "from moesim.sim.replay import replay\n",
+                         "moesim": "from moesim import reports\n"}.items():
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "planted.py").write_text(code)
+    (tmp_path / "executor" / "validation.py").write_text("from moesim.sim.validate import validate_trace\n")
+    bad = violations(tmp_path)
+    assert len(bad) == 5, bad
+    assert not any(b.startswith("executor/validation.py") for b in bad)
+
+
+def test_layers_cover_every_module():
+    mods = source_modules()
+    assert "moesim.cli.app" in mods and "moesim.sim.replay" in mods and "moesim.executor.loading" in mods
+    assert layer("moesim.models") == (0, "moesim") and layer("moesim.cli.replay") == (4, "moesim.cli")
+    assert imports(ROOT / "moesim" / "__main__.py") == ["moesim.cli"]
+
+
+def test_cli_command_modules_stay_thin():
+    """Commands parse, call one library function and print; a long module is logic that
+    belongs in the library."""
+    for path in sorted((ROOT / "moesim" / "cli").glob("*.py")):
+        n = len(path.read_text().splitlines())
+        assert n < CLI_MODULE_MAX_LINES, f"{path.name}: {n} lines"

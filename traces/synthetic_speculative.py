@@ -1,0 +1,536 @@
+"""Synthetic speculative-decoding traces for any catalogue model (marked synthetic).
+
+EcoSpec's gain depends on how the experts of the candidate tokens overlap: a verification
+pass loads, per MoE layer, the union of the experts of every verified row, so candidates
+that share experts with their parent, their siblings or the step's root are cheap and
+candidates that scatter are expensive. A recorded tree exists only for the shipped tiny
+model; this generator draws one for any model from parameters that each stand for one
+physical property (see :class:`SpecSynthParams`), or fits those parameters to a recorded
+trace (:func:`fit_params`, ``like=``).
+
+Every step's whole draft tree is "verified" in the written trace (``sd_chosen`` covers
+every node, confidence order) and the target's greedy path through the tree is drawn up
+front, so a what-if that re-runs any selection on it knows the true experts and the
+acceptance of every node exactly (no approximation, unlike a recorded trace). The header
+says ``synthetic: true``; verification timings are zero (nothing was measured).
+
+Routing of a node at a layer: Gumbel-top-k over the layer's Zipf(``skew``) popularity,
+with each expert of the node's parent forced in with probability ``parent_overlap``, each
+expert of its highest-ranked sibling with ``sibling_overlap``, and for a step's root each
+expert of the previous step's last accepted row with ``step_overlap``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+import numpy as np
+
+from moesim import __version__
+from moesim.errors import MoesimError
+from moesim.models import ModelSpec
+from moesim.selection import SCORES, SELECTIONS, Tree, select
+from moesim.traces.format import Trace
+from moesim.traces.header import make_header
+from moesim.traces.records import NOT_CHOSEN, PAD_EXPERT, PAD_PARENT, PAD_TOKEN, sd_steps
+from moesim.traces.sd_ids import PAD, ids_to_mask, mask_to_ids
+
+#: A written trace's sd_node_pred mask may not exceed this many bytes (write fewer steps,
+#: or keep the steps in memory: the what-if never needs the masks).
+MAX_MASK_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class SpecSynthParams:
+    """What each knob means physically (docs/speculative.md has the long form)."""
+
+    steps: int = 256  # verification steps to draw
+    branch: int = 2  # children the draft proposes per node (top-branch of its distribution)
+    depth: int = 4  # levels of the draft tree (tokens ahead of the root)
+    #: Per depth d = 1, 2, ...: the chance that the target's greedy token at depth d is one
+    #: of the drafted children, given the path above was accepted (the last value repeats).
+    accept: tuple[float, ...] = (0.75, 0.65, 0.6, 0.55)
+    #: Given acceptance, which child (by draft rank) the target's token is (normalised).
+    rank_share: tuple[float, ...] = (0.85, 0.15)
+    #: Mean conditional draft probability of the rank-r child (the draft's confidence).
+    child_prob: tuple[float, ...] = (0.6, 0.15)
+    prob_concentration: float = 8.0  # Dirichlet concentration: high = every node near the means
+    skew: float = 1.0  # Zipf exponent of expert popularity per layer (0 = uniform)
+    parent_overlap: float = 0.3  # chance each expert of the parent (previous position) recurs
+    sibling_overlap: float = 0.2  # chance each expert of the top-ranked sibling (same position) recurs
+    step_overlap: float = 0.3  # chance each expert of the last accepted row recurs in the next root
+    #: How much the overlap rates vary between nodes: each node draws its own rates from a
+    #: Beta with the means above and this concentration, the same rate in every layer (a
+    #: candidate that continues its parent's word shares experts everywhere; one that jumps
+    #: topic shares few). Low = nodes differ a lot (what EcoSpec exploits); high = all alike.
+    overlap_concentration: float = 2.0
+    recall: float = 0.7  # the expert predictor's recall@k per node and layer
+    prompt_len: int = 128
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.branch < 1 or self.depth < 0 or self.prompt_len < 0:
+            raise MoesimError("synthetic speculative trace: steps >= 1, branch >= 1, depth >= 0, prompt_len >= 0")
+        for name in ("parent_overlap", "sibling_overlap", "step_overlap", "recall"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise MoesimError(f"synthetic speculative trace: {name} must be in [0, 1]")
+        if not self.accept or any(not 0 <= a <= 1 for a in self.accept):
+            raise MoesimError("synthetic speculative trace: accept rates must be in [0, 1]")
+        for name in ("rank_share", "child_prob"):
+            v = getattr(self, name)
+            if not v or any(x < 0 for x in v) or sum(v) <= 0:
+                raise MoesimError(f"synthetic speculative trace: {name} must be non-negative, not all zero")
+        if sum(self.child_prob[: self.branch]) >= 1:
+            raise MoesimError("synthetic speculative trace: child_prob of the drafted children must sum below 1")
+        if self.skew < 0 or self.prob_concentration <= 0 or self.overlap_concentration <= 0:
+            raise MoesimError("synthetic speculative trace: skew >= 0, prob_concentration and "
+                              "overlap_concentration > 0")
+
+    def rates(self, rng: np.random.Generator, mean: float, n: int) -> np.ndarray:
+        """Per-node overlap rates: Beta(mean, overlap_concentration), one per node."""
+        if mean <= 0 or mean >= 1:
+            return np.full(n, mean)
+        c = self.overlap_concentration
+        return rng.beta(c * mean, c * (1 - mean), n)
+
+    @property
+    def nodes(self) -> int:
+        return sum(self.branch ** d for d in range(1, self.depth + 1))
+
+    def accept_at(self, d: int) -> float:
+        return self.accept[min(d, len(self.accept)) - 1]
+
+    def _per_rank(self, v: tuple[float, ...]) -> np.ndarray:
+        """``v`` for ranks 0 .. branch-1; ranks past its end continue it geometrically (the
+        ratio of its last two values, else halving)."""
+        ratio = v[-1] / v[-2] if len(v) > 1 and v[-2] > 0 else 0.5
+        out = [v[r] if r < len(v) else v[-1] * min(ratio, 0.9) ** (r - len(v) + 1) for r in range(self.branch)]
+        return np.array(out, float)
+
+
+@dataclass
+class SynthStep:
+    """One drawn verification step, kept compact (ids, not masks). Row 0 is the root,
+    row 1 + i candidate i (breadth-first, children of a node by falling draft probability)."""
+
+    root_token: int
+    tokens: list[int]
+    parents: list[int]  # -1: child of the root
+    prob: list[float]  # cumulative draft probability
+    path: list[int]  # the target's greedy path through the tree (candidate indices)
+    bonus: int  # the target's token after the path (the next step's root)
+    true_ids: np.ndarray  # int16 [1 + nodes, moe_layers, k]
+    pred_ids: np.ndarray  # int16 [1 + nodes, moe_layers, k]
+    _tree: Tree | None = field(default=None, repr=False, compare=False)
+
+    def tree(self) -> Tree:
+        """The candidate tree with predicted expert sets (built once; selection only reads it)."""
+        if self._tree is None:
+            pred = [[set(r[r != PAD].tolist()) for r in self.pred_ids[1 + i]] for i in range(len(self.tokens))]
+            self._tree = Tree(list(self.tokens), list(self.parents), list(self.prob), pred)
+        return self._tree
+
+    def root_pred(self) -> list[set[int]]:
+        return [set(r[r != PAD].tolist()) for r in self.pred_ids[0]]
+
+
+@dataclass
+class SynthSpec:
+    spec: ModelSpec
+    params: SpecSynthParams
+    steps: list[SynthStep] = field(default_factory=list)
+    fitted_from: str = ""
+
+
+def _popularity(rng: np.random.Generator, m: int, e: int, skew: float) -> np.ndarray:
+    ranks = np.argsort(rng.random((m, e)), axis=1) + 1.0
+    logp = -skew * np.log(ranks)
+    return logp - np.log(np.exp(logp).sum(1, keepdims=True))
+
+
+def _route(rng: np.random.Generator, logp: np.ndarray, k: int, forced: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """Top-k per row and layer: Gumbel keys over the popularity, with each id of every
+    (ids [n, M, k], per-row probability [n]) source forced in with that probability.
+    -> int16 [n, M, k]."""
+    n = forced[0][0].shape[0] if forced else 1
+    keys = logp[None] + rng.gumbel(size=(n, *logp.shape))
+    bump = np.zeros_like(keys)
+    for ids, p in forced:
+        hit = (rng.random(ids.shape) < np.asarray(p)[:, None, None]).astype(float)
+        np.put_along_axis(bump, ids.astype(np.int64), np.maximum(np.take_along_axis(bump, ids.astype(np.int64), -1),
+                                                                  hit * 1e6), axis=-1)
+    keys = keys + bump
+    idx = np.argpartition(-keys, k - 1, axis=-1)[..., :k]
+    order = np.argsort(-np.take_along_axis(keys, idx, -1), axis=-1)
+    return np.take_along_axis(idx, order, -1).astype(np.int16)
+
+
+def _predict(rng: np.random.Generator, logp: np.ndarray, true: np.ndarray, recall: float) -> np.ndarray:
+    """k predicted experts per row and layer: each true one kept with ``recall``, the rest
+    drawn from the popularity among experts that are not true."""
+    keys = logp[None] + rng.gumbel(size=(true.shape[0], *logp.shape))
+    kept = rng.random(true.shape) < recall
+    np.put_along_axis(keys, true.astype(np.int64), np.where(kept, np.inf, -np.inf), axis=-1)
+    k = true.shape[-1]
+    idx = np.argpartition(-keys, k - 1, axis=-1)[..., :k]
+    return np.sort(idx, -1).astype(np.int16)
+
+
+def generate(spec: ModelSpec, params: SpecSynthParams = SpecSynthParams()) -> SynthSpec:
+    """Draw ``params.steps`` verification steps for ``spec`` (same seed, same steps)."""
+    rng = np.random.default_rng(params.seed)
+    m, e, k, b = spec.n_moe_layers, spec.n_experts, spec.top_k, params.branch
+    if b > spec.vocab - 1:
+        raise MoesimError(f"branch {b} exceeds the vocabulary of {spec.name}")
+    logp = _popularity(rng, m, e, params.skew)
+    drafted = params._per_rank(params.child_prob)
+    drafted *= min(1.0, 0.99 / drafted.sum())  # the drafted children leave some mass to the rest
+    mean = np.append(drafted, 1 - drafted.sum())
+    alpha = np.maximum(params.prob_concentration * mean, 1e-3)
+    share = params._per_rank(params.rank_share)
+    share = share / share.sum() if share.sum() > 0 else np.full(b, 1 / b)
+    out = SynthSpec(spec, params)
+    prev_last: np.ndarray | None = None  # true ids [1, M, k] of the previous step's last accepted row
+    root_token = int(rng.integers(spec.vocab))
+    for _ in range(params.steps):
+        forced = [(prev_last, params.rates(rng, params.step_overlap, 1))] if prev_last is not None else []
+        root = _route(rng, logp, k, forced) if forced else _route(rng, logp, k, [])
+        tokens: list[int] = []
+        parents: list[int] = []
+        prob: list[float] = []
+        rows = [root[0]]
+        frontier = [-1]
+        for _level in range(params.depth):
+            parent_ids = np.stack([rows[0] if f == -1 else rows[1 + f] for f in frontier])  # [n, M, k]
+            cond = np.sort(rng.dirichlet(alpha, size=len(frontier))[:, :b], axis=1)[:, ::-1]
+            nf = len(frontier)
+            first = _route(rng, logp, k, [(parent_ids, params.rates(rng, params.parent_overlap, nf))])
+            level_rows = [first]
+            if b > 1:
+                rep = np.repeat(parent_ids, b - 1, axis=0)
+                sib = np.repeat(first, b - 1, axis=0)
+                no = nf * (b - 1)
+                others = _route(rng, logp, k, [(rep, params.rates(rng, params.parent_overlap, no)),
+                                               (sib, params.rates(rng, params.sibling_overlap, no))])
+                level_rows.append(others.reshape(len(frontier), b - 1, m, k))
+            new_frontier = []
+            for j, f in enumerate(frontier):
+                base = 1.0 if f == -1 else prob[f]
+                toks = rng.choice(spec.vocab, size=b, replace=False).tolist()
+                for r in range(b):
+                    tokens.append(int(toks[r]))
+                    parents.append(f)
+                    prob.append(float(np.float32(base * cond[j, r])))  # as the trace stores it
+                    rows.append(first[j] if r == 0 else level_rows[1][j, r - 1])
+                    new_frontier.append(len(tokens) - 1)
+            frontier = new_frontier
+        true = np.stack(rows).astype(np.int16)
+        pred = _predict(rng, logp, true, params.recall)
+        # The target's greedy path: at each depth, one of the children with the depth's rate.
+        path, node = [], -1
+        for d in range(1, params.depth + 1):
+            if rng.random() >= params.accept_at(d):
+                break
+            children = [i for i, p in enumerate(parents) if p == node]
+            node = children[int(rng.choice(b, p=share))]
+            path.append(node)
+        children = {tokens[i] for i, p in enumerate(parents) if p == node}
+        bonus = int(rng.integers(spec.vocab))
+        while bonus in children:  # a rejection: the target's token is none of the drafted ones
+            bonus = int(rng.integers(spec.vocab))
+        out.steps.append(SynthStep(root_token, tokens, parents, prob, path, bonus, true, pred))
+        prev_last = true[[1 + path[-1] if path else 0]]
+        root_token = bonus
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Writing a version-2 trace
+# --------------------------------------------------------------------------------------
+
+
+def to_trace(synth: SynthSpec) -> Trace:
+    """The steps as a version-2 speculative trace: every node verified (``sd_chosen`` in
+    confidence order), the accepted rows as the main routing arrays, zero timings."""
+    spec, params, steps = synth.spec, synth.params, synth.steps
+    m, e, k = spec.n_moe_layers, spec.n_experts, spec.top_k
+    s, n = len(steps), max(1, params.nodes)
+    if s * n * m * e > MAX_MASK_BYTES:
+        raise MoesimError(f"a version-2 trace of {s} steps x {n} nodes for {spec.name} needs a "
+                          f"{s * n * m * e / 2**20:.0f} MiB expert mask; write fewer steps (the what-if does not "
+                          "need the file)")
+    tokens = np.full((s, n), PAD_TOKEN, np.int32)
+    parents = np.full((s, n), PAD_PARENT, np.int16)
+    prob = np.zeros((s, n), np.float32)
+    chosen = np.full((s, n), NOT_CHOSEN, np.int16)
+    node_pred = np.zeros((s, n, m, e), bool)
+    root_pred = np.zeros((s, m, e), bool)
+    row_true = np.full((s, 1 + n, m, k), PAD_EXPERT, np.int16)
+    accepted_rows, accepted_tokens = [], []
+    for i, st in enumerate(steps):
+        c = len(st.tokens)
+        tokens[i, :c], parents[i, :c], prob[i, :c] = st.tokens, st.parents, st.prob
+        order = select(Tree(st.tokens, st.parents, [float(p) for p in prob[i, :c]]), c, "confidence")
+        chosen[i, order] = np.arange(len(order))
+        node_pred[i, :c] = ids_to_mask(st.pred_ids[1:], e)
+        root_pred[i] = ids_to_mask(st.pred_ids[0], e)
+        row_true[i, 0] = st.true_ids[0]
+        row_true[i, 1: 1 + len(order)] = st.true_ids[1 + np.array(order, int)] if order else row_true[i, 1:1]
+        accepted_rows += [st.true_ids[0]] + [st.true_ids[1 + p] for p in st.path]
+        accepted_tokens += [st.root_token] + [st.tokens[p] for p in st.path]
+    true_ids = np.stack(accepted_rows)[:, :, None, :].astype(np.int16)
+    z1, zl, zm = np.zeros(s), np.zeros((s, spec.n_layers)), np.zeros((s, m))
+    timings = {"sd_tree_tokens": tokens, "sd_tree_parents": parents, "sd_tree_prob": prob, "sd_chosen": chosen,
+               "sd_accepted": np.array([1 + len(st.path) for st in steps], np.int16), "sd_node_pred": node_pred,
+               "sd_root_pred": root_pred, "sd_row_true": row_true, "sd_draft_s": z1, "sd_verify_s": z1.copy(),
+               "sd_attn_s": zl, "sd_expert_s": zm, "sd_stall_s": zm.copy()}
+    header = make_header(
+        spec, policy="none", prompt_len=params.prompt_len, n_tokens=int(true_ids.shape[0]), batch=1,
+        seed=params.seed, synthetic=True,
+        recorded={"tool": f"moesim {__version__}", "how": "synthetic speculative routing, no timings"},
+        generator={"name": "moesim.synthetic_speculative", **asdict(params), "fitted_from": synth.fitted_from},
+        speculative={"gamma": n, "branch": params.branch, "depth": params.depth, "strategy": "confidence",
+                        "score": "ratio", "lambda": 0.0, "draft": "synthetic",
+                        "note": "synthetic: every node verified, so a re-selection knows every node's true experts "
+                                "and acceptance; sd_*_s timings are zero (nothing measured)"},
+    )
+    rng = np.random.default_rng(params.seed + 1)
+    prompt = rng.integers(0, spec.vocab, (1, params.prompt_len), dtype=np.int32)
+    gates = np.full(true_ids.shape, 1.0 / k, np.float32)
+    return Trace(header, prompt, np.array([accepted_tokens], np.int32), true_ids, gates,
+                 np.full(true_ids.shape, -1, np.int16), np.zeros_like(gates), true_ids.copy(), timings)
+
+
+def synthetic_sd_trace(spec: ModelSpec, params: SpecSynthParams = SpecSynthParams()) -> Trace:
+    """One call for ``moesim synth --speculative``: draw and encode as a version-2 trace."""
+    return to_trace(generate(spec, params))
+
+
+# --------------------------------------------------------------------------------------
+# Statistics (the same code measures a recorded trace and a synthetic one) and fitting
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepView:
+    """What one verification step shows: the full draft tree, the verified nodes, their
+    true experts, predictions, and the target's tokens after the root as far as known."""
+
+    parents: list[int]
+    prob: list[float]
+    tokens: list[int]
+    chosen: list[int]
+    true: dict[int, np.ndarray]  # node (-1 = root) -> ids [M, k], verified nodes only
+    pred: dict[int, np.ndarray]  # node (-1 = root) -> ids [M, k']
+    accepted_path: list[int]  # accepted candidates in order
+    known_next: list[int]  # the target's tokens after the root: accepted ones, then the bonus
+
+
+def recorded_views(trace: Trace) -> list[StepView]:
+    tm = trace.timings
+    if "sd_accepted" not in tm:
+        raise MoesimError("not a speculative-decoding trace (no sd_* records)")
+    acc = tm["sd_accepted"].astype(int)
+    starts = np.concatenate([[0], np.cumsum(acc)])
+    toks = trace.token_ids[0]
+    views = []
+    for s, step in enumerate(sd_steps(tm)):
+        chosen = step.chosen
+        true = {-1: step.row_true[0]} | {c: step.row_true[1 + j] for j, c in enumerate(chosen)}
+        pred = {-1: mask_to_ids(step.root_pred)} | {c: mask_to_ids(step.node_pred[c]) for c in chosen}
+        parents, tokens = step.parents, step.tokens
+        known = toks[starts[s] + 1: starts[s] + acc[s]].tolist()
+        path, node = [], -1
+        for t in known:
+            node = next(c for c in chosen if parents[c] == node and tokens[c] == t)
+            path.append(node)
+        if s + 1 < len(acc):
+            known.append(int(toks[starts[s + 1]]))
+        views.append(StepView(parents, step.prob, tokens, chosen, true, pred, path, known))
+    return views
+
+
+def reselect(step: SynthStep, gamma: int, strategy: str, score: str = "ratio", lam: float = 0.1) -> tuple[list[int], int]:
+    """(chosen nodes, tokens produced) of one synthetic step under a selection: the exact
+    answer, since every node's truth is known."""
+    chosen = select(step.tree(), gamma, strategy, step.root_pred(), score, lam)
+    on = set(chosen)
+    produced = 1
+    for p in step.path:
+        if p not in on:
+            break
+        produced += 1
+    return chosen, produced
+
+
+def synthetic_views(synth: SynthSpec, gamma: int, strategy: str, score: str = "ratio", lam: float = 0.1) -> list[StepView]:
+    """The synthetic steps as a recording with this selection would have seen them."""
+    views = []
+    for st in synth.steps:
+        chosen, produced = reselect(st, gamma, strategy, score, lam)
+        path = st.path[: produced - 1]
+        known = [st.tokens[p] for p in path]
+        # The target's token after the last accepted row: the next path node's token when
+        # the path went on (but was not verified), else the step's bonus.
+        known.append(st.tokens[st.path[len(path)]] if len(path) < len(st.path) else st.bonus)
+        true = {-1: st.true_ids[0]} | {c: st.true_ids[1 + c] for c in chosen}
+        pred = {-1: st.pred_ids[0]} | {c: st.pred_ids[1 + c] for c in chosen}
+        views.append(StepView(st.parents, st.prob, st.tokens, chosen, true, pred, path, known))
+    return views
+
+
+def _overlap(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean over layers of |a & b| / k (ids, PAD ignored)."""
+    return float(np.mean([len(set(x[x != PAD].tolist()) & set(y[y != PAD].tolist())) / x.shape[-1]
+                          for x, y in zip(a, b, strict=True)]))
+
+
+def statistics(views: list[StepView], depth: int, branch: int) -> dict[str, object]:
+    """Acceptance and expert-overlap statistics of a sequence of verification steps."""
+    trials, wins = np.zeros(depth + 1), np.zeros(depth + 1)
+    ranks = np.zeros(branch)
+    cond: list[list[float]] = [[] for _ in range(branch)]
+    parent_ov, sib_ov, step_ov, recall, distinct = [], [], [], [], []
+    prev_last = None
+    for v in views:
+        kids: dict[int, list[int]] = {}
+        for i, p in enumerate(v.parents):
+            kids.setdefault(p, []).append(i)
+        for p, cs in kids.items():
+            base = 1.0 if p == -1 else v.prob[p]
+            for r, c in enumerate(sorted(cs, key=lambda c: -v.prob[c])[:branch]):
+                cond[r].append(v.prob[c] / base if base > 0 else 0.0)
+        verified = set(v.chosen)
+        node = -1
+        for d, t in enumerate(v.known_next, start=1):
+            if d > depth:
+                break
+            trials[d] += 1
+            cs = sorted(kids.get(node, []), key=lambda c: -v.prob[c])
+            hit = next((c for c in cs if v.tokens[c] == t), None)
+            if hit is None:
+                break
+            wins[d] += 1
+            if cs.index(hit) < branch:
+                ranks[cs.index(hit)] += 1
+            if hit not in verified:
+                break
+            node = hit
+        for c in v.chosen:
+            parent_ov.append(_overlap(v.true[c], v.true[v.parents[c]]))
+            sibs = [s for s in kids[v.parents[c]] if s in verified and s > c]
+            sib_ov += [_overlap(v.true[c], v.true[s]) for s in sibs]
+        for node_, ids in v.true.items():
+            if node_ in v.pred and (v.pred[node_] != PAD).any():
+                recall.append(_overlap(ids, v.pred[node_]))
+        if prev_last is not None:
+            step_ov.append(_overlap(v.true[-1], prev_last))
+        prev_last = v.true[v.accepted_path[-1]] if v.accepted_path else v.true[-1]
+        distinct.append(sum(len(set(np.concatenate([ids[layer] for ids in v.true.values()]).tolist()) - {PAD})
+                            for layer in range(v.true[-1].shape[0])))
+    mean = (lambda x: float(np.mean(x)) if len(x) else float("nan"))  # noqa: E731
+    return {
+        "steps": len(views),
+        "tokens_per_step": mean([1 + len(v.accepted_path) for v in views]),
+        "rows_per_step": mean([1 + len(v.chosen) for v in views]),
+        "distinct_experts_per_step": mean(distinct),
+        "accept_by_depth": [float(wins[d] / trials[d]) if trials[d] else float("nan") for d in range(1, depth + 1)],
+        "accept_trials": trials[1:].astype(int).tolist(),
+        "rank_share": (ranks / ranks.sum()).tolist() if ranks.sum() else [1.0] + [0.0] * (branch - 1),
+        "child_prob": [mean(c) for c in cond],
+        "child_prob_var": [float(np.var(c)) if len(c) > 1 else float("nan") for c in cond],
+        "parent_overlap": mean(parent_ov), "parent_overlap_sd": float(np.std(parent_ov)) if parent_ov else float("nan"), "sibling_overlap": mean(sib_ov), "step_overlap": mean(step_ov),
+        "recall": mean(recall),
+    }
+
+
+def _fit_skew(trace: Trace) -> float:
+    """Zipf exponent from the recorded rows' expert frequencies (log-frequency against
+    log-rank, averaged over layers)."""
+    rows = trace.timings["sd_row_true"]
+    slopes = []
+    for layer in range(rows.shape[2]):
+        ids = rows[:, :, layer].ravel()
+        counts = np.sort(np.bincount(ids[ids >= 0], minlength=trace.model.n_experts))[::-1].astype(float)
+        counts = counts[counts > 0]
+        if len(counts) > 2:
+            slopes.append(-np.polyfit(np.log(np.arange(1, len(counts) + 1)), np.log(counts), 1)[0])
+    return float(np.clip(np.mean(slopes), 0, 3)) if slopes else 1.0
+
+
+def fit_params(trace: Trace, steps: int | None = None, seed: int = 0, rounds: int = 5) -> SpecSynthParams:
+    """Parameters that reproduce a recorded speculative trace's acceptance and overlap
+    statistics (``like=``). Acceptance, ranks, draft probabilities and recall are read off
+    directly; the overlap knobs, their spread across nodes and the popularity skew are
+    calibrated by a few fixed-point rounds (generate, select as the recording did, compare,
+    correct), since popularity alone already makes experts recur."""
+    sp = trace.header.get("speculative", {})
+    depth, branch = int(sp.get("depth", 3)), int(sp.get("branch", 2))
+    gamma, strategy = int(sp.get("gamma", 4)), sp.get("strategy", "confidence")
+    score, lam = sp.get("score", "ratio"), float(sp.get("lambda", 0.1))
+    target = statistics(recorded_views(trace), depth, branch)
+    acc = [a if a == a else 0.5 for a in target["accept_by_depth"]]
+    cp = [min(max(p, 1e-3), 0.99) if p == p else 0.1 for p in target["child_prob"]]
+    if sum(cp) >= 0.999:
+        cp = [p * 0.99 / sum(cp) for p in cp]
+    m0, v0 = cp[0], target["child_prob_var"][0]
+    conc = float(np.clip(m0 * (1 - m0) / v0 - 1, 0.5, 200)) if v0 == v0 and v0 > 0 else 8.0
+    n_steps = steps or len(trace.timings["sd_accepted"])
+    params = SpecSynthParams(
+        steps=max(n_steps, 64), branch=branch, depth=depth, accept=tuple(acc), rank_share=tuple(target["rank_share"]),
+        child_prob=tuple(cp), prob_concentration=conc, skew=_fit_skew(trace),
+        parent_overlap=0.3, sibling_overlap=0.2, step_overlap=0.3,
+        recall=float(np.clip(target["recall"], 0, 1)) if target["recall"] == target["recall"] else 0.7,
+        prompt_len=trace.prompt_len, seed=seed + 1000)
+    knobs = ("parent_overlap", "sibling_overlap", "step_overlap")
+    for _ in range(rounds):
+        got = statistics(synthetic_views(generate(trace.model, params), gamma, strategy, score, lam), depth, branch)
+        upd = {}
+        for kn in knobs:
+            want, have = target[kn], got[kn]
+            if want == want and have == have:
+                upd[kn] = float(np.clip(getattr(params, kn) + (want - have), 0, 1))
+        want_sd, have_sd = target["parent_overlap_sd"], got["parent_overlap_sd"]
+        if want_sd == want_sd and have_sd == have_sd and want_sd > 0 and have_sd > 0:
+            upd["overlap_concentration"] = float(np.clip(params.overlap_concentration * (have_sd / want_sd) ** 2,
+                                                         0.1, 1000))
+        want_d, have_d = target["distinct_experts_per_step"], got["distinct_experts_per_step"]
+        if want_d > 0 and have_d > 0:  # more skew: popular experts recur, fewer distinct ones
+            upd["skew"] = float(np.clip(max(params.skew, 0.05) * (have_d / want_d) ** 4, 0, 3))
+        params = replace(params, **upd)
+    return replace(params, steps=n_steps, seed=seed)
+
+
+def check_selection(strategy: str, score: str) -> None:
+    if strategy not in SELECTIONS:
+        raise MoesimError(f"unknown selection {strategy!r}; known: {', '.join(SELECTIONS)}")
+    if score not in SCORES:
+        raise MoesimError(f"unknown score {score!r}; known: {', '.join(SCORES)}")
+
+
+def synth_speculative(model: str | ModelSpec, out, params: SpecSynthParams | None = None, like=None,
+                      **overrides) -> tuple[Trace, SpecSynthParams]:
+    """The one call behind ``moesim synth --speculative``: parameters from ``params`` (or
+    the defaults), or fitted to the recorded speculative trace at ``like``, then
+    ``overrides`` (any :class:`SpecSynthParams` field), drawn for ``model`` and written
+    atomically to ``out``. Returns the trace and the parameters used."""
+    from moesim.models import get_model
+    from moesim.traces.format import read_trace, write_trace
+
+    spec = get_model(model) if isinstance(model, str) else model
+    fitted_from = ""
+    if like is not None:
+        rec = read_trace(like)
+        if not rec.speculative:
+            raise MoesimError(f"{like}: not a speculative-decoding trace (record one with moesim speculate)")
+        params = fit_params(rec, steps=overrides.get("steps"), seed=overrides.get("seed", 0))
+        fitted_from = str(like)
+    unknown = set(overrides) - set(SpecSynthParams.__dataclass_fields__)
+    if unknown:
+        raise MoesimError(f"unknown synthetic speculative parameter(s): {', '.join(sorted(unknown))}")
+    params = replace(params or SpecSynthParams(), **overrides)
+    synth = generate(spec, params)
+    synth.fitted_from = fitted_from
+    trace = to_trace(synth)
+    write_trace(trace, out)
+    return trace, params
