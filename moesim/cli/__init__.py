@@ -9,12 +9,16 @@ import sys
 
 from moesim.cli import (  # noqa: F401  (each module registers its command on the app)
     calibrate,
+    ecospec,
     fit,
     hw,
+    import_routing,
     models,
     profile,
+    record,
     replay,
     speculate,
+    stats,
     synth,
     train,
     train_estimator,
