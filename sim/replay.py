@@ -15,6 +15,9 @@ from typing import Any
 from moesim.errors import MoesimError
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, get_profile
 from moesim.models import ModelSpec, get_model
+from moesim.sim.hybrid import load_calibration
+from moesim.sim.prefetch_top import keep_top_predictions
+from moesim.sim.quantised import with_expert_dtype
 from moesim.sim.simulate import SimResult, simulate_policies
 from moesim.traces.format import Trace, read_trace
 
@@ -54,12 +57,17 @@ class Replay:
 
 def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str] | tuple[str, ...] = DEFAULT_POLICIES,
            *, model: str | None = None, step: int = 1, where: str | Path | None = None,
-           progress: Callable[[int, int], None] | None = None, **kw: Any) -> Replay:
+           progress: Callable[[int, int], None] | None = None, expert_dtype: str | None = None,
+           prefetch_top: int | None = None, placement_from: str | Path | None = None, **kw: Any) -> Replay:
     """Simulate a (non-speculative) trace under each policy; ``kw`` goes to
     :func:`moesim.sim.simulate.simulate` (cache, eviction, engine, timing, link_gbps).
     ``model`` checks the trace against a model; ``step`` must be one of the trace's steps
     (the report's timeline shows it); ``where`` names the trace in errors; ``progress(done,
-    total)`` counts layer-steps planned and timed, for a progress bar on long traces."""
+    total)`` counts layer-steps planned and timed, for a progress bar on long traces.
+    What-ifs on the trace itself: ``expert_dtype`` stores the routed experts in another
+    format (moesim.sim.quantised), ``prefetch_top`` prefetches only each sequence's ``m``
+    most confident predicted experts (moesim.sim.prefetch_top), and ``placement_from``
+    names the calibration trace whose routing places the hot experts (docs/policies.md)."""
     where = where or ("the trace" if isinstance(trace, Trace) else trace)
     trace = trace if isinstance(trace, Trace) else read_trace(trace)
     if trace.speculative:
@@ -69,4 +77,10 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
     profile, source = trace_profile(trace, hw)
     if not 0 <= step < trace.n_tokens:
         raise MoesimError(f"--step {step} outside the trace's {trace.n_tokens} steps")
+    if expert_dtype is not None:
+        trace = with_expert_dtype(trace, expert_dtype)
+    if prefetch_top is not None:
+        trace = keep_top_predictions(trace, prefetch_top)
+    if placement_from is not None:
+        kw["calibration"] = load_calibration(str(placement_from), trace.model)
     return Replay(trace, profile, source, simulate_policies(trace, profile, list(policies), progress=progress, **kw))
