@@ -21,22 +21,23 @@ from moesim.models import get_model  # noqa: E402
 from moesim.traces.format import read_trace, write_trace  # noqa: E402
 
 HW = get_profile("a6000")
+TOKENS = 30000  # ~30 s or more of decoding: never finished before the signal, even on a loaded machine
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 def _interrupt_profile(out, when: str, delay: float) -> tuple[int, str]:
-    """Start `moesim profile --tokens 3000` with a live progress bar on stderr (as in a
+    """Start `moesim profile --tokens TOKENS` with a live progress bar on stderr (as in a
     terminal); once the bar shows ``when`` ('start': drawn, before prefill; 'steps': at least
     one finished step), wait ``delay`` s and send SIGINT. Returns (exit code, stderr)."""
     env = {**os.environ, "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1", "COLUMNS": "100"}
-    p = subprocess.Popen([sys.executable, "-m", "moesim", "profile", "--tokens", "3000", "--out", str(out)],
+    p = subprocess.Popen([sys.executable, "-m", "moesim", "profile", "--tokens", str(TOKENS), "--out", str(out)],
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     seen, chunks = threading.Event(), []
 
     def read() -> None:
         while chunk := p.stderr.read1(4096):
             chunks.append(chunk.decode(errors="replace"))
-            counts = [int(c) for c in re.findall(r"(\d+)/3000", ANSI.sub("", "".join(chunks[-3:])))]
+            counts = [int(c) for c in re.findall(rf"(\d+)/{TOKENS}", ANSI.sub("", "".join(chunks[-3:])))]
             if counts and (when == "start" or max(counts) >= 1):
                 seen.set()
 
@@ -72,9 +73,9 @@ def test_sigint_to_moesim_profile_keeps_a_valid_trace(tmp_path):
             continue
         assert rc == 0, err
         trace = read_trace(path)
-        assert 1 <= trace.n_tokens < 3000
+        assert 1 <= trace.n_tokens < TOKENS
         assert trace.token_ids.shape[1] == trace.true_ids.shape[0] == trace.timings["tpot_s"].shape[0] == trace.n_tokens
-        assert f"kept {trace.n_tokens} of 3000" in " ".join(err.split())  # the CLI says what it kept
+        assert f"kept {trace.n_tokens} of {TOKENS}" in " ".join(err.split())  # the CLI says what it kept
         kept += 1
     assert kept >= 2  # the runs interrupted after a finished step kept it
 
