@@ -105,3 +105,22 @@ def progress_bar(what: str, unit: str, disable: bool = False) -> Iterator[Callab
         task = bar.add_task(what, total=None)
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
+
+
+def keeps_finished_work(command: Callable) -> Callable:
+    """For a command whose work is a loop of steps: the first Ctrl-C, whenever it comes
+    (even while torch is still importing or the model loading), only asks the loop to
+    stop at its next step boundary (moesim.executor.interrupt), so every finished step is
+    kept and a run stopped before its first step ends as one line. Without this, a SIGINT
+    that lands before the library's own loop begins took another path (a KeyboardInterrupt
+    through imports), and under load it was once lost: the run went on to the end."""
+    import functools
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from moesim.executor.interrupt import stop_on_interrupt  # no torch: signals and errors only
+
+        with stop_on_interrupt():
+            return command(*args, **kwargs)
+
+    return wrapper

@@ -9,12 +9,13 @@ from typing import Annotated
 import numpy as np
 import typer
 
-from moesim.cli.app import app, err, out, table
+from moesim.cli.app import app, err, keeps_finished_work, out, table
 from moesim.executor.defaults import DECODE_THREADS, SHIPPED_MODEL
 from moesim.hardware import DEFAULT_PROFILE
 
 
 @app.command()
+@keeps_finished_work
 def profile(
     model: Annotated[str, typer.Option(help="A checkpoint directory, 'moe-stdlib' (the shipped learned-routing model) "
                                             "or a catalogue name (seeded random weights: synthetic).")] = SHIPPED_MODEL,

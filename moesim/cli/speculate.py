@@ -7,12 +7,13 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, err
+from moesim.cli.app import app, err, keeps_finished_work
 from moesim.executor.defaults import DECODE_THREADS, DRAFT_MODEL, SHIPPED_MODEL
 from moesim.hardware import DEFAULT_PROFILE
 
 
 @app.command()
+@keeps_finished_work
 def speculate(
     model: Annotated[str, typer.Option(help="Target checkpoint, or 'moe-stdlib'.")] = SHIPPED_MODEL,
     draft: Annotated[str, typer.Option(help="Draft checkpoint (with its expert predictor), or 'moe-stdlib-draft'.")] = DRAFT_MODEL,

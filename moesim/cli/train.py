@@ -7,12 +7,13 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, err
+from moesim.cli.app import app, err, keeps_finished_work
 from moesim.errors import MoesimError
 from moesim.executor.defaults import DECODE_THREADS, SHIPPED_MODEL
 
 
 @app.command()
+@keeps_finished_work
 def train(
     out_dir: Annotated[Path | None, typer.Option("--out", help="Checkpoint folder to write (default: ./NAME-trained).")] = None,
     steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 4000,

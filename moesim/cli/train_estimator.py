@@ -7,11 +7,12 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, err, out, table
+from moesim.cli.app import app, err, keeps_finished_work, out, table
 from moesim.executor.defaults import OFFLINE_THREADS, SHIPPED_MODEL
 
 
 @app.command("train-estimator")
+@keeps_finished_work
 def train_estimator(
     model: Annotated[str, typer.Option(help="Checkpoint directory with default vectors, or 'moe-stdlib'.")] = SHIPPED_MODEL,
     tokens: Annotated[int, typer.Option(help="Training tokens of the corpus (each gives one example per layer).")] = 65536,

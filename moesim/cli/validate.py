@@ -7,10 +7,11 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, err, out, table
+from moesim.cli.app import app, err, keeps_finished_work, out, table
 
 
 @app.command()
+@keeps_finished_work
 def validate(
     out_dir: Annotated[Path, typer.Option("--out", help="Report folder: error table, scatter, timelines, traces.")] = Path("moesim-validation"),
     tokens: Annotated[int, typer.Option(help="Decode steps per run (the learned model runs 4x as many: its steps "
