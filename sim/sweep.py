@@ -41,6 +41,16 @@ class WhatIf:
         return sorted(self.rows, key=lambda r: (not r["fits"], r[key]))
 
 
+def check_unique_names(given: list[str] | tuple[str, ...], profiles: list) -> None:
+    """Rows are keyed by profile name: two profiles with one name would report one's results twice."""
+    seen: dict[str, str] = {}
+    for g, p in zip(given, profiles):
+        if p.name in seen:
+            raise MoesimError(f"--hw: {seen[p.name]} and {g} are both named {p.name!r}; profile names must be unique in "
+                              "a run (change `name` in the .toml, or `moesim fit --name`)")
+        seen[p.name] = g
+
+
 def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] = DEFAULT_MODELS,
            hws: tuple[str, ...] | list[str] = DEFAULT_HWS, policies: tuple[str, ...] | list[str] = DEFAULT_POLICIES,
            link_gbps: list[float] | None = None, cache_gib: tuple[float, ...] | list[float] = DEFAULT_CACHE_GIB,
@@ -62,7 +72,9 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
         for m in models:
             spec = get_model(m)
             traces[spec.name] = synthetic_trace(spec, params)
-    sweep = Sweep(traces, [get_profile(h) for h in hws], list(policies), list(link_gbps) if link_gbps else [None],
+    profiles = [get_profile(h) for h in hws]
+    check_unique_names(hws, profiles)
+    sweep = Sweep(traces, profiles, list(policies), list(link_gbps) if link_gbps else [None],
                   list(cache_gib), eviction, engine)
     rows = run_sweep(sweep, jobs, progress)
     for r in rows:

@@ -33,7 +33,8 @@ def replay(
     cache_gib: Annotated[float, typer.Option(help="Cross-token expert cache on the device, GiB (0 = none).")] = 0.0,
     cache_experts: Annotated[int, typer.Option(help="The same cache sized in experts instead.")] = 0,
     eviction: Annotated[str, typer.Option(help="Cache eviction: lru or lfu.")] = "lru",
-    link_gbps: Annotated[float | None, typer.Option(help="Override the profile's pinned host-to-device GB/s.")] = None,
+    link_gbps: Annotated[float | None, typer.Option(help="Host-to-device GB/s (default: the link the trace "
+                                                                      "recorded, on its own profile; else the profile's).")] = None,
     engine: Annotated[str, typer.Option(help="simpy (the reference) or fast (the recurrence).")] = "simpy",
     timing: Annotated[str, typer.Option(help="Compute times: auto (measured if the trace has them for this hw), "
                                               "profile (roofline) or measured.")] = "auto",
@@ -92,7 +93,7 @@ def replay(
     else:
         src = "synthetic trace" if trace.synthetic else "trace"
         out.print(results_table(rows, f"{trace.model.name} on {rep.profile.name} ({rep.profile_source}), link "
-                                      f"{rows[0]['link_gbps']:g} GB/s, {trace.n_tokens} steps ({src}; compute: "
+                                      f"{rows[0]['link_gbps']:g} GB/s ({rep.link_source}), {trace.n_tokens} steps ({src}; compute: "
                                       f"{rows[0]['timing']}; engine: {engine})", SUMMARY_COLS))
         for r in rows:
             out.print(f"[bold]{r['policy']}[/bold]: {why(r)}")
