@@ -22,6 +22,7 @@ from moesim.executor.interrupt import stop_on_interrupt, stop_requested
 from moesim.executor.loading import checkpoint_dir, load_model, predictor_files, prompt_ids
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, get_profile
 from moesim.models import cache_capacity
+from moesim.outputs import check_output_file
 from moesim.policy import get_policy
 from moesim.traces.format import Trace, write_trace
 
@@ -82,6 +83,7 @@ def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], 
 
     if req.tokens < 1 or req.batch < 1 or req.threads < 1:
         raise MoesimError("--tokens, --batch and --threads must be >= 1")
+    check_output_file(out)
     torch.set_num_threads(req.threads)
     dev = check_device(req.device)
     hw_profile = link_profile(req.hw, req.link_gbps)
@@ -142,6 +144,7 @@ def record_speculative(req: SpeculateRequest, out: Path) -> tuple[Recorded, Spec
     from moesim.executor.runtime import OffloadedDecoder, make_transport
     from moesim.executor.speculative import SpecSettings, build_sd_trace, load_expert_predictor, speculative_generate
 
+    check_output_file(out)
     pol = get_policy(req.policy)
     if pol.speculative or pol.oracle:
         raise MoesimError("speculative decoding verifies exactly: use all-resident, on-demand or prefetch-fom")

@@ -40,7 +40,7 @@ def _probe_writable(folder: Path, what: str, target: Path) -> None:
         why = {errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
                errno.EPERM: "not permitted (read-only or immutable folder)",
                errno.ENOSPC: "no space left"}.get(e.errno, e.strerror or str(e))
-        raise MoesimError(f"{what} {target}: cannot write in {folder} ({why})") from None
+        raise MoesimError(f"{what} {target}: cannot write in {folder}: {why}") from None
 
 
 def _check_ancestors(path: Path, what: str) -> Path:

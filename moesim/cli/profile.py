@@ -74,6 +74,9 @@ def profile(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from moesim.executor.runs import DecodeRequest, record_decode
+    from moesim.outputs import check_output_file
+
+    check_output_file(out_path or Path("profile.npz"))  # before the progress bar: an error is then one line
 
     req = DecodeRequest(model, policy, predictor, device, hw_name, link_gbps, tokens, batch, prompt, prompt_len,
                         cache_gib, cache_experts, eviction, layers, dtype, temperature, seed, fidelity_tokens, threads)

@@ -68,6 +68,10 @@ def replay(
     from moesim.sim.replay import replay as run_replay
     from moesim.traces.format import read_trace
 
+    if out_dir is not None:
+        from moesim.outputs import check_output_dir
+
+        check_output_dir(out_dir)
     trace = read_trace(trace_path)
     if trace.speculative:
         from moesim.sim.speculative import speculative_whatif

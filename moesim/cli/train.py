@@ -43,9 +43,11 @@ def train(
     from moesim.executor.loading import refuse_shipped
     from moesim.executor.train import stdlib_spec
     from moesim.executor.train import train as run_train
+    from moesim.outputs import check_output_dir
 
     out_dir = out_dir or Path(f"{name}-trained")
     refuse_shipped(out_dir, force)
+    check_output_dir(out_dir)
     if min(steps, batch, seq, threads) < 1 or lr <= 0 or aux_coef < 0:
         raise MoesimError("steps, batch, seq and threads must be >= 1, lr > 0, aux-coef >= 0")
     if hidden % heads or heads < 2:

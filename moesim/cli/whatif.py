@@ -48,6 +48,11 @@ def whatif(
     from moesim.sim.sweep import whatif as run_whatif
     from moesim.sim.whatif import GOALS
 
+    if out_dir is not None:
+        from moesim.outputs import check_output_dir
+
+        check_output_dir(out_dir)
+
     with Progress(TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TextColumn("groups"),
                   TimeElapsedColumn(), console=err, transient=True, disable=as_json) as bar:
         task = bar.add_task("sweep", total=None)
