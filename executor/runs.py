@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moesim import budget
 from moesim.errors import MoesimError
-from moesim.executor.defaults import DECODE_THREADS
+from moesim.executor.defaults import DECODE_THREADS, DRAFT_MODEL, SHIPPED_MODEL
 from moesim.executor.interrupt import stop_on_interrupt, stop_requested
 from moesim.executor.loading import checkpoint_dir, load_model, predictor_files, prompt_ids
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, get_profile
@@ -69,6 +70,27 @@ class Recorded:
     extra: dict = field(default_factory=dict)
 
 
+def check_decode_budget(req: DecodeRequest, hw: HardwareProfile, offload: bool) -> None:
+    """Refuse, before loading anything, a decode that cannot fit in memory or would take
+    more than a day; announce one that takes long (moesim.budget)."""
+    from moesim.executor.loading import shipped_model
+    from moesim.models import get_model
+
+    if req.layers is not None and req.layers < 1:
+        raise MoesimError(f"--layers {req.layers}: keep at least one layer (leave it out for all)")
+    if req.prompt_len < 1 and req.prompt is None:
+        raise MoesimError("--prompt-len must be >= 1")
+    if req.cache_gib < 0 or req.cache_experts < 0 or req.cache_gib != req.cache_gib:
+        raise MoesimError("cache size must be >= 0")
+    src = shipped_model(req.model) if req.model in (SHIPPED_MODEL, DRAFT_MODEL) else req.model
+    spec = get_model(str(src))
+    if req.layers is not None:
+        spec = spec.with_layers(req.layers)
+    capacity = cache_capacity(spec, min(req.cache_gib, 2.0**40), req.cache_experts)
+    budget.check(budget.decode_estimate(spec, req.tokens, req.batch, 4 if req.dtype == "fp32" else 2,
+                                        hw["h2d_pinned_gbs"], capacity, offload))
+
+
 def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], None] | None = None) -> Recorded:
     """Decode with the reference executor under ``req.policy`` and write its trace to ``out``."""
     from moesim.executor.profile import (
@@ -88,9 +110,11 @@ def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], 
     dev = check_device(req.device)
     hw_profile = link_profile(req.hw, req.link_gbps)
     pol = get_policy(req.policy)
+    check_decode_budget(req, hw_profile, pol.offload)
     loaded = load_model(req.model, req.layers, req.dtype, req.device, req.seed)
     m = loaded.model
-    capacity = cache_capacity(m.spec, req.cache_gib, req.cache_experts) if pol.offload else 0
+    capacity = min(cache_capacity(m.spec, req.cache_gib, req.cache_experts), m.spec.n_moe_layers * m.spec.n_experts) \
+        if pol.offload else 0  # a cache larger than every expert holds every expert
     st = ProfileSettings(pol.name, req.predictor, capacity, req.eviction, req.tokens, req.temperature, req.seed)
     dv, est = predictor_files(loaded, req.model, pol.name, req.predictor, req.seed, dev)
     ids = prompt_ids(m, req.prompt if req.prompt is not None else DEFAULT_PROMPT, req.prompt_len, req.batch, req.seed)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moesim import budget
 from moesim.errors import MoesimError
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, get_profile
 from moesim.models import ModelSpec, get_model
@@ -89,5 +90,7 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
     profile, source = trace_profile(trace, hw)
     if not 0 <= step < trace.n_tokens:
         raise MoesimError(f"--step {step} outside the trace's {trace.n_tokens} steps")
+    budget.check(budget.replay_estimate(trace.model, trace.n_tokens, trace.batch, len(policies),
+                                        kw.get("engine", "simpy")))
     profile, link_source = replay_link(trace, profile, source, kw.pop("link_gbps", None))
     return Replay(trace, profile, source, [simulate(trace, profile, p, **kw) for p in policies], link_source)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moesim import budget
 from moesim.errors import MoesimError
 from moesim.hardware import get_profile
 from moesim.models import get_model
@@ -69,13 +70,19 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
     else:
         params = SyntheticParams(tokens=tokens, batch=batch, prompt_len=prompt_len)
         traces = {}
-        for m in models:
-            spec = get_model(m)
+        specs = [get_model(m) for m in models]
+        for spec in specs:  # all sizes checked before any trace is made
+            budget.check(budget.synth_estimate(spec, tokens, batch), warn=None)
+        for spec in specs:
             traces[spec.name] = synthetic_trace(spec, params)
     profiles = [get_profile(h) for h in hws]
     check_unique_names(hws, profiles)
     sweep = Sweep(traces, profiles, list(policies), list(link_gbps) if link_gbps else [None],
                   list(cache_gib), eviction, engine)
+    runs = sweep.size // max(1, len(sweep.traces))
+    for t in traces.values():
+        budget.check(budget.replay_estimate(t.model, t.n_tokens, t.batch, runs, engine,
+                                            f"{runs} simulations of {t.n_tokens} steps of {t.model.name}"))
     rows = run_sweep(sweep, jobs, progress)
     for r in rows:
         r["bound"] = bound(r)

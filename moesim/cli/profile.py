@@ -81,7 +81,7 @@ def profile(
     req = DecodeRequest(model, policy, predictor, device, hw_name, link_gbps, tokens, batch, prompt, prompt_len,
                         cache_gib, cache_experts, eviction, layers, dtype, temperature, seed, fidelity_tokens, threads)
     with Progress(TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err,
-                  transient=True) as bar:
+                  transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("decode", total=tokens)
         rec = record_decode(req, out_path or Path("profile.npz"), lambda i, n: bar.update(task, completed=i))
     t = rec.trace.timings["tpot_s"]

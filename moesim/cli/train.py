@@ -54,7 +54,7 @@ def train(
         raise MoesimError("--hidden must be a multiple of --heads (>= 2)")
     spec = stdlib_spec(name, layers, experts, top_k, hidden, inter, heads)
     with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[loss]}"),
-                  TimeRemainingColumn(), console=err) as bar:
+                  TimeRemainingColumn(), console=err, disable=not err.is_terminal) as bar:
         task = bar.add_task("train", total=steps, loss="")
         record = run_train(out_dir, steps, batch, seq, lr, aux_coef, seed, threads,
                            lambda i, n, loss: bar.update(task, completed=i, loss=f"loss {loss:.3f}"), spec)

@@ -42,7 +42,14 @@ def whatif(
     Example: `moesim whatif --model olmoe-1b-7b --hw a6000,gh200 --policy on-demand,prefetch,oracle
     --link-gbps 16,32 --cache-gib 0,1 --tokens 32 --jobs 1`
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from moesim.sim.analysis import why
     from moesim.sim.sweep import whatif as run_whatif
@@ -54,7 +61,8 @@ def whatif(
         check_output_dir(out_dir)
 
     with Progress(TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TextColumn("groups"),
-                  TimeElapsedColumn(), console=err, transient=True, disable=as_json) as bar:
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True,
+                  disable=as_json or not err.is_terminal) as bar:
         task = bar.add_task("sweep", total=None)
         res = run_whatif(trace_path, split(model, "--model"), split(hw_names, "--hw"), split(policy, "--policy"),
                          floats(link_gbps, "--link-gbps") if link_gbps else None, floats(cache_gib, "--cache-gib"),
