@@ -78,6 +78,10 @@ def check_decode_budget(req: DecodeRequest, hw: HardwareProfile, offload: bool) 
 
     if req.layers is not None and req.layers < 1:
         raise MoesimError(f"--layers {req.layers}: keep at least one layer (leave it out for all)")
+    if not 0 <= req.temperature < float("inf"):
+        raise MoesimError(f"--temperature {req.temperature:g}: 0 (greedy) or a positive number")
+    if req.fidelity_tokens < 0:
+        raise MoesimError("--fidelity-tokens must be >= 0")
     if req.prompt_len < 1 and req.prompt is None:
         raise MoesimError("--prompt-len must be >= 1")
     if req.cache_gib < 0 or req.cache_experts < 0 or req.cache_gib != req.cache_gib:

@@ -59,6 +59,8 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
            engine: str = "fast", jobs: int | None = None,
            progress: Callable[[int, int], None] | None = None) -> WhatIf:
     """Sweep models x hardware x policies x link bandwidth (None: each profile's own) x cache size."""
+    if jobs is not None and jobs < 0:
+        raise MoesimError(f"--jobs {jobs}: a number of worker processes (0 = all cores)")
     if goal not in GOALS:
         raise MoesimError(f"unknown goal {goal!r}; known: {', '.join(GOALS)}")
     if trace is not None:

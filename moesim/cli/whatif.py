@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, err, floats, out, print_json, results_table, split
+from moesim.errors import MoesimError
 
 WHATIF_COLS = (("model", "model"), ("hw", "hw"), ("policy", "policy"), ("link_gbps", "link GB/s"),
                ("cache_gib", "cache GiB"), ("fits", "fits"), ("tpot_ms", "TPOT ms"), ("tokens_per_s", "tok/s"),
@@ -55,6 +56,8 @@ def whatif(
     from moesim.sim.sweep import whatif as run_whatif
     from moesim.sim.whatif import GOALS
 
+    if top < 1:
+        raise MoesimError(f"--top {top}: print at least one row")
     if out_dir is not None:
         from moesim.outputs import check_output_dir
 
