@@ -7,7 +7,9 @@ what a command does with the same call (docs/cli.md names it next to each comman
 
 from __future__ import annotations
 
+import csv
 import json
+import os
 import sys
 from typing import Annotated, Any
 
@@ -40,7 +42,8 @@ every policy and writes a report to ./moesim-whatif/.
 """
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown", help=HELP)
-out = Console(width=None if sys.stdout.isatty() else 200)  # pipes and files get whole tables
+# Pipes and files get whole tables (200 columns) unless COLUMNS says otherwise; a terminal its width.
+out = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200)
 err = Console(stderr=True)
 
 
@@ -75,14 +78,45 @@ def print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 
 
-def table(title: str, columns: tuple[str, ...] | list[str], rows: list[list[str]],
-          justify: str | list[str] = "left") -> Table:
-    """A rich table; ``justify`` for all columns or one per column."""
-    t = Table(title=title)
-    for i, c in enumerate(columns):
-        t.add_column(c, justify=justify if isinstance(justify, str) else justify[i])
+def print_csv(rows: list[dict[str, Any]]) -> None:
+    """Rows as CSV on stdout, every field (the union of the rows' keys, in first-seen order)."""
+    fields: dict[str, None] = {}
     for r in rows:
-        t.add_row(*r)
+        fields.update(dict.fromkeys(r))
+    w = csv.DictWriter(sys.stdout, list(fields), lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: json.dumps(v) if isinstance(v, dict | list) else v for k, v in r.items()})
+
+
+def _fit_columns(columns: list[str], rows: list[list[str]], width: int) -> list[int]:
+    """Indices of the columns to show so the table fits ``width``: all if they fit, else the
+    first ones in order (a table's columns are listed most important first)."""
+    need = [max([len(c)] + [len(r[i]) for r in rows]) + 3 for i, c in enumerate(columns)]  # padding and rule
+    keep, used = [], 4
+    for i, n in enumerate(need):
+        if used + n <= width or not keep:
+            keep.append(i)
+            used += n
+    return keep
+
+
+def table(title: str, columns: tuple[str, ...] | list[str], rows: list[list[str]],
+          justify: str | list[str] = "left", width: int | None = None) -> Table:
+    """A rich table; ``justify`` for all columns or one per column. Columns that do not fit
+    the console (``width``, default the stdout console's) are left out, most important
+    kept (the leftmost), and the caption names them: ``--json`` / ``--csv`` have all."""
+    columns = list(columns)
+    width = width or out.width
+    keep = _fit_columns(columns, rows, width)
+    t = Table(title=title)
+    for i in keep:
+        t.add_column(columns[i], justify=justify if isinstance(justify, str) else justify[i])
+    for r in rows:
+        t.add_row(*[r[i] for i in keep])
+    dropped = [columns[i] for i in range(len(columns)) if i not in keep]
+    if dropped:
+        t.caption = f"not shown at {width} columns: {', '.join(dropped)} (all in --json / --csv, or a wider terminal)"
     return t
 
 

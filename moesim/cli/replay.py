@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, err, floats, out, print_json, results_table, split
+from moesim.cli.app import app, err, floats, out, print_csv, print_json, results_table, split
 from moesim.errors import MoesimError
 from moesim.hardware import DEFAULT_PROFILE
 
@@ -52,6 +52,7 @@ def replay(
     acceptance: Annotated[float | None, typer.Option(help=SD + "expected acceptance = this x a node's draft "
                                                           "probability, instead of the recorded path.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")] = False,
+    as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV (every field) instead of a table.")] = False,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Write a report here: HTML, PNGs, CSV, Chrome trace.")] = None,
 ) -> None:
     """Replay a trace under one or more policies on a hardware profile.
@@ -92,8 +93,8 @@ def replay(
                      cache_gib=cache_gib, cache_experts=cache_experts, eviction=eviction, engine=engine, timing=timing,
                      link_gbps=link_gbps)
     rows = rep.rows
-    if as_json:
-        print_json(rows)
+    if as_json or as_csv:
+        print_json(rows) if as_json else print_csv(rows)
     else:
         src = "synthetic trace" if trace.synthetic else "trace"
         out.print(results_table(rows, f"{trace.model.name} on {rep.profile.name} ({rep.profile_source}), link "

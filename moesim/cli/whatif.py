@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, err, floats, out, print_json, results_table, split
+from moesim.cli.app import app, err, floats, out, print_csv, print_json, results_table, split
 from moesim.errors import MoesimError
 
 WHATIF_COLS = (("model", "model"), ("hw", "hw"), ("policy", "policy"), ("link_gbps", "link GB/s"),
@@ -33,6 +33,7 @@ def whatif(
     jobs: Annotated[int, typer.Option(help="Worker processes (0 = all cores).")] = 0,
     top: Annotated[int, typer.Option(help="Rows to print (all go to the CSV).")] = 15,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")] = False,
+    as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV (every field) instead of a table.")] = False,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Report folder: HTML, PNG heatmaps and breakdown, CSV.")] = Path("moesim-whatif"),
 ) -> None:
     """Sweep models x hardware x policies x link bandwidth x cache size; find the best.
@@ -65,15 +66,15 @@ def whatif(
 
     with Progress(TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TextColumn("groups"),
                   TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True,
-                  disable=as_json or not err.is_terminal) as bar:
+                  disable=as_json or as_csv or not err.is_terminal) as bar:
         task = bar.add_task("sweep", total=None)
         res = run_whatif(trace_path, split(model, "--model"), split(hw_names, "--hw"), split(policy, "--policy"),
                          floats(link_gbps, "--link-gbps") if link_gbps else None, floats(cache_gib, "--cache-gib"),
                          eviction, tokens, prompt_len, batch, goal, engine, jobs or None,
                          lambda done, total: bar.update(task, completed=done, total=total))
     rows, winner = res.rows, res.winner
-    if as_json:
-        print_json({"goal": goal, "best": winner, "rows": rows})
+    if as_json or as_csv:
+        print_json({"goal": goal, "best": winner, "rows": rows}) if as_json else print_csv(rows)
     else:
         out.print(results_table(res.ranked()[:top], f"what-if: {res.sweep.size} configurations, best "
                                 f"{min(top, len(rows))} by {goal}{' (synthetic traces)' if res.synthetic else ''}",
