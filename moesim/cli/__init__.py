@@ -8,6 +8,8 @@ from __future__ import annotations
 import signal
 import sys
 
+import typer
+
 from moesim.cli import (  # noqa: F401  (each module registers its command on the app)
     calibrate,
     fit,
@@ -63,7 +65,7 @@ def main() -> None:
         ctx = getattr(e, "ctx", None)
         hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
         _fail(f"{e.format_message()}{hint}", e.exit_code if e.exit_code else 2)
-    except click.Abort:
+    except typer.Abort:
         _interrupted()
     except ModuleNotFoundError as e:
         line = missing_dependency(e)

@@ -269,7 +269,7 @@ def cases() -> list[Case]:
         add(Case("bad numbers", ["profile", "--model", "tiny", "--tokens", "2", "--out", "p.npz", opt, v]))
     for args in (["train", "--steps", "0", "--out", "tr"], ["train", "--lr", "0", "--steps", "1", "--out", "tr"],
                  ["train", "--hidden", "63", "--steps", "1", "--out", "tr"], ["validate", "--tokens", "2"],
-                 ["validate", "--repeats", "0"], ["speculate", "--gamma", "0", "--tokens", "2"],
+                 ["validate", "--repeats", "0"], ["speculate", "--gamma", "-1", "--tokens", "2"],
                  ["speculate", "--lambda", "nan", "--tokens", "2", "--score", "lagrangian"],
                  ["replay", "t.npz", "--gamma", "2"]):
         add(Case("bad numbers", list(args)))
