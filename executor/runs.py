@@ -90,9 +90,12 @@ def check_decode_budget(req: DecodeRequest, hw: HardwareProfile, offload: bool) 
     spec = get_model(str(src))
     if req.layers is not None:
         spec = spec.with_layers(req.layers)
+    from moesim.executor.model import ExecConfig
+
+    ExecConfig(spec)  # a model the executor cannot run says so first
     capacity = cache_capacity(spec, min(req.cache_gib, 2.0**40), req.cache_experts)
     budget.check(budget.decode_estimate(spec, req.tokens, req.batch, 4 if req.dtype == "fp32" else 2,
-                                        hw["h2d_pinned_gbs"], capacity, offload))
+                                        hw["h2d_pinned_gbs"], capacity, offload, req.prompt_len))
 
 
 def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], None] | None = None) -> Recorded:

@@ -119,11 +119,16 @@ def replay_estimate(spec: ModelSpec, tokens: int, batch: int, runs: int = 1, eng
 
 
 def decode_estimate(spec: ModelSpec, tokens: int, batch: int, dtype_bytes: int, link_gbps: float,
-                    cache_experts: int, offload: bool) -> Estimate:
+                    cache_experts: int, offload: bool, prompt_len: int = 0) -> Estimate:
     """The reference executor decoding ``tokens`` steps (``moesim profile``): every weight in
-    host memory (at ``dtype_bytes`` a parameter), plus the device-side cache; per step, the
-    routed experts cross the link (when offloaded) and every weight is read once."""
+    host memory (at ``dtype_bytes`` a parameter), the device-side cache, the KV cache of
+    ``batch`` sequences and each step's logits and routing records; per step, the routed
+    experts cross the link (when offloaded) and every weight is read once."""
     scale = dtype_bytes / 2  # the catalogue's byte accounting is bf16
+    context = prompt_len + tokens
+    kv = spec.kv_bytes_per_token_layer * spec.n_layers * float(batch) * context * scale
+    per_seq = float(batch) * (spec.vocab * 4 * 2 + spec.hidden * 4 * 16  # logits, activations
+                              + tokens * spec.n_moe_layers * spec.top_k * 16)  # routing records
     weights = (spec.non_expert_bytes + spec.all_expert_bytes) * scale
     expert = spec.expert_bytes * scale
     cache = min(cache_experts, spec.n_moe_layers * spec.n_experts) * expert
@@ -131,7 +136,7 @@ def decode_estimate(spec: ModelSpec, tokens: int, batch: int, dtype_bytes: int, 
     per_step = moved / (link_gbps * 1e9) + (spec.non_expert_bytes * scale + moved) / (HOST_COPY_GBS * 1e9)
     return Estimate(f"decoding {tokens} steps of {spec.name} ({human_bytes(weights)} of weights"
                     + (f", link {link_gbps:g} GB/s" if offload else "") + ")",
-                    weights + cache, tokens * per_step)
+                    weights + cache + kv + per_seq, tokens * per_step)
 
 
 def _stderr(line: str) -> None:

@@ -380,7 +380,7 @@ def cache_capacity(spec: ModelSpec, cache_gib: float = 0.0, cache_experts: int =
     """Cross-token cache capacity in experts, from GiB or an expert count (not both). Shared
     by the simulator and the executor, so a cache of N GiB holds the same experts in both."""
     if not (0 <= cache_gib < float("inf")) or cache_experts < 0:  # NaN fails too
-        raise MoesimError(f"cache size must be a finite number >= 0 (got {cache_gib:g} GiB, {cache_experts} experts)")
+        raise MoesimError(f"cache size must be >= 0 and finite (got {cache_gib:g} GiB, {cache_experts} experts)")
     if cache_gib and cache_experts:
         raise MoesimError("give the cache size in GiB or in experts, not both")
     if cache_gib:

@@ -150,7 +150,7 @@ def read_trace(path: str | Path) -> Trace:
     except OSError as e:
         raise MoesimError(f"cannot read trace {where}: {e.strerror or e}") from None
     if magic[:2] != b"PK":  # every .npz is a zip archive; anything else would reach numpy's pickle fallback
-        raise MoesimError(f"{where}: not a moesim trace (not an .npz archive"
+        raise MoesimError(f"{where}: not a readable moesim trace (not an .npz archive"
                           + ("; it is empty)" if not magic else ")"))
     try:
         with np.load(path, allow_pickle=False) as z:

@@ -121,6 +121,8 @@ def table(title: str, columns: tuple[str, ...] | list[str], rows: list[list[str]
 
 
 def results_table(rows: list[dict[str, Any]], title: str, cols: tuple[tuple[str, str], ...]) -> Table:
-    """Result rows, floats to 3 significant digits."""
+    """Result rows, floats to 3 significant digits without exponents (moesim.fmt.number)."""
+    from moesim.fmt import number
+
     return table(title, [label for _, label in cols],
-                 [[f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k]) for k, _ in cols] for r in rows], "right")
+                 [[number(r[k]) if isinstance(r[k], float) else str(r[k]) for k, _ in cols] for r in rows], "right")
