@@ -40,7 +40,7 @@ def fit(
         atomic_write_text(out_path, f"# {prof.description}\n" + prof.to_toml())
         err.print(f"wrote {out_path} (profile {prof.name!r})")
     for w in quality["warnings"]:
-        err.print(f"warning: {w}", highlight=False, markup=False)
+        err.print(f"warning: {w}", highlight=False, markup=False, soft_wrap=True)
     out.print(table(f"compute model fitted to {trace_path.name} ({quality['blocks']} blocks; base profile "
                     f"{base.name}, {source})",
                     ("achievable GB/s", "launch us", "layer overhead us", "R^2", "block MAE us", "block MAPE",
