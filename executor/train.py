@@ -65,6 +65,9 @@ def train(out: Path, steps: int = 3000, batch: int = 16, seq: int = 128, lr: flo
     from moesim.outputs import check_output_dir
 
     check_output_dir(out)  # before minutes of training, not after
+    from moesim import budget
+
+    budget.check(budget.train_estimate(spec, steps, batch, seq))
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
     data, desc = stdlib_corpus()

@@ -139,6 +139,23 @@ def decode_estimate(spec: ModelSpec, tokens: int, batch: int, dtype_bytes: int, 
                     weights + cache + kv + per_seq, tokens * per_step)
 
 
+CPU_TRAIN_FLOPS = 5e9  # achieved fp32 training FLOP/s of a CPU core or two, conservatively
+
+
+def train_estimate(spec: ModelSpec, steps: int, batch: int, seq: int) -> Estimate:
+    """CPU training (``moesim train``): fp32 parameters with gradients and two Adam moments
+    (16 bytes a parameter), activations kept for the backward pass (per token and layer:
+    about a dozen hidden-sized vectors, the routed experts' intermediates and the router
+    logits; the LM head's logits, three copies), and 6 FLOPs per active parameter per token."""
+    params = (spec.non_expert_bytes + spec.all_expert_bytes) / 2  # the byte accounting is bf16
+    active = spec.bytes_per_token() / 2
+    tokens = float(batch) * seq
+    per_token = 4 * (spec.n_layers * (12 * spec.hidden + 3 * spec.top_k * spec.expert_inter + spec.n_experts)
+                     + 3 * spec.vocab)
+    return Estimate(f"training {steps} steps of batch {batch} x {seq} tokens ({spec.name})",
+                    16 * params + 2 * tokens * per_token, steps * 6 * active * tokens / CPU_TRAIN_FLOPS)
+
+
 def _stderr(line: str) -> None:
     sys.stderr.write(line + "\n")
 
