@@ -327,7 +327,7 @@ def cases() -> list[Case]:
     for args, expect in ((["replay", "t.npz", "--hw", "a6\udce9000"], "error"),
                          (["synth", "--model", "ti\u00f1y", "--out", "e.npz"], "error"),
                          (["replay", "t.npz", "--policy", "\u00f6n-demand"], "error"),
-                         (["replay", "t.npz", "--policy", "on-demand\x00"], "error"),
+                         (["replay", "t.npz", "--policy", "on-demand\t"], "either"),
                          (["models", "\U0001f600"], "error"),
                          (["synth", "--model", "tiny", "--tokens", "4", "--out", "caf\u00e9 tr\u00e4ce.npz"], "ok"),
                          (["synth", "--model", "tiny", "--tokens", "4", "--out", "\U0001f600.npz"], "ok"),
@@ -448,6 +448,14 @@ def run_case(case: Case, fixtures: Path, notes: dict[str, str]) -> Outcome:
         return classify(case, proc.returncode, stdout, stderr, cwd, changed, secs)
 
 
+def safe_run(case: Case, fixtures: Path, notes: dict[str, str]) -> Outcome:
+    """:func:`run_case`, with a failure of the harness itself reported as a bad ending."""
+    try:
+        return run_case(case, fixtures, notes)
+    except Exception as e:  # noqa: BLE001
+        return Outcome(case, "wrong", f"harness could not run the case: {type(e).__name__}: {e}")
+
+
 def classify(case: Case, rc: int, stdout: str, stderr: str, cwd: Path, changed: list[str], secs: float) -> Outcome:
     lines = [ln for ln in stderr.splitlines() if ln.strip()]
     first = lines[0][:160] if lines else ""
@@ -489,7 +497,7 @@ def run_all(selected: list[Case], jobs: int = 2, verbose: bool = False) -> list[
             notes = build_fixtures(fixtures, measured=any("od.npz" in k.args for k in selected))
             with ThreadPoolExecutor(jobs) as pool:
                 outcomes = []
-                for o in pool.map(lambda k: run_case(k, fixtures, notes), selected):
+                for o in pool.map(lambda k: safe_run(k, fixtures, notes), selected):
                     outcomes.append(o)
                     if verbose or o.ending in BAD:
                         print(f"{o.case.name} {o.ending:11s} {o.seconds:5.1f}s  moesim {' '.join(o.case.args)}\n"
