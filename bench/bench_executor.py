@@ -24,6 +24,7 @@ from moesim.executor.profile import ProfileSettings, build_trace, generate
 from moesim.hardware import get_profile
 from moesim.models import Attention, ModelSpec
 from moesim.sim.simulate import simulate
+from moesim.sim.workload import Link
 
 SPEC = ModelSpec("bench-moe (synthetic)", n_layers=8, n_experts=16, top_k=4, hidden=1024, expert_inter=512,
                  vocab=1024, attention=Attention("gqa", 8, 4, 128, qk_norm=True))
@@ -50,7 +51,7 @@ def main() -> None:
         steps = slice(1, None)  # the first step still warms caches
         measured = tm["tpot_s"][steps].mean()
         compute = (tm["attn_s"].sum(1) + tm["expert_s"].sum(1) + tm["other_s"])[steps].mean()
-        copy = len(tm["copy_bytes"]) / trace.n_tokens * (hw.transfer_latency + model.spec.expert_bytes / hw.link_bw)
+        copy = Link.from_profile(hw, model.spec).copy_time(len(tm["copy_bytes"]) / trace.n_tokens)
         sim = simulate(trace, hw, policy, engine="fast", timing="measured")
         pipeline = sim.tpot[steps].mean()
         ideal = compute + copy if policy == "on-demand" else pipeline

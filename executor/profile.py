@@ -29,6 +29,7 @@ from moesim.executor.runtime import OffloadedDecoder, StepRecord, make_transport
 from moesim.hardware import HardwareProfile
 from moesim.traces.format import COPY_KINDS, Trace
 from moesim.traces.header import make_header
+from moesim.traces.metrics import routing_metrics
 from moesim.traces.records import copy_arrays
 
 DEFAULT_VECTORS = "default_vectors.safetensors"
@@ -176,19 +177,6 @@ def fidelity(model: MoEModel, st: ProfileSettings, hw: HardwareProfile, dv, eval
     b = torch.stack([r.logits for r in spec[:n]]).reshape(-1, model.spec.vocab)
     return {"tokens": int(a.shape[0]), "next_token_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
             "mean_kl": float(log_softmax_kl(a, b).mean())}
-
-
-def routing_metrics(true_ids: np.ndarray, pred_ids: np.ndarray) -> dict:
-    """Per MoE layer: recall@k of the prediction and rank alignment (is the true expert
-    with the largest gate predicted). ``[T, M, B, k]`` arrays; NaN where nothing was predicted."""
-    has = (pred_ids >= 0).any(-1)
-    hit = (pred_ids[..., :, None] == true_ids[..., None, :]).any(-2)  # [T, M, B, k] per true expert
-    recall, align = [], []
-    for m in range(true_ids.shape[1]):
-        sel = has[:, m]
-        recall.append(float(hit[:, m][sel].mean()) if sel.any() else float("nan"))
-        align.append(float(hit[:, m, :, 0][sel].mean()) if sel.any() else float("nan"))
-    return {"recall_at_k": recall, "rank_alignment": align}
 
 
 def build_trace(model: MoEModel, prompt: torch.Tensor, st: ProfileSettings, hw: HardwareProfile,

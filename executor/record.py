@@ -45,6 +45,8 @@ import torch
 
 from moesim import __version__
 from moesim.errors import MoesimError
+from moesim.executor.defaults import DRAFT_MODEL, SHIPPED_MODEL
+from moesim.executor.loading import shipped_model
 from moesim.models import ModelSpec, from_hf_config
 from moesim.traces.format import Trace
 from moesim.traces.header import make_header
@@ -234,9 +236,10 @@ def load_model(model_dir: Path, device: str):
 def record(model_dir: str | Path, prompts: Any, tokens: int = 64, device: str = "cpu", batch: int | None = None,
            temperature: float = 0.0, seed: int = 0, progress: Callable[[int, int], None] | None = None,
            prompt_source: str = "") -> Trace:
-    """Decode ``tokens`` steps from ``prompts`` with the checkpoint in ``model_dir`` and
-    return its routing as a trace (no timings). ``temperature`` 0 = greedy."""
-    model_dir = Path(model_dir)
+    """Decode ``tokens`` steps from ``prompts`` with the checkpoint in ``model_dir`` (or a
+    shipped checkpoint's name, e.g. ``moe-stdlib``) and return its routing as a trace (no
+    timings). ``temperature`` 0 = greedy."""
+    model_dir = shipped_model(str(model_dir)) if str(model_dir) in (SHIPPED_MODEL, DRAFT_MODEL) else Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise MoesimError(f"{model_dir}: not a Hugging Face checkpoint (no config.json)")
     if tokens < 1:
@@ -343,7 +346,7 @@ def _transformers_version() -> str:
 
 
 def _recall(true_ids: np.ndarray, pred_ids: np.ndarray) -> list[float]:
-    from moesim.sim.stats import recall_per_layer
+    from moesim.traces.metrics import recall_per_layer
 
     return [float(x) for x in recall_per_layer(true_ids, pred_ids)]
 

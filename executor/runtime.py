@@ -35,7 +35,7 @@ from torch import Tensor
 from moesim.errors import MoesimError
 from moesim.executor.model import MoEModel, TreeMask, mix_experts, quasi_hidden, route
 from moesim.executor.transport import CudaTransport, EmulatedLink, Transfer
-from moesim.policy import Planner, get_policy
+from moesim.policy import Planner, expert_slots, get_policy
 
 PREDICTORS = ("quasi", "stale", "oracle", "estimator", "hybrid")
 
@@ -127,8 +127,7 @@ class OffloadedDecoder:
         p = model.embed_tokens.weight
         self.device, self.dtype = p.device, p.dtype
         self.planner = Planner(self.policy, cache_experts if self.policy.offload else 0, eviction)
-        per_layer = s.n_experts  # prefill may touch a whole layer; decode uses up to 2 * batch * k
-        n_slots = (2 * per_layer + (cache_experts if self.policy.offload else 0)) if self.policy.offload else 0
+        n_slots = expert_slots(s, self.policy, cache_experts if self.policy.offload else 0)  # what the what-if counts
         self.pool = torch.empty((n_slots, s.expert_weights), device=self.device, dtype=self.dtype)
         self.free = list(range(n_slots))
         self.freed_after: dict[int, object] = {}  # CUDA: slot -> event after the last kernel that read it

@@ -30,6 +30,7 @@ from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, get_profile
 from moesim.models import Attention, ModelSpec
 from moesim.sim.simulate import simulate
 from moesim.sim.validate import error_stats, recorded_profile, validate_trace
+from moesim.sim.workload import Link
 from moesim.traces.format import Trace, write_trace
 
 POLICIES = ("on-demand", "prefetch-fom", "prefetch-spec", "oracle")
@@ -147,8 +148,8 @@ def _score(name: str, gbps: float, hw: HardwareProfile, runs: dict[str, Trace], 
     for policy, tr in runs.items():
         tm = tr.timings
         measured = {"measured_compute_ms": float((tm["attn_s"].sum(1) + tm["expert_s"].sum(1) + tm["other_s"])[1:].mean() * 1e3),
-                    "measured_copy_ms": float(len(tm["copy_bytes"]) / tr.n_tokens
-                                              * (hw.transfer_latency + model.spec.expert_bytes / hw.link_bw) * 1e3)}
+                    "measured_copy_ms": float(Link.from_profile(hw, model.spec).copy_time(len(tm["copy_bytes"])
+                                                                                          / tr.n_tokens) * 1e3)}
         same, _ = validate_trace(tr, machine_hw)
         rows.append({"model": name, "link_gbps": gbps, "policy": policy, "case": "same-policy", **measured,
                      **_short(same)})

@@ -3,12 +3,18 @@
 A profile is a TOML file (format: ``docs/hwprofile-format.md``). Every figure carries its
 value, whether it is a datasheet peak, a measurement or an estimate, and its source, so a
 prediction can always be traced back to where its numbers came from.
+
+Two kinds: a GPU profile (:class:`HardwareProfile`, ``hwprofiles/*.toml``) and a host
+profile (:class:`HostProfile`, ``hwprofiles/hosts/*.toml``): the CPU and host memory that
+hold offloaded experts and, under the CPU-compute policies (llama.cpp, KTransformers,
+Fiddler), multiply them. A GPU profile names its usual host (``host = "..."``).
 """
 
 from __future__ import annotations
 
 import math
 import tomllib
+import warnings
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
@@ -32,17 +38,40 @@ FIGURES: dict[str, tuple[str, bool, bool, str]] = {
     "fp8_tflops": ("TFLOP/s", False, False, "dense fp8 tensor rate, peak (absent: no fp8 units)"),
     "compute_efficiency": ("fraction", True, False, "achievable share of the peak FLOP rate"),
     "h2d_pinned_gbs": ("GB/s", True, False, "host-to-device copy bandwidth from pinned memory"),
-    "h2d_pageable_gbs": ("GB/s", True, False, "host-to-device copy bandwidth from pageable memory"),
     "transfer_latency_us": ("us", True, False, "fixed cost of one host-to-device transfer"),
-    "copy_engines": ("count", True, True, "DMA copy engines"),
     "kernel_launch_us": ("us", True, False, "fixed cost of one kernel launch"),
-    "host_mem_bw_gbs": ("GB/s", True, False, "host memory bandwidth"),
     "layer_overhead_us": ("us", False, False, "fixed framework cost per layer (calibration)"),
     "copy_interference": ("fraction", False, False, "compute slowdown while host-to-device copies run (0 = none)"),
     "copy_interference_gbs": ("GB/s", False, False, "link rate at which copy_interference was measured"),
     "wait_wakeup_us": ("us", False, False, "delay from a copy landing to a compute stream that waited on it resuming"),
 }
-TOP_KEYS = {"name", "description", "link", "figures"}
+TOP_KEYS = {"name", "description", "link", "host", "figures"}
+#: Figures older profiles carried that nothing modelled: loading one warns and drops it.
+#: Expert copies run on one stream, so one DMA engine serves them whatever the count;
+#: experts live in pinned memory, so the pageable rate never applies; host memory
+#: bandwidth belongs to the host profile (``mem_bw_achievable_gbs`` there), where the
+#: CPU-compute policies use it.
+RETIRED_FIGURES = {
+    "copy_engines": "expert copies use one stream, so one engine",
+    "h2d_pageable_gbs": "experts live in pinned memory",
+    "host_mem_bw_gbs": "host memory bandwidth is the host profile's mem_bw_achievable_gbs (--host)",
+}
+
+#: Host figures: name -> (unit, required, whether an integer, description).
+HOST_FIGURES: dict[str, tuple[str, bool, bool, str]] = {
+    "cores": ("count", True, True, "physical cores of the socket that computes experts"),
+    "mem_bw_peak_gbs": ("GB/s", True, False, "host memory bandwidth of one socket, theoretical peak"),
+    "mem_bw_achievable_gbs": ("GB/s", True, False, "host memory bandwidth a STREAM-like kernel reaches"),
+    "bf16_tflops": ("TFLOP/s", True, False, "dense bf16 rate of the vector units (AVX-512 BF16, or fp32 FMA), peak"),
+    "int8_tops": ("TOP/s", True, False, "int8 dot-product rate of the vector units (AVX-512 VNNI / AVX2), peak"),
+    "amx_bf16_tflops": ("TFLOP/s", False, False, "bf16 rate of the matrix units (Intel AMX), peak (absent: none)"),
+    "amx_int8_tops": ("TOP/s", False, False, "int8 rate of the matrix units (Intel AMX), peak (absent: none)"),
+    "compute_efficiency": ("fraction", True, False, "achievable share of the peak rates"),
+    "expert_dispatch_us": ("us", True, False, "fixed CPU cost to start one expert's matrix work"),
+    "activation_roundtrip_us": ("us", True, False, "GPU->CPU hidden state, CPU->GPU expert output: "
+                                                    "latency of the round trip per layer"),
+}
+HOST_TOP_KEYS = {"name", "description", "figures"}
 
 
 @dataclass(frozen=True)
@@ -61,6 +90,7 @@ class HardwareProfile:
     link: str
     figures: dict[str, Figure]
     path: str = ""
+    host: str = ""  # the host profile this GPU usually sits in (``hwprofiles/hosts``)
 
     def __getitem__(self, key: str) -> float:
         return self.figures[key].value
@@ -106,6 +136,7 @@ class HardwareProfile:
         alpha = self.get("copy_interference")
         at = self.get("copy_interference_gbs")
         return alpha * min(1.0, self["h2d_pinned_gbs"] / at) if alpha and at else alpha
+
     def with_figure(self, key: str, value: float, kind: str = "estimate", source: str = "what-if") -> HardwareProfile:
         """A copy with one figure replaced (what-if sweeps change link bandwidth this way)."""
         _check_value(self.name, key, value)
@@ -115,7 +146,7 @@ class HardwareProfile:
 
     def to_toml(self) -> str:
         lines = [f"name = {_q(self.name)}", f"description = {_q(self.description)}",
-                 f"link = {_q(self.link)}", "", "[figures]"]
+                 f"link = {_q(self.link)}", *([f"host = {_q(self.host)}"] if self.host else []), "", "[figures]"]
         for key, f in self.figures.items():
             v = int(f.value) if FIGURES[key][2] else f.value
             lines.append(f"{key} = {{ value = {v}, kind = {_q(f.kind)}, source = {_q(f.source)} }}")
@@ -136,6 +167,34 @@ def _check_value(where: str, key: str, value: Any) -> None:
         raise MoesimError(f"{where}: compute_efficiency is a fraction of peak; got {value} > 1")
 
 
+def _parse_figures(raw: Any, table: dict[str, tuple[str, bool, bool, str]], where: str,
+                   retired: dict[str, str] | None = None) -> dict[str, Figure]:
+    if not isinstance(raw, dict):
+        raise MoesimError(f"{where}: [figures] must be a table")
+    figures: dict[str, Figure] = {}
+    for key, entry in raw.items():
+        if retired and key in retired:
+            warnings.warn(f"{where}: figure {key!r} is no longer used ({retired[key]}); ignored",
+                          UserWarning, stacklevel=3)
+            continue
+        if key not in table:
+            raise MoesimError(f"{where}: unknown figure {key!r}; known: {', '.join(table)}")
+        if not isinstance(entry, dict) or set(entry) != {"value", "kind", "source"}:
+            raise MoesimError(f"{where}: figure {key!r} must be {{ value, kind, source }}")
+        if entry["kind"] not in FIGURE_KINDS:
+            raise MoesimError(f"{where}: figure {key!r} kind {entry['kind']!r} not in {', '.join(FIGURE_KINDS)}")
+        _check_value(where, key, entry["value"])
+        if table[key][2] and entry["value"] != int(entry["value"]):
+            raise MoesimError(f"{where}: figure {key!r} must be a whole number, got {entry['value']}")
+        figures[key] = Figure(float(entry["value"]), entry["kind"], str(entry["source"]))
+    missing = [k for k, (_, req, _, _) in table.items() if req and k not in figures]
+    if missing:
+        raise MoesimError(f"{where}: missing required figure(s) {', '.join(missing)}")
+    if figures["mem_bw_achievable_gbs"].value > figures["mem_bw_peak_gbs"].value:
+        raise MoesimError(f"{where}: achievable memory bandwidth exceeds the peak")
+    return figures
+
+
 def parse_profile(data: dict[str, Any], where: str) -> HardwareProfile:
     """Validate a parsed TOML document and build the profile (errors name the field)."""
     unknown = set(data) - TOP_KEYS
@@ -146,51 +205,41 @@ def parse_profile(data: dict[str, Any], where: str) -> HardwareProfile:
             raise MoesimError(f"{where}: missing required key {key!r}")
     if data["link"] not in LINK_KINDS:
         raise MoesimError(f"{where}: link {data['link']!r} is not one of {', '.join(LINK_KINDS)}")
-    raw = data["figures"]
-    if not isinstance(raw, dict):
-        raise MoesimError(f"{where}: [figures] must be a table")
-    figures: dict[str, Figure] = {}
-    for key, entry in raw.items():
-        if key not in FIGURES:
-            raise MoesimError(f"{where}: unknown figure {key!r}; known: {', '.join(FIGURES)}")
-        if not isinstance(entry, dict) or set(entry) != {"value", "kind", "source"}:
-            raise MoesimError(f"{where}: figure {key!r} must be {{ value, kind, source }}")
-        if entry["kind"] not in FIGURE_KINDS:
-            raise MoesimError(f"{where}: figure {key!r} kind {entry['kind']!r} not in {', '.join(FIGURE_KINDS)}")
-        _check_value(where, key, entry["value"])
-        figures[key] = Figure(float(entry["value"]), entry["kind"], str(entry["source"]))
-    missing = [k for k, (_, req, _, _) in FIGURES.items() if req and k not in figures]
-    if missing:
-        raise MoesimError(f"{where}: missing required figure(s) {', '.join(missing)}")
-    if figures["mem_bw_achievable_gbs"].value > figures["mem_bw_peak_gbs"].value:
-        raise MoesimError(f"{where}: achievable memory bandwidth exceeds the peak")
-    return HardwareProfile(str(data["name"]), str(data.get("description", "")), data["link"], figures, where)
+    host = data.get("host", "")
+    if not isinstance(host, str):
+        raise MoesimError(f"{where}: host must be the name of a host profile, got {host!r}")
+    figures = _parse_figures(data["figures"], FIGURES, where, RETIRED_FIGURES)
+    return HardwareProfile(str(data["name"]), str(data.get("description", "")), data["link"], figures, where, host)
+
+
+def _read_toml(path: Path, what: str) -> dict[str, Any]:
+    if path.is_dir():
+        raise MoesimError(f"{what} {path} is a directory, not a .toml file")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise MoesimError(f"cannot read {what} {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise MoesimError(f"{path}: not a {what} (not UTF-8 text; a TOML file is expected)") from None
+    if "\x00" in text:
+        raise MoesimError(f"{path}: not a {what} (binary data; a TOML file is expected)")
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise MoesimError(f"{path}: not valid TOML ({e})") from None
 
 
 def load_profile(path: str | Path) -> HardwareProfile:
     """Read a profile TOML; a directory, a binary or non-UTF-8 file or bad TOML is one line."""
     path = Path(path)
-    if path.is_dir():
-        raise MoesimError(f"hardware profile {path} is a directory, not a .toml file")
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except OSError as e:
-        raise MoesimError(f"cannot read hardware profile {path}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise MoesimError(f"{path}: not a hardware profile (not UTF-8 text; a TOML file is expected)") from None
-    if "\x00" in text:
-        raise MoesimError(f"{path}: not a hardware profile (binary data; a TOML file is expected)")
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise MoesimError(f"{path}: not valid TOML ({e})") from None
-    return parse_profile(data, str(path))
+    return parse_profile(_read_toml(path, "hardware profile"), str(path))
 
 
 def builtin_profiles() -> dict[str, Path]:
     """Name -> path of the profiles shipped in ``hwprofiles/``."""
     root = resources.files("moesim.hwprofiles")
-    return {p.name[:-5]: Path(str(p)) for p in sorted(root.iterdir(), key=lambda p: p.name) if p.name.endswith(".toml")}
+    return {p.name[:-5]: Path(str(p)) for p in sorted(root.iterdir(), key=lambda p: p.name)
+            if p.name.endswith(".toml") and p.is_file()}
 
 
 def get_profile(name_or_path: str) -> HardwareProfile:
@@ -204,3 +253,126 @@ def get_profile(name_or_path: str) -> HardwareProfile:
             raise MoesimError(f"hardware profile file {p} does not exist")
         return load_profile(p)
     raise MoesimError(f"unknown hardware profile {name_or_path!r}; built-in: {', '.join(builtin)} (or a .toml path)")
+
+
+# ---------------------------------------------------------------------------------------
+# Host profiles: the CPU that holds (and may compute) offloaded experts
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HostProfile:
+    """One CPU socket and its memory, as the CPU-compute policies use it.
+
+    Figures describe ONE socket: llama.cpp and KTransformers bind expert compute to one
+    NUMA node in the configurations their users report, and a second socket's memory is
+    reached over the inter-socket link at a fraction of the local bandwidth.
+    """
+
+    name: str
+    description: str
+    figures: dict[str, Figure]
+    path: str = ""
+
+    def __getitem__(self, key: str) -> float:
+        return self.figures[key].value
+
+    def get(self, key: str, default: float = 0.0) -> float:
+        f = self.figures.get(key)
+        return f.value if f is not None else default
+
+    @property
+    def has_amx(self) -> bool:
+        return "amx_bf16_tflops" in self.figures
+
+    @property
+    def mem_bw(self) -> float:
+        """Bytes/s the CPU streams expert weights from host memory."""
+        return self["mem_bw_achievable_gbs"] * 1e9
+
+    def flops(self, dtype: str = "bf16", amx: bool = True) -> float:
+        """Achievable multiply-add rate (x 2, per second) for weights of ``dtype``.
+
+        Integer formats (:data:`moesim.models.INTEGER_DTYPES`) run int8 dot-product
+        kernels; every other format is dequantised and multiplied in bf16. ``amx``
+        uses the matrix units where the part has them (KTransformers' AMX kernels);
+        ``amx=False`` is the vector-only rate (AVX-512 / AVX2 kernels).
+        """
+        from moesim.models import INTEGER_DTYPES  # models imports nothing from here; keep it that way
+
+        integer = dtype in INTEGER_DTYPES
+        if amx and self.has_amx:
+            peak = self["amx_int8_tops"] if integer else self["amx_bf16_tflops"]
+        else:
+            peak = self["int8_tops"] if integer else self["bf16_tflops"]
+        return peak * 1e12 * self["compute_efficiency"]
+
+    @property
+    def dispatch(self) -> float:
+        return self["expert_dispatch_us"] * 1e-6
+
+    @property
+    def roundtrip(self) -> float:
+        return self["activation_roundtrip_us"] * 1e-6
+
+    def with_figure(self, key: str, value: float, kind: str = "estimate", source: str = "what-if") -> HostProfile:
+        """A copy with one figure replaced (what-if sweeps over host bandwidth)."""
+        if key not in HOST_FIGURES:
+            raise MoesimError(f"unknown host figure {key!r}; known: {', '.join(HOST_FIGURES)}")
+        _check_value(self.name, key, value)
+        figs = dict(self.figures)
+        figs[key] = Figure(float(value), kind, source)
+        return replace(self, figures=figs)
+
+    def to_toml(self) -> str:
+        lines = [f"name = {_q(self.name)}", f"description = {_q(self.description)}", "", "[figures]"]
+        for key, f in self.figures.items():
+            v = int(f.value) if HOST_FIGURES[key][2] else f.value
+            lines.append(f"{key} = {{ value = {v}, kind = {_q(f.kind)}, source = {_q(f.source)} }}")
+        return "\n".join(lines) + "\n"
+
+
+def parse_host(data: dict[str, Any], where: str) -> HostProfile:
+    """Validate a parsed host TOML and build the profile (errors name the field)."""
+    unknown = set(data) - HOST_TOP_KEYS
+    if unknown:
+        hint = " (a GPU profile? --host takes a host profile)" if {"link"} & unknown else ""
+        raise MoesimError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; "
+                          f"allowed: {', '.join(sorted(HOST_TOP_KEYS))}{hint}")
+    for key in ("name", "figures"):
+        if key not in data:
+            raise MoesimError(f"{where}: missing required key {key!r}")
+    figures = _parse_figures(data["figures"], HOST_FIGURES, where)
+    if ("amx_bf16_tflops" in figures) != ("amx_int8_tops" in figures):
+        raise MoesimError(f"{where}: give both amx_bf16_tflops and amx_int8_tops, or neither")
+    return HostProfile(str(data["name"]), str(data.get("description", "")), figures, where)
+
+
+def load_host(path: str | Path) -> HostProfile:
+    """Read a host profile TOML; problems are one line naming the file and field."""
+    path = Path(path)
+    return parse_host(_read_toml(path, "host profile"), str(path))
+
+
+def builtin_hosts() -> dict[str, Path]:
+    """Name -> path of the host profiles shipped in ``hwprofiles/hosts/``."""
+    root = resources.files("moesim.hwprofiles").joinpath("hosts")
+    return {p.name[:-5]: Path(str(p)) for p in sorted(root.iterdir(), key=lambda p: p.name) if p.name.endswith(".toml")}
+
+
+def get_host(name_or_path: str | None = None, gpu: HardwareProfile | None = None) -> HostProfile:
+    """A built-in host by name, a user's TOML by path, or (no name) the GPU profile's own host."""
+    if not name_or_path:
+        if gpu is None or not gpu.host:
+            where = f"GPU profile {gpu.name!r} names no host" if gpu is not None else "no host given"
+            raise MoesimError(f"{where}; pick one with --host (built-in: {', '.join(builtin_hosts())})")
+        name_or_path = gpu.host
+    builtin = builtin_hosts()
+    if name_or_path.lower() in builtin:
+        return load_host(builtin[name_or_path.lower()])
+    p = Path(name_or_path)
+    if p.suffix == ".toml" or p.exists():
+        if not p.exists():
+            raise MoesimError(f"host profile file {p} does not exist")
+        return load_host(p)
+    raise MoesimError(f"unknown host profile {name_or_path!r}; built-in: {', '.join(builtin)} (or a .toml path)")

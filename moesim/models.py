@@ -27,7 +27,34 @@ DTYPES: dict[str, str] = {
     "fp32": "4 bytes a weight",
     "fp8-block128": "1 byte a weight plus one fp32 scale per 128x128 block (DeepSeek-V3)",
     "mxfp4": "4 bits a weight plus one 8-bit shared scale per 32 weights of a row (gpt-oss)",
+    "int8": "int8 weight-only, per output channel: 1 byte a weight plus one fp16 scale per row",
+    "int4-g32": "int4 weight-only, group-wise: 4 bits a weight plus an fp16 scale and fp16 zero per 32 weights of a row",
+    "int4-g128": "int4 weight-only, group-wise: 4 bits a weight plus an fp16 scale and fp16 zero per 128 weights of a row",
+    "q8_0": "llama.cpp/ggml Q8_0: blocks of 32 weights, 34 bytes (fp16 scale + 32 int8)",
+    "q4_k": "llama.cpp/ggml Q4_K: super-blocks of 256 weights, 144 bytes (fp16 d, dmin; 12 scale bytes; 128 nibble bytes)",
+    "q5_k": "llama.cpp/ggml Q5_K: super-blocks of 256 weights, 176 bytes (Q4_K plus 32 bytes of high bits)",
+    "q6_k": "llama.cpp/ggml Q6_K: super-blocks of 256 weights, 210 bytes (128 low-nibble, 64 high-bit, 16 scale bytes, fp16 d)",
 }
+
+#: ggml block layouts: format -> (weights a block, bytes a block). From ggml's
+#: ``ggml-common.h`` (https://github.com/ggml-org/llama.cpp, ``block_q8_0``, ``block_q4_K``,
+#: ``block_q5_K``, ``block_q6_K`` and their ``static_assert`` sizes). Blocks run along a
+#: row (the input dimension) and never straddle rows, so a row length that is not a
+#: multiple of the block is not representable (llama.cpp quantises such a tensor to a
+#: fallback format instead).
+GGML_BLOCKS: dict[str, tuple[int, int]] = {
+    "q8_0": (32, 2 + 32),
+    "q4_k": (256, 2 + 2 + 12 + 256 // 2),
+    "q5_k": (256, 2 + 2 + 12 + 256 // 8 + 256 // 2),
+    "q6_k": (256, 256 // 2 + 256 // 4 + 256 // 16 + 2),
+}
+#: Group size of the group-wise int4 formats (an fp16 scale and an fp16 zero per group).
+INT4_GROUPS: dict[str, int] = {"int4-g32": 32, "int4-g128": 128}
+#: Formats whose matrices a CPU kernel multiplies with integer dot products (llama.cpp
+#: quantises the activations to 8 bits for its k-quant and Q8_0 kernels; weight-only int
+#: formats run int8 kernels on CPUs with VNNI/AMX-INT8); every other format is
+#: dequantised to bf16 and multiplied at the bf16 rate.
+INTEGER_DTYPES = frozenset({"int8", *INT4_GROUPS, *GGML_BLOCKS})
 
 
 def matrix_bytes(rows: int, cols: int, dtype: str) -> int:
@@ -42,6 +69,18 @@ def matrix_bytes(rows: int, cols: int, dtype: str) -> int:
     if dtype == "mxfp4":
         # Two weights a byte; each run of 32 weights along a row shares one E8M0 scale byte.
         return math.ceil(n / 2) + rows * math.ceil(cols / 32)
+    if dtype == "int8":
+        return n + 2 * rows  # one fp16 scale per output channel (symmetric: no zero point)
+    if dtype in INT4_GROUPS:
+        # Each row packs two weights a byte; each group of a row has an fp16 scale and zero
+        # (a short last group still carries both).
+        return rows * math.ceil(cols / 2) + rows * math.ceil(cols / INT4_GROUPS[dtype]) * (2 + 2)
+    if dtype in GGML_BLOCKS:
+        per, size = GGML_BLOCKS[dtype]
+        if cols % per:
+            raise MoesimError(f"{dtype} stores rows in blocks of {per} weights; a row of {cols} is not a multiple "
+                              f"(llama.cpp falls back to another format for such a tensor)")
+        return rows * (cols // per) * size
     raise MoesimError(f"unknown weight dtype {dtype!r}; known: {', '.join(DTYPES)}")
 
 
@@ -113,6 +152,12 @@ class ModelSpec:
         for d in (self.expert_dtype, self.dense_dtype):
             if d not in DTYPES:
                 problems.append(f"unknown dtype {d!r}")
+        if not problems and self.expert_dtype in GGML_BLOCKS:
+            per = GGML_BLOCKS[self.expert_dtype][0]
+            bad = [f"{n} {v}" for n, v in (("hidden", self.hidden), ("expert_inter", self.expert_inter)) if v % per]
+            if bad:
+                problems.append(f"expert dtype {self.expert_dtype} needs input dimensions that are multiples of "
+                                f"{per} ({', '.join(bad)} is not; llama.cpp would fall back to another format)")
         if problems:
             raise MoesimError(f"model {self.name!r}: " + "; ".join(problems))
 
@@ -297,6 +342,15 @@ class ModelSpec:
             return cls(**d)
         except TypeError as e:
             raise MoesimError(f"model spec is malformed: {e}") from None
+
+    def with_expert_dtype(self, dtype: str) -> ModelSpec:
+        """The same model with its routed experts stored in ``dtype`` (what a quantised
+        checkpoint of it holds): every byte count follows, FLOP counts do not."""
+        if dtype not in DTYPES:
+            raise MoesimError(f"unknown expert dtype {dtype!r}; known: {', '.join(DTYPES)}")
+        if dtype == self.expert_dtype:
+            return self
+        return replace(self, name=f"{self.name}@{dtype}", expert_dtype=dtype)
 
     def with_layers(self, n_layers: int) -> ModelSpec:
         """The same model cut to its first ``n_layers`` layers (to fit a test machine)."""

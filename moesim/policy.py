@@ -41,6 +41,11 @@ class Policy:
     oracle: bool = False  # the prediction is the true next-layer set (an upper bound)
     offload: bool = True  # experts live in host memory (False: all resident on the device)
     exact: bool = True  # outputs equal the all-resident model's
+    # Where experts that are not on the device run: "" = copied to the device;
+    # "layers" = whole MoE layers on the CPU (llama.cpp --n-cpu-moe); "hot" = all but a
+    # static hot set on the CPU (KTransformers); "miss" = a cache miss runs on the CPU or
+    # is copied, whichever the cost model says ends first (Fiddler). See moesim.placement.
+    cpu: str = ""
     aliases: tuple[str, ...] = ()  # other names get_policy accepts
 
 
@@ -50,6 +55,7 @@ _ALIASES: dict[str, str] = {}
 POLICIES: Mapping[str, Policy] = MappingProxyType(_REGISTRY)
 ALIASES: Mapping[str, str] = MappingProxyType(_ALIASES)
 EVICTIONS = ("lru", "lfu")
+CPU_MODES = ("", "layers", "hot", "miss")
 
 
 def register(policy: Policy) -> Policy:
@@ -62,6 +68,11 @@ def register(policy: Policy) -> Policy:
             raise MoesimError(f"policy name {n!r} is already registered")
     if policy.speculative and not policy.prefetch:
         raise MoesimError(f"policy {policy.name!r}: speculative execution runs the prefetched set; needs prefetch")
+    if policy.cpu not in CPU_MODES:
+        raise MoesimError(f"policy {policy.name!r}: cpu mode {policy.cpu!r} not one of {', '.join(map(repr, CPU_MODES))}")
+    if policy.cpu and (policy.prefetch or not policy.offload):
+        raise MoesimError(f"policy {policy.name!r}: a CPU-compute policy offloads experts and does not prefetch "
+                          "(docs/policies.md says why)")
     if policy.exact and policy.speculative:
         raise MoesimError(f"policy {policy.name!r}: speculative execution changes outputs; cannot be exact")
     _REGISTRY[policy.name] = policy
@@ -79,6 +90,15 @@ register(Policy(name="prefetch-spec", prefetch=True, speculative=True, exact=Fal
 register(Policy(name="prefetch-fom", prefetch=True, aliases=("prefetch",),
                 summary="copy the predicted experts ahead; copy the mispredicted ones on demand "
                         "(fetch-on-miss: exact outputs)"))
+register(Policy(name="cpu-static", cpu="layers", aliases=("n-cpu-moe",),
+                summary="the experts of N MoE layers stay in host memory and run on the CPU, the rest are "
+                        "resident on the device (llama.cpp --n-cpu-moe N; N given or the fewest that fit)"))
+register(Policy(name="hot-experts", cpu="hot", aliases=("ktransformers",),
+                summary="the most frequently routed experts, up to a device memory budget, are resident; the "
+                        "rest run on the CPU (KTransformers; frequencies from a calibration trace)"))
+register(Policy(name="cpu-on-miss", cpu="miss", aliases=("fiddler",),
+                summary="a device expert cache; a miss runs on the CPU or is copied, whichever the cost model "
+                        "says finishes first given the link's queue (Fiddler)"))
 register(Policy(name="oracle", prefetch=True, oracle=True,
                 summary="prefetch the true next-layer experts (a perfect predictor: the upper bound of prefetching)"))
 
@@ -106,11 +126,18 @@ def expert_slots(spec: ModelSpec, policy: str | Policy, cache_experts: int = 0) 
     layer's experts (at most ``n_experts`` distinct ones, prefetched plus missed) and the
     next layer's prefetch (at most ``n_experts``). ``2 * min(E, batch * k)`` would
     undercount prefill and prefetch-on-miss. All-resident keeps every expert on the device
-    (counted with the model, not here), so it needs no slots and no cache.
+    (counted with the model, not here), so it needs no slots and no cache. The static
+    CPU-compute policies copy nothing (their resident experts are counted by
+    :func:`moesim.placement.device_bytes`); cpu-on-miss stages at most one layer's misses.
     """
     if cache_experts < 0:
         raise MoesimError(f"cache capacity must be >= 0 experts, got {cache_experts}")
-    if not get_policy(policy).offload:
+    pol = get_policy(policy)
+    if not pol.offload:
+        return 0
+    if pol.cpu == "miss":  # misses it copies land in the cache's own buffers, plus one layer to stage them
+        return spec.n_experts + cache_experts
+    if pol.cpu:  # static placements copy nothing: their resident experts are the placement's
         return 0
     return 2 * spec.n_experts + cache_experts
 
@@ -216,6 +243,9 @@ class Planner:
 
     def __init__(self, policy: Policy | str, cache_experts: int = 0, eviction: str = "lru") -> None:
         self.policy = get_policy(policy) if isinstance(policy, str) else policy
+        if self.policy.cpu:  # planning it as a copy policy would be a silently wrong answer
+            raise MoesimError(f"policy {self.policy.name!r} computes experts on the CPU: it is planned by "
+                              "moesim.placement.HybridPlanner (moesim.sim.simulate / the executor's host experts)")
         self.cache = ExpertCache(cache_experts, eviction) if cache_experts > 0 else None
         self._slots: dict[int, set[int]] = {}  # layer -> experts prefetched into its slot set
         self._protect: set[Key] = set()
@@ -347,3 +377,65 @@ class Planner:
             if progress is not None:
                 progress(s1, t)
         return counts
+
+# ---------------------------------------------------------------------------------------
+# CPU or copy: the one decision of cpu-on-miss, shared by the simulator and the executor
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertTimes:
+    """Seconds the two places to run an expert cost, as the roofline gives them.
+
+    A set of ``n`` experts serving ``a`` token-expert pairs takes, on the device,
+    ``max(n * (mem + launches), a * tok)`` (the roofline's ``Costs.expert_compute``) and on
+    the CPU ``max(n * mem, a * tok) + n * dispatch + roundtrip``: the weights are read
+    once per expert (memory-bound at small batch), the math grows with the tokens
+    (compute-bound at large batch or in prefill). The CPU pays the activation
+    ``roundtrip`` once per layer (hidden states down, expert outputs back up).
+    """
+
+    gpu_mem: float  # one expert's weights read from device memory
+    gpu_tok: float  # one token-expert pair's math on the device
+    gpu_fixed: float  # kernel launches of one expert
+    cpu_mem: float  # one expert's weights read from host memory
+    cpu_tok: float  # one token-expert pair's math on the CPU
+    cpu_fixed: float  # CPU dispatch of one expert
+    roundtrip: float  # activations device -> host -> device, once per layer with CPU work
+    copy: float  # one expert's host-to-device copy on the link
+
+    def gpu(self, n: int, assign: int) -> float:
+        """As ``moesim.sim.costs.Costs.expert_compute``: launches overlap the math."""
+        return max(n * (self.gpu_mem + self.gpu_fixed), assign * self.gpu_tok)
+
+    def cpu(self, n: int, assign: int) -> float:
+        return max(n * self.cpu_mem, assign * self.cpu_tok) + n * self.cpu_fixed + self.roundtrip if n else 0.0
+
+
+def cpu_or_copy(miss_assign: list[int], hit_assign: int, n_hits: int, *, now: float, link_free: float,
+                times: ExpertTimes) -> int:
+    """How many of a layer's missed experts to copy; the rest run on the CPU.
+
+    ``miss_assign`` holds each miss's token count, heaviest first: copied experts are
+    taken from the front (a heavily routed expert gains most from the device's FLOPs),
+    the CPU gets the light tail. Copying ``c`` of them lands at
+    ``max(link_free, now) + c * copy`` (the link's queue at this moment), after which the
+    device runs its hits and the copies; the CPU starts at ``now``. The answer minimises
+    when the later of the two ends; ties go to fewer copies (the link stays free for the
+    next layer). Greedy per layer: it does not weigh what a copy is worth to later tokens
+    through the cache.
+    """
+    n = len(miss_assign)
+    start = max(link_free, now)
+    prefix = [0]
+    for a in miss_assign:
+        prefix.append(prefix[-1] + a)
+    best_c, best_end = 0, float("inf")
+    for c in range(n + 1):
+        gpu_start = start + c * times.copy if c else now
+        gpu_end = gpu_start + times.gpu(n_hits + c, hit_assign + prefix[c])
+        cpu_end = now + times.cpu(n - c, prefix[n] - prefix[c])
+        end = max(gpu_end, cpu_end)
+        if end < best_end - 1e-15:
+            best_c, best_end = c, end
+    return best_c

@@ -23,6 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from moesim.atomic import atomic_write, atomic_write_text  # noqa: E402
 
 COLORS = {"compute": "#4C72B0", "stall": "#C44E52", "copy": "#DD8452", "bound": "#55A868"}
+CPU_COLOR = "#66A61E"
 
 
 def save_figure(fig: plt.Figure, path: Path) -> Path:
@@ -59,22 +60,29 @@ def timeline_png(spans: Sequence[Any], step: int, path: Path, title: str) -> Pat
         raise ValueError(f"no spans recorded for step {step}")
     t0 = min(s.start for s in mine)
     fig, ax = plt.subplots(figsize=(11, 2.6))
-    lanes = {"compute": 1, "copy": 0}
+    lanes = {"compute": 1, "copy": 0, "cpu": 2}  # cpu: experts the host computes (CPU-compute policies)
     for s in mine:
         kind = "copy" if s.lane == "copy" else ("compute" if s.name.startswith("attn") else "stall")
         color = {"copy": COLORS["copy"], "compute": "#8DA0CB", "stall": COLORS["compute"]}[kind]
         if s.name.startswith("prefetch"):
             color = "#E6AB02"
+        if s.lane == "cpu":
+            color = CPU_COLOR
         ax.broken_barh([((s.start - t0) * 1e3, (s.end - s.start) * 1e3)], (lanes[s.lane] - 0.4, 0.8),
                        facecolors=color, edgecolors="white", linewidth=0.3)
-    ax.set_yticks([0, 1], ["copy engine", "compute stream"])
+    if any(s.lane == "cpu" for s in mine):
+        ax.set_yticks([0, 1, 2], ["copy engine", "compute stream", "CPU experts"])
+    else:
+        ax.set_yticks([0, 1], ["copy engine", "compute stream"])
     ax.set_xlabel("ms since the step started")
     ax.set_title(title, fontsize=10)
     from matplotlib.patches import Patch
 
-    ax.legend(handles=[Patch(color="#8DA0CB", label="attention + router"), Patch(color=COLORS["compute"], label="experts"),
-                       Patch(color=COLORS["copy"], label="on-demand copy"), Patch(color="#E6AB02", label="prefetch copy")],
-              fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.3))
+    handles = [Patch(color="#8DA0CB", label="attention + router"), Patch(color=COLORS["compute"], label="experts"),
+               Patch(color=COLORS["copy"], label="on-demand copy"), Patch(color="#E6AB02", label="prefetch copy")]
+    if any(s.lane == "cpu" for s in mine):
+        handles.append(Patch(color=CPU_COLOR, label="experts on the CPU (with the activation round trip)"))
+    ax.legend(handles=handles, fontsize=7, ncol=len(handles), loc="upper center", bbox_to_anchor=(0.5, -0.3))
     return save_figure(fig, path)
 
 
@@ -131,12 +139,14 @@ def heatmap_png(rows: Sequence[dict[str, Any]], path: Path, title: str, value: s
 
 def chrome_trace(spans: Sequence[Any], path: Path, name: str = "moesim simulated") -> Path:
     """Spans as Chrome/Perfetto trace JSON (open in ui.perfetto.dev or chrome://tracing)."""
-    tid = {"compute": 1, "copy": 2}
+    tid = {"compute": 1, "copy": 2, "cpu": 3}
     events: list[dict[str, Any]] = [
         {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": name}},
         {"ph": "M", "pid": 1, "tid": 1, "name": "thread_name", "args": {"name": "compute stream"}},
         {"ph": "M", "pid": 1, "tid": 2, "name": "thread_name", "args": {"name": "copy engine (H2D)"}},
     ]
+    if any(s.lane == "cpu" for s in spans):
+        events.append({"ph": "M", "pid": 1, "tid": 3, "name": "thread_name", "args": {"name": "CPU experts"}})
     for s in spans:
         events.append({"ph": "X", "pid": 1, "tid": tid[s.lane], "name": s.name, "ts": s.start * 1e6,
                        "dur": (s.end - s.start) * 1e6, "args": {"step": s.step, "layer": s.layer}})

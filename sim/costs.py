@@ -8,7 +8,7 @@ per-layer overhead (zero unless calibrated).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -21,6 +21,9 @@ from moesim.models import ModelSpec
 KERNELS_ATTENTION = 10
 KERNELS_EXPERT = 3
 KERNELS_HEAD = 3  # final norm, LM head, sampling
+#: Kernels of one next-layer prediction (the quasi-hidden state's RMSNorm, the next
+#: layer's router GEMV, top-k): what a prefetching policy adds to each layer's router.
+KERNELS_PREDICT = 3
 
 
 @dataclass(frozen=True)
@@ -80,3 +83,39 @@ def measured_costs(timings: dict[str, np.ndarray], recorded_exec: np.ndarray) ->
         raise MoesimError(f"trace has no measured {', '.join(missing)}; use the profile's roofline instead")
     per_expert = timings["expert_s"] / np.maximum(recorded_exec, 1)
     return Costs(timings["attn_s"].astype(float), per_expert, timings["other_s"].astype(float), "measured (trace)")
+
+
+def prediction_seconds(spec: ModelSpec, hw: HardwareProfile, batch: int = 1) -> np.ndarray:
+    """Roofline time of predicting the next MoE layer's experts at the end of each model
+    layer's router, ``[n_layers]`` (0 where no MoE layer follows).
+
+    The predictor applies the next layer's post-attention RMSNorm and router to this
+    layer's hidden state (a quasi-hidden state): it reads ``hidden`` norm weights and the
+    ``n_experts x hidden`` router (bf16) and does ``2 x n_experts x hidden`` FLOPs a token.
+    """
+    out = np.zeros(spec.n_layers)
+    one = _roofline(2 * spec.hidden + spec.router_bytes, batch * 2 * spec.n_experts * spec.hidden, hw,
+                    KERNELS_PREDICT, "bf16")
+    for nxt in spec.moe_layers[1:]:
+        out[nxt - 1] = one  # issued where the workload issues that layer's prefetch
+    return out
+
+
+def charge_prediction(costs: Costs, spec: ModelSpec, hw: HardwareProfile, predicts: bool, batch: int = 1,
+                      measured: np.ndarray | None = None) -> Costs:
+    """Costs with the predictor's time charged to the policies that run one.
+
+    Roofline costs leave prediction out, so a predicting policy gets
+    :func:`prediction_seconds` added to each layer's attention block. Measured costs
+    already contain it in ``attn_s`` (the recording run's ``predict_s`` is part of it), so
+    a policy that predicts nothing gets ``measured`` (``predict_s``) taken back out.
+    The oracle's prediction is free by definition: callers pass ``predicts=False``.
+    """
+    if costs.source.startswith("measured"):
+        if predicts or measured is None:
+            return costs
+        return replace(costs, attn=np.maximum(costs.attn - measured, 0.0))
+    if not predicts:
+        return costs
+    return replace(costs, attn=costs.attn + prediction_seconds(spec, hw, batch)[None, :],
+                   source=costs.source + " + predictor")

@@ -88,3 +88,22 @@ class DraftProfile:
                 t += self.predictor_bytes(spec) / shards / hw.mem_bw + hw.launch
             total += t
         return total
+
+
+def parse_draft(text: str) -> DraftProfile:
+    """A draft profile from its command-line spelling: ``none``, ``eagle`` or ``eagle:F``
+    (a head of F target layers), ``dense:B`` (a dense draft of B billion parameters)."""
+    kind, _, arg = text.strip().lower().partition(":")
+    try:
+        value = float(arg) if arg else None
+    except ValueError:
+        raise MoesimError(f"draft {text!r}: the part after ':' must be a number") from None
+    if kind == "eagle":
+        return DraftProfile("eagle", layer_fraction=1.0 if value is None else value)
+    if kind == "dense":
+        if value is None:
+            raise MoesimError("a dense draft needs its size: dense:B (billions of parameters), e.g. dense:0.5")
+        return DraftProfile("dense", params_b=value)
+    if kind == "none" and value is None:
+        return DraftProfile("none")
+    raise MoesimError(f"unknown draft {text!r}; use none, eagle, eagle:F or dense:B")

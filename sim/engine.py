@@ -11,6 +11,10 @@ Double-buffered expert slots need no resource of their own: layer l+1's prefetch
 issued after layer l's router, which runs after layer l-1's experts finished with the
 slot set l+1 reuses. The model can record every interval it simulates (``record=True``)
 for timelines and Chrome traces.
+
+Two more references live here: :func:`run_simpy_hybrid`, the CPU-compute policies' step
+model (device stream, copy engine and CPU; see ``moesim.sim.hybrid``), and
+:func:`run_simpy_queued`, the copy-queue disciplines that serve demand before prefetch.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from moesim.sim.workload import Link, Workload
 class Span:
     """One simulated interval on a resource, for timelines and Chrome traces."""
 
-    lane: str  # "compute" or "copy"
+    lane: str  # "compute", "copy" or "cpu"
     name: str
     start: float
     end: float
@@ -145,3 +149,229 @@ def run_simpy(w: Workload, link: Link, record: bool = False) -> tuple[np.ndarray
     stream = ComputeStream(env, w, copier, spans)
     env.run(env.process(stream.run()))
     return np.array(stream.ends), np.array(stream.copy_busy), np.array(stream.stalls), spans or []
+
+
+# ---------------------------------------------------------------------------------------
+# CPU-compute policies (cpu-static, hot-experts, cpu-on-miss): see moesim.sim.hybrid
+# ---------------------------------------------------------------------------------------
+
+
+def run_simpy_hybrid(w, planner, link: Link, record: bool = False):
+    """Reference run of a :class:`moesim.sim.hybrid.HybridWork`: the device stream, the copy
+    engine and the CPU as SimPy entities. At each MoE layer's router the stream asks the
+    planner for the device/CPU split (and, under cpu-on-miss, :func:`moesim.policy.cpu_or_copy`
+    how many misses to copy, given the copy engine's queue), starts the CPU job, waits for
+    its copies, runs its experts and then waits for the CPU."""
+    from moesim.policy import cpu_or_copy
+    from moesim.sim.hybrid import HybridRun
+
+    env = simpy.Environment()
+    spans: list[Span] | None = [] if record else None
+    copier = CopyEngine(env, link, spans)
+    cpu = simpy.Resource(env, capacity=1)
+    times = w.times
+    n_t, n_layers = w.attn.shape
+    m_of = {layer: i for i, layer in enumerate(w.moe)}
+    shape = (n_t, len(w.moe))
+    n_gpu, n_cpu, n_copied, n_hits = (np.zeros(shape, np.int32) for _ in range(4))
+    ends, copy_s, stall_s, wait_s, busy_s = (np.zeros(n_t) for _ in range(5))
+
+    def cpu_job(seconds: float, step: int, layer: int):
+        with cpu.request() as req:
+            yield req
+            start = env.now
+            yield env.timeout(seconds)
+            if spans is not None:
+                spans.append(Span("cpu", f"cpu experts L{layer}", start, env.now, step, layer))
+
+    def stream():
+        for step, (attn, routed, other) in enumerate(zip(w.attn.tolist(), w.routed, w.other.tolist())):
+            for layer in range(n_layers):
+                start = env.now
+                yield env.timeout(attn[layer])
+                if spans is not None:
+                    spans.append(Span("compute", f"attn L{layer}", start, env.now, step, layer))
+                m = m_of.get(layer)
+                if m is None:
+                    continue
+                now = env.now
+                tokens = dict(routed[m])
+                hits, misses = planner.split(m, list(tokens))
+                hit_a = sum(tokens[e] for e in hits)
+                miss_a = [tokens[e] for e in misses]
+                c = 0
+                if planner.copies:
+                    c = cpu_or_copy(miss_a, hit_a, len(hits), now=now, link_free=copier.busy_until, times=times)
+                landed = copier.submit(c, f"miss L{layer} x{c}", step, layer) if c else None
+                cpu_s = times.cpu(len(misses) - c, sum(miss_a[c:]))
+                cpu_done = env.process(cpu_job(cpu_s, step, layer)) if cpu_s else None
+                if landed is not None:
+                    copy_s[step] += link.copy_time(c)
+                    yield landed
+                    stall_s[step] += env.now - now
+                gpu_s = times.gpu(len(hits) + c, hit_a + sum(miss_a[:c]))
+                start = env.now
+                yield env.timeout(gpu_s)
+                if spans is not None and gpu_s:
+                    spans.append(Span("compute", f"experts L{layer}", start, env.now, step, layer))
+                if cpu_done is not None:
+                    gpu_end = env.now
+                    yield cpu_done
+                    wait_s[step] += env.now - gpu_end
+                busy_s[step] += cpu_s
+                planner.finish(m, hits, misses[:c])
+                n_gpu[step, m], n_cpu[step, m] = len(hits) + c, len(misses) - c
+                n_copied[step, m], n_hits[step, m] = c, len(hits)
+            start = env.now
+            yield env.timeout(other)
+            if spans is not None:
+                spans.append(Span("compute", "lm head", start, env.now, step, -1))
+            ends[step] = env.now
+
+    env.run(env.process(stream()))
+    return HybridRun(ends, copy_s, stall_s, wait_s, busy_s, n_gpu, n_cpu, n_copied, n_hits, spans or [])
+
+
+# ---------------------------------------------------------------------------------------
+# Copy-queue disciplines: demand before prefetch (SimPy only)
+# ---------------------------------------------------------------------------------------
+
+#: How the copy engine orders its queue. ``fifo`` is :func:`run_simpy`'s model.
+QUEUES = ("fifo", "demand-first", "cancel-unstarted")
+
+
+class _Group:
+    """One submitted transfer of ``n`` experts, copied one expert at a time. ``need`` is how
+    many of its first experts a layer waits for (a prefetch's useful ones)."""
+
+    def __init__(self, env: simpy.Environment, n: int, need: int, name: str, step: int, layer: int) -> None:
+        self.n, self.need, self.name, self.step, self.layer = n, need, name, step, layer
+        self.landed = 0
+        self.queued = n
+        self.needed = env.event()
+        if need == 0:
+            self.needed.succeed()
+
+
+class QueuedCopyEngine:
+    """A copy engine that serves demand copies before queued prefetch copies, one expert at
+    a time, and can drop a prefetch's unstarted useless experts (``cancel``)."""
+
+    def __init__(self, env: simpy.Environment, link: Link, spans: list[Span] | None) -> None:
+        self.env, self.link, self.spans = env, link, spans
+        self.demand: deque[_Group] = deque()
+        self.prefetch: deque[_Group] = deque()
+        self.issued = 0.0
+        self.busy_until = 0.0
+        self._wake: simpy.Event | None = None
+        env.process(self._serve())
+
+    def submit(self, n: int, need: int, demand: bool, name: str, step: int, layer: int) -> _Group:
+        g = _Group(self.env, n, need, name, step, layer)
+        work = self.link.copy_time(n)
+        self.issued += work
+        self.busy_until = max(self.busy_until, self.env.now) + work
+        (self.demand if demand else self.prefetch).append(g)
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+        return g
+
+    def cancel(self, g: _Group) -> int:
+        """Drop ``g``'s experts beyond the ones its layer needs that have not started."""
+        drop = max(0, min(g.queued, g.n - g.need))  # unstarted items are the last ``queued``; useless ones are past ``need``
+        if drop:
+            g.queued -= drop
+            g.n -= drop
+            work = self.link.copy_time(drop)
+            self.issued -= work
+            self.busy_until -= work
+            if g.queued == 0 and g in self.prefetch:
+                self.prefetch.remove(g)
+        return drop
+
+    def _serve(self):
+        env, per = self.env, self.link.per_expert
+        while True:
+            if not self.demand and not self.prefetch:
+                self._wake = env.event()
+                yield self._wake
+            q = self.demand if self.demand else self.prefetch
+            g = q[0]
+            g.queued -= 1
+            if g.queued == 0:
+                q.popleft()
+            start = env.now
+            yield env.timeout(per)
+            g.landed += 1
+            if self.spans is not None:
+                self.spans.append(Span("copy", f"{g.name} #{g.landed}", start, env.now, g.step, g.layer))
+            if g.landed == g.need:
+                g.needed.succeed()
+
+
+def run_simpy_queued(w: Workload, link: Link, useful: np.ndarray, queue: str = "demand-first",
+                     record: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[Span]]:
+    """:func:`run_simpy` with demand before prefetch.
+
+    ``useful[t, l]`` is how many of the experts prefetched for model layer l at step t the
+    layer executes (the plan's prefetch hits). A layer waits for its demand copies and
+    for its useful prefetched experts only, taken to be the first ones of the prefetch (a
+    predictor lists its most confident experts first: an optimistic assumption where the
+    order is unknown). ``demand-first`` serves demand copies before any queued prefetch
+    expert; ``cancel-unstarted`` also drops, at the layer's router, the prefetched experts
+    it did not need that have not started copying.
+    """
+    if queue not in QUEUES or queue == "fifo":
+        raise ValueError(f"queue {queue!r}: use run_simpy for fifo; known: {', '.join(QUEUES)}")
+    env = simpy.Environment()
+    spans: list[Span] | None = [] if record else None
+    copier = QueuedCopyEngine(env, link, spans)
+    ends, busy, stalls = [], [], []
+    slow = link.interference
+
+    def timeout(work: float):
+        if slow:
+            return env.timeout(link.compute_end(env.now, work, copier.busy_until) - env.now)
+        return env.timeout(work)
+
+    def stream():
+        pending: _Group | None = None  # this layer's prefetch, issued at the previous layer
+        for step in range(w.shape[0]):
+            issued0, stalled = copier.issued, 0.0
+            for layer in range(w.shape[1]):
+                here, pending = pending, None
+                start = env.now
+                yield timeout(float(w.attn[step, layer]))
+                if spans is not None:
+                    spans.append(Span("compute", f"attn L{layer}", start, env.now, step, layer))
+                if here is not None and queue == "cancel-unstarted":
+                    copier.cancel(here)
+                dem = int(w.demand[step, layer])
+                d = copier.submit(dem, dem, True, f"demand L{layer}", step, layer) if dem else None
+                pf = int(w.prefetch_next[step, layer])
+                if pf:
+                    need = min(pf, int(useful[step, layer + 1]))
+                    pending = copier.submit(pf, need, False, f"prefetch L{layer + 1}", step, layer + 1)
+                waits = [g.needed for g in (d, here) if g is not None and not g.needed.processed]
+                if waits:
+                    waited = env.now
+                    yield simpy.AllOf(env, waits)
+                    if link.wakeup:
+                        yield env.timeout(link.wakeup)
+                    stalled += env.now - waited
+                g_s = float(w.experts[step, layer])
+                if g_s:
+                    start = env.now
+                    yield timeout(g_s)
+                    if spans is not None:
+                        spans.append(Span("compute", f"experts L{layer}", start, env.now, step, layer))
+            start = env.now
+            yield timeout(float(w.other[step]))
+            if spans is not None:
+                spans.append(Span("compute", "lm head", start, env.now, step, -1))
+            ends.append(env.now)
+            busy.append(copier.issued - issued0)
+            stalls.append(stalled)
+
+    env.run(env.process(stream()))
+    return np.array(ends), np.array(busy), np.array(stalls), spans or []

@@ -57,13 +57,20 @@ def fit_profile(trace: Trace, base: HardwareProfile, name: str | None = None) ->
     scale[scale == 0] = 1
     coef, _ = nnls(a / scale, y)
     inv_bw, launch, overhead = coef / scale
-    if inv_bw <= 0:
-        raise MoesimError("the trace's times do not grow with bytes: cannot fit a bandwidth (too few bytes per block?)")
-    fitted = a @ (coef / scale)
+    # A fitted bandwidth above 10x the base profile's peak is no measurement: the times do
+    # not grow with bytes (blocks too small for the noise, e.g. a tiny model on a busy
+    # machine). Then keep the base profile's bandwidth, fit the fixed costs only, and say so,
+    # rather than refusing or inventing an (almost) infinite bandwidth.
+    bandwidth_fitted = inv_bw * base["mem_bw_peak_gbs"] * 1e9 > 0.1
+    if not bandwidth_fitted:
+        inv_bw = 1 / base.mem_bw
+        fixed, _ = nnls(a[:, 1:] / scale[1:], y - a[:, 0] * inv_bw)
+        launch, overhead = fixed / scale[1:]
+    fitted = a @ np.array([inv_bw, launch, overhead])
     r2 = 1 - ((y - fitted) ** 2).sum() / ((y - y.mean()) ** 2).sum()
     src = f"moesim fit of {meta.device or 'a trace'}"
     bw_gbs = 1 / inv_bw / 1e9
-    prof = base.with_figure("mem_bw_achievable_gbs", bw_gbs, "fitted", src)
+    prof = base.with_figure("mem_bw_achievable_gbs", bw_gbs, "fitted", src) if bandwidth_fitted else base
     if bw_gbs > prof["mem_bw_peak_gbs"]:
         prof = prof.with_figure("mem_bw_peak_gbs", bw_gbs, "fitted", src + " (exceeded the base profile's peak)")
     prof = prof.with_figure("kernel_launch_us", max(launch * 1e6, 1e-3), "fitted", src)
@@ -82,6 +89,7 @@ def fit_profile(trace: Trace, base: HardwareProfile, name: str | None = None) ->
         "block_mape": float(np.abs((y - fitted) / np.maximum(y, 1e-12)).mean()),
         "tpot_error_with_fitted_profile": float(replay.tpot[1:].mean() / measured.mean() - 1),
         "mem_bw_achievable_gbs": bw_gbs, "kernel_launch_us": launch * 1e6, "layer_overhead_us": overhead * 1e6,
+        "bandwidth_fitted": bool(bandwidth_fitted),
     }
     quality["warnings"] = fit_warnings(quality)
     return prof, quality

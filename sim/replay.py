@@ -14,6 +14,7 @@ why its prediction can differ from a plain replay's; both say which link they us
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,10 @@ from moesim import budget
 from moesim.errors import MoesimError
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, get_profile
 from moesim.models import ModelSpec, get_model
-from moesim.sim.simulate import SimResult, simulate
+from moesim.sim.hybrid import load_calibration
+from moesim.sim.prefetch_top import keep_top_predictions
+from moesim.sim.quantised import with_expert_dtype
+from moesim.sim.simulate import SimResult, simulate_policies
 from moesim.traces.format import Trace, read_trace
 
 DEFAULT_POLICIES = ("on-demand", "prefetch-fom", "prefetch-spec", "oracle")
@@ -76,11 +80,18 @@ def replay_link(trace: Trace, profile: HardwareProfile, profile_source: str,
 
 
 def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str] | tuple[str, ...] = DEFAULT_POLICIES,
-           *, model: str | None = None, step: int = 1, where: str | Path | None = None, **kw: Any) -> Replay:
+           *, model: str | None = None, step: int = 1, where: str | Path | None = None,
+           progress: Callable[[int, int], None] | None = None, expert_dtype: str | None = None,
+           prefetch_top: int | None = None, placement_from: str | Path | None = None, **kw: Any) -> Replay:
     """Simulate a (non-speculative) trace under each policy; ``kw`` goes to
     :func:`moesim.sim.simulate.simulate` (cache, eviction, engine, timing, link_gbps).
     ``model`` checks the trace against a model; ``step`` must be one of the trace's steps
-    (the report's timeline shows it); ``where`` names the trace in errors."""
+    (the report's timeline shows it); ``where`` names the trace in errors; ``progress(done,
+    total)`` counts layer-steps planned and timed, for a progress bar on long traces.
+    What-ifs on the trace itself: ``expert_dtype`` stores the routed experts in another
+    format (moesim.sim.quantised), ``prefetch_top`` prefetches only each sequence's ``m``
+    most confident predicted experts (moesim.sim.prefetch_top), and ``placement_from``
+    names the calibration trace whose routing places the hot experts (docs/policies.md)."""
     where = where or ("the trace" if isinstance(trace, Trace) else trace)
     trace = trace if isinstance(trace, Trace) else read_trace(trace)
     if trace.speculative:
@@ -93,4 +104,11 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
     budget.check(budget.replay_estimate(trace.model, trace.n_tokens, trace.batch, len(policies),
                                         kw.get("engine", "simpy")))
     profile, link_source = replay_link(trace, profile, source, kw.pop("link_gbps", None))
-    return Replay(trace, profile, source, [simulate(trace, profile, p, **kw) for p in policies], link_source)
+    if expert_dtype is not None:
+        trace = with_expert_dtype(trace, expert_dtype)
+    if prefetch_top is not None:
+        trace = keep_top_predictions(trace, prefetch_top)
+    if placement_from is not None:
+        kw["calibration"] = load_calibration(str(placement_from), trace.model)
+    return Replay(trace, profile, source, simulate_policies(trace, profile, list(policies), progress=progress, **kw),
+                  link_source)

@@ -12,8 +12,8 @@ from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile
 from moesim.models import ModelSpec, cache_capacity  # noqa: F401 (cache_capacity: defined with the byte accounting)
 from moesim.policy import EVICTIONS, Policy, get_policy
-from moesim.sim.costs import KERNELS_ATTENTION, Costs, measured_costs, roofline_costs
-from moesim.sim.engine import Span, run_simpy
+from moesim.sim.costs import KERNELS_ATTENTION, Costs, charge_prediction, measured_costs, roofline_costs
+from moesim.sim.engine import QUEUES, Span, run_simpy, run_simpy_queued
 from moesim.sim.fastpath import run_fast
 from moesim.sim.plan import Plan, build_plan
 from moesim.sim.workload import Link, Workload, make_workload
@@ -137,33 +137,68 @@ def simulate(
     costs: Costs | None = None,
     progress: Callable[[int, int], None] | None = None,
     pred_recall: float | None = None,
+    copy_queue: str = "fifo",
+    host: Any = None,
+    cpu_layers: int | str = "auto",
+    calibration: np.ndarray | None = None,
+    calibrate_on_replay: bool = False,
+    amx: bool = True,
 ) -> SimResult:
     """Simulate ``trace`` under ``policy`` on ``hw``.
 
     ``link_gbps`` overrides the profile's pinned host-to-device bandwidth (what-if);
     ``engine`` picks the SimPy reference or the fast path; ``plan`` and ``costs`` may be
     passed in when a sweep reuses them; ``progress(steps_planned, steps)`` reports planning,
-    the part that grows with the trace (see :func:`simulate_policies` for a whole replay).
+    the part that grows with the trace (see :func:`simulate_policies` for a whole replay);
+    ``copy_queue`` picks a copy-queue discipline (SimPy only). The CPU-compute policies
+    (docs/policies.md) go to :func:`moesim.sim.hybrid.simulate_hybrid` with ``host`` (name,
+    path or profile; default: the GPU profile's), ``cpu_layers``, ``calibration`` routing,
+    ``calibrate_on_replay`` and ``amx``.
     """
     if engine not in ENGINES:
         raise MoesimError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+    if copy_queue not in QUEUES:
+        raise MoesimError(f"unknown copy queue {copy_queue!r}; known: {', '.join(QUEUES)}")
+    if copy_queue != "fifo" and engine != "simpy":
+        raise MoesimError(f"copy queue {copy_queue!r} is modelled by the SimPy engine only (--engine simpy)")
     if eviction not in EVICTIONS:
         raise MoesimError(f"unknown eviction policy {eviction!r}; known: {', '.join(EVICTIONS)}")
     pol = get_policy(policy)
+    if pol.cpu:  # experts computed on the CPU: the hybrid step model (moesim.sim.hybrid)
+        from moesim.sim.hybrid import simulate_hybrid
+
+        if timing == "measured":
+            raise MoesimError(f"{pol.name} computes experts on the CPU; a trace's measured times are device times, "
+                              "so it is timed from the profiles (--timing profile)")
+        if copy_queue != "fifo":
+            raise MoesimError(f"{pol.name} copies at most its misses; copy queues apply to the copy policies")
+        capacity = cache_capacity(trace.model, cache_gib, cache_experts)
+        return simulate_hybrid(trace, hw, pol, host=host, cpu_layers=cpu_layers, calibration=calibration,
+                               calibrate_on_replay=calibrate_on_replay, cache_experts=capacity, eviction=eviction,
+                               engine=engine, link_gbps=link_gbps, amx=amx, record=record)
     spec = trace.model
     if link_gbps is not None:
         hw = hw.with_figure("h2d_pinned_gbs", link_gbps)
     capacity = cache_capacity(spec, cache_gib, cache_experts) if pol.offload else 0
     plan = plan or build_plan(trace, pol, capacity, eviction, progress)
     costs = costs or pick_costs(trace, spec, hw, timing)
+    costs = charge_prediction(costs, spec, hw, pol.prefetch and not pol.oracle, trace.batch,
+                              trace.timings.get("predict_s"))
     work = make_workload(spec, plan, costs)
     link = sim_link(trace, hw, costs)
     spans: list[Span] = []
-    if engine == "simpy":
+    if copy_queue != "fifo":
+        useful = np.zeros(work.shape, np.int64)
+        useful[:, list(spec.moe_layers)] = plan.prefetch_hits
+        ends, copy, stall, spans = run_simpy_queued(work, link, useful, copy_queue, record)
+    elif engine == "simpy":
         ends, copy, stall, spans = run_simpy(work, link, record)
     else:
         ends, copy, stall = run_fast(work, link)
-    return make_result(trace, hw, pol, eviction, engine, plan, costs, work, ends, copy, stall, spans, pred_recall)
+    result = make_result(trace, hw, pol, eviction, engine, plan, costs, work, ends, copy, stall, spans, pred_recall)
+    if copy_queue != "fifo":
+        result.config["copy_queue"] = copy_queue
+    return result
 
 
 def sim_link(trace: Trace, hw: HardwareProfile, costs: Costs, spec: ModelSpec | None = None) -> Link:

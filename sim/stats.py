@@ -41,6 +41,7 @@ from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile
 from moesim.policy import ExpertCache
 from moesim.traces.format import Trace
+from moesim.traces.metrics import recall_per_layer
 
 #: Knee rule: the smallest cache whose simulated TPOT is within this fraction of the best.
 KNEE_TOLERANCE = 0.05
@@ -129,18 +130,6 @@ def adjacent_layer_overlap(trace: Trace) -> dict[str, Any]:
     shared = (ids[:, :-1, :, :, None] == ids[:, 1:, :, None, :]).any(-1).sum(-1)  # [t, m-1, b]
     per = shared.mean((0, 2))
     return {"per_layer": per.tolist(), "mean": float(per.mean()), "chance": k * k / e}
-
-
-def recall_per_layer(true_ids: np.ndarray, pred_ids: np.ndarray) -> np.ndarray:
-    """Recall@k per MoE layer: share of true experts in the predicted set; NaN where no prediction."""
-    has = (pred_ids >= 0).any(-1)  # [t, m, b]
-    hits = (pred_ids[..., :, None] == true_ids[..., None, :]).any(-2).sum(-1) / true_ids.shape[-1]
-    out = np.full(true_ids.shape[1], np.nan)
-    for layer in range(true_ids.shape[1]):
-        sel = has[:, layer]
-        if sel.any():
-            out[layer] = hits[:, layer][sel].mean()
-    return out
 
 
 def predictor_recalls(trace: Trace) -> dict[str, list[float]]:
@@ -284,7 +273,7 @@ def routing_stats(trace: Trace, hw: HardwareProfile | None = None, sizes: Sequen
     curve = hit_rate_curve(trace, sizes)
     out: dict[str, Any] = {
         "model": spec.name, "tokens": trace.n_tokens, "batch": trace.batch, "synthetic": trace.synthetic,
-        "source": trace.header.get("recorded", {}).get("how", ""),
+        "source": trace.meta.how or "",
         "n_experts": spec.n_experts, "top_k": spec.top_k, "moe_layers": list(spec.moe_layers),
         "expert_bytes": spec.expert_bytes,
         "popularity": {"counts": counts.tolist(), **{k: v.tolist() for k, v in skew.items()},
@@ -356,3 +345,29 @@ def synth_like_file(like: str | Path, out: str | Path, tokens: int, batch: int =
     trace = synth_like(read_trace(like), tokens, batch, seed, like=Path(like).name)
     write_trace(trace, out)
     return trace
+
+
+def summary_lines(res: dict[str, Any]) -> list[str]:
+    """The answers of :func:`routing_stats` in a few short lines (what ``moesim stats`` prints)."""
+    pop, reuse, ov, hr = res["popularity"], res["reuse"], res["adjacent_layer_overlap"], res["hit_rate"]
+    kind = "synthetic" if res["synthetic"] else "recorded"
+    lines = [f"{res['model']}: {res['tokens']} steps, batch {res['batch']} ({kind} routing)",
+             f"hot experts: the top 10% of (layer, expert) pairs take {pop['all_layers']['top10_share']:.0%} of "
+             f"uses (uniform: 10%); Gini {pop['all_layers']['gini']:.2f}",
+             f"reuse: {np.mean(reuse['reuse_prev_token']):.0%} of a token's experts were used by the previous "
+             f"token; median reuse distance {reuse['median_distance']} steps",
+             f"adjacent layers share {ov['mean']:.2f} experts a token (chance: {ov['chance']:.2f})"]
+    for name, rec in res["predictor_recall"].items():
+        vals = [r for r in rec if r == r]
+        if vals:
+            lines.append(f"predictor {name}: recall@k {np.mean(vals):.3f} (layers {min(vals):.2f}-{max(vals):.2f})")
+    lines.append("cache hit rate (experts in cache: LRU / LFU / Belady's optimum):")
+    for s, a, b, c, nbytes in zip(hr["sizes"], hr["lru"], hr["lfu"], hr["belady"], hr["bytes"], strict=True):
+        size = f"{nbytes / 2**30:7.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:7.1f} MiB"
+        lines.append(f"  {s:6d} experts ({size}): {a:6.1%} / {b:6.1%} / {c:6.1%}")
+    if "tpot" in res:
+        tp = res["tpot"]
+        lines.append(f"how many experts on the GPU ({tp['policy']}, {tp['hw']}): the knee is {tp['knee_experts']} "
+                     f"experts at {tp['knee_tpot_ms']:.3g} ms/token (best {tp['best_tpot_ms']:.3g}; "
+                     f"{tp['knee_rule']})")
+    return lines

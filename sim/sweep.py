@@ -57,8 +57,14 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
            link_gbps: list[float] | None = None, cache_gib: tuple[float, ...] | list[float] = DEFAULT_CACHE_GIB,
            eviction: str = "lru", tokens: int = 256, prompt_len: int = 128, batch: int = 1, goal: str = "tpot",
            engine: str = "fast", jobs: int | None = None,
-           progress: Callable[[int, int], None] | None = None) -> WhatIf:
-    """Sweep models x hardware x policies x link bandwidth (None: each profile's own) x cache size."""
+           progress: Callable[[int, int], None] | None = None, *, backend: str = "local",
+           address: str | None = None, rows_csv: str | Path | None = None) -> WhatIf:
+    """Sweep models x hardware x policies x link bandwidth (None: each profile's own) x cache size.
+
+    ``backend``/``address``: where the groups run (:func:`moesim.sim.whatif.run_sweep`);
+    ``rows_csv``: stream every row to this CSV as its group finishes, and resume an
+    interrupted sweep from it (the same sweep run again skips the finished groups).
+    """
     if jobs is not None and jobs < 0:
         raise MoesimError(f"--jobs {jobs}: a number of worker processes (0 = all cores)")
     if goal not in GOALS:
@@ -85,7 +91,7 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
     for t in traces.values():
         budget.check(budget.replay_estimate(t.model, t.n_tokens, t.batch, runs, engine,
                                             f"{runs} simulations of {t.n_tokens} steps of {t.model.name}"))
-    rows = run_sweep(sweep, jobs, progress)
+    rows = run_sweep(sweep, jobs, progress, backend=backend, address=address, out=rows_csv)
     for r in rows:
         r["bound"] = bound(r)
     by_hw = {h.name: best([r for r in rows if r["hw"] == h.name], goal) for h in sweep.hws}

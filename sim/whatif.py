@@ -35,6 +35,7 @@ from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile
 from moesim.models import ModelSpec
 from moesim.policy import expert_slots, get_policy
+from moesim.sim.costs import charge_prediction
 from moesim.sim.fastpath import run_fast_many
 from moesim.sim.plan import build_plan
 from moesim.sim.simulate import cache_capacity, make_result, pick_costs, prediction_recall, sim_link, ttft_of
@@ -154,7 +155,9 @@ def run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
     for hi, hw in enumerate(sweep.hws):
         if (model, hi) not in memo:
             memo[model, hi] = pick_costs(trace, spec, hw, sweep.timing)
-        costs = memo[model, hi]
+        # A predicting policy pays for its predictor, as in simulate() (sim.costs.charge_prediction).
+        costs = charge_prediction(memo[model, hi], spec, hw, pol.prefetch and not pol.oracle, trace.batch,
+                                  trace.timings.get("predict_s"))
         work = make_workload(spec, plan, costs)
         profiles = [hw if g is None else hw.with_figure("h2d_pinned_gbs", g) for g in sweep.link_gbps]
         links = [sim_link(trace, h, costs, spec) for h in profiles]

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -288,3 +289,41 @@ def test_corpus_split_is_defined_once():
     train, held_out, _ = splits()
     assert train + held_out == corpus and len(train) == int(len(corpus) * TRAIN_FRACTION) == split_index(len(corpus))
     assert training_split()[0] == train and held_out_split()[0] == held_out
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "traces" / "examples"
+STDLIB = Path(__file__).resolve().parents[1] / "executor" / "checkpoints" / "moe-stdlib"
+
+
+@pytest.mark.parametrize("fmt,name", [("vllm", "vllm-moe-stdlib.npz"), ("jsonl", "routing-moe-stdlib.jsonl"),
+                                      ("npz", "routing-moe-stdlib.npz")])
+def test_import_reads_the_shipped_example_dumps(tmp_path, fmt, name):
+    r = moesim("import", fmt, EXAMPLES / name, "--model", STDLIB, "--out", tmp_path / "t.npz")
+    assert r.returncode == 0, r.stderr
+    from moesim.traces.format import read_trace
+
+    t = read_trace(tmp_path / "t.npz")
+    assert t.model.n_experts == 32 and not t.synthetic and t.n_tokens >= 12
+
+
+def test_import_of_a_dump_for_another_model_is_one_line(tmp_path):
+    r = moesim("import", "jsonl", EXAMPLES / "routing-moe-stdlib.jsonl", "--model", "olmoe-1b-7b",
+               "--out", tmp_path / "t.npz")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and r.stderr.startswith("error:")
+    assert not (tmp_path / "t.npz").exists()
+
+
+def test_stats_and_synth_like_and_ecospec_from_the_command_line(tmp_path):
+    assert moesim("synth", "--model", "tiny", "--tokens", 24, "--out", tmp_path / "t.npz").returncode == 0
+    r = moesim("stats", tmp_path / "t.npz", "--hw", "a6000", "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert set(res["hit_rate"]) >= {"lru", "lfu", "belady"} and "knee_experts" in res["tpot"]
+    assert all(b >= a - 1e-12 for a, b in zip(res["hit_rate"]["lru"], res["hit_rate"]["belady"], strict=True))
+    r = moesim("synth", "--like", tmp_path / "t.npz", "--tokens", 40, "--batch", 2, "--out", tmp_path / "s.npz")
+    assert r.returncode == 0, r.stderr
+    r = moesim("ecospec", "--model", "qwen3-235b-a22b", "--deployment", "8xh200-tp", "--gamma", "2", "--steps", 4,
+               "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert {row["selection"] for row in rows} >= {"none", "confidence"} and all(row["synthetic"] for row in rows)

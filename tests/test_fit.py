@@ -60,3 +60,16 @@ def test_fit_refuses_a_trace_without_measurements(tiny_trace):
 
     with pytest.raises(MoesimError, match="no measured timings"):
         fit_profile(tiny_trace, get_profile("a6000"))
+
+
+def test_times_that_do_not_grow_with_bytes_keep_the_base_bandwidth_and_say_so():
+    trace = measured_trace(noise=0.0)
+    t = trace.timings
+    t["attn_s"] = np.full_like(t["attn_s"], 100e-6)  # the blocks that read least take longest:
+    t["expert_s"] = np.full_like(t["expert_s"], 1e-6)  # nothing here grows with bytes
+    t["other_s"] = np.full_like(t["other_s"], 1e-6)
+    base = get_profile("a6000")
+    prof, q = fit_profile(trace, base)
+    assert q["bandwidth_fitted"] is False
+    assert prof["mem_bw_achievable_gbs"] == base["mem_bw_achievable_gbs"]
+    assert prof.figures["mem_bw_achievable_gbs"].kind != "fitted"

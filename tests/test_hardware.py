@@ -41,7 +41,7 @@ def _write(tmp_path, text):
 @pytest.mark.parametrize("edit, message", [
     (lambda t: t.replace("h2d_pinned_gbs = { value = 25.0", "h2d_pinned_gbs = { value = 0"), "must be positive"),
     (lambda t: t.replace("bf16_tflops = { value = 154.8", "bf16_tflops = { value = -3"), "must be positive"),
-    (lambda t: "\n".join(line for line in t.splitlines() if not line.startswith("copy_engines")), "missing required figure"),
+    (lambda t: "\n".join(line for line in t.splitlines() if not line.startswith("kernel_launch_us")), "missing required figure"),
     (lambda t: t.replace("[figures]", "colour = \"red\"\n[figures]"), "unknown key"),
     (lambda t: t + "warp_drive = { value = 1, kind = \"estimate\", source = \"x\" }\n", "unknown figure"),
     (lambda t: t.replace('kind = "datasheet"', 'kind = "rumour"', 1), "kind 'rumour'"),

@@ -17,6 +17,9 @@ from moesim.sim.simulate import simulate
 from moesim.sim.workload import Link, make_workload
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
+# The copy-family policies; the CPU-compute ones have their own model and tests (test_deploy.py).
+COPY_POLICIES = [p for p in POLICIES if not POLICIES[p].cpu]
+
 # --------------------------------------------------------------------------------------
 # Worked by hand: 2 MoE layers, top-2, one step. Attention 1 s a layer, each expert 1 s
 # of compute, LM head 0.5 s; each expert copy 0.5 s latency + 192 B / 192 B/s = 1.5 s.
@@ -96,7 +99,7 @@ def _run(trace, c, policy, engine="fast", **kw):
 @given(configs)
 def test_fast_path_agrees_with_simpy_on_every_policy(c):
     trace = _trace(c)
-    for policy in POLICIES:
+    for policy in COPY_POLICIES:
         ref = _run(trace, c, policy, "simpy")
         fast = _run(trace, c, policy, "fast")
         # Required: within 0.5 %. They implement the same pipeline, so they agree to rounding.
@@ -111,7 +114,7 @@ def test_fast_path_agrees_with_simpy_on_every_policy(c):
 def test_tpot_lies_between_the_overlap_and_serial_bounds(c):
     c = {**c, "wakeup": 0.0}  # a wake-up delay idles both resources: outside the serial bound by design
     trace = _trace(c)
-    for policy in POLICIES:
+    for policy in COPY_POLICIES:
         r = _run(trace, c, policy)
         total = r.tpot.sum()
         assert r.overlap_bound.sum() * (1 - 1e-9) <= total <= r.serial_bound.sum() * (1 + 1e-9)
@@ -124,7 +127,7 @@ def test_tpot_lies_between_the_overlap_and_serial_bounds(c):
 @given(configs, st.floats(1.05, 8))
 def test_more_link_bandwidth_never_hurts(c, factor):
     trace = _trace(c)
-    for policy in POLICIES:
+    for policy in COPY_POLICIES:
         slow = _run(trace, c, policy)
         fast = _run(trace, c, policy, link_gbps=c["link_gbps"] * factor)
         ends_slow, ends_fast = np.cumsum(slow.tpot), np.cumsum(fast.tpot)
@@ -168,7 +171,7 @@ def test_speculative_prefetch_moves_exactly_the_oracles_bytes_at_batch_1(c):
 @given(configs)
 def test_bytes_are_conserved(c):
     trace = _trace(c)
-    for policy in POLICIES:
+    for policy in COPY_POLICIES:
         r = _run(trace, c, policy)
         spec = trace.model
         link = Link(c["link_gbps"] * 1e9, get_profile(c["hw"]).transfer_latency, spec.expert_bytes)

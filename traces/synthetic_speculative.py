@@ -32,7 +32,7 @@ from moesim.models import ModelSpec
 from moesim.selection import SCORES, SELECTIONS, Tree, select
 from moesim.traces.format import Trace
 from moesim.traces.header import make_header
-from moesim.traces.records import NOT_CHOSEN, PAD_EXPERT, PAD_PARENT, PAD_TOKEN, sd_steps
+from moesim.traces.records import SDStep, sd_arrays, sd_steps
 from moesim.traces.sd_ids import PAD, ids_to_mask, mask_to_ids
 
 #: A written trace's sd_node_pred mask may not exceed this many bytes (write fewer steps,
@@ -259,30 +259,21 @@ def to_trace(synth: SynthSpec) -> Trace:
         raise MoesimError(f"a version-2 trace of {s} steps x {n} nodes for {spec.name} needs a "
                           f"{s * n * m * e / 2**20:.0f} MiB expert mask; write fewer steps (the what-if does not "
                           "need the file)")
-    tokens = np.full((s, n), PAD_TOKEN, np.int32)
-    parents = np.full((s, n), PAD_PARENT, np.int16)
-    prob = np.zeros((s, n), np.float32)
-    chosen = np.full((s, n), NOT_CHOSEN, np.int16)
-    node_pred = np.zeros((s, n, m, e), bool)
-    root_pred = np.zeros((s, m, e), bool)
-    row_true = np.full((s, 1 + n, m, k), PAD_EXPERT, np.int16)
-    accepted_rows, accepted_tokens = [], []
-    for i, st in enumerate(steps):
+    encoded, accepted_rows, accepted_tokens = [], [], []
+    for st in steps:
         c = len(st.tokens)
-        tokens[i, :c], parents[i, :c], prob[i, :c] = st.tokens, st.parents, st.prob
-        order = select(Tree(st.tokens, st.parents, [float(p) for p in prob[i, :c]]), c, "confidence")
-        chosen[i, order] = np.arange(len(order))
-        node_pred[i, :c] = ids_to_mask(st.pred_ids[1:], e)
-        root_pred[i] = ids_to_mask(st.pred_ids[0], e)
-        row_true[i, 0] = st.true_ids[0]
-        row_true[i, 1: 1 + len(order)] = st.true_ids[1 + np.array(order, int)] if order else row_true[i, 1:1]
+        prob = np.asarray(st.prob, np.float32)  # as stored: the file keeps float32 probabilities
+        order = select(Tree(st.tokens, st.parents, [float(p) for p in prob]), c, "confidence")
+        encoded.append(SDStep(tokens=list(st.tokens), parents=list(st.parents), prob=prob.tolist(), chosen=order,
+                              accepted=1 + len(st.path), node_pred=ids_to_mask(st.pred_ids[1:], e),
+                              root_pred=ids_to_mask(st.pred_ids[0], e),
+                              row_true=np.concatenate([st.true_ids[:1], st.true_ids[1 + np.array(order, int)]])
+                              if order else st.true_ids[:1]))
         accepted_rows += [st.true_ids[0]] + [st.true_ids[1 + p] for p in st.path]
         accepted_tokens += [st.root_token] + [st.tokens[p] for p in st.path]
     true_ids = np.stack(accepted_rows)[:, :, None, :].astype(np.int16)
     z1, zl, zm = np.zeros(s), np.zeros((s, spec.n_layers)), np.zeros((s, m))
-    timings = {"sd_tree_tokens": tokens, "sd_tree_parents": parents, "sd_tree_prob": prob, "sd_chosen": chosen,
-               "sd_accepted": np.array([1 + len(st.path) for st in steps], np.int16), "sd_node_pred": node_pred,
-               "sd_root_pred": root_pred, "sd_row_true": row_true, "sd_draft_s": z1, "sd_verify_s": z1.copy(),
+    timings = {**sd_arrays(encoded, m, e, k), "sd_draft_s": z1, "sd_verify_s": z1.copy(),
                "sd_attn_s": zl, "sd_expert_s": zm, "sd_stall_s": zm.copy()}
     header = make_header(
         spec, policy="none", prompt_len=params.prompt_len, n_tokens=int(true_ids.shape[0]), batch=1,

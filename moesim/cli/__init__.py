@@ -12,12 +12,16 @@ import typer
 
 from moesim.cli import (  # noqa: F401  (each module registers its command on the app)
     calibrate,
+    ecospec,
     fit,
     hw,
+    import_routing,
     models,
     profile,
+    record,
     replay,
     speculate,
+    stats,
     synth,
     train,
     train_estimator,

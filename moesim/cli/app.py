@@ -11,6 +11,8 @@ import csv
 import json
 import os
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Annotated, Any
 
 import typer
@@ -126,3 +128,16 @@ def results_table(rows: list[dict[str, Any]], title: str, cols: tuple[tuple[str,
 
     return table(title, [label for _, label in cols],
                  [[number(r[k]) if isinstance(r[k], float) else str(r[k]) for k, _ in cols] for r in rows], "right")
+
+
+@contextmanager
+def progress_bar(what: str, unit: str, disable: bool = False) -> Iterator[Callable[[int, int], None]]:
+    """A transient progress bar with the time left on stderr; yields ``update(done, total)``
+    for a library call's ``progress`` callback."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TextColumn(unit), TimeRemainingColumn(),
+                  console=err, transient=True, disable=disable or not err.is_terminal) as bar:
+        task = bar.add_task(what, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+

@@ -48,3 +48,6 @@ def fit(
                     [[f"{quality['mem_bw_achievable_gbs']:.3g}", f"{quality['kernel_launch_us']:.3g}",
                       f"{quality['layer_overhead_us']:.3g}", f"{quality['r2']:.3f}", f"{quality['block_mae_us']:.3g}",
                       f"{quality['block_mape']:.1%}", f"{quality['tpot_error_with_fitted_profile']:+.2%}"]], "right"))
+    if not quality["bandwidth_fitted"]:
+        err.print(f"warning: the trace's times do not grow with bytes, so its bandwidth cannot be fitted; kept "
+                  f"{base.name}'s {quality['mem_bw_achievable_gbs']:.3g} GB/s and fitted the fixed costs only")

@@ -14,14 +14,43 @@ def hw(
     profile: Annotated[str | None, typer.Argument(help="A built-in profile name or a .toml path; all if omitted.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV (every field) instead of a table.")] = False,
+    hosts: Annotated[bool, typer.Option("--hosts", help="Host (CPU) profiles instead of GPU profiles.")] = False,
 ) -> None:
     """List hardware profiles, or show one with the kind and source of every figure.
 
     Profiles are TOML files (docs/hwprofile-format.md); any command's `--hw` also takes
-    the path of your own. Examples: `moesim hw`, `moesim hw gh200`, `moesim hw h100-sxm --json`.
+    the path of your own. Host profiles (the CPU that computes experts in the CPU-compute
+    policies) are listed with `--hosts`. Examples: `moesim hw`, `moesim hw gh200`,
+    `moesim hw h100-sxm --json`, `moesim hw --hosts`, `moesim hw xeon-8480 --hosts`.
     """
-    from moesim.hardware import DEFAULT_PROFILE, FIGURES, builtin_profiles, get_profile
+    from moesim.hardware import (
+        DEFAULT_PROFILE,
+        FIGURES,
+        HOST_FIGURES,
+        builtin_hosts,
+        builtin_profiles,
+        get_host,
+        get_profile,
+    )
 
+    if hosts:
+        found = [get_host(profile)] if profile else [get_host(n) for n in builtin_hosts()]
+        if as_json:
+            print_json([{"name": h.name, "description": h.description, "figures": {k: vars(f) for k, f in
+                                                                                  h.figures.items()}} for h in found])
+        elif as_csv:
+            print_csv([{"name": h.name, **{k: f.value for k, f in h.figures.items()}, "description": h.description}
+                       for h in found])
+        elif profile:
+            h = found[0]
+            out.print(table(f"{h.name}: {h.description}", ("figure", "value", "unit", "kind", "source"),
+                            [[k, f"{f.value:g}", HOST_FIGURES[k][0], f.kind, f.source] for k, f in h.figures.items()]))
+        else:
+            out.print(table("Host profiles (show one with `moesim hw NAME --hosts` for sources)",
+                            ("name", "cores", "DRAM GB/s (achievable)", "bf16 TFLOP/s", "AMX", "description"),
+                            [[h.name, f"{h['cores']:g}", f"{h['mem_bw_achievable_gbs']:g}", f"{h.flops('bf16') / 1e12:.3g}",
+                              "yes" if h.has_amx else "no", h.description] for h in found]))
+        return
     if profile:
         p = get_profile(profile)
         if as_json:

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, err, floats, out, print_csv, print_json, results_table, split
+from moesim.cli.app import app, err, floats, out, print_csv, print_json, progress_bar, results_table, split
 from moesim.errors import MoesimError
 from moesim.hardware import DEFAULT_PROFILE
 
@@ -51,6 +51,22 @@ def replay(
     branch: Annotated[int | None, typer.Option(help=SD + "keep this many children a node.")] = None,
     acceptance: Annotated[float | None, typer.Option(help=SD + "expected acceptance = this x a node's draft "
                                                           "probability, instead of the recorded path.")] = None,
+    host: Annotated[str | None, typer.Option(help="CPU-compute policies: host profile name or .toml (default: the "
+                                                  "GPU profile's host; `moesim hw --hosts`).")] = None,
+    cpu_layers: Annotated[str, typer.Option(help="cpu-static: MoE layers whose experts run on the CPU, or auto "
+                                                 "(the fewest that fit device memory).")] = "auto",
+    placement_from: Annotated[Path | None, typer.Option(help="hot-experts: calibration trace whose routing picks "
+                                                             "the GPU-resident experts.")] = None,
+    calibrate_on_replay: Annotated[bool, typer.Option("--calibrate-on-replay", help="hot-experts: place from the "
+                                                      "replayed trace itself (an optimistic bound).")] = False,
+    amx: Annotated[bool, typer.Option("--amx/--no-amx", help="CPU-compute policies: use the host's AMX matrix rate "
+                                                             "where it has one.")] = True,
+    expert_dtype: Annotated[str | None, typer.Option(help="Store the routed experts in this format: bf16, fp8, int8, "
+                                                          "int4-g32, int4-g128, q8_0, q4_k, q5_k, q6_k, ...")] = None,
+    copy_queue: Annotated[str, typer.Option(help="Copy queue (simpy engine): fifo, demand-first or "
+                                                 "cancel-unstarted.")] = "fifo",
+    prefetch_top: Annotated[int | None, typer.Option(help="Prefetch only each token's M most confident predicted "
+                                                          "experts.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")] = False,
     as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV (every field) instead of a table.")] = False,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Write a report here: HTML, PNGs, CSV, Chrome trace.")] = None,
@@ -89,9 +105,13 @@ def replay(
     if validate:
         print_validation(trace, trace_path, hw_name, engine, as_json, out_dir)
         return
-    rep = run_replay(trace, hw_name, split(policy, "--policy"), model=model, step=step, where=trace_path,
-                     cache_gib=cache_gib, cache_experts=cache_experts, eviction=eviction, engine=engine, timing=timing,
-                     link_gbps=link_gbps)
+    with progress_bar("replaying", "layer-steps", disable=as_json) as update:
+        rep = run_replay(trace, hw_name, split(policy, "--policy"), model=model, step=step, where=trace_path,
+                         cache_gib=cache_gib, cache_experts=cache_experts, eviction=eviction, engine=engine,
+                         timing=timing, link_gbps=link_gbps, progress=update, expert_dtype=expert_dtype,
+                         prefetch_top=prefetch_top, placement_from=placement_from, host=host,
+                         cpu_layers=int(cpu_layers) if cpu_layers.isdigit() else cpu_layers,
+                         calibrate_on_replay=calibrate_on_replay, amx=amx, copy_queue=copy_queue)
     rows = rep.rows
     if as_json or as_csv:
         print_json(rows) if as_json else print_csv(rows)

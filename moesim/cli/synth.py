@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, err
+from moesim.cli.app import app, err, floats
 
 
 @app.command()
@@ -24,6 +24,17 @@ def synth(
     early_hit_rate: Annotated[float, typer.Option(help="Hit rate on the first --early-layers MoE layers.")] = 0.5,
     early_layers: Annotated[int, typer.Option(help="How many early MoE layers predict poorly.")] = 2,
     seed: Annotated[int, typer.Option(help="Random seed (same seed, same trace).")] = 0,
+    like: Annotated[Path | None, typer.Option(help="Fit the generator to this (real) trace and stretch it to --tokens "
+                                                   "and --batch (the model is the trace's).")] = None,
+    speculative: Annotated[bool, typer.Option("--speculative", help="A speculative-decoding trace (draft trees, "
+                                                                    "acceptance, per-node routing): docs/speculative.md."
+                                              )] = False,
+    branch: Annotated[int, typer.Option(help="--speculative: children per draft-tree node.")] = 2,
+    depth: Annotated[int, typer.Option(help="--speculative: levels of the draft tree.")] = 4,
+    accept: Annotated[str, typer.Option(help="--speculative: acceptance rate per depth (the last repeats).")] = "0.75,0.65,0.6,0.55",
+    recall: Annotated[float, typer.Option(help="--speculative: the expert predictor's recall@k.")] = 0.7,
+    parent_overlap: Annotated[float, typer.Option(help="--speculative: chance a parent's expert recurs in its child.")] = 0.3,
+    sibling_overlap: Annotated[float, typer.Option(help="--speculative: chance a sibling's expert recurs.")] = 0.2,
 ) -> None:
     """Write a **synthetic** routing trace (marked synthetic in its header).
 
@@ -31,8 +42,30 @@ def synth(
     rate stand in for real routing, so every policy can be simulated before a real
     trace exists. The trace records no hardware: replaying it without `--hw` uses the
     default profile (moesim.hardware.DEFAULT_PROFILE), and says so.
-    Example: `moesim synth --model olmoe-1b-7b --tokens 64 --out olmoe.npz`.
+    `--like TRACE` fits the generator to a real trace (per-layer popularity, reuse, hit
+    rates) and stretches it to any length or batch; `--speculative` writes draft trees
+    and per-node routing for the EcoSpec what-if (`--tokens` verification steps).
+    Examples: `moesim synth --model olmoe-1b-7b --tokens 64 --out olmoe.npz`,
+    `moesim synth --like olmoe.npz --tokens 128 --batch 2 --out stretched.npz`,
+    `moesim synth --speculative --model qwen3-235b-a22b --tokens 16 --out sd.npz`.
     """
+    if like is not None:
+        from moesim.sim.stats import synth_like_file
+
+        trace = synth_like_file(like, out_path, tokens, batch, seed)
+        err.print(f"wrote synthetic trace {out_path} ({tokens} steps of {trace.model.name}, batch {batch}, "
+                  f"parameters fitted to {like})")
+        return
+    if speculative:
+        from moesim.traces.synthetic_speculative import synth_speculative
+
+        trace, _ = synth_speculative(model, out_path, steps=tokens, branch=branch, depth=depth, seed=seed,
+                                     accept=tuple(floats(accept, "--accept")), recall=recall,
+                                     parent_overlap=parent_overlap, sibling_overlap=sibling_overlap,
+                                     prompt_len=prompt_len, skew=skew)
+        err.print(f"wrote synthetic speculative trace {out_path} ({tokens} verification steps of {trace.model.name}, "
+                  f"{trace.n_tokens} tokens accepted)")
+        return
     from moesim.models import get_model
     from moesim.outputs import check_output_file
     from moesim.traces.format import write_trace

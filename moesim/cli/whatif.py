@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, err, floats, out, print_csv, print_json, results_table, split
+from moesim.cli.app import app, err, floats, out, print_csv, print_json, progress_bar, results_table, split
 from moesim.errors import MoesimError
 
 WHATIF_COLS = (("model", "model"), ("hw", "hw"), ("policy", "policy"), ("link_gbps", "link GB/s"),
@@ -30,7 +30,13 @@ def whatif(
     batch: Annotated[int, typer.Option(help="Batch size of the synthetic trace.")] = 1,
     goal: Annotated[str, typer.Option(help="What 'best' means: tpot, p99, ttft or bytes.")] = "tpot",
     engine: Annotated[str, typer.Option(help="fast (default for sweeps) or simpy.")] = "fast",
-    jobs: Annotated[int, typer.Option(help="Worker processes (0 = all cores).")] = 0,
+    jobs: Annotated[int, typer.Option(help="Worker processes (0 = all cores; local backend).")] = 0,
+    backend: Annotated[str, typer.Option(help="local (process pool on this machine) or ray (a Ray cluster: "
+                                              "docs/cluster.md).")] = "local",
+    address: Annotated[str | None, typer.Option(help="Ray cluster address (default: RAY_ADDRESS, else a new local "
+                                                     "Ray).")] = None,
+    rows_csv: Annotated[Path | None, typer.Option("--rows", help="Stream every row to this CSV as it finishes; run "
+                                                                 "the same sweep again to resume from it.")] = None,
     top: Annotated[int, typer.Option(help="Rows to print (all go to the CSV).")] = 15,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")] = False,
     as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV (every field) instead of a table.")] = False,
@@ -44,15 +50,6 @@ def whatif(
     Example: `moesim whatif --model olmoe-1b-7b --hw a6000,gh200 --policy on-demand,prefetch,oracle
     --link-gbps 16,32 --cache-gib 0,1 --tokens 32 --jobs 1`
     """
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
     from moesim.sim.analysis import why
     from moesim.sim.sweep import whatif as run_whatif
     from moesim.sim.whatif import GOALS
@@ -64,14 +61,12 @@ def whatif(
 
         check_output_dir(out_dir)
 
-    with Progress(TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TextColumn("groups"),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True,
-                  disable=as_json or as_csv or not err.is_terminal) as bar:
-        task = bar.add_task("sweep", total=None)
+    with progress_bar("simulating", "configurations", disable=as_json or as_csv) as update:
         res = run_whatif(trace_path, split(model, "--model"), split(hw_names, "--hw"), split(policy, "--policy"),
                          floats(link_gbps, "--link-gbps") if link_gbps else None, floats(cache_gib, "--cache-gib"),
                          eviction, tokens, prompt_len, batch, goal, engine, jobs or None,
-                         lambda done, total: bar.update(task, completed=done, total=total))
+                         update,
+                         backend=backend, address=address, rows_csv=rows_csv)
     rows, winner = res.rows, res.winner
     if as_json or as_csv:
         print_json({"goal": goal, "best": winner, "rows": rows}) if as_json else print_csv(rows)

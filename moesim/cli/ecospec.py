@@ -1,0 +1,71 @@
+"""``moesim ecospec``. Python: ``moesim.reports.ecospec.ecospec_report(out, models, deployments, gammas, params,
+draft=...)`` (rows alone: ``moesim.sim.ecospec.ecospec_whatif``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from moesim.cli.app import app, err, floats, out, print_json, results_table, split
+
+COLS = (("model", "model"), ("deployment", "deployment"), ("selection", "selection"), ("gamma", "gamma"),
+        ("tokens_per_step", "tok/step"), ("distinct_experts_per_step", "experts/step"), ("verify_ms", "verify ms"),
+        ("tpot_ms", "TPOT ms"), ("speedup_vs_none", "x no-spec"), ("speedup_vs_confidence", "x conf."))
+
+
+@app.command()
+def ecospec(
+    model: Annotated[str, typer.Option(help="Comma-separated catalogue models.")] = "qwen3-235b-a22b,gpt-oss-120b,deepseek-v3",
+    deployment: Annotated[str, typer.Option(help="Comma-separated deployments (resident across GPUs or offloaded; "
+                                                 "docs/speculative.md).")] = "8xh200-tp,8xh200-ep,1xh200-offload",
+    gamma: Annotated[str, typer.Option(help="Verification budgets to try.")] = "1,2,4,8,12,16",
+    draft: Annotated[str, typer.Option(help="Draft cost: eagle, eagle:F (F target layers), dense:B (B billion "
+                                            "parameters) or none.")] = "eagle",
+    steps: Annotated[int, typer.Option(help="Synthetic verification steps per model.")] = 256,
+    branch: Annotated[int, typer.Option(help="Children per draft-tree node.")] = 2,
+    depth: Annotated[int, typer.Option(help="Levels of the draft tree.")] = 4,
+    accept: Annotated[str, typer.Option(help="Acceptance rate per depth (the last repeats).")] = "0.75,0.65,0.6,0.55",
+    recall: Annotated[float, typer.Option(help="The expert predictor's recall@k.")] = 0.7,
+    seed: Annotated[int, typer.Option(help="Random seed of the synthetic trees.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print every row as JSON.")] = False,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Report folder (HTML, PNG, CSV, JSON).")] = None,
+) -> None:
+    """What does EcoSpec's cost-aware tree selection buy on a large MoE, resident across a
+    node's GPUs or offloaded on one? Speculative decoding on **synthetic** draft trees
+    (`moesim synth --speculative`), confidence-only against EcoSpec selection, over the
+    verification budget gamma: tokens a step, distinct experts a verification,
+    verification latency, TPOT and the speed-ups.
+
+    Example: `moesim ecospec --model qwen3-235b-a22b --deployment 8xh200-tp,1xh200-offload --gamma 2,8 --steps 16`
+    """
+    from moesim.reports.ecospec import ecospec_report
+    from moesim.sim.draft import parse_draft
+    from moesim.sim.ecospec import ecospec_whatif
+    from moesim.traces.synthetic_speculative import SpecSynthParams
+
+    params = SpecSynthParams(steps=steps, branch=branch, depth=depth, accept=tuple(floats(accept, "--accept")),
+                             recall=recall, seed=seed)
+    models, deps = split(model, "--model"), split(deployment, "--deployment")
+    gammas = [int(g) for g in floats(gamma, "--gamma")]
+    prof = parse_draft(draft)
+    with err.status("simulating speculative decoding"):
+        if out_dir is not None:
+            rows = ecospec_report(out_dir, tuple(models), tuple(deps), tuple(gammas), params, draft=prof,
+                                  resident=deps[0])["rows"]
+        else:
+            rows = [r for m in models for r in ecospec_whatif(m, deps, gammas, params=params, draft=prof)]
+    if as_json:
+        print_json(rows)
+        return
+    best = []
+    for m in dict.fromkeys(r["model"] for r in rows):
+        for d in deps:
+            mine = [r for r in rows if r["model"] == m and r["deployment"] == d and r["gamma"] > 0]
+            best += [max((r for r in mine if r["strategy"] == s), key=lambda r: r["speedup_vs_none"])
+                     for s in ("confidence", "ecospec") if any(r["strategy"] == s for r in mine)]
+    out.print(results_table(best, f"best gamma per model, deployment and selection (synthetic trees; draft "
+                                  f"{prof.label}); every row: --json or --out", COLS))
+    if out_dir is not None:
+        err.print(f"report: {out_dir / 'report.html'}")

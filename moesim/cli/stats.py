@@ -1,0 +1,44 @@
+"""``moesim stats TRACE``. Python: ``moesim.reports.stats.stats_report(trace, out, hw, sizes, policy)``
+(the numbers alone: ``moesim.sim.stats.routing_stats``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from moesim.cli.app import app, err, floats, out, print_json
+
+
+@app.command()
+def stats(
+    trace_path: Annotated[Path, typer.Argument(metavar="TRACE", help="A trace file (.npz).")],
+    hw_name: Annotated[str | None, typer.Option("--hw", help="Also simulate TPOT against cache size on this profile "
+                                                             "and find the knee.")] = None,
+    sizes: Annotated[str | None, typer.Option(help="Cache sizes in experts (default: a spread up to all).")] = None,
+    policy: Annotated[str, typer.Option(help="Policy for the TPOT-against-cache curve.")] = "on-demand",
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Report folder: HTML, PNGs, stats.json.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print every statistic as JSON.")] = False,
+) -> None:
+    """Routing statistics, the questions users of offloading engines ask: which experts are
+    hot (popularity and skew per layer), how often and how soon experts are reused,
+    adjacent-layer overlap against chance, each predictor's recall, the cache hit rate
+    against cache size (LRU, LFU and Belady's offline optimum), and with `--hw` how many
+    experts to keep on the GPU (TPOT against cache size and the knee).
+
+    Example: `moesim synth --model olmoe-1b-7b --tokens 64 --out olmoe.npz`, then
+    `moesim stats olmoe.npz --hw a6000 --out olmoe-stats`
+    """
+    from moesim.reports.stats import stats_report
+    from moesim.sim.stats import summary_lines
+
+    res = stats_report(trace_path, out_dir, hw=hw_name,
+                       sizes=[int(s) for s in floats(sizes, "--sizes")] if sizes else None, policy=policy)
+    if as_json:
+        print_json(res)
+        return
+    for line in summary_lines(res):
+        out.print(line, highlight=False, markup=False)
+    if out_dir is not None:
+        err.print(f"report: {out_dir / 'report.html'}")

@@ -1,0 +1,85 @@
+"""The fast path of the CPU-compute policies: :mod:`moesim.sim.hybrid`'s step model as a
+per-layer recurrence, no event queue (the lead folds it into ``sim.fastpath``). Static
+placements (cpu-static, hot-experts) copy nothing, so their layers are independent and
+are computed for all steps at once from token counts.
+
+Two clocks: ``t``, when the device stream is next free, and ``link_free``, when the copy
+engine is next free. The CPU needs no clock of its own: a layer waits for its CPU work,
+so the CPU is idle whenever a router runs. A property test holds this to the SimPy
+reference (``sim.engine.run_simpy_hybrid``) decision for decision.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moesim.placement import HybridPlanner
+from moesim.policy import cpu_or_copy
+
+
+def run_fast_hybrid(w, planner: HybridPlanner):
+    """Simulate every step of ``w`` (a :class:`moesim.sim.hybrid.HybridWork`)."""
+    from moesim.sim.hybrid import HybridRun
+
+    if not planner.copies and w.counts is not None:
+        return _run_static(w, planner, HybridRun)
+
+    times, per = w.times, w.times.copy
+    n_t, n_layers = w.attn.shape
+    m_of = {layer: i for i, layer in enumerate(w.moe)}
+    shape = (n_t, len(w.moe))
+    n_gpu, n_cpu, n_copied, n_hits = (np.zeros(shape, np.int32) for _ in range(4))
+    ends, copy_s, stall_s, wait_s, busy_s = (np.zeros(n_t) for _ in range(5))
+    t = link_free = 0.0
+    for step, (attn, routed, other) in enumerate(zip(w.attn.tolist(), w.routed, w.other.tolist())):
+        for layer in range(n_layers):
+            t += attn[layer]
+            m = m_of.get(layer)
+            if m is None:
+                continue
+            tokens = dict(routed[m])
+            hits, misses = planner.split(m, list(tokens))
+            hit_a = sum(tokens[e] for e in hits)
+            miss_a = [tokens[e] for e in misses]
+            c = cpu_or_copy(miss_a, hit_a, len(hits), now=t, link_free=link_free, times=times) if planner.copies else 0
+            gpu_start = t
+            if c:
+                link_free = max(link_free, t) + c * per
+                copy_s[step] += c * per
+                stall_s[step] += link_free - t
+                gpu_start = link_free
+            gpu_end = gpu_start + times.gpu(len(hits) + c, hit_a + sum(miss_a[:c]))
+            cpu = times.cpu(len(misses) - c, sum(miss_a[c:]))
+            cpu_end = t + cpu
+            busy_s[step] += cpu
+            if cpu_end > gpu_end:
+                wait_s[step] += cpu_end - gpu_end
+            t = max(gpu_end, cpu_end)
+            planner.finish(m, hits, misses[:c])
+            n_gpu[step, m], n_cpu[step, m] = len(hits) + c, len(misses) - c
+            n_copied[step, m], n_hits[step, m] = c, len(hits)
+        t += other
+        ends[step] = t
+    return HybridRun(ends, copy_s, stall_s, wait_s, busy_s, n_gpu, n_cpu, n_copied, n_hits)
+
+
+def _run_static(w, planner: HybridPlanner, run_cls):
+    """Static placements copy nothing, so no layer depends on the link's past: every
+    layer's time is ``max(device, CPU)`` from counts alone, all steps at once."""
+    t_ = w.times
+    c = w.counts
+    res = planner.resident[None, :, :]
+    routed = c > 0
+    n_dev = (routed & res).sum(-1)
+    n_cpu = (routed & ~res).sum(-1)
+    a_dev = np.where(res, c, 0).sum(-1)
+    a_cpu = np.where(res, 0, c).sum(-1)
+    gpu = np.maximum(n_dev * (t_.gpu_mem + t_.gpu_fixed), a_dev * t_.gpu_tok)
+    cpu = np.where(n_cpu > 0, np.maximum(n_cpu * t_.cpu_mem, a_cpu * t_.cpu_tok) + n_cpu * t_.cpu_fixed + t_.roundtrip,
+                   0.0)
+    layer = np.maximum(gpu, cpu)
+    step = w.attn.sum(1) + layer.sum(1) + w.other
+    zeros = np.zeros(len(step))
+    return run_cls(np.cumsum(step), zeros, zeros.copy(), np.maximum(cpu - gpu, 0).sum(1), cpu.sum(1),
+                   n_dev.astype(np.int32), n_cpu.astype(np.int32), np.zeros_like(n_dev, np.int32),
+                   n_dev.astype(np.int32))

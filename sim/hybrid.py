@@ -1,0 +1,288 @@
+"""The step model of the CPU-compute policies (cpu-static, hot-experts, cpu-on-miss).
+
+At MoE layer l of a decode step the device has just run attention and the router. The
+routed experts split (:class:`moesim.placement.HybridPlanner`) into those the device
+holds and misses; under cpu-on-miss :func:`moesim.policy.cpu_or_copy` sends some misses
+over the link, the others (all of them under the static policies) run on the CPU. Device
+and CPU work concurrently; the layer ends when the later finishes:
+
+    gpu_end = (copies landed, or now) + max(n_dev * (gpu_mem + launches), a_dev * gpu_tok)
+    cpu_end = now + roundtrip + max(n_cpu * cpu_mem, a_cpu * cpu_tok) + n_cpu * dispatch
+
+with ``n`` experts serving ``a`` token-expert pairs (:class:`moesim.policy.ExpertTimes`):
+CPU time grows with batch and prompt length once the math outweighs reading the weights.
+The SimPy reference (``sim.engine.run_simpy_hybrid``) and the fast recurrence
+(``sim.fastpath_cpu.run_fast_hybrid``) take the same :class:`HybridWork` and drive the
+same planner, so they must agree (a property test holds them to it).
+
+Not modelled here: copy/compute interference and the wake-up delay (only cpu-on-miss
+copies at all, and its decisions are made without them), and the activation transfer's
+share of the link. Compute times are the roofline's; a trace's measured per-expert times
+are device times and say nothing about the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from moesim.errors import MoesimError
+from moesim.hardware import HardwareProfile, HostProfile, get_host
+from moesim.models import ModelSpec
+from moesim.placement import HybridPlanner, Placement, device_bytes, make_placement
+from moesim.policy import EVICTIONS, ExpertTimes, get_policy
+from moesim.sim.costs import KERNELS_ATTENTION, KERNELS_EXPERT, roofline_costs
+from moesim.sim.plan import Plan
+from moesim.sim.workload import Link
+from moesim.traces.format import Trace, read_trace
+
+
+@dataclass(frozen=True)
+class HybridWork:
+    """Per step and model layer: attention time; per MoE layer: the routed experts with
+    their token counts, heaviest first (ties by expert id)."""
+
+    attn: np.ndarray  # [t, n_layers] seconds
+    other: np.ndarray  # [t] seconds (embedding, final norm, LM head)
+    moe: tuple[int, ...]  # model layer index of each MoE layer
+    routed: list[list[list[tuple[int, int]]]]  # [t][m] -> [(expert, tokens)]
+    times: ExpertTimes
+    counts: np.ndarray | None = None  # [t, m, E] tokens routed to each expert (the vectorised static path)
+
+
+@dataclass
+class HybridRun:
+    """Per-step results of one engine run, and per (step, MoE layer) counts."""
+
+    ends: np.ndarray
+    copy: np.ndarray  # link seconds issued per step
+    stall: np.ndarray  # seconds the device waited for copies per step
+    cpu_wait: np.ndarray  # seconds a layer's end waited on the CPU past the device's end, per step
+    cpu_busy: np.ndarray  # CPU seconds per step (with round trips)
+    n_gpu: np.ndarray  # [t, m] experts the device ran
+    n_cpu: np.ndarray  # [t, m] experts the CPU ran
+    n_copied: np.ndarray  # [t, m] misses copied
+    n_hits: np.ndarray  # [t, m] experts the device already held
+    spans: list = field(default_factory=list)
+
+
+def routed_sets(ids: np.ndarray) -> list[list[list[tuple[int, int]]]]:
+    """``[t, m, b, k]`` ids -> per (t, m) the (expert, token count) pairs, heaviest first."""
+    t, m, b, k = ids.shape
+    out = []
+    for step in ids.reshape(t, m, b * k).tolist():
+        rows = []
+        for row in step:
+            count: dict[int, int] = {}
+            for e in row:
+                if e >= 0:
+                    count[e] = count.get(e, 0) + 1
+            rows.append(sorted(count.items(), key=lambda p: (-p[1], p[0])))
+        out.append(rows)
+    return out
+
+
+def load_calibration(path: str, spec: ModelSpec) -> np.ndarray:
+    """The routing ``[t, m, b, k]`` of a calibration trace (``--placement-from``), checked
+    against the model being simulated: a trace of another model is one clear error."""
+    trace = read_trace(path)
+    other = trace.model
+    if (other.n_moe_layers, other.n_experts) != (spec.n_moe_layers, spec.n_experts):
+        raise MoesimError(f"calibration trace {path} is of {other.name} ({other.n_moe_layers} MoE layers x "
+                          f"{other.n_experts} experts); the simulated model {spec.name} has "
+                          f"{spec.n_moe_layers} x {spec.n_experts}")
+    return trace.true_ids
+
+
+def expert_times(spec: ModelSpec, hw: HardwareProfile, host: HostProfile, link: Link, batch: int = 1,
+                 amx: bool = True) -> ExpertTimes:
+    """The roofline figures of one expert on the device and on the CPU, and one copy."""
+    activations = 2 * 2 * batch * spec.hidden  # bf16 hidden states down, expert outputs up
+    return ExpertTimes(
+        gpu_mem=spec.expert_bytes / hw.mem_bw, gpu_tok=spec.expert_flops(1) / hw.flops(spec.expert_dtype),
+        gpu_fixed=KERNELS_EXPERT * hw.launch,
+        cpu_mem=spec.expert_bytes / host.mem_bw, cpu_tok=spec.expert_flops(1) / host.flops(spec.expert_dtype, amx),
+        cpu_fixed=host.dispatch, roundtrip=host.roundtrip + activations / hw.link_bw,
+        copy=link.per_expert,
+    )
+
+
+def token_counts(ids: np.ndarray, n_experts: int) -> np.ndarray:
+    """``[t, m, b, k]`` ids -> ``[t, m, E]`` tokens routed to each expert."""
+    t, m, b, k = ids.shape
+    flat = ids.reshape(t * m, b * k).astype(np.int64)
+    row = np.repeat(np.arange(t * m), b * k)
+    ok = flat.reshape(-1) >= 0
+    counts = np.zeros(t * m * n_experts, np.int32)
+    np.add.at(counts, row[ok] * n_experts + flat.reshape(-1)[ok], 1)
+    return counts.reshape(t, m, n_experts)
+
+
+def build_work(trace: Trace, hw: HardwareProfile, times: ExpertTimes) -> HybridWork:
+    spec = trace.model
+    costs = roofline_costs(spec, hw, trace.n_tokens, trace.prompt_len, trace.batch)
+    return HybridWork(costs.attn, costs.other, spec.moe_layers, routed_sets(trace.true_ids), times,
+                      token_counts(trace.true_ids, spec.n_experts))
+
+
+def prefill_time_hybrid(spec: ModelSpec, hw: HardwareProfile, times: ExpertTimes, resident: np.ndarray | None,
+                        prompt_len: int, batch: int = 1) -> float:
+    """Time to first token when some experts live on the CPU.
+
+    Prefill routes (nearly) every expert, tokens assumed spread evenly over a layer's
+    experts. The device runs attention and its resident experts as one roofline block
+    (as ``moesim.sim.simulate.prefill_time`` does for an all-resident model, which this
+    equals when nothing is on the CPU). A layer's CPU-held experts start after attention
+    and either run on the CPU (weights read once, math for every token routed to them,
+    the prompt's activations over the link) or are copied and run on the device,
+    whichever ends first: llama.cpp copies such weights for large batches (its op
+    offload), so long prompts are not CPU-bound. Copies are not overlapped with compute
+    here (conservative).
+    """
+    n = batch * prompt_len
+    if n == 0:
+        return 0.0
+    e, k = spec.n_experts, spec.top_k
+    rate = hw.flops(spec.dense_dtype)
+
+    def block(nbytes: float, flops: float) -> float:
+        return max(nbytes / hw.mem_bw, flops / rate) + hw.launch * KERNELS_ATTENTION
+
+    total, m = 0.0, 0
+    for layer in range(spec.n_layers):
+        flops = n * (spec.attention_flops(prompt_len // 2) + spec.dense_flops_per_token(layer))
+        mem = spec.layer_resident_bytes(layer) + n * spec.kv_bytes_per_token_layer
+        if layer in spec.dense_layers:
+            total += block(mem, flops)
+            continue
+        on_dev = int(resident[m].sum()) if resident is not None else 0
+        m += 1
+        on_cpu, pairs = e - on_dev, n * k
+        dev_pairs = pairs * on_dev // e
+        device = block(mem + on_dev * spec.expert_bytes, flops + dev_pairs * spec.expert_flops(1))
+        if not on_cpu:
+            total += device
+            continue
+        attention = block(mem, flops)
+        cpu = attention + times.cpu(on_cpu, pairs - dev_pairs) + 2 * 2 * n * spec.hidden / hw.link_bw
+        copy = on_cpu * times.copy + block(mem + spec.layer_expert_bytes, flops + pairs * spec.expert_flops(1))
+        total += min(max(device, cpu), copy)
+    return total + max(spec.lm_head_bytes / hw.mem_bw, batch * spec.lm_head_flops / hw.flops("bf16"))
+
+
+@dataclass
+class HybridResult:
+    """A CPU-compute policy's simulated run: per-step times and the summary reports read."""
+
+    config: dict[str, Any]
+    tpot: np.ndarray
+    run: HybridRun
+    plan: Plan
+    ttft: float
+    placement: Placement | None
+
+    # The copy family's per-step arrays, so reports and sweeps read either result alike.
+    @property
+    def copy(self) -> np.ndarray:
+        return self.run.copy
+
+    @property
+    def stall(self) -> np.ndarray:
+        return self.run.stall
+
+    @property
+    def compute(self) -> np.ndarray:
+        """The device stream's own work per step (attention, its experts, the head)."""
+        return self.tpot - self.run.stall - self.run.cpu_wait
+
+    @property
+    def spans(self) -> list:
+        return self.run.spans
+
+    def summary(self) -> dict[str, Any]:
+        r, tp, ms = self.run, self.tpot, 1e3
+        executed = (r.n_gpu + r.n_cpu).sum()
+        device = tp - r.stall - r.cpu_wait  # the device stream's own work: attention, its experts, the head
+        return {
+            **self.config,
+            "cache_gib": round(self.config["cache_experts"] * self.config["expert_bytes"] / 2**30, 2),
+            "compute_ms": float(device.mean() * ms),
+            "serial_bound_ms": float((device + r.copy).mean() * ms),
+            "overlap_bound_ms": float(np.maximum(device, r.copy).mean() * ms),
+            "cache_hit_rate": float(r.n_hits.sum() / executed) if self.config["cache_experts"] else 0.0,
+            "prefetch_hit_rate": 0.0,
+            "pred_recall": float("nan"),  # these policies use no prediction
+            "tokens": int(tp.size),
+            "tpot_ms": float(tp.mean() * ms),
+            "tpot_p50_ms": float(np.percentile(tp, 50) * ms),
+            "tpot_p90_ms": float(np.percentile(tp, 90) * ms),
+            "tpot_p99_ms": float(np.percentile(tp, 99) * ms),
+            "tokens_per_s": float(1 / tp.mean()),
+            "copy_ms": float(r.copy.mean() * ms),
+            "stall_ms": float(r.stall.mean() * ms),
+            "cpu_ms": float(r.cpu_busy.mean() * ms),
+            "cpu_wait_ms": float(r.cpu_wait.mean() * ms),
+            "cpu_expert_share": float(r.n_cpu.sum() / executed),
+            "cpu_experts_per_token": float(r.n_cpu.sum(1).mean()),
+            "experts_loaded_per_token": float(r.n_copied.sum(1).mean()),
+            "gb_moved_per_token": float(r.n_copied.sum(1).mean() * self.config["expert_bytes"] / 1e9),
+            "device_hit_rate": float(r.n_hits.sum() / executed),
+            "ttft_ms": float(self.ttft * ms),
+        }
+
+
+def simulate_hybrid(trace: Trace, hw: HardwareProfile, policy: str = "cpu-static", *, host: str | HostProfile | None = None,
+                    cpu_layers: int | str = "auto", calibration: np.ndarray | None = None,
+                    calibrate_on_replay: bool = False, cache_experts: int = 0, eviction: str = "lru",
+                    engine: str = "simpy", link_gbps: float | None = None, amx: bool = True,
+                    record: bool = False) -> HybridResult:
+    """Simulate ``trace`` under a CPU-compute policy on GPU ``hw`` and ``host`` (default:
+    the GPU profile's host). ``calibration`` is the ``[t, m, b, k]`` routing of a separate
+    calibration trace (hot-experts; warms cpu-on-miss's cache)."""
+    from moesim.sim.engine import run_simpy_hybrid
+    from moesim.sim.fastpath_cpu import run_fast_hybrid
+
+    pol = get_policy(policy)
+    if not pol.cpu:
+        raise MoesimError(f"policy {pol.name!r} computes no experts on the CPU; use moesim.sim.simulate.simulate")
+    if engine not in ("simpy", "fast"):
+        raise MoesimError(f"unknown engine {engine!r}; known: simpy, fast")
+    if eviction not in EVICTIONS:
+        raise MoesimError(f"unknown eviction policy {eviction!r}; known: {', '.join(EVICTIONS)}")
+    spec = trace.model
+    if pol.cpu != "miss":
+        cache_experts = 0  # static placements keep no cache: their resident set is the placement
+    host = host if isinstance(host, HostProfile) else get_host(host, hw)
+    if link_gbps is not None:
+        hw = hw.with_figure("h2d_pinned_gbs", link_gbps)
+    context = trace.prompt_len + trace.n_tokens
+    placement = make_placement(pol, spec, hw["device_memory_gb"] * 1e9, batch=trace.batch, context=context,
+                               cpu_layers_n=cpu_layers, calibration=calibration, replay_ids=trace.true_ids,
+                               calibrate_on_replay=calibrate_on_replay)
+    link = Link.from_profile(hw, spec)
+    times = expert_times(spec, hw, host, link, trace.batch, amx)
+    work = build_work(trace, hw, times)
+    planner = HybridPlanner(pol, spec, placement, cache_experts, eviction)
+    run = run_simpy_hybrid(work, planner, link, record) if engine == "simpy" else run_fast_hybrid(work, planner)
+    tpot = np.diff(run.ends, prepend=0.0)
+    b, k = trace.batch, spec.top_k
+    n_exec = run.n_gpu + run.n_cpu
+    zeros = np.zeros_like(n_exec)
+    plan = Plan(pol, cache_experts, eviction, zeros, run.n_copied, n_exec, np.full_like(n_exec, b * k), run.n_hits, zeros)
+    resident = placement.resident if placement is not None else None
+    ttft = prefill_time_hybrid(spec, hw, times, resident, trace.prompt_len, b)
+    config = {
+        "model": spec.name, "hw": hw.name, "host": host.name, "policy": pol.name, "cache_experts": cache_experts,
+        "eviction": eviction if cache_experts else "-", "link_gbps": hw["h2d_pinned_gbs"], "batch": b,
+        "engine": engine, "timing": f"roofline ({hw.name} + {host.name}{'' if amx and host.has_amx else ', no AMX'})",
+        "placement": placement.source if placement is not None else "cold cache",
+        "optimistic_placement": bool(placement is not None and placement.optimistic),
+        "resident_experts": placement.n_resident if placement is not None else 0,
+        "expert_bytes": spec.expert_bytes, "synthetic_trace": trace.synthetic,
+    }
+    need = device_bytes(spec, pol, placement, cache_experts, b, context)
+    config["device_gb_needed"] = need / 1e9
+    config["fits"] = need <= hw["device_memory_gb"] * 1e9
+    return HybridResult(config, tpot, run, plan, ttft, placement)

@@ -1,0 +1,142 @@
+"""The executor's CPU experts: a thread pool computing host-held experts beside the
+device, and weight-only int8 / int4 experts whose stored bytes are the byte accounting's."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from moesim.executor.host_experts import HostExperts
+from moesim.executor.model import expert_forward
+from moesim.executor.quant_experts import QuantExpert, quantize
+from moesim.models import get_model, matrix_bytes
+
+H, INTER, E = 64, 32, 8
+
+
+def _experts(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(3 * H * INTER, generator=g) * 0.1 for _ in range(E)] for _ in range(2)]
+
+
+def _reference(weights, x, ids, gates, only):
+    out = torch.zeros_like(x)
+    for r in range(x.shape[0]):
+        for c, e in enumerate(ids[r].tolist()):
+            if e in only:
+                out[r] += gates[r, c] * expert_forward(weights[e], x[r:r + 1], H, INTER)[0]
+    return out
+
+
+def test_host_experts_equal_the_device_formula_for_their_share():
+    weights = _experts()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, H, generator=g)
+    ids = np.array([[0, 3], [3, 5], [1, 0], [7, 3], [5, 6]])
+    gates = torch.rand(5, 2, generator=g)
+    cpu_share = [3, 5, 7]
+    with HostExperts(H, INTER, weights=weights, workers=3) as host:
+        job = host.submit(1, x, ids, gates, cpu_share)
+        y = job.result()
+    torch.testing.assert_close(y, _reference(weights[1], x, ids, gates, set(cpu_share)), rtol=1e-5, atol=1e-6)
+    # The device's share plus the CPU's share is the whole layer.
+    device = _reference(weights[1], x, ids, gates, {0, 1, 6})
+    torch.testing.assert_close(y + device, _reference(weights[1], x, ids, gates, set(range(E))), rtol=1e-5, atol=1e-6)
+
+
+def test_host_experts_run_while_the_caller_continues():
+    started, release = threading.Event(), threading.Event()
+
+    def slow(layer, expert, x):
+        started.set()
+        assert release.wait(10)
+        return torch.ones(x.shape[0], H)
+
+    with HostExperts(H, INTER, expert_fn=slow, workers=1) as host:
+        job = host.submit(0, torch.zeros(1, H), np.array([[2, 4]]), torch.ones(1, 2), [2])
+        assert started.wait(10)
+        assert not job.done()  # submit returned while the expert is still running
+        release.set()
+        assert torch.equal(job.result(), torch.ones(1, H))
+
+
+def test_an_expert_routed_nowhere_costs_nothing():
+    with HostExperts(H, INTER, weights=_experts(), workers=1) as host:
+        job = host.submit(0, torch.randn(2, H), np.array([[0, 1], [1, 0]]), torch.ones(2, 2), [4])
+        assert job.futures == [] and torch.equal(job.result(), torch.zeros(2, H))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4-g32", "int4-g128"])
+def test_stored_bytes_are_the_byte_accounting(fmt):
+    for rows, cols in ((32, 64), (7, 129), (64, 32)):
+        w = torch.randn(rows, cols)
+        assert quantize(w, fmt).nbytes == matrix_bytes(rows, cols, fmt), (rows, cols)
+    spec = get_model("tiny").with_expert_dtype(fmt)
+    q = QuantExpert.from_flat(torch.randn(3 * spec.hidden * spec.expert_inter), spec.hidden, spec.expert_inter, fmt)
+    assert q.nbytes == spec.expert_bytes
+
+
+@pytest.mark.parametrize("fmt, tol", [("int8", 0.02), ("int4-g32", 0.2), ("int4-g128", 0.25)])
+def test_quantised_experts_stay_close_to_bf16(fmt, tol):
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(3 * H * INTER, generator=g) * 0.1
+    x = torch.randn(4, H, generator=g)
+    ref = expert_forward(w, x, H, INTER)
+    y = QuantExpert.from_flat(w, H, INTER, fmt).forward(x)
+    err = (y - ref).norm() / ref.norm()
+    assert err < tol, float(err)
+    coarser = {"int8": None, "int4-g32": "int8", "int4-g128": "int4-g32"}[fmt]
+    if coarser:  # fewer bits or bigger groups lose more
+        finer = (QuantExpert.from_flat(w, H, INTER, coarser).forward(x) - ref).norm() / ref.norm()
+        assert finer < err
+
+
+def test_int4_round_trip_is_exact_on_representable_weights():
+    # Weights on each group's 16-level grid come back exactly (fp16 scale and zero).
+    levels = torch.arange(16, dtype=torch.float32) * 0.25 - 1.0
+    w = levels[torch.randint(0, 16, (4, 64), generator=torch.Generator().manual_seed(3))]
+    w[:, ::32] = -1.0
+    w[:, 1::32] = 2.75  # every group spans the full range
+    torch.testing.assert_close(quantize(w, "int4-g32").dequantize(), w)
+
+
+def test_quantised_experts_run_on_the_host_pool():
+    w = torch.randn(3 * H * INTER) * 0.1
+    q = QuantExpert.from_flat(w, H, INTER, "int8")
+    x = torch.randn(3, H)
+    ids, gates = np.array([[0], [0], [1]]), torch.ones(3, 1)
+    with HostExperts(H, INTER, expert_fn=lambda layer, e, rows: q.forward(rows), workers=2) as host:
+        y = host.submit(0, x, ids, gates, [0]).result()
+    torch.testing.assert_close(y[:2], q.forward(x[:2]), rtol=1e-5, atol=1e-6)
+    assert torch.equal(y[2], torch.zeros(H))
+
+
+@pytest.mark.parametrize("policy", ["cpu-static", "cpu-on-miss"])
+def test_a_hybrid_layer_pass_equals_the_all_resident_model(policy):
+    """The real layer pass with the CPU-compute hook gives the all-resident hidden states."""
+    from moesim.executor.host_experts import HybridExperts
+    from moesim.executor.model import ExecConfig, random_model
+    from moesim.placement import HybridPlanner, static_layers
+
+    spec = get_model("tiny")
+    model = random_model(ExecConfig(spec), seed=3)
+    tokens = torch.randint(0, spec.vocab, (2, 5), generator=torch.Generator().manual_seed(4))
+    placement = static_layers(spec, 2)  # layers 0-1 on the CPU, 2-3 resident
+    planner = HybridPlanner(policy, spec, placement if policy == "cpu-static" else None, cache_experts=4)
+    copied_log: list[tuple[int, list[int]]] = []
+
+    def copy_first(layer, misses):  # stands in for cpu_or_copy: copy one miss a layer
+        copied_log.append((layer, misses[:1]))
+        return misses[:1]
+
+    with torch.no_grad(), HostExperts(spec.hidden, spec.expert_inter, weights=model.experts, workers=2) as host:
+        hook = HybridExperts(model, planner, host, copy_for=copy_first if policy == "cpu-on-miss" else None)
+        hybrid = model.hidden_states(tokens, hook)
+        reference = model.hidden_states(tokens)
+    torch.testing.assert_close(hybrid, reference, rtol=1e-5, atol=1e-5)
+    if policy == "cpu-on-miss":  # the copied misses entered the device cache
+        assert all((layer, e) in planner.cache for layer, es in copied_log for e in es)
+        assert len(copied_log) == spec.n_layers
