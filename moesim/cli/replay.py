@@ -98,12 +98,12 @@ def replay(
                                  [int(g) for g in floats(gamma, "--gamma")] if gamma is not None else None,
                                  tuple(split(selection, "--selection")), score, tuple(floats(lam, "--lambda")),
                                  link_gbps, "measured" if timing == "auto" else timing, depth, branch, acceptance)
-        print_json(res) if as_json else print_speculative(res, trace_path)
+        print_json(res) if as_json else print_csv(res["rows"]) if as_csv else print_speculative(res, trace_path)
         return
     if gamma is not None or depth is not None or branch is not None or acceptance is not None:
         raise MoesimError("--gamma, --depth, --branch and --acceptance apply to speculative-decoding traces (moesim speculate)")
     if validate:
-        print_validation(trace, trace_path, hw_name, engine, as_json, out_dir)
+        print_validation(trace, trace_path, hw_name, engine, as_json, out_dir, as_csv)
         return
     with progress_bar("replaying", "layer-steps", disable=as_json) as update:
         rep = run_replay(trace, hw_name, split(policy, "--policy"), model=model, step=step, where=trace_path,

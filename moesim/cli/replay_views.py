@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from moesim.cli.app import err, out, print_json, table
+from moesim.cli.app import err, out, print_csv, print_json, table
 
 
 def signed_ms(x: float) -> str:
@@ -30,7 +30,7 @@ def print_speculative(res: dict[str, Any], trace_path: Path) -> None:
 
 
 def print_validation(trace, trace_path: Path, hw_name: str | None, engine: str, as_json: bool,
-                     out_dir: Path | None) -> None:
+                     out_dir: Path | None, as_csv: bool = False) -> None:
     from moesim.hardware import get_profile
     from moesim.sim.validate import recorded_profile, validate_trace
 
@@ -38,6 +38,8 @@ def print_validation(trace, trace_path: Path, hw_name: str | None, engine: str, 
     s, result = validate_trace(trace, hw_profile, engine=engine)
     if as_json:
         print_json(s)
+    elif as_csv:
+        print_csv([s])
     else:
         out.print(table(f"{trace_path.name}: simulated against measured TPOT ({s['policy']}, "
                         f"{s['tokens']} tokens after 1 warm-up step)",
