@@ -244,12 +244,16 @@ def measure_to_file(device: str, name: str | None, out: Path | None, threads: in
     ``out``, by default ``./<name>.toml`` in the current directory (never into the
     package's hwprofiles/); what was written must load back."""
     from moesim.atomic import atomic_write_text
-    from moesim.errors import MoesimError
     from moesim.executor.profile import check_device
     from moesim.hardware import get_profile
+    from moesim.outputs import check_output_file
 
-    if out is not None and out.suffix != ".toml":
-        raise MoesimError(f"--out {out}: a hardware profile is a .toml file")
+    if out is not None:
+        check_output_file(out, (".toml",))
+    elif name is not None:
+        check_output_file(Path(f"{name}.toml"), (".toml",))
+    else:
+        check_output_file(Path("measured.toml"), (".toml",))  # the folder it will land in
     torch.set_num_threads(threads)
     check_device(device)
     prof = measure(device, name, step)

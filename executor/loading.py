@@ -59,6 +59,9 @@ def check_derived_out(source: Path, out: Path, force: bool) -> None:
     a shipped checkpoint, or a folder holding something other than a copy of ``source``
     (both allowed with ``force``)."""
     refuse_shipped(out, force)
+    from moesim.outputs import check_output_dir
+
+    check_output_dir(out)
     if force or out.resolve() == source.resolve() or not out.exists():
         return
     config = out / "config.json"

@@ -16,12 +16,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moesim import budget
 from moesim.errors import MoesimError
-from moesim.executor.defaults import DECODE_THREADS
+from moesim.executor.defaults import DECODE_THREADS, DRAFT_MODEL, SHIPPED_MODEL
 from moesim.executor.interrupt import stop_on_interrupt, stop_requested
 from moesim.executor.loading import checkpoint_dir, load_model, predictor_files, prompt_ids
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, get_profile
 from moesim.models import cache_capacity
+from moesim.outputs import check_output_file
 from moesim.policy import get_policy
 from moesim.traces.format import Trace, write_trace
 
@@ -68,6 +70,34 @@ class Recorded:
     extra: dict = field(default_factory=dict)
 
 
+def check_decode_budget(req: DecodeRequest, hw: HardwareProfile, offload: bool) -> None:
+    """Refuse, before loading anything, a decode that cannot fit in memory or would take
+    more than a day; announce one that takes long (moesim.budget)."""
+    from moesim.executor.loading import shipped_model
+    from moesim.models import get_model
+
+    if req.layers is not None and req.layers < 1:
+        raise MoesimError(f"--layers {req.layers}: keep at least one layer (leave it out for all)")
+    if not 0 <= req.temperature < float("inf"):
+        raise MoesimError(f"--temperature {req.temperature:g}: 0 (greedy) or a positive number")
+    if req.fidelity_tokens < 0:
+        raise MoesimError("--fidelity-tokens must be >= 0")
+    if req.prompt_len < 1 and req.prompt is None:
+        raise MoesimError("--prompt-len must be >= 1")
+    if req.cache_gib < 0 or req.cache_experts < 0 or req.cache_gib != req.cache_gib:
+        raise MoesimError("cache size must be >= 0")
+    src = shipped_model(req.model) if req.model in (SHIPPED_MODEL, DRAFT_MODEL) else req.model
+    spec = get_model(str(src))
+    if req.layers is not None:
+        spec = spec.with_layers(req.layers)
+    from moesim.executor.model import ExecConfig
+
+    ExecConfig(spec)  # a model the executor cannot run says so first
+    capacity = cache_capacity(spec, min(req.cache_gib, 2.0**40), req.cache_experts)
+    budget.check(budget.decode_estimate(spec, req.tokens, req.batch, 4 if req.dtype == "fp32" else 2,
+                                        hw["h2d_pinned_gbs"], capacity, offload, req.prompt_len))
+
+
 def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], None] | None = None) -> Recorded:
     """Decode with the reference executor under ``req.policy`` and write its trace to ``out``."""
     from moesim.executor.profile import (
@@ -82,13 +112,16 @@ def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], 
 
     if req.tokens < 1 or req.batch < 1 or req.threads < 1:
         raise MoesimError("--tokens, --batch and --threads must be >= 1")
+    check_output_file(out)
     torch.set_num_threads(req.threads)
     dev = check_device(req.device)
     hw_profile = link_profile(req.hw, req.link_gbps)
     pol = get_policy(req.policy)
+    check_decode_budget(req, hw_profile, pol.offload)
     loaded = load_model(req.model, req.layers, req.dtype, req.device, req.seed)
     m = loaded.model
-    capacity = cache_capacity(m.spec, req.cache_gib, req.cache_experts) if pol.offload else 0
+    capacity = min(cache_capacity(m.spec, req.cache_gib, req.cache_experts), m.spec.n_moe_layers * m.spec.n_experts) \
+        if pol.offload else 0  # a cache larger than every expert holds every expert
     st = ProfileSettings(pol.name, req.predictor, capacity, req.eviction, req.tokens, req.temperature, req.seed)
     dv, est = predictor_files(loaded, req.model, pol.name, req.predictor, req.seed, dev)
     ids = prompt_ids(m, req.prompt if req.prompt is not None else DEFAULT_PROMPT, req.prompt_len, req.batch, req.seed)
@@ -142,6 +175,7 @@ def record_speculative(req: SpeculateRequest, out: Path) -> tuple[Recorded, Spec
     from moesim.executor.runtime import OffloadedDecoder, make_transport
     from moesim.executor.speculative import SpecSettings, build_sd_trace, load_expert_predictor, speculative_generate
 
+    check_output_file(out)
     pol = get_policy(req.policy)
     if pol.speculative or pol.oracle:
         raise MoesimError("speculative decoding verifies exactly: use all-resident, on-demand or prefetch-fom")

@@ -160,6 +160,8 @@ class SpecSettings:
     def __post_init__(self) -> None:
         if self.gamma < 0 or self.branch < 1 or self.depth < 1 or self.tokens < 1:
             raise MoesimError("gamma >= 0, branch >= 1, depth >= 1, tokens >= 1")
+        if not -1e9 < self.lam < 1e9:  # NaN fails too
+            raise MoesimError(f"--lambda {self.lam}: a finite number")
         if self.strategy not in SELECTIONS:
             raise MoesimError(f"unknown selection {self.strategy!r}; known: {', '.join(SELECTIONS)}")
         if self.score not in SCORES:

@@ -62,6 +62,12 @@ def train(out: Path, steps: int = 3000, batch: int = 16, seq: int = 128, lr: flo
     """Train and write the checkpoint to ``out``: every ``save_every`` steps (with a held-out
     evaluation), at the end, and on Ctrl-C (whatever step it reached), each file atomically,
     so an interrupted run keeps a loadable checkpoint and an honest training.json."""
+    from moesim.outputs import check_output_dir
+
+    check_output_dir(out)  # before minutes of training, not after
+    from moesim import budget
+
+    budget.check(budget.train_estimate(spec, steps, batch, seq))
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
     data, desc = stdlib_corpus()

@@ -433,8 +433,8 @@ ALIASES = {"deepseek-v3.1": "deepseek-v3", "olmoe-1b-7b-0924": "olmoe-1b-7b", "q
 def cache_capacity(spec: ModelSpec, cache_gib: float = 0.0, cache_experts: int = 0) -> int:
     """Cross-token cache capacity in experts, from GiB or an expert count (not both). Shared
     by the simulator and the executor, so a cache of N GiB holds the same experts in both."""
-    if cache_gib < 0 or cache_experts < 0:
-        raise MoesimError("cache size must be >= 0")
+    if not (0 <= cache_gib < float("inf")) or cache_experts < 0:  # NaN fails too
+        raise MoesimError(f"cache size must be >= 0 and finite (got {cache_gib:g} GiB, {cache_experts} experts)")
     if cache_gib and cache_experts:
         raise MoesimError("give the cache size in GiB or in experts, not both")
     if cache_gib:

@@ -358,8 +358,10 @@ class Planner:
         tr = np.ascontiguousarray(true_ids.reshape(t, m, b * k))
         pr = tr if self.policy.oracle else np.ascontiguousarray(pred_ids.reshape(t, m, b * k))
         counts = np.zeros((6, t, m), np.int32)
-        cap = self.cache.capacity if self.cache is not None else 0
         keys = m * n_experts
+        # A cache that holds every (layer, expert) never evicts: a larger one behaves the same
+        # and must not size the heap (a 1e12 GiB what-if would allocate terabytes).
+        cap = min(self.cache.capacity, keys) if self.cache is not None else 0
         resident, inuse, prot = (np.zeros(keys, np.bool_) for _ in range(3))
         count, last, pos = (np.zeros(keys, np.int64) for _ in range(3))
         heap = [np.zeros(max(4 * cap, keys) + 64 if cap else 1, np.int64) for _ in range(2)]  # priorities, keys

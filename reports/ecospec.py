@@ -107,7 +107,9 @@ def ecospec_report(out: Path, models: tuple[str, ...] = MODELS, deployments: tup
     """Run the what-if for every model and write the report into ``out``; returns the rows
     and latency fits (what the report shows). ``variants`` (other tree shapes or acceptance
     models) are swept on the resident deployment into a sensitivity table."""
-    out = Path(out)
+    from moesim.outputs import check_output_dir
+
+    out = check_output_dir(out)  # before the sweep, not after
     rows: list[dict[str, Any]] = []
     fits: list[dict[str, Any]] = []
     for model in models:

@@ -86,9 +86,15 @@ def timeline_png(spans: Sequence[Any], step: int, path: Path, title: str) -> Pat
     return save_figure(fig, path)
 
 
+UNITS = {"tpot_ms": "ms", "tpot_p99_ms": "ms", "ttft_ms": "ms", "gb_moved_per_token": "GB"}
+
+
 def heatmap_png(rows: Sequence[dict[str, Any]], path: Path, title: str, value: str = "tpot_ms",
                 best: dict[str, Any] | None = None) -> Path:
-    """``value`` over link bandwidth x cache size, one panel per (hardware, policy)."""
+    """``value`` over link bandwidth x cache size, one panel per (hardware, policy); the best
+    configuration's cell is framed and starred, its value in its panel's title."""
+    from moesim.fmt import number
+
     panels = sorted({(r["hw"], r["policy"]) for r in rows})[:16]
     ncol = min(4, len(panels))
     nrow = -(-len(panels) // ncol)
@@ -112,15 +118,21 @@ def heatmap_png(rows: Sequence[dict[str, Any]], path: Path, title: str, value: s
             for xi, v in enumerate(row):
                 if v == v:  # not NaN
                     dark = (v - vmin) > 0.5 * (vmax - vmin)
-                    ax.text(xi, yi, f"{v:.3g}", ha="center", va="center", fontsize=6.5,
+                    ax.text(xi, yi, number(v), ha="center", va="center", fontsize=6.5,
                             color="white" if dark else "black")
         if best and (best["hw"], best["policy"]) == (hw, pol):
-            ax.scatter([links.index(best["link_gbps"])], [caches.index(best["cache_gib"])], marker="*", s=260,
-                       color="#FFD700", edgecolors="black", zorder=3)
+            bx, by = links.index(best["link_gbps"]), caches.index(best["cache_gib"])
+            # The star sits in the cell's corner so the cell's value stays readable; the
+            # value is repeated, bold, in the panel title.
+            ax.scatter([bx - 0.32], [by + 0.28], marker="*", s=110, color="#FFD700", edgecolors="black", zorder=3)
+            ax.add_patch(plt.Rectangle((bx - 0.5, by - 0.5), 1, 1, fill=False, edgecolor="#FFD700", linewidth=2.5,
+                                       zorder=3))
+            ax.set_title(f"{hw} / {pol}\nbest: {number(best[value])} {UNITS.get(value, '')}", fontsize=8,
+                         fontweight="bold")
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     if im is not None:
-        fig.colorbar(im, ax=axes, shrink=0.8, label=value)
+        fig.colorbar(im, ax=axes, shrink=0.8, label=f"{LABELS.get(value, value)} ({UNITS.get(value, '')})")
     fig.suptitle(title, fontsize=10)
     return save_figure(fig, path)
 
@@ -151,13 +163,40 @@ def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     return atomic_write_text(path, buf.getvalue())
 
 
-def _table_html(rows: Sequence[dict[str, Any]], cols: Sequence[str]) -> str:
-    def cell(v: Any) -> str:
-        return f"{v:.4g}" if isinstance(v, float) else html.escape(str(v))
+#: Report table headers: human words with units, for the result fields the reports show.
+LABELS = {
+    "model": "model", "hw": "hardware", "policy": "policy", "case": "case", "link_gbps": "link (GB/s)",
+    "cache_gib": "cache (GiB)", "cache_experts": "cache (experts)", "fits": "fits in device memory",
+    "tpot_ms": "time per output token", "tpot_p99_ms": "TPOT p99", "tokens_per_s": "tokens/s",
+    "compute_ms": "compute per token", "copy_ms": "copy per token", "stall_ms": "stall per token",
+    "overlap_bound_ms": "ideal-overlap bound", "serial_bound_ms": "serial bound",
+    "gb_moved_per_token": "moved per token (GB)", "experts_loaded_per_token": "experts loaded per token",
+    "cache_hit_rate": "cache hit rate", "prefetch_hit_rate": "prefetched share", "pred_recall": "prediction recall",
+    "ttft_ms": "time to first token", "bound": "bound by", "measured_ms": "measured TPOT",
+    "predicted_ms": "predicted TPOT", "error": "error of the mean", "mape": "per-token MAPE",
+    "equivalent": "equivalent (TOST)",
+}
 
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
-    body = "".join("<tr>" + "".join(f"<td>{cell(r.get(c, ''))}</td>" for c in cols) + "</tr>" for r in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+def cell_text(key: str, v: Any) -> str:
+    """A table cell: durations (``*_ms``) in ms or s with the unit, rates as percentages,
+    other numbers without exponents (moesim.fmt)."""
+    from moesim.fmt import duration_ms, number
+
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return html.escape(str(v))
+    if key.endswith("_ms"):
+        return duration_ms(v)
+    if key.endswith(("_rate", "recall", "mape")) or key in ("error", "prefetch_hit_rate"):
+        return f"{v:.1%}" if v == v else "-"
+    return number(v)
+
+
+def _table_html(rows: Sequence[dict[str, Any]], cols: Sequence[str]) -> str:
+    head = "".join(f"<th>{html.escape(LABELS.get(c, c.replace('_', ' ')))}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(f"<td>{cell_text(c, r.get(c, ''))}</td>" for c in cols) + "</tr>" for r in rows)
+    # A wide table scrolls inside its box instead of overflowing the page.
+    return f"<div class='scroll'><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
 
 
 def write_html(path: Path, title: str, intro: str, sections: Sequence[dict[str, Any]]) -> Path:
@@ -185,7 +224,8 @@ def write_html(path: Path, title: str, intro: str, sections: Sequence[dict[str, 
              "footer{font-size:11px;color:#888;margin-top:2em}"
              "table{border-collapse:collapse;font-size:12px;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 6px;"
              "text-align:right}th{background:#f3f3f3}figure{margin:1em 0}img{max-width:100%}"
-             "figcaption{font-size:13px;color:#555}")
+             "figcaption{font-size:13px;color:#555}.scroll{overflow-x:auto;max-width:100%}th{white-space:normal}"
+             "td{white-space:nowrap}")
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{style}</style></head><body>{''.join(parts)}</body></html>")
     return atomic_write_text(path, page)

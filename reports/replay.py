@@ -27,8 +27,11 @@ def write_replay_report(trace: Trace, trace_path: Path, hw: HardwareProfile, res
     write_csv(rows, out / "summary.csv")
     breakdown_png(rows, [r["policy"] for r in rows], out / "breakdown.png", f"TPOT breakdown, {trace.model.name} on {hw.name}")
 
-    # The timeline comes from the SimPy reference with every interval recorded.
-    first = results[0]
+    # The timeline comes from the SimPy reference with every interval recorded; it shows the
+    # first policy that offloads (an all-resident timeline has no copies to look at).
+    from moesim.policy import get_policy
+
+    first = next((r for r in results if get_policy(r.config["policy"]).offload), results[0])
     cfg = first.config
     recorded = simulate(trace.head(min(trace.n_tokens, max(step + 1, CHROME_STEPS))), hw, cfg["policy"],
                         cache_experts=cfg["cache_experts"], eviction=cfg["eviction"] if cfg["cache_experts"] else "lru",

@@ -158,6 +158,10 @@ def stats_report(trace_path: str | Path, out: str | Path | None = None, hw: str 
     from moesim.sim.stats import routing_stats
     from moesim.traces.format import read_trace
 
+    if out is not None:
+        from moesim.outputs import check_output_dir
+
+        check_output_dir(out)
     trace = read_trace(trace_path)
     profile = get_profile(hw) if hw else None
     stats = routing_stats(trace, profile, sizes, policy)

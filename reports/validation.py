@@ -219,6 +219,9 @@ def validation_suite(out: Path, tokens: int = 32, model: str | None = None, repe
 
     if tokens < 3 or repeats < 1:
         raise MoesimError("--tokens must be >= 3 (the first step is warm-up) and --repeats >= 1")
+    from moesim.outputs import check_output_dir
+
+    check_output_dir(out)
     from moesim.executor.interrupt import stop_on_interrupt
 
     with stop_on_interrupt():  # Ctrl-C: report the finished cases

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from moesim.atomic import atomic_write_text
+from moesim.fmt import duration_ms
 from moesim.reports.render import breakdown_png, heatmap_png, write_csv, write_html
 from moesim.sim.whatif import GOALS, Sweep
 
@@ -71,7 +72,8 @@ def write_whatif_report(rows: list[dict[str, Any]], winner: dict[str, Any] | Non
         sections.append({"heading": "Best configuration",
                          "text": f"For {GOALS[goal][1]}: {winner['model']} on {winner['hw']}, {winner['policy']}, "
                                  f"link {winner['link_gbps']:g} GB/s, cache {winner['cache_gib']:g} GiB: "
-                                 f"{winner['tpot_ms']:.3g} ms per token, {winner['ttft_ms']:.3g} ms to first token."})
+                                 f"{duration_ms(winner['tpot_ms'])} per token, {duration_ms(winner['ttft_ms'])} to first "
+                                 "token."})
     sections.append({"heading": "TPOT breakdown", "image": out / "breakdown.png",
                      "caption": f"Compute plus stall equals TPOT. {what}."})
     offloaded = [r for r in rows if r["policy"] != "all-resident"]

@@ -14,6 +14,7 @@ and of TPOT when the trace is replayed with the fitted profile instead of its ow
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -74,10 +75,11 @@ def fit_profile(trace: Trace, base: HardwareProfile, name: str | None = None) ->
         prof = prof.with_figure("mem_bw_peak_gbs", bw_gbs, "fitted", src + " (exceeded the base profile's peak)")
     prof = prof.with_figure("kernel_launch_us", max(launch * 1e6, 1e-3), "fitted", src)
     prof = prof.with_figure("layer_overhead_us", overhead * 1e6, "fitted", src)
-    if name:
-        from dataclasses import replace
+    from dataclasses import replace
 
-        prof = replace(prof, name=name, description=f"{base.description}; compute model fitted to a trace")
+    name = name or fitted_name(trace, base)
+    prof = replace(prof, name=name, description=f"{base.description}; compute model fitted to a trace of "
+                                                 f"{meta.device or 'an unnamed machine'}")
     replay = simulate(trace, prof, meta.replay_policy, timing="profile", cache_experts=meta.cache_experts,
                       link_gbps=meta.link_gbps)
     measured = tm["tpot_s"][1:]
@@ -89,4 +91,28 @@ def fit_profile(trace: Trace, base: HardwareProfile, name: str | None = None) ->
         "mem_bw_achievable_gbs": bw_gbs, "kernel_launch_us": launch * 1e6, "layer_overhead_us": overhead * 1e6,
         "bandwidth_fitted": bool(bandwidth_fitted),
     }
+    quality["warnings"] = fit_warnings(quality)
     return prof, quality
+
+
+# A fit below these explains too little of the measured times to predict from it.
+MIN_R2 = 0.9
+MAX_TPOT_ERROR = 0.10
+
+
+def fit_warnings(quality: dict[str, Any]) -> list[str]:
+    """Why a fitted profile should not be trusted, one sentence each (empty: the fit is fine)."""
+    w = []
+    if not quality["r2"] >= MIN_R2:
+        w.append(f"poor fit: R^2 {quality['r2']:.3f} < {MIN_R2} (the model explains little of the measured block times)")
+    e = quality["tpot_error_with_fitted_profile"]
+    if not abs(e) <= MAX_TPOT_ERROR:
+        w.append(f"poor fit: replaying the trace with the fitted profile misses its TPOT by {e:+.1%} "
+                 f"(more than {MAX_TPOT_ERROR:.0%})")
+    return w
+
+
+def fitted_name(trace: Trace, base: HardwareProfile) -> str:
+    """A name that cannot be confused with the base profile: ``MACHINE-fit-BASE``."""
+    machine = re.sub(r"[^a-z0-9]+", "-", (trace.meta.device or "machine").lower()).strip("-")[:32] or "machine"
+    return f"{machine}-fit-{base.name}"

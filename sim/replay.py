@@ -3,6 +3,13 @@
 Which profile: the one named, else the one the trace was recorded on, else
 :data:`moesim.hardware.DEFAULT_PROFILE` (a synthetic trace records none); the result says
 which of the three it was, so no printed number hides where its hardware came from.
+
+Which link: ``link_gbps`` when given; else, when the profile is the one the trace was
+recorded on, the link the recording used (``trace.meta.link_gbps`` and its latency: a run
+recorded at 0.5 GB/s replays at 0.5 GB/s, not at the profile's nominal figure); else the
+profile's own. ``moesim replay --validate`` goes one step further and uses the rate the
+recorded copies actually achieved (:func:`moesim.sim.validate.recorded_profile`), which is
+why its prediction can differ from a plain replay's; both say which link they used.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moesim import budget
 from moesim.errors import MoesimError
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, get_profile
 from moesim.models import ModelSpec, get_model
@@ -49,10 +57,26 @@ class Replay:
     profile: HardwareProfile
     profile_source: str  # named / recorded in the trace / default
     results: list[SimResult]
+    link_source: str = "the profile's"  # given / recorded in the trace / the profile's
 
     @property
     def rows(self) -> list[dict[str, Any]]:
-        return [r.summary() for r in self.results]
+        return [{**r.summary(), "hw_source": self.profile_source, "link_source": self.link_source}
+                for r in self.results]
+
+
+def replay_link(trace: Trace, profile: HardwareProfile, profile_source: str,
+                link_gbps: float | None) -> tuple[HardwareProfile, str]:
+    """(profile carrying the link to replay with, where that link came from); see the module docstring."""
+    if link_gbps is not None:
+        return profile.with_figure("h2d_pinned_gbs", link_gbps, "estimate", "--link-gbps"), "given"
+    meta = trace.meta
+    if profile_source.startswith("recorded") and meta.link_gbps is not None:
+        profile = profile.with_figure("h2d_pinned_gbs", meta.link_gbps, "measured", "the trace's recorded link")
+        if meta.latency_us is not None:
+            profile = profile.with_figure("transfer_latency_us", meta.latency_us, "measured", "the trace's recorded link")
+        return profile, "recorded in the trace"
+    return profile, "the profile's"
 
 
 def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str] | tuple[str, ...] = DEFAULT_POLICIES,
@@ -77,10 +101,14 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
     profile, source = trace_profile(trace, hw)
     if not 0 <= step < trace.n_tokens:
         raise MoesimError(f"--step {step} outside the trace's {trace.n_tokens} steps")
+    budget.check(budget.replay_estimate(trace.model, trace.n_tokens, trace.batch, len(policies),
+                                        kw.get("engine", "simpy")))
+    profile, link_source = replay_link(trace, profile, source, kw.pop("link_gbps", None))
     if expert_dtype is not None:
         trace = with_expert_dtype(trace, expert_dtype)
     if prefetch_top is not None:
         trace = keep_top_predictions(trace, prefetch_top)
     if placement_from is not None:
         kw["calibration"] = load_calibration(str(placement_from), trace.model)
-    return Replay(trace, profile, source, simulate_policies(trace, profile, list(policies), progress=progress, **kw))
+    return Replay(trace, profile, source, simulate_policies(trace, profile, list(policies), progress=progress, **kw),
+                  link_source)

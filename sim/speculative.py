@@ -240,7 +240,7 @@ def speculative_whatif(trace: Trace, hw: HardwareProfile | None = None, policies
                        timing: str = "measured", depth: int | None = None, branch: int | None = None,
                        acceptance: float | None = None) -> dict[str, Any]:
     """``moesim replay`` of a speculative trace: measured against simulated as recorded
-    (under each policy; the first is compared with the measurement), then, with
+    (under each policy; ``error`` compares the measurement with the recorded policy's simulation), then, with
     ``gammas``, the selection re-run on the recorded trees for every policy x gamma x
     selection (x lambda for the Lagrangian EcoSpec score). ``hw`` defaults to the
     recording profile with the link the trace measured. Returns ``measured``, ``error``
@@ -248,12 +248,16 @@ def speculative_whatif(trace: Trace, hw: HardwareProfile | None = None, policies
     from moesim.sim.validate import recorded_profile
 
     hw = recorded_profile(trace, hw)
-    policies = policies or [trace.meta.replay_policy]
-    base = replay_sd(trace, hw, policies[0], link_gbps=link_gbps, timing=timing)
-    rows = [{"case": "as recorded", **base["simulated"]}]
-    for p in policies[1:]:
-        rows.append({"case": "as recorded", **simulate_steps(trace, recorded_steps(trace), hw, p,
-                                                             link_gbps=link_gbps, timing=timing)})
+    recorded = trace.meta.replay_policy
+    policies = policies or [recorded]
+    # The measurement is compared with the simulation of the policy that was measured,
+    # never with another policy's (whichever --policy lists first).
+    base = replay_sd(trace, hw, recorded, link_gbps=link_gbps, timing=timing)
+    rows = []
+    for p in policies:
+        sim = base["simulated"] if get_policy(p).name == base["simulated"]["policy"] else \
+            simulate_steps(trace, recorded_steps(trace), hw, p, link_gbps=link_gbps, timing=timing)
+        rows.append({"case": "as recorded", **sim})
     shape = (depth, branch, acceptance)
     for p in policies if gammas else []:
         for g in gammas:
@@ -265,4 +269,5 @@ def speculative_whatif(trace: Trace, hw: HardwareProfile | None = None, policies
                                                                     strict=True) if v is not None)
                     rows.append({"case": f"what-if gamma {g} {sel}{label}",
                                  **simulate_steps(trace, steps, hw, p, link_gbps=link_gbps, timing=timing)})
-    return {"measured": base["measured"], "error": base["error"], "rows": rows}
+    return {"measured": base["measured"], "error": base["error"], "error_policy": base["simulated"]["policy"],
+            "error_tpot_ms": base["simulated"]["tpot_ms"], "rows": rows}

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moesim import budget
 from moesim.errors import MoesimError
 from moesim.hardware import get_profile
 from moesim.models import get_model
@@ -41,6 +42,16 @@ class WhatIf:
         return sorted(self.rows, key=lambda r: (not r["fits"], r[key]))
 
 
+def check_unique_names(given: list[str] | tuple[str, ...], profiles: list) -> None:
+    """Rows are keyed by profile name: two profiles with one name would report one's results twice."""
+    seen: dict[str, str] = {}
+    for g, p in zip(given, profiles):
+        if p.name in seen:
+            raise MoesimError(f"--hw: {seen[p.name]} and {g} are both named {p.name!r}; profile names must be unique in "
+                              "a run (change `name` in the .toml, or `moesim fit --name`)")
+        seen[p.name] = g
+
+
 def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] = DEFAULT_MODELS,
            hws: tuple[str, ...] | list[str] = DEFAULT_HWS, policies: tuple[str, ...] | list[str] = DEFAULT_POLICIES,
            link_gbps: list[float] | None = None, cache_gib: tuple[float, ...] | list[float] = DEFAULT_CACHE_GIB,
@@ -54,6 +65,8 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
     ``rows_csv``: stream every row to this CSV as its group finishes, and resume an
     interrupted sweep from it (the same sweep run again skips the finished groups).
     """
+    if jobs is not None and jobs < 0:
+        raise MoesimError(f"--jobs {jobs}: a number of worker processes (0 = all cores)")
     if goal not in GOALS:
         raise MoesimError(f"unknown goal {goal!r}; known: {', '.join(GOALS)}")
     if trace is not None:
@@ -65,11 +78,19 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
     else:
         params = SyntheticParams(tokens=tokens, batch=batch, prompt_len=prompt_len)
         traces = {}
-        for m in models:
-            spec = get_model(m)
+        specs = [get_model(m) for m in models]
+        for spec in specs:  # all sizes checked before any trace is made
+            budget.check(budget.synth_estimate(spec, tokens, batch), warn=None)
+        for spec in specs:
             traces[spec.name] = synthetic_trace(spec, params)
-    sweep = Sweep(traces, [get_profile(h) for h in hws], list(policies), list(link_gbps) if link_gbps else [None],
+    profiles = [get_profile(h) for h in hws]
+    check_unique_names(hws, profiles)
+    sweep = Sweep(traces, profiles, list(policies), list(link_gbps) if link_gbps else [None],
                   list(cache_gib), eviction, engine)
+    runs = sweep.size // max(1, len(sweep.traces))
+    for t in traces.values():
+        budget.check(budget.replay_estimate(t.model, t.n_tokens, t.batch, runs, engine,
+                                            f"{runs} simulations of {t.n_tokens} steps of {t.model.name}"))
     rows = run_sweep(sweep, jobs, progress, backend=backend, address=address, out=rows_csv)
     for r in rows:
         r["bound"] = bound(r)

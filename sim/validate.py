@@ -82,4 +82,7 @@ def validate_trace(trace: Trace, hw: HardwareProfile | None = None, policy: str 
     result = simulate(trace, recorded_profile(trace, hw), policy, engine=engine, timing="measured", **kw)
     skip = min(skip, trace.n_tokens - 1)
     stats_ = error_stats(trace.timings["tpot_s"][skip:], result.tpot[skip:])
-    return {"policy": result.config["policy"], "recorded_policy": meta.policy, **stats_}, result
+    cfg = result.config
+    return {"policy": cfg["policy"], "recorded_policy": meta.policy, "hw": cfg["hw"], "link_gbps": cfg["link_gbps"],
+            "link_source": "achieved by the trace's copies", "link_set_gbps": meta.link_gbps, "timing": cfg["timing"],
+            **stats_}, result

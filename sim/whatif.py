@@ -72,6 +72,10 @@ class Sweep:
             raise MoesimError("link bandwidths must be positive GB/s")
         if any(c < 0 for c in self.cache_gib):
             raise MoesimError("cache sizes must be >= 0 GiB")
+        names = [h.name for h in self.hws]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:  # rows are keyed by profile name: one name, two profiles would report one's result twice
+            raise MoesimError(f"two hardware profiles named {dup[0]!r} in one sweep; names must be unique")
 
     @property
     def size(self) -> int:

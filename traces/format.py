@@ -140,8 +140,18 @@ def read_trace(path: str | Path) -> Trace:
     """Read and check a trace; any problem is a one-line MoesimError naming the file."""
     path = Path(path)
     where = str(path)
-    if not path.is_file():
+    if path.is_dir():
+        raise MoesimError(f"trace {where} is a folder, not a trace file (.npz)")
+    if not path.exists():
         raise MoesimError(f"trace {where} does not exist")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise MoesimError(f"cannot read trace {where}: {e.strerror or e}") from None
+    if magic[:2] != b"PK":  # every .npz is a zip archive; anything else would reach numpy's pickle fallback
+        raise MoesimError(f"{where}: not a readable moesim trace (not an .npz archive"
+                          + ("; it is empty)" if not magic else ")"))
     try:
         with np.load(path, allow_pickle=False) as z:
             data = {k: z[k] for k in z.files}

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from moesim import __version__
+from moesim import __version__, budget
 from moesim.errors import MoesimError
 from moesim.models import ModelSpec
 from moesim.traces.format import Trace
@@ -89,6 +89,14 @@ class SyntheticParams:
     def check(self, spec: ModelSpec) -> None:
         """Per-layer parameters must match the model's MoE layers and experts (one line if not)."""
         m, e = spec.n_moe_layers, spec.n_experts
+        if self.tokens < 1 or self.batch < 1 or self.prompt_len < 0 or self.early_layers < 0:
+            raise MoesimError("synthetic trace: --tokens and --batch must be >= 1, --prompt-len and --early-layers >= 0")
+        if not 0 <= self.skew < 1e3:
+            raise MoesimError(f"synthetic trace: --skew {self.skew} must be a number in [0, 1000)")
+        for name in ("reuse", "hit_rate", "early_hit_rate"):
+            v = getattr(self, name)
+            if not 0 <= v <= 1:
+                raise MoesimError(f"synthetic trace: --{name.replace('_', '-')} {v} must be in [0, 1]")
         for name in ("popularity", "layer_reuse", "layer_hit"):
             v = getattr(self, name)
             if v and len(v) != m:
@@ -201,6 +209,7 @@ def _chunks(t: int, per_token: int):
 def synthetic_trace(spec: ModelSpec, params: SyntheticParams = SyntheticParams()) -> Trace:
     """Generate a trace for ``spec``, in chunks of tokens (memory ~ the output's size)."""
     params.check(spec)
+    budget.check(budget.synth_estimate(spec, params.tokens, params.batch))
     # Independent streams per quantity, so chunk sizes never change what is drawn where.
     seeds = np.random.SeedSequence(params.seed).spawn(5)
     r_pop, r_route, r_gate, r_pred, r_tok = (np.random.default_rng(s) for s in seeds)

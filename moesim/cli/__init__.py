@@ -5,7 +5,10 @@ Every user error ends as one line on stderr and exit code 2 (see :func:`main`).
 
 from __future__ import annotations
 
+import signal
 import sys
+
+import typer
 
 from moesim.cli import (  # noqa: F401  (each module registers its command on the app)
     calibrate,
@@ -31,24 +34,79 @@ from moesim.errors import MoesimError
 
 __all__ = ["app", "main"]
 
+OPTIONAL = {"torch": "executor", "safetensors": "executor", "pynvml": "executor", "ray": "distributed"}
+CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+
+
+def missing_dependency(e: ModuleNotFoundError) -> str | None:
+    """One line for an optional dependency that is not installed, naming the extra."""
+    top = (e.name or "").split(".")[0]
+    extra = OPTIONAL.get(top)
+    if extra is None:
+        return None
+    hint = f" (for a CPU-only torch, first: {CPU_TORCH})" if top == "torch" else ""
+    return f"this command needs {top}, which is not installed: pip install \"moesim[{extra}]\"{hint}"
+
+
+def _terminate(signum, frame) -> None:  # noqa: ARG001
+    """SIGTERM unwinds like Ctrl-C, so temporary files are removed and finished work kept."""
+    raise KeyboardInterrupt
+
 
 def main() -> None:
-    """Console entry point: user errors become one line and exit code 2; Ctrl-C before
-    anything worth keeping finished, one line and exit code 130."""
+    """Console entry point. User errors (including a bad option, which click would print as
+    a usage box) become one line and exit code 2; Ctrl-C or SIGTERM before anything worth
+    keeping finished, one line and exit code 130; a missing optional dependency, one line
+    naming the extra to install."""
+    click = _click_exceptions()
+    signal.signal(signal.SIGTERM, _terminate)
     try:
-        app()
+        code = app(standalone_mode=False)
+    except click.NoArgsIsHelpError as e:  # `moesim CMD` alone: its help, as click shows it
+        e.show()
+        sys.exit(0)
+    except click.ClickException as e:
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        _fail(f"{e.format_message()}{hint}", e.exit_code if e.exit_code else 2)
+    except typer.Abort:
+        _interrupted()
+    except ModuleNotFoundError as e:
+        line = missing_dependency(e)
+        if line is None:
+            raise
+        _fail(line)
+    except MemoryError:
+        _fail("out of memory (the run is larger than this machine can hold; ask for fewer tokens, layers or "
+              "a smaller cache)")
     except MoesimError as e:
         from moesim.executor.interrupt import Interrupted  # no torch: errors only
 
         if isinstance(e, Interrupted):
             err.print(str(e), highlight=False, markup=False, soft_wrap=True)
             sys.exit(130)
-        err.print(f"error: {e}", highlight=False, markup=False, soft_wrap=True)
-        sys.exit(2)
+        _fail(str(e))
     except KeyboardInterrupt:  # Ctrl-C before anything worth keeping: one line, no traceback
-        err.print("interrupted (Ctrl-C)", highlight=False, markup=False)
-        sys.exit(130)
-    except SystemExit as e:
-        if e.code == 130:  # typer turns a KeyboardInterrupt inside a command into a silent exit 130
-            err.print("interrupted (Ctrl-C)", highlight=False, markup=False)
-        raise
+        _interrupted()
+    if code == 130:  # typer turns a KeyboardInterrupt inside a command into exit code 130
+        _interrupted()
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _click_exceptions():
+    """The exception classes of the click that typer runs on (typer >= 0.20 vendors its own)."""
+    try:
+        from typer._click import exceptions
+    except ImportError:
+        from click import exceptions
+    return exceptions
+
+
+def _fail(line: str, code: int = 2) -> None:
+    err.print(f"error: {' '.join(line.split())}", highlight=False, markup=False, soft_wrap=True)
+    sys.exit(code)
+
+
+def _interrupted() -> None:
+    err.print("interrupted (Ctrl-C)", highlight=False, markup=False)
+    sys.exit(130)

@@ -7,7 +7,9 @@ what a command does with the same call (docs/cli.md names it next to each comman
 
 from __future__ import annotations
 
+import csv
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,7 +44,8 @@ every policy and writes a report to ./moesim-whatif/.
 """
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown", help=HELP)
-out = Console(width=None if sys.stdout.isatty() else 200)  # pipes and files get whole tables
+# Pipes and files get whole tables (200 columns) unless COLUMNS says otherwise; a terminal its width.
+out = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200)
 err = Console(stderr=True)
 
 
@@ -77,21 +80,54 @@ def print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 
 
-def table(title: str, columns: tuple[str, ...] | list[str], rows: list[list[str]],
-          justify: str | list[str] = "left") -> Table:
-    """A rich table; ``justify`` for all columns or one per column."""
-    t = Table(title=title)
-    for i, c in enumerate(columns):
-        t.add_column(c, justify=justify if isinstance(justify, str) else justify[i])
+def print_csv(rows: list[dict[str, Any]]) -> None:
+    """Rows as CSV on stdout, every field (the union of the rows' keys, in first-seen order)."""
+    fields: dict[str, None] = {}
     for r in rows:
-        t.add_row(*r)
+        fields.update(dict.fromkeys(r))
+    w = csv.DictWriter(sys.stdout, list(fields), lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: json.dumps(v) if isinstance(v, dict | list) else v for k, v in r.items()})
+
+
+def _fit_columns(columns: list[str], rows: list[list[str]], width: int) -> list[int]:
+    """Indices of the columns to show so the table fits ``width``: all if they fit, else the
+    first ones in order (a table's columns are listed most important first)."""
+    need = [max([len(c)] + [len(r[i]) for r in rows]) + 3 for i, c in enumerate(columns)]  # padding and rule
+    keep, used = [], 4
+    for i, n in enumerate(need):
+        if used + n <= width or not keep:
+            keep.append(i)
+            used += n
+    return keep
+
+
+def table(title: str, columns: tuple[str, ...] | list[str], rows: list[list[str]],
+          justify: str | list[str] = "left", width: int | None = None) -> Table:
+    """A rich table; ``justify`` for all columns or one per column. Columns that do not fit
+    the console (``width``, default the stdout console's) are left out, most important
+    kept (the leftmost), and the caption names them: ``--json`` / ``--csv`` have all."""
+    columns = list(columns)
+    width = width or out.width
+    keep = _fit_columns(columns, rows, width)
+    t = Table(title=title)
+    for i in keep:
+        t.add_column(columns[i], justify=justify if isinstance(justify, str) else justify[i])
+    for r in rows:
+        t.add_row(*[r[i] for i in keep])
+    dropped = [columns[i] for i in range(len(columns)) if i not in keep]
+    if dropped:
+        t.caption = f"not shown at {width} columns: {', '.join(dropped)} (all in --json / --csv, or a wider terminal)"
     return t
 
 
 def results_table(rows: list[dict[str, Any]], title: str, cols: tuple[tuple[str, str], ...]) -> Table:
-    """Result rows, floats to 3 significant digits."""
+    """Result rows, floats to 3 significant digits without exponents (moesim.fmt.number)."""
+    from moesim.fmt import number
+
     return table(title, [label for _, label in cols],
-                 [[f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k]) for k, _ in cols] for r in rows], "right")
+                 [[number(r[k]) if isinstance(r[k], float) else str(r[k]) for k, _ in cols] for r in rows], "right")
 
 
 @contextmanager
@@ -101,7 +137,7 @@ def progress_bar(what: str, unit: str, disable: bool = False) -> Iterator[Callab
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     with Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TextColumn(unit), TimeRemainingColumn(),
-                  console=err, transient=True, disable=disable) as bar:
+                  console=err, transient=True, disable=disable or not err.is_terminal) as bar:
         task = bar.add_task(what, total=None)
         yield lambda done, total: bar.update(task, completed=done, total=total)
 

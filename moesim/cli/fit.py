@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, err, out, table
-from moesim.errors import MoesimError
 from moesim.hardware import DEFAULT_PROFILE
 
 
@@ -27,18 +26,21 @@ def fit(
     makes any command predict for this machine without measured times.
     """
     from moesim.atomic import atomic_write_text
+    from moesim.outputs import check_output_file
     from moesim.sim.fit import fit_profile
     from moesim.sim.replay import trace_profile
     from moesim.traces.format import read_trace
 
-    if out_path is not None and out_path.suffix != ".toml":
-        raise MoesimError(f"--out {out_path}: a hardware profile is a .toml file")
+    if out_path is not None:
+        check_output_file(out_path, (".toml",))
     trace = read_trace(trace_path)
     base, source = trace_profile(trace, hw_name)
     prof, quality = fit_profile(trace, base, name)
     if out_path is not None:
         atomic_write_text(out_path, f"# {prof.description}\n" + prof.to_toml())
-        err.print(f"wrote {out_path}")
+        err.print(f"wrote {out_path} (profile {prof.name!r})")
+    for w in quality["warnings"]:
+        err.print(f"warning: {w}", highlight=False, markup=False, soft_wrap=True)
     out.print(table(f"compute model fitted to {trace_path.name} ({quality['blocks']} blocks; base profile "
                     f"{base.name}, {source})",
                     ("achievable GB/s", "launch us", "layer overhead us", "R^2", "block MAE us", "block MAPE",

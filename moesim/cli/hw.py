@@ -6,13 +6,14 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, out, print_json, table
+from moesim.cli.app import app, out, print_csv, print_json, table
 
 
 @app.command()
 def hw(
     profile: Annotated[str | None, typer.Argument(help="A built-in profile name or a .toml path; all if omitted.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV (every field) instead of a table.")] = False,
     hosts: Annotated[bool, typer.Option("--hosts", help="Host (CPU) profiles instead of GPU profiles.")] = False,
 ) -> None:
     """List hardware profiles, or show one with the kind and source of every figure.
@@ -37,6 +38,9 @@ def hw(
         if as_json:
             print_json([{"name": h.name, "description": h.description, "figures": {k: vars(f) for k, f in
                                                                                   h.figures.items()}} for h in found])
+        elif as_csv:
+            print_csv([{"name": h.name, **{k: f.value for k, f in h.figures.items()}, "description": h.description}
+                       for h in found])
         elif profile:
             h = found[0]
             out.print(table(f"{h.name}: {h.description}", ("figure", "value", "unit", "kind", "source"),
@@ -53,12 +57,17 @@ def hw(
             print_json({"name": p.name, "description": p.description, "link": p.link,
                         "figures": {k: vars(f) for k, f in p.figures.items()}})
             return
+        if as_csv:
+            print_csv([{"figure": k, "unit": FIGURES[k][0], **vars(f)} for k, f in p.figures.items()])
+            return
         out.print(table(f"{p.name}: {p.description} (link: {p.link})", ("figure", "value", "unit", "kind", "source"),
                         [[k, f"{f.value:g}", FIGURES[k][0], f.kind, f.source] for k, f in p.figures.items()]))
         return
     profiles = [get_profile(n) for n in builtin_profiles()]
-    if as_json:
-        print_json([{"name": p.name, "link": p.link, **{k: f.value for k, f in p.figures.items()}} for p in profiles])
+    listing = [{"name": p.name, "link": p.link, **{k: f.value for k, f in p.figures.items()},
+                "description": p.description} for p in profiles]
+    if as_json or as_csv:
+        print_json(listing) if as_json else print_csv(listing)
         return
     out.print(table(f"Hardware profiles (show one with `moesim hw NAME` for sources; default: {DEFAULT_PROFILE})",
                     ("name", "link", "device GB", "HBM GB/s (achievable)", "bf16 TFLOP/s", "H2D pinned GB/s",

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, out, print_json, table
+from moesim.cli.app import app, out, print_csv, print_json, table
 
 COLUMNS = ("model", "layers (MoE)", "experts + shared", "top-k", "hidden / inter", "expert dtype",
            "MB / expert", "GB / layer", "GB experts", "GB non-expert", "GB / token")
@@ -16,6 +16,7 @@ COLUMNS = ("model", "layers (MoE)", "experts + shared", "top-k", "hidden / inter
 def models(
     model: Annotated[list[str] | None, typer.Argument(help="Catalogue names or model directories (config.json); all if omitted.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV (every field) instead of a table.")] = False,
 ) -> None:
     """List MoE models with their geometry and exact byte accounting.
 
@@ -35,6 +36,9 @@ def models(
              "non_expert_bytes": s.non_expert_bytes, "bytes_per_token": s.bytes_per_token()} for s in specs]
     if as_json:
         print_json({"models": rows, "specs": [s.to_dict() for s in specs]})
+        return
+    if as_csv:
+        print_csv(rows)
         return
     out.print(table("MoE models (sizes in decimal units)", COLUMNS, [
         [r["model"], f"{r['layers']} ({r['moe_layers']})", f"{r['experts']} + {r['shared']}", str(r["top_k"]),

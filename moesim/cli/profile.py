@@ -75,11 +75,14 @@ def profile(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from moesim.executor.runs import DecodeRequest, record_decode
+    from moesim.outputs import check_output_file
+
+    check_output_file(out_path or Path("profile.npz"))  # before the progress bar: an error is then one line
 
     req = DecodeRequest(model, policy, predictor, device, hw_name, link_gbps, tokens, batch, prompt, prompt_len,
                         cache_gib, cache_experts, eviction, layers, dtype, temperature, seed, fidelity_tokens, threads)
     with Progress(TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err,
-                  transient=True) as bar:
+                  transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("decode", total=tokens)
         rec = record_decode(req, out_path or Path("profile.npz"), lambda i, n: bar.update(task, completed=i))
     t = rec.trace.timings["tpot_s"]

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, err, floats, out, print_json, progress_bar, results_table, split
+from moesim.cli.app import app, err, floats, out, print_csv, print_json, progress_bar, results_table, split
 from moesim.errors import MoesimError
 from moesim.hardware import DEFAULT_PROFILE
 
@@ -33,7 +33,8 @@ def replay(
     cache_gib: Annotated[float, typer.Option(help="Cross-token expert cache on the device, GiB (0 = none).")] = 0.0,
     cache_experts: Annotated[int, typer.Option(help="The same cache sized in experts instead.")] = 0,
     eviction: Annotated[str, typer.Option(help="Cache eviction: lru or lfu.")] = "lru",
-    link_gbps: Annotated[float | None, typer.Option(help="Override the profile's pinned host-to-device GB/s.")] = None,
+    link_gbps: Annotated[float | None, typer.Option(help="Host-to-device GB/s (default: the link the trace "
+                                                                      "recorded, on its own profile; else the profile's).")] = None,
     engine: Annotated[str, typer.Option(help="simpy (the reference) or fast (the recurrence).")] = "simpy",
     timing: Annotated[str, typer.Option(help="Compute times: auto (measured if the trace has them for this hw), "
                                               "profile (roofline) or measured.")] = "auto",
@@ -67,6 +68,7 @@ def replay(
     prefetch_top: Annotated[int | None, typer.Option(help="Prefetch only each token's M most confident predicted "
                                                           "experts.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")] = False,
+    as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV (every field) instead of a table.")] = False,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Write a report here: HTML, PNGs, CSV, Chrome trace.")] = None,
 ) -> None:
     """Replay a trace under one or more policies on a hardware profile.
@@ -83,6 +85,10 @@ def replay(
     from moesim.sim.replay import replay as run_replay
     from moesim.traces.format import read_trace
 
+    if out_dir is not None:
+        from moesim.outputs import check_output_dir
+
+        check_output_dir(out_dir)
     trace = read_trace(trace_path)
     if trace.speculative:
         from moesim.sim.speculative import speculative_whatif
@@ -92,12 +98,12 @@ def replay(
                                  [int(g) for g in floats(gamma, "--gamma")] if gamma is not None else None,
                                  tuple(split(selection, "--selection")), score, tuple(floats(lam, "--lambda")),
                                  link_gbps, "measured" if timing == "auto" else timing, depth, branch, acceptance)
-        print_json(res) if as_json else print_speculative(res, trace_path)
+        print_json(res) if as_json else print_csv(res["rows"]) if as_csv else print_speculative(res, trace_path)
         return
     if gamma is not None or depth is not None or branch is not None or acceptance is not None:
         raise MoesimError("--gamma, --depth, --branch and --acceptance apply to speculative-decoding traces (moesim speculate)")
     if validate:
-        print_validation(trace, trace_path, hw_name, engine, as_json, out_dir)
+        print_validation(trace, trace_path, hw_name, engine, as_json, out_dir, as_csv)
         return
     with progress_bar("replaying", "layer-steps", disable=as_json) as update:
         rep = run_replay(trace, hw_name, split(policy, "--policy"), model=model, step=step, where=trace_path,
@@ -107,12 +113,12 @@ def replay(
                          cpu_layers=int(cpu_layers) if cpu_layers.isdigit() else cpu_layers,
                          calibrate_on_replay=calibrate_on_replay, amx=amx, copy_queue=copy_queue)
     rows = rep.rows
-    if as_json:
-        print_json(rows)
+    if as_json or as_csv:
+        print_json(rows) if as_json else print_csv(rows)
     else:
         src = "synthetic trace" if trace.synthetic else "trace"
         out.print(results_table(rows, f"{trace.model.name} on {rep.profile.name} ({rep.profile_source}), link "
-                                      f"{rows[0]['link_gbps']:g} GB/s, {trace.n_tokens} steps ({src}; compute: "
+                                      f"{rows[0]['link_gbps']:g} GB/s ({rep.link_source}), {trace.n_tokens} steps ({src}; compute: "
                                       f"{rows[0]['timing']}; engine: {engine})", SUMMARY_COLS))
         for r in rows:
             out.print(f"[bold]{r['policy']}[/bold]: {why(r)}")

@@ -5,16 +5,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from moesim.cli.app import err, out, print_json, table
+from moesim.cli.app import err, out, print_csv, print_json, table
+
+
+def signed_ms(x: float) -> str:
+    """``+ 1.2 ms`` / ``- 4.57 ms``: an intercept added to a term, never ``+ -4.57``."""
+    return f"{'-' if x < 0 else '+'} {abs(x):.3g} ms"
 
 
 def print_speculative(res: dict[str, Any], trace_path: Path) -> None:
     m, rows = res["measured"], res["rows"]
     out.print(f"measured: {m['tpot_ms']:.3g} ms a token, {m['accepted_per_step']:.2f} tokens and "
               f"{m['distinct_experts_per_step']:.1f} distinct experts a step; verification "
-              f"{m['verify_ms_per_distinct_expert']:.3g} ms per distinct expert + {m['verify_ms_intercept']:.3g} ms "
-              f"(R^2 {m['verify_vs_experts_r2']:.2f}); simulated as recorded: {rows[0]['tpot_ms']:.3g} ms "
-              f"({res['error']:+.1%}) on {rows[0]['hw']}, link {rows[0]['link_gbps']:.3g} GB/s")
+              f"{m['verify_ms_per_distinct_expert']:.3g} ms per distinct expert {signed_ms(m['verify_ms_intercept'])} "
+              f"(linear fit, R^2 {m['verify_vs_experts_r2']:.2f}); simulated as recorded ({res['error_policy']}): "
+              f"{res['error_tpot_ms']:.3g} ms ({res['error']:+.1%}) on {rows[0]['hw']}, "
+              f"link {rows[0]['link_gbps']:.3g} GB/s")
     out.print(table(f"{trace_path.name}: speculative decoding, simulated ({rows[0]['timing']}); what-if rows re-select "
                     "on the recorded trees (unverified nodes use predicted experts)",
                     ("case", "policy", "hw", "TPOT ms", "tokens/step", "rows/step", "distinct experts/step", "step ms"),
@@ -24,7 +30,7 @@ def print_speculative(res: dict[str, Any], trace_path: Path) -> None:
 
 
 def print_validation(trace, trace_path: Path, hw_name: str | None, engine: str, as_json: bool,
-                     out_dir: Path | None) -> None:
+                     out_dir: Path | None, as_csv: bool = False) -> None:
     from moesim.hardware import get_profile
     from moesim.sim.validate import recorded_profile, validate_trace
 
@@ -32,6 +38,8 @@ def print_validation(trace, trace_path: Path, hw_name: str | None, engine: str, 
     s, result = validate_trace(trace, hw_profile, engine=engine)
     if as_json:
         print_json(s)
+    elif as_csv:
+        print_csv([s])
     else:
         out.print(table(f"{trace_path.name}: simulated against measured TPOT ({s['policy']}, "
                         f"{s['tokens']} tokens after 1 warm-up step)",
@@ -41,7 +49,11 @@ def print_validation(trace, trace_path: Path, hw_name: str | None, engine: str, 
                           f"{s['bias']:+.2%}", f"{s['p50_abs_error']:.2%}", f"{s['p90_abs_error']:.2%}",
                           f"{'equivalent' if s['equivalent'] else 'not shown'} (p={s['tost_p']:.3g})"]], "right"))
         cfg = result.config
-        out.print(f"on {cfg['hw']}, link {cfg['link_gbps']:.3g} GB/s as the trace recorded it; compute: {cfg['timing']}")
+        meta = trace.meta
+        set_at = f" (set to {meta.link_gbps:.3g} GB/s)" if meta.link_gbps is not None else ""
+        out.print(f"on {cfg['hw']}, link {cfg['link_gbps']:.3g} GB/s: the rate the trace's copies achieved{set_at}; "
+                  f"compute: {cfg['timing']}. A plain `moesim replay` uses the set link and predicts every policy, "
+                  "so its numbers can differ from these.")
     if out_dir is not None:
         from moesim.reports.validation import write_single_validation
 

@@ -67,9 +67,11 @@ def synth(
                   f"{trace.n_tokens} tokens accepted)")
         return
     from moesim.models import get_model
+    from moesim.outputs import check_output_file
     from moesim.traces.format import write_trace
     from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
+    check_output_file(out_path)
     params = SyntheticParams(tokens, batch, prompt_len, skew, reuse, hit_rate, early_hit_rate, early_layers, seed)
     trace = synthetic_trace(get_model(model), params)
     path = write_trace(trace, out_path)

@@ -44,16 +44,18 @@ def train(
     from moesim.executor.loading import refuse_shipped
     from moesim.executor.train import stdlib_spec
     from moesim.executor.train import train as run_train
+    from moesim.outputs import check_output_dir
 
     out_dir = out_dir or Path(f"{name}-trained")
     refuse_shipped(out_dir, force)
+    check_output_dir(out_dir)
     if min(steps, batch, seq, threads) < 1 or lr <= 0 or aux_coef < 0:
         raise MoesimError("steps, batch, seq and threads must be >= 1, lr > 0, aux-coef >= 0")
     if hidden % heads or heads < 2:
         raise MoesimError("--hidden must be a multiple of --heads (>= 2)")
     spec = stdlib_spec(name, layers, experts, top_k, hidden, inter, heads)
     with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[loss]}"),
-                  TimeRemainingColumn(), console=err) as bar:
+                  TimeRemainingColumn(), console=err, disable=not err.is_terminal) as bar:
         task = bar.add_task("train", total=steps, loss="")
         record = run_train(out_dir, steps, batch, seq, lr, aux_coef, seed, threads,
                            lambda i, n, loss: bar.update(task, completed=i, loss=f"loss {loss:.3f}"), spec)

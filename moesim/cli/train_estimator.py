@@ -44,7 +44,7 @@ def train_estimator(
     from moesim.executor.derive import train_estimator_into
 
     bar = Progress(TextColumn("training estimator"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[kl]}"),
-                   TimeRemainingColumn(), console=err)
+                   TimeRemainingColumn(), console=err, disable=not err.is_terminal)
     task = bar.add_task("est", total=None, kl="")
 
     def progress(i: int, n: int, loss: float) -> None:

@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, err, floats, out, print_json, progress_bar, results_table, split
+from moesim.cli.app import app, err, floats, out, print_csv, print_json, progress_bar, results_table, split
+from moesim.errors import MoesimError
 
 WHATIF_COLS = (("model", "model"), ("hw", "hw"), ("policy", "policy"), ("link_gbps", "link GB/s"),
                ("cache_gib", "cache GiB"), ("fits", "fits"), ("tpot_ms", "TPOT ms"), ("tokens_per_s", "tok/s"),
@@ -38,6 +39,7 @@ def whatif(
                                                                  "the same sweep again to resume from it.")] = None,
     top: Annotated[int, typer.Option(help="Rows to print (all go to the CSV).")] = 15,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")] = False,
+    as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV (every field) instead of a table.")] = False,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Report folder: HTML, PNG heatmaps and breakdown, CSV.")] = Path("moesim-whatif"),
 ) -> None:
     """Sweep models x hardware x policies x link bandwidth x cache size; find the best.
@@ -52,15 +54,22 @@ def whatif(
     from moesim.sim.sweep import whatif as run_whatif
     from moesim.sim.whatif import GOALS
 
-    with progress_bar("simulating", "configurations", disable=as_json) as update:
+    if top < 1:
+        raise MoesimError(f"--top {top}: print at least one row")
+    if out_dir is not None:
+        from moesim.outputs import check_output_dir
+
+        check_output_dir(out_dir)
+
+    with progress_bar("simulating", "configurations", disable=as_json or as_csv) as update:
         res = run_whatif(trace_path, split(model, "--model"), split(hw_names, "--hw"), split(policy, "--policy"),
                          floats(link_gbps, "--link-gbps") if link_gbps else None, floats(cache_gib, "--cache-gib"),
                          eviction, tokens, prompt_len, batch, goal, engine, jobs or None,
                          update,
                          backend=backend, address=address, rows_csv=rows_csv)
     rows, winner = res.rows, res.winner
-    if as_json:
-        print_json({"goal": goal, "best": winner, "rows": rows})
+    if as_json or as_csv:
+        print_json({"goal": goal, "best": winner, "rows": rows}) if as_json else print_csv(rows)
     else:
         out.print(results_table(res.ranked()[:top], f"what-if: {res.sweep.size} configurations, best "
                                 f"{min(top, len(rows))} by {goal}{' (synthetic traces)' if res.synthetic else ''}",

@@ -1,0 +1,175 @@
+"""How much memory and time a run will take, estimated before it starts.
+
+A run that cannot fit in this machine's memory is refused with the estimate in the
+message (instead of a ``MemoryError`` or the kernel's OOM killer minutes later); a run
+that will take very long is announced with its estimate, and one that would take more
+than :data:`REFUSE_S` is refused. One function per command kind, all returning an
+:class:`Estimate`; :func:`check` applies the policy.
+
+The per-unit constants are deliberately rough upper bounds (an order of magnitude is
+what the decision needs). Memory constants are peak Python heap per routing cell
+(one token x MoE layer x sequence x top-k slot), measured with ``tracemalloc`` on
+Qwen3-30B-A3B synthetic traces (synthesis: about 45 B/cell beyond a fixed ~240 MB of
+chunk buffers, from runs of 2048 and 8192 steps; reading a trace: about 18 B/cell;
+replay: about 25 B/cell, from runs of 128 and 512 steps) and rounded up. Time constants are
+generous per-unit costs of the SimPy engine (a Python event loop: about 0.2 ms per step
+and layer on a shared 2-core machine), the fast path, and, for the executor, bytes
+over the (emulated) link and over host memory.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+from moesim.errors import MoesimError
+from moesim.models import ModelSpec
+
+SYNTH_BYTES_PER_CELL = 64
+SYNTH_FIXED_BYTES = 256 * 2**20
+REPLAY_BYTES_PER_CELL = 64  # per policy simulated at once, plus the trace itself
+TRACE_BYTES_PER_CELL = 8  # true ids (int16), gates (float32), predicted ids (int16)
+SYNTH_S_PER_CELL = 5e-6
+SIMPY_S_PER_STEP_LAYER = 5e-4
+FAST_S_PER_STEP_LAYER = 2e-5
+HOST_COPY_GBS = 2.0  # a CPU executor's expert compute and weight reads, conservatively
+WARN_S = 600.0  # announce runs longer than this
+REFUSE_S = 24 * 3600.0  # refuse runs longer than a day: almost always a typo
+MEMORY_HEADROOM = 0.8  # of the memory available now
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A run's estimated peak memory (bytes) and duration (seconds), and what it is."""
+
+    what: str
+    bytes: float
+    seconds: float
+
+    def describe(self) -> str:
+        return f"{self.what}: about {human_bytes(self.bytes)} of memory and {human_seconds(self.seconds)}"
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def human_seconds(s: float) -> str:
+    if s >= 86400 * 365:
+        return f"{s / (86400 * 365):.3g} years"
+    if s >= 86400:
+        return f"{s / 86400:.3g} days"
+    if s >= 3600:
+        return f"{s / 3600:.3g} h"
+    if s >= 60:
+        return f"{s / 60:.3g} min"
+    return f"{s:.2g} s"
+
+
+def available_memory() -> float:
+    """Bytes this process can still allocate: MemAvailable, or the cgroup limit if lower."""
+    avail = float("inf")
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as f:
+                raw = f.read().strip()
+            if raw != "max" and int(raw) < 2**60:
+                with open(usage_file) as f:
+                    avail = min(avail, int(raw) - int(f.read().strip()))
+                break
+        except (OSError, ValueError):
+            continue
+    if avail == float("inf"):
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return float(avail)
+
+
+def _cells(spec: ModelSpec, tokens: int, batch: int) -> float:
+    return float(tokens) * spec.n_moe_layers * batch * spec.top_k
+
+
+def synth_estimate(spec: ModelSpec, tokens: int, batch: int) -> Estimate:
+    """Synthesising a trace (``moesim synth``, ``whatif`` without ``--trace``)."""
+    cells = _cells(spec, tokens, batch)
+    return Estimate(f"a synthetic trace of {tokens} steps x batch {batch} of {spec.name}",
+                    SYNTH_FIXED_BYTES + cells * SYNTH_BYTES_PER_CELL, cells * SYNTH_S_PER_CELL)
+
+
+def replay_estimate(spec: ModelSpec, tokens: int, batch: int, runs: int = 1, engine: str = "simpy",
+                    what: str | None = None) -> Estimate:
+    """Simulating a trace ``runs`` times (policies x configurations), one at a time."""
+    cells = _cells(spec, tokens, batch)
+    per = SIMPY_S_PER_STEP_LAYER if engine == "simpy" else FAST_S_PER_STEP_LAYER
+    return Estimate(what or f"{runs} simulation(s) of {tokens} steps of {spec.name} ({engine} engine)",
+                    cells * (TRACE_BYTES_PER_CELL + REPLAY_BYTES_PER_CELL),
+                    runs * float(tokens) * spec.n_moe_layers * max(1, batch) * per)
+
+
+def decode_estimate(spec: ModelSpec, tokens: int, batch: int, dtype_bytes: int, link_gbps: float,
+                    cache_experts: int, offload: bool, prompt_len: int = 0) -> Estimate:
+    """The reference executor decoding ``tokens`` steps (``moesim profile``): every weight in
+    host memory (at ``dtype_bytes`` a parameter), the device-side cache, the KV cache of
+    ``batch`` sequences and each step's logits and routing records; per step, the routed
+    experts cross the link (when offloaded) and every weight is read once."""
+    scale = dtype_bytes / 2  # the catalogue's byte accounting is bf16
+    context = prompt_len + tokens
+    kv = spec.kv_bytes_per_token_layer * spec.n_layers * float(batch) * context * scale
+    per_seq = float(batch) * (spec.vocab * 4 * 2 + spec.hidden * 4 * 16  # logits, activations
+                              + tokens * spec.n_moe_layers * spec.top_k * 16)  # routing records
+    weights = (spec.non_expert_bytes + spec.all_expert_bytes) * scale
+    expert = spec.expert_bytes * scale
+    cache = min(cache_experts, spec.n_moe_layers * spec.n_experts) * expert
+    moved = spec.n_moe_layers * min(spec.n_experts, spec.top_k * batch) * expert if offload else 0.0
+    per_step = moved / (link_gbps * 1e9) + (spec.non_expert_bytes * scale + moved) / (HOST_COPY_GBS * 1e9)
+    return Estimate(f"decoding {tokens} steps of {spec.name} ({human_bytes(weights)} of weights"
+                    + (f", link {link_gbps:g} GB/s" if offload else "") + ")",
+                    weights + cache + kv + per_seq, tokens * per_step)
+
+
+CPU_TRAIN_FLOPS = 5e9  # achieved fp32 training FLOP/s of a CPU core or two, conservatively
+
+
+def train_estimate(spec: ModelSpec, steps: int, batch: int, seq: int) -> Estimate:
+    """CPU training (``moesim train``): fp32 parameters with gradients and two Adam moments
+    (16 bytes a parameter), activations kept for the backward pass (per token and layer:
+    about a dozen hidden-sized vectors, the routed experts' intermediates and the router
+    logits; the LM head's logits, three copies), and 6 FLOPs per active parameter per token."""
+    params = (spec.non_expert_bytes + spec.all_expert_bytes) / 2  # the byte accounting is bf16
+    active = spec.bytes_per_token() / 2
+    tokens = float(batch) * seq
+    per_token = 4 * (spec.n_layers * (12 * spec.hidden + 3 * spec.top_k * spec.expert_inter + spec.n_experts)
+                     + 3 * spec.vocab)
+    return Estimate(f"training {steps} steps of batch {batch} x {seq} tokens ({spec.name})",
+                    16 * params + 2 * tokens * per_token, steps * 6 * active * tokens / CPU_TRAIN_FLOPS)
+
+
+def _stderr(line: str) -> None:
+    sys.stderr.write(line + "\n")
+
+
+def check(est: Estimate, warn=_stderr) -> Estimate:
+    """Refuse an estimate that cannot fit in memory or would take more than a day; call
+    ``warn(line)`` (if given) for one that takes longer than :data:`WARN_S`."""
+    avail = available_memory()
+    if est.bytes > avail * MEMORY_HEADROOM:
+        raise MoesimError(f"{est.describe()}; this machine has {human_bytes(avail)} available: refusing "
+                          "(ask for fewer tokens, layers, sequences or a smaller cache)")
+    if est.seconds > REFUSE_S:
+        raise MoesimError(f"{est.describe()}: refusing a run estimated at more than a day "
+                          "(check the sizes and the link bandwidth)")
+    if est.seconds > WARN_S and warn is not None:
+        warn(f"warning: {est.describe()} (estimate; Ctrl-C stops it)")
+    return est

@@ -1,0 +1,32 @@
+"""Numbers as people read them: no ``9.73e+03`` in a table or a sentence.
+
+Shared by the CLI tables and the HTML reports so a figure reads the same in both.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def number(v: float, digits: int = 3) -> str:
+    """``digits`` significant digits without an exponent for everyday magnitudes
+    (``9,730``, ``12.3``, ``0.0412``); an exponent only below 1e-4 or from 1e15."""
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        return str(v)
+    if not math.isfinite(v):
+        return str(v)
+    if v == 0:
+        return "0"
+    a = abs(v)
+    if a >= 1e15 or a < 1e-4:
+        return f"{v:.{digits - 1}e}"
+    if a >= 10 ** (digits - 1):
+        return f"{v:,.0f}"
+    return f"{float(f'{v:.{digits}g}'):g}" if a >= 1e-4 else f"{v:.{digits}g}"
+
+
+def duration_ms(ms: float) -> str:
+    """A duration given in ms, in ms below a second and in s from there (``412 ms``, ``9.73 s``)."""
+    if not isinstance(ms, int | float) or not math.isfinite(ms):
+        return str(ms)
+    return f"{number(ms / 1e3)} s" if abs(ms) >= 1e3 else f"{number(ms)} ms"

@@ -1,0 +1,246 @@
+"""No input ends in a traceback or a silent wrong answer: one subprocess test per fault
+class (outputs, missing optional dependency, bad input files, absurd sizes, duplicate
+names, interruptions), and the library pieces behind them (moesim.outputs, moesim.atomic,
+moesim.budget, the recorded link of a replay, fit naming and warnings)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moesim.errors import MoesimError
+from moesim.models import get_model
+from moesim.traces.format import read_trace, write_trace
+from moesim.traces.synthetic import SyntheticParams, synthetic_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "stranger"))
+from cases import make_readonly, undo_readonly  # noqa: E402
+
+
+def moesim(*args, cwd, pre: str = "", timeout: float = 300) -> subprocess.CompletedProcess:
+    """The real CLI in a subprocess; ``pre`` is Python run first (e.g. to hide torch)."""
+    code = f"{pre}\nimport sys\nsys.argv = ['moesim', *sys.argv[1:]]\nfrom moesim.cli import main\nmain()"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"}
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=timeout)
+
+
+def one_line_error(r: subprocess.CompletedProcess, *words: str) -> str:
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2, r.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    d = tmp_path_factory.mktemp("trust")
+    write_trace(synthetic_trace(get_model("tiny"), SyntheticParams(tokens=6, prompt_len=4)), d / "t.npz")
+    (d / "afile").write_text("x")
+    (d / "adir").mkdir()
+    return d
+
+
+@pytest.fixture
+def readonly(tmp_path):
+    ro = tmp_path / "ro"
+    how = make_readonly(ro)
+    if how is None:
+        pytest.skip("cannot make a folder that root cannot write here (neither chmod nor chattr +i works)")
+    yield ro
+    undo_readonly(ro)
+
+
+# -- outputs ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, out, words", [
+    (("synth", "--model", "tiny", "--tokens", "2"), "adir", ("is a folder; a file is expected",)),
+    (("synth", "--model", "tiny", "--tokens", "2"), "afile/x.npz", ("afile is a file, not a folder",)),
+    (("replay", "t.npz", "--policy", "on-demand"), "afile", ("is a file; a folder is expected",)),
+    (("whatif", "--model", "tiny", "--tokens", "2"), "afile/sub", ("afile is a file, not a folder",)),
+    (("fit", "t.npz"), "adir", ("is a folder",)),
+    (("profile", "--model", "tiny", "--tokens", "2"), "adir", ("is a folder",)),
+    (("train", "--steps", "1"), "afile", ("is a file; a folder is expected",)),
+])
+def test_a_bad_output_path_is_one_line_before_any_work(work, args, out, words):
+    t0 = time.time()
+    r = moesim(*args, "--out", out, cwd=work)
+    one_line_error(r, *words)
+    assert time.time() - t0 < 60  # nothing ran
+
+
+def test_a_read_only_folder_is_refused_before_any_work(work, readonly):
+    for args in (("synth", "--model", "tiny", "--tokens", "2", "--out", readonly / "x.npz"),
+                 ("replay", work / "t.npz", "--out", readonly / "report"),
+                 ("profile", "--model", "tiny", "--tokens", "2", "--out", readonly / "sub" / "p.npz")):
+        one_line_error(moesim(*args, cwd=work), "cannot write in", str(readonly))
+    assert not any(readonly.iterdir())
+
+
+def test_output_checks_in_the_library(tmp_path, readonly):
+    from moesim.outputs import check_output_dir, check_output_file
+
+    (tmp_path / "f").write_text("x")
+    assert check_output_file(tmp_path / "new" / "deeper" / "a.npz") == tmp_path / "new" / "deeper" / "a.npz"
+    assert not (tmp_path / "new").exists()  # checking creates nothing
+    with pytest.raises(MoesimError, match="expected a .toml file"):
+        check_output_file(tmp_path / "a.npz", (".toml",))
+    with pytest.raises(MoesimError, match="is a file; a folder is expected"):
+        check_output_dir(tmp_path / "f")
+    with pytest.raises(MoesimError, match="f is a file, not a folder"):
+        check_output_dir(tmp_path / "f" / "sub")
+    with pytest.raises(MoesimError, match="cannot write in"):
+        check_output_dir(readonly / "report")
+
+
+def test_atomic_writes_clean_temporary_files_of_dead_writers_only(tmp_path):
+    from moesim.atomic import atomic_write_text
+
+    dead = tmp_path / ".a.txt.999999999.x1.tmp"  # no such pid
+    alive = tmp_path / f".a.txt.{os.getpid()}.x2.tmp"  # a writer still running
+    dead.write_text("half")
+    alive.write_text("half")
+    atomic_write_text(tmp_path / "a.txt", "whole")
+    assert (tmp_path / "a.txt").read_text() == "whole"
+    assert not dead.exists() and alive.exists()
+    with pytest.raises(MoesimError, match="it is a folder"):
+        atomic_write_text(tmp_path, "x")
+
+
+def test_sigterm_leaves_no_temporary_file(work, tmp_path):
+    """SIGTERM unwinds like Ctrl-C: exit 130, one line, no .tmp beside the output."""
+    write_trace(synthetic_trace(get_model("qwen3-30b-a3b"), SyntheticParams(tokens=1024)), tmp_path / "big.npz")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"}
+    p = subprocess.Popen([sys.executable, "-m", "moesim", "replay", "big.npz", "--engine", "simpy", "--out", "rep"],
+                         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(3)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert "Traceback" not in err
+    assert p.returncode in (0, 130), err  # 0 only if it finished first
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+# -- missing optional dependency ---------------------------------------------------------
+
+@pytest.mark.parametrize("args", [("profile", "--model", "tiny", "--tokens", "2"), ("validate",), ("calibrate",)])
+def test_missing_torch_is_one_line_naming_the_extra(work, args):
+    r = moesim(*args, cwd=work, pre="import sys; sys.modules['torch'] = None; sys.modules['safetensors'] = None")
+    one_line_error(r, 'pip install "moesim[executor]"', "download.pytorch.org/whl/cpu")
+
+
+# -- bad input files ---------------------------------------------------------------------
+
+def test_bad_input_files_are_one_line_each(work):
+    (work / "random.npz").write_bytes(np.random.default_rng(0).bytes(2000))
+    (work / "empty.npz").write_bytes(b"")
+    assert "is a folder, not a trace file" in one_line_error(moesim("replay", "adir", cwd=work))
+    line = one_line_error(moesim("replay", "random.npz", cwd=work), "not an .npz archive")
+    assert "pickle" not in line
+    one_line_error(moesim("replay", "empty.npz", cwd=work), "empty")
+    one_line_error(moesim("replay", "t.npz", "--hw", "t.npz", cwd=work), "not a hardware profile")
+
+
+# -- absurd sizes --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, words", [
+    (("synth", "--model", "tiny", "--tokens", "1000000000000"), ("TiB", "available: refusing")),
+    (("whatif", "--model", "tiny", "--tokens", "1000000000000", "--out", "w"), ("available: refusing",)),
+    (("profile", "--model", "tiny", "--link-gbps", "1e-9", "--tokens", "2"), ("days", "more than a day")),
+    (("profile", "--model", "qwen3-30b-a3b", "--layers", "0", "--tokens", "2"), ("--layers 0",)),
+])
+def test_absurd_sizes_are_refused_with_the_estimate(work, args, words):
+    t0 = time.time()
+    one_line_error(moesim(*args, cwd=work), *words)
+    assert time.time() - t0 < 60
+
+
+def test_budget_estimates_grow_with_the_run_and_refuse_what_cannot_fit():
+    from moesim import budget
+
+    spec = get_model("qwen3-30b-a3b")
+    small, big = budget.synth_estimate(spec, 100, 1), budget.synth_estimate(spec, 10_000, 1)
+    assert big.bytes > small.bytes and big.seconds > 10 * small.seconds
+    assert budget.replay_estimate(spec, 100, 1, runs=4).seconds == pytest.approx(
+        4 * budget.replay_estimate(spec, 100, 1, runs=1).seconds)
+    slow = budget.decode_estimate(get_model("tiny"), 10, 1, 4, 1e-6, 0, True)
+    fast = budget.decode_estimate(get_model("tiny"), 10, 1, 4, 10.0, 0, True)
+    assert slow.seconds > 1000 * fast.seconds
+    huge_cache = budget.decode_estimate(get_model("tiny"), 1, 1, 4, 10.0, 10**15, True)
+    assert huge_cache.bytes < 2**30  # a cache cannot hold more than every expert
+    with pytest.raises(MoesimError, match="refusing"):
+        budget.check(budget.Estimate("x", budget.available_memory() * 2, 1.0))
+    warned = []
+    budget.check(budget.Estimate("x", 1.0, budget.WARN_S * 2), warn=warned.append)
+    assert warned and "about" in warned[0]
+
+
+def test_a_huge_cache_in_profile_holds_every_expert_instead_of_allocating(work, tmp_path):
+    r = moesim("profile", "--model", "tiny", "--policy", "on-demand", "--cache-gib", "1e9", "--tokens", "2",
+               "--out", tmp_path / "p.npz", cwd=work)
+    assert r.returncode == 0, r.stderr
+    spec = get_model("tiny")
+    assert read_trace(tmp_path / "p.npz").meta.cache_experts == spec.n_moe_layers * spec.n_experts
+
+
+# -- duplicate names, fit names and warnings ---------------------------------------------
+
+def test_two_profiles_with_one_name_are_refused(work):
+    shutil.copy(ROOT / "hwprofiles" / "a6000.toml", work / "copy.toml")
+    one_line_error(moesim("whatif", "--model", "tiny", "--hw", "a6000,copy.toml", "--tokens", "2", "--out", "w",
+                          cwd=work), "both named 'a6000'", "unique")
+
+
+def test_fit_names_its_profile_and_warns_on_a_poor_fit():
+    from moesim.hardware import get_profile
+    from moesim.sim.fit import fit_warnings, fitted_name
+
+    trace = synthetic_trace(get_model("tiny"), SyntheticParams(tokens=2))
+    name = fitted_name(trace, get_profile("a6000"))
+    assert name != "a6000" and name.endswith("-fit-a6000")
+    good = {"r2": 0.99, "tpot_error_with_fitted_profile": 0.02}
+    assert fit_warnings(good) == []
+    bad = fit_warnings({"r2": 0.675, "tpot_error_with_fitted_profile": -0.266})
+    assert len(bad) == 2 and "R^2 0.675" in bad[0] and "-26.6%" in bad[1]
+
+
+# -- the recorded link ---------------------------------------------------------------------
+
+def test_replay_uses_the_link_the_trace_was_recorded_with():
+    from moesim.sim.replay import replay
+
+    trace = synthetic_trace(get_model("tiny"), SyntheticParams(tokens=6))
+    trace.header["recorded"] = {**trace.header.get("recorded", {}), "hw_profile": "a6000", "link_gbps": 0.5,
+                                "latency_us": 10.0}
+    assert trace.meta.link_gbps == 0.5
+    rec = replay(trace, None, ["on-demand"], engine="fast")
+    assert rec.rows[0]["link_gbps"] == 0.5 and rec.link_source == "recorded in the trace"
+    named = replay(trace, "a6000", ["on-demand"], engine="fast")  # another profile named: its own link
+    assert named.link_source == "the profile's" and named.rows[0]["link_gbps"] == named.profile["h2d_pinned_gbs"] != 0.5
+    given = replay(trace, None, ["on-demand"], engine="fast", link_gbps=2.0)
+    assert given.rows[0]["link_gbps"] == 2.0 and given.link_source == "given"
+    assert rec.rows[0]["tpot_ms"] > given.rows[0]["tpot_ms"]  # a slower link is not ignored
+
+
+def test_signed_intercepts_never_read_plus_minus():
+    from moesim.cli.replay_views import signed_ms
+
+    assert signed_ms(-4.57) == "- 4.57 ms" and signed_ms(1.2) == "+ 1.2 ms"
+
+
+def test_json_of_a_replay_names_its_sources(work):
+    r = moesim("replay", "t.npz", "--policy", "on-demand", "--engine", "fast", "--json", cwd=work)
+    row = json.loads(r.stdout)[0]
+    assert row["hw_source"].startswith("default") and row["link_source"] == "the profile's"
