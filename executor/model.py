@@ -301,12 +301,16 @@ class ResidentExperts:
         return mix_experts(x, ids.cpu().numpy(), gates, self.weights[layer], s.hidden, s.expert_inter, each)
 
 
-def quasi_hidden(model: MoEModel, layer: int, resid: Tensor, ids: Tensor, gates: Tensor, dv: Tensor) -> Tensor:
-    """The quasi-hidden state q_l: layer l+1's router input as it would be if layer l's
-    experts returned their default vectors ``dv`` [L, E, hidden]: LN_{l+1}(r_l + d_l) with
-    d_l the gate-weighted default vectors of the chosen ``ids`` [rows, k]. [rows, hidden]."""
+def quasi_hidden(model: MoEModel, layer: int, resid: Tensor, ids: Tensor, gates: Tensor, dv: Tensor,
+                 nxt: int | None = None) -> Tensor:
+    """The quasi-hidden state q_l: the next MoE layer's router input as it would be if layer
+    l's experts returned their default vectors ``dv`` [L, E, hidden] (model layers): LN_n(r_l
+    + d_l) with d_l the gate-weighted default vectors of the chosen ``ids`` [rows, k] and n
+    = ``nxt`` (default l+1). Dense layers between l and n are skipped: their attention and
+    MLP are not known yet when the prediction must be issued. [rows, hidden]."""
     d = (dv[layer][ids] * gates[..., None].to(dv.dtype)).sum(1)  # [rows, hidden]
-    return model.layers[layer + 1].post_attention_layernorm(resid + d.to(resid.dtype))
+    n = layer + 1 if nxt is None else nxt
+    return model.layers[n].post_attention_layernorm(resid + d.to(resid.dtype))
 
 
 class FeedForward(nn.Module):
@@ -386,11 +390,15 @@ class MoEModel(nn.Module):
         return self.cfg.spec
 
     def blocks(self, h: Tensor, experts: ExpertHook, cache: KVCache | None = None, start: int = 0,
-               tree: TreeMask | None = None) -> Tensor:
+               tree: TreeMask | None = None, after: Callable[[int], None] | None = None) -> Tensor:
         """The layer pass: ``h`` [batch, seq, hidden] through every block, routed experts
-        executed by ``experts``. ``cache`` None attends within the sequence only (training)."""
+        executed by ``experts``. ``cache`` None attends within the sequence only (training).
+        ``after(layer)`` runs at the end of every block (the offloaded runtime times dense
+        layers with it: they never call the expert hook)."""
         for layer, blk in enumerate(self.layers):
             h = blk(h, layer, experts, cache, start, tree)
+            if after is not None:
+                after(layer)
         return h
 
     def hidden_states(self, tokens: Tensor, experts: ExpertHook | None = None, cache: KVCache | None = None,

@@ -100,12 +100,63 @@ def test_qwen2_moe_offloaded_decoding_equals_the_reference(tmp_path):
         torch.testing.assert_close(torch.stack(got, 1), want[:, 3:], rtol=1e-4, atol=1e-4)
 
 
-def test_dense_layers_run_resident_but_are_refused_offloaded(tmp_path):
+@pytest.mark.parametrize("dense", [[0], [1]], ids=["leading", "between"])
+def test_dense_layers_decode_offloaded_and_their_trace_replays(tmp_path, dense):
+    """Dense layers (here Qwen2-MoE's mlp_only_layers) run resident inside the offloaded
+    step: exact policies decode the all-resident tokens, prediction reaches the NEXT MoE
+    layer across a dense one, and the trace ([tokens, moe_layers, ...] routing, attn_s per
+    model layer) reads back and replays in the simulator with the executor's own copies."""
+    import numpy as np
+
+    from moesim.executor.profile import ProfileSettings, build_trace, generate
+    from moesim.hardware import get_profile
+    from moesim.sim.simulate import simulate
+    from moesim.traces.format import read_trace, write_trace
+
+    torch.manual_seed(0)
+    ref = transformers.Qwen2MoeForCausalLM(_qwen2_config(mlp_only_layers=dense)).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.2)
+    ref.save_pretrained(tmp_path / "ckpt")
+    ours = load_checkpoint(tmp_path / "ckpt")
+    s = ours.spec
+    assert s.dense_layers == tuple(dense) and s.n_moe_layers == 2 and ours.experts[dense[0]] == []
+    hw = get_profile("a6000")
+    prompt = torch.randint(0, 96, (2, 4), generator=torch.Generator().manual_seed(3))
+    runs = {}
+    for policy in ("all-resident", "on-demand", "prefetch-fom"):
+        st = ProfileSettings(policy=policy, predictor="stale", tokens=5)
+        runs[policy] = (st, *generate(ours, prompt, st, hw))
+    want = torch.cat(runs["all-resident"][3], 1)
+    for policy in ("on-demand", "prefetch-fom"):
+        assert torch.equal(torch.cat(runs[policy][3], 1), want), policy
+
+    st, prefill, records, out = runs["prefetch-fom"]
+    trace = build_trace(ours, prompt, st, hw, prefill, records, out, "cpu", True, "test model")
+    back = read_trace(write_trace(trace, tmp_path / "run.npz"))
+    tm = back.timings
+    assert back.true_ids.shape == (5, 2, 2, 2) and tm["attn_s"].shape == (5, 3) and tm["expert_s"].shape == (5, 2)
+    assert (back.pred_ids[:, 0] == -1).all() and (back.pred_ids[:, 1] >= 0).all()  # MoE layer 1 predicted from 0
+    parts = tm["attn_s"].sum(1) + tm["expert_s"].sum(1) + tm["stall_s"].sum(1) + tm["other_s"]
+    np.testing.assert_allclose(parts, tm["tpot_s"], rtol=1e-6)  # the dense layer's time is in its attn_s
+    # The simulator plans the recorded routing with the same planner: per step and MoE layer
+    # it copies exactly what the executor copied (copy records name model layers).
+    sim = simulate(back, hw, "prefetch-fom", timing="measured")
+    for kind, want_counts in ((1, sim.plan.demand), (0, sim.plan.prefetch)):
+        got = np.zeros_like(want_counts)
+        for t, layer, k in zip(tm["copy_token"], tm["copy_layer"], tm["copy_kind"], strict=True):
+            if k == kind:
+                got[t, s.moe_layers.index(int(layer))] += 1
+        np.testing.assert_array_equal(got, want_counts)
+    assert sim.plan.prefetch.sum() > 0 and np.isfinite(sim.tpot).all() and (sim.tpot > 0).all()
+
+
+def test_estimator_is_refused_for_models_with_dense_layers(tmp_path):
     from moesim.executor.runtime import OffloadedDecoder
     from moesim.executor.transport import EmulatedLink
 
     transformers.Qwen2MoeForCausalLM(_qwen2_config(mlp_only_layers=[0])).save_pretrained(tmp_path)
     ours = load_checkpoint(tmp_path)
-    assert ours.spec.dense_layers == (0,) and ours.experts[0] == [] and len(ours.experts[1]) == 8
     with pytest.raises(MoesimError, match="dense layers"):
-        OffloadedDecoder(ours, "on-demand", EmulatedLink(1e9, 0))
+        OffloadedDecoder(ours, "on-demand", EmulatedLink(1e9, 0), predictor="estimator")
