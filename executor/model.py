@@ -1,10 +1,12 @@
-"""A readable Qwen3-MoE-family decoder (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) in one file.
+"""A readable MoE decoder (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V2) in one file.
 
-Pre-norm blocks: RMSNorm -> grouped-query attention with RoPE and a KV cache -> residual
--> RMSNorm -> softmax top-k router -> SwiGLU experts (+ shared experts, Qwen2-MoE's with
-a sigmoid gate) -> residual; or a dense SwiGLU MLP in a dense layer. Geometry comes from
+Pre-norm blocks: RMSNorm -> attention with RoPE and a KV cache (grouped-query, or
+DeepSeek-V2's multi-head latent attention run uncompressed, :class:`MLAttention`) ->
+residual -> RMSNorm -> softmax top-k router (DeepSeek: group-limited and scaled,
+:class:`RouterRule`) -> SwiGLU experts (+ shared experts, Qwen2-MoE's with a sigmoid gate)
+-> residual; or a dense SwiGLU MLP in a dense layer. Geometry comes from
 :class:`moesim.models.ModelSpec` (the one source of truth); this file adds only what
-executing needs (RoPE base, norm epsilon, q/k-norm flavour).
+executing needs (RoPE base, norm epsilon, q/k-norm flavour, router rule).
 
 Each expert's weights are one flat, contiguous tensor ``[gate; up; down]`` so that moving
 an expert is one copy; :func:`expert_forward` computes an expert from such a buffer
@@ -33,8 +35,23 @@ from torch import Tensor, nn
 from moesim.errors import MoesimError
 from moesim.models import ModelSpec, from_hf_config
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2")
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+@dataclass(frozen=True)
+class RouterRule:
+    """What a router does after its softmax beyond plain top-k (DeepSeek-V2's ``MoEGate``,
+    as transformers' ``DeepseekV2TopkRouter`` computes it): ``group_limited_greedy`` splits
+    the experts into ``n_group`` groups, keeps the ``topk_group`` groups whose best expert
+    scores highest and takes the top-k among those; the gates are then multiplied by
+    ``scale`` (``routed_scaling_factor``). The defaults are plain softmax top-k."""
+
+    method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -45,12 +62,30 @@ class ExecConfig:
     rope_theta: float = 1e6
     rms_eps: float = 1e-6
     max_seq_len: int = 4096
+    router: RouterRule = RouterRule()
+    mla_bias: bool = False  # DeepSeek's attention_bias: q_a, kv_a and o projections
 
     def __post_init__(self) -> None:
-        s = self.spec
-        if s.attention.kind != "gqa" or s.expert_dtype not in TORCH_DTYPES:
-            raise MoesimError(f"the executor runs GQA models with bf16/fp32 experts ({', '.join(FAMILIES)}); "
-                              f"{s.name} is not one")
+        s, r = self.spec, self.router
+        mla = s.attention.kind == "mla" and s.family == "deepseek_v2"
+        if not (s.attention.kind == "gqa" or mla) or s.expert_dtype not in TORCH_DTYPES:
+            raise MoesimError(f"the executor runs GQA models and DeepSeek-V2's MLA with bf16/fp32 experts "
+                              f"({', '.join(FAMILIES)}); {s.name} is not one")
+        if r.method not in TOPK_METHODS:
+            raise MoesimError(f"{s.name}: topk_method {r.method!r} is not executable ({', '.join(TOPK_METHODS)})")
+        if r.method == "group_limited_greedy" and (s.n_experts % r.n_group or not 0 < r.topk_group <= r.n_group
+                                                    or r.topk_group * (s.n_experts // r.n_group) < s.top_k):
+            raise MoesimError(f"{s.name}: n_group {r.n_group} / topk_group {r.topk_group} do not fit "
+                              f"{s.n_experts} experts and top-{s.top_k}")
+
+    @property
+    def kv_geometry(self) -> tuple[int, int, int]:
+        """(cached heads, key dim, value dim) of one token in one layer's KV cache. MLA is
+        cached UNCOMPRESSED: every head's expanded key (nope + rope) and value."""
+        a = self.spec.attention
+        if a.kind == "mla":
+            return a.n_heads, a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim
+        return a.n_kv_heads, a.head_dim, a.head_dim
 
     def with_dtype(self, dtype: torch.dtype) -> ExecConfig:
         """The same model stored in ``dtype``: the spec's byte accounting follows (one source of truth)."""
@@ -78,9 +113,23 @@ class ExecConfig:
         cfg = json.loads(path.read_text())
         if cfg.get("use_sliding_window"):
             raise MoesimError(f"{path}: sliding-window attention is not executable")
-        theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 1e4
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":  # yarn (DeepSeek-V2's released checkpoints) etc. would be silently wrong
+            raise MoesimError(f"{path}: RoPE type {rope_type!r} is not executable (only default RoPE)")
+        theta = cfg.get("rope_theta") or rope.get("rope_theta") or 1e4
+        router = RouterRule()
+        if spec.family == "deepseek_v2":
+            if cfg.get("scoring_func", "softmax") != "softmax":
+                raise MoesimError(f"{path}: scoring_func {cfg['scoring_func']!r} is not executable (softmax)")
+            if cfg.get("norm_topk_prob"):  # transformers ignores it, DeepSeek's own code renormalises: refuse
+                raise MoesimError(f"{path}: norm_topk_prob true is not executable for deepseek_v2 "
+                                  "(transformers and DeepSeek's code disagree)")
+            router = RouterRule(cfg.get("topk_method") or "greedy", int(cfg.get("n_group") or 1),
+                                int(cfg.get("topk_group") or 1), float(cfg.get("routed_scaling_factor", 1.0)))
+            spec = replace(spec, norm_topk_prob=False)
         return cls(spec, float(theta), float(cfg.get("rms_norm_eps", 1e-6)),
-                   int(cfg.get("max_position_embeddings", 4096)))
+                   int(cfg.get("max_position_embeddings", 4096)), router, bool(cfg.get("attention_bias", False)))
 
 
 class RMSNorm(nn.Module):
@@ -108,6 +157,26 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x * cos.to(x.dtype) + rotated * sin.to(x.dtype))
+
+
+def apply_rope_pairs(x: Tensor, positions: Tensor, theta: float) -> Tensor:
+    """``x``: [batch, heads, seq, dim]; DeepSeek's convention: adjacent pairs (2i, 2i+1) are
+    one complex number rotated by ``position * theta^(-2i/dim)`` (computed in fp32)."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+    freqs = positions.float()[:, None] * inv[None, :]  # [seq, dim/2]
+    cos, sin = freqs.cos(), freqs.sin()
+    xf = x.float().unflatten(-1, (d // 2, 2))
+    a, b = xf[..., 0], xf[..., 1]
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).to(x.dtype)
+
+
+def attention_mask(t: int, start: int, tree: TreeMask | None, device: torch.device) -> Tensor:
+    """[t, start + t] booleans: a tree's own mask, else causal within the new tokens with
+    every cached token visible."""
+    if tree is not None:
+        return tree.mask
+    return torch.ones(t, start + t, dtype=torch.bool, device=device).tril(diagonal=start)
 
 
 class Attention(nn.Module):
@@ -148,11 +217,59 @@ class Attention(nn.Module):
             k, v = cache.update(layer, start, k, v)
         groups = self.n_heads // self.n_kv
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        if tree is not None:
-            mask = tree.mask
-        else:  # causal within the new tokens; every cached token is visible
-            mask = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(diagonal=start)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(t, start, tree, x.device))
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLAttention(nn.Module):
+    """DeepSeek-V2 multi-head latent attention, run UNCOMPRESSED.
+
+    Queries come from ``q_proj`` (or, with ``q_lora_rank``, the low-rank ``q_a`` -> norm
+    -> ``q_b``). Keys and values come from a compressed latent: ``kv_a_proj_with_mqa`` gives
+    the latent (``kv_lora_rank``) and one shared RoPE key (``qk_rope_head_dim``); the
+    normed latent is expanded by ``kv_b_proj`` to every head's non-RoPE key and value.
+    This straightforward implementation caches the EXPANDED per-head keys and values
+    (heads x (nope + rope + v) per token), not the latent (rank + rope) that MLA was
+    designed to cache, nor does it absorb ``kv_b_proj`` into the query and output: the
+    logits are the same, the KV cache is larger and the attention does more work than an
+    optimised MLA kernel."""
+
+    def __init__(self, cfg: ExecConfig) -> None:
+        super().__init__()
+        a, h = cfg.spec.attention, cfg.spec.hidden
+        self.n_heads, self.nope, self.rope, self.v_dim = a.n_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
+        self.rank, qk = a.kv_lora_rank, a.qk_nope_head_dim + a.qk_rope_head_dim
+        self.q_proj = self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        if a.q_lora_rank:
+            self.q_a_proj = nn.Linear(h, a.q_lora_rank, bias=cfg.mla_bias)
+            self.q_a_layernorm = RMSNorm(a.q_lora_rank, 1e-6)  # transformers' default eps, not rms_norm_eps
+            self.q_b_proj = nn.Linear(a.q_lora_rank, a.n_heads * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(h, a.n_heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, a.kv_lora_rank + a.qk_rope_head_dim, bias=cfg.mla_bias)
+        self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, 1e-6)
+        self.kv_b_proj = nn.Linear(a.kv_lora_rank, a.n_heads * (a.qk_nope_head_dim + a.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(a.n_heads * a.v_head_dim, h, bias=cfg.mla_bias)
+        self.scale, self.theta = qk ** -0.5, cfg.rope_theta
+
+    def forward(self, x: Tensor, cache: KVCache | None, layer: int, start: int, tree: TreeMask | None = None) -> Tensor:
+        """As :meth:`Attention.forward`."""
+        b, t, _ = x.shape
+        q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(b, t, self.n_heads, self.nope + self.rope).transpose(1, 2)  # [b, heads, t, nope + rope]
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)  # [b, t, rank], [b, t, rope]
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent))  # [b, t, heads * (nope + v)]
+        k_nope, v = kv.view(b, t, self.n_heads, self.nope + self.v_dim).transpose(1, 2).split([self.nope, self.v_dim], -1)
+        positions = tree.positions if tree is not None else torch.arange(start, start + t, device=x.device)
+        q_pe = apply_rope_pairs(q_pe, positions, self.theta)
+        k_pe = apply_rope_pairs(k_pe.view(b, 1, t, self.rope), positions, self.theta)  # one key shared by all heads
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(b, self.n_heads, t, self.rope)], dim=-1)  # [b, heads, t, nope + rope]
+        if cache is not None:
+            k, v = cache.update(layer, start, k, v)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(t, start, tree, x.device),
+                                           scale=self.scale)  # [b, heads, t, v]
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -182,13 +299,14 @@ class TreeMask:
 
 
 class KVCache:
-    """Preallocated keys and values per layer: [batch, kv_heads, max_len, head_dim]."""
+    """Preallocated keys and values per layer: [batch, kv_heads, max_len, key or value dim]
+    (:attr:`ExecConfig.kv_geometry`; MLA: every head, uncompressed)."""
 
     def __init__(self, cfg: ExecConfig, batch: int, max_len: int, device: torch.device, dtype: torch.dtype) -> None:
-        a = cfg.spec.attention
-        shape = (batch, a.n_kv_heads, max_len, a.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.spec.n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.spec.n_layers)]
+        heads, k_dim, v_dim = cfg.kv_geometry
+        n = cfg.spec.n_layers
+        self.k = [torch.zeros((batch, heads, max_len, k_dim), device=device, dtype=dtype) for _ in range(n)]
+        self.v = [torch.zeros((batch, heads, max_len, v_dim), device=device, dtype=dtype) for _ in range(n)]
         self.max_len = max_len
 
     def update(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -218,12 +336,20 @@ def expert_forward(w: Tensor, x: Tensor, hidden: int, inter: int) -> Tensor:
     return (F.silu(g) * u) @ down.T
 
 
-def route(logits: Tensor, top_k: int, renorm: bool) -> tuple[Tensor, Tensor]:
-    """Softmax top-k router: (ids, gates), largest gate first; gates renormalised if asked."""
-    probs = logits.float().softmax(-1)
+def route(logits: Tensor, top_k: int, renorm: bool, rule: RouterRule | None = None) -> tuple[Tensor, Tensor]:
+    """Softmax top-k router: (ids, gates), largest gate first; gates renormalised if asked.
+    ``rule`` (:class:`RouterRule`): DeepSeek's group limit and gate scale."""
+    probs = logits.float().softmax(-1)  # [rows, experts]
+    if rule is not None and rule.method == "group_limited_greedy":
+        rows, e = probs.shape
+        best = probs.view(rows, rule.n_group, e // rule.n_group).amax(-1)  # [rows, groups]
+        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(rule.topk_group, dim=-1).indices, True)
+        probs = probs.masked_fill(~keep.repeat_interleave(e // rule.n_group, dim=1), 0.0)
     gates, ids = probs.topk(top_k, dim=-1)
     if renorm:
         gates = gates / gates.sum(-1, keepdim=True)
+    if rule is not None and rule.scale != 1.0:
+        gates = gates * rule.scale
     return ids, gates
 
 
@@ -290,11 +416,12 @@ class ResidentExperts:
     def __init__(self, model: MoEModel, weights=None, on_route: Callable | None = None,
                  each: ExpertVisitor | None = None) -> None:
         self.spec, self.weights = model.spec, weights if weights is not None else model.experts
+        self.route = model.route
         self.on_route, self.each = on_route, each
 
     def __call__(self, layer: int, x: Tensor, logits: Tensor, resid: Tensor) -> Tensor:
         s = self.spec
-        ids, gates = route(logits, s.top_k, s.norm_topk_prob)  # [rows, k] each
+        ids, gates = self.route(logits)  # [rows, k] each
         if self.on_route is not None:
             self.on_route(layer, x, logits, resid, ids, gates)
         each = None if self.each is None else (lambda e, rows, y: self.each(layer, e, rows, y))
@@ -339,7 +466,7 @@ class Block(nn.Module):
         super().__init__()
         s = cfg.spec
         self.input_layernorm = RMSNorm(s.hidden, cfg.rms_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = MLAttention(cfg) if s.attention.kind == "mla" else Attention(cfg)
         self.post_attention_layernorm = RMSNorm(s.hidden, cfg.rms_eps)
         self.is_moe = layer not in s.dense_layers
         self.shared_expert = self.shared_expert_gate = None
@@ -389,6 +516,12 @@ class MoEModel(nn.Module):
     def spec(self) -> ModelSpec:
         return self.cfg.spec
 
+    def route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """This model's router on ``logits`` [rows, experts]: (ids, gates) [rows, k]. Every
+        hook and predictor routes through here, so a family's rule lives in one place."""
+        s = self.spec
+        return route(logits, s.top_k, s.norm_topk_prob, self.cfg.router)
+
     def blocks(self, h: Tensor, experts: ExpertHook, cache: KVCache | None = None, start: int = 0,
                tree: TreeMask | None = None, after: Callable[[int], None] | None = None) -> Tensor:
         """The layer pass: ``h`` [batch, seq, hidden] through every block, routed experts
@@ -428,14 +561,18 @@ _EXPERT_KEYS = {
     "qwen2_moe": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj"),
     "olmoe": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj"),
     "mixtral": ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3", "block_sparse_moe.experts.{e}.w2"),
+    "deepseek_v2": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj"),
 }
-_ROUTER_KEY = {"qwen3_moe": "mlp.gate", "qwen2_moe": "mlp.gate", "olmoe": "mlp.gate", "mixtral": "block_sparse_moe.gate"}
+_ROUTER_KEY = {"qwen3_moe": "mlp.gate", "qwen2_moe": "mlp.gate", "olmoe": "mlp.gate", "mixtral": "block_sparse_moe.gate",
+               "deepseek_v2": "mlp.gate"}
+_SHARED_KEY = {"deepseek_v2": "mlp.shared_experts"}  # others: mlp.shared_expert (Qwen2-MoE)
 
 
 def _hub_key(name: str, family: str) -> str:
     """The checkpoint's name of our parameter ``name`` (dense MLPs are ``mlp.*`` in both)."""
     key = f"model.{name}" if not name.startswith("lm_head") else name
-    key = key.replace(".shared_expert", ".mlp.shared_expert")  # also .shared_expert_gate
+    key = key.replace(".shared_expert.", f".{_SHARED_KEY.get(family, 'mlp.shared_expert')}.")
+    key = key.replace(".shared_expert_gate.", ".mlp.shared_expert_gate.")
     return key.replace(".gate.weight", f".{_ROUTER_KEY[family]}.weight")
 
 
@@ -574,6 +711,6 @@ def log_softmax_kl(p_logits: Tensor, q_logits: Tensor) -> Tensor:
     return (p.exp() * (p - q)).sum(-1)
 
 
-__all__ = ["ExecConfig", "MoEModel", "KVCache", "ExpertHook", "ResidentExperts", "expert_forward", "mix_experts",
+__all__ = ["ExecConfig", "RouterRule", "MoEModel", "KVCache", "MLAttention", "ExpertHook", "ResidentExperts", "expert_forward", "mix_experts",
            "quasi_hidden", "route", "random_model", "load_checkpoint",
            "save_checkpoint", "count_params", "log_softmax_kl"]

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from moesim.errors import MoesimError
-from moesim.executor.model import MoEModel, TreeMask, mix_experts, quasi_hidden, route
+from moesim.executor.model import MoEModel, TreeMask, mix_experts, quasi_hidden
 from moesim.executor.transport import CudaTransport, EmulatedLink, Transfer
 from moesim.policy import Planner, expert_slots, get_policy
 
@@ -209,14 +209,13 @@ class OffloadedDecoder:
         """Predicted (ids, gates) of the next MoE layer (model layer ``nxt_layer``) from
         model layer ``layer``'s state."""
         nxt = self.model.layers[nxt_layer]
-        s = self.model.spec
         if self.predictor == "stale":
-            return route(nxt.gate(x), s.top_k, s.norm_topk_prob)
+            return self.model.route(nxt.gate(x))
         q = quasi_hidden(self.model, layer, resid, ids, gates, self.dv, nxt_layer)
         use = self.predictor if self.predictor != "hybrid" else self.estimator[1][layer]
         if use == "estimator":
-            return route(self.estimator[0](q.to(self.est_dtype), layer), s.top_k, s.norm_topk_prob)
-        return route(nxt.gate(q), s.top_k, s.norm_topk_prob)
+            return self.model.route(self.estimator[0](q.to(self.est_dtype), layer))
+        return self.model.route(nxt.gate(q))
 
     def _predict_next(self, st: _StepState, m: int, resid: Tensor, x: Tensor, ids: Tensor,
                       gates: Tensor) -> tuple[Tensor, Tensor] | None:
@@ -296,7 +295,7 @@ class OffloadedDecoder:
         planning) to t1; stall_s t1-t2; expert_s t2-t3."""
         tm, s = self.timer, self.model.spec
         m = self.layers.index[layer]
-        ids, gates = route(logits, s.top_k, s.norm_topk_prob)  # [rows, k] each, on the device
+        ids, gates = self.model.route(logits)  # [rows, k] each, on the device
         pred_here, pred_here_host = st.pred_next, st.pred_next_host
         tp0 = tm.mark()
         st.pred_next = self._predict_next(st, m, resid, x, ids, gates)

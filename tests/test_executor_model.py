@@ -19,7 +19,22 @@ FAMILIES = {
         num_experts=8, num_experts_per_tok=2, intermediate_size=16, norm_topk_prob=False, **COMMON)),
     # A shared expert with a sigmoid gate, attention biases, and layer 1 dense (mlp_only_layers).
     "qwen2_moe": lambda: transformers.Qwen2MoeForCausalLM(_qwen2_config(mlp_only_layers=[1])),
+    # MLA without query compression, a leading dense layer, two shared experts, group-limited
+    # top-k (one group of two: both experts from the best group) with a gate scale; then
+    # query compression, attention biases and plain top-k.
+    "deepseek_v2": lambda: transformers.DeepseekV2ForCausalLM(_deepseek_config(
+        q_lora_rank=None, topk_method="group_limited_greedy", n_group=4, topk_group=1, routed_scaling_factor=2.5)),
+    "deepseek_v2_qlora": lambda: transformers.DeepseekV2ForCausalLM(_deepseek_config(
+        q_lora_rank=12, attention_bias=True, topk_method="greedy", routed_scaling_factor=1.0)),
 }
+
+
+def _deepseek_config(**kw):
+    common = {k: v for k, v in COMMON.items() if k != "num_key_value_heads"}  # MLA: every head has its K/V
+    return transformers.DeepseekV2Config(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                                         intermediate_size=40, first_k_dense_replace=1, n_shared_experts=2,
+                                         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                                         **common, **kw)
 
 
 def _qwen2_config(**kw):
@@ -61,6 +76,24 @@ def test_synthetic_model_round_trips_through_a_checkpoint(tmp_path):
     torch.testing.assert_close(back(tokens, back.new_cache(1, 8), 0), model(tokens, model.new_cache(1, 8), 0))
 
 
+@pytest.mark.parametrize("change, error", [
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 40.0, "rope_theta": 1e4}}, "RoPE type 'yarn'"),
+    ({"norm_topk_prob": True}, "norm_topk_prob"),
+    ({"topk_method": "noaux_tc"}, "topk_method 'noaux_tc'"),
+    ({"n_group": 3, "topk_group": 1}, "do not fit"),
+])
+def test_deepseek_configs_it_cannot_run_exactly_are_refused(tmp_path, change, error):
+    import json
+
+    config = {**_deepseek_config(q_lora_rank=None).to_dict(), "topk_method": "group_limited_greedy",
+              "n_group": 4, "topk_group": 1}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert ExecConfig.from_hf(tmp_path).router.n_group == 4  # the unchanged config runs
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(MoesimError, match=error):
+        ExecConfig.from_hf(tmp_path)
+
+
 def test_unsupported_and_broken_checkpoints(tmp_path):
     with pytest.raises(MoesimError, match="not one"):
         ExecConfig(get_model("deepseek-v3"))
@@ -74,20 +107,23 @@ def test_unsupported_and_broken_checkpoints(tmp_path):
         load_checkpoint(tmp_path)
 
 
-def test_qwen2_moe_offloaded_decoding_equals_the_reference(tmp_path):
-    """Shared experts (resident) join the offloaded runtime through the one block: exact
-    policies decode the reference's logits."""
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v2"])
+def test_offloaded_decoding_equals_the_reference(tmp_path, family):
+    """Shared experts (resident), dense layers (resident) and DeepSeek's MLA and router join
+    the offloaded runtime through the one block: exact policies decode the reference's logits."""
     from moesim.executor.runtime import OffloadedDecoder
     from moesim.executor.transport import EmulatedLink
 
     torch.manual_seed(0)
-    ref = transformers.Qwen2MoeForCausalLM(_qwen2_config()).eval()
+    ref = FAMILIES[family]().eval()
     with torch.no_grad():
         for p in ref.parameters():
             p.normal_(0, 0.2)
     ref.save_pretrained(tmp_path)
     ours = load_checkpoint(tmp_path)
-    assert ours.spec.n_shared == 1 and ours.spec.shared_inter == 24 and ours.spec.attention.bias
+    if family == "qwen2_moe":
+        assert ours.spec.n_shared == 1 and ours.spec.shared_inter == 24 and ours.spec.attention.bias
+    assert ours.spec.dense_layers and ours.spec.n_moe_layers == 2
     tokens = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = ref(tokens).logits
