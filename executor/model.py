@@ -93,6 +93,12 @@ class ExecConfig:
         return replace(self, spec=replace(self.spec, expert_dtype=name, dense_dtype=name))
 
     @property
+    def router_fp32(self) -> bool:
+        """DeepSeek-V2 keeps its router weight in fp32 and computes the logits in fp32
+        (transformers: ``_keep_in_fp32_modules_strict``), whatever the model's dtype."""
+        return self.spec.family == "deepseek_v2"
+
+    @property
     def shared_gate(self) -> bool:
         """Qwen2-MoE scales its shared expert by ``sigmoid(w . x)`` per token; DeepSeek does not."""
         return self.spec.family == "qwen2_moe"
@@ -469,6 +475,7 @@ class Block(nn.Module):
         self.self_attn = MLAttention(cfg) if s.attention.kind == "mla" else Attention(cfg)
         self.post_attention_layernorm = RMSNorm(s.hidden, cfg.rms_eps)
         self.is_moe = layer not in s.dense_layers
+        self.router_fp32 = cfg.router_fp32
         self.shared_expert = self.shared_expert_gate = None
         if not self.is_moe:
             self.mlp = FeedForward(s.hidden, s.dense_inter)
@@ -493,7 +500,13 @@ class Block(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             resid = resid + shared
-        return (resid + experts(layer, x, self.gate(x), resid)).view_as(h)
+        return (resid + experts(layer, x, self.router_logits(x), resid)).view_as(h)
+
+    def router_logits(self, x: Tensor) -> Tensor:
+        """``x`` [rows, hidden] -> [rows, experts]: the router (predictors call it too)."""
+        if self.router_fp32:
+            return F.linear(x.float(), self.gate.weight.float())
+        return self.gate(x)
 
 
 class MoEModel(nn.Module):
@@ -586,6 +599,10 @@ def random_model(cfg: ExecConfig, seed: int = 0, dtype: torch.dtype = torch.floa
         if p.dim() > 1:
             nn.init.normal_(p, std=0.02)
     model.to(dtype)
+    if cfg.router_fp32:
+        for blk in model.layers:
+            if blk.is_moe:
+                blk.gate.float()
     s = cfg.spec
     g = torch.Generator().manual_seed(seed + 1)
     n = s.expert_weights
@@ -631,6 +648,10 @@ def load_checkpoint(model_dir: str | Path, dtype: torch.dtype = torch.float32,
         state[name] = tensors[key]
     model.load_state_dict(state, strict=not s.tie_embeddings)
     model.to(dtype)
+    if cfg.router_fp32:  # the router weight as stored, not rounded to ``dtype``
+        for name, t in state.items():
+            if name.endswith(".gate.weight"):
+                model.get_submodule(name.removesuffix(".weight")).weight.data = t.float()
     experts = []
     for layer in range(s.n_layers):
         row = []

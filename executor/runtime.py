@@ -210,12 +210,12 @@ class OffloadedDecoder:
         model layer ``layer``'s state."""
         nxt = self.model.layers[nxt_layer]
         if self.predictor == "stale":
-            return self.model.route(nxt.gate(x))
+            return self.model.route(nxt.router_logits(x))
         q = quasi_hidden(self.model, layer, resid, ids, gates, self.dv, nxt_layer)
         use = self.predictor if self.predictor != "hybrid" else self.estimator[1][layer]
         if use == "estimator":
             return self.model.route(self.estimator[0](q.to(self.est_dtype), layer))
-        return self.model.route(nxt.gate(q))
+        return self.model.route(nxt.router_logits(q))
 
     def _predict_next(self, st: _StepState, m: int, resid: Tensor, x: Tensor, ids: Tensor,
                       gates: Tensor) -> tuple[Tensor, Tensor] | None:
@@ -251,6 +251,9 @@ class OffloadedDecoder:
         The model's own layer pass runs the step; this decoder only supplies the expert
         hook (:meth:`_layer_experts`), so the block is the same one every other caller runs."""
         m = self.model
+        if predicted is not None and len(predicted) != m.spec.n_moe_layers:
+            raise MoesimError(f"predicted experts are given for {len(predicted)} layers; {m.spec.name} has "
+                              f"{m.spec.n_moe_layers} MoE layers")
         st = self._begin_step(tokens.numel(), step_index, prefill, predicted)
         h = m.embed_tokens(tokens)  # [B, t, hidden]
         st.t_embed = st.t_layer = self.timer.mark()

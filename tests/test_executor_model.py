@@ -134,6 +134,12 @@ def test_offloaded_decoding_equals_the_reference(tmp_path, family):
         got += [dec.step(tokens[:, i:i + 1], cache, i, step_index=i - 4).logits for i in range(4, 8)]
         dec.transport.close()
         torch.testing.assert_close(torch.stack(got, 1), want[:, 3:], rtol=1e-4, atol=1e-4)
+    if family == "deepseek_v2":  # bf16: the router weight stays fp32, as transformers keeps it
+        bf = load_checkpoint(tmp_path, dtype=torch.bfloat16)
+        assert bf.layers[1].gate.weight.dtype == torch.float32 and bf.layers[1].self_attn.o_proj.weight.dtype == torch.bfloat16
+        torch.testing.assert_close(bf.layers[1].gate.weight, ours.layers[1].gate.weight, rtol=0, atol=0)
+        logits = bf(tokens, bf.new_cache(2, 8), 0).float()
+        assert torch.isfinite(logits).all() and (logits - want).abs().max() < 0.1 * want.abs().max()
 
 
 @pytest.mark.parametrize("dense", [[0], [1]], ids=["leading", "between"])
