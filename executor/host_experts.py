@@ -157,7 +157,7 @@ class HybridExperts:
 
     def __call__(self, layer: int, x: Tensor, logits: Tensor, resid: Tensor) -> Tensor:
         s = self.spec
-        ids, gates = self._route(logits)
+        ids, gates = self._route(logits, layer)
         ids_host = ids.cpu().numpy()
         m = self._moe[layer]
         copied: Sequence[int] = ()

@@ -1,12 +1,13 @@
-"""A readable MoE decoder (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V2) in one file.
+"""A readable MoE decoder (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V2, GLM-4-MoE) in one file.
 
-Pre-norm blocks: RMSNorm -> attention with RoPE and a KV cache (grouped-query, or
-DeepSeek-V2's multi-head latent attention run uncompressed, :class:`MLAttention`) ->
-residual -> RMSNorm -> softmax top-k router (DeepSeek: group-limited and scaled,
-:class:`RouterRule`) -> SwiGLU experts (+ shared experts, Qwen2-MoE's with a sigmoid gate)
--> residual; or a dense SwiGLU MLP in a dense layer. Geometry comes from
-:class:`moesim.models.ModelSpec` (the one source of truth); this file adds only what
-executing needs (RoPE base, norm epsilon, q/k-norm flavour, router rule).
+Pre-norm blocks: RMSNorm -> attention with RoPE (GLM: on part of each head) and a KV cache
+(grouped-query, or DeepSeek-V2's multi-head latent attention run uncompressed,
+:class:`MLAttention`) -> residual -> RMSNorm -> top-k router (softmax; DeepSeek-V2:
+group-limited and scaled; GLM-4-MoE: sigmoid with a selection bias, :class:`RouterRule`)
+-> SwiGLU experts (+ shared experts, Qwen2-MoE's with a sigmoid gate) -> residual; or a
+dense SwiGLU MLP in a dense layer. Geometry comes from :class:`moesim.models.ModelSpec`
+(the one source of truth); this file adds only what executing needs (RoPE base and
+fraction, norm epsilon, q/k-norm flavour, router rule).
 
 Each expert's weights are one flat, contiguous tensor ``[gate; up; down]`` so that moving
 an expert is one copy; :func:`expert_forward` computes an expert from such a buffer
@@ -35,18 +36,23 @@ from torch import Tensor, nn
 from moesim.errors import MoesimError
 from moesim.models import ModelSpec, from_hf_config
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "glm4_moe")
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-TOPK_METHODS = ("greedy", "group_limited_greedy")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
 @dataclass(frozen=True)
 class RouterRule:
-    """What a router does after its softmax beyond plain top-k (DeepSeek-V2's ``MoEGate``,
-    as transformers' ``DeepseekV2TopkRouter`` computes it): ``group_limited_greedy`` splits
-    the experts into ``n_group`` groups, keeps the ``topk_group`` groups whose best expert
-    scores highest and takes the top-k among those; the gates are then multiplied by
-    ``scale`` (``routed_scaling_factor``). The defaults are plain softmax top-k."""
+    """What a router does beyond plain softmax top-k, as transformers computes it.
+
+    ``group_limited_greedy`` (DeepSeek-V2's ``DeepseekV2TopkRouter``): softmax, the experts
+    split into ``n_group`` groups, only the ``topk_group`` groups whose best expert scores
+    highest compete for the top-k. ``noaux_tc`` (GLM-4-MoE's ``Glm4MoeTopkRouter``, the
+    DeepSeek-V3 router): sigmoid scores; the choice adds each layer's
+    ``e_score_correction_bias`` (a buffer on the router) and ranks groups by the sum of
+    their two best; the gates are the UNbiased scores of the chosen experts, renormalised
+    if ``norm_topk_prob``. Then every rule multiplies the gates by ``scale``
+    (``routed_scaling_factor``). The defaults are plain softmax top-k."""
 
     method: str = "greedy"
     n_group: int = 1
@@ -64,6 +70,7 @@ class ExecConfig:
     max_seq_len: int = 4096
     router: RouterRule = RouterRule()
     mla_bias: bool = False  # DeepSeek's attention_bias: q_a, kv_a and o projections
+    partial_rotary: float = 1.0  # fraction of each head's dims RoPE rotates (GLM-4-MoE: 0.5)
 
     def __post_init__(self) -> None:
         s, r = self.spec, self.router
@@ -73,8 +80,9 @@ class ExecConfig:
                               f"({', '.join(FAMILIES)}); {s.name} is not one")
         if r.method not in TOPK_METHODS:
             raise MoesimError(f"{s.name}: topk_method {r.method!r} is not executable ({', '.join(TOPK_METHODS)})")
-        if r.method == "group_limited_greedy" and (s.n_experts % r.n_group or not 0 < r.topk_group <= r.n_group
-                                                    or r.topk_group * (s.n_experts // r.n_group) < s.top_k):
+        if r.method != "greedy" and (s.n_experts % r.n_group or not 0 < r.topk_group <= r.n_group
+                                     or r.topk_group * (s.n_experts // r.n_group) < s.top_k
+                                     or r.method == "noaux_tc" and s.n_experts // r.n_group < 2):
             raise MoesimError(f"{s.name}: n_group {r.n_group} / topk_group {r.topk_group} do not fit "
                               f"{s.n_experts} experts and top-{s.top_k}")
 
@@ -94,9 +102,10 @@ class ExecConfig:
 
     @property
     def router_fp32(self) -> bool:
-        """DeepSeek-V2 keeps its router weight in fp32 and computes the logits in fp32
-        (transformers: ``_keep_in_fp32_modules_strict``), whatever the model's dtype."""
-        return self.spec.family == "deepseek_v2"
+        """DeepSeek-V2 and GLM-4-MoE keep their router weight (and GLM its selection bias)
+        in fp32 and compute the logits in fp32 (transformers: ``_keep_in_fp32_modules_strict``),
+        whatever the model's dtype."""
+        return self.spec.family in ("deepseek_v2", "glm4_moe")
 
     @property
     def shared_gate(self) -> bool:
@@ -134,8 +143,15 @@ class ExecConfig:
             router = RouterRule(cfg.get("topk_method") or "greedy", int(cfg.get("n_group") or 1),
                                 int(cfg.get("topk_group") or 1), float(cfg.get("routed_scaling_factor", 1.0)))
             spec = replace(spec, norm_topk_prob=False)
+        elif spec.family == "glm4_moe":
+            router = RouterRule("noaux_tc", int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1),
+                                float(cfg.get("routed_scaling_factor", 1.0)))
+        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+        if partial is None:
+            partial = 0.5 if spec.family == "glm4_moe" else 1.0  # transformers' Glm4MoeConfig default
         return cls(spec, float(theta), float(cfg.get("rms_norm_eps", 1e-6)),
-                   int(cfg.get("max_position_embeddings", 4096)), router, bool(cfg.get("attention_bias", False)))
+                   int(cfg.get("max_position_embeddings", 4096)), router, bool(cfg.get("attention_bias", False)),
+                   float(partial))
 
 
 class RMSNorm(nn.Module):
@@ -201,6 +217,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(a.n_heads * a.head_dim, cfg.rms_eps)
             self.k_norm = RMSNorm(a.n_kv_heads * a.head_dim, cfg.rms_eps)
         self.theta = cfg.rope_theta
+        self.rotary_dim = int(a.head_dim * cfg.partial_rotary)  # RoPE on the first dims; the rest pass
 
     def forward(self, x: Tensor, cache: KVCache | None, layer: int, start: int, tree: TreeMask | None = None) -> Tensor:
         """``cache`` None: attend within ``x`` only (training). ``tree``: the new tokens are
@@ -217,8 +234,13 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         positions = tree.positions if tree is not None else torch.arange(start, start + t, device=x.device)
-        cos, sin = rope_tables(self.head_dim, positions, self.theta)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rd = self.rotary_dim
+        cos, sin = rope_tables(rd, positions, self.theta)
+        if rd == self.head_dim:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:
+            q = torch.cat([apply_rope(q[..., :rd], cos, sin), q[..., rd:]], dim=-1)
+            k = torch.cat([apply_rope(k[..., :rd], cos, sin), k[..., rd:]], dim=-1)
         if cache is not None:
             k, v = cache.update(layer, start, k, v)
         groups = self.n_heads // self.n_kv
@@ -342,9 +364,13 @@ def expert_forward(w: Tensor, x: Tensor, hidden: int, inter: int) -> Tensor:
     return (F.silu(g) * u) @ down.T
 
 
-def route(logits: Tensor, top_k: int, renorm: bool, rule: RouterRule | None = None) -> tuple[Tensor, Tensor]:
+def route(logits: Tensor, top_k: int, renorm: bool, rule: RouterRule | None = None,
+          bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Softmax top-k router: (ids, gates), largest gate first; gates renormalised if asked.
-    ``rule`` (:class:`RouterRule`): DeepSeek's group limit and gate scale."""
+    ``rule`` (:class:`RouterRule`): DeepSeek's group limit and gate scale, or GLM's
+    sigmoid router with its selection ``bias`` [experts]."""
+    if rule is not None and rule.method == "noaux_tc":
+        return _route_noaux_tc(logits, top_k, renorm, rule, bias)
     probs = logits.float().softmax(-1)  # [rows, experts]
     if rule is not None and rule.method == "group_limited_greedy":
         rows, e = probs.shape
@@ -357,6 +383,23 @@ def route(logits: Tensor, top_k: int, renorm: bool, rule: RouterRule | None = No
     if rule is not None and rule.scale != 1.0:
         gates = gates * rule.scale
     return ids, gates
+
+
+def _route_noaux_tc(logits: Tensor, top_k: int, renorm: bool, rule: RouterRule, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """Sigmoid scores; the experts are chosen on scores + ``bias`` among the ``topk_group``
+    groups with the largest sum of their two best biased scores; the gates are the chosen
+    experts' unbiased scores (renormalised if asked), times ``rule.scale``."""
+    scores = logits.float().sigmoid()  # [rows, experts]
+    choice = scores + bias.float()
+    rows, e = choice.shape
+    best2 = choice.view(rows, rule.n_group, e // rule.n_group).topk(2, dim=-1).values.sum(-1)  # [rows, groups]
+    keep = torch.zeros_like(best2, dtype=torch.bool).scatter_(1, best2.topk(rule.topk_group, dim=-1).indices, True)
+    choice = choice.masked_fill(~keep.repeat_interleave(e // rule.n_group, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    gates = scores.gather(1, ids)
+    if renorm:
+        gates = gates / (gates.sum(-1, keepdim=True) + 1e-20)
+    return ids, gates * rule.scale
 
 
 # --------------------------------------------------------------------------------------
@@ -427,7 +470,7 @@ class ResidentExperts:
 
     def __call__(self, layer: int, x: Tensor, logits: Tensor, resid: Tensor) -> Tensor:
         s = self.spec
-        ids, gates = self.route(logits)  # [rows, k] each
+        ids, gates = self.route(logits, layer)  # [rows, k] each
         if self.on_route is not None:
             self.on_route(layer, x, logits, resid, ids, gates)
         each = None if self.each is None else (lambda e, rows, y: self.each(layer, e, rows, y))
@@ -481,6 +524,8 @@ class Block(nn.Module):
             self.mlp = FeedForward(s.hidden, s.dense_inter)
             return
         self.gate = nn.Linear(s.hidden, s.n_experts, bias=False)  # the router
+        if cfg.router.method == "noaux_tc":  # GLM: added to the scores to choose experts, not to the gates
+            self.gate.register_buffer("e_score_correction_bias", torch.zeros(s.n_experts))
         if s.n_shared:
             self.shared_expert = FeedForward(s.hidden, s.n_shared * (s.shared_inter or s.expert_inter))
             if cfg.shared_gate:
@@ -529,11 +574,13 @@ class MoEModel(nn.Module):
     def spec(self) -> ModelSpec:
         return self.cfg.spec
 
-    def route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
-        """This model's router on ``logits`` [rows, experts]: (ids, gates) [rows, k]. Every
-        hook and predictor routes through here, so a family's rule lives in one place."""
+    def route(self, logits: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+        """Model layer ``layer``'s router on its ``logits`` [rows, experts]: (ids, gates)
+        [rows, k]. Every hook and predictor routes through here, so a family's rule lives
+        in one place."""
         s = self.spec
-        return route(logits, s.top_k, s.norm_topk_prob, self.cfg.router)
+        return route(logits, s.top_k, s.norm_topk_prob, self.cfg.router,
+                     getattr(self.layers[layer].gate, "e_score_correction_bias", None))
 
     def blocks(self, h: Tensor, experts: ExpertHook, cache: KVCache | None = None, start: int = 0,
                tree: TreeMask | None = None, after: Callable[[int], None] | None = None) -> Tensor:
@@ -575,10 +622,11 @@ _EXPERT_KEYS = {
     "olmoe": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj"),
     "mixtral": ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3", "block_sparse_moe.experts.{e}.w2"),
     "deepseek_v2": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj"),
+    "glm4_moe": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj"),
 }
 _ROUTER_KEY = {"qwen3_moe": "mlp.gate", "qwen2_moe": "mlp.gate", "olmoe": "mlp.gate", "mixtral": "block_sparse_moe.gate",
-               "deepseek_v2": "mlp.gate"}
-_SHARED_KEY = {"deepseek_v2": "mlp.shared_experts"}  # others: mlp.shared_expert (Qwen2-MoE)
+               "deepseek_v2": "mlp.gate", "glm4_moe": "mlp.gate"}
+_SHARED_KEY = {"deepseek_v2": "mlp.shared_experts", "glm4_moe": "mlp.shared_experts"}  # Qwen2-MoE: mlp.shared_expert
 
 
 def _hub_key(name: str, family: str) -> str:
@@ -586,6 +634,7 @@ def _hub_key(name: str, family: str) -> str:
     key = f"model.{name}" if not name.startswith("lm_head") else name
     key = key.replace(".shared_expert.", f".{_SHARED_KEY.get(family, 'mlp.shared_expert')}.")
     key = key.replace(".shared_expert_gate.", ".mlp.shared_expert_gate.")
+    key = key.replace(".gate.e_score_correction_bias", f".{_ROUTER_KEY[family]}.e_score_correction_bias")
     return key.replace(".gate.weight", f".{_ROUTER_KEY[family]}.weight")
 
 
@@ -648,10 +697,11 @@ def load_checkpoint(model_dir: str | Path, dtype: torch.dtype = torch.float32,
         state[name] = tensors[key]
     model.load_state_dict(state, strict=not s.tie_embeddings)
     model.to(dtype)
-    if cfg.router_fp32:  # the router weight as stored, not rounded to ``dtype``
+    if cfg.router_fp32:  # the router's weight (and bias) as stored, not rounded to ``dtype``
         for name, t in state.items():
-            if name.endswith(".gate.weight"):
-                model.get_submodule(name.removesuffix(".weight")).weight.data = t.float()
+            module, _, attr = name.rpartition(".")
+            if module.endswith(".gate"):
+                getattr(model.get_submodule(module), attr).data = t.float()
     experts = []
     for layer in range(s.n_layers):
         row = []

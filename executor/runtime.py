@@ -210,12 +210,12 @@ class OffloadedDecoder:
         model layer ``layer``'s state."""
         nxt = self.model.layers[nxt_layer]
         if self.predictor == "stale":
-            return self.model.route(nxt.router_logits(x))
+            return self.model.route(nxt.router_logits(x), nxt_layer)
         q = quasi_hidden(self.model, layer, resid, ids, gates, self.dv, nxt_layer)
         use = self.predictor if self.predictor != "hybrid" else self.estimator[1][layer]
         if use == "estimator":
-            return self.model.route(self.estimator[0](q.to(self.est_dtype), layer))
-        return self.model.route(nxt.router_logits(q))
+            return self.model.route(self.estimator[0](q.to(self.est_dtype), layer), nxt_layer)
+        return self.model.route(nxt.router_logits(q), nxt_layer)
 
     def _predict_next(self, st: _StepState, m: int, resid: Tensor, x: Tensor, ids: Tensor,
                       gates: Tensor) -> tuple[Tensor, Tensor] | None:
@@ -298,7 +298,7 @@ class OffloadedDecoder:
         planning) to t1; stall_s t1-t2; expert_s t2-t3."""
         tm, s = self.timer, self.model.spec
         m = self.layers.index[layer]
-        ids, gates = self.model.route(logits)  # [rows, k] each, on the device
+        ids, gates = self.model.route(logits, layer)  # [rows, k] each, on the device
         pred_here, pred_here_host = st.pred_next, st.pred_next_host
         tp0 = tm.mark()
         st.pred_next = self._predict_next(st, m, resid, x, ids, gates)

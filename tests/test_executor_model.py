@@ -26,6 +26,12 @@ FAMILIES = {
         q_lora_rank=None, topk_method="group_limited_greedy", n_group=4, topk_group=1, routed_scaling_factor=2.5)),
     "deepseek_v2_qlora": lambda: transformers.DeepseekV2ForCausalLM(_deepseek_config(
         q_lora_rank=12, attention_bias=True, topk_method="greedy", routed_scaling_factor=1.0)),
+    # Sigmoid router with a selection bias (randomised below), two groups of four of which one
+    # competes, renormalised and scaled gates; RoPE on half of each head, q/k norms, q/k/v biases.
+    "glm4_moe": lambda: transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=40, head_dim=8,
+        first_k_dense_replace=1, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, use_qk_norm=True, attention_bias=True, **COMMON)),
 }
 
 
@@ -43,13 +49,22 @@ def _qwen2_config(**kw):
                                        norm_topk_prob=False, **COMMON, **kw)
 
 
+@torch.no_grad()
+def _randomise(ref) -> None:
+    """Larger random weights than the default init, so routing is not a tie; GLM's router
+    selection bias (a buffer, zero at init) too."""
+    for p in ref.parameters():
+        p.normal_(0, 0.2)
+    for name, b in ref.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.normal_(0, 0.2)
+
+
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def pair(request, tmp_path_factory):
     torch.manual_seed(0)
     ref = FAMILIES[request.param]().eval()
-    with torch.no_grad():  # larger random weights than the default init, so routing is not a tie
-        for p in ref.parameters():
-            p.normal_(0, 0.2)
+    _randomise(ref)
     d = tmp_path_factory.mktemp(request.param)
     ref.save_pretrained(d)
     return ref, load_checkpoint(d)
@@ -107,7 +122,7 @@ def test_unsupported_and_broken_checkpoints(tmp_path):
         load_checkpoint(tmp_path)
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v2"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v2", "glm4_moe"])
 def test_offloaded_decoding_equals_the_reference(tmp_path, family):
     """Shared experts (resident), dense layers (resident) and DeepSeek's MLA and router join
     the offloaded runtime through the one block: exact policies decode the reference's logits."""
@@ -116,9 +131,7 @@ def test_offloaded_decoding_equals_the_reference(tmp_path, family):
 
     torch.manual_seed(0)
     ref = FAMILIES[family]().eval()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.normal_(0, 0.2)
+    _randomise(ref)
     ref.save_pretrained(tmp_path)
     ours = load_checkpoint(tmp_path)
     if family == "qwen2_moe":
@@ -134,7 +147,7 @@ def test_offloaded_decoding_equals_the_reference(tmp_path, family):
         got += [dec.step(tokens[:, i:i + 1], cache, i, step_index=i - 4).logits for i in range(4, 8)]
         dec.transport.close()
         torch.testing.assert_close(torch.stack(got, 1), want[:, 3:], rtol=1e-4, atol=1e-4)
-    if family == "deepseek_v2":  # bf16: the router weight stays fp32, as transformers keeps it
+    if family != "qwen2_moe":  # bf16: the router weight stays fp32, as transformers keeps it
         bf = load_checkpoint(tmp_path, dtype=torch.bfloat16)
         assert bf.layers[1].gate.weight.dtype == torch.float32 and bf.layers[1].self_attn.o_proj.weight.dtype == torch.bfloat16
         torch.testing.assert_close(bf.layers[1].gate.weight, ours.layers[1].gate.weight, rtol=0, atol=0)
