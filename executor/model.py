@@ -140,7 +140,11 @@ class ExecConfig:
             if cfg.get("norm_topk_prob"):  # transformers ignores it, DeepSeek's own code renormalises: refuse
                 raise MoesimError(f"{path}: norm_topk_prob true is not executable for deepseek_v2 "
                                   "(transformers and DeepSeek's code disagree)")
-            router = RouterRule(cfg.get("topk_method") or "greedy", int(cfg.get("n_group") or 1),
+            method = cfg.get("topk_method") or "greedy"
+            if method not in ("greedy", "group_limited_greedy"):  # what DeepseekV2TopkRouter computes
+                raise MoesimError(f"{path}: topk_method {method!r} is not executable for deepseek_v2 "
+                                  "(greedy, group_limited_greedy)")
+            router = RouterRule(method, int(cfg.get("n_group") or 1),
                                 int(cfg.get("topk_group") or 1), float(cfg.get("routed_scaling_factor", 1.0)))
             spec = replace(spec, norm_topk_prob=False)
         elif spec.family == "glm4_moe":
