@@ -23,6 +23,7 @@ experts with the one :func:`mix_experts`.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -60,6 +61,51 @@ class RouterRule:
     scale: float = 1.0
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN RoPE scaling (Peng et al., "YaRN: Efficient Context Window Extension of Large
+    Language Models", arXiv:2309.00071) as transformers' ``_compute_yarn_parameters``
+    computes it: frequencies blend interpolated (/ ``factor``) and original ones over a
+    linear ramp between the dims that turn ``beta_fast`` and ``beta_slow`` times in
+    ``original_max`` positions; cos and sin are scaled by the attention factor, and MLA's
+    softmax scale by ``yarn_mscale(factor, mscale_all_dim)**2`` (DeepSeek-V2)."""
+
+    factor: float
+    original_max: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    @property
+    def cos_sin_factor(self) -> float:
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    def frequencies(self, inv: Tensor, dim: int, theta: float) -> Tensor:
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(self.original_max / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # as transformers: no division by zero
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv.device) - low) / (high - low)).clamp(0, 1)
+        extrapolation = 1 - ramp  # 1: keep the original frequency, 0: interpolate
+        return inv / self.factor * (1 - extrapolation) + inv * extrapolation
+
+
 @dataclass(frozen=True)
 class ExecConfig:
     """A model spec plus the few numbers execution needs beyond geometry."""
@@ -71,6 +117,7 @@ class ExecConfig:
     router: RouterRule = RouterRule()
     mla_bias: bool = False  # DeepSeek's attention_bias: q_a, kv_a and o projections
     partial_rotary: float = 1.0  # fraction of each head's dims RoPE rotates (GLM-4-MoE: 0.5)
+    yarn: Yarn | None = None  # RoPE scaling (DeepSeek-V2's released checkpoints); None: plain RoPE
 
     def __post_init__(self) -> None:
         s, r = self.spec, self.router
@@ -130,8 +177,18 @@ class ExecConfig:
             raise MoesimError(f"{path}: sliding-window attention is not executable")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":  # yarn (DeepSeek-V2's released checkpoints) etc. would be silently wrong
-            raise MoesimError(f"{path}: RoPE type {rope_type!r} is not executable (only default RoPE)")
+        if rope_type not in ("default", "yarn"):  # others (linear, dynamic, longrope) would be silently wrong
+            raise MoesimError(f"{path}: RoPE type {rope_type!r} is not executable (default, yarn)")
+        yarn = None
+        if rope_type == "yarn":
+            original = int(rope.get("original_max_position_embeddings") or 0)
+            if original <= 0:
+                raise MoesimError(f"{path}: yarn RoPE needs original_max_position_embeddings")
+            factor = rope.get("factor") or int(cfg.get("max_position_embeddings", 0)) / original
+            yarn = Yarn(float(factor), original, float(rope.get("beta_fast") or 32), float(rope.get("beta_slow") or 1),
+                        float(rope.get("mscale") or 0), float(rope.get("mscale_all_dim") or 0),
+                        None if rope.get("attention_factor") is None else float(rope["attention_factor"]),
+                        bool(rope.get("truncate", True)))
         theta = cfg.get("rope_theta") or rope.get("rope_theta") or 1e4
         router = RouterRule()
         if spec.family == "deepseek_v2":
@@ -155,7 +212,7 @@ class ExecConfig:
             partial = 0.5 if spec.family == "glm4_moe" else 1.0  # transformers' Glm4MoeConfig default
         return cls(spec, float(theta), float(cfg.get("rms_norm_eps", 1e-6)),
                    int(cfg.get("max_position_embeddings", 4096)), router, bool(cfg.get("attention_bias", False)),
-                   float(partial))
+                   float(partial), yarn)
 
 
 class RMSNorm(nn.Module):
@@ -171,11 +228,19 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_tables(head_dim: int, positions: Tensor, theta: float) -> tuple[Tensor, Tensor]:
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+def rope_frequencies(dim: int, theta: float, yarn: Yarn | None, device: torch.device) -> tuple[Tensor, float]:
+    """(inverse frequencies [dim/2], factor on cos and sin): plain RoPE, or YaRN."""
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    if yarn is None:
+        return inv, 1.0
+    return yarn.frequencies(inv, dim, theta), yarn.cos_sin_factor
+
+
+def rope_tables(head_dim: int, positions: Tensor, theta: float, yarn: Yarn | None = None) -> tuple[Tensor, Tensor]:
+    inv, att = rope_frequencies(head_dim, theta, yarn, positions.device)
     freqs = positions.float()[:, None] * inv[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+    return emb.cos() * att, emb.sin() * att
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -185,13 +250,13 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos.to(x.dtype) + rotated * sin.to(x.dtype))
 
 
-def apply_rope_pairs(x: Tensor, positions: Tensor, theta: float) -> Tensor:
+def apply_rope_pairs(x: Tensor, positions: Tensor, theta: float, yarn: Yarn | None = None) -> Tensor:
     """``x``: [batch, heads, seq, dim]; DeepSeek's convention: adjacent pairs (2i, 2i+1) are
     one complex number rotated by ``position * theta^(-2i/dim)`` (computed in fp32)."""
     d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+    inv, att = rope_frequencies(d, theta, yarn, x.device)
     freqs = positions.float()[:, None] * inv[None, :]  # [seq, dim/2]
-    cos, sin = freqs.cos(), freqs.sin()
+    cos, sin = freqs.cos() * att, freqs.sin() * att
     xf = x.float().unflatten(-1, (d // 2, 2))
     a, b = xf[..., 0], xf[..., 1]
     return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).to(x.dtype)
@@ -220,7 +285,7 @@ class Attention(nn.Module):
         elif self.qk_norm == "full":
             self.q_norm = RMSNorm(a.n_heads * a.head_dim, cfg.rms_eps)
             self.k_norm = RMSNorm(a.n_kv_heads * a.head_dim, cfg.rms_eps)
-        self.theta = cfg.rope_theta
+        self.theta, self.yarn = cfg.rope_theta, cfg.yarn
         self.rotary_dim = int(a.head_dim * cfg.partial_rotary)  # RoPE on the first dims; the rest pass
 
     def forward(self, x: Tensor, cache: KVCache | None, layer: int, start: int, tree: TreeMask | None = None) -> Tensor:
@@ -239,7 +304,7 @@ class Attention(nn.Module):
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         positions = tree.positions if tree is not None else torch.arange(start, start + t, device=x.device)
         rd = self.rotary_dim
-        cos, sin = rope_tables(rd, positions, self.theta)
+        cos, sin = rope_tables(rd, positions, self.theta, self.yarn)
         if rd == self.head_dim:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         else:
@@ -282,7 +347,9 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, 1e-6)
         self.kv_b_proj = nn.Linear(a.kv_lora_rank, a.n_heads * (a.qk_nope_head_dim + a.v_head_dim), bias=False)
         self.o_proj = nn.Linear(a.n_heads * a.v_head_dim, h, bias=cfg.mla_bias)
-        self.scale, self.theta = qk ** -0.5, cfg.rope_theta
+        self.scale, self.theta, self.yarn = qk ** -0.5, cfg.rope_theta, cfg.yarn
+        if cfg.yarn is not None and cfg.yarn.mscale_all_dim:  # transformers' yarn_apply_mscale
+            self.scale *= yarn_mscale(cfg.yarn.factor, cfg.yarn.mscale_all_dim) ** 2
 
     def forward(self, x: Tensor, cache: KVCache | None, layer: int, start: int, tree: TreeMask | None = None) -> Tensor:
         """As :meth:`Attention.forward`."""
@@ -294,8 +361,8 @@ class MLAttention(nn.Module):
         kv = self.kv_b_proj(self.kv_a_layernorm(latent))  # [b, t, heads * (nope + v)]
         k_nope, v = kv.view(b, t, self.n_heads, self.nope + self.v_dim).transpose(1, 2).split([self.nope, self.v_dim], -1)
         positions = tree.positions if tree is not None else torch.arange(start, start + t, device=x.device)
-        q_pe = apply_rope_pairs(q_pe, positions, self.theta)
-        k_pe = apply_rope_pairs(k_pe.view(b, 1, t, self.rope), positions, self.theta)  # one key shared by all heads
+        q_pe = apply_rope_pairs(q_pe, positions, self.theta, self.yarn)
+        k_pe = apply_rope_pairs(k_pe.view(b, 1, t, self.rope), positions, self.theta, self.yarn)  # one key shared by all heads
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(b, self.n_heads, t, self.rope)], dim=-1)  # [b, heads, t, nope + rope]
         if cache is not None:
