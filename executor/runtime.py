@@ -159,7 +159,7 @@ class OffloadedDecoder:
         self.freed_after: dict[int, object] = {}  # CUDA: slot -> event after the last kernel that read it
         self.where: dict[tuple[int, int], int] = {}
         self.loaded: dict[int, list[int]] = defaultdict(list)
-        self.oracle_routes: list[tuple[np.ndarray, np.ndarray]] | None = None  # per step (ids, gates) [L, B, k]
+        self.oracle_routes: list[tuple[np.ndarray, np.ndarray]] | None = None  # per step (ids, gates) [M, B, k]
         self.timer = Timer(self.device)
         self.resident = model.experts
         if not self.policy.offload and model.experts[self.layers.moe[0]][0].device != self.device:

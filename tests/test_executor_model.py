@@ -9,7 +9,8 @@ from moesim.errors import MoesimError  # noqa: E402
 from moesim.executor.model import ExecConfig, load_checkpoint, random_model, save_checkpoint  # noqa: E402
 from moesim.models import get_model  # noqa: E402
 
-YARN = {"rope_type": "yarn",  # factor 4 = max_position_embeddings 32 / 8 "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 8,
+# YaRN with factor 4 = max_position_embeddings 32 / 8; pass copies (transformers' configs edit the dict).
+YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 8,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8}
 COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
 FAMILIES = {
@@ -31,10 +32,10 @@ FAMILIES = {
     # YaRN RoPE (as DeepSeek-V2's released checkpoints): one frequency kept, one interpolated,
     # cos/sin and MLA's softmax scale corrected; then the same on grouped-query attention.
     "deepseek_v2_yarn": lambda: transformers.DeepseekV2ForCausalLM(_deepseek_config(
-        q_lora_rank=None, rope_parameters=YARN, max_position_embeddings=32)),
+        q_lora_rank=None, rope_parameters=dict(YARN), max_position_embeddings=32)),
     "qwen3_moe_yarn": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8, norm_topk_prob=True,
-        rope_parameters=YARN, max_position_embeddings=32, **COMMON)),
+        rope_parameters=dict(YARN), max_position_embeddings=32, **COMMON)),
     # Sigmoid router with a selection bias (randomised below), two groups of four of which one
     # competes, renormalised and scaled gates; RoPE on half of each head, q/k norms, q/k/v biases.
     "glm4_moe": lambda: transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(
