@@ -174,7 +174,7 @@ def test_dense_layers_decode_offloaded_and_their_trace_replays(tmp_path, dense):
     model layer) reads back and replays in the simulator with the executor's own copies."""
     import numpy as np
 
-    from moesim.executor.profile import ProfileSettings, build_trace, generate
+    from moesim.executor.profile import ProfileSettings, build_trace, calibrate, generate
     from moesim.hardware import get_profile
     from moesim.sim.simulate import simulate
     from moesim.traces.format import read_trace, write_trace
@@ -190,13 +190,16 @@ def test_dense_layers_decode_offloaded_and_their_trace_replays(tmp_path, dense):
     assert s.dense_layers == tuple(dense) and s.n_moe_layers == 2 and ours.experts[dense[0]] == []
     hw = get_profile("a6000")
     prompt = torch.randint(0, 96, (2, 4), generator=torch.Generator().manual_seed(3))
+    dv = calibrate(ours, torch.randint(0, 96, (64,), generator=torch.Generator().manual_seed(4)))  # [L, E, hidden]
     runs = {}
-    for policy in ("all-resident", "on-demand", "prefetch-fom"):
-        st = ProfileSettings(policy=policy, predictor="stale", tokens=5)
-        runs[policy] = (st, *generate(ours, prompt, st, hw))
+    for name, policy, predictor in (("all-resident", "all-resident", "stale"), ("on-demand", "on-demand", "stale"),
+                                    ("prefetch-fom", "prefetch-fom", "stale"), ("quasi", "prefetch-fom", "quasi")):
+        st = ProfileSettings(policy=policy, predictor=predictor, tokens=5)
+        runs[name] = (st, *generate(ours, prompt, st, hw, dv))
     want = torch.cat(runs["all-resident"][3], 1)
-    for policy in ("on-demand", "prefetch-fom"):
-        assert torch.equal(torch.cat(runs[policy][3], 1), want), policy
+    for name in ("on-demand", "prefetch-fom", "quasi"):
+        assert torch.equal(torch.cat(runs[name][3], 1), want), name
+    assert all((r.pred_ids[1] >= 0).all() for r in runs["quasi"][2])  # quasi predicts across the dense layer
 
     st, prefill, records, out = runs["prefetch-fom"]
     trace = build_trace(ours, prompt, st, hw, prefill, records, out, "cpu", True, "test model")
