@@ -148,9 +148,7 @@ class HybridExperts:
 
     def __init__(self, model, planner, host: HostExperts, weights=None,
                  copy_for: Callable[[int, list[int]], Sequence[int]] | None = None) -> None:
-        from moesim.executor.model import route
-
-        self._route = route
+        self._route = model.route  # the family's router rule (DeepSeek: group limit, gate scale)
         self.spec = model.spec
         self.planner, self.host = planner, host
         self.weights = weights if weights is not None else model.experts
@@ -159,7 +157,7 @@ class HybridExperts:
 
     def __call__(self, layer: int, x: Tensor, logits: Tensor, resid: Tensor) -> Tensor:
         s = self.spec
-        ids, gates = self._route(logits, s.top_k, s.norm_topk_prob)
+        ids, gates = self._route(logits, layer)
         ids_host = ids.cpu().numpy()
         m = self._moe[layer]
         copied: Sequence[int] = ()

@@ -185,8 +185,8 @@ def build_trace(model: MoEModel, prompt: torch.Tensor, st: ProfileSettings, hw: 
     s = model.spec
     b = prompt.shape[0]
 
-    def stack(name: str) -> np.ndarray:  # [T, L, B*1, k] -> [T, M, B, k]
-        return np.stack([getattr(r, name) for r in records]).reshape(len(records), s.n_layers, b, s.top_k)
+    def stack(name: str) -> np.ndarray:  # [T, M, B*1, k] -> [T, M, B, k] (M: MoE layers, as the records)
+        return np.stack([getattr(r, name) for r in records]).reshape(len(records), s.n_moe_layers, b, s.top_k)
 
     true_ids, pred_ids = stack("true_ids"), stack("pred_ids")
     copies = [(i, c) for i, r in enumerate(records) for c in r.copies]
