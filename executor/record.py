@@ -403,8 +403,10 @@ def predictions(layers: list[MoeLayer], spec: ModelSpec, scale: float) -> dict[s
 
 def record_trace(model_dir: str | Path, out: str | Path, prompts: Any, **kw: Any) -> Trace:
     """``moesim record``: :func:`record`, then write the trace atomically to ``out``."""
+    from moesim.outputs import check_output_file
     from moesim.traces.format import write_trace
 
+    check_output_file(out, (".npz",))  # before the model loads, not after the run
     trace = record(model_dir, prompts, **kw)
     write_trace(trace, out)
     return trace

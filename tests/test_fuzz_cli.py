@@ -139,7 +139,7 @@ trace_mutations = st.one_of(
 )
 
 
-@settings(max_examples=18, **SETTINGS)
+@settings(max_examples=8, **SETTINGS)
 @given(m=trace_mutations)
 def test_fuzz_trace(base_trace, m):
     if m[0] == "bytes":
@@ -167,7 +167,7 @@ PROFILE = builtin_profiles()["a6000"].read_text()
 FIGURE_LINES = [i for i, ln in enumerate(PROFILE.splitlines()) if "value = " in ln]
 
 
-@settings(max_examples=12, **SETTINGS)
+@settings(max_examples=6, **SETTINGS)
 @given(line=st.integers(0, 100), value=st.sampled_from(["-1", "0", "nan", "inf", "1e308", "\"x\"", "true", "1e-300",
                                                         "[]", "<delete>", "<garble>"]),
        encoding=st.sampled_from(["utf-8", "utf-8", "latin-1", "utf-16"]))
@@ -199,7 +199,7 @@ CONFIG = {"model_type": "qwen3_moe", "num_hidden_layers": 2, "num_experts": 8, "
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
 
 
-@settings(max_examples=10, **SETTINGS)
+@settings(max_examples=6, **SETTINGS)
 @given(key=st.sampled_from(sorted(CONFIG)), value=st.sampled_from([*ODD_VALUES, "<delete>", 10**9, 3]),
        encoding=st.sampled_from(["utf-8", "utf-8", "latin-1", "utf-16"]))
 def test_fuzz_config(key, value, encoding):

@@ -50,6 +50,10 @@ def import_routing(fmt: str, path: str | Path, model: str | ModelSpec, out: str 
     if not path.is_file():
         raise MoesimError(f"routing dump {path} does not exist")
     spec = model if isinstance(model, ModelSpec) else get_model(model)
+    if out is not None:
+        from moesim.outputs import check_output_file
+
+        check_output_file(out, (".npz",))
     where = path.name
     if fmt == "vllm":
         ids, gates, tokens, prompt_len = _read_vllm(path, where)

@@ -9,7 +9,8 @@ from typing import Annotated
 import numpy as np
 import typer
 
-from moesim.cli.app import app, err, keeps_finished_work, out, table
+from moesim.cli.app import app, err, out, table
+from moesim.cli.running import keeps_finished_work
 from moesim.executor.defaults import DECODE_THREADS, SHIPPED_MODEL
 from moesim.hardware import DEFAULT_PROFILE
 

@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, err, progress_bar
+from moesim.cli.app import app, err
+from moesim.cli.running import progress_bar
 
 
 @app.command()

@@ -9,7 +9,8 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, err, floats, out, print_csv, print_json, progress_bar, results_table, split
+from moesim.cli.app import app, err, floats, out, print_csv, print_json, results_table, split
+from moesim.cli.running import progress_bar
 from moesim.errors import MoesimError
 from moesim.hardware import DEFAULT_PROFILE
 

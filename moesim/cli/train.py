@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, err, keeps_finished_work
+from moesim.cli.app import app, err
+from moesim.cli.running import keeps_finished_work
 from moesim.errors import MoesimError
 from moesim.executor.defaults import DECODE_THREADS, SHIPPED_MODEL
 

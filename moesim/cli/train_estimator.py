@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, err, keeps_finished_work, out, table
+from moesim.cli.app import app, err, out, table
+from moesim.cli.running import keeps_finished_work
 from moesim.executor.defaults import OFFLINE_THREADS, SHIPPED_MODEL
 
 

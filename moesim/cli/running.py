@@ -1,0 +1,41 @@
+"""How long-running commands behave while they run: a progress bar with the time left,
+and Ctrl-C that keeps finished work."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from moesim.cli.app import err
+
+
+@contextmanager
+def progress_bar(what: str, unit: str, disable: bool = False) -> Iterator[Callable[[int, int], None]]:
+    """A transient progress bar with the time left on stderr; yields ``update(done, total)``
+    for a library call's ``progress`` callback."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TextColumn(unit), TimeRemainingColumn(),
+                  console=err, transient=True, disable=disable or not err.is_terminal) as bar:
+        task = bar.add_task(what, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+def keeps_finished_work(command: Callable) -> Callable:
+    """For a command whose work is a loop of steps: the first Ctrl-C, whenever it comes
+    (even while torch is still importing or the model loading), only asks the loop to
+    stop at its next step boundary (moesim.executor.interrupt), so every finished step is
+    kept and a run stopped before its first step ends as one line. Without this, a SIGINT
+    that lands before the library's own loop begins took another path (a KeyboardInterrupt
+    through imports), and under load it was once lost: the run went on to the end."""
+    import functools
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from moesim.executor.interrupt import stop_on_interrupt  # no torch: signals and errors only
+
+        with stop_on_interrupt():
+            return command(*args, **kwargs)
+
+    return wrapper
