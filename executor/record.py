@@ -47,6 +47,7 @@ from moesim import __version__
 from moesim.errors import MoesimError
 from moesim.executor.defaults import DRAFT_MODEL, SHIPPED_MODEL
 from moesim.executor.loading import shipped_model
+from moesim.executor.profile import DEFAULT_PROMPT
 from moesim.models import ModelSpec, from_hf_config
 from moesim.traces.format import Trace
 from moesim.traces.header import make_header
@@ -171,7 +172,14 @@ def _route(router: torch.nn.Module, x: torch.Tensor, scale: float) -> tuple[torc
 
 def prompt_ids(prompts: Any, model_dir: Path, vocab: int, batch: int | None) -> tuple[torch.Tensor, str]:
     """[B, P] token ids from ids or texts; texts use the checkpoint's tokenizer (bytes for a
-    256-token vocabulary). Rows of unequal length keep their last ``min length`` tokens."""
+    256-token vocabulary). Rows of unequal length keep their last ``min length`` tokens.
+    No prompts: a fixed Python snippet for a byte-level model, else 16 seeded random ids."""
+    if prompts is None or (isinstance(prompts, (list, tuple)) and not prompts):
+        if vocab == 256:
+            prompts = [DEFAULT_PROMPT]
+        else:
+            gen = torch.Generator().manual_seed(0)
+            prompts = torch.randint(0, vocab, (1, 16), generator=gen)
     if isinstance(prompts, (np.ndarray, torch.Tensor)) or (prompts and not isinstance(prompts[0], str)):
         rows = [list(map(int, r)) for r in (prompts.tolist() if hasattr(prompts, "tolist") else prompts)]
         how = "token ids"

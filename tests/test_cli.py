@@ -329,3 +329,30 @@ def test_stats_and_synth_like_and_ecospec_from_the_command_line(tmp_path):
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
     assert {row["selection"] for row in rows} >= {"none", "confidence"} and all(row["synthetic"] for row in rows)
+
+
+BLOCK_IMPORTS = """
+import sys
+class Missing:  # as if the package were not installed
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Missing())
+sys.argv = ["moesim", *{args!r}]
+from moesim.__main__ import run
+run()
+"""
+
+
+@pytest.mark.parametrize("blocked, args, extra", [
+    (("torch",), ("profile", "--tokens", "2"), "moesim[executor]"),
+    (("safetensors",), ("profile", "--tokens", "2"), "moesim[executor]"),
+    (("transformers",), ("record", "moe-stdlib", "--tokens", "2"), "moesim[record]"),
+])
+def test_a_missing_optional_dependency_is_one_line_naming_the_extra(tmp_path, blocked, args, extra):
+    code = BLOCK_IMPORTS.format(blocked=set(blocked), args=list(args))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr, r.stderr
+    assert f'pip install "{extra}"' in r.stderr
+    assert not list(tmp_path.iterdir())  # nothing written

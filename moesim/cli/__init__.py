@@ -34,7 +34,8 @@ from moesim.errors import MoesimError
 
 __all__ = ["app", "main"]
 
-OPTIONAL = {"torch": "executor", "safetensors": "executor", "pynvml": "executor", "ray": "distributed"}
+OPTIONAL = {"torch": "executor", "safetensors": "executor", "pynvml": "executor", "transformers": "record",
+            "ray": "distributed"}
 CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
 
 
