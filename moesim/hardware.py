@@ -81,8 +81,21 @@ class Figure:
     source: str
 
 
+class _FigureLookup:
+    """``profile["name"]`` is a figure's value; ``profile.get(name, default)`` for optional ones."""
+
+    figures: dict[str, Figure]
+
+    def __getitem__(self, key: str) -> float:
+        return self.figures[key].value
+
+    def get(self, key: str, default: float = 0.0) -> float:
+        f = self.figures.get(key)
+        return f.value if f is not None else default
+
+
 @dataclass(frozen=True)
-class HardwareProfile:
+class HardwareProfile(_FigureLookup):
     """A GPU (or emulated device) and its link to host memory."""
 
     name: str
@@ -91,13 +104,6 @@ class HardwareProfile:
     figures: dict[str, Figure]
     path: str = ""
     host: str = ""  # the host profile this GPU usually sits in (``hwprofiles/hosts``)
-
-    def __getitem__(self, key: str) -> float:
-        return self.figures[key].value
-
-    def get(self, key: str, default: float = 0.0) -> float:
-        f = self.figures.get(key)
-        return f.value if f is not None else default
 
     # Figures in SI units, as the cost model uses them.
     @property
@@ -261,7 +267,7 @@ def get_profile(name_or_path: str) -> HardwareProfile:
 
 
 @dataclass(frozen=True)
-class HostProfile:
+class HostProfile(_FigureLookup):
     """One CPU socket and its memory, as the CPU-compute policies use it.
 
     Figures describe ONE socket: llama.cpp and KTransformers bind expert compute to one
@@ -273,13 +279,6 @@ class HostProfile:
     description: str
     figures: dict[str, Figure]
     path: str = ""
-
-    def __getitem__(self, key: str) -> float:
-        return self.figures[key].value
-
-    def get(self, key: str, default: float = 0.0) -> float:
-        f = self.figures.get(key)
-        return f.value if f is not None else default
 
     @property
     def has_amx(self) -> bool:
