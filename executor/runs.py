@@ -38,7 +38,7 @@ def link_profile(hw: str, link_gbps: float | None) -> HardwareProfile:
 class DecodeRequest:
     """Everything ``moesim profile`` decides (the defaults are the CLI's)."""
 
-    model: str = "moe-stdlib"
+    model: str = SHIPPED_MODEL
     policy: str = "prefetch-fom"
     predictor: str = "quasi"
     device: str = "cpu"
@@ -143,8 +143,8 @@ def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], 
 class SpeculateRequest:
     """Everything ``moesim speculate`` decides (the defaults are the CLI's)."""
 
-    model: str = "moe-stdlib"
-    draft: str = "moe-stdlib-draft"
+    model: str = SHIPPED_MODEL
+    draft: str = DRAFT_MODEL
     policy: str = "on-demand"
     selection: str = "ecospec"
     score: str = "ratio"
