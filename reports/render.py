@@ -174,6 +174,7 @@ LABELS = {
     "cache_hit_rate": "cache hit rate", "prefetch_hit_rate": "prefetched share", "pred_recall": "prediction recall",
     "ttft_ms": "time to first token", "bound": "bound by", "measured_ms": "measured TPOT",
     "predicted_ms": "predicted TPOT", "error": "error of the mean", "mape": "per-token MAPE",
+    "error_min": "lowest error over rounds", "error_max": "highest error over rounds", "runs": "rounds",
     "equivalent": "equivalent (TOST)",
 }
 
@@ -187,7 +188,7 @@ def cell_text(key: str, v: Any) -> str:
         return html.escape(str(v))
     if key.endswith("_ms"):
         return duration_ms(v)
-    if key.endswith(("_rate", "recall", "mape")) or key in ("error", "prefetch_hit_rate"):
+    if key.endswith(("_rate", "recall", "mape")) or key in ("error", "error_min", "error_max", "prefetch_hit_rate"):
         return f"{v:.1%}" if v == v else "-"
     return number(v)
 

@@ -203,7 +203,8 @@ def write_suite_report(rows: list[dict[str, Any]], traces: dict[str, Trace], sum
                                     "end from per-layer durations) and simulated by the SimPy model from that trace. "
                                     "Chrome/Perfetto trace: timelines.trace.json."})
     sections.append({"heading": "All cases", "rows": rows, "cols": [
-        "model", "link_gbps", "policy", "case", "measured_ms", "predicted_ms", "error", "mape", "equivalent"]})
+        "model", "link_gbps", "policy", "case", "measured_ms", "predicted_ms", "error", "error_min", "error_max", "runs", "mape",
+        "equivalent"]})
     return write_html(out / "report.html", "moesim validation suite", f"Simulator against executor on {machine}.", sections)
 
 

@@ -58,6 +58,7 @@ class Replay:
     profile_source: str  # named / recorded in the trace / default
     results: list[SimResult]
     link_source: str = "the profile's"  # given / recorded in the trace / the profile's
+    cache_source: str = "given"  # given / recorded in the trace
 
     @property
     def rows(self) -> list[dict[str, Any]]:
@@ -110,5 +111,23 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
         trace = keep_top_predictions(trace, prefetch_top)
     if placement_from is not None:
         kw["calibration"] = load_calibration(str(placement_from), trace.model)
+    kw, cache_source = recorded_cache(trace, kw)
     return Replay(trace, profile, source, simulate_policies(trace, profile, list(policies), progress=progress, **kw),
-                  link_source)
+                  link_source, cache_source)
+
+
+def recorded_cache(trace: Trace, kw: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """``kw`` with the cross-token cache and eviction the trace was recorded with wherever
+    the caller left them unset (None), and where the cache came from. Why: a trace recorded
+    with a 32-expert LRU cache replayed with no cache predicts a different run than the one
+    measured; the recorded configuration is the default, like the recorded link."""
+    kw = dict(kw)
+    source = "given"
+    if kw.get("cache_gib") is None and kw.get("cache_experts") is None:
+        kw["cache_gib"], kw["cache_experts"] = 0.0, trace.meta.cache_experts
+        source = "recorded in the trace"
+    if kw.get("eviction") is None:
+        kw["eviction"] = trace.meta.eviction
+    kw["cache_gib"] = kw.get("cache_gib") or 0.0
+    kw["cache_experts"] = kw.get("cache_experts") or 0
+    return kw, source

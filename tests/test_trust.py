@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -122,17 +124,34 @@ def test_atomic_writes_clean_temporary_files_of_dead_writers_only(tmp_path):
 def test_sigterm_leaves_no_temporary_file(work, tmp_path):
     """SIGTERM unwinds like Ctrl-C: exit 130, one line, no .tmp beside the output."""
     # ~4 x 200k layer-steps through SimPy: seconds of work on any machine, so the signal lands
-    # mid-run (with 1,024 tokens an idle machine finished first, and a SIGTERM during the
-    # interpreter's own shutdown kills the process with -15).
+    # mid-run. It is sent once the progress bar is drawn (a terminal is emulated): sent after
+    # a fixed sleep, on a loaded machine it once arrived while Python was still importing,
+    # before the CLI had its handler, and the default action killed the process (-15).
     write_trace(synthetic_trace(get_model("qwen3-30b-a3b"), SyntheticParams(tokens=4096)), tmp_path / "big.npz")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg", "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"}
     p = subprocess.Popen([sys.executable, "-m", "moesim", "replay", "big.npz", "--engine", "simpy", "--out", "rep"],
-                         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(2)
-    p.send_signal(signal.SIGTERM)
-    _, err = p.communicate(timeout=60)
+                         cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    seen, chunks = threading.Event(), []
+
+    def read() -> None:
+        while chunk := p.stderr.read1(4096):
+            chunks.append(chunk.decode(errors="replace"))
+            if "replaying" in "".join(chunks[-3:]):
+                seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert seen.wait(120), "".join(chunks)
+        p.send_signal(signal.SIGTERM)
+        p.wait(60)
+    finally:
+        p.kill()
+    reader.join(10)
+    err = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", "".join(chunks))
     assert "Traceback" not in err
     assert p.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "interrupted (SIGTERM)", err  # says what stopped it
     assert not list(tmp_path.rglob("*.tmp"))
 
 
@@ -235,6 +254,21 @@ def test_replay_uses_the_link_the_trace_was_recorded_with():
     given = replay(trace, None, ["on-demand"], engine="fast", link_gbps=2.0)
     assert given.rows[0]["link_gbps"] == 2.0 and given.link_source == "given"
     assert rec.rows[0]["tpot_ms"] > given.rows[0]["tpot_ms"]  # a slower link is not ignored
+
+
+def test_replay_uses_the_cache_the_trace_was_recorded_with(tmp_path):
+    """A run recorded with an 8-expert LFU cache replays with that cache unless told otherwise."""
+    r = moesim("profile", "--model", "tiny", "--policy", "on-demand", "--tokens", 4, "--cache-experts", 8,
+               "--eviction", "lfu", "--out", "c.npz", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    rec = moesim("replay", "c.npz", "--policy", "on-demand", "--json", cwd=tmp_path)
+    row = json.loads(rec.stdout)[0]
+    assert (row["cache_experts"], row["eviction"]) == (8, "lfu"), rec.stderr
+    table = moesim("replay", "c.npz", "--policy", "on-demand", cwd=tmp_path)
+    assert "8-expert LFU cache (recorded in the trace)" in " ".join(table.stdout.split())
+    none = json.loads(moesim("replay", "c.npz", "--policy", "on-demand", "--cache-experts", 0, "--json",
+                             cwd=tmp_path).stdout)[0]
+    assert none["cache_experts"] == 0 and none["cache_hit_rate"] == 0 < row["cache_hit_rate"]
 
 
 def test_signed_intercepts_never_read_plus_minus():

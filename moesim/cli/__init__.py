@@ -49,8 +49,13 @@ def missing_dependency(e: ModuleNotFoundError) -> str | None:
     return f"this command needs {top}, which is not installed: pip install \"moesim[{extra}]\"{hint}"
 
 
+#: What stopped the run, for the one line it ends with: Ctrl-C unless a SIGTERM arrived.
+_stopped_by = ["Ctrl-C"]
+
+
 def _terminate(signum, frame) -> None:  # noqa: ARG001
     """SIGTERM unwinds like Ctrl-C, so temporary files are removed and finished work kept."""
+    _stopped_by[0] = "SIGTERM"
     raise KeyboardInterrupt
 
 
@@ -109,5 +114,5 @@ def _fail(line: str, code: int = 2) -> None:
 
 
 def _interrupted() -> None:
-    err.print("interrupted (Ctrl-C)", highlight=False, markup=False)
+    err.print(f"interrupted ({_stopped_by[0]})", highlight=False, markup=False)
     sys.exit(130)

@@ -16,12 +16,18 @@ from moesim.hardware import DEFAULT_PROFILE
 
 REPLAY_POLICIES = "on-demand,prefetch-fom,prefetch-spec,oracle"
 SUMMARY_COLS = (("policy", "policy"), ("tpot_ms", "TPOT ms"), ("tpot_p99_ms", "p99 ms"), ("tokens_per_s", "tok/s"),
-                ("compute_ms", "compute"), ("copy_ms", "copy"), ("stall_ms", "stall"),
-                ("overlap_bound_ms", "overlap bound"), ("serial_bound_ms", "serial bound"),
+                ("compute_ms", "compute ms"), ("copy_ms", "copy ms"), ("stall_ms", "stall ms"),
+                ("overlap_bound_ms", "overlap bound ms"), ("serial_bound_ms", "serial bound ms"),
                 ("experts_loaded_per_token", "loads/token"), ("gb_moved_per_token", "GB/token"),
                 ("cache_hit_rate", "cache hit"), ("prefetch_hit_rate", "prefetched"), ("pred_recall", "pred recall"),
                 ("ttft_ms", "TTFT ms"))
 SD = "Speculative traces, with --gamma: "
+
+
+def cache_text(row: dict, source: str) -> str:
+    if not row.get("cache_experts"):
+        return "no expert cache" + (" (as recorded)" if source.startswith("recorded") else "")
+    return f"{row['cache_experts']}-expert {row['eviction'].upper()} cache ({source})"
 
 
 @app.command()
@@ -31,9 +37,11 @@ def replay(
                                                          f"the trace was recorded on, else {DEFAULT_PROFILE}).")] = None,
     policy: Annotated[str, typer.Option(help="Comma-separated policies: all-resident, on-demand, prefetch-spec, "
                                               "prefetch-fom (alias prefetch), oracle.")] = REPLAY_POLICIES,
-    cache_gib: Annotated[float, typer.Option(help="Cross-token expert cache on the device, GiB (0 = none).")] = 0.0,
-    cache_experts: Annotated[int, typer.Option(help="The same cache sized in experts instead.")] = 0,
-    eviction: Annotated[str, typer.Option(help="Cache eviction: lru or lfu.")] = "lru",
+    cache_gib: Annotated[float | None, typer.Option(help="Cross-token expert cache on the device, GiB (0 = none; "
+                                                         "default: the cache the trace was recorded with).")] = None,
+    cache_experts: Annotated[int | None, typer.Option(help="The same cache sized in experts instead.")] = None,
+    eviction: Annotated[str | None, typer.Option(help="Cache eviction: lru or lfu (default: the recorded one, "
+                                                      "else lru).")] = None,
     link_gbps: Annotated[float | None, typer.Option(help="Host-to-device GB/s (default: the link the trace "
                                                                       "recorded, on its own profile; else the profile's).")] = None,
     engine: Annotated[str, typer.Option(help="simpy (the reference) or fast (the recurrence).")] = "simpy",
@@ -119,7 +127,8 @@ def replay(
     else:
         src = "synthetic trace" if trace.synthetic else "trace"
         out.print(results_table(rows, f"{trace.model.name} on {rep.profile.name} ({rep.profile_source}), link "
-                                      f"{rows[0]['link_gbps']:g} GB/s ({rep.link_source}), {trace.n_tokens} steps ({src}; compute: "
+                                      f"{rows[0]['link_gbps']:g} GB/s ({rep.link_source}), {cache_text(rows[0], rep.cache_source)}, "
+                                      f"{trace.n_tokens} steps ({src}; compute: "
                                       f"{rows[0]['timing']}; engine: {engine})", SUMMARY_COLS))
         for r in rows:
             out.print(f"[bold]{r['policy']}[/bold]: {why(r)}")
