@@ -28,9 +28,11 @@ def default_out(source: Path, suffix: str) -> Path:
 
 
 def calibrate_checkpoint(model: str, out: Path | None = None, text: Path | None = None, tokens: int = 32768,
-                         force: bool = False, threads: int = OFFLINE_THREADS) -> tuple[Path, int, str]:
+                         force: bool = False, threads: int = OFFLINE_THREADS,
+                         progress: Callable[[int, int], None] | None = None) -> tuple[Path, int, str]:
     """Default vectors for the quasi-hidden predictor, from ``text`` (bytes) or the start of
-    the corpus's training split; returns (folder written, tokens used, what the text was)."""
+    the corpus's training split; returns (folder written, tokens used, what the text was).
+    ``progress(done, total)`` counts tokens."""
     from moesim.executor.model import load_checkpoint
     from moesim.executor.profile import calibrate, save_default_vectors
 
@@ -52,7 +54,7 @@ def calibrate_checkpoint(model: str, out: Path | None = None, text: Path | None 
     if ids.numel() < 2:
         raise MoesimError("calibration text is empty")
     torch.set_num_threads(threads)
-    dv = calibrate(m, ids)
+    dv = calibrate(m, ids, progress=progress)
     out = derived_checkpoint(path, out, force)
     command = f"moesim calibrate --model {model}" + (f" --text {text}" if text else "") + f" --tokens {tokens}"
     save_default_vectors(out, dv, {"text": what, "tokens": int(ids.numel()), "command": command})
@@ -92,7 +94,8 @@ def train_estimator_into(model: str, out: Path | None = None, tokens: int = 6553
 
 def train_predictor_into(draft: str, model: str, out: Path | None = None, tokens: int = 32768,
                          eval_tokens: int = 8192, epochs: int = 20, force: bool = False,
-                         threads: int = OFFLINE_THREADS) -> tuple[Path, dict, int]:
+                         threads: int = OFFLINE_THREADS,
+                         progress: Callable[[int, int], None] | None = None) -> tuple[Path, dict, int]:
     """Train EcoSpec's expert predictor (draft hidden state -> target router logits) into
     ``out``, a copy of the draft; returns (folder, the record, the target's top-k)."""
     from moesim.executor.model import load_checkpoint
@@ -112,5 +115,5 @@ def train_predictor_into(draft: str, model: str, out: Path | None = None, tokens
     train, held_out, _ = splits()
     out = derived_checkpoint(dpath, out, force)
     rec = train_expert_predictor(d, t, torch.tensor(list(train[:tokens])), torch.tensor(list(held_out[:eval_tokens])),
-                                 out, epochs)
+                                 out, epochs, progress=progress)
     return out, rec, t.spec.top_k

@@ -52,9 +52,11 @@ def eval_text(vocab: int, n: int, seed: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def calibrate(model: MoEModel, tokens: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+def calibrate(model: MoEModel, tokens: torch.Tensor, chunk: int = 256,
+              progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
     """Per layer and expert, the mean output of the expert over the tokens routed to it
-    (zero for an expert never chosen): the default vectors ``d_{l,e}``. [L, E, hidden], fp32."""
+    (zero for an expert never chosen): the default vectors ``d_{l,e}``. [L, E, hidden], fp32.
+    ``progress(done, total)`` counts tokens."""
     s = model.spec
     sums = torch.zeros(s.n_layers, s.n_experts, s.hidden)
     counts = torch.zeros(s.n_layers, s.n_experts)
@@ -66,6 +68,8 @@ def calibrate(model: MoEModel, tokens: torch.Tensor, chunk: int = 256) -> torch.
     capture = ResidentExperts(model, each=accumulate)
     for i in range(0, tokens.numel() - 1, chunk):
         model.hidden_states(tokens[i:i + chunk].view(1, -1).to(model.embed_tokens.weight.device), capture)
+        if progress is not None:
+            progress(min(i + chunk, tokens.numel() - 1), tokens.numel() - 1)
     return sums / counts.clamp(min=1)[..., None]
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,10 +93,22 @@ def _target_router_probs(target: MoEModel, tokens: Tensor) -> Tensor:
 
 
 def train_expert_predictor(draft: MoEModel, target: MoEModel, train: Tensor, held_out: Tensor, out_dir: Path,
-                           epochs: int = 20, chunk: int = 256, lr: float = 3e-3, seed: int = 0) -> dict:
-    """Distil per-layer linear probes (KL to the target routers) and report held-out recall."""
+                           epochs: int = 20, chunk: int = 256, lr: float = 3e-3, seed: int = 0,
+                           progress: Callable[[int, int], None] | None = None) -> dict:
+    """Distil per-layer linear probes (KL to the target routers) and report held-out recall.
+    ``progress(done, total)`` counts work units: a chunk read through both models, or a
+    training batch."""
     torch.manual_seed(seed)
     t0 = time.time()
+    n_chunks = [max(0, (x.numel() - chunk) // chunk + 1) for x in (train, held_out)]
+    total = sum(n_chunks) + epochs * -(-n_chunks[0] * chunk // 512)
+    done = 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
 
     def data(tokens: Tensor) -> tuple[Tensor, Tensor]:
         xs, ys = [], []
@@ -103,6 +116,7 @@ def train_expert_predictor(draft: MoEModel, target: MoEModel, train: Tensor, hel
             part = tokens[i:i + chunk]
             xs.append(draft_hidden(draft, part.view(1, -1))[1].float())
             ys.append(_target_router_probs(target, part))
+            tick()
         return torch.cat(xs), torch.cat(ys)
 
     x, y = data(train)
@@ -116,6 +130,7 @@ def train_expert_predictor(draft: MoEModel, target: MoEModel, train: Tensor, hel
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            tick()
     with torch.no_grad():
         top_p = pred(xe).topk(s.top_k, -1).indices
         top_t = ye.topk(s.top_k, -1).indices

@@ -79,26 +79,34 @@ def machine_profile() -> HardwareProfile:
 
 
 def run_suite(out: Path, shipped: Path, tokens: int = 32, models: list[str] | None = None,
-              progress: Callable[[str], None] | None = None,
+              progress: Callable[[str, int, int], None] | None = None,
               repeats: int = 3) -> tuple[list[dict[str, Any]], dict[str, Trace], dict]:
     """Run and score every case. Ctrl-C stops after the last finished run (each case's
-    trace is written as its runs finish); the runs finished so far are scored and returned."""
+    trace is written as its runs finish); the runs finished so far are scored and returned.
+    ``progress(doing, runs done, runs in all)`` before each run."""
     torch.set_num_threads(1)
+    chosen = [s for s in suite_models(shipped) if not models or s[0] in models]
+    total = sum(len(links) * len(POLICIES) * repeats for _, _, links, _ in chosen)
+    started = [0]
+
+    def counted(doing: str) -> None:  # called as each run starts: the runs before it are done
+        if progress:
+            progress(doing, started[0], total)
+        started[0] += 1
+
     if progress:
-        progress("measuring copy/compute interference")
+        progress("measuring copy/compute interference", 0, total)
     machine_hw = machine_profile()
     rows: list[dict[str, Any]] = []
     traces: dict[str, Trace] = {}
     with stop_on_interrupt():
-        for name, load, links, scale in suite_models(shipped):
-            if models and name not in models:
-                continue
+        for name, load, links, scale in chosen:
             model, dv, synthetic = load()
             prompt = torch.tensor([b % model.spec.vocab for b in PROMPT]).view(1, -1)
             for gbps in links:
                 hw = get_profile(DEFAULT_PROFILE).with_figure("h2d_pinned_gbs", gbps, "estimate", "validation suite link")
                 runs = _run_link(model, dv, prompt, tokens * scale, hw, repeats, synthetic, name, gbps, out, traces,
-                                 progress)
+                                 counted)
                 rows += _score(name, gbps, hw, runs, model, machine_hw)
                 if stop_requested():
                     break
@@ -116,7 +124,7 @@ def run_suite(out: Path, shipped: Path, tokens: int = 32, models: list[str] | No
 
 def _run_link(model: MoEModel, dv, prompt: torch.Tensor, tokens: int, hw: HardwareProfile, repeats: int,
               synthetic: bool, name: str, gbps: float, out: Path, traces: dict[str, Trace],
-              progress: Callable[[str], None] | None) -> dict[str, list[Trace]]:
+              progress: Callable[[str], None]) -> dict[str, list[Trace]]:
     """Every policy on one link, ``repeats`` rounds, the policies interleaved within a round.
 
     Why interleaved: on a shared or throttling machine the speed of the CPU drifts over
@@ -128,8 +136,7 @@ def _run_link(model: MoEModel, dv, prompt: torch.Tensor, tokens: int, hw: Hardwa
     runs: dict[str, list[Trace]] = {p: [] for p in POLICIES}
     for r in range(repeats):
         for policy in POLICIES:
-            if progress:
-                progress(f"{name}, {gbps:g} GB/s, {policy}" + (f", run {r + 1}/{repeats}" if repeats > 1 else ""))
+            progress(f"{name}, {gbps:g} GB/s, {policy}" + (f", run {r + 1}/{repeats}" if repeats > 1 else ""))
             st = ProfileSettings(policy=policy, predictor="quasi", tokens=tokens)
             try:
                 if r == 0:

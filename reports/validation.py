@@ -209,7 +209,7 @@ def write_suite_report(rows: list[dict[str, Any]], traces: dict[str, Trace], sum
 
 
 def validation_suite(out: Path, tokens: int = 32, model: str | None = None, repeats: int = 3,
-                     progress: Callable[[str], None] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any], str, Path]:
+                     progress: Callable[[str, int, int], None] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any], str, Path]:
     """``moesim validate``: run the suite (moesim.executor.validation) and write its report
     to ``out``; returns (rows, summary, the machine, the report page). Lives in the reports
     layer because it joins the executor's runs with the simulator's replays."""

@@ -26,6 +26,7 @@ The header says ``synthetic: true`` and carries these parameters; no timing is r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -206,8 +207,10 @@ def _chunks(t: int, per_token: int):
         yield s, min(t, s + n)
 
 
-def synthetic_trace(spec: ModelSpec, params: SyntheticParams = SyntheticParams()) -> Trace:
-    """Generate a trace for ``spec``, in chunks of tokens (memory ~ the output's size)."""
+def synthetic_trace(spec: ModelSpec, params: SyntheticParams = SyntheticParams(),
+                    progress: Callable[[int, int], None] | None = None) -> Trace:
+    """Generate a trace for ``spec``, in chunks of tokens (memory ~ the output's size);
+    ``progress(done, total)`` counts tokens, for a progress bar on long traces."""
     params.check(spec)
     budget.check(budget.synth_estimate(spec, params.tokens, params.batch))
     # Independent streams per quantity, so chunk sizes never change what is drawn where.
@@ -233,6 +236,8 @@ def synthetic_trace(spec: ModelSpec, params: SyntheticParams = SyntheticParams()
             keep = np.where(forced[i], prev, -1) if prev is not None else none
             prev = sampler.fill(keep, keep, drawn[i], r_route, 0)
             true[s0 + i] = prev
+            if progress is not None and i % 256 == 0:
+                progress(s0 + i, t)
 
         # Gates: softmax of sorted normal logits over the top-k (largest gate first).
         logits = -np.sort(-r_gate.normal(0, 1, (n, m, b, k)), axis=-1)
@@ -244,6 +249,8 @@ def synthetic_trace(spec: ModelSpec, params: SyntheticParams = SyntheticParams()
         tr = true[s0:s1].astype(np.int64)
         kept = r_pred.random((n, m, b, k)) < hit
         pred[s0:s1] = sampler.fill(np.where(kept, tr, -1), tr, sampler.distinct(r_pred, n, b), r_pred, 1)
+    if progress is not None:
+        progress(t, t)
     pred_gates = gates.copy()
     pred[:, 0] = -1  # the first MoE layer has no earlier layer to predict from
     pred_gates[:, 0] = 0

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, err
+from moesim.cli.running import progress_bar
 from moesim.executor.defaults import OFFLINE_THREADS, SHIPPED_MODEL
 
 
@@ -33,5 +34,6 @@ def calibrate(
     """
     from moesim.executor.derive import calibrate_checkpoint
 
-    path, n, what = calibrate_checkpoint(model, out_dir, text, tokens, force, threads)
+    with progress_bar("calibrating", "tokens") as update:
+        path, n, what = calibrate_checkpoint(model, out_dir, text, tokens, force, threads, update)
     err.print(f"wrote {path / 'default_vectors.safetensors'} from {n} tokens of {what}; use it with --model {path}")

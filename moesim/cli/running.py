@@ -13,13 +13,18 @@ from moesim.cli.app import err
 @contextmanager
 def progress_bar(what: str, unit: str, disable: bool = False) -> Iterator[Callable[[int, int], None]]:
     """A transient progress bar with the time left on stderr; yields ``update(done, total)``
-    for a library call's ``progress`` callback."""
+    for a library call's ``progress`` callback (``update(done, total, doing)`` also says
+    what is running now)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    with Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TextColumn(unit), TimeRemainingColumn(),
-                  console=err, transient=True, disable=disable or not err.is_terminal) as bar:
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
+                  TimeRemainingColumn(), console=err, transient=True, disable=disable or not err.is_terminal) as bar:
         task = bar.add_task(what, total=None)
-        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+        def update(done: int, total: int, doing: str | None = None) -> None:
+            bar.update(task, completed=done, total=total, description=f"{what}: {doing}" if doing else what)
+
+        yield update
 
 
 def keeps_finished_work(command: Callable) -> Callable:

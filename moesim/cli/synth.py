@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, err, floats
+from moesim.cli.running import progress_bar
 
 
 @app.command()
@@ -73,6 +74,7 @@ def synth(
 
     check_output_file(out_path)
     params = SyntheticParams(tokens, batch, prompt_len, skew, reuse, hit_rate, early_hit_rate, early_layers, seed)
-    trace = synthetic_trace(get_model(model), params)
+    with progress_bar("generating", "tokens") as update:
+        trace = synthetic_trace(get_model(model), params, progress=update)
     path = write_trace(trace, out_path)
     err.print(f"wrote synthetic trace {path} ({tokens} steps of {trace.model.name}, batch {batch})")

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, err, out
+from moesim.cli.running import progress_bar
 from moesim.executor.defaults import DRAFT_MODEL, OFFLINE_THREADS, SHIPPED_MODEL
 
 
@@ -32,8 +33,8 @@ def train_expert_predictor(
     """
     from moesim.executor.derive import train_predictor_into
 
-    with err.status("training the expert predictor"):
-        path, rec, k = train_predictor_into(draft, model, out_dir, tokens, eval_tokens, epochs, force, threads)
+    with progress_bar("training the expert predictor", "chunks and batches") as update:
+        path, rec, k = train_predictor_into(draft, model, out_dir, tokens, eval_tokens, epochs, force, threads, update)
     out.print(f"held-out recall@{k} per target layer: " + ", ".join(f"{x:.3f}" for x in rec["recall_at_k"])
               + f" ({rec['parameters']} parameters, {rec['seconds']} s)")
     err.print(f"wrote {path}; use it with --draft {path}")

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, err, out, table
-from moesim.cli.running import keeps_finished_work
+from moesim.cli.running import keeps_finished_work, progress_bar
 
 CASE_SHORT = {"same-policy": "same", "transfer from on-demand": "transfer"}
 
@@ -31,9 +31,9 @@ def validate(
     """
     from moesim.reports.validation import validation_suite
 
-    with err.status("validating") as status:
+    with progress_bar("validating", "runs") as update:
         rows, summary, machine, page = validation_suite(out_dir, tokens, model, repeats,
-                                                        lambda what: status.update(f"validating: {what}"))
+                                                        lambda doing, done, total: update(done, total, doing))
     out.print(table(f"simulated vs measured mean TPOT ({machine})",
                     ("model", "GB/s", "policy", "case", "measured ms", "simulated ms", "error", "error range"),
                     [[r["model"][:12], f"{r['link_gbps']:g}", r["policy"], CASE_SHORT[r["case"]], f"{r['measured_ms']:.3g}",
