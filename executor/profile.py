@@ -6,11 +6,13 @@ fidelity of speculative execution (next-token agreement and KL against exact exe
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -120,6 +122,25 @@ def _decoder(model: MoEModel, st: ProfileSettings, hw: HardwareProfile, batch: i
                             cache_experts=st.cache_experts, eviction=st.eviction, batch=batch, estimator=estimator)
 
 
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while steps are timed (collected just before).
+
+    Why: a collection pauses the decoding thread for a few ms at moments set by allocation
+    counts, not by the model: one lands inside a step's measured compute at random and
+    makes two runs of the same policy differ (the validation suite's run-to-run noise).
+    Decoding creates no reference cycles worth collecting (tensors are freed by reference
+    counting), so memory does not grow; the collector runs again when the loop ends."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def generate(model: MoEModel, prompt: torch.Tensor, st: ProfileSettings, hw: HardwareProfile,
              dv: torch.Tensor | None = None, forced: torch.Tensor | None = None, policy: str | None = None,
              progress: Callable[[int, int], None] | None = None,
@@ -140,7 +161,7 @@ def generate(model: MoEModel, prompt: torch.Tensor, st: ProfileSettings, hw: Har
     cache = model.new_cache(b, p + n + 1)
     done: list[tuple[StepRecord, torch.Tensor]] = []  # (record, the token it consumed): one append a step
     cut = False
-    with stop_on_interrupt():
+    with stop_on_interrupt(), collector_paused():
         try:
             pre_rec = dec.step(prompt.to(dec.device), cache, 0, prefill=True)
             tok = _next_token(pre_rec.logits, st.temperature, gen)
