@@ -82,7 +82,7 @@ Group = Config
 
 #: Every row carries these columns, in this order (policy families report different
 #: figures; a streamed CSV needs one header). A column a policy has no figure for holds
-#: ``None`` (numbers; an empty CSV cell, JSON null) or ``-`` (words).
+#: ``None`` (numbers, NaN too; an empty CSV cell, JSON null) or ``-`` (words).
 ROW_COLUMNS = (
     "model", "base_model", "expert_dtype", "hw", "host", "policy", "family", "link_gbps", "cache_gib", "cache_experts",
     "eviction", "cpu_layers", "gpu_expert_gib", "resident_experts", "copy_queue", "prefetch_top", "batch",
@@ -120,8 +120,13 @@ def bound_of(row: dict[str, Any]) -> str:
 
 def normalise(row: dict[str, Any]) -> dict[str, Any]:
     """``row`` with exactly :data:`ROW_COLUMNS`, missing figures filled (see there)."""
-    return {c: row[c] if c in row and row[c] is not None else ("-" if c in _WORDS else None)
-            for c in ROW_COLUMNS}
+    def cell(c: str) -> Any:
+        v = row.get(c)
+        if v is None or (isinstance(v, float) and v != v):  # NaN (no prediction): None, equal to itself
+            return "-" if c in _WORDS else None
+        return v
+
+    return {c: cell(c) for c in ROW_COLUMNS}
 
 
 @dataclass(frozen=True)
@@ -340,6 +345,9 @@ def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str) ->
                 continue
             row = res.summary()
             row.update(_axes(sweep, cfg, trace, base))
+            if pol.cpu == "layers":  # the count "auto" resolved to on this device, for the answer
+                n = int((~res.placement.resident).all(1).sum())
+                row["cpu_layers"] = n if cfg.cpu_layers != "auto" else f"auto ({n})"
             row["cache_gib"] = cfg.cache_gib if capacity else 0.0
             row["device_gb_needed"] = res.config["device_gb_needed"]
             row["fits"] = res.config["fits"]
@@ -648,4 +656,6 @@ def best(rows: list[dict[str, Any]], goal: str = "tpot") -> dict[str, Any] | Non
         raise MoesimError(f"unknown goal {goal!r}; known: {', '.join(GOALS)}")
     key = GOALS[goal][0]
     fitting = [r for r in rows if r["fits"] and not get_policy(r["policy"]).oracle and _number(r[key])]
-    return min(fitting, key=lambda r: r[key]) if fitting else None
+    simpler = ("all-resident", "cpu-static", "hot-experts", "cpu-on-miss", "prefetching")  # ties: sim.deploy.SIMPLER
+    return min(fitting, key=lambda r: (float(f"{r[key]:.6g}"), simpler.index(r["family"]) if r.get("family") in simpler
+                                       else len(simpler))) if fitting else None
