@@ -65,6 +65,7 @@ def crossover_png(crosses: list, path: Path) -> Path:
     """One panel per (model, GPU, host, axis, metric): each family's best value against the
     axis, the oracle dashed as the bound, and a red line where the winning family changes."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     from moesim.reports.render import save_figure
     from moesim.sim.deploy import AXES
@@ -88,13 +89,20 @@ def crossover_png(crosses: list, path: Path) -> Path:
         if min(c.xs) > 0 and max(c.xs) / min(c.xs) >= 8:
             ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.set_xticks(c.xs, [f"{x:g}" for x in c.xs])  # the swept values, not log-scale minor labels
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel(AXES[c.axis], fontsize=8)
         ax.set_ylabel(METRIC.get(c.metric, c.metric), fontsize=8)
         host = "" if c.host == "-" else f" + {c.host}"
-        ax.set_title(f"{c.model} on {c.hw}{host}", fontsize=8)
+        ax.set_title(f"{c.model} on {c.hw}{host}\n{'TTFT' if c.metric == 'ttft_ms' else 'TPOT'} against "
+                     f"{AXES[c.axis].split(',')[0]}", fontsize=8)
         ax.grid(alpha=0.3, which="both")
         ax.tick_params(labelsize=7)
-    axes.flat[0].legend(fontsize=6)
+    handles = {}
+    for ax in axes.flat:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncol=len(handles), fontsize=7)
     fig.suptitle("Best configuration of each family along each swept axis (simulated; red: the winner changes)",
                  fontsize=9)
     return save_figure(fig, path)
