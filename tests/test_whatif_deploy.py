@@ -264,3 +264,15 @@ def test_models_expert_dtype(tmp_path):
     assert row["expert_bytes"] < get_model("qwen3-30b-a3b").expert_bytes / 3  # ~4.1 bits against 16
     with pytest.raises(MoesimError, match="unknown expert dtype 'int3'"):  # what the CLI prints, exit 2
         get_model("qwen3-30b-a3b").with_expert_dtype("int3")
+
+
+@pytest.mark.slow
+def test_ray_backend_gives_the_local_rows_for_cpu_policies():
+    pytest.importorskip("ray")
+    spec = get_model("tiny")
+    tr = synthetic_trace(spec, SyntheticParams(tokens=4, prompt_len=8, seed=2))
+    calib = synthetic_trace(spec, SyntheticParams(tokens=4, prompt_len=8, seed=3)).true_ids
+    sweep = Sweep({spec.name: tr}, [get_profile("a6000")], ["prefetch-fom", "cpu-static", "hot-experts", "cpu-on-miss"],
+                  [None], [0.0, 0.001], cpu_layers=("auto", 1), copy_queues=("fifo", "demand-first"),
+                  calibration={spec.name: calib}, calibration_source="a test calibration trace")
+    assert run_sweep(sweep, backend="ray") == run_sweep(sweep, jobs=1)

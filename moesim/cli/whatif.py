@@ -12,7 +12,7 @@ from moesim.cli.running import progress_bar
 from moesim.errors import MoesimError
 from moesim.sim.sweep import DEFAULT_POLICIES
 
-WHATIF_COLS = (("model", "model"), ("hw", "hw"), ("policy", "policy"), ("link_gbps", "link GB/s"),
+WHATIF_COLS = (("model", "model"), ("hw", "hw"), ("host", "host"), ("policy", "policy"), ("link_gbps", "link GB/s"),
                ("cache_gib", "cache GiB"), ("fits", "fits"), ("tpot_ms", "TPOT ms"), ("tokens_per_s", "tok/s"),
                ("compute_ms", "compute"), ("copy_ms", "copy"), ("stall_ms", "stall"),
                ("gb_moved_per_token", "GB/token"), ("ttft_ms", "TTFT ms"), ("bound", "bound"), ("timing", "compute from"))
@@ -88,8 +88,9 @@ def whatif(
     Example: `moesim whatif --model olmoe-1b-7b --hw a6000,gh200 --policy on-demand,prefetch,oracle,cpu-static
     --link-gbps 16,32 --cache-gib 0,1 --tokens 32 --jobs 1`
     """
+    from moesim.policy import get_policy
     from moesim.sim.analysis import why
-    from moesim.sim.deploy import crossovers, deployment_answer, describe_change, format_answer
+    from moesim.sim.deploy import bound_words, crossovers, deployment_answer, describe_change, format_answer
     from moesim.sim.sweep import whatif as run_whatif
     from moesim.sim.whatif import GOALS
 
@@ -126,7 +127,7 @@ def whatif(
             b = res.best_by_hw[h.name]
             if b is not None:
                 out.print(f"on {h.name}: best is {b['policy']} (link {b['link_gbps']:g} GB/s, cache {b['cache_gib']:g} GiB)"
-                          f" at {b['tpot_ms']:.3g} ms/token; {why(b)}")
+                          f" at {b['tpot_ms']:.3g} ms/token; {bound_words(b)}")
             else:
                 out.print(f"on {h.name}: no configuration fits in {h['device_memory_gb']:g} GB of device memory")
         for a in answers:
@@ -143,7 +144,7 @@ def whatif(
             out.print(f"[bold green]best for {GOALS[goal][1]}:[/bold green] {winner['model']} on {winner['hw']}, "
                       f"{winner['policy']}, link {winner['link_gbps']:g} GB/s, cache {winner['cache_gib']:g} GiB: "
                       f"{winner['tpot_ms']:.3g} ms/token ({winner['tokens_per_s']:.3g} tok/s); compute: {winner['timing']}")
-            out.print(f"why: {why(winner)}")
+            out.print(f"why: {bound_words(winner)}" if get_policy(winner["policy"]).cpu else f"why: {why(winner)}")
         else:
             out.print("[bold red]no configuration fits in device memory[/bold red]")
     if out_dir is not None:
