@@ -132,12 +132,6 @@ class Crossover:
     changes: list[dict[str, Any]] = field(default_factory=list)  # where the winner changes
 
 
-def _scenario_hosts(rows: list[dict[str, Any]]) -> list[str]:
-    """The hosts the CPU families ran on ('-' alone when none did)."""
-    hosts = list(dict.fromkeys(r["host"] for r in rows if r["host"] != "-"))
-    return hosts or ["-"]
-
-
 def _level(value: float) -> float:
     """``value`` to 6 significant digits: two families' sums of the same step times agree
     to rounding only, and a rounding difference is no crossover."""
@@ -177,10 +171,14 @@ def _reason(winner: dict[str, Any] | None, families: list[FamilyBest], key: str,
 
 def scenarios(rows: list[dict[str, Any]]) -> list[Scenario]:
     """Every (model, GPU, host, batch, prompt length, link) the rows cover, in sweep order."""
+    hosts_of: dict[tuple[str, str], dict[str, None]] = {}
+    for r in rows:  # the hosts the CPU families ran on, per (model, GPU): one pass, not one per row
+        hosts_of.setdefault((r["base_model"], r["hw"]), {})
+        if r["host"] != "-":
+            hosts_of[r["base_model"], r["hw"]][r["host"]] = None
     out: dict[Scenario, None] = {}
     for r in rows:
-        hosts = [r["host"]] if r["host"] != "-" else _scenario_hosts(
-            [q for q in rows if q["base_model"] == r["base_model"] and q["hw"] == r["hw"]])
+        hosts = [r["host"]] if r["host"] != "-" else list(hosts_of[r["base_model"], r["hw"]]) or ["-"]
         for h in hosts:
             out[(r["base_model"], r["hw"], h, r["batch"], r["prompt_len"], r["link_gbps"])] = None
     return list(out)
