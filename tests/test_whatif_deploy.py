@@ -45,7 +45,7 @@ def test_cpu_policy_rows_equal_replay(traces, tmp_path):
     (fast path) gives the same TPOT, TTFT, CPU time and memory verdict."""
     run, calib = traces
     common = ["--hw", "a6000", "--host", "xeon-8480", "--cpu-layers", "6", "--placement-from", calib,
-              "--cache-gib", "1", "--json"]
+              "--cache-gib", "1", "--link-gbps", "12", "--json"]
     pols = "cpu-static,hot-experts,cpu-on-miss"
     rep = moesim("replay", run, "--policy", pols, "--engine", "simpy", *common)
     assert rep.returncode == 0, rep.stderr
@@ -78,6 +78,28 @@ def test_copy_axes_equal_replay(traces):
     assert got["model"] == want["model"] == "olmoe-1b-7b@int8"
     for k in ("tpot_ms", "ttft_ms", "copy_ms", "stall_ms", "gb_moved_per_token", "pred_recall"):
         assert got[k] == pytest.approx(want[k], rel=1e-12), k
+
+
+def test_synthetic_hot_experts_place_from_a_second_synthetic_trace(tmp_path):
+    """Without --trace, hot-experts places by a synthetic trace of the next seed, never the
+    swept one: on a GPU that holds part of the experts, the row equals `replay
+    --placement-from` that trace and differs from placing by the swept trace itself."""
+    from moesim.sim.replay import replay
+    from moesim.sim.sweep import CALIBRATION_SEED_OFFSET
+
+    spec = get_model("qwen3-30b-a3b")
+    params = SyntheticParams(tokens=4, prompt_len=16)
+    calib = write_trace(synthetic_trace(spec, SyntheticParams(tokens=4, prompt_len=16,
+                                                              seed=params.seed + CALIBRATION_SEED_OFFSET)),
+                        tmp_path / "calib.npz")
+    (got,) = whatif(models=[spec.name], hws=["rtx4090"], policies=["hot-experts"], tokens=4, prompt_len=16,
+                    jobs=1).rows
+    swept = synthetic_trace(spec, params)
+    want = replay(swept, "rtx4090", ["hot-experts"], engine="simpy", placement_from=calib).rows[0]
+    assert 0 < got["resident_experts"] == want["resident_experts"] < spec.n_moe_layers * spec.n_experts
+    assert got["tpot_ms"] == pytest.approx(want["tpot_ms"], rel=RTOL) and not got["optimistic_placement"]
+    peek = replay(swept, "rtx4090", ["hot-experts"], engine="simpy", calibrate_on_replay=True).rows[0]
+    assert peek["tpot_ms"] != pytest.approx(got["tpot_ms"], rel=1e-3)
 
 
 def test_family_axes_make_one_row_per_configuration():
