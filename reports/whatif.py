@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -9,27 +10,39 @@ from typing import Any
 
 from moesim.atomic import atomic_write_text
 from moesim.fmt import duration_ms
+from moesim.policy import get_policy
 from moesim.reports.render import breakdown_png, heatmap_png, write_csv, write_html
 from moesim.sim.whatif import GOALS, Sweep
 
-COLS = ["model", "hw", "policy", "link_gbps", "cache_gib", "fits", "tpot_ms", "tpot_p99_ms", "compute_ms", "copy_ms",
-        "stall_ms", "gb_moved_per_token", "cache_hit_rate", "ttft_ms", "bound"]
+COLS = ["model", "hw", "host", "policy", "family", "expert_dtype", "batch", "prompt_len", "link_gbps", "cache_gib",
+        "cpu_layers", "resident_experts", "copy_queue", "prefetch_top", "fits", "tpot_ms", "tpot_p99_ms", "compute_ms",
+        "copy_ms", "stall_ms", "cpu_ms", "gb_moved_per_token", "cache_hit_rate", "ttft_ms", "bound", "note"]
+FAMILY_STYLE = {"prefetching": ("#DD8452", "o-"), "cpu-static": ("#66A61E", "s-"), "hot-experts": ("#7570B3", "^-"),
+                "cpu-on-miss": ("#E7298A", "D-"), "all-resident": ("#4C72B0", "v-"), "oracle (bound)": ("#999999", "x--")}
+METRIC = {"tpot_ms": "best TPOT, ms", "ttft_ms": "best TTFT, ms"}
 
 
 PROMPT_LENGTHS = (128, 512, 2048, 8192, 32768)
 
 
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+
+
 def prompt_png(sweep: Sweep, winner: dict[str, Any], path: Path) -> Path:
-    """TPOT and TTFT against prompt length for each policy, at the winner's settings."""
+    """TPOT and TTFT against prompt length for each copy policy, at the winner's hardware,
+    link and cache (a quick look when the sweep itself has one prompt length)."""
     import matplotlib.pyplot as plt
 
+    from moesim.policy import get_policy
     from moesim.reports.render import save_figure
     from moesim.sim.simulate import simulate
 
     hw = next(h for h in sweep.hws if h.name == winner["hw"])
-    base = sweep.traces[winner["model"]].head(min(32, sweep.traces[winner["model"]].n_tokens))
+    trace = next(t for t in sweep.traces.values() if t.model.name == winner["base_model"])
+    base = trace.head(min(32, trace.n_tokens))
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for policy in sweep.policies:
+    for policy in [p for p in sweep.policies if not get_policy(p).cpu]:
         tpot, ttft = [], []
         for p in PROMPT_LENGTHS:
             tr = replace(base, header={**base.header, "prompt_len": p})
@@ -44,49 +57,136 @@ def prompt_png(sweep: Sweep, winner: dict[str, Any], path: Path) -> Path:
         ax.set_ylabel(what)
         ax.grid(alpha=0.3)
     a1.legend(fontsize=7)
-    fig.suptitle(f"{winner['model']} on {hw.name} (simulated)", fontsize=10)
+    fig.suptitle(f"{winner['base_model']} on {hw.name} (simulated)", fontsize=10)
     return save_figure(fig, path)
 
 
+def crossover_png(crosses: list, path: Path) -> Path:
+    """One panel per (model, GPU, host, axis, metric): each family's best value against the
+    axis, the oracle dashed as the bound, and a red line where the winning family changes."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
+
+    from moesim.reports.render import save_figure
+    from moesim.sim.deploy import AXES
+
+    ncol = min(3, len(crosses))
+    nrow = -(-len(crosses) // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(4.4 * ncol, 3.3 * nrow), squeeze=False, layout="constrained")
+    for ax in axes.flat[len(crosses):]:
+        ax.set_visible(False)
+    for ax, c in zip(axes.flat, crosses):
+        for fam, ys in c.curves.items():
+            color, style = FAMILY_STYLE.get(fam, ("black", "o-"))
+            pts = [(x, y) for x, y in zip(c.xs, ys) if y is not None]
+            if pts:
+                ax.plot(*zip(*pts), style, color=color, label=fam, markersize=4, linewidth=1.2)
+        for ch in c.changes:
+            at = ch["near"] if ch["near"] is not None else (ch["after"] * ch["by"]) ** 0.5
+            ax.axvline(at, color="red", linestyle=":", linewidth=1)
+            ax.annotate(f"{ch['from']} -> {ch['to']}", (at, 0.97), xycoords=("data", "axes fraction"), fontsize=6,
+                        color="red", rotation=90, ha="right", va="top")
+        if min(c.xs) > 0 and max(c.xs) / min(c.xs) >= 8:
+            ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xticks(c.xs, [f"{x:g}" for x in c.xs])  # the swept values, not log-scale minor labels
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel(AXES[c.axis], fontsize=8)
+        ax.set_ylabel(METRIC.get(c.metric, c.metric), fontsize=8)
+        host = "" if c.host == "-" else f" + {c.host}"
+        ax.set_title(f"{c.model} on {c.hw}{host}\n{'TTFT' if c.metric == 'ttft_ms' else 'TPOT'} against "
+                     f"{AXES[c.axis].split(',')[0]}", fontsize=8)
+        ax.grid(alpha=0.3, which="both")
+        ax.tick_params(labelsize=7)
+    handles = {}
+    for ax in axes.flat:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncol=len(handles), fontsize=7)
+    fig.suptitle("Best configuration of each family along each swept axis (simulated; red: the winner changes)",
+                 fontsize=9)
+    return save_figure(fig, path)
+
+
+def _best_per(rows: list[dict[str, Any]], key: str, by: tuple[str, ...]) -> list[dict[str, Any]]:
+    bests: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        if not _number(r[key]):
+            continue
+        k = tuple(r[b] for b in by)
+        if k not in bests or r[key] < bests[k][key]:
+            bests[k] = r
+    return list(bests.values())
+
+
 def write_whatif_report(rows: list[dict[str, Any]], winner: dict[str, Any] | None, goal: str, sweep: Sweep,
-                        out: Path) -> Path:
+                        out: Path, notes: list[str] | None = None) -> Path:
+    from moesim.sim.deploy import crossovers, deployment_answer, describe_change, format_answer
+
     out = Path(out)
     key = GOALS[goal][0]
     synthetic = any(t.synthetic for t in sweep.traces.values())
     src = "synthetic traces" if synthetic else "recorded traces"
-    what = (f"All figures simulated ({sweep.engine} engine) from {src} of {', '.join(sweep.traces)}; "
+    models = sorted({t.model.name for t in sweep.traces.values()})
+    what = (f"All figures simulated ({sweep.engine} engine) from {src} of {', '.join(models)}; "
             f"hardware figures from the profiles ({', '.join(h.name for h in sweep.hws)}); nothing here was measured")
+    answers = deployment_answer(rows, goal)
+    crosses = crossovers(rows)
     write_csv(rows, out / "whatif.csv")
-    atomic_write_text(out / "whatif.json", json.dumps({"goal": goal, "best": winner, "rows": rows}, indent=2))
+    atomic_write_text(out / "whatif.json", json.dumps({"goal": goal, "best": winner, "notes": notes or [],
+                                                       "deployment": [a.to_dict() for a in answers],
+                                                       "crossovers": [c.__dict__ for c in crosses], "rows": rows},
+                                                      indent=2, default=str))
     # Per (model, hw, policy): its best row, for the breakdown figure.
-    bests: dict[tuple, dict[str, Any]] = {}
-    for r in rows:
-        k = (r["model"], r["hw"], r["policy"])
-        if k not in bests or r[key] < bests[k][key]:
-            bests[k] = r
-    shown = sorted(bests.values(), key=lambda r: (r["model"], r["hw"], r["policy"]))[:24]
-    breakdown_png(shown, [f"{r['hw']}\n{r['policy']}" for r in shown], out / "breakdown.png",
-                  "TPOT breakdown, best link/cache setting per hardware and policy (simulated)")
+    shown = sorted(_best_per(rows, key, ("model", "hw", "policy")), key=lambda r: (r["model"], r["hw"], r["policy"]))[:24]
+    if shown:
+        breakdown_png(shown, [f"{r['hw']}\n{r['policy']}" for r in shown], out / "breakdown.png",
+                      "TPOT breakdown, best setting per hardware and policy (simulated)")
     sections = []
+    for a in answers:
+        sections.append({"heading": f"Deployment answer: {a.model} on {a.hw}"
+                                    f"{'' if a.host == '-' else ' + ' + a.host}",
+                         "text": "<pre>" + html.escape(format_answer(a, 100)) + "</pre>"})
+    if notes:
+        sections.append({"heading": "Notes", "text": "<br>".join(html.escape(n) for n in notes)})
+    if crosses:
+        crossover_png(crosses, out / "crossovers.png")
+        changes = [describe_change(c, ch) for c in crosses for ch in c.changes]
+        listing = ("<ul>" + "".join(f"<li>{html.escape(x)}</li>" for x in changes) + "</ul>") if changes else \
+            "<p>The winning family is the same at every swept point.</p>"
+        sections.append({"heading": "Where the winner changes", "text": "Crossover points (the winning family at "
+                         "consecutive swept values; the crossing itself interpolated between them):" + listing,
+                         "image": out / "crossovers.png",
+                         "caption": f"Best of each family at each swept value, the other axes at their first value; "
+                                    f"the oracle (dashed) is a bound, never a winner. {what}."})
+    else:
+        sections.append({"heading": "Where the winner changes",
+                         "text": "One batch size, prompt length and link bandwidth were swept, so there is no crossover "
+                                 "to show: sweep e.g. <code>--batch 1,4,16 --prompt-len 128,2048 --link-gbps 8,32</code>."})
     if winner:
-        sections.append({"heading": "Best configuration",
-                         "text": f"For {GOALS[goal][1]}: {winner['model']} on {winner['hw']}, {winner['policy']}, "
-                                 f"link {winner['link_gbps']:g} GB/s, cache {winner['cache_gib']:g} GiB: "
-                                 f"{duration_ms(winner['tpot_ms'])} per token, {duration_ms(winner['ttft_ms'])} to first "
-                                 "token."})
-    sections.append({"heading": "TPOT breakdown", "image": out / "breakdown.png",
-                     "caption": f"Compute plus stall equals TPOT. {what}."})
-    offloaded = [r for r in rows if r["policy"] != "all-resident"]
-    if offloaded and len({r["link_gbps"] for r in offloaded}) * len({r["cache_gib"] for r in offloaded}) > 1:
-        heatmap_png(offloaded, out / "heatmap.png", f"{key} over link bandwidth x cache size (simulated)", key, winner)
+        sections.insert(0, {"heading": "Best configuration",
+                            "text": f"For {GOALS[goal][1]}: {winner['model']} on {winner['hw']}, {winner['policy']}, "
+                                    f"link {winner['link_gbps']:g} GB/s, cache {winner['cache_gib']:g} GiB: "
+                                    f"{duration_ms(winner['tpot_ms'])} per token, {duration_ms(winner['ttft_ms'])} to "
+                                    "first token."})
+    if shown:
+        sections.append({"heading": "TPOT breakdown", "image": out / "breakdown.png",
+                         "caption": f"Compute plus stall equals TPOT (CPU policies: plus the wait for the CPU). {what}."})
+    copies = _best_per([r for r in rows if r["family"] in ("prefetching", "oracle (bound)")], key,
+                       ("hw", "policy", "cache_gib", "link_gbps"))
+    if copies and len({r["link_gbps"] for r in copies}) * len({r["cache_gib"] for r in copies}) > 1:
+        heatmap_png(copies, out / "heatmap.png", f"{key} over link bandwidth x cache size (simulated)", key, winner)
         sections.append({"heading": "Link bandwidth x cache size", "image": out / "heatmap.png",
-                         "caption": f"{key} per cell; a gold star marks the best configuration (oracle is a bound, never chosen). {what}."})
-    if winner:
+                         "caption": f"{key} per cell, the best of the other settings; a gold star marks the best "
+                                    f"configuration (oracle is a bound, never chosen). {what}."})
+    copy_policies = [p for p in sweep.policies if not get_policy(p).cpu]
+    if winner and copy_policies and len({r["prompt_len"] for r in rows}) == 1:
         prompt_png(sweep, winner, out / "prompt_length.png")
         sections.append({"heading": "TPOT and TTFT against prompt length", "image": out / "prompt_length.png",
-                         "caption": f"Simulated for every policy on {winner['hw']} (link {winner['link_gbps']:g} GB/s, cache "
-                                    f"{winner['cache_gib']:g} GiB): attention reads a KV cache that grows with the prompt; "
-                                    f"prefill copies whole layers. {what}."})
-    sections.append({"heading": "All configurations", "rows": sorted(rows, key=lambda r: (not r["fits"], r[key])),
+                         "caption": f"Simulated for every copy policy on {winner['hw']} (link {winner['link_gbps']:g} "
+                                    f"GB/s, cache {winner['cache_gib']:g} GiB) on the first 32 steps: attention reads a "
+                                    f"KV cache that grows with the prompt; prefill copies whole layers. {what}."})
+    sections.append({"heading": "All configurations",
+                     "rows": sorted(rows, key=lambda r: (not r["fits"], r[key] if _number(r[key]) else float("inf"))),
                      "cols": COLS})
     return write_html(out / "report.html", "moesim what-if", what + ".", sections)

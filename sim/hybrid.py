@@ -237,10 +237,11 @@ def simulate_hybrid(trace: Trace, hw: HardwareProfile, policy: str = "cpu-static
                     cpu_layers: int | str = "auto", calibration: np.ndarray | None = None,
                     calibrate_on_replay: bool = False, cache_experts: int = 0, eviction: str = "lru",
                     engine: str = "simpy", link_gbps: float | None = None, amx: bool = True,
-                    record: bool = False) -> HybridResult:
+                    record: bool = False, placement: Placement | None = None) -> HybridResult:
     """Simulate ``trace`` under a CPU-compute policy on GPU ``hw`` and ``host`` (default:
     the GPU profile's host). ``calibration`` is the ``[t, m, b, k]`` routing of a separate
-    calibration trace (hot-experts; warms cpu-on-miss's cache)."""
+    calibration trace (hot-experts; warms cpu-on-miss's cache). ``placement`` replaces the
+    one the policy would choose (a what-if sweep's smaller hot-experts budget)."""
     from moesim.sim.engine import run_simpy_hybrid
     from moesim.sim.fastpath_cpu import run_fast_hybrid
 
@@ -258,7 +259,7 @@ def simulate_hybrid(trace: Trace, hw: HardwareProfile, policy: str = "cpu-static
     if link_gbps is not None:
         hw = hw.with_figure("h2d_pinned_gbs", link_gbps)
     context = trace.prompt_len + trace.n_tokens
-    placement = make_placement(pol, spec, hw["device_memory_gb"] * 1e9, batch=trace.batch, context=context,
+    placement = placement or make_placement(pol, spec, hw["device_memory_gb"] * 1e9, batch=trace.batch, context=context,
                                cpu_layers_n=cpu_layers, calibration=calibration, replay_ids=trace.true_ids,
                                calibrate_on_replay=calibrate_on_replay)
     link = Link.from_profile(hw, spec)

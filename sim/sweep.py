@@ -1,14 +1,14 @@
 """``moesim whatif`` as one call: build the traces, sweep, pick the best, explain it.
 
-Without a trace each model gets a **synthetic** trace (moesim.traces.synthetic) of the
-given shape; the result says so (``synthetic``). The best configuration fits in device
+Without a trace each model gets a **synthetic** trace (moesim.traces.synthetic) of each
+given shape (batch size x prompt length); the result says so (``synthetic``). The best configuration fits in device
 memory and is never the oracle (:func:`moesim.sim.whatif.best`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,30 +16,33 @@ from moesim import budget
 from moesim.errors import MoesimError
 from moesim.hardware import get_profile
 from moesim.models import get_model
-from moesim.sim.analysis import bound
+from moesim.sim.hybrid import load_calibration
 from moesim.sim.whatif import GOALS, Sweep, best, run_sweep
 from moesim.traces.format import read_trace
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
 DEFAULT_MODELS = ("qwen3-30b-a3b",)
 DEFAULT_HWS = ("a6000", "h100-sxm", "gh200")
-DEFAULT_POLICIES = ("on-demand", "prefetch-fom", "prefetch-spec", "oracle", "all-resident")
+DEFAULT_POLICIES = ("on-demand", "prefetch-fom", "prefetch-spec", "oracle", "all-resident", "cpu-static", "hot-experts",
+                    "cpu-on-miss")
 DEFAULT_CACHE_GIB = (0.0, 8.0, 16.0)
+CALIBRATION_SEED_OFFSET = 1  # the synthetic calibration trace: the replayed one's seed + this
 
 
 @dataclass
 class WhatIf:
     sweep: Sweep
     goal: str
-    rows: list[dict[str, Any]]  # every configuration, with its "bound" (copy or compute)
+    rows: list[dict[str, Any]]  # every configuration, with its family and "bound" (link, GPU/CPU compute, memory)
     winner: dict[str, Any] | None  # best over everything (None: nothing fits)
     best_by_hw: dict[str, dict[str, Any] | None]
     synthetic: bool  # some trace is synthetic
+    notes: list[str] = field(default_factory=list)  # what the reader must know (synthetic calibration, optimism)
 
     def ranked(self) -> list[dict[str, Any]]:
         """Fitting configurations first, then by the goal's figure."""
         key = GOALS[self.goal][0]
-        return sorted(self.rows, key=lambda r: (not r["fits"], r[key]))
+        return sorted(self.rows, key=lambda r: (not r["fits"], r[key] if r[key] is not None else float("inf")))
 
 
 def check_unique_names(given: list[str] | tuple[str, ...], profiles: list) -> None:
@@ -52,47 +55,128 @@ def check_unique_names(given: list[str] | tuple[str, ...], profiles: list) -> No
         seen[p.name] = g
 
 
+def default_cpu_layers(specs: list) -> tuple[int | str, ...]:
+    """``auto`` (the fewest that fit, per device) and a quarter, half and all of the MoE
+    layers of the smallest model on the CPU: enough points to see the trade."""
+    m = min(s.n_moe_layers for s in specs)
+    return tuple(dict.fromkeys(("auto", m // 4, m // 2, m)))
+
+
+def _positive_ints(values: list[int] | tuple[int, ...], what: str) -> list[int]:
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise MoesimError(f"{what} {v!r}: a whole number >= 1")
+    if len(set(values)) != len(values):
+        raise MoesimError(f"{what}: a value appears twice")
+    return list(values)
+
+
 def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] = DEFAULT_MODELS,
            hws: tuple[str, ...] | list[str] = DEFAULT_HWS, policies: tuple[str, ...] | list[str] = DEFAULT_POLICIES,
            link_gbps: list[float] | None = None, cache_gib: tuple[float, ...] | list[float] = DEFAULT_CACHE_GIB,
-           eviction: str = "lru", tokens: int = 256, prompt_len: int = 128, batch: int = 1, goal: str = "tpot",
-           engine: str = "fast", jobs: int | None = None,
+           eviction: str = "lru", tokens: int = 256, prompt_len: int | list[int] = 128, batch: int | list[int] = 1,
+           goal: str = "tpot", engine: str = "fast", jobs: int | None = None,
            progress: Callable[[int, int], None] | None = None, *, backend: str = "local",
-           address: str | None = None, rows_csv: str | Path | None = None) -> WhatIf:
-    """Sweep models x hardware x policies x link bandwidth (None: each profile's own) x cache size.
+           address: str | None = None, rows_csv: str | Path | None = None,
+           expert_dtypes: list[str] | None = None, hosts: list[str] | None = None,
+           cpu_layers: list[int | str] | None = None, gpu_expert_gib: list[float | str] | None = None,
+           copy_queues: list[str] | None = None, prefetch_top: list[int] | None = None,
+           placement_from: str | Path | None = None, calibrate_on_replay: bool = False) -> WhatIf:
+    """Sweep models x hardware x policies x link bandwidth (None: each profile's own) x cache
+    size, and the axes each policy family has: ``expert_dtypes`` (every policy), ``hosts``
+    (CPU policies; None: each GPU profile's own), ``cpu_layers`` (cpu-static; None:
+    :func:`default_cpu_layers`), ``gpu_expert_gib`` (hot-experts; ``auto`` = all that fit),
+    ``copy_queues`` and ``prefetch_top`` (the predicting copy policies). ``batch`` and
+    ``prompt_len`` are axes of the synthetic traces (a recorded trace has its own).
+
+    hot-experts (and cpu-on-miss's warm cache) place experts by the routing of a SEPARATE
+    calibration trace: ``placement_from``, else for synthetic traces a second synthetic
+    trace with another seed; counting the replayed trace itself only with
+    ``calibrate_on_replay``, and those rows say "optimistic".
 
     ``backend``/``address``: where the groups run (:func:`moesim.sim.whatif.run_sweep`);
     ``rows_csv``: stream every row to this CSV as its group finishes, and resume an
     interrupted sweep from it (the same sweep run again skips the finished groups).
     """
+    from moesim.hardware import get_host
+    from moesim.policy import get_policy
+
     if jobs is not None and jobs < 0:
         raise MoesimError(f"--jobs {jobs}: a number of worker processes (0 = all cores)")
     if goal not in GOALS:
         raise MoesimError(f"unknown goal {goal!r}; known: {', '.join(GOALS)}")
+    batches = _positive_ints([batch] if isinstance(batch, int) else list(batch), "--batch")
+    prompts = _positive_ints([prompt_len] if isinstance(prompt_len, int) else list(prompt_len), "--prompt-len")
+    pols = [get_policy(p) for p in policies]  # names checked before any work
+    if placement_from is not None and calibrate_on_replay:
+        raise MoesimError("give a calibration trace (--placement-from) or --calibrate-on-replay, not both")
+    notes: list[str] = []
+    calibration: dict[str, Any] = {}
+    calibration_source = "-"
     if trace is not None:
+        if len(batches) > 1 or len(prompts) > 1:
+            raise MoesimError("--batch and --prompt-len axes shape synthetic traces; a recorded trace (--trace) has its "
+                              "own batch size and prompt length")
         t = read_trace(trace)
         if t.speculative:
             raise MoesimError(f"{trace} records speculative decoding: sweep it with "
                               "`moesim replay TRACE --gamma ... --policy ...`")
         traces = {t.model.name: t}
+        if placement_from is not None:
+            calibration[t.model.name] = load_calibration(str(placement_from), t.model)
+            calibration_source = f"the calibration trace {placement_from}"
+        elif any(p.cpu == "hot" for p in pols) and not calibrate_on_replay:
+            raise MoesimError("hot-experts places experts by a calibration trace's routing: give --placement-from "
+                              "TRACE (or --calibrate-on-replay for an optimistic bound)")
     else:
-        params = SyntheticParams(tokens=tokens, batch=batch, prompt_len=prompt_len)
+        if placement_from is not None:
+            raise MoesimError("--placement-from calibrates a recorded trace (--trace); synthetic traces are calibrated "
+                              "on a second synthetic trace")
         traces = {}
         specs = [get_model(m) for m in models]
         for spec in specs:  # all sizes checked before any trace is made
-            budget.check(budget.synth_estimate(spec, tokens, batch), warn=None)
+            for b in batches:
+                budget.check(budget.synth_estimate(spec, tokens, b), warn=None)
+        one_shape = len(batches) == 1 and len(prompts) == 1
         for spec in specs:
-            traces[spec.name] = synthetic_trace(spec, params)
+            for b in batches:
+                for p in prompts:
+                    params = SyntheticParams(tokens=tokens, batch=b, prompt_len=p)
+                    traces[spec.name if one_shape else f"{spec.name} b{b} p{p}"] = synthetic_trace(spec, params)
+            if any(p.cpu in ("hot", "miss") for p in pols) and not calibrate_on_replay:
+                params = SyntheticParams(tokens=tokens, batch=batches[0], prompt_len=prompts[0],
+                                         seed=SyntheticParams().seed + CALIBRATION_SEED_OFFSET)
+                calibration[spec.name] = synthetic_trace(spec, params).true_ids
+                calibration_source = f"a second synthetic trace (seed {params.seed})"
+    if calibration:
+        notes.append(f"hot-experts and cpu-on-miss place experts by the routing of {calibration_source}, not the "
+                     "replayed trace")
+    if calibrate_on_replay:
+        notes.append("optimistic: hot-experts places experts by the replayed trace's own routing (it has seen the "
+                     "future), an upper bound")
+    host_names = tuple(hosts) if hosts else (None,)
     profiles = [get_profile(h) for h in hws]
     check_unique_names(hws, profiles)
+    for h in host_names:
+        get_host(h, profiles[0]) if h else None
+    if any(p.cpu for p in pols) and not hosts:
+        for prof in profiles:
+            get_host(None, prof)  # a GPU profile without a host: one line, before any work
+    layers = tuple(cpu_layers) if cpu_layers else default_cpu_layers([t.model for t in traces.values()])
     sweep = Sweep(traces, profiles, list(policies), list(link_gbps) if link_gbps else [None],
-                  list(cache_gib), eviction, engine)
-    runs = sweep.size // max(1, len(sweep.traces))
+                  list(cache_gib), eviction, engine, expert_dtypes=tuple(expert_dtypes) if expert_dtypes else (None,),
+                  hosts=host_names, cpu_layers=layers,
+                  gpu_expert_gib=tuple(gpu_expert_gib) if gpu_expert_gib else ("auto",),
+                  copy_queues=tuple(copy_queues) if copy_queues else ("fifo",),
+                  prefetch_top=tuple(prefetch_top) if prefetch_top else (None,),
+                  calibration=calibration or None, calibration_source=calibration_source,
+                  calibrate_on_replay=calibrate_on_replay)
+    runs = max(1, sweep.size // max(1, len(sweep.traces)))
     for t in traces.values():
         budget.check(budget.replay_estimate(t.model, t.n_tokens, t.batch, runs, engine,
                                             f"{runs} simulations of {t.n_tokens} steps of {t.model.name}"))
     rows = run_sweep(sweep, jobs, progress, backend=backend, address=address, out=rows_csv)
-    for r in rows:
-        r["bound"] = bound(r)
     by_hw = {h.name: best([r for r in rows if r["hw"] == h.name], goal) for h in sweep.hws}
-    return WhatIf(sweep, goal, rows, best(rows, goal), by_hw, any(t.synthetic for t in traces.values()))
+    if any(t.synthetic for t in traces.values()):
+        notes.insert(0, "synthetic traces: routing and predictions are generated, not recorded")
+    return WhatIf(sweep, goal, rows, best(rows, goal), by_hw, any(t.synthetic for t in traces.values()), notes)

@@ -38,6 +38,8 @@ from moesim.policy import expert_slots, get_policy
 from moesim.sim.costs import charge_prediction
 from moesim.sim.fastpath import run_fast_many
 from moesim.sim.plan import build_plan
+from moesim.sim.prefetch_top import keep_top_predictions
+from moesim.sim.quantised import with_expert_dtype
 from moesim.sim.simulate import cache_capacity, make_result, pick_costs, prediction_recall, sim_link, ttft_of
 from moesim.sim.workload import make_workload
 from moesim.traces.format import Trace
@@ -51,12 +53,85 @@ GOALS = {
 BACKENDS = ("local", "ray")
 RAY_HINT = 'pip install "moesim[distributed]"'
 
-Group = tuple[str, str, float]  # (model, policy, cache GiB asked)
+@dataclass(frozen=True)
+class Config:
+    """One configuration group: everything but the hardware profile and the link bandwidth
+    (those are the group's rows). Fields a policy ignores hold their neutral value."""
+
+    trace: str  # key into Sweep.traces (a model at one batch size and prompt length)
+    policy: str
+    cache_gib: float = 0.0
+    expert_dtype: str | None = None  # None: the model's own format
+    host: str | None = None  # CPU policies; None: each GPU profile's own host
+    cpu_layers: int | str = "-"  # cpu-static: a count or "auto"
+    gpu_expert_gib: float | str = "-"  # hot-experts: GiB of experts kept on the device, or "auto" (all that fit)
+    copy_queue: str = "fifo"
+    prefetch_top: int | None = None
+
+    def describe(self) -> str:
+        parts = [f"trace {self.trace}", f"policy {self.policy}", f"cache {self.cache_gib:g} GiB"]
+        for name, value, neutral in (("expert dtype", self.expert_dtype, None), ("host", self.host, None),
+                                     ("cpu layers", self.cpu_layers, "-"), ("GPU expert GiB", self.gpu_expert_gib, "-"),
+                                     ("copy queue", self.copy_queue, "fifo"), ("prefetch top", self.prefetch_top, None)):
+            if value != neutral:
+                parts.append(f"{name} {value}")
+        return ", ".join(parts)
+
+
+Group = Config
+
+#: Every row carries these columns, in this order (policy families report different
+#: figures; a streamed CSV needs one header). A column a policy has no figure for holds
+#: ``None`` (numbers, NaN too; an empty CSV cell, JSON null) or ``-`` (words).
+ROW_COLUMNS = (
+    "model", "base_model", "expert_dtype", "hw", "host", "policy", "family", "link_gbps", "cache_gib", "cache_experts",
+    "eviction", "cpu_layers", "gpu_expert_gib", "resident_experts", "copy_queue", "prefetch_top", "batch",
+    "prompt_len", "engine", "timing", "synthetic_trace", "placement", "optimistic_placement", "tokens", "tpot_ms",
+    "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms", "tokens_per_s", "compute_ms", "copy_ms", "stall_ms", "cpu_ms",
+    "cpu_wait_ms", "overlap_ms", "serial_bound_ms", "overlap_bound_ms", "max_prefetch_gain",
+    "experts_loaded_per_token", "gb_moved_per_token", "cache_hit_rate", "prefetch_hit_rate", "pred_recall",
+    "cpu_expert_share", "device_hit_rate", "ttft_ms", "device_gb_needed", "fits", "bound", "note", "group",
+)
+_WORDS = {"model", "base_model", "expert_dtype", "hw", "host", "policy", "family", "eviction", "copy_queue", "engine",
+          "timing", "placement", "bound", "note", "cpu_layers", "gpu_expert_gib", "prefetch_top"}
+
+
+def family(policy: str) -> str:
+    """The deployment family a policy belongs to (docs/policies.md): the copy policies are
+    one family, ``prefetching``, with the oracle as its bound; each CPU policy and
+    all-resident are their own."""
+    pol = get_policy(policy)
+    if pol.cpu:
+        return pol.name
+    if not pol.offload:
+        return "all-resident"
+    return "oracle (bound)" if pol.oracle else "prefetching"
+
+
+def bound_of(row: dict[str, Any]) -> str:
+    """What bounds a configuration: ``memory`` when it does not fit in device memory, else
+    the resource busiest per token: the ``link`` (expert copies), ``GPU compute`` (the
+    device stream's own work) or ``CPU compute`` (experts run on the host)."""
+    if not row["fits"]:
+        return "memory"
+    busy = {"link": row["copy_ms"], "GPU compute": row["compute_ms"], "CPU compute": row.get("cpu_ms") or 0.0}
+    return max(busy, key=lambda k: busy[k])
+
+
+def normalise(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with exactly :data:`ROW_COLUMNS`, missing figures filled (see there)."""
+    def cell(c: str) -> Any:
+        v = row.get(c)
+        if v is None or (isinstance(v, float) and v != v):  # NaN (no prediction): None, equal to itself
+            return "-" if c in _WORDS else None
+        return v
+
+    return {c: cell(c) for c in ROW_COLUMNS}
 
 
 @dataclass(frozen=True)
 class Sweep:
-    traces: dict[str, Trace]  # model name -> trace
+    traces: dict[str, Trace]  # trace key -> trace (a model at one batch size and prompt length)
     hws: list[HardwareProfile]
     policies: list[str]
     link_gbps: list[float | None]  # None = the profile's own figure
@@ -64,14 +139,48 @@ class Sweep:
     eviction: str = "lru"
     engine: str = "fast"
     timing: str = "auto"
+    expert_dtypes: tuple[str | None, ...] = (None,)  # None = the model's own format
+    hosts: tuple[str | None, ...] = (None,)  # CPU policies; None = each GPU profile's own host
+    cpu_layers: tuple[int | str, ...] = ("auto",)  # cpu-static
+    gpu_expert_gib: tuple[float | str, ...] = ("auto",)  # hot-experts
+    copy_queues: tuple[str, ...] = ("fifo",)  # prefetching policies
+    prefetch_top: tuple[int | None, ...] = (None,)  # prefetching policies (not the oracle)
+    calibration: dict[str, Any] | None = None  # base model name -> [t, m, b, k] routing (hot-experts, cpu-on-miss)
+    calibration_source: str = "-"  # said in every row that uses it
+    calibrate_on_replay: bool = False  # hot-experts counts the replayed trace: rows marked optimistic
 
     def __post_init__(self) -> None:
+        from moesim.models import DTYPES
+        from moesim.sim.engine import QUEUES
+
         for p in self.policies:
             get_policy(p)
         if any(g is not None and g <= 0 for g in self.link_gbps):
             raise MoesimError("link bandwidths must be positive GB/s")
         if any(c < 0 for c in self.cache_gib):
             raise MoesimError("cache sizes must be >= 0 GiB")
+        for d in self.expert_dtypes:
+            if d is not None and d not in DTYPES:
+                raise MoesimError(f"unknown expert dtype {d!r}; known: {', '.join(DTYPES)}")
+        for q in self.copy_queues:
+            if q not in QUEUES:
+                raise MoesimError(f"unknown copy queue {q!r}; known: {', '.join(QUEUES)}")
+        for n in self.cpu_layers:
+            if n != "auto" and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+                raise MoesimError(f"--cpu-layers: 'auto' or a count of MoE layers >= 0, got {n!r}")
+        for g in self.gpu_expert_gib:
+            if g != "auto" and (isinstance(g, bool) or not isinstance(g, (int, float)) or g < 0):
+                raise MoesimError(f"--gpu-expert-gib: 'auto' or GiB >= 0, got {g!r}")
+        for m in self.prefetch_top:
+            if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+                raise MoesimError(f"--prefetch-top: a count of experts >= 1, got {m!r}")
+        for t in self.traces.values():
+            for n in self.cpu_layers:
+                if "cpu-static" in self.policies and n != "auto" and n > t.model.n_moe_layers:
+                    raise MoesimError(f"--cpu-layers {n}: {t.model.name} has {t.model.n_moe_layers} MoE layers")
+            for m in self.prefetch_top:
+                if m is not None and m > t.model.top_k:
+                    raise MoesimError(f"--prefetch-top {m}: {t.model.name} routes top-{t.model.top_k}")
         names = [h.name for h in self.hws]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:  # rows are keyed by profile name: one name, two profiles would report one's result twice
@@ -88,11 +197,30 @@ class Sweep:
         return len(self.hws) * len(self.link_gbps)
 
     def groups(self) -> list[Group]:
+        return self._groups
+
+    @functools.cached_property
+    def _groups(self) -> list[Group]:
+        """Each policy crossed with the axes that apply to it, and no others (all-resident
+        ignores the cache, the static CPU placements keep none, a cache-less cpu-on-miss is
+        not a configuration)."""
         out = []
-        for model, policy, cache in itertools.product(self.traces, self.policies, self.cache_gib):
-            if not get_policy(policy).offload and (cache, model) != (self.cache_gib[0], model):
-                continue  # all-resident ignores the cache: one row is enough
-            out.append((model, policy, cache))
+        for key, dtype, policy in itertools.product(self.traces, self.expert_dtypes, self.policies):
+            pol = get_policy(policy)
+            if pol.cpu == "layers":
+                out += [Config(key, policy, 0.0, dtype, h, n) for h in self.hosts for n in self.cpu_layers]
+            elif pol.cpu == "hot":
+                out += [Config(key, policy, 0.0, dtype, h, gpu_expert_gib=g) for h in self.hosts
+                        for g in self.gpu_expert_gib]
+            elif pol.cpu:
+                out += [Config(key, policy, c, dtype, h) for h in self.hosts for c in self.cache_gib if c > 0]
+            elif not pol.offload:
+                out.append(Config(key, policy, 0.0, dtype))
+            elif pol.prefetch and not pol.oracle:
+                out += [Config(key, policy, c, dtype, copy_queue=q, prefetch_top=m) for c in self.cache_gib
+                        for q in self.copy_queues for m in self.prefetch_top]
+            else:
+                out += [Config(key, policy, c, dtype) for c in self.cache_gib]
         return out
 
     @functools.cached_property
@@ -102,15 +230,15 @@ class Sweep:
         return {m: prediction_recall(t) for m, t in self.traces.items()}
 
     @functools.cached_property
-    def _ttft_memo(self) -> dict[tuple[str, int, int, bool], float]:
-        """(model, profile, link, offload) -> TTFT: the same for every policy and cache, so a
-        worker computes it once per sweep, not once per configuration (per process)."""
+    def _ttft_memo(self) -> dict[tuple, float]:
+        """(trace, dtype, profile, link, offload) -> TTFT: the same for every copy policy and
+        cache, so a worker computes it once per sweep, not once per configuration (per process)."""
         return {}
 
     @functools.cached_property
-    def _costs_memo(self) -> dict[tuple[str, int], Any]:
-        """(model, profile) -> compute times, for the model a worker is on (groups come in
-        model order); they do not depend on the policy or cache."""
+    def _costs_memo(self) -> dict[tuple, Any]:
+        """(trace, dtype, profile) -> compute times, for the trace a worker is on (groups come
+        in trace order); they do not depend on the policy or cache."""
         return {}
 
     def fingerprint(self) -> str:
@@ -121,9 +249,16 @@ class Sweep:
             h.update(json.dumps(tr.header, sort_keys=True, default=str).encode())
             for a in (tr.true_ids, tr.pred_ids):
                 h.update(memoryview(a.tobytes()))
+        for name, ids in sorted((self.calibration or {}).items()):
+            h.update(name.encode())
+            h.update(memoryview(ids.tobytes()))
         spec = {"hws": [[hw.name, {k: hw[k] for k in sorted(hw.figures)}] for hw in self.hws],
                 "policies": self.policies, "link_gbps": self.link_gbps, "cache_gib": self.cache_gib,
-                "eviction": self.eviction, "engine": self.engine, "timing": self.timing}
+                "eviction": self.eviction, "engine": self.engine, "timing": self.timing,
+                "expert_dtypes": self.expert_dtypes, "hosts": self.hosts, "cpu_layers": self.cpu_layers,
+                "gpu_expert_gib": self.gpu_expert_gib, "copy_queues": self.copy_queues,
+                "prefetch_top": self.prefetch_top, "calibration_source": self.calibration_source,
+                "calibrate_on_replay": self.calibrate_on_replay, "columns": ROW_COLUMNS}
         h.update(json.dumps(spec, sort_keys=True, default=str).encode())
         return h.hexdigest()[:16]
 
@@ -138,45 +273,151 @@ def device_bytes_needed(spec: ModelSpec, policy: str, cache_experts: int, batch:
     return spec.non_expert_bytes + expert_slots(spec, policy, cache_experts) * spec.expert_bytes + kv
 
 
+def _group_trace(sweep: Sweep, cfg: Config) -> Trace:
+    """The group's trace: the sweep's, with its experts in the group's format and its
+    predictions cut to the group's top-m (the same transforms ``moesim replay`` applies)."""
+    trace = sweep.traces[cfg.trace]
+    if cfg.expert_dtype is not None:
+        trace = with_expert_dtype(trace, cfg.expert_dtype)
+    if cfg.prefetch_top is not None:
+        trace = keep_top_predictions(trace, min(cfg.prefetch_top, trace.model.top_k))
+    return trace
+
+
+def _axes(sweep: Sweep, cfg: Config, trace: Trace, base: str) -> dict[str, Any]:
+    return {"base_model": base, "expert_dtype": trace.model.expert_dtype, "family": family(cfg.policy),
+            "cpu_layers": cfg.cpu_layers, "gpu_expert_gib": cfg.gpu_expert_gib, "copy_queue": cfg.copy_queue,
+            "prefetch_top": "-" if cfg.prefetch_top is None else cfg.prefetch_top, "batch": trace.batch,
+            "prompt_len": trace.prompt_len}
+
+
+def _hot_placement(sweep: Sweep, cfg: Config, trace: Trace, base: str, hw: HardwareProfile):
+    """hot-experts' placement at the group's GPU expert budget (None: the policy's own
+    choice, all that fit), from the sweep's calibration routing."""
+    from moesim.placement import expert_budget, hot_set, routing_counts
+
+    if cfg.gpu_expert_gib == "auto":
+        return None
+    spec = trace.model
+    calib, source, optimistic = _calibration(sweep, base, trace)
+    if calib is None:
+        return None  # simulate_hybrid explains what is missing
+    room = expert_budget(spec, hw["device_memory_gb"] * 1e9, trace.batch, trace.prompt_len + trace.n_tokens)
+    return hot_set(routing_counts(calib, spec.n_experts), spec, min(room, int(float(cfg.gpu_expert_gib) * 2**30)),
+                   source, optimistic)
+
+
+def _calibration(sweep: Sweep, base: str, trace: Trace):
+    """(routing, source, optimistic) the CPU placements count expert frequencies on."""
+    if sweep.calibration and base in sweep.calibration:
+        return sweep.calibration[base], sweep.calibration_source, False
+    if sweep.calibrate_on_replay:
+        return trace.true_ids, "the replayed trace", True
+    return None, "-", False
+
+
+def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str) -> list[dict[str, Any]]:
+    """The rows of a CPU-compute group (:func:`moesim.sim.hybrid.simulate_hybrid`, the path
+    ``moesim replay`` takes), one per profile and link."""
+    from moesim.sim.hybrid import simulate_hybrid
+
+    pol = get_policy(cfg.policy)
+    capacity = cache_capacity(trace.model, cfg.cache_gib) if pol.cpu == "miss" else 0
+    calib, source, optimistic = _calibration(sweep, base, trace)
+    rows = []
+    for hw in sweep.hws:
+        for g in sweep.link_gbps:
+            h = hw if g is None else hw.with_figure("h2d_pinned_gbs", g)
+            try:
+                placement = _hot_placement(sweep, cfg, trace, base, h) if pol.cpu == "hot" else None
+                res = simulate_hybrid(trace, h, pol, host=cfg.host, cpu_layers=cfg.cpu_layers if pol.cpu == "layers"
+                                      else "auto", calibration=None if optimistic else calib,
+                                      calibrate_on_replay=optimistic, cache_experts=capacity, eviction=sweep.eviction,
+                                      engine=sweep.engine, placement=placement)
+            except MoesimError as e:
+                if "non-expert weights and KV cache alone" not in str(e):
+                    raise
+                # Nothing of this model fits this device: a row that says so, never a best.
+                rows.append({"model": trace.model.name, "hw": h.name, "policy": pol.name, "link_gbps":
+                             h["h2d_pinned_gbs"], "cache_gib": cfg.cache_gib, "fits": False, "note": str(e),
+                             "synthetic_trace": trace.synthetic, "engine": sweep.engine, "group": index,
+                             "host": cfg.host or h.host or "-", **_axes(sweep, cfg, trace, base)})
+                continue
+            row = res.summary()
+            row.update(_axes(sweep, cfg, trace, base))
+            if pol.cpu == "layers":  # the count "auto" resolved to on this device, for the answer
+                n = int((~res.placement.resident).all(1).sum())
+                row["cpu_layers"] = n if cfg.cpu_layers != "auto" else f"auto ({n})"
+            row["cache_gib"] = cfg.cache_gib if capacity else 0.0
+            row["device_gb_needed"] = res.config["device_gb_needed"]
+            row["fits"] = res.config["fits"]
+            if pol.cpu in ("hot", "miss") and calib is not None:
+                row["note"] = ("optimistic: placed from the replayed trace itself" if optimistic
+                               else f"placed from {source}")
+            row["group"] = index
+            rows.append(row)
+    return rows
+
+
 def run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
     """The rows of group ``index`` of ``sweep.groups()``: one plan, every profile and link."""
-    model, policy, cache_gib = sweep.groups()[index]
-    trace = sweep.traces[model]
+    cfg = sweep.groups()[index]
+    trace = _group_trace(sweep, cfg)
     spec = trace.model
-    pol = get_policy(policy)
-    capacity = cache_capacity(spec, cache_gib) if pol.offload else 0
+    base = sweep.traces[cfg.trace].model.name
+    pol = get_policy(cfg.policy)
+    if pol.cpu:
+        rows = _cpu_rows(sweep, index, cfg, trace, base)
+        for r in rows:
+            r["bound"] = bound_of(normalise(r))
+        return [normalise(r) for r in rows]
+    capacity = cache_capacity(spec, cfg.cache_gib) if pol.offload else 0
     plan = build_plan(trace, pol, capacity, sweep.eviction)
-    recall = sweep.recalls[model]
-    need = device_bytes_needed(spec, policy, capacity, trace.batch, trace.prompt_len + trace.n_tokens)
+    recall = sweep.recalls[cfg.trace] if cfg.prefetch_top is None else prediction_recall(trace)
+    need = device_bytes_needed(spec, cfg.policy, capacity, trace.batch, trace.prompt_len + trace.n_tokens)
     rows = []
     memo = sweep._costs_memo
-    if any(k[0] != model for k in memo):
-        memo.clear()  # one model's compute times at a time: memory stays one trace's worth
+    if any(k[:2] != (cfg.trace, cfg.expert_dtype) for k in memo):
+        memo.clear()  # one trace's compute times at a time: memory stays one trace's worth
+    # Copy queues other than fifo are modelled by the SimPy engine only: those groups run
+    # there, and their rows say engine "simpy" (never a silent substitute).
+    engine = sweep.engine if cfg.copy_queue == "fifo" else "simpy"
     for hi, hw in enumerate(sweep.hws):
-        if (model, hi) not in memo:
-            memo[model, hi] = pick_costs(trace, spec, hw, sweep.timing)
+        if (cfg.trace, cfg.expert_dtype, hi) not in memo:
+            memo[cfg.trace, cfg.expert_dtype, hi] = pick_costs(trace, spec, hw, sweep.timing)
         # A predicting policy pays for its predictor, as in simulate() (sim.costs.charge_prediction).
-        costs = charge_prediction(memo[model, hi], spec, hw, pol.prefetch and not pol.oracle, trace.batch,
-                                  trace.timings.get("predict_s"))
+        costs = charge_prediction(memo[cfg.trace, cfg.expert_dtype, hi], spec, hw, pol.prefetch and not pol.oracle,
+                                  trace.batch, trace.timings.get("predict_s"))
         work = make_workload(spec, plan, costs)
         profiles = [hw if g is None else hw.with_figure("h2d_pinned_gbs", g) for g in sweep.link_gbps]
         links = [sim_link(trace, h, costs, spec) for h in profiles]
-        if sweep.engine == "fast":
+        if cfg.copy_queue != "fifo":
+            import numpy as np
+
+            from moesim.sim.engine import run_simpy_queued
+
+            useful = np.zeros(work.shape, np.int64)
+            useful[:, list(spec.moe_layers)] = plan.prefetch_hits
+            timed = (run_simpy_queued(work, k, useful, cfg.copy_queue, False)[:3] for k in links)
+        elif engine == "fast":
             timed = zip(*run_fast_many(work, links))
         else:
             from moesim.sim.engine import run_simpy
 
             timed = (run_simpy(work, k)[:3] for k in links)
         for li, (h, (ends, copy, stall)) in enumerate(zip(profiles, timed)):
-            key = (model, hi, li, pol.offload)
+            key = (cfg.trace, cfg.expert_dtype, hi, li, pol.offload)
             if key not in sweep._ttft_memo:
                 sweep._ttft_memo[key] = ttft_of(trace, h, pol, costs)
-            row = make_result(trace, h, pol, sweep.eviction, sweep.engine, plan, costs, work, ends, copy, stall,
+            row = make_result(trace, h, pol, sweep.eviction, engine, plan, costs, work, ends, copy, stall,
                               pred_recall=recall, ttft=sweep._ttft_memo[key], spec=spec).summary()
-            row["cache_gib"] = cache_gib if capacity else 0.0  # as asked; cache_experts is what fits
+            row.update(_axes(sweep, cfg, trace, base))
+            row["cache_gib"] = cfg.cache_gib if capacity else 0.0  # as asked; cache_experts is what fits
             row["device_gb_needed"] = need / 1e9
             row["fits"] = need <= h["device_memory_gb"] * 1e9
             row["group"] = index
+            row = normalise(row)
+            row["bound"] = bound_of(row)
             rows.append(row)
     return rows
 
@@ -271,6 +512,8 @@ def _parse(value: str) -> Any:
     """A CSV cell back to the type the row had (the writer writes repr-exact floats)."""
     if value in ("True", "False"):
         return value == "True"
+    if value == "":
+        return None  # a figure the row's policy does not have
     for kind in (int, float):
         try:
             return kind(value)
@@ -394,12 +637,16 @@ def run_sweep(sweep: Sweep, jobs: int | None = None, progress: Callable[[int, in
             progress(done, total)
     ordered = [r for i in sorted(results) for r in results[i]]
     if failures:
-        (model, policy, cache), why = failures[0]
+        cfg, why = failures[0]
         kept = f"; finished rows are in {out}" if out is not None else ""
-        raise SweepError(f"{len(failures)} of {len(groups)} configuration groups failed, first: model {model}, "
-                         f"policy {policy}, cache {cache:g} GiB (every profile and link of it): {why}{kept}",
+        raise SweepError(f"{len(failures)} of {len(groups)} configuration groups failed, first: {cfg.describe()} "
+                         f"(every profile and link of it): {why}{kept}",
                          failures, ordered)
     return ordered
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and x == x
 
 
 def best(rows: list[dict[str, Any]], goal: str = "tpot") -> dict[str, Any] | None:
@@ -408,5 +655,7 @@ def best(rows: list[dict[str, Any]], goal: str = "tpot") -> dict[str, Any] | Non
     if goal not in GOALS:
         raise MoesimError(f"unknown goal {goal!r}; known: {', '.join(GOALS)}")
     key = GOALS[goal][0]
-    fitting = [r for r in rows if r["fits"] and not get_policy(r["policy"]).oracle]
-    return min(fitting, key=lambda r: r[key]) if fitting else None
+    fitting = [r for r in rows if r["fits"] and not get_policy(r["policy"]).oracle and _number(r[key])]
+    simpler = ("all-resident", "cpu-static", "hot-experts", "cpu-on-miss", "prefetching")  # ties: sim.deploy.SIMPLER
+    return min(fitting, key=lambda r: (float(f"{r[key]:.6g}"), simpler.index(r["family"]) if r.get("family") in simpler
+                                       else len(simpler))) if fitting else None

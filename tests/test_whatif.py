@@ -143,8 +143,8 @@ def test_a_failing_group_is_named_and_the_rest_are_kept(sweep, tmp_path, monkeyp
     out = tmp_path / "sweep.csv"
     with pytest.raises(whatif.SweepError) as e:
         run_sweep(sweep, jobs=jobs, out=out)
-    model, policy, cache = sweep.groups()[2]
-    assert f"model {model}, policy {policy}, cache {cache:g} GiB" in str(e.value)
+    cfg = sweep.groups()[2]
+    assert f"trace {cfg.trace}, policy {cfg.policy}, cache {cfg.cache_gib:g} GiB" in str(e.value)
     assert "worker ran out of luck" in str(e.value)
     assert len(e.value.rows) == sweep.size - sweep.group_size
     assert len(out.read_text().splitlines()) == 1 + sweep.size - sweep.group_size

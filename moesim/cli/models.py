@@ -15,6 +15,8 @@ COLUMNS = ("model", "layers (MoE)", "experts + shared", "top-k", "hidden / inter
 @app.command()
 def models(
     model: Annotated[list[str] | None, typer.Argument(help="Catalogue names or model directories (config.json); all if omitted.")] = None,
+    expert_dtype: Annotated[str | None, typer.Option(help="Show the routed experts stored in this format: bf16, fp8, "
+                                                          "int8, int4-g32, int4-g128, q8_0, q4_k, q5_k, q6_k, ...")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV (every field) instead of a table.")] = False,
 ) -> None:
@@ -23,12 +25,18 @@ def models(
     Sizes in decimal GB/MB. "per token" is what one decoded token touches at batch 1:
     every non-expert weight plus top-k experts in every MoE layer (no KV cache).
 
-    Examples: `moesim models`, `moesim models qwen3-30b-a3b --json`; a model directory
+    `--expert-dtype` shows every byte figure with the routed experts in that format
+    (non-expert weights keep theirs).
+
+    Examples: `moesim models`, `moesim models qwen3-30b-a3b --json`,
+    `moesim models qwen3-30b-a3b --expert-dtype int4-g128`; a model directory
     (a Hugging Face folder with its config.json) works as a name too.
     """
     from moesim.models import CATALOGUE, get_model
 
     specs = [get_model(m) for m in model] if model else list(CATALOGUE.values())
+    if expert_dtype is not None:
+        specs = [s.with_expert_dtype(expert_dtype) for s in specs]  # validates the format (one line, exit 2)
     rows = [{"model": s.name, "layers": s.n_layers, "moe_layers": s.n_moe_layers, "experts": s.n_experts,
              "shared": s.n_shared, "top_k": s.top_k, "hidden": s.hidden, "expert_inter": s.expert_inter,
              "expert_dtype": s.expert_dtype, "expert_bytes": s.expert_bytes,

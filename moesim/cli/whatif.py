@@ -10,11 +10,28 @@ import typer
 from moesim.cli.app import app, err, floats, out, print_csv, print_json, results_table, split
 from moesim.cli.running import progress_bar
 from moesim.errors import MoesimError
+from moesim.sim.sweep import DEFAULT_POLICIES
 
-WHATIF_COLS = (("model", "model"), ("hw", "hw"), ("policy", "policy"), ("link_gbps", "link GB/s"),
+WHATIF_COLS = (("model", "model"), ("hw", "hw"), ("host", "host"), ("policy", "policy"), ("link_gbps", "link GB/s"),
                ("cache_gib", "cache GiB"), ("fits", "fits"), ("tpot_ms", "TPOT ms"), ("tokens_per_s", "tok/s"),
                ("compute_ms", "compute"), ("copy_ms", "copy"), ("stall_ms", "stall"),
                ("gb_moved_per_token", "GB/token"), ("ttft_ms", "TTFT ms"), ("bound", "bound"), ("timing", "compute from"))
+
+
+def ints(value: str, option: str) -> list[int]:
+    """A comma-separated list of whole numbers (one line, exit 2, on anything else)."""
+    try:
+        return [int(v) for v in split(value, option)]
+    except ValueError:
+        raise MoesimError(f"{option}: {value!r} is not a comma-separated list of whole numbers") from None
+
+
+def auto_or(value: str, option: str, kind: type) -> list:
+    """A comma-separated list of ``auto`` and numbers of ``kind``."""
+    try:
+        return [v if v == "auto" else kind(v) for v in split(value, option)]
+    except ValueError:
+        raise MoesimError(f"{option}: {value!r} is not a comma-separated list of auto and numbers") from None
 
 
 @app.command()
@@ -22,13 +39,29 @@ def whatif(
     trace_path: Annotated[Path | None, typer.Option("--trace", help="Sweep over this trace (else a synthetic one per model).")] = None,
     model: Annotated[str, typer.Option(help="Comma-separated models (ignored with --trace: the trace's model).")] = "qwen3-30b-a3b",
     hw_names: Annotated[str, typer.Option("--hw", help="Comma-separated hardware profiles or .toml paths.")] = "a6000,h100-sxm,gh200",
-    policy: Annotated[str, typer.Option(help="Comma-separated policies.")] = "on-demand,prefetch-fom,prefetch-spec,oracle,all-resident",
+    policy: Annotated[str, typer.Option(help="Comma-separated policies.")] = ",".join(DEFAULT_POLICIES),
     link_gbps: Annotated[str | None, typer.Option(help="Comma-separated host-to-device GB/s (default: each profile's own).")] = None,
     cache_gib: Annotated[str, typer.Option(help="Comma-separated cross-token cache sizes, GiB.")] = "0,8,16",
     eviction: Annotated[str, typer.Option(help="Cache eviction: lru or lfu.")] = "lru",
     tokens: Annotated[int, typer.Option(help="Decode steps of the synthetic trace.")] = 256,
-    prompt_len: Annotated[int, typer.Option(help="Prompt length of the synthetic trace.")] = 128,
-    batch: Annotated[int, typer.Option(help="Batch size of the synthetic trace.")] = 1,
+    prompt_len: Annotated[str, typer.Option(help="Comma-separated prompt lengths of the synthetic traces (an axis).")] = "128",
+    batch: Annotated[str, typer.Option(help="Comma-separated batch sizes of the synthetic traces (an axis).")] = "1",
+    expert_dtype: Annotated[str | None, typer.Option(help="Comma-separated expert formats (an axis): bf16, fp8, int8, "
+                                                          "int4-g128, q4_k, ... (default: the model's own).")] = None,
+    host: Annotated[str | None, typer.Option(help="CPU policies: comma-separated host profiles or .toml paths "
+                                                  "(default: each GPU profile's host).")] = None,
+    cpu_layers: Annotated[str | None, typer.Option(help="cpu-static: comma-separated MoE-layer counts on the CPU or "
+                                                        "auto (default: auto and 1/4, 1/2, all of them).")] = None,
+    gpu_expert_gib: Annotated[str, typer.Option(help="hot-experts: comma-separated GiB of experts kept on the GPU, "
+                                                     "or auto (all that fit).")] = "auto",
+    copy_queue: Annotated[str, typer.Option(help="Prefetching policies: comma-separated copy queues: fifo, "
+                                                 "demand-first, cancel-unstarted (non-fifo rows run on SimPy).")] = "fifo",
+    prefetch_top: Annotated[str | None, typer.Option(help="Prefetching policies: comma-separated M, prefetch only "
+                                                          "the M most confident predicted experts.")] = None,
+    placement_from: Annotated[Path | None, typer.Option(help="With --trace: calibration trace whose routing places "
+                                                             "hot-experts (and warms cpu-on-miss).")] = None,
+    calibrate_on_replay: Annotated[bool, typer.Option("--calibrate-on-replay", help="hot-experts: place from the "
+                                                      "swept trace itself (rows marked optimistic).")] = False,
     goal: Annotated[str, typer.Option(help="What 'best' means: tpot, p99, ttft or bytes.")] = "tpot",
     engine: Annotated[str, typer.Option(help="fast (default for sweeps) or simpy.")] = "fast",
     jobs: Annotated[int, typer.Option(help="Worker processes (0 = all cores; local backend).")] = 0,
@@ -43,15 +76,21 @@ def whatif(
     as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV (every field) instead of a table.")] = False,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Report folder: HTML, PNG heatmaps and breakdown, CSV.")] = Path("moesim-whatif"),
 ) -> None:
-    """Sweep models x hardware x policies x link bandwidth x cache size; find the best.
+    """Answer the deployment question: each policy family's best configuration, the winner and why.
 
-    Without `--trace` each model gets a **synthetic** trace (see `moesim synth`).
-    Configurations that do not fit in device memory are marked and never chosen as best.
+    Sweeps models x hardware x policies x link bandwidth x cache size, and each family's
+    own knobs (layers on CPU, hot-expert budget, copy queue, prefetch top-M, expert format,
+    host), at each batch size and prompt length. Without `--trace` each model gets a
+    **synthetic** trace (see `moesim synth`). Configurations that do not fit in device
+    memory are marked and never chosen as best. The report (--out) plots where the winner
+    changes along batch size, prompt length and link bandwidth.
 
-    Example: `moesim whatif --model olmoe-1b-7b --hw a6000,gh200 --policy on-demand,prefetch,oracle
+    Example: `moesim whatif --model olmoe-1b-7b --hw a6000,gh200 --policy on-demand,prefetch,oracle,cpu-static
     --link-gbps 16,32 --cache-gib 0,1 --tokens 32 --jobs 1`
     """
+    from moesim.policy import get_policy
     from moesim.sim.analysis import why
+    from moesim.sim.deploy import bound_words, crossovers, deployment_answer, describe_change, format_answer
     from moesim.sim.sweep import whatif as run_whatif
     from moesim.sim.whatif import GOALS
 
@@ -65,12 +104,21 @@ def whatif(
     with progress_bar("simulating", "configurations", disable=as_json or as_csv) as update:
         res = run_whatif(trace_path, split(model, "--model"), split(hw_names, "--hw"), split(policy, "--policy"),
                          floats(link_gbps, "--link-gbps") if link_gbps else None, floats(cache_gib, "--cache-gib"),
-                         eviction, tokens, prompt_len, batch, goal, engine, jobs or None,
-                         update,
-                         backend=backend, address=address, rows_csv=rows_csv)
+                         eviction, tokens, ints(prompt_len, "--prompt-len"), ints(batch, "--batch"), goal, engine,
+                         jobs or None, update, backend=backend, address=address, rows_csv=rows_csv,
+                         expert_dtypes=split(expert_dtype, "--expert-dtype") if expert_dtype else None,
+                         hosts=split(host, "--host") if host else None,
+                         cpu_layers=auto_or(cpu_layers, "--cpu-layers", int) if cpu_layers else None,
+                         gpu_expert_gib=auto_or(gpu_expert_gib, "--gpu-expert-gib", float),
+                         copy_queues=split(copy_queue, "--copy-queue"),
+                         prefetch_top=ints(prefetch_top, "--prefetch-top") if prefetch_top else None,
+                         placement_from=placement_from, calibrate_on_replay=calibrate_on_replay)
     rows, winner = res.rows, res.winner
+    answers = deployment_answer(rows, goal)
+    crosses = crossovers(rows)
     if as_json or as_csv:
-        print_json({"goal": goal, "best": winner, "rows": rows}) if as_json else print_csv(rows)
+        print_json({"goal": goal, "best": winner, "notes": res.notes, "deployment": [a.to_dict() for a in answers],
+                    "crossovers": [c.__dict__ for c in crosses], "rows": rows}) if as_json else print_csv(rows)
     else:
         out.print(results_table(res.ranked()[:top], f"what-if: {res.sweep.size} configurations, best "
                                 f"{min(top, len(rows))} by {goal}{' (synthetic traces)' if res.synthetic else ''}",
@@ -79,18 +127,28 @@ def whatif(
             b = res.best_by_hw[h.name]
             if b is not None:
                 out.print(f"on {h.name}: best is {b['policy']} (link {b['link_gbps']:g} GB/s, cache {b['cache_gib']:g} GiB)"
-                          f" at {b['tpot_ms']:.3g} ms/token; {why(b)}")
+                          f" at {b['tpot_ms']:.3g} ms/token; {bound_words(b)}")
             else:
                 out.print(f"on {h.name}: no configuration fits in {h['device_memory_gb']:g} GB of device memory")
+        for a in answers:
+            out.print()
+            out.print(format_answer(a), markup=False, highlight=False)
+        changes = [describe_change(c, ch) for c in crosses for ch in c.changes]
+        if changes:
+            out.print("\nwhere the winner changes:", markup=False)
+            for line in changes:
+                out.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
+        for note in res.notes:
+            out.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
         if winner:
             out.print(f"[bold green]best for {GOALS[goal][1]}:[/bold green] {winner['model']} on {winner['hw']}, "
                       f"{winner['policy']}, link {winner['link_gbps']:g} GB/s, cache {winner['cache_gib']:g} GiB: "
                       f"{winner['tpot_ms']:.3g} ms/token ({winner['tokens_per_s']:.3g} tok/s); compute: {winner['timing']}")
-            out.print(f"why: {why(winner)}")
+            out.print(f"why: {bound_words(winner)}" if get_policy(winner["policy"]).cpu else f"why: {why(winner)}")
         else:
             out.print("[bold red]no configuration fits in device memory[/bold red]")
     if out_dir is not None:
         from moesim.reports.whatif import write_whatif_report
 
-        page = write_whatif_report(rows, winner, goal, res.sweep, out_dir)
+        page = write_whatif_report(rows, winner, goal, res.sweep, out_dir, res.notes)
         err.print(f"report: {page}")

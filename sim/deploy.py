@@ -1,0 +1,302 @@
+"""The deployment answer of a what-if sweep: for a model, a GPU and a host, each family's
+best configuration, what bounds it, the overall winner and why, and the crossover points
+(batch size, prompt length, link bandwidth) where the winner changes.
+
+Families (docs/policies.md): ``prefetching`` (on-demand, prefetch-fom, prefetch-spec with
+their cache, copy queue and top-m), ``cpu-static`` (llama.cpp ``--n-cpu-moe``),
+``hot-experts`` (KTransformers), ``cpu-on-miss`` (Fiddler) and ``all-resident``; the
+oracle is shown as the prefetching family's bound and never wins. A configuration that
+does not fit in device memory is never a family's best.
+
+Data in, data out: rows of :func:`moesim.sim.whatif.run_sweep` in, plain records out;
+the CLI prints :func:`format_answer`, the report plots :func:`crossovers`.
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from moesim.errors import MoesimError
+from moesim.sim.whatif import GOALS
+
+FAMILIES = ("prefetching", "cpu-static", "hot-experts", "cpu-on-miss", "all-resident")
+#: On a tie the simpler deployment wins: nothing offloaded, then static placements, then
+#: the dynamic ones (a cpu-static run with 0 layers on the CPU *is* all-resident).
+SIMPLER = ("all-resident", "cpu-static", "hot-experts", "cpu-on-miss", "prefetching")
+BOUND = "oracle (bound)"
+AXES = {"batch": "batch size", "prompt_len": "prompt length, tokens", "link_gbps": "link, GB/s"}
+Scenario = tuple[str, str, str, int, int, float]  # (model, hw, host, batch, prompt_len, link_gbps)
+
+
+def _ok(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def configuration(row: dict[str, Any]) -> str:
+    """The knobs of ``row`` that its family has, in words (short: it goes in a table)."""
+    fam = row["family"]
+    dtype = row["expert_dtype"]
+    if fam == "cpu-static":
+        what = f"{row['cpu_layers']} MoE layers on CPU"
+    elif fam == "hot-experts":
+        gib = row["resident_experts"] * _expert_bytes(row) / 2**30 if _ok(row["resident_experts"]) else None
+        what = f"{row['resident_experts']} hot experts on GPU" + (f" ({gib:.3g} GiB)" if gib is not None else "")
+    elif fam == "cpu-on-miss":
+        what = f"cache {row['cache_gib']:g} GiB"
+    elif fam == "all-resident":
+        what = "all experts on GPU"
+    else:
+        what = f"{row['policy']}, cache {row['cache_gib']:g} GiB"
+        if row["copy_queue"] not in ("fifo", "-"):
+            what += f", {row['copy_queue']}"
+        if row["prefetch_top"] != "-":
+            what += f", top {row['prefetch_top']}"
+    return f"{what}, {dtype}"
+
+
+def _expert_bytes(row: dict[str, Any]) -> float:
+    """Bytes of one expert in the row's format (hot-experts' budget in GiB, for the table)."""
+    from moesim.models import get_model
+
+    try:
+        return get_model(row["base_model"]).with_expert_dtype(row["expert_dtype"]).expert_bytes
+    except MoesimError:
+        return float("nan")
+
+
+def bound_words(row: dict[str, Any]) -> str:
+    """One clause on what bounds ``row`` (its ``bound`` column, :func:`moesim.sim.whatif.bound_of`)."""
+    b = row["bound"]
+    if b == "link":
+        return f"copies over the host link take most of its time ({row['copy_ms']:.3g} ms of link per token)"
+    if b == "CPU compute":
+        return f"experts computed on the host CPU dominate ({row['cpu_ms']:.3g} ms of CPU per token)"
+    if b == "GPU compute":
+        return f"the GPU's own work dominates ({row['compute_ms']:.3g} ms per token)"
+    return "it does not fit in device memory"
+
+
+@dataclass
+class FamilyBest:
+    family: str
+    row: dict[str, Any] | None  # its best fitting configuration, None when none fits or it was not swept
+    configurations: int  # rows of this family in the scenario
+    fitting: int
+
+    @property
+    def status(self) -> str:
+        if self.row is not None:
+            return "ok"
+        return "not swept" if not self.configurations else "nothing fits"
+
+
+@dataclass
+class Answer:
+    """The deployment answer for one scenario (model, GPU, host, batch, prompt, link)."""
+
+    model: str
+    hw: str
+    host: str
+    batch: int
+    prompt_len: int
+    link_gbps: float
+    goal: str
+    families: list[FamilyBest]
+    bound: FamilyBest  # the oracle: what perfect prediction would give (never the winner)
+    winner: dict[str, Any] | None
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["families"] = [{**asdict(f), "status": f.status,
+                          "configuration": configuration(f.row) if f.row else None} for f in self.families]
+        return d
+
+
+@dataclass
+class Crossover:
+    """The best ``metric`` of each family along ``axis``, the others held at ``fixed``."""
+
+    model: str
+    hw: str
+    host: str
+    axis: str
+    metric: str
+    fixed: dict[str, Any]
+    xs: list[float]
+    curves: dict[str, list[float | None]]  # family -> best value at each x (None: nothing fits)
+    winners: list[str | None]  # the winning family at each x
+    changes: list[dict[str, Any]] = field(default_factory=list)  # where the winner changes
+
+
+def _level(value: float) -> float:
+    """``value`` to 6 significant digits: two families' sums of the same step times agree
+    to rounding only, and a rounding difference is no crossover."""
+    return float(f"{value:.6g}")
+
+
+def _rank(row: dict[str, Any], key: str) -> tuple:
+    fam = row["family"]
+    return (_level(row[key]), SIMPLER.index(fam) if fam in SIMPLER else len(SIMPLER))
+
+
+def _best(rows: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
+    fitting = [r for r in rows if r["fits"] and _ok(r[key])]
+    return min(fitting, key=lambda r: _rank(r, key)) if fitting else None
+
+
+def _reason(winner: dict[str, Any] | None, families: list[FamilyBest], key: str, what: str) -> str:
+    if winner is None:
+        return "no configuration of any family fits in device memory"
+    others = sorted((f for f in families if f.row is not None and f.family != winner["family"]),
+                    key=lambda f: _rank(f.row, key))
+    head = f"{winner['family']} ({configuration(winner)}) has the {what}, {winner[key]:.3g}"
+    if others:
+        second = others[0].row
+        ratio = second[key] / winner[key] if winner[key] > 0 else float("inf")
+        if ratio < 1.005:
+            head += (f", level with {second['family']} ({second[key]:.3g}; on a tie the simpler deployment is "
+                     "named)")
+        else:
+            head += f", {ratio:.2f}x better than the next family, {second['family']} ({second[key]:.3g})"
+    tail = f"; {bound_words(winner)}"
+    absent = [f.family for f in families if f.status == "nothing fits"]
+    if absent:
+        tail += f"; {', '.join(absent)}: nothing fits in device memory"
+    return head + tail
+
+
+def scenarios(rows: list[dict[str, Any]]) -> list[Scenario]:
+    """Every (model, GPU, host, batch, prompt length, link) the rows cover, in sweep order."""
+    hosts_of: dict[tuple[str, str], dict[str, None]] = {}
+    for r in rows:  # the hosts the CPU families ran on, per (model, GPU): one pass, not one per row
+        hosts_of.setdefault((r["base_model"], r["hw"]), {})
+        if r["host"] != "-":
+            hosts_of[r["base_model"], r["hw"]][r["host"]] = None
+    out: dict[Scenario, None] = {}
+    for r in rows:
+        hosts = [r["host"]] if r["host"] != "-" else list(hosts_of[r["base_model"], r["hw"]]) or ["-"]
+        for h in hosts:
+            out[(r["base_model"], r["hw"], h, r["batch"], r["prompt_len"], r["link_gbps"])] = None
+    return list(out)
+
+
+def base_scenarios(rows: list[dict[str, Any]]) -> list[Scenario]:
+    """One scenario per (model, GPU, host): batch, prompt length and link at their first
+    values in the sweep (the crossovers show what changes along each)."""
+    if not rows:
+        return []
+    first = {a: rows[0][a] for a in AXES}
+    return [s for s in scenarios(rows) if (s[3], s[4], s[5]) == (first["batch"], first["prompt_len"], first["link_gbps"])]
+
+
+def _in(rows: list[dict[str, Any]], model: str, hw: str, host: str, **fixed: Any) -> list[dict[str, Any]]:
+    return [r for r in rows if r["base_model"] == model and r["hw"] == hw and r["host"] in (host, "-")
+            and all(r[a] == v for a, v in fixed.items())]
+
+
+def deployment_answer(rows: list[dict[str, Any]], goal: str = "tpot",
+                      which: list[Scenario] | None = None) -> list[Answer]:
+    """Per scenario (default: :func:`base_scenarios`), each family's best fitting
+    configuration for ``goal`` and the overall winner with the reason in words."""
+    if goal not in GOALS:
+        raise MoesimError(f"unknown goal {goal!r}; known: {', '.join(GOALS)}")
+    key, what = GOALS[goal]
+    answers = []
+    for model, hw, host, batch, prompt, link in (base_scenarios(rows) if which is None else which):
+        here = _in(rows, model, hw, host, batch=batch, prompt_len=prompt, link_gbps=link)
+        fams = []
+        for fam in (*FAMILIES, BOUND):
+            mine = [r for r in here if r["family"] == fam]
+            fams.append(FamilyBest(fam, _best(mine, key), len(mine), sum(bool(r["fits"]) for r in mine)))
+        bound, fams = fams[-1], fams[:-1]
+        ranked = [f.row for f in fams if f.row is not None]
+        winner = min(ranked, key=lambda r: _rank(r, key)) if ranked else None
+        answers.append(Answer(model, hw, host, batch, prompt, link, goal, fams, bound, winner,
+                              _reason(winner, fams, key, what)))
+    return answers
+
+
+def crossovers(rows: list[dict[str, Any]], metrics: dict[str, tuple[str, ...]] | None = None) -> list[Crossover]:
+    """Along each swept axis (batch size, prompt length, link bandwidth; one with at least
+    two values), the best value of each family for each metric, the others held at their
+    first values; ``changes`` lists where the winning family changes, with the point where
+    the two families' curves cross, interpolated linearly in log(x) (an estimate between
+    two simulated points). Default metrics: TPOT on every axis, TTFT too on prompt length."""
+    metrics = metrics or {"batch": ("tpot_ms",), "prompt_len": ("tpot_ms", "ttft_ms"), "link_gbps": ("tpot_ms",)}
+    if not rows:
+        return []
+    first = {a: rows[0][a] for a in AXES}
+    out = []
+    for model, hw, host, *_ in base_scenarios(rows):
+        mine = _in(rows, model, hw, host)
+        for axis, keys in metrics.items():
+            xs = sorted({r[axis] for r in mine})
+            if len(xs) < 2:
+                continue
+            fixed = {a: v for a, v in first.items() if a != axis}
+            line = [r for r in mine if all(r[a] == v for a, v in fixed.items())]
+            for key in keys:
+                curves: dict[str, list[float | None]] = {}
+                for fam in (*FAMILIES, BOUND):
+                    pts = [_best([r for r in line if r["family"] == fam and r[axis] == x], key) for x in xs]
+                    if any(p is not None for p in pts):
+                        curves[fam] = [p[key] if p is not None else None for p in pts]
+                winners = []
+                for i in range(len(xs)):
+                    cand = {f: c[i] for f, c in curves.items() if f != BOUND and c[i] is not None}
+                    winners.append(min(cand, key=lambda f: (_level(cand[f]), SIMPLER.index(f))) if cand else None)
+                changes = []
+                for i in range(1, len(xs)):
+                    a, b = winners[i - 1], winners[i]
+                    if a != b and a is not None and b is not None:
+                        changes.append({"from": a, "to": b, "after": xs[i - 1], "by": xs[i],
+                                        "near": _cross(xs[i - 1], xs[i], curves[a], curves[b], i)})
+                out.append(Crossover(model, hw, host, axis, key, fixed, xs, curves, winners, changes))
+    return out
+
+
+def _cross(x0: float, x1: float, a: list, b: list, i: int) -> float | None:
+    """Where curves ``a`` and ``b`` cross between points i-1 and i (log-x linear), if both are there."""
+    if None in (a[i - 1], a[i], b[i - 1], b[i]) or x0 <= 0:
+        return None
+    d0, d1 = a[i - 1] - b[i - 1], a[i] - b[i]
+    if d0 == d1:
+        return None
+    f = d0 / (d0 - d1)
+    return float(math.exp(math.log(x0) + min(max(f, 0.0), 1.0) * (math.log(x1) - math.log(x0))))
+
+
+def describe_change(c: Crossover, ch: dict[str, Any]) -> str:
+    """One line: where along ``c.axis`` the winner changes."""
+    near = f" (curves cross near {ch['near']:.3g})" if ch["near"] is not None else ""
+    metric = "TPOT" if c.metric == "tpot_ms" else "TTFT" if c.metric == "ttft_ms" else c.metric
+    return (f"{c.model} on {c.hw}{'' if c.host == '-' else ' + ' + c.host}, {metric} against {AXES[c.axis]}: "
+            f"{ch['from']} wins at {ch['after']:g}, {ch['to']} at {ch['by']:g}{near}")
+
+
+COLS = (("family", 14), ("configuration", 32), ("TPOT ms", 8), ("TTFT ms", 9), ("bound", 11))
+
+
+def format_answer(a: Answer, width: int = 80) -> str:
+    """The answer as plain text no wider than ``width`` (80: a terminal): a line of
+    scenario, a table of families (the configuration wraps), the winner and why."""
+    host = "" if a.host == "-" else f" + {a.host}"
+    lines = textwrap.wrap(f"{a.model} on {a.hw}{host}, batch {a.batch}, prompt {a.prompt_len}, link "
+                          f"{a.link_gbps:g} GB/s (best by {a.goal}):", width)
+    cols = [(n, w) for n, w in COLS]
+    lines.append(" ".join(f"{n:<{w}}" if i in (0, 1, 4) else f"{n:>{w}}" for i, (n, w) in enumerate(cols)).rstrip())
+    for f in (*a.families, a.bound):
+        r = f.row
+        if r is None:
+            lines.append(f"{f.family:<14} {f.status}")
+            continue
+        conf = textwrap.wrap(configuration(r), cols[1][1]) or [""]
+        ttft = f"{r['ttft_ms']:.4g}" if _ok(r["ttft_ms"]) else "-"
+        lines.append(f"{f.family:<14} {conf[0]:<32} {r['tpot_ms']:>8.4g} {ttft:>9} {r['bound']:<11}".rstrip())
+        lines += [f"{'':<14} {c}" for c in conf[1:]]
+    lines += textwrap.wrap(("winner: " if a.winner else "") + a.reason, width)
+    return "\n".join(lines)
