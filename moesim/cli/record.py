@@ -1,4 +1,5 @@
-"""``moesim record MODEL_DIR``. Python: ``moesim.executor.record.record_trace(model_dir, out, prompts, ...)``."""
+"""``moesim record MODEL_DIR``. Python: ``moesim.executor.record.record_trace(model_dir, out, prompts, ...)``;
+with ``--draft``: ``moesim.executor.record_speculative.record_speculative_trace(model_dir, draft, out, prompts, ...)``."""
 
 from __future__ import annotations
 
@@ -23,6 +24,15 @@ def record(
     temperature: Annotated[float, typer.Option(help="0 = greedy; else sampling temperature.")] = 0.0,
     seed: Annotated[int, typer.Option(help="Seed for sampling and random prompts.")] = 0,
     device: Annotated[str, typer.Option(help="cpu, or cuda (large checkpoints: device_map).")] = "cpu",
+    draft: Annotated[Path | None, typer.Option(help="A draft checkpoint with the target's vocabulary: record "
+                                                    "speculative decoding (trees, every verified node's routing).")] = None,
+    tree_depth: Annotated[int, typer.Option(help="--draft: depth of the candidate tree.")] = 3,
+    tree_branch: Annotated[int, typer.Option(help="--draft: children per node (top by draft probability).")] = 2,
+    budget: Annotated[int, typer.Option(help="--draft: candidates verified per step besides the root.")] = 4,
+    selection: Annotated[str, typer.Option(help="--draft: confidence, or ecospec (needs the draft's expert "
+                                                "predictor).")] = "confidence",
+    score: Annotated[str, typer.Option(help="--draft, ecospec: ratio or lagrangian.")] = "ratio",
+    lam: Annotated[float, typer.Option("--lambda", help="--draft, ecospec: lambda of the lagrangian score.")] = 0.1,
 ) -> None:
     """Record **real routing** from any Hugging Face MoE checkpoint: decode with the
     `transformers` reference classes and capture, per step and MoE layer, the true top-k
@@ -31,19 +41,39 @@ def record(
     The trace has routing but no timings: replay it on any profile, or study it with
     moesim stats. Example: `moesim record moe-stdlib --prompt "def f(x):" --tokens 8 --out real.npz`,
     then `moesim stats real.npz`
+
+    With `--draft`, record greedy speculative decoding instead (one prompt): the draft
+    proposes a candidate tree, the selection picks `--budget` nodes, the target verifies
+    them in one pass and its routers' choice for every verified node is recorded (a
+    version-2 trace, like `moesim speculate` writes, with no timings). Example:
+    `moesim record moe-stdlib --draft moe-stdlib-draft --tokens 8 --out real-sd.npz`, then
+    `moesim replay real-sd.npz --gamma 2,4`
     """
-    from moesim.executor.record import record_trace
+    from moesim.errors import MoesimError
 
     prompts: object = list(prompt) if prompt else None
     source = "--prompt" if prompt else ""
     if prompts_file is not None:
-        from moesim.errors import MoesimError
-
         try:
             prompts = [line for line in prompts_file.read_text(encoding="utf-8").splitlines() if line.strip()]
         except (OSError, UnicodeDecodeError) as e:
             raise MoesimError(f"cannot read prompts from {prompts_file}: {e}") from None
         source = str(prompts_file)
+    if draft is not None:
+        if temperature != 0 or (batch or 1) != 1:
+            raise MoesimError("record --draft decodes greedily at batch 1 (no --temperature, no --batch)")
+        from moesim.executor.record_speculative import DraftSettings, record_speculative_trace
+
+        settings = DraftSettings(tree_depth, tree_branch, budget, selection, score, lam)
+        with progress_bar("recording", "tokens") as update:
+            trace = record_speculative_trace(model_dir, draft, out_path, prompts, tokens=tokens, settings=settings,
+                                             device=device, seed=seed, progress=update, prompt_source=source)
+        acc = trace.timings["sd_accepted"]
+        err.print(f"wrote {out_path}: {trace.n_tokens} tokens of {trace.model.name} routing in {len(acc)} verification "
+                  f"steps ({acc.mean():.2f} a step), {1 + budget} rows verified a step at most (real pair, no timings)")
+        return
+    from moesim.executor.record import record_trace
+
     with progress_bar("recording", "steps") as update:
         trace = record_trace(model_dir, out_path, prompts, tokens=tokens, device=device, batch=batch,
                              temperature=temperature, seed=seed, progress=update, prompt_source=source)
