@@ -36,6 +36,11 @@ def ckpt(tmp_path_factory):
                                    moe_intermediate_size=16, intermediate_size=48, norm_topk_prob=True),
         "dense": t.Qwen3Config(**COMMON, vocab_size=64, num_hidden_layers=1, intermediate_size=48),
         "other_vocab": t.Qwen3Config(**COMMON, vocab_size=80, num_hidden_layers=1, intermediate_size=48),
+        # Another block layout (block_sparse_moe), and a family with sliding-window cache layers.
+        "mixtral": t.MixtralConfig(**COMMON, vocab_size=64, num_hidden_layers=2, num_local_experts=8,
+                                   num_experts_per_tok=2, intermediate_size=16),
+        "gpt_oss": t.GptOssConfig(**COMMON, vocab_size=64, num_hidden_layers=2, num_local_experts=8,
+                                  num_experts_per_tok=2, intermediate_size=16),
     }
     out = {}
     for name, cfg in cfgs.items():
@@ -43,7 +48,7 @@ def ckpt(tmp_path_factory):
         model = t.AutoModelForCausalLM.from_config(cfg)
         with torch.no_grad():  # routers far from ties, so the top-k is unambiguous
             for n, p in model.named_parameters():
-                if n.endswith("gate.weight") and p.dim() == 2 and p.shape[0] == 8:
+                if n.endswith(("gate.weight", "router.weight")) and p.dim() == 2 and p.shape[0] == 8:
                     p.normal_(0, 1.0)
         model.save_pretrained(root / name)
         out[name] = root / name
@@ -154,6 +159,7 @@ def _cli(*args, cwd):
                           text=True, timeout=300)
 
 
+@pytest.mark.slow  # four CLI subprocesses (~15 s on 2 cores)
 def test_cli_records_and_every_consumer_reads_it(ckpt, tmp_path):
     r = _cli("record", ckpt["target"], "--draft", ckpt["target"], "--tokens", 8, "--tree-depth", 2, "--tree-branch",
              2, "--budget", 3, "--out", "sd.npz", cwd=tmp_path)
@@ -214,3 +220,14 @@ def test_ctrl_c_keeps_finished_steps(ckpt):
     assert len(t.timings["sd_accepted"]) == 1 and t.header["recorded"]["interrupted"]
     plain = rec.record(ckpt["target"], np.array(PROMPT), tokens=t.n_tokens)
     np.testing.assert_array_equal(t.true_ids, plain.true_ids)
+
+
+def test_other_families_and_a_cache_tree_attention_cannot_use(ckpt):
+    t = rs.record_speculative(ckpt["mixtral"], ckpt["mixtral"], PROMPT, tokens=6)
+    plain = rec.record(ckpt["mixtral"], np.array(PROMPT), tokens=t.n_tokens)
+    np.testing.assert_array_equal(t.token_ids, plain.token_ids)
+    np.testing.assert_array_equal(t.true_ids, plain.true_ids)
+    assert t.timings["sd_accepted"].min() >= 2  # the draft is the target
+    with pytest.raises(MoesimError, match="sliding|not a plain growing cache") as e:
+        rs.record_speculative(ckpt["gpt_oss"], ckpt["gpt_oss"], PROMPT, tokens=2)
+    assert "\n" not in str(e.value)
