@@ -209,6 +209,133 @@ def _cache_kw(model, cache) -> dict:
 # --------------------------------------------------------------------------------------
 
 
+class Pair:
+    """The loaded target and draft, their KV caches and the hooks that read them: the
+    target's router modules (every row's routed experts and gates, per MoE layer) and, with
+    an expert predictor, the draft's final norm (the predictor's input)."""
+
+    def __init__(self, target, draft, spec: ModelSpec, scale: float, predictor, names: tuple[str, str]) -> None:
+        from transformers.cache_utils import DynamicCache
+
+        self.target, self.draft, self.spec, self.predictor, self.names = target, draft, spec, predictor, names
+        self.t_dev = target.get_input_embeddings().weight.device  # device_map='auto': inputs go to the embedding
+        self.d_dev = draft.get_input_embeddings().weight.device
+        self.t_cache, self.d_cache = DynamicCache(config=target.config), DynamicCache(config=draft.config)
+        self.t_len = self.d_len = 0  # entries in each cache
+        layers = find_moe_layers(target)
+        if tuple(m.layer for m in layers) != spec.moe_layers:
+            raise MoesimError(f"{names[0]}: routers found at layers {[m.layer for m in layers]}, but the config "
+                              f"says MoE layers are {list(spec.moe_layers)}")
+        self.routed: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(layers)  # last forward's (ids, gates)
+        self.hidden: torch.Tensor | None = None  # the draft's last final normed hidden state [t, d]
+        self.hooks = []
+        for j, m in enumerate(layers):
+            def on_router(mod, args, out, j=j):
+                w = out[1].float() / scale  # routed_scaling_factor divided out, as plain record does
+                order = w.argsort(dim=-1, descending=True, stable=True)
+                self.routed[j] = (out[2].gather(-1, order).cpu().numpy(), w.gather(-1, order).cpu().numpy())
+
+            self.hooks.append(m.router.register_forward_hook(on_router))
+        if predictor is not None:
+            norm = getattr(getattr(draft, "model", draft), "norm", None)
+            if norm is None:
+                raise MoesimError(f"{names[1]}: no final norm (model.norm) to read the predictor's input from")
+            self.hooks.append(norm.register_forward_hook(lambda mod, a, o: setattr(self, "hidden", o[0].float())))
+
+    def close(self) -> None:
+        for h in self.hooks:
+            h.remove()
+
+    def predict(self, h: torch.Tensor) -> list[list[set[int]]]:
+        """Per row of ``h`` [n, d], per MoE layer: the predictor's top-k experts."""
+        top = self.predictor(h.cpu()).topk(self.spec.top_k, -1).indices[:, list(self.spec.moe_layers)]  # [n, M, k]
+        return [[set(r.tolist()) for r in row] for row in top]
+
+    def prefill(self, prompt: list[int]) -> int:
+        """The target reads the prompt (routing not recorded, as plain record); its next token."""
+        out = _plain_forward(self.target, prompt, self.t_cache, self.t_dev)
+        _check_cache(self.t_cache, self.names[0])
+        self.t_len = len(prompt)
+        return int(out.logits[0, -1].argmax())
+
+    def draft_tree(self, committed: list[int], st: DraftSettings) -> tuple[Tree, list[set[int]]]:
+        """The draft reads what was committed since its last call, then grows the candidate
+        tree: top-``branch`` children per node to ``depth``, greedy by draft probability; one
+        draft forward per level over the tree so far, the cache cut back to the committed
+        text after each. Returns the tree and the root's predicted experts."""
+        out = _plain_forward(self.draft, committed[self.d_len:], self.d_cache, self.d_dev)
+        if self.d_len == 0:
+            _check_cache(self.d_cache, self.names[1])
+        self.d_len = len(committed)
+        root_experts = self.predict(self.hidden[-1:])[0] if self.predictor is not None else []
+        tree, frontier, logits = Tree(), [-1], out.logits[0, -1:].float()  # row -1 = the root
+        for level in range(st.depth):
+            new_frontier = []
+            for f in frontier:
+                probs = logits[f].softmax(-1)
+                pr, ids = probs.topk(min(st.branch, probs.numel()))
+                base = 1.0 if f == -1 else tree.prob[f]
+                for pi, ti in zip(pr.tolist(), ids.tolist(), strict=True):
+                    tree.tokens.append(int(ti))
+                    tree.parents.append(f)
+                    tree.prob.append(base * pi)
+                    new_frontier.append(len(tree) - 1)
+            frontier = new_frontier
+            if level == st.depth - 1 and self.predictor is None:
+                break  # the deepest level's logits are never read
+            out = _tree_forward(self.draft, tree.tokens, tree.parents, self.d_cache, self.d_len, self.d_dev)
+            _cut(self.d_cache, self.d_len)
+            logits = torch.cat([out.logits[0].float(), logits[-1:]])  # row i = node i; the root stays last
+            if self.predictor is not None:
+                tree.experts += self.predict(self.hidden[len(tree.experts):])
+        return tree, root_experts
+
+    def verify(self, rows: list[int], parents: list[int]) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """The target reads the root and the chosen nodes in one tree-attention pass after
+        its cache. Returns its argmax after every row and every row's routing [rows, M, k]
+        (ids, gates); the rows stay in the cache until :meth:`keep`."""
+        self.routed[:] = [None] * len(self.routed)
+        out = _tree_forward(self.target, rows, parents, self.t_cache, self.t_len, self.t_dev)
+        k = self.spec.top_k
+        if any(r is None or r[0].shape != (len(rows), k) for r in self.routed):
+            raise MoesimError(f"{self.names[0]}: the routers did not return [rows={len(rows)}, top_k={k}] per MoE "
+                              "layer during verification")
+        return (out.logits[0].argmax(-1).tolist(), np.stack([r[0] for r in self.routed], 1),
+                np.stack([r[1] for r in self.routed], 1))
+
+    def keep(self, accepted_rows: list[int]) -> None:
+        """The target's cache keeps the committed entries and the accepted rows only."""
+        _keep(self.t_cache, torch.cat([torch.arange(self.t_len), self.t_len + torch.tensor(accepted_rows)]))
+        self.t_len += len(accepted_rows)
+
+
+def decode(pair: Pair, prompt: list[int], tokens: int, st: DraftSettings, steps: list[VerifiedStep],
+           progress: Callable[[int, int], None] | None = None) -> None:
+    """Greedy speculative decoding until ``tokens`` rows are accepted or a stop is
+    requested; appends each finished step to ``steps`` in one statement (the caller's list,
+    so an interrupt at any instant leaves exactly the finished steps there)."""
+    root = pair.prefill(prompt)
+    committed = [*prompt, root]
+    produced = 0
+    while produced < tokens and not stop_requested():
+        t0 = time.perf_counter()
+        tree, root_experts = pair.draft_tree(committed, st)
+        chosen = select(tree, st.budget, st.selection, root_experts or None, st.score, st.lam)
+        t1 = time.perf_counter()
+        rows = [root] + [tree.tokens[c] for c in chosen]
+        parents = [-1] + [0 if tree.parents[c] == -1 else 1 + chosen.index(tree.parents[c]) for c in chosen]
+        target_next, row_ids, row_gates = pair.verify(rows, parents)
+        acc = accept(tree, chosen, target_next)
+        pair.keep(acc)
+        steps.append(VerifiedStep(tree, chosen, acc, rows, row_ids, row_gates, root_experts, t1 - t0,
+                                  time.perf_counter() - t1))
+        produced += len(acc)
+        root = target_next[acc[-1]]  # the bonus token: the target's own after the accepted path
+        committed += [rows[r] for r in acc[1:]] + [root]
+        if progress:
+            progress(min(produced, tokens), tokens)
+
+
 @torch.no_grad()
 def record_speculative(target_dir: str | Path, draft_dir: str | Path, prompts: Any, tokens: int = 32,
                        settings: DraftSettings = DraftSettings(), device: str = "cpu", seed: int = 0,
@@ -216,7 +343,8 @@ def record_speculative(target_dir: str | Path, draft_dir: str | Path, prompts: A
     """Greedy speculative decoding of one prompt with ``draft_dir`` proposing and
     ``target_dir`` verifying, until at least ``tokens`` tokens are accepted (whole steps:
     the last step may accept a few more). Returns a version-2 trace with the target's real
-    routing of every verified row. Ctrl-C keeps the finished steps."""
+    routing of every verified row. Every input is checked before a model loads. Ctrl-C
+    keeps the finished steps."""
     target_dir, draft_dir = _resolve(target_dir), _resolve(draft_dir)
     if tokens < 1:
         raise MoesimError("record: tokens must be >= 1")
@@ -240,47 +368,16 @@ def record_speculative(target_dir: str | Path, draft_dir: str | Path, prompts: A
     check_fits(target_dir, device, _upcast(tcfg, device))
     check_fits(draft_dir, device, _upcast(dcfg, device))
 
-    target, draft = load_model(target_dir, device), load_model(draft_dir, device)
-    layers = find_moe_layers(target)
-    if tuple(m.layer for m in layers) != spec.moe_layers:
-        raise MoesimError(f"{target_dir.name}: routers found at layers {[m.layer for m in layers]}, but the config "
-                          f"says MoE layers are {list(spec.moe_layers)}")
     scale = float(tcfg.get("routed_scaling_factor") or 1.0)
-    t_dev = target.get_input_embeddings().weight.device
-    d_dev = draft.get_input_embeddings().weight.device
-    moe = list(spec.moe_layers)
-    k = spec.top_k
-
-    routed: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(layers)  # this forward's (ids, gates)
-    hidden: list[torch.Tensor] = []  # the draft's final normed hidden state of its last forward
-    hooks = []
-    for j, m in enumerate(layers):
-        def on_router(mod, args, out, j=j):
-            w = out[1].float() / scale
-            order = w.argsort(dim=-1, descending=True, stable=True)
-            routed[j] = (out[2].gather(-1, order).cpu().numpy(), w.gather(-1, order).cpu().numpy())
-
-        hooks.append(m.router.register_forward_hook(on_router))
-    if predictor is not None:
-        norm = getattr(getattr(draft, "model", draft), "norm", None)
-        if norm is None:
-            raise MoesimError(f"{draft_dir.name}: no final norm (model.norm) to read the predictor's input from")
-        hooks.append(norm.register_forward_hook(lambda mod, a, o: hidden.__setitem__(slice(None), [o.float()])))
-
-    def predict(h: torch.Tensor) -> list[list[set[int]]]:
-        """Per row of ``h`` [n, d], per MoE layer: the predictor's top-k experts."""
-        top = predictor(h.cpu()).topk(k, -1).indices[:, moe]  # [n, M, k]
-        return [[set(r.tolist()) for r in row] for row in top]
-
+    pair = Pair(load_model(target_dir, device), load_model(draft_dir, device), spec, scale, predictor,
+                (target_dir.name, draft_dir.name))
     steps: list[VerifiedStep] = []
     try:
         # A second Ctrl-C raises at once: ``steps`` still holds exactly the finished steps.
         with stop_on_interrupt(), contextlib.suppress(KeyboardInterrupt):
-            _decode(target, draft, prompt, tokens, settings, predictor is not None, predict, hidden, routed,
-                    spec, t_dev, d_dev, progress, target_dir.name, draft_dir.name, steps)
+            decode(pair, prompt[0].tolist(), tokens, settings, steps, progress)
     finally:
-        for h in hooks:
-            h.remove()
+        pair.close()
     if not steps:
         raise Interrupted("record --draft: interrupted before the first verification step finished")
     produced = sum(len(s.accepted_rows) for s in steps)
@@ -298,89 +395,6 @@ def record_speculative(target_dir: str | Path, draft_dir: str | Path, prompts: A
                    "verify": round(sum(s.verify_s for s in steps), 3),
                    "note": "reference classes, not the offload engine: not a timing to replay"},
     })
-
-
-def _decode(target, draft, prompt, tokens, st: DraftSettings, has_pred: bool, predict, hidden, routed,
-            spec: ModelSpec, t_dev, d_dev, progress, t_name: str, d_name: str, steps: list[VerifiedStep]) -> None:
-    """The decoding loop; appends each finished step to ``steps`` (the caller's list, so an
-    interrupt at any instant leaves exactly the finished ones there)."""
-    from transformers.cache_utils import DynamicCache
-
-    t_cache, d_cache = DynamicCache(config=target.config), DynamicCache(config=draft.config)
-    p = prompt.shape[1]
-    committed = prompt[0].tolist()
-    out = _plain_forward(target, committed, t_cache, t_dev)  # prefill (routing not recorded, as plain record)
-    _check_cache(t_cache, t_name)
-    root = int(out.logits[0, -1].argmax())
-    committed.append(root)
-    pos = p  # target cache length: prompt + every accepted row so far (the root is not in it yet)
-    d_len = 0  # draft cache length
-    produced = 0
-    while produced < tokens:
-        if stop_requested():
-            break
-        t0 = time.perf_counter()
-        out = _plain_forward(draft, committed[d_len:], d_cache, d_dev)
-        if d_len == 0:
-            _check_cache(d_cache, d_name)
-        d_len = len(committed)
-        root_logits = out.logits[0, -1].float()
-        root_experts = predict(hidden[0][0, -1:])[0] if has_pred else []
-        tree = _grow_tree(draft, d_cache, d_len, root_logits, st, has_pred, predict, hidden, d_dev)
-        chosen = select(tree, st.budget, st.selection, root_experts or None, st.score, st.lam)
-        t1 = time.perf_counter()
-
-        rows = [root] + [tree.tokens[c] for c in chosen]
-        parents = [-1] + [0 if tree.parents[c] == -1 else 1 + chosen.index(tree.parents[c]) for c in chosen]
-        routed[:] = [None] * len(routed)
-        out = _tree_forward(target, rows, parents, t_cache, pos, t_dev)
-        if any(r is None or r[0].shape != (len(rows), spec.top_k) for r in routed):
-            raise MoesimError(f"{t_name}: the routers did not return [rows={len(rows)}, top_k={spec.top_k}] per "
-                              "MoE layer during verification")
-        target_next = out.logits[0].argmax(-1).tolist()
-        acc = accept(tree, chosen, target_next)
-        _keep(t_cache, torch.cat([torch.arange(pos), pos + torch.tensor(acc)]))
-        row_ids = np.stack([r[0] for r in routed], 1)  # [rows, M, k]
-        row_gates = np.stack([r[1] for r in routed], 1)
-        steps.append(VerifiedStep(tree, chosen, acc, rows, row_ids, row_gates, root_experts, t1 - t0,
-                                  time.perf_counter() - t1))
-        new = [rows[r] for r in acc[1:]]
-        pos += len(acc)
-        produced += len(acc)
-        root = target_next[acc[-1]]
-        committed += new + [root]
-        if progress:
-            progress(min(produced, tokens), tokens)
-
-
-def _grow_tree(draft, cache, committed: int, root_logits: torch.Tensor, st: DraftSettings, has_pred: bool,
-               predict, hidden, device) -> Tree:
-    """Top-``branch`` children per node to ``depth``, greedy by draft probability; one draft
-    forward per level over the tree so far, the cache cut back to the committed text after."""
-    tree = Tree()
-    frontier: list[int] = [-1]
-    logits = None
-    for level in range(st.depth):
-        new_frontier = []
-        for f in frontier:
-            probs = (root_logits if f == -1 else logits[f]).softmax(-1)
-            pr, ids = probs.topk(min(st.branch, probs.numel()))
-            base = 1.0 if f == -1 else tree.prob[f]
-            for pi, ti in zip(pr.tolist(), ids.tolist(), strict=True):
-                tree.tokens.append(int(ti))
-                tree.parents.append(f)
-                tree.prob.append(base * pi)
-                new_frontier.append(len(tree) - 1)
-        frontier = new_frontier
-        last = level == st.depth - 1
-        if last and not has_pred:
-            break  # the deepest level's logits are never read
-        out = _tree_forward(draft, tree.tokens, tree.parents, cache, committed, device)
-        _cut(cache, committed)
-        logits = out.logits[0].float()
-        if has_pred:
-            tree.experts += predict(hidden[0][0, len(tree.experts):])
-    return tree
 
 
 # --------------------------------------------------------------------------------------
