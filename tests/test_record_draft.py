@@ -231,3 +231,48 @@ def test_other_families_and_a_cache_tree_attention_cannot_use(ckpt):
     with pytest.raises(MoesimError, match="sliding|not a plain growing cache") as e:
         rs.record_speculative(ckpt["gpt_oss"], ckpt["gpt_oss"], PROMPT, tokens=2)
     assert "\n" not in str(e.value)
+
+    def stop_at_two(done, total):  # plain record stops the same way (the CLI command's first Ctrl-C)
+        if done == 2:
+            request_stop()
+
+    p = rec.record(ckpt["target"], np.array(PROMPT), tokens=10, progress=stop_at_two)
+    assert p.n_tokens == 2 and p.header["recorded"]["interrupted"]
+
+
+@pytest.mark.slow  # a real SIGINT to a real `moesim record --draft` (a CLI subprocess, several seconds)
+def test_sigint_to_record_draft_writes_the_finished_steps(ckpt, tmp_path):
+    import re
+    import signal
+    import threading
+
+    total = 100000  # never reached before the signal
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1", "COLUMNS": "100"}
+    p = subprocess.Popen([sys.executable, "-m", "moesim", "record", str(ckpt["target"]), "--draft", str(ckpt["target"]),
+                          "--tokens", str(total), "--tree-depth", "2", "--budget", "2", "--out", "sd.npz"],
+                         cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    seen, chunks = threading.Event(), []
+
+    def read() -> None:
+        while chunk := p.stderr.read1(4096):
+            chunks.append(chunk.decode(errors="replace"))
+            if any(int(c) >= 1 for c in re.findall(rf"(\d+)/{total}", "".join(chunks[-3:]))):
+                seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert seen.wait(120), "".join(chunks)
+        p.send_signal(signal.SIGINT)
+        rc = p.wait(90)
+    finally:
+        p.kill()
+    reader.join(10)
+    assert rc == 0, "".join(chunks)
+    t = read_trace(tmp_path / "sd.npz")
+    assert t.header["recorded"]["interrupted"] and 1 <= t.n_tokens < total
+    assert t.n_tokens == t.timings["sd_accepted"].sum()
+    n = min(t.n_tokens, 24)
+    plain = rec.record(ckpt["target"], t.prompt_ids, tokens=n)  # no --prompt: 16 seeded random ids
+    np.testing.assert_array_equal(t.token_ids[:, :n], plain.token_ids)
+    np.testing.assert_array_equal(t.true_ids[:n], plain.true_ids)

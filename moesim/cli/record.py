@@ -9,10 +9,11 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, err
-from moesim.cli.running import progress_bar
+from moesim.cli.running import keeps_finished_work, progress_bar
 
 
 @app.command()
+@keeps_finished_work
 def record(
     model_dir: Annotated[Path, typer.Argument(metavar="MODEL_DIR", help="A Hugging Face MoE checkpoint folder "
                                                                          "(config.json + safetensors).")],
