@@ -52,7 +52,7 @@ import torch
 
 from moesim import __version__
 from moesim.errors import MoesimError
-from moesim.executor.defaults import DRAFT_MODEL, SHIPPED_MODEL
+from moesim.executor.defaults import DRAFT_MODEL, RECORD_DRAFT, SHIPPED_MODEL
 from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
 from moesim.executor.loading import shipped_model
 from moesim.executor.model import TreeMask
@@ -77,12 +77,12 @@ PREDICTOR_FILE = "expert_predictor.safetensors"  # the executor's name (executor
 class DraftSettings:
     """The tree and the selection (the names of ``moesim speculate``'s options)."""
 
-    depth: int = 3  # levels of the candidate tree
-    branch: int = 2  # children per node (top-branch by draft probability)
-    budget: int = 4  # candidates verified per step besides the root (gamma)
-    selection: str = "confidence"
-    score: str = "ratio"
-    lam: float = 0.1
+    depth: int = RECORD_DRAFT["depth"]  # levels of the candidate tree
+    branch: int = RECORD_DRAFT["branch"]  # children per node (top-branch by draft probability)
+    budget: int = RECORD_DRAFT["budget"]  # candidates verified per step besides the root (gamma)
+    selection: str = RECORD_DRAFT["selection"]
+    score: str = RECORD_DRAFT["score"]
+    lam: float = RECORD_DRAFT["lam"]
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.branch < 1 or self.budget < 0:

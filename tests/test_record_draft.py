@@ -195,8 +195,16 @@ def test_draft_with_another_vocabulary_is_one_line_before_any_work(ckpt, tmp_pat
         rs.record_speculative(ckpt["target"], ckpt["dense"], [[1, 2], [3, 4]], tokens=2)
     with pytest.raises(MoesimError, match="tree-depth"):
         rs.DraftSettings(depth=0)
-    r = _cli("record", ckpt["target"], "--draft", ckpt["dense"], "--temperature", "1", cwd=tmp_path)
-    assert r.returncode == 2 and "greedily" in r.stderr
+    from typer.testing import CliRunner
+
+    from moesim.cli import app
+
+    for args, says in [(["--draft", str(ckpt["dense"]), "--temperature", "1"], "greedily"),
+                       (["--budget", "2"], "apply to record --draft"),
+                       (["--draft", str(ckpt["dense"]), "--selection", "best"], "unknown selection")]:
+        r = CliRunner().invoke(app, ["record", str(ckpt["target"]), *args, "--out", str(tmp_path / "y.npz")])
+        assert isinstance(r.exception, MoesimError) and says in str(r.exception), r.output  # main(): exit 2
+    assert not (tmp_path / "y.npz").exists()
 
 
 def test_ctrl_c_keeps_finished_steps(ckpt):

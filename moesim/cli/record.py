@@ -10,6 +10,7 @@ import typer
 
 from moesim.cli.app import app, err
 from moesim.cli.running import keeps_finished_work, progress_bar
+from moesim.executor.defaults import RECORD_DRAFT as D  # torch-free: --help shows them
 
 
 @app.command()
@@ -27,13 +28,18 @@ def record(
     device: Annotated[str, typer.Option(help="cpu, or cuda (large checkpoints: device_map).")] = "cpu",
     draft: Annotated[Path | None, typer.Option(help="A draft checkpoint with the target's vocabulary: record "
                                                     "speculative decoding (trees, every verified node's routing).")] = None,
-    tree_depth: Annotated[int, typer.Option(help="--draft: depth of the candidate tree.")] = 3,
-    tree_branch: Annotated[int, typer.Option(help="--draft: children per node (top by draft probability).")] = 2,
-    budget: Annotated[int, typer.Option(help="--draft: candidates verified per step besides the root.")] = 4,
-    selection: Annotated[str, typer.Option(help="--draft: confidence, or ecospec (needs the draft's expert "
-                                                "predictor).")] = "confidence",
-    score: Annotated[str, typer.Option(help="--draft, ecospec: ratio or lagrangian.")] = "ratio",
-    lam: Annotated[float, typer.Option("--lambda", help="--draft, ecospec: lambda of the lagrangian score.")] = 0.1,
+    tree_depth: Annotated[int | None, typer.Option(help=f"--draft: depth of the candidate tree "
+                                                        f"[default: {D['depth']}].")] = None,
+    tree_branch: Annotated[int | None, typer.Option(help=f"--draft: children per node, top by draft probability "
+                                                         f"[default: {D['branch']}].")] = None,
+    budget: Annotated[int | None, typer.Option(help=f"--draft: candidates verified per step besides the root "
+                                                    f"[default: {D['budget']}].")] = None,
+    selection: Annotated[str | None, typer.Option(help=f"--draft: confidence, or ecospec (needs the draft's expert "
+                                                       f"predictor) [default: {D['selection']}].")] = None,
+    score: Annotated[str | None, typer.Option(help=f"--draft, ecospec: ratio or lagrangian "
+                                                   f"[default: {D['score']}].")] = None,
+    lam: Annotated[float | None, typer.Option("--lambda", help=f"--draft, ecospec: lambda of the lagrangian score "
+                                                               f"[default: {D['lam']}].")] = None,
 ) -> None:
     """Record **real routing** from any Hugging Face MoE checkpoint: decode with the
     `transformers` reference classes and capture, per step and MoE layer, the true top-k
@@ -60,18 +66,25 @@ def record(
         except (OSError, UnicodeDecodeError) as e:
             raise MoesimError(f"cannot read prompts from {prompts_file}: {e}") from None
         source = str(prompts_file)
+    tree = {"depth": tree_depth, "branch": tree_branch, "budget": budget, "selection": selection, "score": score,
+            "lam": lam}
+    tree = {k: v for k, v in tree.items() if v is not None}
+    if draft is None and tree:
+        raise MoesimError("--tree-depth, --tree-branch, --budget, --selection, --score and --lambda apply to "
+                          "record --draft")
     if draft is not None:
         if temperature != 0 or (batch or 1) != 1:
             raise MoesimError("record --draft decodes greedily at batch 1 (no --temperature, no --batch)")
         from moesim.executor.record_speculative import DraftSettings, record_speculative_trace
 
-        settings = DraftSettings(tree_depth, tree_branch, budget, selection, score, lam)
+        settings = DraftSettings(**tree)  # the defaults live there
         with progress_bar("recording", "tokens") as update:
             trace = record_speculative_trace(model_dir, draft, out_path, prompts, tokens=tokens, settings=settings,
                                              device=device, seed=seed, progress=update, prompt_source=source)
         acc = trace.timings["sd_accepted"]
         err.print(f"wrote {out_path}: {trace.n_tokens} tokens of {trace.model.name} routing in {len(acc)} verification "
-                  f"steps ({acc.mean():.2f} a step), {1 + budget} rows verified a step at most (real pair, no timings)")
+                  f"steps ({acc.mean():.2f} a step), {1 + settings.budget} rows verified a step at most (real pair, no "
+                  "timings)")
         return
     from moesim.executor.record import record_trace
 
