@@ -18,6 +18,7 @@ from moesim.errors import MoesimError  # noqa: E402
 from moesim.executor import record as rec  # noqa: E402
 from moesim.executor import record_speculative as rs  # noqa: E402
 from moesim.executor.interrupt import request_stop  # noqa: E402
+from moesim.selection import Tree, select  # noqa: E402
 from moesim.traces.format import read_trace  # noqa: E402
 from moesim.traces.records import sd_steps  # noqa: E402
 
@@ -148,6 +149,13 @@ def test_ecospec_uses_the_drafts_expert_predictor(ckpt, tmp_path):
     assert ((tm["sd_chosen"] >= 0).sum(1) == 3).all()
     plain = rec.record(ckpt["target"], np.array(PROMPT), tokens=t.n_tokens)
     np.testing.assert_array_equal(t.token_ids, plain.token_ids)
+    # The recorded choice is EcoSpec's on the recorded tree and predictions (what the what-if re-runs).
+    differs = 0
+    for s in sd_steps(t.timings):
+        tree = Tree(s.tokens, s.parents, s.prob, [[set(np.flatnonzero(m)) for m in node] for node in s.node_pred])
+        assert select(tree, 3, "ecospec", [set(np.flatnonzero(m)) for m in s.root_pred], "ratio") == s.chosen
+        differs += select(tree, 3, "confidence") != s.chosen
+    assert differs  # the expert cost changed some choice (else this test would not tell the strategies apart)
     with pytest.raises(MoesimError, match="ecospec needs the draft's expert predictor"):
         rs.record_speculative(ckpt["target"], ckpt["dense"], PROMPT, tokens=2,
                               settings=rs.DraftSettings(selection="ecospec"))
