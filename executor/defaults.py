@@ -10,3 +10,5 @@ SHIPPED_MODEL = "moe-stdlib"  # the shipped learned-routing checkpoint
 DRAFT_MODEL = "moe-stdlib-draft"  # its shipped draft for speculative decoding
 DECODE_THREADS = 1
 OFFLINE_THREADS = 2
+#: ``moesim record --draft``: the candidate tree and the selection (DraftSettings' defaults).
+RECORD_DRAFT = {"depth": 3, "branch": 2, "budget": 4, "selection": "confidence", "score": "ratio", "lam": 0.1}

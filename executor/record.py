@@ -26,7 +26,8 @@ not a re-implementation. Per decode step and MoE layer it keeps:
 
 Dense layers and shared experts are what the model spec says
 (:func:`moesim.models.from_hf_config`): routing arrays cover MoE layers only. Prefill is
-not recorded; decode steps are. Ctrl-C keeps the finished steps.
+not recorded; decode steps are. Ctrl-C keeps the finished steps (the first one stops the
+loop between two steps, :mod:`moesim.executor.interrupt`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import torch
 from moesim import __version__
 from moesim.errors import MoesimError
 from moesim.executor.defaults import DRAFT_MODEL, SHIPPED_MODEL
+from moesim.executor.interrupt import stop_on_interrupt, stop_requested
 from moesim.executor.loading import shipped_model
 from moesim.executor.profile import DEFAULT_PROMPT
 from moesim.models import ModelSpec, from_hf_config
@@ -290,18 +292,8 @@ def record(model_dir: str | Path, prompts: Any, tokens: int = 64, device: str = 
     gen = torch.Generator().manual_seed(seed)
     out_tokens: list[torch.Tensor] = []
     try:
-        logits, cache = _forward(model, prompt.to(first_device), None)
-        tok = _next_token(logits, temperature, gen)
-        for i in range(tokens):
-            state["on"] = True
-            try:
-                logits, cache = _forward(model, tok.to(first_device), cache)
-            finally:
-                state["on"] = False
-            out_tokens.append(tok.cpu())
-            tok = _next_token(logits, temperature, gen)
-            if progress:
-                progress(i + 1, tokens)
+        with stop_on_interrupt():  # the first Ctrl-C stops between steps; a second raises at once
+            _decode(model, prompt, tokens, temperature, gen, first_device, state, out_tokens, progress)
     except KeyboardInterrupt:
         pass  # keep what finished
     finally:
@@ -339,6 +331,26 @@ def record(model_dir: str | Path, prompts: Any, tokens: int = 64, device: str = 
     token_ids = torch.cat(out_tokens[:done], 1).numpy().astype(np.int32)
     return Trace(header, prompt.numpy().astype(np.int32), token_ids, true_ids, np.clip(true_gates, 0, 1),
                  pred_ids, pred_gates, true_ids.copy())
+
+
+def _decode(model, prompt: torch.Tensor, tokens: int, temperature: float, gen: torch.Generator, device,
+            state: dict, out_tokens: list[torch.Tensor], progress: Callable[[int, int], None] | None) -> None:
+    """Prefill, then ``tokens`` decode steps with the router hooks on (``state['on']``),
+    appending each fed token to ``out_tokens``; stops early when a stop is requested."""
+    logits, cache = _forward(model, prompt.to(device), None)
+    tok = _next_token(logits, temperature, gen)
+    for i in range(tokens):
+        if stop_requested():
+            break
+        state["on"] = True
+        try:
+            logits, cache = _forward(model, tok.to(device), cache)
+        finally:
+            state["on"] = False
+        out_tokens.append(tok.cpu())
+        tok = _next_token(logits, temperature, gen)
+        if progress:
+            progress(i + 1, tokens)
 
 
 def _config(model_dir: Path) -> dict:

@@ -224,12 +224,15 @@ def replay_sd(trace: Trace, hw: HardwareProfile, policy: str | None = None, **kw
     """Replay a speculative trace as recorded and compare with what was measured."""
     if not trace.speculative:
         raise MoesimError("not a speculative-decoding trace (no sd_* records)")
-    if not sd_measured(trace):
-        raise MoesimError("a synthetic speculative trace has no measurements to replay; use the EcoSpec what-if "
-                          "(moesim.sim.ecospec) or timing='profile'")
+    measured = sd_measured(trace)
+    if not measured and kw.get("timing", "measured") == "measured":
+        raise MoesimError("this speculative trace (synthetic, or routing recorded without timings) has no "
+                          "measurements to replay; use the EcoSpec what-if (moesim.sim.ecospec) or timing='profile'")
     meta = trace.meta
     kw.setdefault("cache_experts", meta.cache_experts)
     sim = simulate_steps(trace, recorded_steps(trace), hw, policy or meta.replay_policy, **kw)
+    if not measured:  # routing only: simulated with the profile's compute times, nothing to compare with
+        return {"simulated": sim, "measured": None, "error": None}
     meas = measured_summary(trace)
     return {"simulated": sim, "measured": meas, "error": sim["tpot_ms"] / meas["tpot_ms"] - 1}
 
@@ -243,10 +246,18 @@ def speculative_whatif(trace: Trace, hw: HardwareProfile | None = None, policies
     (under each policy; ``error`` compares the measurement with the recorded policy's simulation), then, with
     ``gammas``, the selection re-run on the recorded trees for every policy x gamma x
     selection (x lambda for the Lagrangian EcoSpec score). ``hw`` defaults to the
-    recording profile with the link the trace measured. Returns ``measured``, ``error``
-    (of the first policy as recorded) and ``rows`` (each with its ``case``)."""
+    recording profile with the link the trace measured, and to ``DEFAULT_PROFILE`` for a
+    trace that names none (synthetic, or routing recorded without timings); ``timing``
+    ``auto`` is measured when the trace holds measured times, else profile. Returns
+    ``measured`` and ``error`` (of the first policy as recorded; None without measured
+    times) and ``rows`` (each with its ``case``)."""
+    from moesim.hardware import DEFAULT_PROFILE, get_profile
     from moesim.sim.validate import recorded_profile
 
+    if timing == "auto":
+        timing = "measured" if sd_measured(trace) else "profile"
+    if hw is None and not trace.meta.hw_profile:
+        hw = get_profile(DEFAULT_PROFILE)
     hw = recorded_profile(trace, hw)
     recorded = trace.meta.replay_policy
     policies = policies or [recorded]

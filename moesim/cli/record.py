@@ -1,4 +1,5 @@
-"""``moesim record MODEL_DIR``. Python: ``moesim.executor.record.record_trace(model_dir, out, prompts, ...)``."""
+"""``moesim record MODEL_DIR``. Python: ``moesim.executor.record.record_trace(model_dir, out, prompts, ...)``;
+with ``--draft``: ``moesim.executor.record_speculative.record_speculative_trace(model_dir, draft, out, prompts, ...)``."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, err
-from moesim.cli.running import progress_bar
+from moesim.cli.running import keeps_finished_work, progress_bar
+from moesim.executor.defaults import RECORD_DRAFT as D  # torch-free: --help shows them
 
 
 @app.command()
+@keeps_finished_work
 def record(
     model_dir: Annotated[Path, typer.Argument(metavar="MODEL_DIR", help="A Hugging Face MoE checkpoint folder "
                                                                          "(config.json + safetensors).")],
@@ -23,6 +26,20 @@ def record(
     temperature: Annotated[float, typer.Option(help="0 = greedy; else sampling temperature.")] = 0.0,
     seed: Annotated[int, typer.Option(help="Seed for sampling and random prompts.")] = 0,
     device: Annotated[str, typer.Option(help="cpu, or cuda (large checkpoints: device_map).")] = "cpu",
+    draft: Annotated[Path | None, typer.Option(help="A draft checkpoint with the target's vocabulary: record "
+                                                    "speculative decoding (trees, every verified node's routing).")] = None,
+    tree_depth: Annotated[int | None, typer.Option(help=f"--draft: depth of the candidate tree "
+                                                        f"[default: {D['depth']}].")] = None,
+    tree_branch: Annotated[int | None, typer.Option(help=f"--draft: children per node, top by draft probability "
+                                                         f"[default: {D['branch']}].")] = None,
+    budget: Annotated[int | None, typer.Option(help=f"--draft: candidates verified per step besides the root "
+                                                    f"[default: {D['budget']}].")] = None,
+    selection: Annotated[str | None, typer.Option(help=f"--draft: confidence, or ecospec (needs the draft's expert "
+                                                       f"predictor) [default: {D['selection']}].")] = None,
+    score: Annotated[str | None, typer.Option(help=f"--draft, ecospec: ratio or lagrangian "
+                                                   f"[default: {D['score']}].")] = None,
+    lam: Annotated[float | None, typer.Option("--lambda", help=f"--draft, ecospec: lambda of the lagrangian score "
+                                                               f"[default: {D['lam']}].")] = None,
 ) -> None:
     """Record **real routing** from any Hugging Face MoE checkpoint: decode with the
     `transformers` reference classes and capture, per step and MoE layer, the true top-k
@@ -31,19 +48,46 @@ def record(
     The trace has routing but no timings: replay it on any profile, or study it with
     moesim stats. Example: `moesim record moe-stdlib --prompt "def f(x):" --tokens 8 --out real.npz`,
     then `moesim stats real.npz`
+
+    With `--draft`, record greedy speculative decoding instead (one prompt): the draft
+    proposes a candidate tree, the selection picks `--budget` nodes, the target verifies
+    them in one pass and its routers' choice for every verified node is recorded (a
+    version-2 trace, like `moesim speculate` writes, with no timings). Example:
+    `moesim record moe-stdlib --draft moe-stdlib-draft --tokens 8 --out real-sd.npz`, then
+    `moesim replay real-sd.npz --gamma 2,4`
     """
-    from moesim.executor.record import record_trace
+    from moesim.errors import MoesimError
 
     prompts: object = list(prompt) if prompt else None
     source = "--prompt" if prompt else ""
     if prompts_file is not None:
-        from moesim.errors import MoesimError
-
         try:
             prompts = [line for line in prompts_file.read_text(encoding="utf-8").splitlines() if line.strip()]
         except (OSError, UnicodeDecodeError) as e:
             raise MoesimError(f"cannot read prompts from {prompts_file}: {e}") from None
         source = str(prompts_file)
+    tree = {"depth": tree_depth, "branch": tree_branch, "budget": budget, "selection": selection, "score": score,
+            "lam": lam}
+    tree = {k: v for k, v in tree.items() if v is not None}
+    if draft is None and tree:
+        raise MoesimError("--tree-depth, --tree-branch, --budget, --selection, --score and --lambda apply to "
+                          "record --draft")
+    if draft is not None:
+        if temperature != 0 or (batch or 1) != 1:
+            raise MoesimError("record --draft decodes greedily at batch 1 (no --temperature, no --batch)")
+        from moesim.executor.record_speculative import DraftSettings, record_speculative_trace
+
+        settings = DraftSettings(**tree)  # the defaults live there
+        with progress_bar("recording", "tokens") as update:
+            trace = record_speculative_trace(model_dir, draft, out_path, prompts, tokens=tokens, settings=settings,
+                                             device=device, seed=seed, progress=update, prompt_source=source)
+        acc = trace.timings["sd_accepted"]
+        err.print(f"wrote {out_path}: {trace.n_tokens} tokens of {trace.model.name} routing in {len(acc)} verification "
+                  f"steps ({acc.mean():.2f} a step), {1 + settings.budget} rows verified a step at most (real pair, no "
+                  "timings)")
+        return
+    from moesim.executor.record import record_trace
+
     with progress_bar("recording", "steps") as update:
         trace = record_trace(model_dir, out_path, prompts, tokens=tokens, device=device, batch=batch,
                              temperature=temperature, seed=seed, progress=update, prompt_source=source)

@@ -106,7 +106,7 @@ def replay(
                                  split(policy, "--policy") if policy != REPLAY_POLICIES else None,
                                  [int(g) for g in floats(gamma, "--gamma")] if gamma is not None else None,
                                  tuple(split(selection, "--selection")), score, tuple(floats(lam, "--lambda")),
-                                 link_gbps, "measured" if timing == "auto" else timing, depth, branch, acceptance)
+                                 link_gbps, timing, depth, branch, acceptance)
         print_json(res) if as_json else print_csv(res["rows"]) if as_csv else print_speculative(res, trace_path)
         return
     if gamma is not None or depth is not None or branch is not None or acceptance is not None:

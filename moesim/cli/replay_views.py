@@ -15,12 +15,17 @@ def signed_ms(x: float) -> str:
 
 def print_speculative(res: dict[str, Any], trace_path: Path) -> None:
     m, rows = res["measured"], res["rows"]
-    out.print(f"measured: {m['tpot_ms']:.3g} ms a token, {m['accepted_per_step']:.2f} tokens and "
-              f"{m['distinct_experts_per_step']:.1f} distinct experts a step; verification "
-              f"{m['verify_ms_per_distinct_expert']:.3g} ms per distinct expert {signed_ms(m['verify_ms_intercept'])} "
-              f"(linear fit, R^2 {m['verify_vs_experts_r2']:.2f}); simulated as recorded ({res['error_policy']}): "
-              f"{res['error_tpot_ms']:.3g} ms ({res['error']:+.1%}) on {rows[0]['hw']}, "
-              f"link {rows[0]['link_gbps']:.3g} GB/s")
+    if m is None:
+        out.print(f"no measured times in this trace (synthetic, or routing recorded without timings); simulated as "
+                  f"recorded ({res['error_policy']}): {res['error_tpot_ms']:.3g} ms a token on {rows[0]['hw']}, "
+                  f"link {rows[0]['link_gbps']:.3g} GB/s")
+    else:
+        out.print(f"measured: {m['tpot_ms']:.3g} ms a token, {m['accepted_per_step']:.2f} tokens and "
+                  f"{m['distinct_experts_per_step']:.1f} distinct experts a step; verification "
+                  f"{m['verify_ms_per_distinct_expert']:.3g} ms per distinct expert "
+                  f"{signed_ms(m['verify_ms_intercept'])} (linear fit, R^2 {m['verify_vs_experts_r2']:.2f}); "
+                  f"simulated as recorded ({res['error_policy']}): {res['error_tpot_ms']:.3g} ms ({res['error']:+.1%}) "
+                  f"on {rows[0]['hw']}, link {rows[0]['link_gbps']:.3g} GB/s")
     out.print(table(f"{trace_path.name}: speculative decoding, simulated ({rows[0]['timing']}); what-if rows re-select "
                     "on the recorded trees (unverified nodes use predicted experts)",
                     ("case", "policy", "hw", "TPOT ms", "tokens/step", "rows/step", "distinct experts/step", "step ms"),

@@ -50,6 +50,14 @@ def synth(
     `moesim synth --like olmoe.npz --tokens 128 --batch 2 --out stretched.npz`,
     `moesim synth --speculative --model qwen3-235b-a22b --tokens 16 --out sd.npz`.
     """
+    if like is not None and speculative:  # acceptance, overlap and skew fitted to a speculative trace
+        from moesim.traces.format import read_trace
+        from moesim.traces.synthetic_speculative import synth_speculative
+
+        trace, _ = synth_speculative(read_trace(like).model, out_path, like=like, steps=tokens, seed=seed)
+        err.print(f"wrote synthetic speculative trace {out_path} ({tokens} verification steps of {trace.model.name}, "
+                  f"{trace.n_tokens} tokens accepted, parameters fitted to {like})")
+        return
     if like is not None:
         from moesim.sim.stats import synth_like_file
 
