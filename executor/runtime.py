@@ -56,7 +56,7 @@ def predictor_inputs(policy: str, predictor: str) -> tuple[bool, bool]:
     that it can stand in for the prefetching policies); only a prefetching policy cannot
     run without them (checked in :class:`OffloadedDecoder`)."""
     pol = get_policy(policy)
-    if not pol.offload or pol.oracle:
+    if not pol.offload or pol.oracle or pol.cpu:  # the CPU-compute policies predict nothing
         return False, False
     return predictor in ("quasi", "estimator", "hybrid"), predictor in ("estimator", "hybrid")
 
