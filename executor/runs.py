@@ -201,12 +201,7 @@ def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], 
                              context=ids.shape[1] + req.tokens, cpu_layers=n_cpu, calibration=calibration,
                              gpu_experts=req.gpu_experts)
         st.hybrid = setup
-        st.hybrid_params = {
-            "host_profile": setup.host, "cpu_layers": setup.cpu_layers, "device_memory_gb": setup.device_memory_gb,
-            "placement": setup.placement.source if setup.placement is not None else "cold cache",
-            "resident_experts": setup.placement.n_resident if setup.placement is not None else 0,
-            "placement_from": str(Path(req.placement_from).resolve()) if req.placement_from is not None else None,
-            "gpu_experts": req.gpu_experts}
+        st.hybrid_params = setup.params(req.placement_from, req.gpu_experts)
     dv, est = predictor_files(loaded, req.model, pol.name, req.predictor, req.seed, dev)
     with stop_on_interrupt():  # from here on, Ctrl-C keeps and writes the finished steps
         prefill_s, records, produced = generate(m, ids, st, hw_profile, dv, progress=progress, estimator=est)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -109,10 +110,20 @@ class HybridSetup:
 
     placement: Placement | None
     times: ExpertTimes
-    host: str  # the host profile's name (recorded in the trace)
+    host: str  # the host profile as get_host reads it back: a built-in name, or its .toml path
     device_memory_gb: float  # the device memory the placement filled (the profile's, or sized by gpu_experts)
     cpu_layers: int | None = None  # cpu-static: the resolved count
     workers: int | None = None  # host expert threads (default: HostExperts' own)
+
+    def params(self, placement_from: str | Path | None = None, gpu_experts: int | None = None) -> dict:
+        """What a trace header records of this setup (its policy params), so that
+        ``moesim replay --validate`` rebuilds the same placement (moesim.sim.validate)."""
+        p = self.placement
+        return {"host_profile": self.host, "cpu_layers": self.cpu_layers, "device_memory_gb": self.device_memory_gb,
+                "placement": p.source if p is not None else "cold cache",
+                "resident_experts": p.n_resident if p is not None else 0,
+                "placement_from": str(Path(placement_from).resolve()) if placement_from is not None else None,
+                "gpu_experts": gpu_experts}
 
 
 def hybrid_setup(spec, policy: str, hw, host=None, *, batch: int = 1, context: int = 0, cpu_layers: int | str = "auto",
@@ -147,7 +158,10 @@ def hybrid_setup(spec, policy: str, hw, host=None, *, batch: int = 1, context: i
                                calibration=calibration)
     n_cpu = resolve_cpu_layers(spec, cpu_layers, mem, batch, context) if pol.cpu == "layers" else None
     times = expert_times(spec, hw, host_p, Link.from_profile(hw, spec), batch, amx)
-    return HybridSetup(placement, times, host_p.name, mem / 1e9, n_cpu, workers)
+    from moesim.hardware import builtin_hosts
+
+    named = host_p.name if host_p.name.lower() in builtin_hosts() or not host_p.path else str(Path(host_p.path).resolve())
+    return HybridSetup(placement, times, named, mem / 1e9, n_cpu, workers)
 
 
 class Timer:
