@@ -447,7 +447,9 @@ class OffloadedDecoder:
         host pool, then the device waits for its copies and runs its share while the CPU
         works; the layer ends when both are done. Marks: attn_s to t1 (routing, the sync,
         the decision, issuing copies and the CPU job), stall_s t1-t2, expert_s t2-t3 (the
-        device's experts), cpu_wait_s t3-t4 (the CPU result past the device's end)."""
+        device's experts), cpu_wait_s t3-t4 (the CPU result past the device's end); cpu_s
+        from t1 to the last CPU expert's end (what the CPU adds past attn_s, as the step
+        model counts it: the hand-off before t1 is in attn_s)."""
         tm, rec = self.timer, st.rec
         m = self.layers.index[layer]
         ids, gates = self.model.route(logits, layer)  # [rows, k] each, on the device
@@ -472,6 +474,7 @@ class OffloadedDecoder:
         on_cpu = [e for e in misses if e not in copied]
         job = self.host.submit(layer, x, ids_host, gates, on_cpu) if on_cpu else None
         t1 = tm.mark()
+        cpu_from = time.perf_counter()  # the step model starts a layer's CPU share where its attn_s ends
         self.transport.wait(demand)
         t2 = tm.mark()
         weights = self._weights(m)
@@ -482,7 +485,7 @@ class OffloadedDecoder:
         t4 = tm.mark()
         rec.exec_ids[m] = ids_host
         rec.cpu_experts[m] = len(on_cpu)
-        rec.cpu_s[m] = job.seconds if job is not None else 0.0
+        rec.cpu_s[m] = max(job.ended - cpu_from, 0.0) if job is not None else 0.0
         self.hplanner.finish(m, hits, copied)
         self._release_hybrid(m)
         rec.copies += demand
