@@ -259,7 +259,8 @@ class OffloadedDecoder:
             warm = hp.cache.keys()  # a list (ExpertCache), coldest first
             for key in warm:
                 slot = self.free.pop()
-                self.pool[slot].copy_(self.store.src[self.layers.moe[key[0]]][key[1]])
+                src = self.store.src[self.layers.moe[key[0]]][key[1]]
+                self.pool[slot, :src.numel()].copy_(src)
                 self.where[key] = slot
             return
         for m, e in zip(*np.nonzero(hp.resident)):
@@ -284,7 +285,7 @@ class OffloadedDecoder:
             self.where[(m, e)] = slot
             self.loaded[m].append(e)
             t = Transfer(layer, e, src[e].numel() * src[e].element_size(), kind)
-            batch.append((self.pool[slot], src[e], t, self.freed_after.pop(slot, None)))
+            batch.append((self.pool[slot, :src[e].numel()], src[e], t, self.freed_after.pop(slot, None)))
         out += self.transport.copy_batch(batch)
 
     def _weights(self, m: int) -> dict[int, object] | list:
@@ -621,7 +622,9 @@ class _ExpertStore:
         self.host = quantize_experts(model.experts, s.hidden, s.expert_inter, expert_dtype)
         pin = device.type == "cuda"
         self.src = [[q.pack().pin_memory() if pin else q.pack() for q in row] for row in self.host]
-        self.width = next(len(row[0]) for row in self.src if row)
+        # A slot starts on a 16-byte boundary, so the packed fp16 scales keep their alignment
+        # in every slot (a dtype view needs it); copies move the packed bytes only.
+        self.width = -(-next(len(row[0]) for row in self.src if row) // 16) * 16
         self.pool_dtype = torch.uint8
 
     def view(self, layer: int, e: int, buf: Tensor):

@@ -72,7 +72,8 @@ def test_cpu_compute_policies_decode_the_all_resident_tokens(model, prompt, refe
     assert torch.equal(torch.cat(toks, 1), reference[0])  # greedy: exactly the same tokens
     cpu = np.stack([r.cpu_experts for r in recs])  # [T, M]
     assert cpu.sum() > 0  # the CPU really ran experts ...
-    assert all((r.cpu_s[r.cpu_experts > 0] > 0).all() for r in recs)  # ... and was timed
+    cpu_s = np.stack([r.cpu_s for r in recs])  # ... and was timed: past attn_s where it ran, never where it did not
+    assert (cpu_s[cpu > 0] > 0).any() and (cpu_s[cpu == 0] == 0).all()
     if policy == "cpu-static":  # the first two MoE layers on the CPU, the rest never
         assert (cpu[:, :2] > 0).all() and (cpu[:, 2:] == 0).all()
     if policy == "hot-experts":  # the CPU ran exactly the routed experts outside the hot set
@@ -180,3 +181,22 @@ def test_a_bad_expert_dtype_is_one_line_on_the_command_line(tmp_path):
     r = moesim("profile", "--model", "tiny", "--tokens", 2, "--expert-dtype", "int3", "--out", tmp_path / "x.npz")
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "--expert-dtype 'int3'" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "x.npz").exists()
+
+
+def test_packed_quantised_experts_read_back_from_any_slot():
+    """An expert of odd packed size read through views of a slot: the fp16 scales need an
+    even byte offset, so slots are 16-byte aligned (the runtime's pool) and the buffer
+    itself holds exactly the accounted bytes."""
+    from moesim.executor.runtime import _ExpertStore
+
+    w = torch.randn(3 * 7 * 5)
+    q = QuantExpert.from_flat(w, 7, 5, "int8")
+    assert q.nbytes % 2 == 1 and q.pack().numel() == q.nbytes
+    x = torch.randn(2, 7)
+    width = -(-q.nbytes // 16) * 16
+    pool = torch.zeros(3, width, dtype=torch.uint8)
+    for slot in range(3):
+        pool[slot, :q.nbytes].copy_(q.pack())
+        assert torch.equal(q.view(pool[slot]).forward(x), q.forward(x))
+    store = _ExpertStore(random_model(ExecConfig(SPEC), seed=1), "int4-g32", torch.device("cpu"))
+    assert store.width % 16 == 0 and store.width >= store.src[0][0].numel()
