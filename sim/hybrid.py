@@ -132,8 +132,9 @@ def build_work(trace: Trace, hw: HardwareProfile, times: ExpertTimes) -> HybridW
 
 
 def measured_work(trace: Trace, times: ExpertTimes) -> HybridWork:
-    """The step model's inputs from an executor trace's measured times: attention and the
-    rest per step as recorded, and per (step, MoE layer) the recorded device seconds per
+    """The step model's inputs from an executor trace's measured times: attention (less
+    the recording's prediction, which these policies do not run) and the rest per step as
+    recorded, and per (step, MoE layer) the recorded device seconds per
     device expert (``expert_s`` / experts the device ran) and CPU seconds per CPU expert
     (``cpu_s`` / ``cpu_experts``, the activation round trip included). A trace of a copy
     policy has no CPU times: the CPU's share is then timed by the roofline (``times``).
@@ -152,7 +153,10 @@ def measured_work(trace: Trace, times: ExpertTimes) -> HybridWork:
     with np.errstate(divide="ignore", invalid="ignore"):
         dev_per = np.where(n_dev > 0, tm["expert_s"] / n_dev, np.nan)
         cpu_per = np.where(n_cpu > 0, tm["cpu_s"] / n_cpu, np.nan) if "cpu_s" in tm else np.full((t, m), np.nan)
-    return HybridWork(tm["attn_s"].astype(float), tm["other_s"].astype(float), spec.moe_layers,
+    attn = tm["attn_s"].astype(float)
+    if "predict_s" in tm:  # a copy policy's recording predicted inside attn_s; these policies predict nothing
+        attn = np.maximum(attn - tm["predict_s"], 0.0)
+    return HybridWork(attn, tm["other_s"].astype(float), spec.moe_layers,
                       routed_sets(trace.true_ids), times, None, dev_per, cpu_per)
 
 
