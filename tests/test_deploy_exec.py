@@ -200,3 +200,30 @@ def test_packed_quantised_experts_read_back_from_any_slot():
         assert torch.equal(q.view(pool[slot]).forward(x), q.forward(x))
     store = _ExpertStore(random_model(ExecConfig(SPEC), seed=1), "int4-g32", torch.device("cpu"))
     assert store.width % 16 == 0 and store.width >= store.src[0][0].numel()
+
+
+def test_measured_replay_of_a_static_placement_is_the_step_model_on_the_recorded_times():
+    """cpu-static replayed with measured timing: each layer is attn + max(device experts x
+    recorded seconds each, CPU experts x recorded seconds each), the split the placement's
+    (synthetic routing, hand-made times)."""
+    from moesim.sim.hybrid import simulate_hybrid
+    from moesim.traces.synthetic import SyntheticParams, synthetic_trace
+
+    tr = synthetic_trace(SPEC, SyntheticParams(tokens=5, prompt_len=4, seed=2))
+    t, m = tr.n_tokens, SPEC.n_moe_layers
+    distinct = np.array([[len(set(tr.true_ids[s, j].reshape(-1).tolist())) for j in range(m)] for s in range(t)])
+    cpu = np.zeros((t, m), np.int16)
+    cpu[:, :2] = distinct[:, :2]  # cpu-static, 2 layers: every routed expert of layers 0-1 on the CPU
+    dev = distinct - cpu
+    attn = np.full((t, SPEC.n_layers), 1e-3)
+    tr.timings.update(attn_s=attn, expert_s=dev * 2e-3, stall_s=np.zeros((t, m)), other_s=np.full(t, 5e-4),
+                      predict_s=np.zeros((t, SPEC.n_layers)), cpu_s=cpu * 3e-3, cpu_wait_s=np.zeros((t, m)),
+                      cpu_experts=cpu, tpot_s=np.ones(t))
+    r = simulate_hybrid(tr, HW, "cpu-static", cpu_layers=2, timing="measured")
+    want = attn.sum(1) + np.maximum(dev * 2e-3, cpu * 3e-3).sum(1) + 5e-4
+    np.testing.assert_allclose(r.tpot, want, rtol=1e-9)
+    assert np.array_equal(r.run.n_cpu, cpu)
+    # Without CPU times (a copy policy's trace) the CPU's share falls back to the roofline.
+    del tr.timings["cpu_s"], tr.timings["cpu_experts"], tr.timings["cpu_wait_s"]
+    fallback = simulate_hybrid(tr, HW, "cpu-static", cpu_layers=2, timing="measured", host="epyc-7742")
+    assert np.isfinite(fallback.tpot).all() and not np.allclose(fallback.tpot, want)
