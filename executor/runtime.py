@@ -92,7 +92,7 @@ class StepRecord:
     expert_s: np.ndarray  # [M]
     stall_s: np.ndarray  # [M]
     predict_s: np.ndarray  # [L] the prediction alone (part of attn_s)
-    cpu_s: np.ndarray | None = None  # [M] CPU-compute policies: the layer's CPU experts, submit to last end
+    cpu_s: np.ndarray | None = None  # [M] CPU-compute policies: the layer's CPU experts past the end of attn_s
     cpu_wait_s: np.ndarray | None = None  # [M] the layer's end waiting for the CPU past the device's experts
     cpu_experts: np.ndarray | None = None  # [M] experts the CPU ran
     other_s: float = 0.0
@@ -137,7 +137,7 @@ def hybrid_setup(spec, policy: str, hw, host=None, *, batch: int = 1, context: i
     ``gpu_experts`` (KTransformers' ``--kt-num-gpu-experts``) sizes the device memory so
     that exactly that many routed experts fit beside the resident weights, the KV cache
     and the workspace (a small model on a real profile would otherwise hold every expert)."""
-    from moesim.hardware import HostProfile, get_host
+    from moesim.hardware import HostProfile, builtin_hosts, get_host
     from moesim.placement import cpu_layers as resolve_cpu_layers
     from moesim.placement import make_placement
     from moesim.sim.hybrid import expert_times
@@ -158,8 +158,6 @@ def hybrid_setup(spec, policy: str, hw, host=None, *, batch: int = 1, context: i
                                calibration=calibration)
     n_cpu = resolve_cpu_layers(spec, cpu_layers, mem, batch, context) if pol.cpu == "layers" else None
     times = expert_times(spec, hw, host_p, Link.from_profile(hw, spec), batch, amx)
-    from moesim.hardware import builtin_hosts
-
     named = host_p.name if host_p.name.lower() in builtin_hosts() or not host_p.path else str(Path(host_p.path).resolve())
     return HybridSetup(placement, times, named, mem / 1e9, n_cpu, workers)
 
