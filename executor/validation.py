@@ -185,7 +185,10 @@ def machine() -> str:
 # --------------------------------------------------------------------------------------
 
 #: (policy, expert dtype or None, base policy a transfer prediction starts from).
-CPU_CASES = (("cpu-static", None), ("cpu-on-miss", None), ("on-demand", "int8"), ("cpu-static", "int8"))
+CPU_CASES = (("cpu-static", None), ("hot-experts", None), ("cpu-on-miss", None), ("on-demand", "int8"),
+             ("cpu-static", "int8"))
+#: The hot-experts placement is counted on a separate calibration run: this prompt, reversed.
+CALIBRATION_PROMPT = PROMPT[::-1]
 
 
 def machine_host(model: MoEModel, expert_dtype: str | None = None) -> HostProfile:
@@ -268,10 +271,15 @@ def run_cpu_suite(out: Path, tokens: int = 16, gbps: float = 4.0, repeats: int =
                 break
             key = f"{policy}{'-' + fmt if fmt else ''}"
             pol = get_policy(policy)
+            calibration, gpu_experts = None, None
+            if pol.cpu == "hot":  # half the routed experts resident, the hottest of a calibration run
+                calibration = _calibration_ids(model, dv, tokens, hw, fmt)
+                gpu_experts = spec.n_moe_layers * spec.n_experts // 2
             if pol.cpu:
                 qspec = spec.with_expert_dtype(fmt) if fmt else spec
                 setup = hybrid_setup(qspec, policy, hw, hosts[fmt], context=prompt.shape[1] + tokens,
-                                     cpu_layers=spec.n_moe_layers // 2)
+                                     cpu_layers=spec.n_moe_layers // 2, calibration=calibration,
+                                     gpu_experts=gpu_experts)
                 cache = spec.n_experts * spec.n_moe_layers // 4 if pol.cpu == "miss" else 0
                 if progress:
                     progress(f"{name}, {gbps:g} GB/s, {key}")
@@ -283,12 +291,15 @@ def run_cpu_suite(out: Path, tokens: int = 16, gbps: float = 4.0, repeats: int =
             else:
                 tr = bases[fmt]
             case = {"model": name, "link_gbps": gbps, "policy": key, "synthetic": synthetic}
-            same, _ = validate_trace(tr, machine_hw, **({"host": hosts[fmt]} if pol.cpu else {}))
+            same, _ = validate_trace(tr, machine_hw, **({"host": hosts[fmt], "calibration": calibration}
+                                                         if pol.cpu else {}))
             rows.append({**case, "case": "same-policy", **_short(same)})
             if pol.cpu:
                 base = bases[fmt]
-                pred = simulate_hybrid(base, recorded_profile(base, machine_hw), policy, host=hosts[fmt],
-                                       cpu_layers=spec.n_moe_layers // 2, cache_experts=tr.meta.cache_experts,
+                base_hw = recorded_profile(base, machine_hw).with_figure(
+                    "device_memory_gb", setup.device_memory_gb, "estimate", "the recorded run's placement")
+                pred = simulate_hybrid(base, base_hw, policy, host=hosts[fmt], cpu_layers=spec.n_moe_layers // 2,
+                                       calibration=calibration, cache_experts=tr.meta.cache_experts,
                                        engine="fast", timing="measured").tpot[1:]
                 stats_ = error_stats(tr.timings["tpot_s"][1:], pred[: tr.n_tokens - 1])
                 rows.append({**case, "case": "transfer from on-demand", **_short(stats_)})
@@ -300,6 +311,14 @@ def run_cpu_suite(out: Path, tokens: int = 16, gbps: float = 4.0, repeats: int =
     if stop_requested():
         summary["interrupted"] = f"Ctrl-C: {len(traces)} finished cases kept and scored; the rest did not run"
     return rows, traces, summary
+
+
+def _calibration_ids(model: MoEModel, dv, tokens: int, hw: HardwareProfile, fmt: str | None) -> np.ndarray:
+    """The routing ``[t, m, b, k]`` of an untimed all-resident run on :data:`CALIBRATION_PROMPT`
+    (another text than the measured runs', so the placement has not seen them)."""
+    prompt = torch.tensor([b % model.spec.vocab for b in CALIBRATION_PROMPT]).view(1, -1)
+    _, records, _ = generate(model, prompt, ProfileSettings("all-resident", tokens=tokens, expert_dtype=fmt), hw, dv)
+    return np.stack([r.true_ids for r in records])
 
 
 def _run_cpu_case(model: MoEModel, dv, prompt: torch.Tensor, policy: str, fmt: str | None, setup, tokens: int,
