@@ -36,21 +36,37 @@ ExpertFn = Callable[[int, int, Tensor], Tensor]  # (layer, expert, x rows) -> y 
 class HostJob:
     """One layer's CPU experts in flight."""
 
-    futures: list[tuple[Future, Tensor, Tensor]]  # (expert output, rows, gates of those rows)
+    futures: list[tuple[Future, Tensor, Tensor]]  # ((expert output, end time), rows, top-k slots of those rows)
+    gates: Tensor | _Lazy  # [rows, k] on the host (read after the futures: on CUDA they waited for its copy)
     shape: tuple[int, int]
     device: torch.device
     dtype: torch.dtype
-    started: float
+    started: float  # time.perf_counter() at submit
+    ended: float = 0.0  # perf_counter() when the last expert finished (set by result())
 
     def done(self) -> bool:
         return all(f.done() for f, _, _ in self.futures)
 
+    @property
+    def seconds(self) -> float:
+        """Submit to the last expert's end (after :meth:`result`): the CPU's share of the
+        layer, hidden states down included."""
+        return max(self.ended - self.started, 0.0)
+
     def result(self) -> Tensor:
-        """The gated sum of the CPU experts' outputs, ``[rows, hidden]`` on the device."""
-        out = torch.zeros(self.shape, dtype=torch.float32)
-        for fut, rows, g in self.futures:
-            y = fut.result()
-            out.index_add_(0, rows, y.float() * g[:, None])
+        """The gated sum of the CPU experts' outputs, ``[rows, hidden]`` on the device.
+
+        On CUDA the sum is built in pinned memory, so the copy up is a true asynchronous
+        copy on the current stream (the caching host allocator keeps the buffer alive until
+        it has run): the host does not wait for the device here."""
+        pin = self.device.type == "cuda"
+        out = torch.zeros(self.shape, dtype=torch.float32, pin_memory=pin)
+        end = self.started
+        for fut, rows, cols in self.futures:
+            y, t = fut.result()
+            end = max(end, t)
+            out.index_add_(0, rows, y.float() * self.gates[rows, cols][:, None])
+        self.ended = end
         return out.to(self.device, self.dtype, non_blocking=True)
 
 
@@ -84,18 +100,23 @@ class HostExperts:
         ``experts`` are computed; the caller computes the others on the device.
         """
         started = time.perf_counter()
-        x_host = x.detach().to("cpu", torch.float32)
-        g_host = gates.detach().to("cpu", torch.float32)
+        x_host, g_host, ready = _to_host(x, gates)
         wanted = set(int(e) for e in experts)
         futures = []
-        for e in wanted:
+        for e in sorted(wanted):
             rows, cols = np.nonzero(ids == e)
             if rows.size == 0:
                 continue
             r = torch.from_numpy(rows.astype(np.int64))
             c = torch.from_numpy(cols.astype(np.int64))
-            futures.append((self._pool.submit(self._fn, layer, e, x_host[r]), r, g_host[r, c]))
-        return HostJob(futures, (x.shape[0], x.shape[1]), x.device, x.dtype, started)
+            futures.append((self._pool.submit(self._timed, layer, e, x_host, r, ready), r, c))
+        return HostJob(futures, g_host, (x.shape[0], x.shape[1]), x.device, x.dtype, started)
+
+    def _timed(self, layer: int, e: int, x_host: Tensor, rows: Tensor, ready) -> tuple[Tensor, float]:
+        if ready is not None:
+            ready.synchronize()  # the hidden states' copy down has landed (a CUDA event; no-op on CPU)
+        y = self._fn(layer, e, x_host[rows])
+        return y, time.perf_counter()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -105,6 +126,33 @@ class HostExperts:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _to_host(x: Tensor, gates: Tensor):
+    """(hidden states, gates) as fp32 on the host, and a CUDA event marking their arrival.
+
+    On CUDA both go down with one ``non_blocking`` copy each into pinned memory; the
+    threads wait on the event, not the caller (which goes on queueing the device's
+    experts). On CPU they are the caller's tensors (cast) and the event is None."""
+    if x.device.type != "cuda":
+        return x.detach().to(torch.float32), gates.detach().to(torch.float32), None
+    xh = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    gh = torch.empty(gates.shape, dtype=gates.dtype, pin_memory=True)
+    xh.copy_(x.detach(), non_blocking=True)
+    gh.copy_(gates.detach(), non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record()
+    return _Lazy(xh), _Lazy(gh), ev
+
+
+class _Lazy:
+    """A pinned host tensor read only after its copy's event: indexing casts to fp32 then."""
+
+    def __init__(self, t: Tensor) -> None:
+        self.t = t
+
+    def __getitem__(self, idx):
+        return self.t[idx].float()
 
 
 def hybrid_moe(layer: int, moe_index: int, x: Tensor, ids: np.ndarray, gates: Tensor, planner,

@@ -13,7 +13,7 @@ import platform
 import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -106,6 +106,9 @@ class ProfileSettings:
     tokens: int = 32
     temperature: float = 0.0  # 0 = greedy
     seed: int = 0
+    hybrid: object = None  # runtime.HybridSetup: the CPU-compute policies' placement and expert times
+    expert_dtype: str | None = None  # quantised routed experts (executor.quant_experts); None = the model's dtype
+    hybrid_params: dict = field(default_factory=dict)  # what the header records of the CPU-compute setup
 
 
 def _next_token(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> torch.Tensor:
@@ -118,8 +121,11 @@ def _next_token(logits: torch.Tensor, temperature: float, gen: torch.Generator) 
 def _decoder(model: MoEModel, st: ProfileSettings, hw: HardwareProfile, batch: int, dv, policy: str | None = None,
              estimator=None):
     transport = make_transport(model.embed_tokens.weight.device, hw.link_bw, hw.transfer_latency)
-    return OffloadedDecoder(model, policy or st.policy, transport, predictor=st.predictor, default_vectors=dv,
-                            cache_experts=st.cache_experts, eviction=st.eviction, batch=batch, estimator=estimator)
+    policy = policy or st.policy
+    hybrid = st.hybrid if policy == st.policy else None  # a pre-pass or reference run is a copy policy
+    return OffloadedDecoder(model, policy, transport, predictor=st.predictor, default_vectors=dv,
+                            cache_experts=st.cache_experts, eviction=st.eviction, batch=batch, estimator=estimator,
+                            hybrid=hybrid, expert_dtype=st.expert_dtype)
 
 
 @contextmanager
@@ -179,7 +185,7 @@ def generate(model: MoEModel, prompt: torch.Tensor, st: ProfileSettings, hw: Har
         except KeyboardInterrupt:
             cut = True
         finally:
-            dec.transport.close()
+            dec.close()
     if cut and not done:
         raise Interrupted("interrupted before the first decode step finished: nothing to keep")
     return pre_rec.tpot_s, [r for r, _ in done], [t for _, t in done]
@@ -222,9 +228,18 @@ def build_trace(model: MoEModel, prompt: torch.Tensor, st: ProfileSettings, hw: 
         "tpot_s": np.array([r.tpot_s for r in records]),
         **copy_arrays(copies),
     }
+    params = {"predictor": "none" if st.hybrid is not None else st.predictor, "cache_experts": st.cache_experts, "eviction": st.eviction,
+              "temperature": st.temperature}
+    if records and records[0].cpu_s is not None:  # a CPU-compute policy: what its CPU experts did
+        timings["cpu_s"] = np.stack([r.cpu_s for r in records])
+        timings["cpu_wait_s"] = np.stack([r.cpu_wait_s for r in records])
+        timings["cpu_experts"] = np.stack([r.cpu_experts for r in records]).astype(np.int16)
+        params.update(st.hybrid_params)
+    if st.expert_dtype is not None:  # the routed experts as quantised: every byte count follows (moesim.models)
+        s = s.with_expert_dtype(st.expert_dtype)
+        params["expert_dtype"] = st.expert_dtype
     header = make_header(
-        s, policy=st.policy, params={"predictor": st.predictor, "cache_experts": st.cache_experts,
-                                     "eviction": st.eviction, "temperature": st.temperature},
+        s, policy=st.policy, params=params,
         prompt_len=int(prompt.shape[1]), n_tokens=len(records), batch=b, seed=st.seed, synthetic=synthetic,
         prefill_s=prefill_s,
         recorded={"tool": f"moesim {__version__}", "how": "moesim profile (reference executor)",

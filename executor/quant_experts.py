@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -99,5 +100,56 @@ class QuantExpert:
         return self.gate.nbytes + self.up.nbytes + self.down.nbytes
 
     def forward(self, x: Tensor) -> Tensor:
+        """``x`` [rows, hidden] (any float dtype) -> [rows, hidden] fp32."""
         x = x.float()
         return (F.silu(x @ self.gate.dequantize().T) * (x @ self.up.dequantize().T)) @ self.down.dequantize().T
+
+    # -- one contiguous buffer per expert: what the offloaded runtime copies -------------
+    def _parts(self) -> list[Tensor]:
+        """Stored tensors in buffer order: every fp16 scale and zero first, then the codes,
+        so each fp16 part starts at an even byte offset (a dtype view needs it) without any
+        padding: the buffer holds exactly :attr:`nbytes`."""
+        halves = [t for q in (self.gate, self.up, self.down) for t in (q.scale, q.zero) if t is not None]
+        return halves + [self.gate.codes, self.up.codes, self.down.codes]
+
+    def pack(self) -> Tensor:
+        """The expert as one flat uint8 buffer of :attr:`nbytes` (host; pinned by the caller
+        when it is copied with ``non_blocking``)."""
+        return torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in self._parts()])
+
+    def view(self, buf: Tensor) -> QuantExpert:
+        """This expert's layout over ``buf`` (a packed copy, e.g. in a device slot): views,
+        no copy."""
+        parts, off = [], 0
+        for t in self._parts():
+            n = t.numel() * t.element_size()
+            parts.append(buf[off:off + n].view(t.dtype).view(t.shape))
+            off += n
+        it = iter(parts)
+        scales = {}
+        for name in ("gate", "up", "down"):
+            q = getattr(self, name)
+            scales[name] = (next(it), next(it) if q.zero is not None else None)
+        mats = [QuantMatrix(q.fmt, q.rows, q.cols, next(it), *scales[name])
+                for name, q in (("gate", self.gate), ("up", self.up), ("down", self.down))]
+        return QuantExpert(*mats)
+
+
+def quantize_experts(experts: list[list[Tensor]], hidden: int, inter: int, fmt: str) -> list[list[QuantExpert]]:
+    """Every routed expert of a model (``experts[layer][e]`` flat buffers; ``[]`` for a
+    dense layer) quantised to ``fmt``, on the host."""
+    return [[QuantExpert.from_flat(w.detach().cpu(), hidden, inter, fmt) for w in row] for row in experts]
+
+
+def mix_quant(x: Tensor, ids: np.ndarray, gates: Tensor, experts) -> Tensor:
+    """``sum_c gates[r, c] * expert_{ids[r, c]}(x[r])`` with quantised experts
+    (``experts[e]``: a :class:`QuantExpert` on x's device); experts in increasing id order,
+    as ``executor.model.mix_experts`` sums dense ones."""
+    out = torch.zeros_like(x)
+    for e in sorted({int(v) for v in ids.reshape(-1) if v >= 0}):
+        rows, cols = np.nonzero(ids == e)
+        r = torch.from_numpy(rows.astype(np.int64)).to(x.device)
+        c = torch.from_numpy(cols.astype(np.int64)).to(x.device)
+        y = experts[e].forward(x[r]).to(x.dtype)  # [n_e, hidden]
+        out.index_add_(0, r, y * gates[r, c, None].to(y.dtype))
+    return out

@@ -57,6 +57,15 @@ class DecodeRequest:
     seed: int = 0
     fidelity_tokens: int = 128
     threads: int = DECODE_THREADS
+    # CPU-compute policies (docs/policies.md): host profile (default: the --hw profile's host),
+    # cpu-static's layer count, the calibration trace that places hot experts (hot-experts;
+    # warms cpu-on-miss's cache), and how many experts the device holds (hot-experts)
+    host: str | None = None
+    cpu_layers: int | str | None = None
+    placement_from: Path | None = None
+    gpu_experts: int | None = None
+    # Routed experts quantised (executor.quant_experts): int8, int4-g32, int4-g128; None = --dtype
+    expert_dtype: str | None = None
 
 
 @dataclass
@@ -98,6 +107,61 @@ def check_decode_budget(req: DecodeRequest, hw: HardwareProfile, offload: bool) 
                                         hw["h2d_pinned_gbs"], capacity, offload, req.prompt_len))
 
 
+def check_cpu_options(req: DecodeRequest, spec) -> tuple[np.ndarray | None, int | str]:
+    """One-line errors, before any work, for options that do not fit the policy; returns the
+    calibration routing (``--placement-from``, checked against the model) and the
+    cpu-static layer count (``auto`` or a number)."""
+    from moesim.executor.quant_experts import FORMATS
+
+    pol = get_policy(req.policy)
+    if req.expert_dtype is not None and req.expert_dtype not in FORMATS:
+        raise MoesimError(f"--expert-dtype {req.expert_dtype!r}: the executor quantises experts to "
+                          f"{', '.join(FORMATS)} (leave it out for --dtype)")
+    given = [name for name, v in (("--host", req.host), ("--cpu-layers", req.cpu_layers),
+                                  ("--placement-from", req.placement_from), ("--gpu-experts", req.gpu_experts))
+             if v is not None]
+    if not pol.cpu:
+        if given:
+            raise MoesimError(f"{', '.join(given)} apply to the CPU-compute policies (cpu-static, hot-experts, "
+                              f"cpu-on-miss), not {pol.name}")
+        return None, "auto"
+    only = {"--cpu-layers": "layers", "--gpu-experts": "hot", "--placement-from": ("hot", "miss")}
+    for name in given:
+        if name in only and pol.cpu not in only[name]:
+            raise MoesimError(f"{name} does not apply to {pol.name}")
+    if pol.cpu == "hot" and req.placement_from is None:
+        raise MoesimError("hot-experts needs a calibration trace to count expert frequencies: "
+                          "--placement-from TRACE (e.g. an on-demand run's trace)")
+    if pol.cpu == "miss" and req.cache_gib <= 0 and req.cache_experts <= 0:
+        raise MoesimError("cpu-on-miss needs a device expert cache: --cache-gib or --cache-experts > 0")
+    n: int | str = "auto"
+    if req.cpu_layers is not None:
+        n = req.cpu_layers
+        if isinstance(n, str):
+            n = int(n) if n.strip().isdigit() else n.strip()
+        from moesim.placement import cpu_layers as check_layers
+
+        check_layers(spec, n, 1e30)  # "auto" or 0..M: the count alone, memory comes later
+    if req.gpu_experts is not None and not 0 <= req.gpu_experts <= spec.n_moe_layers * spec.n_experts:
+        raise MoesimError(f"--gpu-experts {req.gpu_experts}: 0 to {spec.n_moe_layers * spec.n_experts} "
+                          f"(the routed experts of {spec.name})")
+    calibration = None
+    if req.placement_from is not None:
+        from moesim.sim.hybrid import load_calibration
+
+        calibration = load_calibration(str(req.placement_from), spec)
+    return calibration, n
+
+
+def _request_spec(req: DecodeRequest):
+    from moesim.executor.loading import shipped_model
+    from moesim.models import get_model
+
+    src = shipped_model(req.model) if req.model in (SHIPPED_MODEL, DRAFT_MODEL) else req.model
+    spec = get_model(str(src))
+    return spec.with_layers(req.layers) if req.layers is not None else spec
+
+
 def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], None] | None = None) -> Recorded:
     """Decode with the reference executor under ``req.policy`` and write its trace to ``out``."""
     from moesim.executor.profile import (
@@ -118,13 +182,27 @@ def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], 
     hw_profile = link_profile(req.hw, req.link_gbps)
     pol = get_policy(req.policy)
     check_decode_budget(req, hw_profile, pol.offload)
+    calibration, n_cpu = check_cpu_options(req, _request_spec(req))
+    host_profile = _host_profile(req, hw_profile) if pol.cpu else None
     loaded = load_model(req.model, req.layers, req.dtype, req.device, req.seed)
     m = loaded.model
-    capacity = min(cache_capacity(m.spec, req.cache_gib, req.cache_experts), m.spec.n_moe_layers * m.spec.n_experts) \
+    spec = m.spec.with_expert_dtype(req.expert_dtype) if req.expert_dtype else m.spec  # byte accounting
+    capacity = min(cache_capacity(spec, req.cache_gib, req.cache_experts), spec.n_moe_layers * spec.n_experts) \
         if pol.offload else 0  # a cache larger than every expert holds every expert
-    st = ProfileSettings(pol.name, req.predictor, capacity, req.eviction, req.tokens, req.temperature, req.seed)
-    dv, est = predictor_files(loaded, req.model, pol.name, req.predictor, req.seed, dev)
+    if pol.cpu and pol.cpu != "miss":
+        capacity = 0  # static placements keep no cache: their resident set is the placement
+    st = ProfileSettings(pol.name, req.predictor, capacity, req.eviction, req.tokens, req.temperature, req.seed,
+                         expert_dtype=req.expert_dtype)
     ids = prompt_ids(m, req.prompt if req.prompt is not None else DEFAULT_PROMPT, req.prompt_len, req.batch, req.seed)
+    if pol.cpu:
+        from moesim.executor.runtime import hybrid_setup
+
+        setup = hybrid_setup(spec, pol.name, hw_profile, host_profile, batch=req.batch,
+                             context=ids.shape[1] + req.tokens, cpu_layers=n_cpu, calibration=calibration,
+                             gpu_experts=req.gpu_experts)
+        st.hybrid = setup
+        st.hybrid_params = setup.params(req.placement_from, req.gpu_experts)
+    dv, est = predictor_files(loaded, req.model, pol.name, req.predictor, req.seed, dev)
     with stop_on_interrupt():  # from here on, Ctrl-C keeps and writes the finished steps
         prefill_s, records, produced = generate(m, ids, st, hw_profile, dv, progress=progress, estimator=est)
         extra = {}
@@ -137,6 +215,12 @@ def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], 
                             loaded.source, extra)
         write_trace(trace, out)
     return Recorded(trace, out, len(records), req.tokens, extra)
+
+
+def _host_profile(req: DecodeRequest, hw: HardwareProfile):
+    from moesim.hardware import get_host
+
+    return get_host(req.host, hw)
 
 
 @dataclass
@@ -177,8 +261,9 @@ def record_speculative(req: SpeculateRequest, out: Path) -> tuple[Recorded, Spec
 
     check_output_file(out)
     pol = get_policy(req.policy)
-    if pol.speculative or pol.oracle:
-        raise MoesimError("speculative decoding verifies exactly: use all-resident, on-demand or prefetch-fom")
+    if pol.speculative or pol.oracle or pol.cpu:
+        raise MoesimError("speculative decoding verifies exactly on the copy engine: use all-resident, on-demand "
+                          "or prefetch-fom")
     st = SpecSettings(req.gamma, req.branch, req.depth, req.selection, req.score, req.lam, req.tokens)
     tpath, dpath = checkpoint_dir(req.model), checkpoint_dir(req.draft)
     torch.set_num_threads(req.threads)

@@ -34,15 +34,17 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from moesim.errors import MoesimError
-from moesim.executor.model import MoEModel, TreeMask, mix_experts, quasi_hidden
+from moesim.executor.model import MoEModel, TreeMask, expert_forward, mix_experts, quasi_hidden
 from moesim.executor.transport import CudaTransport, EmulatedLink, Transfer
-from moesim.policy import Planner, expert_slots, get_policy
+from moesim.placement import HybridPlanner, Placement
+from moesim.policy import ExpertTimes, Planner, cpu_or_copy, expert_slots, get_policy
 
 PREDICTORS = ("quasi", "stale", "oracle", "estimator", "hybrid")
 
@@ -55,7 +57,7 @@ def predictor_inputs(policy: str, predictor: str) -> tuple[bool, bool]:
     that it can stand in for the prefetching policies); only a prefetching policy cannot
     run without them (checked in :class:`OffloadedDecoder`)."""
     pol = get_policy(policy)
-    if not pol.offload or pol.oracle:
+    if not pol.offload or pol.oracle or pol.cpu:  # the CPU-compute policies predict nothing
         return False, False
     return predictor in ("quasi", "estimator", "hybrid"), predictor in ("estimator", "hybrid")
 
@@ -90,11 +92,74 @@ class StepRecord:
     expert_s: np.ndarray  # [M]
     stall_s: np.ndarray  # [M]
     predict_s: np.ndarray  # [L] the prediction alone (part of attn_s)
+    cpu_s: np.ndarray | None = None  # [M] CPU-compute policies: the layer's CPU experts past the end of attn_s
+    cpu_wait_s: np.ndarray | None = None  # [M] the layer's end waiting for the CPU past the device's experts
+    cpu_experts: np.ndarray | None = None  # [M] experts the CPU ran
     other_s: float = 0.0
     tpot_s: float = 0.0
     copies: list[Transfer] = field(default_factory=list)
     logits: Tensor | None = None  # [B, vocab] after the last token
     all_logits: Tensor | None = None  # [B, t, vocab] after every token (tree verification only)
+
+
+@dataclass(frozen=True)
+class HybridSetup:
+    """What a CPU-compute policy needs beyond a copy policy: the static placement it starts
+    from (None: cpu-on-miss with a cold cache) and the expert times cpu-on-miss decides
+    with. Built by :func:`hybrid_setup` from the same functions the simulator calls."""
+
+    placement: Placement | None
+    times: ExpertTimes
+    host: str  # the host profile as get_host reads it back: a built-in name, or its .toml path
+    device_memory_gb: float  # the device memory the placement filled (the profile's, or sized by gpu_experts)
+    cpu_layers: int | None = None  # cpu-static: the resolved count
+    workers: int | None = None  # host expert threads (default: HostExperts' own)
+
+    def params(self, placement_from: str | Path | None = None, gpu_experts: int | None = None) -> dict:
+        """What a trace header records of this setup (its policy params), so that
+        ``moesim replay --validate`` rebuilds the same placement (moesim.sim.validate)."""
+        p = self.placement
+        return {"host_profile": self.host, "cpu_layers": self.cpu_layers, "device_memory_gb": self.device_memory_gb,
+                "placement": p.source if p is not None else "cold cache",
+                "resident_experts": p.n_resident if p is not None else 0,
+                "placement_from": str(Path(placement_from).resolve()) if placement_from is not None else None,
+                "gpu_experts": gpu_experts}
+
+
+def hybrid_setup(spec, policy: str, hw, host=None, *, batch: int = 1, context: int = 0, cpu_layers: int | str = "auto",
+                 calibration: np.ndarray | None = None, gpu_experts: int | None = None, amx: bool = True,
+                 workers: int | None = None) -> HybridSetup:
+    """The placement (``moesim.placement.make_placement``, device memory from ``hw``) and the
+    roofline expert times (``moesim.sim.hybrid.expert_times`` on ``hw``'s link and ``host``)
+    exactly as ``moesim.sim.hybrid.simulate_hybrid`` builds them, so the executor and the
+    simulator start from the same placement and decide cpu-on-miss with the same figures.
+
+    ``gpu_experts`` (KTransformers' ``--kt-num-gpu-experts``) sizes the device memory so
+    that exactly that many routed experts fit beside the resident weights, the KV cache
+    and the workspace (a small model on a real profile would otherwise hold every expert)."""
+    from moesim.hardware import HostProfile, builtin_hosts, get_host
+    from moesim.placement import cpu_layers as resolve_cpu_layers
+    from moesim.placement import make_placement
+    from moesim.sim.hybrid import expert_times
+    from moesim.sim.workload import Link
+
+    pol = get_policy(policy)
+    if not pol.cpu:
+        raise MoesimError(f"policy {pol.name!r} computes no experts on the CPU")
+    host_p = host if isinstance(host, HostProfile) else get_host(host, hw)
+    mem = hw["device_memory_gb"] * 1e9
+    if gpu_experts is not None:
+        from moesim.placement import WORKSPACE_BYTES, kv_bytes
+
+        if gpu_experts < 0:
+            raise MoesimError(f"--gpu-experts must be >= 0, got {gpu_experts}")
+        mem = spec.non_expert_bytes + kv_bytes(spec, batch, context) + WORKSPACE_BYTES + gpu_experts * spec.expert_bytes
+    placement = make_placement(pol, spec, mem, batch=batch, context=context, cpu_layers_n=cpu_layers,
+                               calibration=calibration)
+    n_cpu = resolve_cpu_layers(spec, cpu_layers, mem, batch, context) if pol.cpu == "layers" else None
+    times = expert_times(spec, hw, host_p, Link.from_profile(hw, spec), batch, amx)
+    named = host_p.name if host_p.name.lower() in builtin_hosts() or not host_p.path else str(Path(host_p.path).resolve())
+    return HybridSetup(placement, times, named, mem / 1e9, n_cpu, workers)
 
 
 class Timer:
@@ -129,12 +194,15 @@ class OffloadedDecoder:
 
     def __init__(self, model: MoEModel, policy: str, transport, *, predictor: str = "quasi",
                  default_vectors: Tensor | None = None, cache_experts: int = 0, eviction: str = "lru",
-                 batch: int = 1, estimator: tuple[torch.nn.Module, list[str]] | None = None) -> None:
+                 batch: int = 1, estimator: tuple[torch.nn.Module, list[str]] | None = None,
+                 hybrid: HybridSetup | None = None, expert_dtype: str | None = None) -> None:
         self.model, self.policy, self.transport = model, get_policy(policy), transport
         if predictor not in PREDICTORS:
             raise MoesimError(f"unknown predictor {predictor!r}; known: {', '.join(PREDICTORS)}")
         if self.policy.oracle:
             predictor = "oracle"
+        if self.policy.cpu:
+            predictor = "none"  # the CPU-compute policies predict nothing (docs/policies.md)
         uses_dv, uses_est = predictor_inputs(self.policy.name, predictor)
         if self.policy.prefetch and uses_dv and default_vectors is None:
             raise MoesimError(f"the {predictor} predictor needs default vectors (moesim calibrate)")
@@ -142,8 +210,8 @@ class OffloadedDecoder:
             raise MoesimError(f"the {predictor} predictor needs a trained estimator (moesim train-estimator)")
         self.estimator = estimator
         self.predictor, self.dv = predictor, default_vectors
-        self.can_predict = predictor == "stale" or (default_vectors is not None and (
-            predictor == "quasi" or (predictor in ("estimator", "hybrid") and estimator is not None)))
+        self.can_predict = not self.policy.cpu and (predictor == "stale" or (default_vectors is not None and (
+            predictor == "quasi" or (predictor in ("estimator", "hybrid") and estimator is not None))))
         s = model.spec
         if s.dense_layers and self.policy.offload and predictor in ("estimator", "hybrid"):
             # estimator.py pairs layer l's quasi-hidden state with layer l+1: not the next MoE layer
@@ -152,24 +220,61 @@ class OffloadedDecoder:
         self.layers = _Layers.of(s)
         p = model.embed_tokens.weight
         self.device, self.dtype = p.device, p.dtype
-        self.planner = Planner(self.policy, cache_experts if self.policy.offload else 0, eviction)
-        n_slots = expert_slots(s, self.policy, cache_experts if self.policy.offload else 0)  # what the what-if counts
-        self.pool = torch.empty((n_slots, s.expert_weights), device=self.device, dtype=self.dtype)
+        self.store = _ExpertStore(model, expert_dtype, self.device)
+        cache_experts = cache_experts if self.policy.offload else 0
+        self.hybrid = hybrid
+        if self.policy.cpu:
+            if hybrid is None:
+                raise MoesimError(f"{self.policy.name} needs its placement and expert times (runtime.hybrid_setup)")
+            self.planner = None
+            self.hplanner = HybridPlanner(self.policy, s, hybrid.placement, cache_experts, eviction)
+            self.host = self.store.host_pool(hybrid.workers)
+            self._link_free = 0.0  # perf_counter() seconds when the link has copied everything issued
+        else:
+            self.planner = Planner(self.policy, cache_experts, eviction)
+            self.hplanner = self.host = None
+        n_slots = expert_slots(s, self.policy, cache_experts)  # what the what-if counts
+        self.pool = torch.empty((n_slots, self.store.width), device=self.device, dtype=self.store.pool_dtype)
         self.free = list(range(n_slots))
         self.freed_after: dict[int, object] = {}  # CUDA: slot -> event after the last kernel that read it
         self.where: dict[tuple[int, int], int] = {}
         self.loaded: dict[int, list[int]] = defaultdict(list)
         self.oracle_routes: list[tuple[np.ndarray, np.ndarray]] | None = None  # per step (ids, gates) [M, B, k]
         self.timer = Timer(self.device)
-        self.resident = model.experts
-        if not self.policy.offload and model.experts[self.layers.moe[0]][0].device != self.device:
-            self.resident = [[w.to(self.device) for w in row] for row in model.experts]  # resident means resident
+        self.resident = self.store.host
+        if not self.policy.offload:
+            self.resident = [self.store.on_device(layer) for layer in range(s.n_layers)]  # resident means resident
+        self.placed: dict[tuple[int, int], object] = {}  # static placements: (m, e) -> device weights
+        if self.policy.cpu:
+            self._place_static()
+
+    def _place_static(self) -> None:
+        """Before the first step (untimed, like loading the model): the static placement's
+        resident experts go to the device; a warmed cpu-on-miss cache gets its experts
+        copied into slots."""
+        hp = self.hplanner
+        if hp.cache is not None:
+            warm = hp.cache.keys()  # a list (ExpertCache), coldest first
+            for key in warm:
+                slot = self.free.pop()
+                src = self.store.src[self.layers.moe[key[0]]][key[1]]
+                self.pool[slot, :src.numel()].copy_(src)
+                self.where[key] = slot
+            return
+        for m, e in zip(*np.nonzero(hp.resident)):
+            self.placed[(int(m), int(e))] = self.store.device_weight(self.layers.moe[int(m)], int(e))
+
+    def close(self) -> None:
+        """Stop the link and the host expert threads."""
+        self.transport.close()
+        if self.host is not None:
+            self.host.close()
 
     # -- expert placement ---------------------------------------------------------------
     def _issue(self, m: int, experts: list[int], kind: int, out: list[Transfer]) -> None:
         """Copy ``experts`` of MoE layer ``m`` into free slots (records name the model layer)."""
         layer = self.layers.moe[m]
-        src = self.model.experts[layer]
+        src = self.store.src[layer]
         batch = []
         for e in experts:
             if not self.free:
@@ -178,13 +283,18 @@ class OffloadedDecoder:
             self.where[(m, e)] = slot
             self.loaded[m].append(e)
             t = Transfer(layer, e, src[e].numel() * src[e].element_size(), kind)
-            batch.append((self.pool[slot], src[e], t, self.freed_after.pop(slot, None)))
+            batch.append((self.pool[slot, :src[e].numel()], src[e], t, self.freed_after.pop(slot, None)))
         out += self.transport.copy_batch(batch)
 
-    def _weights(self, m: int) -> dict[int, Tensor] | list[Tensor]:
+    def _weights(self, m: int) -> dict[int, object] | list:
+        """MoE layer ``m``'s experts on the device: resident, placed, or in slots (a packed
+        quantised expert is read through views of its slot)."""
         if not self.policy.offload:
             return self.resident[self.layers.moe[m]]
-        return {e: self.pool[slot] for (lay, e), slot in self.where.items() if lay == m}
+        layer = self.layers.moe[m]
+        w = {e: self.store.view(layer, e, self.pool[slot]) for (lay, e), slot in self.where.items() if lay == m}
+        w.update({e: v for (lay, e), v in self.placed.items() if lay == m})
+        return w
 
     def _release(self, m: int, evicted: list[tuple[int, int]]) -> None:
         """Return the slots the planner no longer needs. On CUDA a slot is reused only after
@@ -281,6 +391,8 @@ class OffloadedDecoder:
         rec = StepRecord(np.full(shape, -1, np.int16), np.zeros(shape, np.float32), np.full(shape, -1, np.int16),
                          np.zeros(shape, np.float32), np.full(shape, -1, np.int16), np.zeros(L), np.zeros(M), np.zeros(M),
                          np.zeros(L))
+        if self.hplanner is not None:
+            rec.cpu_s, rec.cpu_wait_s, rec.cpu_experts = np.zeros(M), np.zeros(M), np.zeros(M, np.int32)
         return _StepState(rec, step_index, prefill, predicted, t_start)
 
     def _dense_end(self, st: _StepState, layer: int) -> None:
@@ -296,7 +408,9 @@ class OffloadedDecoder:
         experts. ``x``, ``resid`` [rows, hidden]; ``logits`` [rows, experts]. Marks: attn_s
         runs from the end of the previous layer (its attention, router, prediction,
         planning) to t1; stall_s t1-t2; expert_s t2-t3."""
-        tm, s = self.timer, self.model.spec
+        if self.hplanner is not None:
+            return self._hybrid_layer(st, layer, x, logits)
+        tm = self.timer
         m = self.layers.index[layer]
         ids, gates = self.model.route(logits, layer)  # [rows, k] each, on the device
         pred_here, pred_here_host = st.pred_next, st.pred_next_host
@@ -312,15 +426,92 @@ class OffloadedDecoder:
         speculative = self.policy.speculative and pred_here is not None and st.predicted is None
         run_ids, run_gates = (pred_here_host, pred_here[1]) if speculative else (true_host, gates)
         st.rec.exec_ids[m] = run_ids
-        y = mix_experts(x, run_ids, run_gates, self._weights(m), s.hidden, s.expert_inter)  # [rows, hidden]
+        y = self.store.mix(x, run_ids, run_gates, self._weights(m))  # [rows, hidden]
         t3 = tm.mark()
         _, evicted = self.planner.finish(m, plan)
         self._release(m, evicted)
         st.rec.copies += demand + prefetch
         st.pending = prefetch
-        st.marks.append((st.t_layer, t1, t2, t3, tp0, tp1))
+        st.marks.append((st.t_layer, t1, t2, t3, tp0, tp1, t3))
         st.t_layer = t3
         return y
+
+    def _hybrid_layer(self, st: _StepState, layer: int, x: Tensor, logits: Tensor) -> Tensor:
+        """The expert hook under a CPU-compute policy (MoE layer of model layer ``layer``).
+
+        Route; one host sync for the ids; the shared :class:`~moesim.placement.HybridPlanner`
+        splits the routed experts into those the device holds and misses; cpu-on-miss asks
+        :func:`~moesim.policy.cpu_or_copy` (with this decoder's link queue) how many misses
+        to copy, heaviest first, as the simulator does; the CPU's share is submitted to the
+        host pool, then the device waits for its copies and runs its share while the CPU
+        works; the layer ends when both are done. Marks: attn_s to t1 (routing, the sync,
+        the decision, issuing copies and the CPU job), stall_s t1-t2, expert_s t2-t3 (the
+        device's experts), cpu_wait_s t3-t4 (the CPU result past the device's end); cpu_s
+        from t1 to the last CPU expert's end (what the CPU adds past attn_s, as the step
+        model counts it: the hand-off before t1 is in attn_s)."""
+        tm, rec = self.timer, st.rec
+        m = self.layers.index[layer]
+        ids, gates = self.model.route(logits, layer)  # [rows, k] each, on the device
+        tp = tm.mark()
+        ids_host = ids.cpu().numpy()  # the one host synchronisation of the layer
+        self._record_routing(st, m, ids_host, gates, None, None)
+        count: dict[int, int] = {}
+        for e in ids_host.reshape(-1).tolist():
+            count[e] = count.get(e, 0) + 1
+        routed = sorted(count, key=lambda e: (-count[e], e))  # heaviest first, as moesim.sim.hybrid.routed_sets
+        hits, misses = self.hplanner.split(m, routed)
+        copied: list[int] = []
+        demand: list[Transfer] = []
+        if self.hplanner.copies and misses:
+            now, times = time.perf_counter(), self.hybrid.times
+            c = cpu_or_copy([count[e] for e in misses], sum(count[e] for e in hits), len(hits), now=now,
+                            link_free=self._link_free, times=times)
+            copied = misses[:c]
+            if c:
+                self._link_free = max(self._link_free, now) + c * times.copy
+                self._issue(m, copied, 1, demand)
+        on_cpu = [e for e in misses if e not in copied]
+        job = self.host.submit(layer, x, ids_host, gates, on_cpu) if on_cpu else None
+        t1 = tm.mark()
+        cpu_from = time.perf_counter()  # the step model starts a layer's CPU share where its attn_s ends
+        self.transport.wait(demand)
+        t2 = tm.mark()
+        weights = self._weights(m)
+        y = self.store.mix_subset(x, ids_host, gates, weights, hits + copied)  # [rows, hidden]
+        t3 = tm.mark()
+        if job is not None:
+            y = y + job.result()
+        t4 = tm.mark()
+        rec.exec_ids[m] = ids_host
+        rec.cpu_experts[m] = len(on_cpu)
+        rec.cpu_s[m] = max(job.ended - cpu_from, 0.0) if job is not None else 0.0
+        self.hplanner.finish(m, hits, copied)
+        self._release_hybrid(m)
+        rec.copies += demand
+        st.marks.append((st.t_layer, t1, t2, t3, tp, tp, t4))
+        st.t_layer = t4
+        return y
+
+    def _release_hybrid(self, m: int) -> None:
+        """cpu-on-miss: free the slots of experts the cache does not hold after layer ``m``
+        (copied misses it did not admit, and its evictions, of any layer). On CUDA a freed
+        slot is reused only after the kernels that read it (as :meth:`_release`)."""
+        cache = self.hplanner.cache
+        if cache is None:
+            return
+        gone = [key for key in self.where if key not in cache]
+        if not gone:
+            return
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        for key in gone:
+            slot = self.where.pop(key)
+            if done is not None:
+                self.freed_after[slot] = done
+            self.free.append(slot)
+        self.loaded.pop(m, None)
 
     @staticmethod
     def _to_host(ids: Tensor, pred: tuple[Tensor, Tensor] | None) -> tuple[np.ndarray, np.ndarray | None]:
@@ -368,12 +559,14 @@ class OffloadedDecoder:
         if tm.cuda:
             t_end.synchronize()
             self.transport.finish_step(rec.copies)
-        for m, (t0, t1, t2, t3, tp0, tp1) in enumerate(st.marks):
+        for m, (t0, t1, t2, t3, tp0, tp1, t4) in enumerate(st.marks):
             layer = self.layers.moe[m]
             rec.predict_s[layer] = tm.seconds(tp0, tp1)
             rec.attn_s[layer] = tm.seconds(t0, t1)
             rec.stall_s[m] = tm.seconds(t1, t2)
             rec.expert_s[m] = tm.seconds(t2, t3)
+            if rec.cpu_wait_s is not None:
+                rec.cpu_wait_s[m] = tm.seconds(t3, t4)
         for layer, t0, t1 in st.dense_marks:
             rec.attn_s[layer] = tm.seconds(t0, t1)
         rec.other_s = tm.seconds(st.t_start, st.t_embed) + tm.seconds(st.t_layer, t_end)
@@ -399,8 +592,87 @@ class _StepState:
     pending: list[Transfer] = field(default_factory=list)  # the current layer's prefetched copies
     pred_next: tuple[Tensor, Tensor] | None = None
     pred_next_host: np.ndarray | None = None
-    marks: list = field(default_factory=list)  # per MoE layer (t0, t1, t2, t3, tp0, tp1)
+    marks: list = field(default_factory=list)  # per MoE layer (t0, t1, t2, t3, tp0, tp1, t4)
     dense_marks: list = field(default_factory=list)  # per dense layer (layer, start, end)
+
+
+class _ExpertStore:
+    """Where the routed experts' weights come from, in one of two representations.
+
+    Dense: the model's flat ``[gate; up; down]`` host buffers (``executor.model``).
+    Quantised (``expert_dtype`` int8 / int4-g32 / int4-g128): each expert quantised once on
+    the host (``executor.quant_experts``) and packed into one uint8 buffer of exactly the
+    byte accounting's size (``moesim.models``): that buffer is what a copy moves, and a
+    device slot holding it is read through views (dequantise-and-multiply). ``host`` feeds
+    the CPU experts, ``src`` the copies, ``view``/``mix`` the device."""
+
+    def __init__(self, model: MoEModel, expert_dtype: str | None, device: torch.device) -> None:
+        s = model.spec
+        self.model, self.device, self.fmt = model, device, expert_dtype
+        self.hidden, self.inter = s.hidden, s.expert_inter
+        if expert_dtype is None:
+            self.host = model.experts
+            self.src = model.experts
+            self.width, self.pool_dtype = s.expert_weights, model.embed_tokens.weight.dtype
+            return
+        from moesim.executor.quant_experts import quantize_experts
+
+        self.host = quantize_experts(model.experts, s.hidden, s.expert_inter, expert_dtype)
+        pin = device.type == "cuda"
+        self.src = [[q.pack().pin_memory() if pin else q.pack() for q in row] for row in self.host]
+        # A slot starts on a 16-byte boundary, so the packed fp16 scales keep their alignment
+        # in every slot (a dtype view needs it); copies move the packed bytes only.
+        self.width = -(-next(len(row[0]) for row in self.src if row) // 16) * 16
+        self.pool_dtype = torch.uint8
+
+    def view(self, layer: int, e: int, buf: Tensor):
+        """Expert ``e`` of model layer ``layer`` read from ``buf`` (a slot or a device copy)."""
+        return buf if self.fmt is None else self.host[layer][e].view(buf)
+
+    def device_weight(self, layer: int, e: int):
+        """A device copy of one expert (placing it, untimed)."""
+        return self.view(layer, e, self.src[layer][e].to(self.device))
+
+    def on_device(self, layer: int) -> list:
+        """Every expert of ``layer`` on the device (all-resident); the host buffers
+        themselves when they already are there (CPU)."""
+        row = self.src[layer]
+        if self.fmt is None and (not row or row[0].device == self.device):
+            return row
+        return [self.device_weight(layer, e) for e in range(len(row))]
+
+    def host_pool(self, workers: int | None):
+        from moesim.executor.host_experts import HostExperts
+
+        if self.fmt is None:
+            return HostExperts(self.hidden, self.inter, weights=self.host, workers=workers)
+        return HostExperts(self.hidden, self.inter, workers=workers,
+                           expert_fn=lambda layer, e, x: self.host[layer][e].forward(x))
+
+    def forward(self, w, x: Tensor) -> Tensor:
+        if self.fmt is None:
+            return expert_forward(w.to(x.device), x, self.hidden, self.inter)
+        return w.forward(x).to(x.dtype)
+
+    def mix(self, x: Tensor, ids: np.ndarray, gates: Tensor, weights) -> Tensor:
+        """All of a layer's executed experts (``executor.model.mix_experts`` for dense ones)."""
+        if self.fmt is None:
+            return mix_experts(x, ids, gates, weights, self.hidden, self.inter)
+        from moesim.executor.quant_experts import mix_quant
+
+        return mix_quant(x, ids, gates, weights)
+
+    def mix_subset(self, x: Tensor, ids: np.ndarray, gates: Tensor, weights, experts: list[int]) -> Tensor:
+        """The gated sum over the (row, slot) pairs routed to ``experts`` only (the device's
+        share of a layer split with the CPU), experts in increasing id order."""
+        out = torch.zeros_like(x)
+        for e in sorted(experts):
+            rows, cols = np.nonzero(ids == e)
+            r = torch.from_numpy(rows.astype(np.int64)).to(x.device)
+            c = torch.from_numpy(cols.astype(np.int64)).to(x.device)
+            y = self.forward(weights[e], x[r])  # [n_e, hidden]
+            out.index_add_(0, r, y * gates[r, c, None].to(y.dtype))
+        return out
 
 
 def _union(ids: np.ndarray) -> list[int]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import platform
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ import torch
 from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
 from moesim.executor.model import ExecConfig, MoEModel, load_checkpoint, random_model
 from moesim.executor.profile import ProfileSettings, build_trace, calibrate, generate, load_default_vectors
-from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, get_profile
+from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, HostProfile, get_profile
 from moesim.models import Attention, ModelSpec
 from moesim.sim.simulate import simulate
 from moesim.sim.validate import error_stats, recorded_profile, validate_trace
@@ -216,3 +217,165 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def machine() -> str:
     return f"{platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__} (1 compute thread + link thread)"
+
+
+# --------------------------------------------------------------------------------------
+# The CPU-compute policies and quantised experts (issue 13): a separate list of cases
+# --------------------------------------------------------------------------------------
+
+#: (policy, expert dtype or None, base policy a transfer prediction starts from).
+CPU_CASES = (("cpu-static", None), ("hot-experts", None), ("cpu-on-miss", None), ("on-demand", "int8"),
+             ("cpu-static", "int8"))
+#: The hot-experts placement is counted on a separate calibration run: this prompt, reversed.
+CALIBRATION_PROMPT = PROMPT[::-1]
+
+
+def machine_host(model: MoEModel, expert_dtype: str | None = None) -> HostProfile:
+    """This machine's CPU as a host profile, measured on the model's own expert (the
+    validation runs the "device" and the host pool on the same cores): memory rate from
+    one expert's time at one row (memory-bound at batch 1), and the host pool's per-layer
+    overhead (hand-off to a thread and back) and per-expert dispatch from jobs of tiny
+    experts. The default profile's host supplies the rest (compute rates)."""
+    from moesim.executor.host_experts import HostExperts
+    from moesim.executor.quant_experts import QuantExpert
+    from moesim.hardware import get_host
+    from moesim.timing import best_time
+
+    s = model.spec
+    w = model.experts[s.moe_layers[0]][0]
+    x = torch.randn(1, s.hidden)
+    if expert_dtype is None:
+        from moesim.executor.model import expert_forward
+
+        t_expert = best_time(lambda: expert_forward(w, x, s.hidden, s.expert_inter))
+        nbytes = s.expert_bytes
+    else:
+        q = QuantExpert.from_flat(w, s.hidden, s.expert_inter, expert_dtype)
+        t_expert = best_time(lambda: q.forward(x))
+        nbytes = q.nbytes
+    tiny = [[torch.zeros(3 * 8 * 8) for _ in range(4)]]
+    ids = np.array([[0, 1, 2, 3]])
+    gates = torch.ones(1, 4)
+    with HostExperts(8, 8, weights=tiny, workers=1) as pool:
+        one = best_time(lambda: pool.submit(0, torch.zeros(1, 8), ids, gates, [0]).result())
+        four = best_time(lambda: pool.submit(0, torch.zeros(1, 8), ids, gates, [0, 1, 2, 3]).result())
+    src = "measured by moesim.executor.validation.machine_host on this machine"
+    host = get_host(None, get_profile(DEFAULT_PROFILE))
+    return (replace(host, name=f"this-machine-{platform.machine()}", path="")
+            .with_figure("mem_bw_achievable_gbs", nbytes / t_expert / 1e9, "measured", src)
+            .with_figure("activation_roundtrip_us", max(one * 1e6, 0.01), "measured", src)
+            .with_figure("expert_dispatch_us", max((four - one) / 3 * 1e6, 0.01), "measured", src))
+
+
+def run_cpu_suite(out: Path, tokens: int = 16, gbps: float = 4.0, repeats: int = 3,
+                  progress: Callable[[str], None] | None = None) -> tuple[list[dict[str, Any]], dict[str, Trace], dict]:
+    """The executor against the simulator for the CPU-compute policies and int8 experts,
+    on the synthetic geometry (seeded random weights: **synthetic** routing) at one link.
+
+    For each case of :data:`CPU_CASES` the executor decodes (median of ``repeats`` runs) and
+    writes its trace; scored are **same-policy** (``validate_trace`` on the case's own
+    trace, with its recorded setup) and **policy transfer** (the simulator fed the
+    on-demand trace of the same expert format, measured times, predicting the case). The
+    executor and the simulator use one host profile, :func:`machine_host`, measured here
+    before the runs: cpu-on-miss decides with it in both. On-demand int8 is the copy
+    family with quantised bytes (its transfer row is the plain same-policy one)."""
+    from moesim.executor.runtime import hybrid_setup
+    from moesim.policy import get_policy
+    from moesim.sim.hybrid import simulate_hybrid
+
+    torch.set_num_threads(1)
+    name, load, _, _ = suite_models(Path("."))[1]
+    model, dv, synthetic = load()
+    spec = model.spec
+    prompt = torch.tensor([b % spec.vocab for b in PROMPT]).view(1, -1)
+    hw = get_profile(DEFAULT_PROFILE).with_figure("h2d_pinned_gbs", gbps, "estimate", "validation suite link")
+    if progress:
+        progress("measuring this machine (link interference, host pool)")
+    machine_hw = machine_profile()
+    rows: list[dict[str, Any]] = []
+    traces: dict[str, Trace] = {}
+    bases: dict[str | None, Trace] = {}
+    hosts = {fmt: machine_host(model, fmt) for fmt in {f for _, f in CPU_CASES}}
+    with stop_on_interrupt():
+        for fmt in dict.fromkeys(f for _, f in CPU_CASES):  # the on-demand base of each format first
+            if progress:
+                progress(f"{name}, {gbps:g} GB/s, on-demand{'-' + fmt if fmt else ''} (base)")
+            tr = _run_cpu_case(model, dv, prompt, "on-demand", fmt, None, tokens, hw, repeats, synthetic, name)
+            if tr is None:
+                break
+            bases[fmt] = traces[f"on-demand{'-' + fmt if fmt else ''}"] = tr
+            write_trace(tr, out / "traces" / f"cpu-suite-on-demand{'-' + fmt if fmt else ''}.npz")
+        for policy, fmt in CPU_CASES:
+            if stop_requested() or fmt not in bases:
+                break
+            key = f"{policy}{'-' + fmt if fmt else ''}"
+            pol = get_policy(policy)
+            calibration, gpu_experts = None, None
+            if pol.cpu == "hot":  # half the routed experts resident, the hottest of a calibration run
+                calibration = _calibration_ids(model, dv, tokens, hw, fmt)
+                gpu_experts = spec.n_moe_layers * spec.n_experts // 2
+            if pol.cpu:
+                qspec = spec.with_expert_dtype(fmt) if fmt else spec
+                setup = hybrid_setup(qspec, policy, hw, hosts[fmt], context=prompt.shape[1] + tokens,
+                                     cpu_layers=spec.n_moe_layers // 2, calibration=calibration,
+                                     gpu_experts=gpu_experts)
+                cache = spec.n_experts * spec.n_moe_layers // 4 if pol.cpu == "miss" else 0
+                if progress:
+                    progress(f"{name}, {gbps:g} GB/s, {key}")
+                tr = _run_cpu_case(model, dv, prompt, policy, fmt, setup, tokens, hw, repeats, synthetic, name, cache)
+                if tr is None:
+                    break
+                traces[key] = tr
+                write_trace(tr, out / "traces" / f"cpu-suite-{key}.npz")
+            else:
+                tr = bases[fmt]
+            case = {"model": name, "link_gbps": gbps, "policy": key, "synthetic": synthetic}
+            same, _ = validate_trace(tr, machine_hw, **({"host": hosts[fmt], "calibration": calibration}
+                                                         if pol.cpu else {}))
+            rows.append({**case, "case": "same-policy", **_short(same)})
+            if pol.cpu:
+                base = bases[fmt]
+                base_hw = recorded_profile(base, machine_hw).with_figure(
+                    "device_memory_gb", setup.device_memory_gb, "estimate", "the recorded run's placement")
+                pred = simulate_hybrid(base, base_hw, policy, host=hosts[fmt], cpu_layers=spec.n_moe_layers // 2,
+                                       calibration=calibration, cache_experts=tr.meta.cache_experts,
+                                       engine="fast", timing="measured").tpot[1:]
+                stats_ = error_stats(tr.timings["tpot_s"][1:], pred[: tr.n_tokens - 1])
+                rows.append({**case, "case": "transfer from on-demand", **_short(stats_)})
+    summary = summarise(rows)
+    summary["host (measured)"] = "; ".join(
+        f"{fmt or spec.expert_dtype}: {h['mem_bw_achievable_gbs']:.2f} GB/s expert rate, "
+        f"{h['activation_roundtrip_us']:.0f} us pool round trip, {h['expert_dispatch_us']:.0f} us/expert dispatch"
+        for fmt, h in hosts.items())
+    if stop_requested():
+        summary["interrupted"] = f"Ctrl-C: {len(traces)} finished cases kept and scored; the rest did not run"
+    return rows, traces, summary
+
+
+def _calibration_ids(model: MoEModel, dv, tokens: int, hw: HardwareProfile, fmt: str | None) -> np.ndarray:
+    """The routing ``[t, m, b, k]`` of an untimed all-resident run on :data:`CALIBRATION_PROMPT`
+    (another text than the measured runs', so the placement has not seen them)."""
+    prompt = torch.tensor([b % model.spec.vocab for b in CALIBRATION_PROMPT]).view(1, -1)
+    _, records, _ = generate(model, prompt, ProfileSettings("all-resident", tokens=tokens, expert_dtype=fmt), hw, dv)
+    return np.stack([r.true_ids for r in records])
+
+
+def _run_cpu_case(model: MoEModel, dv, prompt: torch.Tensor, policy: str, fmt: str | None, setup, tokens: int,
+                  hw: HardwareProfile, repeats: int, synthetic: bool, name: str, cache: int = 0) -> Trace | None:
+    """As :func:`_run_case`, with a CPU-compute setup and an expert format; None if Ctrl-C."""
+    params = setup.params() if setup is not None else {}
+    st = ProfileSettings(policy=policy, predictor="quasi", tokens=tokens, cache_experts=cache, hybrid=setup,
+                         expert_dtype=fmt, hybrid_params=params)
+    warm = ProfileSettings(policy=policy, tokens=2, cache_experts=cache, hybrid=setup, expert_dtype=fmt)
+    candidates = []
+    try:
+        generate(model, prompt, warm, hw, dv)
+        for _ in range(repeats):
+            prefill, records, out_tokens = generate(model, prompt, st, hw, dv)
+            if len(records) < tokens:
+                return None
+            candidates.append(build_trace(model, prompt, st, hw, prefill, records, out_tokens, "cpu", synthetic, name))
+    except Interrupted:
+        return None
+    candidates.sort(key=lambda c: float(c.timings["tpot_s"][1:].mean()))
+    return candidates[len(candidates) // 2]

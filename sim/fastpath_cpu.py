@@ -21,7 +21,7 @@ def run_fast_hybrid(w, planner: HybridPlanner):
     """Simulate every step of ``w`` (a :class:`moesim.sim.hybrid.HybridWork`)."""
     from moesim.sim.hybrid import HybridRun
 
-    if not planner.copies and w.counts is not None:
+    if not planner.copies and w.counts is not None and w.dev_per is None:
         return _run_static(w, planner, HybridRun)
 
     times, per = w.times, w.times.copy
@@ -48,8 +48,9 @@ def run_fast_hybrid(w, planner: HybridPlanner):
                 copy_s[step] += c * per
                 stall_s[step] += link_free - t
                 gpu_start = link_free
-            gpu_end = gpu_start + times.gpu(len(hits) + c, hit_a + sum(miss_a[:c]))
-            cpu = times.cpu(len(misses) - c, sum(miss_a[c:]))
+            n_dev, n_cpu_ = len(hits) + c, len(misses) - c
+            gpu_end = gpu_start + _measured(w.dev_per, step, m, n_dev, times.gpu(n_dev, hit_a + sum(miss_a[:c])))
+            cpu = _measured(w.cpu_per, step, m, n_cpu_, times.cpu(n_cpu_, sum(miss_a[c:])))
             cpu_end = t + cpu
             busy_s[step] += cpu
             if cpu_end > gpu_end:
@@ -61,6 +62,15 @@ def run_fast_hybrid(w, planner: HybridPlanner):
         t += other
         ends[step] = t
     return HybridRun(ends, copy_s, stall_s, wait_s, busy_s, n_gpu, n_cpu, n_copied, n_hits)
+
+
+def _measured(per, step: int, m: int, n: int, roofline: float) -> float:
+    """``n`` experts at a measured seconds-per-expert where the trace has one, else the roofline's time."""
+    if per is not None and n:
+        v = per[step, m]
+        if v == v:  # not NaN
+            return n * float(v)
+    return roofline
 
 
 def _run_static(w, planner: HybridPlanner, run_cls):

@@ -50,6 +50,10 @@ class HybridWork:
     routed: list[list[list[tuple[int, int]]]]  # [t][m] -> [(expert, tokens)]
     times: ExpertTimes
     counts: np.ndarray | None = None  # [t, m, E] tokens routed to each expert (the vectorised static path)
+    # Measured timing (a trace the executor recorded): seconds per expert the device / the CPU
+    # took at [step, MoE layer], NaN where the recording ran none there (the roofline is used).
+    dev_per: np.ndarray | None = None
+    cpu_per: np.ndarray | None = None
 
 
 @dataclass
@@ -125,6 +129,35 @@ def build_work(trace: Trace, hw: HardwareProfile, times: ExpertTimes) -> HybridW
     costs = roofline_costs(spec, hw, trace.n_tokens, trace.prompt_len, trace.batch)
     return HybridWork(costs.attn, costs.other, spec.moe_layers, routed_sets(trace.true_ids), times,
                       token_counts(trace.true_ids, spec.n_experts))
+
+
+def measured_work(trace: Trace, times: ExpertTimes) -> HybridWork:
+    """The step model's inputs from an executor trace's measured times: attention (less
+    the recording's prediction, which these policies do not run) and the rest per step as
+    recorded, and per (step, MoE layer) the recorded device seconds per
+    device expert (``expert_s`` / experts the device ran) and CPU seconds per CPU expert
+    (``cpu_s`` / ``cpu_experts``, the activation round trip included). A trace of a copy
+    policy has no CPU times: the CPU's share is then timed by the roofline (``times``).
+    Decisions (cpu-on-miss) are still made with ``times``, the figures the executor decided
+    with, so replay and recording decide alike."""
+    tm = trace.timings
+    missing = [k for k in ("attn_s", "expert_s", "other_s") if k not in tm]
+    if missing:
+        raise MoesimError(f"the trace lacks measured {', '.join(missing)}; use --timing profile")
+    spec = trace.model
+    t, m, b, k = trace.true_ids.shape
+    flat = trace.true_ids.reshape(t, m, b * k)
+    distinct = np.array([[len(set(row[row >= 0].tolist())) for row in step] for step in flat])
+    n_cpu = tm["cpu_experts"].astype(float) if "cpu_experts" in tm else np.zeros((t, m))
+    n_dev = distinct - n_cpu
+    with np.errstate(divide="ignore", invalid="ignore"):
+        dev_per = np.where(n_dev > 0, tm["expert_s"] / n_dev, np.nan)
+        cpu_per = np.where(n_cpu > 0, tm["cpu_s"] / n_cpu, np.nan) if "cpu_s" in tm else np.full((t, m), np.nan)
+    attn = tm["attn_s"].astype(float)
+    if "predict_s" in tm:  # a copy policy's recording predicted inside attn_s; these policies predict nothing
+        attn = np.maximum(attn - tm["predict_s"], 0.0)
+    return HybridWork(attn, tm["other_s"].astype(float), spec.moe_layers,
+                      routed_sets(trace.true_ids), times, None, dev_per, cpu_per)
 
 
 def prefill_time_hybrid(spec: ModelSpec, hw: HardwareProfile, times: ExpertTimes, resident: np.ndarray | None,
@@ -237,11 +270,14 @@ def simulate_hybrid(trace: Trace, hw: HardwareProfile, policy: str = "cpu-static
                     cpu_layers: int | str = "auto", calibration: np.ndarray | None = None,
                     calibrate_on_replay: bool = False, cache_experts: int = 0, eviction: str = "lru",
                     engine: str = "simpy", link_gbps: float | None = None, amx: bool = True,
-                    record: bool = False, placement: Placement | None = None) -> HybridResult:
+                    record: bool = False, placement: Placement | None = None,
+                    timing: str = "profile") -> HybridResult:
     """Simulate ``trace`` under a CPU-compute policy on GPU ``hw`` and ``host`` (default:
     the GPU profile's host). ``calibration`` is the ``[t, m, b, k]`` routing of a separate
     calibration trace (hot-experts; warms cpu-on-miss's cache). ``placement`` replaces the
-    one the policy would choose (a what-if sweep's smaller hot-experts budget)."""
+    one the policy would choose (a what-if sweep's smaller hot-experts budget).
+    ``timing="measured"`` times the work with the trace's own measured times
+    (:func:`measured_work`; the fast engine)."""
     from moesim.sim.engine import run_simpy_hybrid
     from moesim.sim.fastpath_cpu import run_fast_hybrid
 
@@ -264,8 +300,12 @@ def simulate_hybrid(trace: Trace, hw: HardwareProfile, policy: str = "cpu-static
                                calibrate_on_replay=calibrate_on_replay)
     link = Link.from_profile(hw, spec)
     times = expert_times(spec, hw, host, link, trace.batch, amx)
-    work = build_work(trace, hw, times)
+    if timing not in ("profile", "measured"):
+        raise MoesimError(f"unknown timing {timing!r} for {pol.name}; known: profile, measured")
+    work = measured_work(trace, times) if timing == "measured" else build_work(trace, hw, times)
     planner = HybridPlanner(pol, spec, placement, cache_experts, eviction)
+    if timing == "measured":
+        engine = "fast"  # per-(step, layer) measured times: the recurrence reads them
     run = run_simpy_hybrid(work, planner, link, record) if engine == "simpy" else run_fast_hybrid(work, planner)
     tpot = np.diff(run.ends, prepend=0.0)
     b, k = trace.batch, spec.top_k
@@ -277,7 +317,8 @@ def simulate_hybrid(trace: Trace, hw: HardwareProfile, policy: str = "cpu-static
     config = {
         "model": spec.name, "hw": hw.name, "host": host.name, "policy": pol.name, "cache_experts": cache_experts,
         "eviction": eviction if cache_experts else "-", "link_gbps": hw["h2d_pinned_gbs"], "batch": b,
-        "engine": engine, "timing": f"roofline ({hw.name} + {host.name}{'' if amx and host.has_amx else ', no AMX'})",
+        "engine": engine, "timing": ("measured (trace); decisions by the roofline" if timing == "measured" else
+                                     f"roofline ({hw.name} + {host.name}{'' if amx and host.has_amx else ', no AMX'})"),
         "placement": placement.source if placement is not None else "cold cache",
         "optimistic_placement": bool(placement is not None and placement.optimistic),
         "resident_experts": placement.n_resident if placement is not None else 0,

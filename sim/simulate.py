@@ -167,15 +167,15 @@ def simulate(
     if pol.cpu:  # experts computed on the CPU: the hybrid step model (moesim.sim.hybrid)
         from moesim.sim.hybrid import simulate_hybrid
 
-        if timing == "measured":
-            raise MoesimError(f"{pol.name} computes experts on the CPU; a trace's measured times are device times, "
-                              "so it is timed from the profiles (--timing profile)")
+        if timing == "measured" and not trace.measured:
+            raise MoesimError("the trace has no measured timings (--timing profile)")
         if copy_queue != "fifo":
             raise MoesimError(f"{pol.name} copies at most its misses; copy queues apply to the copy policies")
         capacity = cache_capacity(trace.model, cache_gib, cache_experts)
         return simulate_hybrid(trace, hw, pol, host=host, cpu_layers=cpu_layers, calibration=calibration,
                                calibrate_on_replay=calibrate_on_replay, cache_experts=capacity, eviction=eviction,
-                               engine=engine, link_gbps=link_gbps, amx=amx, record=record)
+                               engine=engine, link_gbps=link_gbps, amx=amx, record=record,
+                               timing="measured" if timing == "measured" else "profile")
     spec = trace.model
     if link_gbps is not None:
         hw = hw.with_figure("h2d_pinned_gbs", link_gbps)

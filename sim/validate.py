@@ -15,6 +15,7 @@ from scipy import stats
 
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile, get_profile
+from moesim.policy import POLICIES
 from moesim.sim.simulate import SimResult, simulate
 from moesim.traces.format import Trace
 
@@ -69,6 +70,21 @@ def recorded_profile(trace: Trace, hw: HardwareProfile | None = None) -> Hardwar
     return hw
 
 
+def recorded_cpu_setup(trace: Trace, hw: HardwareProfile) -> tuple[HardwareProfile, dict[str, Any]]:
+    """A CPU-compute recording's own setup: its host profile, cpu-static layer count, the
+    calibration trace that placed its experts and the device memory the placement filled."""
+    from moesim.sim.hybrid import load_calibration
+
+    meta = trace.meta
+    kw: dict[str, Any] = {"host": meta.host_profile,
+                          "cpu_layers": meta.cpu_layers if meta.cpu_layers is not None else "auto"}
+    if meta.placement_from:
+        kw["calibration"] = load_calibration(meta.placement_from, trace.model)
+    if meta.device_memory_gb is not None:
+        hw = hw.with_figure("device_memory_gb", meta.device_memory_gb, "measured", "the trace's recorded placement")
+    return hw, kw
+
+
 def validate_trace(trace: Trace, hw: HardwareProfile | None = None, policy: str | None = None,
                    engine: str = "simpy", skip: int = 1, **kw) -> tuple[dict[str, Any], SimResult]:
     """Replay a measured trace on the profile that recorded it (same policy unless
@@ -79,7 +95,11 @@ def validate_trace(trace: Trace, hw: HardwareProfile | None = None, policy: str 
     policy = policy or meta.replay_policy
     kw.setdefault("cache_experts", meta.cache_experts)
     kw.setdefault("eviction", meta.eviction)
-    result = simulate(trace, recorded_profile(trace, hw), policy, engine=engine, timing="measured", **kw)
+    profile = recorded_profile(trace, hw)
+    if policy == meta.policy and POLICIES[policy].cpu:  # the recorded CPU-compute setup (executor/runs.py)
+        profile, more = recorded_cpu_setup(trace, profile)
+        kw = {**more, **kw}
+    result = simulate(trace, profile, policy, engine=engine, timing="measured", **kw)
     skip = min(skip, trace.n_tokens - 1)
     stats_ = error_stats(trace.timings["tpot_s"][skip:], result.tpot[skip:])
     cfg = result.config

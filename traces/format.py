@@ -26,13 +26,16 @@ from moesim.models import ModelSpec
 from moesim.traces.header import FORMAT, READABLE, VERSION, TraceMeta
 from moesim.traces.records import COPY_FIELDS, COPY_KINDS
 
-__all__ = ["COPY_FIELDS", "COPY_KINDS", "FORMAT", "READABLE", "ROUTING", "SD_FIELDS", "TIMING_1D", "TIMING_2D",
+__all__ = ["COPY_FIELDS", "COPY_KINDS", "COUNTS_2D", "FORMAT", "READABLE", "ROUTING", "SD_FIELDS", "TIMING_1D", "TIMING_2D",
            "VERSION", "Trace", "TraceMeta", "read_trace", "validate", "write_trace"]
 
 #: Routing arrays, all [tokens, moe_layers, batch, top_k].
 ROUTING = ("true_ids", "true_gates", "pred_ids", "pred_gates", "exec_ids")
 #: Optional measured timings, in seconds (shapes in docs/trace-format.md).
-TIMING_2D = {"attn_s": "layers", "expert_s": "moe", "stall_s": "moe", "predict_s": "layers"}
+TIMING_2D = {"attn_s": "layers", "expert_s": "moe", "stall_s": "moe", "predict_s": "layers",
+             "cpu_s": "moe", "cpu_wait_s": "moe"}  # cpu_*: CPU-compute policies only
+#: Optional per-layer counts [tokens, moe_layers] (CPU-compute policies): experts the CPU ran.
+COUNTS_2D = ("cpu_experts",)
 TIMING_1D = ("other_s", "tpot_s")
 #: Plausibility limits on measured times (docs/trace-format.md, "Plausibility"): no single
 #: recorded time (a block, a step, a copy, prefill) may exceed MAX_TIME_S, and a step's
@@ -111,7 +114,7 @@ class Trace:
         if "copy_token" in t:
             keep = t["copy_token"] < n
             t.update({k: t[k][keep] for k in COPY_FIELDS})
-        for k in (*TIMING_2D, *TIMING_1D):
+        for k in (*TIMING_2D, *COUNTS_2D, *TIMING_1D):
             if k in t:
                 t[k] = t[k][:n]
         header = {**self.header, "n_tokens": n}
@@ -173,7 +176,7 @@ def read_trace(path: str | Path) -> Trace:
     if missing:
         raise MoesimError(f"{where}: trace lacks array(s) {', '.join(missing)}")
     core = {k: data.pop(k) for k in ("prompt_ids", "token_ids", *ROUTING)}
-    unknown = set(data) - set(TIMING_2D) - set(TIMING_1D) - set(COPY_FIELDS) - set(SD_FIELDS)
+    unknown = set(data) - set(TIMING_2D) - set(COUNTS_2D) - set(TIMING_1D) - set(COPY_FIELDS) - set(SD_FIELDS)
     if unknown:
         raise MoesimError(f"{where}: trace has unknown array(s) {', '.join(sorted(unknown))}")
     trace = Trace(header, timings=data, **core)
@@ -251,6 +254,14 @@ def _validate_timings(trace: Trace, spec: ModelSpec, bad) -> None:
     for k in TIMING_1D:
         if k in tm and tm[k].shape != (t,):
             raise bad(f"{k} has shape {tm[k].shape}, expected {(t,)}")
+    for k in COUNTS_2D:
+        if k not in tm:
+            continue
+        a = tm[k]
+        if a.shape != (t, spec.n_moe_layers) or a.dtype.kind not in "iu":
+            raise bad(f"{k} must be integer [{t}, {spec.n_moe_layers}], got {a.dtype} {a.shape}")
+        if a.size and (a.min() < 0 or a.max() > spec.n_experts):
+            raise bad(f"{k} outside [0, {spec.n_experts}]")
     present = [k for k in COPY_FIELDS if k in tm]
     if present and len(present) != len(COPY_FIELDS):
         raise bad(f"copy records are incomplete (missing {', '.join(set(COPY_FIELDS) - set(present))})")
@@ -308,6 +319,8 @@ def _check_plausible(trace: Trace, bad) -> None:
             continue
         whole = tm[total].astype(float)
         summed = sum(tm[p].reshape(len(whole), -1).sum(1) for p in parts)
+        if total == "tpot_s" and "cpu_wait_s" in tm:  # a layer's end waiting on its CPU experts
+            summed = summed + tm["cpu_wait_s"].sum(1)
         ok = (whole > 0) & (summed > 0)
         ratio = np.where(ok, whole / np.where(ok, summed, 1.0), 1.0)
         worst = int(np.argmax(np.abs(np.log(ratio))))

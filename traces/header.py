@@ -75,6 +75,11 @@ class TraceMeta:
     cache_experts: int  # the recorded run's cross-token cache, in experts
     eviction: str
     predictor: str | None
+    host_profile: str | None  # CPU-compute policies: the host profile whose figures decided (policy params)
+    cpu_layers: int | None  # cpu-static: MoE layers whose experts ran on the CPU
+    placement_from: str | None  # hot-experts / cpu-on-miss: the calibration trace that placed the experts
+    device_memory_gb: float | None  # CPU-compute policies: device memory the placement filled
+    expert_dtype: str | None  # quantised routed experts (the model spec's expert_dtype says the same)
     prompt_len: int | None
     seed: int | None
     synthetic: bool
@@ -120,6 +125,11 @@ class TraceMeta:
             cache_experts=_opt(params, "cache_experts", int, "policy params ") or 0,
             eviction=_opt(params, "eviction", str, "policy params ") or "lru",
             predictor=_opt(params, "predictor", str, "policy params "),
+            host_profile=_opt(params, "host_profile", str, "policy params "),
+            cpu_layers=_opt(params, "cpu_layers", int, "policy params "),
+            placement_from=_opt(params, "placement_from", str, "policy params "),
+            device_memory_gb=_opt(params, "device_memory_gb", num, "policy params "),
+            expert_dtype=_opt(params, "expert_dtype", str, "policy params "),
             prompt_len=_opt(h, "prompt_len", int, ""),
             seed=_opt(h, "seed", int, ""),
             synthetic=bool(_opt(h, "synthetic", bool, "") or False),

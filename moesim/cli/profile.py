@@ -20,7 +20,8 @@ from moesim.hardware import DEFAULT_PROFILE
 def profile(
     model: Annotated[str, typer.Option(help="A checkpoint directory, 'moe-stdlib' (the shipped learned-routing model) "
                                             "or a catalogue name (seeded random weights: synthetic).")] = SHIPPED_MODEL,
-    policy: Annotated[str, typer.Option(help="all-resident, on-demand, prefetch-spec, prefetch-fom (alias prefetch), oracle.")] = "prefetch-fom",
+    policy: Annotated[str, typer.Option(help="all-resident, on-demand, prefetch-spec, prefetch-fom (alias prefetch), oracle; "
+                                             "CPU-compute: cpu-static, hot-experts, cpu-on-miss.")] = "prefetch-fom",
     predictor: Annotated[str, typer.Option(help="For prefetch policies: quasi (quasi-hidden state with default vectors) "
                                                 "stale (this layer's router input), oracle (true ids from an exact pre-pass), "
                                                 "estimator (the trained neural estimator) or hybrid (per layer, the better "
@@ -43,6 +44,16 @@ def profile(
     fidelity_tokens: Annotated[int, typer.Option(help="For speculative policies: tokens of the fixed evaluation text "
                                                       "over which agreement and KL are measured (0 = skip).")] = 128,
     threads: Annotated[int, typer.Option(help="torch threads for compute (the emulated link uses its own thread).")] = DECODE_THREADS,
+    host: Annotated[str | None, typer.Option(help="CPU-compute policies: host profile name or .toml whose figures "
+                                                  "cpu-on-miss decides with (default: the --hw profile's host).")] = None,
+    cpu_layers: Annotated[str | None, typer.Option(help="cpu-static: MoE layers (the first ones) whose experts run "
+                                                        "on the CPU, or auto (the fewest that fit the --hw device).")] = None,
+    placement_from: Annotated[Path | None, typer.Option(help="hot-experts (required) / cpu-on-miss (warms the cache): "
+                                                             "calibration trace whose routing picks the hot experts.")] = None,
+    gpu_experts: Annotated[int | None, typer.Option(help="hot-experts: routed experts resident on the device (default: "
+                                                         "as many as the --hw device memory holds).")] = None,
+    expert_dtype: Annotated[str | None, typer.Option(help="Quantise the routed experts (weight-only): int8, int4-g32 "
+                                                          "or int4-g128; copies, device and CPU experts use them.")] = None,
     out_path: Annotated[Path | None, typer.Option("--out", help="Trace file to write (default ./profile.npz; "
                                                                "with --hardware, ./NAME.toml).")] = None,
     hardware: Annotated[bool, typer.Option("--hardware", help="Instead of decoding: microbenchmark this machine "
@@ -81,7 +92,9 @@ def profile(
     check_output_file(out_path or Path("profile.npz"))  # before the progress bar: an error is then one line
 
     req = DecodeRequest(model, policy, predictor, device, hw_name, link_gbps, tokens, batch, prompt, prompt_len,
-                        cache_gib, cache_experts, eviction, layers, dtype, temperature, seed, fidelity_tokens, threads)
+                        cache_gib, cache_experts, eviction, layers, dtype, temperature, seed, fidelity_tokens, threads,
+                        host=host, cpu_layers=cpu_layers, placement_from=placement_from, gpu_experts=gpu_experts,
+                        expert_dtype=expert_dtype)
     with Progress(TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err,
                   transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("decode", total=tokens)
