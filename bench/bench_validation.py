@@ -49,6 +49,10 @@ def one_suite(folder: Path, extra: list[str]) -> dict[str, Any]:
         errs = [abs(r["error"]) for r in rows]
         out[case] = {"cases": len(rows), "mean_abs_error": sum(errs) / len(errs), "max_abs_error": max(errs),
                      "widest_spread": max(r["error_max"] - r["error_min"] for r in rows)}
+        cpu = [abs(r["error"]) for r in data.get("cpu_rows", []) if r["case"] == case]
+        if cpu:
+            out[f"CPU-compute policies, {case}"] = {"cases": len(cpu), "mean_abs_error": sum(cpu) / len(cpu),
+                                                    "max_abs_error": max(cpu)}
     return out
 
 
@@ -68,7 +72,7 @@ def main() -> None:
             print(f"run {i + 1}/{runs} ({res['seconds']:.0f} s): " + "; ".join(
                 f"{c}: mean |error| {res[c]['mean_abs_error']:.2%}, max {res[c]['max_abs_error']:.2%}" for c in CASES),
                 flush=True)
-    summary = {}
+    summary: dict[str, Any] = {}
     for case, target in CASES.items():
         means = [r[case]["mean_abs_error"] for r in results]
         summary[case] = {"target": target, "median_of_means": statistics.median(means), "min": min(means),

@@ -200,18 +200,20 @@ def _short(s: dict[str, Any]) -> dict[str, Any]:
     return {k: s[k] for k in ("measured_ms", "predicted_ms", "error", "mape", "bias", "tost_p", "equivalent")}
 
 
-def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per kind of case: the mean and max of the cases' |median error|, and the widest
-    spread of a case's error over its runs (how far one run can be from its median)."""
+def summarise(rows: list[dict[str, Any]], prefix: str = "") -> dict[str, Any]:
+    """Per kind of case: the mean and max of the cases' |median error|, and (where the rows
+    carry it) the widest spread of a case's error over its runs (how far one run can be
+    from its median)."""
     out = {}
     for case, target in (("same-policy", 0.03), ("transfer from on-demand", 0.05)):
         sel = [r for r in rows if r["case"] == case]
         if sel:
             errs = np.array([abs(r["error"]) for r in sel])
-            spread = max(r["error_max"] - r["error_min"] for r in sel)
-            out[f"{case}: mean |error|"] = (f"{errs.mean():.2%} over {errs.size} cases (target <= {target:.0%}), "
-                                            f"max {errs.max():.2%}; each case the median of {sel[0]['runs']} runs, "
-                                            f"widest spread over runs {spread:.2%}")
+            text = f"{errs.mean():.2%} over {errs.size} cases (target <= {target:.0%}), max {errs.max():.2%}"
+            if "error_min" in sel[0]:
+                spread = max(r["error_max"] - r["error_min"] for r in sel)
+                text += f"; each case the median of {sel[0]['runs']} runs, widest spread over runs {spread:.2%}"
+            out[f"{prefix}{case}: mean |error|"] = text
     return out
 
 
@@ -342,8 +344,8 @@ def run_cpu_suite(out: Path, tokens: int = 16, gbps: float = 4.0, repeats: int =
                                        engine="fast", timing="measured").tpot[1:]
                 stats_ = error_stats(tr.timings["tpot_s"][1:], pred[: tr.n_tokens - 1])
                 rows.append({**case, "case": "transfer from on-demand", **_short(stats_)})
-    summary = summarise(rows)
-    summary["host (measured)"] = "; ".join(
+    summary = summarise(rows, "CPU-compute policies, ")
+    summary["CPU-compute policies, host (measured)"] = "; ".join(
         f"{fmt or spec.expert_dtype}: {h['mem_bw_achievable_gbs']:.2f} GB/s expert rate, "
         f"{h['activation_roundtrip_us']:.0f} us pool round trip, {h['expert_dispatch_us']:.0f} us/expert dispatch"
         for fmt, h in hosts.items())

@@ -161,10 +161,15 @@ def write_single_validation(trace: Trace, trace_path: Path, hw: HardwareProfile,
 
 
 def write_suite_report(rows: list[dict[str, Any]], traces: dict[str, Trace], summary: dict[str, Any], out: Path,
-                       example: tuple[Trace, HardwareProfile] | None, machine: str) -> Path:
+                       example: tuple[Trace, HardwareProfile] | None, machine: str,
+                       cpu_rows: list[dict[str, Any]] | None = None) -> Path:
     out = Path(out)
+    cpu_rows = cpu_rows or []
     write_csv(rows, out / "errors.csv")
-    atomic_write_text(out / "summary.json", json.dumps({"summary": summary, "rows": rows}, indent=2))
+    if cpu_rows:
+        write_csv(cpu_rows, out / "cpu-errors.csv")
+    atomic_write_text(out / "summary.json", json.dumps({"summary": summary, "rows": rows, "cpu_rows": cpu_rows},
+                                                       indent=2))
     points = [{**r, "kind": r["case"]} for r in rows]
     scatter_png(points, out / "scatter.png", f"simulated vs measured mean TPOT, {len(rows)} cases ({machine})")
     same = [r for r in rows if r["case"] == "same-policy"]
@@ -205,17 +210,31 @@ def write_suite_report(rows: list[dict[str, Any]], traces: dict[str, Trace], sum
     sections.append({"heading": "All cases", "rows": rows, "cols": [
         "model", "link_gbps", "policy", "case", "measured_ms", "predicted_ms", "error", "error_min", "error_max", "runs", "mape",
         "equivalent"]})
+    if cpu_rows:
+        sections.append({"heading": "CPU-compute policies and int8 experts", "text":
+                         "The executor running cpu-static (half the MoE layers' experts on the CPU), hot-experts (half "
+                         "the experts resident, placed from a separate calibration run), cpu-on-miss (a quarter of "
+                         "the experts cached) and int8 experts, on the synthetic geometry (seeded random weights: "
+                         "synthetic routing), at one emulated link. CPU experts run on a thread pool of this same "
+                         "machine, whose host figures are measured before the runs (summary above). same-policy: "
+                         "replay of the run's own trace; transfer: predicted from the on-demand trace of the same "
+                         "expert format. Each case is the run with the median TPOT.",
+                         "rows": cpu_rows, "cols": ["policy", "case", "measured_ms", "predicted_ms", "error", "mape"]})
     return write_html(out / "report.html", "moesim validation suite", f"Simulator against executor on {machine}.", sections)
 
 
 def validation_suite(out: Path, tokens: int = 32, model: str | None = None, repeats: int = 3,
-                     progress: Callable[[str, int, int], None] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any], str, Path]:
+                     progress: Callable[[str, int, int], None] | None = None,
+                     cpu_policies: bool = True) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any], str, Path]:
     """``moesim validate``: run the suite (moesim.executor.validation) and write its report
-    to ``out``; returns (rows, summary, the machine, the report page). Lives in the reports
-    layer because it joins the executor's runs with the simulator's replays."""
+    to ``out``; returns (rows, the CPU-compute policies' rows, summary, the machine, the
+    report page). The CPU-compute policies (``run_cpu_suite``, on the synthetic geometry)
+    run after the copy policies unless ``cpu_policies`` is False or ``model`` names the
+    learned model. Lives in the reports layer because it joins the executor's runs with
+    the simulator's replays."""
     from moesim.errors import MoesimError
     from moesim.executor.loading import shipped_model
-    from moesim.executor.validation import machine, run_suite
+    from moesim.executor.validation import CPU_CASES, SYNTHETIC_SPEC, machine, run_cpu_suite, run_suite
     from moesim.sim.validate import recorded_profile
 
     if tokens < 3 or repeats < 1:
@@ -223,13 +242,33 @@ def validation_suite(out: Path, tokens: int = 32, model: str | None = None, repe
     from moesim.outputs import check_output_dir
 
     check_output_dir(out)
-    from moesim.executor.interrupt import stop_on_interrupt
+    from moesim.executor.interrupt import stop_on_interrupt, stop_requested
 
+    cpu_policies = cpu_policies and model in (None, SYNTHETIC_SPEC.name)
+    n_cpu = len(CPU_CASES) + 2 if cpu_policies else 0  # the cases and their two on-demand bases
+    main_total, cpu_done = [0], [0]
+
+    def main_progress(doing: str, done: int, total: int) -> None:
+        main_total[0] = total
+        if progress:
+            progress(doing, done, total + n_cpu)
+
+    def cpu_progress(doing: str) -> None:
+        if progress:
+            progress(f"CPU-compute policies: {doing}", main_total[0] + cpu_done[0], main_total[0] + n_cpu)
+        cpu_done[0] += 1
+
+    cpu_rows: list[dict[str, Any]] = []
     with stop_on_interrupt():  # Ctrl-C: report the finished cases
-        rows, traces, summary = run_suite(out, shipped_model(), tokens, [model] if model else None, progress, repeats)
-    if not rows:
-        raise MoesimError(f"no suite model called {model!r}")
+        rows, traces, summary = run_suite(out, shipped_model(), tokens, [model] if model else None, main_progress,
+                                          repeats)
+        if not rows:
+            raise MoesimError(f"no suite model called {model!r}")
+        if cpu_policies and not stop_requested():
+            cpu_rows, _, cpu_summary = run_cpu_suite(out, max(3, tokens // 2), repeats=repeats, progress=cpu_progress)
+            summary.update(cpu_summary)
     example = next((tr for k, tr in traces.items() if k.endswith("prefetch-fom")), None)
     page = write_suite_report(rows, traces, summary, out,
-                              (example, recorded_profile(example)) if example is not None else None, machine())
-    return rows, summary, machine(), page
+                              (example, recorded_profile(example)) if example is not None else None, machine(),
+                              cpu_rows)
+    return rows, cpu_rows, summary, machine(), page

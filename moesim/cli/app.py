@@ -126,3 +126,19 @@ def results_table(rows: list[dict[str, Any]], title: str, cols: tuple[tuple[str,
 
     return table(title, [label for _, label in cols],
                  [[number(r[k]) if isinstance(r[k], float) else str(r[k]) for k, _ in cols] for r in rows], "right")
+
+
+def ints(value: str, option: str) -> list[int]:
+    """A comma-separated list of whole numbers (one line, exit 2, on anything else)."""
+    try:
+        return [int(v) for v in split(value, option)]
+    except ValueError:
+        raise MoesimError(f"{option}: {value!r} is not a comma-separated list of whole numbers") from None
+
+
+def auto_or(value: str, option: str, kind: type) -> list:
+    """A comma-separated list of ``auto`` and numbers of ``kind``."""
+    try:
+        return [v if v == "auto" else kind(v) for v in split(value, option)]
+    except ValueError:
+        raise MoesimError(f"{option}: {value!r} is not a comma-separated list of auto and numbers") from None

@@ -20,6 +20,8 @@ def validate(
     tokens: Annotated[int, typer.Option(help="Decode steps per run (the learned model runs 4x as many: its steps "
                                               "are ~10x shorter).")] = 32,
     model: Annotated[str | None, typer.Option(help="Only this suite model (moe-stdlib or the synthetic one).")] = None,
+    cpu_policies: Annotated[bool, typer.Option("--cpu-policies/--no-cpu-policies", help="Also run the CPU-compute "
+                                               "policies and int8 experts (synthetic geometry).")] = True,
     repeats: Annotated[int, typer.Option(help="Rounds of every case (the policies interleaved in each); a case scores "
                                                "as the median over rounds, with its spread.")] = 3,
 ) -> None:
@@ -32,13 +34,18 @@ def validate(
     from moesim.reports.validation import validation_suite
 
     with progress_bar("validating", "runs") as update:
-        rows, summary, machine, page = validation_suite(out_dir, tokens, model, repeats,
-                                                        lambda doing, done, total: update(done, total, doing))
+        rows, cpu_rows, summary, machine, page = validation_suite(
+            out_dir, tokens, model, repeats, lambda doing, done, total: update(done, total, doing), cpu_policies)
     out.print(table(f"simulated vs measured mean TPOT ({machine})",
                     ("model", "GB/s", "policy", "case", "measured ms", "simulated ms", "error", "error range"),
                     [[r["model"][:12], f"{r['link_gbps']:g}", r["policy"], CASE_SHORT[r["case"]], f"{r['measured_ms']:.3g}",
                       f"{r['predicted_ms']:.3g}", f"{r['error']:+.1%}", f"{r['error_min']:+.1%}..{r['error_max']:+.1%}"]
                      for r in rows], "right"))
+    if cpu_rows:
+        out.print(table("CPU-compute policies and int8 experts (synthetic geometry; each case its median-TPOT run)",
+                        ("policy", "case", "measured ms", "simulated ms", "error"),
+                        [[r["policy"], CASE_SHORT[r["case"]], f"{r['measured_ms']:.3g}", f"{r['predicted_ms']:.3g}",
+                          f"{r['error']:+.1%}"] for r in cpu_rows], "right"))
     out.print("case: same = replay of the run's own trace; transfer = predicted from the on-demand trace. "
               "error: median over rounds; range: over rounds.")
     for k, v in summary.items():

@@ -7,31 +7,15 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, err, floats, out, print_csv, print_json, results_table, split
+from moesim.cli.app import app, auto_or, err, floats, ints, out, print_csv, print_json, results_table, split
 from moesim.cli.running import progress_bar
 from moesim.errors import MoesimError
 from moesim.sim.sweep import DEFAULT_POLICIES
 
 WHATIF_COLS = (("model", "model"), ("hw", "hw"), ("host", "host"), ("policy", "policy"), ("link_gbps", "link GB/s"),
                ("cache_gib", "cache GiB"), ("fits", "fits"), ("tpot_ms", "TPOT ms"), ("tokens_per_s", "tok/s"),
-               ("compute_ms", "compute"), ("copy_ms", "copy"), ("stall_ms", "stall"),
+               ("compute_ms", "compute ms"), ("copy_ms", "copy ms"), ("stall_ms", "stall ms"),
                ("gb_moved_per_token", "GB/token"), ("ttft_ms", "TTFT ms"), ("bound", "bound"), ("timing", "compute from"))
-
-
-def ints(value: str, option: str) -> list[int]:
-    """A comma-separated list of whole numbers (one line, exit 2, on anything else)."""
-    try:
-        return [int(v) for v in split(value, option)]
-    except ValueError:
-        raise MoesimError(f"{option}: {value!r} is not a comma-separated list of whole numbers") from None
-
-
-def auto_or(value: str, option: str, kind: type) -> list:
-    """A comma-separated list of ``auto`` and numbers of ``kind``."""
-    try:
-        return [v if v == "auto" else kind(v) for v in split(value, option)]
-    except ValueError:
-        raise MoesimError(f"{option}: {value!r} is not a comma-separated list of auto and numbers") from None
 
 
 @app.command()
