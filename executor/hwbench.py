@@ -24,6 +24,9 @@ from moesim.hardware import FIGURES, Figure, HardwareProfile
 from moesim.timing import best_time
 
 Step = Callable[[str], None]
+#: How many times :func:`measure` calls ``step`` on each kind of device (for a progress bar's
+#: time left; tests/test_hardware.py counts the CPU ones).
+MEASURE_STEPS = {"cpu": 5, "cuda": 6}
 
 
 def _tiny_ops(t: torch.Tensor, reps: int) -> Callable[[], None]:

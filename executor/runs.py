@@ -252,8 +252,10 @@ class SpeculateSummary:
     distinct_experts_per_step: float
 
 
-def record_speculative(req: SpeculateRequest, out: Path) -> tuple[Recorded, SpeculateSummary]:
-    """Greedy (lossless) speculative decoding on the offload engine; writes its trace to ``out``."""
+def record_speculative(req: SpeculateRequest, out: Path,
+                       progress: Callable[[int, int], None] | None = None) -> tuple[Recorded, SpeculateSummary]:
+    """Greedy (lossless) speculative decoding on the offload engine; writes its trace to ``out``.
+    ``progress(tokens done, tokens asked)`` after each verification step."""
     from moesim.executor.model import load_checkpoint
     from moesim.executor.profile import DEFAULT_PROMPT, load_default_vectors
     from moesim.executor.runtime import OffloadedDecoder, make_transport
@@ -277,7 +279,7 @@ def record_speculative(req: SpeculateRequest, out: Path) -> tuple[Recorded, Spec
                            cache_experts=req.cache_experts)
     ids = torch.tensor(list((req.prompt if req.prompt is not None else DEFAULT_PROMPT).encode())).view(1, -1)
     with stop_on_interrupt():  # Ctrl-C keeps and writes the finished verification steps
-        prefill, records, produced = speculative_generate(dec, d, predictor, ids, st)
+        prefill, records, produced = speculative_generate(dec, d, predictor, ids, st, progress)
         trace = build_sd_trace(target, ids, records, prefill, hw, st, pol.name, req.cache_experts, "cpu", False,
                                str(tpath), str(dpath))
         write_trace(trace, out)

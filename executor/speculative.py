@@ -237,7 +237,8 @@ def build_tree(state: DraftState, predictor: ExpertPredictor | None, branch: int
 
 @torch.no_grad()
 def speculative_generate(decoder: OffloadedDecoder, draft: MoEModel, predictor: ExpertPredictor | None,
-                         prompt: Tensor, st: SpecSettings) -> tuple[float, list[VerifyRecord], list[int]]:
+                         prompt: Tensor, st: SpecSettings,
+                         progress: Callable[[int, int], None] | None = None) -> tuple[float, list[VerifyRecord], list[int]]:
     """Greedy speculative decoding of ``prompt`` [1, P] (batch 1). Returns (prefill seconds,
     verification records, produced tokens). Ctrl-C at any instant keeps the finished
     verification steps (and the tokens they produced); before the first one it raises
@@ -297,6 +298,8 @@ def speculative_generate(decoder: OffloadedDecoder, draft: MoEModel, predictor: 
                 committed.extend(new)
                 pos += len(acc)
                 root = target_next[acc[-1]]
+                if progress is not None:
+                    progress(min(len(out), st.tokens), st.tokens)
         except KeyboardInterrupt:
             cut = True
         finally:

@@ -104,3 +104,16 @@ def test_a_trace_given_as_a_profile_is_one_line(tmp_path, tiny_trace):
     with pytest.raises(MoesimError, match="not a hardware profile|not valid TOML") as e:
         get_profile(str(path))
     assert "\n" not in str(e.value)
+
+
+def test_measuring_this_machine_reports_each_step_it_counts_on():
+    """`moesim profile --hardware`'s progress bar divides by MEASURE_STEPS: a real CPU run
+    must call its step callback exactly that often, or the time left is wrong."""
+    torch = __import__("pytest").importorskip("torch")
+    from moesim.executor.hwbench import MEASURE_STEPS, measure
+
+    torch.set_num_threads(1)
+    steps: list[str] = []
+    prof = measure("cpu", "counted", steps.append)
+    assert len(steps) == MEASURE_STEPS["cpu"], steps
+    assert prof.name == "counted" and prof["h2d_pinned_gbs"] > 0

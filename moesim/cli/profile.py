@@ -10,7 +10,7 @@ import numpy as np
 import typer
 
 from moesim.cli.app import app, err, out, table
-from moesim.cli.running import keeps_finished_work
+from moesim.cli.running import keeps_finished_work, progress_bar
 from moesim.executor.defaults import DECODE_THREADS, SHIPPED_MODEL
 from moesim.hardware import DEFAULT_PROFILE
 
@@ -76,11 +76,16 @@ def profile(
     then `moesim replay run.npz --validate`; `moesim profile --hardware --name mybox` (long-running) writes ./mybox.toml.
     """
     if hardware:
-        from moesim.executor.hwbench import measure_to_file
+        from moesim.executor.hwbench import MEASURE_STEPS, measure_to_file
         from moesim.hardware import FIGURES
 
-        with err.status("measuring") as status:
-            prof, path = measure_to_file(device, name, out_path, threads, lambda what: status.update(f"measuring: {what}"))
+        total, done = MEASURE_STEPS["cuda" if device.startswith("cuda") else "cpu"], [0]
+        with progress_bar("measuring", "steps") as update:
+            def step(what: str) -> None:
+                update(done[0], total, what)
+                done[0] += 1
+
+            prof, path = measure_to_file(device, name, out_path, threads, step)
         out.print(table(f"{prof.name} ({prof.link}), written to {path}", ("figure", "value", "unit", "how"),
                         [[k, f"{f.value:g}", FIGURES[k][0], f.source.split(": ", 1)[-1]] for k, f in prof.figures.items()]))
         return

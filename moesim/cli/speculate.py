@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, err
-from moesim.cli.running import keeps_finished_work
+from moesim.cli.running import keeps_finished_work, progress_bar
 from moesim.executor.defaults import DECODE_THREADS, DRAFT_MODEL, SHIPPED_MODEL
 from moesim.hardware import DEFAULT_PROFILE
 
@@ -45,8 +45,8 @@ def speculate(
 
     req = SpeculateRequest(model, draft, policy, selection, score, lam, gamma, branch, depth, tokens, hw_name, link_gbps,
                            cache_experts, prompt, threads)
-    with err.status("speculating"):
-        rec, s = record_speculative(req, out_path)
+    with progress_bar("speculating", "tokens") as update:
+        rec, s = record_speculative(req, out_path, update)
     meta = rec.trace.meta
     err.print(f"wrote {rec.path}: {s.tokens} tokens in {s.steps} verification steps "
               f"({s.tokens / max(s.steps, 1):.2f} a step), {s.ms_per_token:.3g} ms a token, "
