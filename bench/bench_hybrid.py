@@ -34,7 +34,7 @@ def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; synthetic "
           f"{spec.name} trace, {args.tokens} tokens x {spec.n_layers} layers = {steps} layer-steps; {hw.name} + {host.name}")
     link = Link.from_profile(hw, spec)
-    work = build_work(trace, hw, expert_times(spec, hw, host, link))
+    work = build_work(trace, hw, expert_times(spec, hw, host))
     context = trace.prompt_len + trace.n_tokens
     for policy, cache in (("cpu-static", 0), ("hot-experts", 0), ("cpu-on-miss", 1024)):
         placement = make_placement(policy, spec, hw["device_memory_gb"] * 1e9, context=context, calibration=calib)

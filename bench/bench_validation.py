@@ -3,7 +3,7 @@
 One command (on an idle machine; under contention the executor's timings, and so the
 errors, mean nothing):
 
-    python bench/bench_validation.py              # 3 consecutive suites, ~15 minutes on 2 cores
+    python bench/bench_validation.py --report reports/validation   # 3 consecutive suites, ~10-15 minutes on 2 cores
     python bench/bench_validation.py --quick      # 1 short suite of the learned model: checks the script runs
 
 Each run is the real command, ``moesim validate --out DIR`` in a fresh process, exactly
@@ -61,13 +61,16 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("validation.json"))
+    ap.add_argument("--report", type=Path, help="Keep the last run's report folder here (e.g. reports/validation); "
+                                                "the other runs' go to a temporary folder")
     a = ap.parse_args()
     extra = ["--model", "moe-stdlib", "--tokens", "4", "--repeats", "1"] if a.quick else []
     runs = 1 if a.quick else a.runs
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(runs):
-            res = one_suite(Path(tmp) / f"run{i}", extra)
+            last = a.report is not None and i == runs - 1
+            res = one_suite(a.report if last else Path(tmp) / f"run{i}", extra)
             results.append(res)
             print(f"run {i + 1}/{runs} ({res['seconds']:.0f} s): " + "; ".join(
                 f"{c}: mean |error| {res[c]['mean_abs_error']:.2%}, max {res[c]['max_abs_error']:.2%}" for c in CASES),

@@ -147,7 +147,7 @@ def check_cpu_options(req: DecodeRequest, spec) -> tuple[np.ndarray | None, int 
                           f"(the routed experts of {spec.name})")
     calibration = None
     if req.placement_from is not None:
-        from moesim.sim.hybrid import load_calibration
+        from moesim.traces.format import load_calibration
 
         calibration = load_calibration(str(req.placement_from), spec)
     return calibration, n

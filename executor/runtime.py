@@ -130,7 +130,7 @@ def hybrid_setup(spec, policy: str, hw, host=None, *, batch: int = 1, context: i
                  calibration: np.ndarray | None = None, gpu_experts: int | None = None, amx: bool = True,
                  workers: int | None = None) -> HybridSetup:
     """The placement (``moesim.placement.make_placement``, device memory from ``hw``) and the
-    roofline expert times (``moesim.sim.hybrid.expert_times`` on ``hw``'s link and ``host``)
+    roofline expert times (``moesim.placement.expert_times`` on ``hw``'s link and ``host``)
     exactly as ``moesim.sim.hybrid.simulate_hybrid`` builds them, so the executor and the
     simulator start from the same placement and decide cpu-on-miss with the same figures.
 
@@ -139,9 +139,7 @@ def hybrid_setup(spec, policy: str, hw, host=None, *, batch: int = 1, context: i
     and the workspace (a small model on a real profile would otherwise hold every expert)."""
     from moesim.hardware import HostProfile, builtin_hosts, get_host
     from moesim.placement import cpu_layers as resolve_cpu_layers
-    from moesim.placement import make_placement
-    from moesim.sim.hybrid import expert_times
-    from moesim.sim.workload import Link
+    from moesim.placement import expert_times, make_placement
 
     pol = get_policy(policy)
     if not pol.cpu:
@@ -157,7 +155,7 @@ def hybrid_setup(spec, policy: str, hw, host=None, *, batch: int = 1, context: i
     placement = make_placement(pol, spec, mem, batch=batch, context=context, cpu_layers_n=cpu_layers,
                                calibration=calibration)
     n_cpu = resolve_cpu_layers(spec, cpu_layers, mem, batch, context) if pol.cpu == "layers" else None
-    times = expert_times(spec, hw, host_p, Link.from_profile(hw, spec), batch, amx)
+    times = expert_times(spec, hw, host_p, batch, amx)
     named = host_p.name if host_p.name.lower() in builtin_hosts() or not host_p.path else str(Path(host_p.path).resolve())
     return HybridSetup(placement, times, named, mem / 1e9, n_cpu, workers)
 

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from moesim.errors import MoesimError
+from moesim.hardware import KERNELS_EXPERT, HardwareProfile, HostProfile
 from moesim.models import ModelSpec
-from moesim.policy import ExpertCache, Policy, get_policy
+from moesim.policy import ExpertCache, ExpertTimes, Policy, get_policy
 
 #: Device memory held back for activations, workspace and the CUDA context when a
 #: placement decides what fits (an estimate; llama.cpp users leave about this much).
@@ -204,3 +205,18 @@ class HybridPlanner:
         room = self.cache.capacity - len(self.cache)
         for e in copied[:max(room, 0)]:
             self.cache.use((layer, e))
+
+
+def expert_times(spec: ModelSpec, hw: HardwareProfile, host: HostProfile, batch: int = 1,
+                 amx: bool = True) -> ExpertTimes:
+    """The roofline figures of one expert on the device and on the CPU, and one copy over
+    ``hw``'s link: what the simulator times the CPU policies with and what the executor and
+    the simulator decide cpu-on-miss with (one definition for both)."""
+    activations = 2 * 2 * batch * spec.hidden  # bf16 hidden states down, expert outputs up
+    return ExpertTimes(
+        gpu_mem=spec.expert_bytes / hw.mem_bw, gpu_tok=spec.expert_flops(1) / hw.flops(spec.expert_dtype),
+        gpu_fixed=KERNELS_EXPERT * hw.launch,
+        cpu_mem=spec.expert_bytes / host.mem_bw, cpu_tok=spec.expert_flops(1) / host.flops(spec.expert_dtype, amx),
+        cpu_fixed=host.dispatch, roundtrip=host.roundtrip + activations / hw.link_bw,
+        copy=hw.copy_seconds(spec.expert_bytes),
+    )

@@ -13,17 +13,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from moesim.errors import MoesimError
-from moesim.hardware import HardwareProfile
+from moesim.hardware import (  # noqa: F401 (the kernel counts are defined there, once; re-exported)
+    KERNELS_ATTENTION,
+    KERNELS_EXPERT,
+    KERNELS_HEAD,
+    KERNELS_PREDICT,
+    HardwareProfile,
+)
 from moesim.models import ModelSpec
-
-#: Kernels an eager decoder launches per attention block (norm, q/k/v, rope, attention,
-#: output projection, residual, norm, router, top-k) and per expert (gate-up, act, down).
-KERNELS_ATTENTION = 10
-KERNELS_EXPERT = 3
-KERNELS_HEAD = 3  # final norm, LM head, sampling
-#: Kernels of one next-layer prediction (the quasi-hidden state's RMSNorm, the next
-#: layer's router GEMV, top-k): what a prefetching policy adds to each layer's router.
-KERNELS_PREDICT = 3
 
 
 @dataclass(frozen=True)

@@ -31,12 +31,12 @@ import numpy as np
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile, HostProfile, get_host
 from moesim.models import ModelSpec
-from moesim.placement import HybridPlanner, Placement, device_bytes, make_placement
+from moesim.placement import HybridPlanner, Placement, device_bytes, expert_times, make_placement
 from moesim.policy import EVICTIONS, ExpertTimes, get_policy
-from moesim.sim.costs import KERNELS_ATTENTION, KERNELS_EXPERT, roofline_costs
+from moesim.sim.costs import KERNELS_ATTENTION, roofline_costs
 from moesim.sim.plan import Plan
 from moesim.sim.workload import Link
-from moesim.traces.format import Trace, read_trace
+from moesim.traces.format import Trace, load_calibration, read_trace  # noqa: F401 (load_calibration re-exported)
 
 
 @dataclass(frozen=True)
@@ -86,31 +86,6 @@ def routed_sets(ids: np.ndarray) -> list[list[list[tuple[int, int]]]]:
             rows.append(sorted(count.items(), key=lambda p: (-p[1], p[0])))
         out.append(rows)
     return out
-
-
-def load_calibration(path: str, spec: ModelSpec) -> np.ndarray:
-    """The routing ``[t, m, b, k]`` of a calibration trace (``--placement-from``), checked
-    against the model being simulated: a trace of another model is one clear error."""
-    trace = read_trace(path)
-    other = trace.model
-    if (other.n_moe_layers, other.n_experts) != (spec.n_moe_layers, spec.n_experts):
-        raise MoesimError(f"calibration trace {path} is of {other.name} ({other.n_moe_layers} MoE layers x "
-                          f"{other.n_experts} experts); the simulated model {spec.name} has "
-                          f"{spec.n_moe_layers} x {spec.n_experts}")
-    return trace.true_ids
-
-
-def expert_times(spec: ModelSpec, hw: HardwareProfile, host: HostProfile, link: Link, batch: int = 1,
-                 amx: bool = True) -> ExpertTimes:
-    """The roofline figures of one expert on the device and on the CPU, and one copy."""
-    activations = 2 * 2 * batch * spec.hidden  # bf16 hidden states down, expert outputs up
-    return ExpertTimes(
-        gpu_mem=spec.expert_bytes / hw.mem_bw, gpu_tok=spec.expert_flops(1) / hw.flops(spec.expert_dtype),
-        gpu_fixed=KERNELS_EXPERT * hw.launch,
-        cpu_mem=spec.expert_bytes / host.mem_bw, cpu_tok=spec.expert_flops(1) / host.flops(spec.expert_dtype, amx),
-        cpu_fixed=host.dispatch, roundtrip=host.roundtrip + activations / hw.link_bw,
-        copy=link.per_expert,
-    )
 
 
 def token_counts(ids: np.ndarray, n_experts: int) -> np.ndarray:
@@ -299,7 +274,7 @@ def simulate_hybrid(trace: Trace, hw: HardwareProfile, policy: str = "cpu-static
                                cpu_layers_n=cpu_layers, calibration=calibration, replay_ids=trace.true_ids,
                                calibrate_on_replay=calibrate_on_replay)
     link = Link.from_profile(hw, spec)
-    times = expert_times(spec, hw, host, link, trace.batch, amx)
+    times = expert_times(spec, hw, host, trace.batch, amx)
     if timing not in ("profile", "measured"):
         raise MoesimError(f"unknown timing {timing!r} for {pol.name}; known: profile, measured")
     work = measured_work(trace, times) if timing == "measured" else build_work(trace, hw, times)

@@ -17,7 +17,6 @@ from moesim.models import GGML_BLOCKS, get_model, matrix_bytes
 from moesim.placement import WORKSPACE_BYTES, cpu_layers, expert_budget, make_placement, routing_counts
 from moesim.policy import POLICIES, ExpertTimes, Policy, cpu_or_copy, get_policy, register
 from moesim.sim.hybrid import expert_times, prefill_time_hybrid, simulate_hybrid
-from moesim.sim.workload import Link
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
 # -- quantised expert formats ------------------------------------------------------------
@@ -228,7 +227,7 @@ def test_cpu_time_grows_with_batch_once_compute_bound():
 def test_prefill_picks_cpu_for_short_prompts_and_copies_for_long_ones():
     spec = get_model("qwen3-30b-a3b")
     hw, host = get_profile("rtx4090"), get_host("ryzen-7950x")
-    times = expert_times(spec, hw, host, Link.from_profile(hw, spec))
+    times = expert_times(spec, hw, host)
     never_copy = replace(times, copy=1e9)
     never_cpu = replace(times, cpu_mem=1e9)
     resident = np.zeros((spec.n_moe_layers, spec.n_experts), bool)
@@ -434,8 +433,7 @@ def test_prefetch_top_m_copies_fewer_ahead(tmp_path):
 def test_without_amx_the_cpu_is_slower_once_compute_bound():
     spec, hw = get_model("qwen3-30b-a3b"), get_profile("h100-sxm")
     host = get_host("xeon-8480")
-    link = Link.from_profile(hw, spec)
-    amx, vec = expert_times(spec, hw, host, link, amx=True), expert_times(spec, hw, host, link, amx=False)
+    amx, vec = expert_times(spec, hw, host, amx=True), expert_times(spec, hw, host, amx=False)
     assert vec.cpu_mem == amx.cpu_mem and vec.cpu_tok > 5 * amx.cpu_tok
     assert vec.cpu(4, 4) == amx.cpu(4, 4)  # batch 1: reading the weights dominates either way
     assert vec.cpu(4, 4096) > 2 * amx.cpu(4, 4096)
@@ -445,7 +443,7 @@ def test_prefill_with_nothing_on_the_cpu_is_the_resident_prefill():
     from moesim.sim.simulate import prefill_time
 
     spec, hw = get_model("glm-4.7-flash"), get_profile("h100-sxm")  # a dense first layer too
-    times = expert_times(spec, hw, get_host(None, hw), Link.from_profile(hw, spec))
+    times = expert_times(spec, hw, get_host(None, hw))
     resident = np.ones((spec.n_moe_layers, spec.n_experts), bool)
     for prompt in (16, 2048):
         assert prefill_time_hybrid(spec, hw, times, resident, prompt) == pytest.approx(

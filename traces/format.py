@@ -328,3 +328,14 @@ def _check_plausible(trace: Trace, bad) -> None:
             raise bad(f"step {worst}: {total} = {whole[worst]:.3g} s but its parts ({', '.join(parts)}) sum to "
                       f"{summed[worst]:.3g} s (more than {PARTS_RATIO:g}x apart): not a plausible measurement")
 
+
+def load_calibration(path: str | Path, spec: ModelSpec) -> np.ndarray:
+    """The routing ``[t, m, b, k]`` of a calibration trace (``--placement-from``), checked
+    against the model it will place: a trace of another model is one clear error."""
+    trace = read_trace(path)
+    other = trace.model
+    if (other.n_moe_layers, other.n_experts) != (spec.n_moe_layers, spec.n_experts):
+        raise MoesimError(f"calibration trace {path} is of {other.name} ({other.n_moe_layers} MoE layers x "
+                          f"{other.n_experts} experts); the simulated model {spec.name} has "
+                          f"{spec.n_moe_layers} x {spec.n_experts}")
+    return trace.true_ids

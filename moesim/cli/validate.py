@@ -1,4 +1,4 @@
-"""``moesim validate``. Python: ``moesim.reports.validation.validation_suite(out, tokens, model, repeats)``."""
+"""``moesim validate``. Python: ``moesim.reports.validation.validation_suite(out, tokens, model, repeats, cpu_policies)``."""
 
 from __future__ import annotations
 
