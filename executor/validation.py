@@ -36,7 +36,6 @@ from moesim.sim.workload import Link
 from moesim.traces.format import Trace, write_trace
 
 POLICIES = ("on-demand", "prefetch-fom", "prefetch-spec", "oracle")
-INTERFERENCE_SOURCE = "measured by moesim validate on this model and link (executor.validation.link_interference)"
 SYNTHETIC_SPEC = ModelSpec("synthetic-1024x512", n_layers=6, n_experts=16, top_k=4, hidden=1024, expert_inter=512,
                            vocab=1024, attention=Attention("gqa", 8, 4, 128, qk_norm=True),
                            source="moesim validation geometry with seeded random weights (synthetic)")
@@ -80,47 +79,6 @@ def machine_profile() -> HardwareProfile:
             .with_figure("wait_wakeup_us", cpu_wakeup() * 1e6, "measured", src))
 
 
-def link_interference(model: MoEModel, dv, prompt: torch.Tensor, hw: HardwareProfile, tokens: int = 16,
-                      repeats: int = 5) -> float:
-    """How much slower this model's own decoding computes while the emulated link copies
-    at ``hw``'s rate: the median over ``repeats`` of (all-resident compute with a busy
-    link) / (compute alone) - 1, the two runs alternating.
-
-    Why not only the machine-wide figure (:func:`machine_profile`): that one streams a
-    large GEMV against an unpaced memcpy, a memory-bandwidth contest. A small model's
-    decode step is hundreds of short operator calls, and what slows it is the link
-    thread waking (for each batch of copies it finishes, then sleeps to pace) and taking
-    the interpreter lock between those calls; the bench measured ~2% while the transfer
-    cases showed their compute running 10-40% slower beside a busy link. This measures
-    the same slowdown on the workload itself, before and apart from the policy runs: the
-    link is kept busy with batches of ``top_k`` expert-sized copies, as a prefetching
-    policy issues them, queued in advance so that nothing but the link thread runs
-    beside the decoding (as in a real run)."""
-    from moesim.executor.transport import EmulatedLink, Transfer
-
-    spec = model.spec
-    st = ProfileSettings(policy="all-resident", tokens=tokens)
-    src = torch.empty(spec.expert_bytes, dtype=torch.uint8)
-    dst = [torch.empty_like(src) for _ in range(spec.top_k)]
-
-    def compute_seconds() -> float:
-        _, records, _ = generate(model, prompt, st, hw, dv)
-        return float(sum(r.attn_s.sum() + r.expert_s.sum() + r.other_s for r in records[1:]))
-
-    compute_seconds()  # warm-up
-    ratios = []
-    for _ in range(repeats):
-        alone = compute_seconds()
-        link = EmulatedLink(hw.link_bw, hw.transfer_latency)
-        n_batches = int(3 * alone * hw.link_bw / (spec.top_k * spec.expert_bytes)) + 4  # busy past the run
-        for _ in range(n_batches):
-            link.copy_batch([(d, src, Transfer(0, e, spec.expert_bytes, 0), None) for e, d in enumerate(dst)])
-        busy = compute_seconds()
-        link.close()
-        ratios.append(busy / alone - 1)
-    return max(0.0, float(np.median(ratios)))
-
-
 def run_suite(out: Path, shipped: Path, tokens: int = 32, models: list[str] | None = None,
               progress: Callable[[str, int, int], None] | None = None,
               repeats: int = 3) -> tuple[list[dict[str, Any]], dict[str, Trace], dict]:
@@ -132,31 +90,25 @@ def run_suite(out: Path, shipped: Path, tokens: int = 32, models: list[str] | No
     total = sum(len(links) * len(POLICIES) * repeats for _, _, links, _ in chosen)
     started = [0]
 
-    def counted(doing: str, run: bool = True) -> None:  # called as each run starts: the runs before it are done
+    def counted(doing: str) -> None:  # called as each run starts: the runs before it are done
         if progress:
             progress(doing, started[0], total)
-        started[0] += run
+        started[0] += 1
 
     if progress:
         progress("measuring copy/compute interference", 0, total)
     machine_hw = machine_profile()
     rows: list[dict[str, Any]] = []
     traces: dict[str, Trace] = {}
-    interference: dict[str, float] = {}
     with stop_on_interrupt():
         for name, load, links, scale in chosen:
             model, dv, synthetic = load()
             prompt = torch.tensor([b % model.spec.vocab for b in PROMPT]).view(1, -1)
             for gbps in links:
                 hw = get_profile(DEFAULT_PROFILE).with_figure("h2d_pinned_gbs", gbps, "estimate", "validation suite link")
-                counted(f"{name}, {gbps:g} GB/s: measuring the link's interference", run=False)
-                alpha = link_interference(model, dv, prompt, hw)
-                here = (machine_hw.with_figure("copy_interference", alpha, "measured", INTERFERENCE_SOURCE)
-                        .with_figure("copy_interference_gbs", gbps, "measured", INTERFERENCE_SOURCE))
-                interference[f"{name} at {gbps:g} GB/s"] = alpha
                 runs = _run_link(model, dv, prompt, tokens * scale, hw, repeats, synthetic, name, gbps, out, traces,
                                  counted)
-                rows += _score(name, gbps, hw, runs, model, here)
+                rows += _score(name, gbps, hw, runs, model, machine_hw)
                 if stop_requested():
                     break
             if stop_requested():
@@ -165,9 +117,9 @@ def run_suite(out: Path, shipped: Path, tokens: int = 32, models: list[str] | No
         if stop_requested():
             summary["interrupted"] = f"Ctrl-C: {len(traces)} finished cases kept and scored; the rest did not run"
     summary["machine figures (measured)"] = (
-        "decoding slows by " + ", ".join(f"{a:.1%} ({k})" for k, a in interference.items())
-        + f" while the link copies (measured on each model and link before its runs); "
-        f"{machine_hw['wait_wakeup_us']:.0f} us from a copy landing to the waiting thread running")
+        f"{machine_hw['copy_interference']:.1%} compute slowdown at {machine_hw['copy_interference_gbs']:.1f} GB/s "
+        f"of back-to-back copying, scaled by each link's rate; {machine_hw['wait_wakeup_us']:.0f} us from a copy "
+        "landing to the waiting thread running")
     return rows, traces, summary
 
 
