@@ -143,8 +143,15 @@ def simulate(
     calibration: np.ndarray | None = None,
     calibrate_on_replay: bool = False,
     amx: bool = True,
+    as_recorded: bool = False,
 ) -> SimResult:
     """Simulate ``trace`` under ``policy`` on ``hw``.
+
+    ``as_recorded`` (validation: replaying the run the trace measured) keeps the recorded
+    prediction time in the measured compute whatever ``policy`` is: the executor ran its
+    predictor under every offloading policy (an on-demand trace records predictions so it
+    can stand in for the prefetching policies), so the measured run paid for it. A what-if
+    of a policy that predicts nothing takes it back out.
 
     ``link_gbps`` overrides the profile's pinned host-to-device bandwidth (what-if);
     ``engine`` picks the SimPy reference or the fast path; ``plan`` and ``costs`` may be
@@ -182,7 +189,7 @@ def simulate(
     capacity = cache_capacity(spec, cache_gib, cache_experts) if pol.offload else 0
     plan = plan or build_plan(trace, pol, capacity, eviction, progress)
     costs = costs or pick_costs(trace, spec, hw, timing)
-    costs = charge_prediction(costs, spec, hw, pol.prefetch and not pol.oracle, trace.batch,
+    costs = charge_prediction(costs, spec, hw, (pol.prefetch and not pol.oracle) or as_recorded, trace.batch,
                               trace.timings.get("predict_s"))
     work = make_workload(spec, plan, costs)
     link = sim_link(trace, hw, costs)

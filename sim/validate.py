@@ -99,6 +99,7 @@ def validate_trace(trace: Trace, hw: HardwareProfile | None = None, policy: str 
     if policy == meta.policy and POLICIES[policy].cpu:  # the recorded CPU-compute setup (executor/runs.py)
         profile, more = recorded_cpu_setup(trace, profile)
         kw = {**more, **kw}
+    kw.setdefault("as_recorded", policy == meta.replay_policy)  # the measured run's predictor time stays in
     result = simulate(trace, profile, policy, engine=engine, timing="measured", **kw)
     skip = min(skip, trace.n_tokens - 1)
     stats_ = error_stats(trace.timings["tpot_s"][skip:], result.tpot[skip:])
