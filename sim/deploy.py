@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from moesim.errors import MoesimError
+from moesim.fmt import number
 from moesim.sim.whatif import GOALS
 
 FAMILIES = ("prefetching", "cpu-static", "hot-experts", "cpu-on-miss", "all-resident")
@@ -153,15 +154,17 @@ def _reason(winner: dict[str, Any] | None, families: list[FamilyBest], key: str,
         return "no configuration of any family fits in device memory"
     others = sorted((f for f in families if f.row is not None and f.family != winner["family"]),
                     key=lambda f: _rank(f.row, key))
-    head = f"{winner['family']} ({configuration(winner)}) has the {what}, {winner[key]:.3g}"
+    unit = " ms" if key.endswith("_ms") else ""
+    head = f"{winner['family']} ({configuration(winner)}) has the {what}, {number(winner[key])}{unit}"
     if others:
         second = others[0].row
         ratio = second[key] / winner[key] if winner[key] > 0 else float("inf")
         if ratio < 1.005:
-            head += (f", level with {second['family']} ({second[key]:.3g}; on a tie the simpler deployment is "
-                     "named)")
+            head += (f", level with {second['family']} ({number(second[key])}{unit}; on a tie the simpler "
+                     "deployment is named)")
         else:
-            head += f", {ratio:.2f}x better than the next family, {second['family']} ({second[key]:.3g})"
+            head += (f", {ratio:.2f}x better than the next family, {second['family']} "
+                     f"({number(second[key])}{unit})")
     tail = f"; {bound_words(winner)}"
     absent = [f.family for f in families if f.status == "nothing fits"]
     if absent:
@@ -272,7 +275,7 @@ def _cross(x0: float, x1: float, a: list, b: list, i: int) -> float | None:
 
 def describe_change(c: Crossover, ch: dict[str, Any]) -> str:
     """One line: where along ``c.axis`` the winner changes."""
-    near = f" (curves cross near {ch['near']:.3g})" if ch["near"] is not None else ""
+    near = f" (curves cross near {number(ch['near'])})" if ch["near"] is not None else ""
     metric = "TPOT" if c.metric == "tpot_ms" else "TTFT" if c.metric == "ttft_ms" else c.metric
     return (f"{c.model} on {c.hw}{'' if c.host == '-' else ' + ' + c.host}, {metric} against {AXES[c.axis]}: "
             f"{ch['from']} wins at {ch['after']:g}, {ch['to']} at {ch['by']:g}{near}")

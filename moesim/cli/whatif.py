@@ -104,8 +104,9 @@ def whatif(
         print_json({"goal": goal, "best": winner, "notes": res.notes, "deployment": [a.to_dict() for a in answers],
                     "crossovers": [c.__dict__ for c in crosses], "rows": rows}) if as_json else print_csv(rows)
     else:
-        out.print(results_table(res.ranked()[:top], f"what-if: {res.sweep.size} configurations, best "
-                                f"{min(top, len(rows))} by {goal}{' (synthetic traces)' if res.synthetic else ''}",
+        out.print(results_table(res.ranked()[:top], f"what-if: {res.sweep.size} configurations, top "
+                                f"{min(top, len(rows))} by {goal} (oracle: a bound, never best)"
+                                f"{' (synthetic traces)' if res.synthetic else ''}",
                                 WHATIF_COLS))
         for h in res.sweep.hws:
             b = res.best_by_hw[h.name]
