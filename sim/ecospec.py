@@ -57,6 +57,25 @@ DEFAULT_DRAFT = DraftProfile()
 SELECTIONS_DEFAULT = (Selection("confidence"), Selection("ecospec", "ratio"), Selection("ecospec", "lagrangian", 1.0))
 
 
+def parse_selections(text: str) -> tuple[Selection, ...]:
+    """``confidence,ecospec:ratio,ecospec:lagrangian:0.5`` -> selections (``ecospec`` alone is
+    the ratio score; a Lagrangian's number is ``lam_per_layer_k``, see :meth:`Selection.lam`)."""
+    out = []
+    for item in (t.strip() for t in text.split(",")):
+        parts = item.split(":")
+        try:
+            lam = float(parts[2]) if len(parts) == 3 else 0.0
+        except ValueError:
+            raise MoesimError(f"--selection {item!r}: lambda {parts[2]!r} is not a number") from None
+        if len(parts) > 3 or not parts[0] or (parts[0] == "confidence" and len(parts) > 1) or not lam == lam or lam < 0:
+            raise MoesimError(f"--selection {item!r}: write confidence, ecospec, ecospec:ratio or "
+                              "ecospec:lagrangian:LAMBDA (LAMBDA >= 0)")
+        out.append(Selection(parts[0], parts[1] if len(parts) > 1 else "ratio", lam))
+    if not out:
+        raise MoesimError("--selection: give at least one selection")
+    return tuple(out)
+
+
 def selected_steps(synth: SynthSpec, gamma: int, sel: Selection) -> list[Step]:
     """The drawn steps as ``sel`` at budget ``gamma`` verifies them (exact: every node's
     true experts and acceptance are known). Gamma 0 is no speculation."""

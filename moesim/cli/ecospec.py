@@ -21,6 +21,9 @@ def ecospec(
     deployment: Annotated[str, typer.Option(help="Comma-separated deployments (resident across GPUs or offloaded; "
                                                  "docs/speculative.md).")] = "8xh200-tp,8xh200-ep,1xh200-offload",
     gamma: Annotated[str, typer.Option(help="Verification budgets to try.")] = "1,2,4,8,12,16",
+    selection: Annotated[str, typer.Option(help="Selections: confidence, ecospec:ratio, ecospec:lagrangian:LAMBDA "
+                                                "(LAMBDA x MoE layers x top-k; docs/speculative.md).")] =
+        "confidence,ecospec:ratio,ecospec:lagrangian:1",
     draft: Annotated[str, typer.Option(help="Draft cost: eagle, eagle:F (F target layers), dense:B (B billion "
                                             "parameters) or none.")] = "eagle",
     steps: Annotated[int, typer.Option(help="Synthetic verification steps per model.")] = 256,
@@ -42,7 +45,7 @@ def ecospec(
     """
     from moesim.reports.ecospec import ecospec_report
     from moesim.sim.draft import parse_draft
-    from moesim.sim.ecospec import ecospec_whatif
+    from moesim.sim.ecospec import ecospec_whatif, parse_selections
     from moesim.traces.synthetic_speculative import SpecSynthParams
 
     params = SpecSynthParams(steps=steps, branch=branch, depth=depth, accept=tuple(floats(accept, "--accept")),
@@ -50,12 +53,13 @@ def ecospec(
     models, deps = split(model, "--model"), split(deployment, "--deployment")
     gammas = [int(g) for g in floats(gamma, "--gamma")]
     prof = parse_draft(draft)
+    selections = parse_selections(selection)
     with err.status("simulating speculative decoding"):
         if out_dir is not None:
-            rows = ecospec_report(out_dir, tuple(models), tuple(deps), tuple(gammas), params, draft=prof,
+            rows = ecospec_report(out_dir, tuple(models), tuple(deps), tuple(gammas), params, selections, draft=prof,
                                   resident=deps[0])["rows"]
         else:
-            rows = [r for m in models for r in ecospec_whatif(m, deps, gammas, params=params, draft=prof)]
+            rows = [r for m in models for r in ecospec_whatif(m, deps, gammas, selections, params=params, draft=prof)]
     if as_json:
         print_json(rows)
         return
