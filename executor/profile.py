@@ -109,6 +109,7 @@ class ProfileSettings:
     hybrid: object = None  # runtime.HybridSetup: the CPU-compute policies' placement and expert times
     expert_dtype: str | None = None  # quantised routed experts (executor.quant_experts); None = the model's dtype
     hybrid_params: dict = field(default_factory=dict)  # what the header records of the CPU-compute setup
+    prefetch_top: int | None = None  # prefetch only each sequence's m most confident predicted experts
 
 
 def _next_token(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> torch.Tensor:
@@ -125,7 +126,8 @@ def _decoder(model: MoEModel, st: ProfileSettings, hw: HardwareProfile, batch: i
     hybrid = st.hybrid if policy == st.policy else None  # a pre-pass or reference run is a copy policy
     return OffloadedDecoder(model, policy, transport, predictor=st.predictor, default_vectors=dv,
                             cache_experts=st.cache_experts, eviction=st.eviction, batch=batch, estimator=estimator,
-                            hybrid=hybrid, expert_dtype=st.expert_dtype)
+                            hybrid=hybrid, expert_dtype=st.expert_dtype,
+                            prefetch_top=st.prefetch_top if policy == st.policy else None)
 
 
 @contextmanager
@@ -250,6 +252,8 @@ def build_trace(model: MoEModel, prompt: torch.Tensor, st: ProfileSettings, hw: 
                   "created": datetime.now(UTC).isoformat(timespec="seconds"), "copy_kinds": list(COPY_KINDS)},
         metrics={**routing_metrics(true_ids, pred_ids), **(extra or {})},
     )
+    if st.prefetch_top:  # the predictions stay whole; replays cut them as the run did (sim.prefetch_top)
+        header["prefetch_top_m"] = st.prefetch_top
     token_ids = torch.cat(out, 1).numpy().astype(np.int32) if out else np.zeros((b, 0), np.int32)
     return Trace(header, prompt.cpu().numpy().astype(np.int32), token_ids, true_ids,
                  stack("true_gates").astype(np.float32), pred_ids, stack("pred_gates").astype(np.float32),

@@ -66,6 +66,7 @@ class DecodeRequest:
     gpu_experts: int | None = None
     # Routed experts quantised (executor.quant_experts): int8, int4-g32, int4-g128; None = --dtype
     expert_dtype: str | None = None
+    prefetch_top: int | None = None  # prefetch only each sequence's m most confident predicted experts
 
 
 @dataclass
@@ -183,6 +184,11 @@ def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], 
     pol = get_policy(req.policy)
     check_decode_budget(req, hw_profile, pol.offload)
     calibration, n_cpu = check_cpu_options(req, _request_spec(req))
+    if req.prefetch_top is not None:  # before the model loads: the decoder checks the same
+        k = _request_spec(req).top_k
+        if not pol.prefetch or pol.speculative or not 1 <= req.prefetch_top <= k:
+            raise MoesimError(f"--prefetch-top {req.prefetch_top}: an integer from 1 to top_k ({k}), with prefetch-fom "
+                              "or oracle (it cuts what is copied ahead)")
     host_profile = _host_profile(req, hw_profile) if pol.cpu else None
     loaded = load_model(req.model, req.layers, req.dtype, req.device, req.seed)
     m = loaded.model
@@ -192,7 +198,7 @@ def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], 
     if pol.cpu and pol.cpu != "miss":
         capacity = 0  # static placements keep no cache: their resident set is the placement
     st = ProfileSettings(pol.name, req.predictor, capacity, req.eviction, req.tokens, req.temperature, req.seed,
-                         expert_dtype=req.expert_dtype)
+                         expert_dtype=req.expert_dtype, prefetch_top=req.prefetch_top)
     ids = prompt_ids(m, req.prompt if req.prompt is not None else DEFAULT_PROMPT, req.prompt_len, req.batch, req.seed)
     if pol.cpu:
         from moesim.executor.runtime import hybrid_setup

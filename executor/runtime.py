@@ -193,8 +193,17 @@ class OffloadedDecoder:
     def __init__(self, model: MoEModel, policy: str, transport, *, predictor: str = "quasi",
                  default_vectors: Tensor | None = None, cache_experts: int = 0, eviction: str = "lru",
                  batch: int = 1, estimator: tuple[torch.nn.Module, list[str]] | None = None,
-                 hybrid: HybridSetup | None = None, expert_dtype: str | None = None) -> None:
+                 hybrid: HybridSetup | None = None, expert_dtype: str | None = None,
+                 prefetch_top: int | None = None) -> None:
         self.model, self.policy, self.transport = model, get_policy(policy), transport
+        if prefetch_top is not None:
+            k = model.spec.top_k
+            if not self.policy.prefetch or self.policy.speculative:
+                raise MoesimError(f"--prefetch-top applies to prefetch-fom and oracle (it cuts what is copied ahead; "
+                                  f"{self.policy.name} {'executes the predicted experts' if self.policy.speculative else 'prefetches nothing'})")
+            if isinstance(prefetch_top, bool) or not 1 <= prefetch_top <= k:
+                raise MoesimError(f"--prefetch-top must be an integer from 1 to top_k ({k}), got {prefetch_top!r}")
+        self.prefetch_top = prefetch_top  # prefetch only each sequence's first m predicted experts (most confident)
         if predictor not in PREDICTORS:
             raise MoesimError(f"unknown predictor {predictor!r}; known: {', '.join(PREDICTORS)}")
         if self.policy.oracle:
@@ -533,6 +542,8 @@ class OffloadedDecoder:
         """Ask the shared planner (which, as in the simulator, indexes MoE layers), then
         issue MoE layer ``m``'s on-demand copies and the next MoE layer's prefetch.
         Returns (plan, demand copies, prefetch copies)."""
+        if pred_here_host is not None and self.prefetch_top:
+            pred_here_host = pred_here_host[:, :self.prefetch_top]  # what was prefetched for this layer
         here = _union(pred_here_host) if pred_here_host is not None else None
         if st.predicted is not None:
             here = st.predicted[m] if m > 0 else None
@@ -542,7 +553,8 @@ class OffloadedDecoder:
         prefetch: list[Transfer] = []
         nxt = self.layers.next_moe(m)
         if st.pred_next_host is not None:
-            self._issue(nxt, self.planner.prefetch(nxt, _union(st.pred_next_host)), 0, prefetch)
+            ahead = st.pred_next_host[:, :self.prefetch_top] if self.prefetch_top else st.pred_next_host
+            self._issue(nxt, self.planner.prefetch(nxt, _union(ahead)), 0, prefetch)
         elif st.predicted is not None and nxt is not None:
             self._issue(nxt, self.planner.prefetch(nxt, st.predicted[nxt]), 0, prefetch)
         return plan, demand, prefetch

@@ -107,6 +107,8 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
     profile, link_source = replay_link(trace, profile, source, kw.pop("link_gbps", None))
     if expert_dtype is not None:
         trace = with_expert_dtype(trace, expert_dtype)
+    if prefetch_top is None and trace.header.get("prefetch_top_m"):
+        prefetch_top = int(trace.header["prefetch_top_m"])  # as recorded (moesim profile --prefetch-top)
     if prefetch_top is not None:
         trace = keep_top_predictions(trace, prefetch_top)
     if placement_from is not None:

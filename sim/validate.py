@@ -93,6 +93,10 @@ def validate_trace(trace: Trace, hw: HardwareProfile | None = None, policy: str 
         raise MoesimError("the trace has no measured timings to validate against (record one with moesim profile)")
     meta = trace.meta
     policy = policy or meta.replay_policy
+    if trace.header.get("prefetch_top_m"):  # the run prefetched only its top-m predictions
+        from moesim.sim.prefetch_top import keep_top_predictions
+
+        trace = keep_top_predictions(trace, int(trace.header["prefetch_top_m"]))
     kw.setdefault("cache_experts", meta.cache_experts)
     kw.setdefault("eviction", meta.eviction)
     profile = recorded_profile(trace, hw)

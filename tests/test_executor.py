@@ -170,3 +170,26 @@ def test_replaying_an_on_demand_run_keeps_the_prediction_it_paid_for(tiny):
     _, as_run = validate_trace(trace)
     what_if = simulate(trace, recorded_profile(trace), "on-demand", timing="measured")
     np.testing.assert_allclose(as_run.tpot - what_if.tpot, predict, rtol=1e-6, atol=1e-9)
+
+
+def test_prefetching_only_the_top_m_predictions_stays_exact_and_copies_ahead_less(tiny):
+    """`--prefetch-top 1` copies ahead only each sequence's most confident prediction:
+    outputs stay those of all-resident decoding, fewer experts are prefetched, and a replay
+    of the trace cuts the predictions the same way (header prefetch_top_m): it plans
+    exactly the prefetch copies the run made."""
+    from moesim.sim.validate import validate_trace
+
+    model, dv = tiny
+    want, _ = _tokens(model, dv, policy="all-resident")
+    full, rec_full = _tokens(model, dv, policy="prefetch-fom")
+    top1, rec_top = _tokens(model, dv, policy="prefetch-fom", prefetch_top=1)
+    assert torch.equal(top1, want) and torch.equal(full, want)
+    n_full = sum(c.kind == 0 for r in rec_full for c in r.copies)
+    n_top = sum(c.kind == 0 for r in rec_top for c in r.copies)
+    assert 0 < n_top < n_full
+    st = ProfileSettings(policy="prefetch-fom", tokens=10, prefetch_top=1)
+    prefill, records, out = generate(model, PROMPT, st, HW, dv)
+    trace = build_trace(model, PROMPT, st, HW, prefill, records, out, "cpu", True, "test model")
+    assert trace.header["prefetch_top_m"] == 1
+    _, sim = validate_trace(trace)
+    assert int(sim.plan.prefetch.sum()) == int((trace.timings["copy_kind"] == 0).sum())

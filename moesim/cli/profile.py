@@ -52,6 +52,8 @@ def profile(
                                                              "calibration trace whose routing picks the hot experts.")] = None,
     gpu_experts: Annotated[int | None, typer.Option(help="hot-experts: routed experts resident on the device (default: "
                                                          "as many as the --hw device memory holds).")] = None,
+    prefetch_top: Annotated[int | None, typer.Option(help="prefetch-fom, oracle: prefetch only each sequence's M most "
+                                                          "confident predicted experts.")] = None,
     expert_dtype: Annotated[str | None, typer.Option(help="Quantise the routed experts (weight-only): int8, int4-g32 "
                                                           "or int4-g128; copies, device and CPU experts use them.")] = None,
     out_path: Annotated[Path | None, typer.Option("--out", help="Trace file to write (default ./profile.npz; "
@@ -99,7 +101,7 @@ def profile(
     req = DecodeRequest(model, policy, predictor, device, hw_name, link_gbps, tokens, batch, prompt, prompt_len,
                         cache_gib, cache_experts, eviction, layers, dtype, temperature, seed, fidelity_tokens, threads,
                         host=host, cpu_layers=cpu_layers, placement_from=placement_from, gpu_experts=gpu_experts,
-                        expert_dtype=expert_dtype)
+                        expert_dtype=expert_dtype, prefetch_top=prefetch_top)
     with Progress(TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err,
                   transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("decode", total=tokens)
