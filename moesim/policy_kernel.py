@@ -28,6 +28,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from moesim.jit import use_user_cache
+
+use_user_cache()  # before the decorators: compiled code goes to the user cache, not the package
+
 TICK_BITS = 40  # a heap priority is (use count << TICK_BITS) | tick of last use: ~1e12 uses per trace
 TICK_MASK = (1 << TICK_BITS) - 1
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from moesim.jit import use_user_cache
+
+use_user_cache()  # before the decorators: compiled code goes to the user cache, not the package
+
 
 @njit(cache=True)
 def recurrence(attn, demand, prefetch, experts, other, per, slow, wake, ends, copied, stalls):

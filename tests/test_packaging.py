@@ -79,3 +79,26 @@ def test_installed_cli_runs(installed):
                                  "from moesim.cli import main; main()")
     assert r.returncode == 0, r.stderr
     assert "qwen3-30b-a3b" in r.stdout
+
+
+def test_compiled_kernels_are_cached_outside_the_package(tmp_path):
+    """numba's cache goes to the user cache folder (moesim.jit), not next to the source: in
+    an installed package those files outlived `pip uninstall` and shadowed the next install."""
+    import time
+
+    start = time.time() - 1
+    code = ("from moesim.models import get_model; from moesim.traces.synthetic import SyntheticParams, synthetic_trace; "
+            "from moesim.sim.simulate import simulate; from moesim.hardware import get_profile; "
+            "t = synthetic_trace(get_model('tiny'), SyntheticParams(tokens=4)); "
+            "simulate(t, get_profile('a6000'), 'prefetch-fom', engine='fast')")
+    env = {**os.environ, "MOESIM_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("NUMBA_CACHE_DIR", None)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert list((tmp_path / "cache").rglob("*.nbi")), "no compiled kernel was cached in MOESIM_CACHE_DIR"
+    import moesim
+
+    package = Path(moesim.__file__).resolve().parent
+    fresh = [p for folder in (package, package.parent / "sim", package / "sim") if folder.is_dir()
+             for p in folder.rglob("*.nbi") if p.stat().st_mtime > start]
+    assert not fresh, fresh
