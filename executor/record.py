@@ -91,6 +91,15 @@ def _host_available() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def check_record_budget(spec, tokens: int, rows: int, prompt_len: int) -> None:
+    """Refuse, before a model loads, a recording that cannot fit in this machine's memory or
+    would run for more than a day (the estimate of ``moesim profile``'s resident decode,
+    ``rows`` sequences a step; moesim.budget)."""
+    from moesim import budget
+
+    budget.check(budget.decode_estimate(spec, tokens, rows, 4, 1.0, 0, False, prompt_len))
+
+
 def check_fits(model_dir: Path, device: str, upcast: float = 1.0) -> int:
     """Raise one line if the weights (times ``upcast``) cannot fit where they would load."""
     need = int(sum(p.stat().st_size for p in weight_files(model_dir)) * upcast)
@@ -262,6 +271,7 @@ def record(model_dir: str | Path, prompts: Any, tokens: int = 64, device: str = 
     prompt, how = prompt_ids(prompts, model_dir, spec.vocab, batch)
     cfg_dtype = str(_config(model_dir).get("torch_dtype") or _config(model_dir).get("dtype") or "float32")
     check_fits(model_dir, device, upcast=2.0 if device == "cpu" and "16" in cfg_dtype else 1.0)
+    check_record_budget(spec, tokens, prompt.shape[0], prompt.shape[1])
     model = load_model(model_dir, device)
     layers = find_moe_layers(model)
     if tuple(m.layer for m in layers) != spec.moe_layers:

@@ -59,6 +59,7 @@ from moesim.executor.model import TreeMask
 from moesim.executor.record import (
     _transformers_version,
     check_fits,
+    check_record_budget,
     find_moe_layers,
     load_model,
     prompt_ids,
@@ -71,6 +72,10 @@ from moesim.traces.header import make_header
 from moesim.traces.records import SDStep, expert_mask, sd_arrays
 
 PREDICTOR_FILE = "expert_predictor.safetensors"  # the executor's name (executor/speculative.py)
+
+
+#: The most candidates a draft tree may hold a step (the draft runs once per level over them).
+MAX_TREE_NODES = 4096
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,14 @@ class DraftSettings:
     def __post_init__(self) -> None:
         if self.depth < 1 or self.branch < 1 or self.budget < 0:
             raise MoesimError("record --draft: --tree-depth >= 1, --tree-branch >= 1, --budget >= 0")
+        nodes, level = 0, 1
+        for _ in range(self.depth):  # stops early: a 1000 x 1000 tree is never counted out
+            level *= self.branch
+            nodes += level
+            if nodes > MAX_TREE_NODES:
+                raise MoesimError(f"record --draft: a tree of depth {self.depth} and branch {self.branch} has more than "
+                                  f"{MAX_TREE_NODES:,} candidates a step, each a draft forward pass; choose a smaller "
+                                  "tree")
         if self.selection not in SELECTIONS:
             raise MoesimError(f"unknown selection {self.selection!r}; known: {', '.join(SELECTIONS)}")
         if self.score not in SCORES:
@@ -123,10 +136,18 @@ def _resolve(name: str | Path) -> Path:
 
 
 def _config(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
     try:
-        return json.loads((model_dir / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise MoesimError(f"{model_dir}/config.json: not readable JSON ({e})") from None
+        cfg = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise MoesimError(f"cannot read {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise MoesimError(f"cannot read {path}: not UTF-8 text (a config.json is expected)") from None
+    except json.JSONDecodeError as e:
+        raise MoesimError(f"cannot read {path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise MoesimError(f"{path}: not a JSON object")
+    return cfg
 
 
 def _vocab(cfg: dict) -> int | None:
@@ -361,6 +382,7 @@ def record_speculative(target_dir: str | Path, draft_dir: str | Path, prompts: A
     prompt, how = prompt_ids(prompts, target_dir, spec.vocab, None)
     if prompt.shape[0] != 1:
         raise MoesimError("record --draft decodes one sequence: give one prompt")
+    check_record_budget(spec, tokens, 1 + settings.budget, prompt.shape[1])
     dhidden = int(dcfg.get("hidden_size") or (dcfg.get("text_config") or {}).get("hidden_size") or 0)
     predictor, why = load_predictor(draft_dir, dhidden, spec)
     if settings.selection == "ecospec" and predictor is None:

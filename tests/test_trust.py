@@ -281,3 +281,20 @@ def test_json_of_a_replay_names_its_sources(work):
     r = moesim("replay", "t.npz", "--policy", "on-demand", "--engine", "fast", "--json", cwd=work)
     row = json.loads(r.stdout)[0]
     assert row["hw_source"].startswith("default") and row["link_source"] == "the profile's"
+
+
+# -- record and record --draft: refused before any model loads --------------------------------
+
+def test_record_refuses_what_cannot_run_in_one_line(tmp_path):
+    (tmp_path / "badcfg").mkdir()
+    (tmp_path / "badcfg" / "config.json").write_bytes(b"\xff\xfe{}")
+    cases = [
+        (("record", "moe-stdlib", "--draft", "badcfg", "--tokens", 2, "--out", "r.npz"), "not UTF-8 text"),
+        (("record", "moe-stdlib", "--draft", "moe-stdlib-draft", "--tokens", 2, "--tree-depth", 1000, "--tree-branch",
+          1000, "--out", "r.npz"), "choose a smaller tree"),
+        (("record", "moe-stdlib", "--tokens", 100_000_000, "--out", "r.npz"), "refusing"),
+        (("record", "moe-stdlib", "--draft", "moe-stdlib-draft", "--tokens", 100_000_000, "--out", "r.npz"), "refusing"),
+    ]
+    for args, words in cases:
+        one_line_error(moesim(*args, cwd=tmp_path, timeout=120), words)
+    assert not list(tmp_path.glob("r.npz*"))
