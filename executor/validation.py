@@ -220,9 +220,11 @@ def summarise(rows: list[dict[str, Any]], prefix: str = "") -> dict[str, Any]:
         if sel:
             errs = np.array([abs(r["error"]) for r in sel])
             text = f"{errs.mean():.2%} over {errs.size} cases (target <= {target:.0%}), max {errs.max():.2%}"
-            if "error_min" in sel[0]:
+            if "error_min" in sel[0] and sel[0]["runs"] > 1:
                 spread = max(r["error_max"] - r["error_min"] for r in sel)
                 text += f"; each case the median of {sel[0]['runs']} runs, widest spread over runs {spread:.2%}"
+            elif "error_min" in sel[0]:
+                text += "; one run per case (no spread: --repeats 1)"
             out[f"{prefix}{case}: mean |error|"] = text
     return out
 

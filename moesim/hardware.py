@@ -272,6 +272,9 @@ def get_profile(name_or_path: str) -> HardwareProfile:
         if not p.exists():
             raise MoesimError(f"hardware profile file {p} does not exist")
         return load_profile(p)
+    if name_or_path.lower() in builtin_hosts():
+        raise MoesimError(f"{name_or_path!r} is a host (CPU) profile, not a GPU one: `moesim hw {name_or_path} --hosts` "
+                          "shows it, and --host picks it")
     raise MoesimError(f"unknown hardware profile {name_or_path!r}; built-in: {', '.join(builtin)} (or a .toml path)")
 
 

@@ -612,3 +612,24 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         norm_topk_prob=bool(cfg.get("norm_topk_prob", mtype not in ("olmoe",))),
         family=mtype, source=str(path),
     )
+
+
+def catalogue_in(expert_dtype: str | None) -> tuple[list[ModelSpec], dict[str, str]]:
+    """Every catalogue model with its routed experts in ``expert_dtype`` (None: as
+    published), and the models that format cannot store, with the reason (llama.cpp's
+    K-quants need dimensions that are multiples of 256, which gpt-oss's 2,880 is not):
+    a listing shows the others instead of failing as a whole. An unknown format is
+    still one error."""
+    if expert_dtype is None:
+        return list(CATALOGUE.values()), {}
+    specs, skipped = [], {}
+    for spec in CATALOGUE.values():
+        try:
+            specs.append(spec.with_expert_dtype(expert_dtype))
+        except MoesimError as e:
+            if "unknown expert dtype" in str(e):
+                raise
+            skipped[spec.name] = str(e)
+    if not specs:
+        raise MoesimError(f"no catalogue model can store its experts in {expert_dtype}")
+    return specs, skipped

@@ -88,6 +88,17 @@ def routed_sets(ids: np.ndarray) -> list[list[list[tuple[int, int]]]]:
     return out
 
 
+def separate_calibration(calibration: np.ndarray, trace: Trace, path: object) -> np.ndarray:
+    """``calibration`` unless it is the replayed trace's own routing (the same file, or a
+    copy): a placement counted on the run it is judged on has seen the future, which only
+    ``--calibrate-on-replay`` may do, and then the rows say optimistic."""
+    if calibration.shape == trace.true_ids.shape and np.array_equal(calibration, trace.true_ids):
+        raise MoesimError(f"--placement-from {path} holds the very routing being replayed: a placement counted on it "
+                          "has seen the future; pass --calibrate-on-replay instead (rows marked optimistic), or a "
+                          "separate calibration trace")
+    return calibration
+
+
 def token_counts(ids: np.ndarray, n_experts: int) -> np.ndarray:
     """``[t, m, b, k]`` ids -> ``[t, m, E]`` tokens routed to each expert."""
     t, m, b, k = ids.shape

@@ -23,7 +23,7 @@ from moesim import budget
 from moesim.errors import MoesimError
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, get_profile
 from moesim.models import ModelSpec, get_model
-from moesim.sim.hybrid import load_calibration
+from moesim.sim.hybrid import load_calibration, separate_calibration
 from moesim.sim.prefetch_top import keep_top_predictions
 from moesim.sim.quantised import with_expert_dtype
 from moesim.sim.simulate import SimResult, simulate_policies
@@ -112,7 +112,8 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
     if prefetch_top is not None:
         trace = keep_top_predictions(trace, prefetch_top)
     if placement_from is not None:
-        kw["calibration"] = load_calibration(str(placement_from), trace.model)
+        kw["calibration"] = separate_calibration(load_calibration(str(placement_from), trace.model), trace,
+                                                 placement_from)
     kw, cache_source = recorded_cache(trace, kw)
     return Replay(trace, profile, source, simulate_policies(trace, profile, list(policies), progress=progress, **kw),
                   link_source, cache_source)

@@ -16,7 +16,7 @@ from moesim import budget
 from moesim.errors import MoesimError
 from moesim.hardware import get_profile
 from moesim.models import get_model
-from moesim.sim.hybrid import load_calibration
+from moesim.sim.hybrid import load_calibration, separate_calibration
 from moesim.sim.whatif import GOALS, Sweep, best, run_sweep
 from moesim.traces.format import read_trace
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
@@ -123,7 +123,8 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
                               "`moesim replay TRACE --gamma ... --policy ...`")
         traces = {t.model.name: t}
         if placement_from is not None:
-            calibration[t.model.name] = load_calibration(str(placement_from), t.model)
+            calibration[t.model.name] = separate_calibration(load_calibration(str(placement_from), t.model), t,
+                                                             placement_from)
             calibration_source = f"the calibration trace {placement_from}"
         elif any(p.cpu == "hot" for p in pols) and not calibrate_on_replay:
             raise MoesimError("hot-experts places experts by a calibration trace's routing: give --placement-from "

@@ -169,12 +169,15 @@ class Sweep:
             if n != "auto" and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
                 raise MoesimError(f"--cpu-layers: 'auto' or a count of MoE layers >= 0, got {n!r}")
         for g in self.gpu_expert_gib:
-            if g != "auto" and (isinstance(g, bool) or not isinstance(g, (int, float)) or g < 0):
-                raise MoesimError(f"--gpu-expert-gib: 'auto' or GiB >= 0, got {g!r}")
+            if g != "auto" and (isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g < float("inf")):
+                raise MoesimError(f"--gpu-expert-gib: 'auto' or a finite GiB >= 0, got {g!r}")
         for m in self.prefetch_top:
             if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
                 raise MoesimError(f"--prefetch-top: a count of experts >= 1, got {m!r}")
         for t in self.traces.values():
+            for d in self.expert_dtypes:
+                if d is not None:
+                    t.model.with_expert_dtype(d)  # a format the model cannot store: one line, before any work
             for n in self.cpu_layers:
                 if "cpu-static" in self.policies and n != "auto" and n > t.model.n_moe_layers:
                     raise MoesimError(f"--cpu-layers {n}: {t.model.name} has {t.model.n_moe_layers} MoE layers")

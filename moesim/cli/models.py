@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, out, print_csv, print_json, table
+from moesim.cli.app import app, err, out, print_csv, print_json, table
 
 COLUMNS = ("model", "layers (MoE)", "experts + shared", "top-k", "hidden / inter", "expert dtype",
            "MB / expert", "GB / layer", "GB experts", "GB non-expert", "GB / token")
@@ -15,8 +15,8 @@ COLUMNS = ("model", "layers (MoE)", "experts + shared", "top-k", "hidden / inter
 @app.command()
 def models(
     model: Annotated[list[str] | None, typer.Argument(help="Catalogue names or model directories (config.json); all if omitted.")] = None,
-    expert_dtype: Annotated[str | None, typer.Option(help="Show the routed experts stored in this format: bf16, fp8, "
-                                                          "int8, int4-g32, int4-g128, q8_0, q4_k, q5_k, q6_k, ...")] = None,
+    expert_dtype: Annotated[str | None, typer.Option(help="Show the routed experts stored in this format: bf16, "
+                                                          "fp8-block128, int8, int4-g32, int4-g128, q8_0, q4_k, q5_k, q6_k, ...")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV (every field) instead of a table.")] = False,
 ) -> None:
@@ -32,11 +32,15 @@ def models(
     `moesim models qwen3-30b-a3b --expert-dtype int4-g128`; a model directory
     (a Hugging Face folder with its config.json) works as a name too.
     """
-    from moesim.models import CATALOGUE, get_model
+    from moesim.models import catalogue_in, get_model
 
-    specs = [get_model(m) for m in model] if model else list(CATALOGUE.values())
-    if expert_dtype is not None:
-        specs = [s.with_expert_dtype(expert_dtype) for s in specs]  # validates the format (one line, exit 2)
+    skipped: dict[str, str] = {}
+    if model:
+        specs = [get_model(m) for m in model]
+        if expert_dtype is not None:
+            specs = [s.with_expert_dtype(expert_dtype) for s in specs]  # validates the format (one line, exit 2)
+    else:
+        specs, skipped = catalogue_in(expert_dtype)
     rows = [{"model": s.name, "layers": s.n_layers, "moe_layers": s.n_moe_layers, "experts": s.n_experts,
              "shared": s.n_shared, "top_k": s.top_k, "hidden": s.hidden, "expert_inter": s.expert_inter,
              "expert_dtype": s.expert_dtype, "expert_bytes": s.expert_bytes,
@@ -53,3 +57,5 @@ def models(
          f"{r['hidden']} / {r['expert_inter']}", r["expert_dtype"], f"{r['expert_bytes'] / 1e6:.2f}",
          f"{r['layer_expert_bytes'] / 1e9:.3f}", f"{r['all_expert_bytes'] / 1e9:.1f}",
          f"{r['non_expert_bytes'] / 1e9:.2f}", f"{r['bytes_per_token'] / 1e9:.2f}"] for r in rows], ["left"] + ["right"] * 10))
+    for name, why in skipped.items():
+        err.print(f"not listed: {name}: {why}", highlight=False, markup=False, soft_wrap=True)

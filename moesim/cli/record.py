@@ -82,7 +82,8 @@ def record(
             trace = record_speculative_trace(model_dir, draft, out_path, prompts, tokens=tokens, settings=settings,
                                              device=device, seed=seed, progress=update, prompt_source=source)
         acc = trace.timings["sd_accepted"]
-        err.print(f"wrote {out_path}: {trace.n_tokens} tokens of {trace.model.name} routing in {len(acc)} verification "
+        cut = f" (interrupted: kept {trace.n_tokens} of {tokens} tokens)" if trace.n_tokens < tokens else ""
+        err.print(f"wrote {out_path}{cut}: {trace.n_tokens} tokens of {trace.model.name} routing in {len(acc)} verification "
                   f"steps ({acc.mean():.2f} a step), {1 + settings.budget} rows verified a step at most (real pair, no "
                   "timings)")
         return
@@ -92,6 +93,7 @@ def record(
         trace = record_trace(model_dir, out_path, prompts, tokens=tokens, device=device, batch=batch,
                              temperature=temperature, seed=seed, progress=update, prompt_source=source)
     rec = {k: [x for x in v if x == x] for k, v in trace.meta.metrics.get("predictors", {}).items()}
-    err.print(f"wrote {out_path}: {trace.n_tokens} steps of {trace.model.name} routing, batch {trace.batch} (real "
+    cut = f" (interrupted: kept {trace.n_tokens} of {tokens} steps)" if trace.n_tokens < tokens else ""
+    err.print(f"wrote {out_path}{cut}: {trace.n_tokens} steps of {trace.model.name} routing, batch {trace.batch} (real "
               "model, no timings); mean prediction recall@k "
               + ", ".join(f"{k} {sum(v) / len(v):.3f}" for k, v in rec.items() if v))

@@ -70,7 +70,7 @@ def replay(
                                                       "replayed trace itself (an optimistic bound).")] = False,
     amx: Annotated[bool, typer.Option("--amx/--no-amx", help="CPU-compute policies: use the host's AMX matrix rate "
                                                              "where it has one.")] = True,
-    expert_dtype: Annotated[str | None, typer.Option(help="Store the routed experts in this format: bf16, fp8, int8, "
+    expert_dtype: Annotated[str | None, typer.Option(help="Store the routed experts in this format: bf16, fp8-block128, int8, "
                                                           "int4-g32, int4-g128, q8_0, q4_k, q5_k, q6_k, ...")] = None,
     copy_queue: Annotated[str, typer.Option(help="Copy queue (simpy engine): fifo, demand-first or "
                                                  "cancel-unstarted.")] = "fifo",

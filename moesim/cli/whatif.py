@@ -30,7 +30,7 @@ def whatif(
     tokens: Annotated[int, typer.Option(help="Decode steps of the synthetic trace.")] = 256,
     prompt_len: Annotated[str, typer.Option(help="Comma-separated prompt lengths of the synthetic traces (an axis).")] = "128",
     batch: Annotated[str, typer.Option(help="Comma-separated batch sizes of the synthetic traces (an axis).")] = "1",
-    expert_dtype: Annotated[str | None, typer.Option(help="Comma-separated expert formats (an axis): bf16, fp8, int8, "
+    expert_dtype: Annotated[str | None, typer.Option(help="Comma-separated expert formats (an axis): bf16, fp8-block128, int8, "
                                                           "int4-g128, q4_k, ... (default: the model's own).")] = None,
     host: Annotated[str | None, typer.Option(help="CPU policies: comma-separated host profiles or .toml paths "
                                                   "(default: each GPU profile's host).")] = None,
