@@ -298,3 +298,25 @@ def test_record_refuses_what_cannot_run_in_one_line(tmp_path):
     for args, words in cases:
         one_line_error(moesim(*args, cwd=tmp_path, timeout=120), words)
     assert not list(tmp_path.glob("r.npz*"))
+
+
+def test_deployment_options_refuse_bad_input_in_one_line(work):
+    from moesim.models import catalogue_in
+
+    (work / "same.npz").write_bytes((work / "t.npz").read_bytes())  # a copy of the trace being replayed
+    w = ("whatif", "--hw", "a6000", "--tokens", 8, "--jobs", 1, "--out", "o")
+    cases = [
+        ((*w, "--model", "olmoe-1b-7b,gpt-oss-20b", "--expert-dtype", "bf16,q4_k"), "multiples of 256"),
+        ((*w, "--model", "olmoe-1b-7b", "--policy", "hot-experts", "--gpu-expert-gib", "nan"), "finite GiB"),
+        ((*w, "--model", "olmoe-1b-7b", "--policy", "hot-experts", "--gpu-expert-gib", "inf"), "finite GiB"),
+        (("whatif", "--trace", "t.npz", "--hw", "a6000", "--jobs", 1, "--out", "o", "--policy", "hot-experts",
+          "--placement-from", "same.npz"), "has seen the future"),
+        (("replay", "t.npz", "--policy", "hot-experts", "--placement-from", "same.npz"), "has seen the future"),
+        (("hw", "grace"), "is a host (CPU) profile"),
+    ]
+    for args, words in cases:
+        one_line_error(moesim(*args, cwd=work), words)
+    specs, skipped = catalogue_in("q4_k")  # the listing shows what the format can store, and says what it skipped
+    assert specs and "gpt-oss-20b" in skipped and all(s.expert_dtype == "q4_k" for s in specs)
+    r = moesim("models", "--expert-dtype", "q4_k", cwd=work)
+    assert r.returncode == 0 and "olmoe-1b-7b@q4_k" in r.stdout and "not listed: gpt-oss-20b" in r.stderr
