@@ -135,9 +135,11 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
                               "on a second synthetic trace")
         traces = {}
         specs = [get_model(m) for m in models]
-        for spec in specs:  # all sizes checked before any trace is made
+        for spec in specs:  # all sizes checked before any trace is made: the trace and one replay of it together
             for b in batches:
-                budget.check(budget.synth_estimate(spec, tokens, b), warn=None)
+                made, run = budget.synth_estimate(spec, tokens, b), budget.replay_estimate(spec, tokens, b, 1, engine)
+                budget.check(budget.Estimate(f"a synthetic trace of {tokens} steps x batch {b} of {spec.name} and one "
+                                             "simulation of it", made.bytes + run.bytes, made.seconds + run.seconds))
         one_shape = len(batches) == 1 and len(prompts) == 1
         for spec in specs:
             for b in batches:

@@ -313,6 +313,7 @@ def test_deployment_options_refuse_bad_input_in_one_line(work):
           "--placement-from", "same.npz"), "has seen the future"),
         (("replay", "t.npz", "--policy", "hot-experts", "--placement-from", "same.npz"), "has seen the future"),
         (("hw", "grace"), "is a host (CPU) profile"),
+        ((*w, "--model", "olmoe-1b-7b", "--batch", 10_000_000), "refusing"),  # trace + its replay, before any work
     ]
     for args, words in cases:
         one_line_error(moesim(*args, cwd=work), words)
