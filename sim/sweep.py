@@ -71,6 +71,20 @@ def _positive_ints(values: list[int] | tuple[int, ...], what: str) -> list[int]:
     return list(values)
 
 
+def unused_options(pols: list, hosts, cpu_layers, gpu_expert_gib, copy_queues, prefetch_top) -> list[str]:
+    """A note for each option given that no swept policy uses (``--cpu-layers`` with no
+    cpu-static, ...): the sweep is still valid, but the user should not believe the knob
+    was tried."""
+    uses = [(hosts, "--host", "the CPU-compute policies", lambda p: bool(p.cpu)),
+            (cpu_layers, "--cpu-layers", "cpu-static", lambda p: p.cpu == "layers"),
+            ([g for g in gpu_expert_gib or () if g != "auto"], "--gpu-expert-gib", "hot-experts", lambda p: p.cpu == "hot"),
+            ([q for q in copy_queues or () if q != "fifo"], "--copy-queue", "the copy policies",
+             lambda p: p.offload and not p.cpu),
+            (prefetch_top, "--prefetch-top", "the prefetching policies", lambda p: p.prefetch)]
+    return [f"{name} was given, but none of the swept policies uses it (only {who}): it changed nothing"
+            for given, name, who, applies in uses if given and not any(applies(p) for p in pols)]
+
+
 def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] = DEFAULT_MODELS,
            hws: tuple[str, ...] | list[str] = DEFAULT_HWS, policies: tuple[str, ...] | list[str] = DEFAULT_POLICIES,
            link_gbps: list[float] | None = None, cache_gib: tuple[float, ...] | list[float] = DEFAULT_CACHE_GIB,
@@ -110,7 +124,7 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
     pols = [get_policy(p) for p in policies]  # names checked before any work
     if placement_from is not None and calibrate_on_replay:
         raise MoesimError("give a calibration trace (--placement-from) or --calibrate-on-replay, not both")
-    notes: list[str] = []
+    notes: list[str] = unused_options(pols, hosts, cpu_layers, gpu_expert_gib, copy_queues, prefetch_top)
     calibration: dict[str, Any] = {}
     calibration_source = "-"
     if trace is not None:

@@ -321,3 +321,14 @@ def test_deployment_options_refuse_bad_input_in_one_line(work):
     assert specs and "gpt-oss-20b" in skipped and all(s.expert_dtype == "q4_k" for s in specs)
     r = moesim("models", "--expert-dtype", "q4_k", cwd=work)
     assert r.returncode == 0 and "olmoe-1b-7b@q4_k" in r.stdout and "not listed: gpt-oss-20b" in r.stderr
+
+
+def test_list_options_refuse_repeats_and_empty_items_and_unused_knobs_are_named(work):
+    w = ("whatif", "--model", "olmoe-1b-7b", "--hw", "a6000", "--tokens", 8, "--jobs", 1, "--out", "o")
+    for args, words in [((*w, "--policy", "cpu-static", "--host", "grace,grace"), "appears twice"),
+                        ((*w, "--expert-dtype", "bf16,,q4_k"), "an empty item"),
+                        ((*w, "--policy", "cpu-static", "--host", ""), "give at least one value"),
+                        ((*w, "--policy", "On-demand,on-demand"), "appears twice")]:
+        one_line_error(moesim(*args, cwd=work), words)
+    r = moesim(*w, "--policy", "on-demand", "--cpu-layers", 2, cwd=work)
+    assert r.returncode == 0 and "--cpu-layers was given, but none of the swept policies uses it" in r.stdout + r.stderr

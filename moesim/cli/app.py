@@ -60,10 +60,18 @@ def _root(version: Annotated[bool, typer.Option("--version", callback=_version, 
 
 
 def split(value: str, option: str) -> list[str]:
-    """A comma-separated option as a list (at least one item)."""
-    items = [v.strip() for v in value.split(",") if v.strip()]
-    if not items:
+    """A comma-separated option as a list: at least one item, none empty, none twice (one
+    rule for every list option: a repeated item would silently repeat rows, an empty one
+    would silently mean a default)."""
+    items = [v.strip() for v in value.split(",")]
+    if not any(items):
         raise MoesimError(f"{option}: give at least one value")
+    if not all(items):
+        raise MoesimError(f"{option} {value!r}: an empty item (two commas, or one at an end)")
+    seen = [v.lower() for v in items]
+    twice = next((v for i, v in enumerate(items) if seen[i] in seen[:i]), None)
+    if twice is not None:
+        raise MoesimError(f"{option}: {twice!r} appears twice")
     return items
 
 

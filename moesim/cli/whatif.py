@@ -87,15 +87,15 @@ def whatif(
 
     with progress_bar("simulating", "configurations", disable=as_json or as_csv) as update:
         res = run_whatif(trace_path, split(model, "--model"), split(hw_names, "--hw"), split(policy, "--policy"),
-                         floats(link_gbps, "--link-gbps") if link_gbps else None, floats(cache_gib, "--cache-gib"),
+                         floats(link_gbps, "--link-gbps") if link_gbps is not None else None, floats(cache_gib, "--cache-gib"),
                          eviction, tokens, ints(prompt_len, "--prompt-len"), ints(batch, "--batch"), goal, engine,
                          jobs or None, update, backend=backend, address=address, rows_csv=rows_csv,
-                         expert_dtypes=split(expert_dtype, "--expert-dtype") if expert_dtype else None,
-                         hosts=split(host, "--host") if host else None,
-                         cpu_layers=auto_or(cpu_layers, "--cpu-layers", int) if cpu_layers else None,
+                         expert_dtypes=split(expert_dtype, "--expert-dtype") if expert_dtype is not None else None,
+                         hosts=split(host, "--host") if host is not None else None,
+                         cpu_layers=auto_or(cpu_layers, "--cpu-layers", int) if cpu_layers is not None else None,
                          gpu_expert_gib=auto_or(gpu_expert_gib, "--gpu-expert-gib", float),
                          copy_queues=split(copy_queue, "--copy-queue"),
-                         prefetch_top=ints(prefetch_top, "--prefetch-top") if prefetch_top else None,
+                         prefetch_top=ints(prefetch_top, "--prefetch-top") if prefetch_top is not None else None,
                          placement_from=placement_from, calibrate_on_replay=calibrate_on_replay)
     rows, winner = res.rows, res.winner
     answers = deployment_answer(rows, goal)
