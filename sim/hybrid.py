@@ -226,7 +226,7 @@ class HybridResult:
         device = tp - r.stall - r.cpu_wait  # the device stream's own work: attention, its experts, the head
         return {
             **self.config,
-            "cache_gib": round(self.config["cache_experts"] * self.config["expert_bytes"] / 2**30, 2),
+            "cache_gib": float(f"{self.config['cache_experts'] * self.config['expert_bytes'] / 2**30:.4g}"),
             "compute_ms": float(device.mean() * ms),
             "serial_bound_ms": float((device + r.copy).mean() * ms),
             "overlap_bound_ms": float(np.maximum(device, r.copy).mean() * ms),

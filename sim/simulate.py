@@ -238,7 +238,7 @@ def make_result(trace: Trace, hw: HardwareProfile, pol: Policy, eviction: str, e
     tpot = np.diff(ends, prepend=0.0)
     config = {
         "model": spec.name, "hw": hw.name, "policy": pol.name, "cache_experts": capacity,
-        "cache_gib": round(capacity * spec.expert_bytes / 2**30, 2), "eviction": eviction if capacity else "-",
+        "cache_gib": float(f"{capacity * spec.expert_bytes / 2**30:.4g}"), "eviction": eviction if capacity else "-",
         "link_gbps": hw["h2d_pinned_gbs"], "batch": trace.batch, "engine": engine, "timing": costs.source,
         "synthetic_trace": trace.synthetic,
     }

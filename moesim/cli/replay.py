@@ -125,7 +125,7 @@ def replay(
     if as_json or as_csv:
         print_json(rows) if as_json else print_csv(rows)
     else:
-        src = "synthetic trace" if trace.synthetic else "trace"
+        src = ("measured run, synthetic routing" if trace.measured else "synthetic trace") if trace.synthetic else "trace"
         out.print(results_table(rows, f"{trace.model.name} on {rep.profile.name} ({rep.profile_source}), link "
                                       f"{rows[0]['link_gbps']:g} GB/s ({rep.link_source}), {cache_text(rows[0], rep.cache_source)}, "
                                       f"{trace.n_tokens} steps ({src}; compute: "
