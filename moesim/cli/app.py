@@ -1,8 +1,7 @@
 """The typer ``app``, the consoles and the small parse helpers every command module shares.
 
-Commands live one per module (``moesim/cli/<command>.py``): parse the options, call one
-library function, print. Domain logic belongs to the library, so a Python user can do
-what a command does with the same call (docs/cli.md names it next to each command).
+Commands live one per module (``moesim/cli/<command>.py``): parse, call one library
+function, print; a Python user does the same with that call (docs/cli.md names it).
 """
 
 from __future__ import annotations
@@ -60,17 +59,15 @@ def _root(version: Annotated[bool, typer.Option("--version", callback=_version, 
 
 
 def split(value: str, option: str) -> list[str]:
-    """A comma-separated option as a list: at least one item, none empty, none twice (one
-    rule for every list option: a repeated item would silently repeat rows, an empty one
-    would silently mean a default)."""
+    """A comma-separated option as a list: at least one item, none empty, none twice (a
+    repeated item would repeat rows, an empty one silently mean a default)."""
     items = [v.strip() for v in value.split(",")]
     if not any(items):
         raise MoesimError(f"{option}: give at least one value")
     if not all(items):
         raise MoesimError(f"{option} {value!r}: an empty item (two commas, or one at an end)")
     seen = [v.lower() for v in items]
-    twice = next((v for i, v in enumerate(items) if seen[i] in seen[:i]), None)
-    if twice is not None:
+    if (twice := next((v for i, v in enumerate(items) if seen[i] in seen[:i]), None)) is not None:
         raise MoesimError(f"{option}: {twice!r} appears twice")
     return items
 
