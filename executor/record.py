@@ -50,7 +50,7 @@ from moesim.executor.defaults import DRAFT_MODEL, SHIPPED_MODEL
 from moesim.executor.interrupt import stop_on_interrupt, stop_requested
 from moesim.executor.loading import shipped_model
 from moesim.executor.profile import DEFAULT_PROMPT
-from moesim.models import ModelSpec, from_hf_config
+from moesim.models import ModelSpec, from_hf_config, read_config
 from moesim.traces.format import Trace
 from moesim.traces.header import make_header
 
@@ -269,7 +269,8 @@ def record(model_dir: str | Path, prompts: Any, tokens: int = 64, device: str = 
     if not spec.top_k:
         raise MoesimError(f"{model_dir}: config has no experts-per-token")
     prompt, how = prompt_ids(prompts, model_dir, spec.vocab, batch)
-    cfg_dtype = str(_config(model_dir).get("torch_dtype") or _config(model_dir).get("dtype") or "float32")
+    cfg = read_config(model_dir / "config.json")
+    cfg_dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
     check_fits(model_dir, device, upcast=2.0 if device == "cpu" and "16" in cfg_dtype else 1.0)
     check_record_budget(spec, tokens, prompt.shape[0], prompt.shape[1])
     model = load_model(model_dir, device)
@@ -277,7 +278,7 @@ def record(model_dir: str | Path, prompts: Any, tokens: int = 64, device: str = 
     if tuple(m.layer for m in layers) != spec.moe_layers:
         raise MoesimError(f"{model_dir.name}: routers found at layers {[m.layer for m in layers]}, but the config "
                           f"says MoE layers are {list(spec.moe_layers)}")
-    scale = float(_config(model_dir).get("routed_scaling_factor") or 1.0)
+    scale = float(cfg.get("routed_scaling_factor") or 1.0)
     first_device = model.get_input_embeddings().weight.device  # device_map='auto': inputs go where the embedding is
     b = prompt.shape[0]
 
@@ -361,12 +362,6 @@ def _decode(model, prompt: torch.Tensor, tokens: int, temperature: float, gen: t
         tok = _next_token(logits, temperature, gen)
         if progress:
             progress(i + 1, tokens)
-
-
-def _config(model_dir: Path) -> dict:
-    import json
-
-    return json.loads((model_dir / "config.json").read_text())
 
 
 def _transformers_version() -> str:

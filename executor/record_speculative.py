@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,7 +64,7 @@ from moesim.executor.record import (
     prompt_ids,
     revision_hash,
 )
-from moesim.models import ModelSpec, from_hf_config
+from moesim.models import ModelSpec, from_hf_config, read_config
 from moesim.selection import SCORES, SELECTIONS, Tree, accept, select
 from moesim.traces.format import Trace
 from moesim.traces.header import make_header
@@ -133,21 +132,6 @@ def _resolve(name: str | Path) -> Path:
     if not (path / "config.json").is_file():
         raise MoesimError(f"{name}: not a Hugging Face checkpoint (no config.json)")
     return path
-
-
-def _config(model_dir: Path) -> dict:
-    path = model_dir / "config.json"
-    try:
-        cfg = json.loads(path.read_bytes().decode("utf-8"))
-    except OSError as e:
-        raise MoesimError(f"cannot read {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise MoesimError(f"cannot read {path}: not UTF-8 text (a config.json is expected)") from None
-    except json.JSONDecodeError as e:
-        raise MoesimError(f"cannot read {path}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise MoesimError(f"{path}: not a JSON object")
-    return cfg
 
 
 def _vocab(cfg: dict) -> int | None:
@@ -371,7 +355,7 @@ def record_speculative(target_dir: str | Path, draft_dir: str | Path, prompts: A
         raise MoesimError("record: tokens must be >= 1")
     if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
         raise MoesimError(f"record: device {device!r} is not available (cpu, or cuda when present)")
-    tcfg, dcfg = _config(target_dir), _config(draft_dir)
+    tcfg, dcfg = read_config(target_dir / "config.json"), read_config(draft_dir / "config.json")
     spec = from_hf_config(target_dir / "config.json")
     if not spec.top_k:
         raise MoesimError(f"{target_dir}: config has no experts-per-token")

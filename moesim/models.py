@@ -506,15 +506,9 @@ def _int(cfg: dict[str, Any], path: Path, *keys: str, default: int | None = None
     return v
 
 
-def from_hf_config(path: str | Path) -> ModelSpec:
-    """Build a spec from a Hugging Face ``config.json`` of a supported MoE family.
-
-    Covers the key spellings of Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V2/V3, gpt-oss and
-    GLM-4 MoE (:data:`HF_FAMILIES`). Weight formats come from ``torch_dtype`` (or
-    ``dtype``) and ``quantization_config`` (fp8 block or mxfp4). Every field is checked:
-    an unknown family, a non-integer size, zero KV heads or an unknown dtype is a
-    one-line error, never a silently wrong byte count.
-    """
+def read_config(path: str | Path) -> dict:
+    """A ``config.json`` as a dict; unreadable, non-UTF-8, invalid or non-object JSON is
+    one clear error (every reader of a checkpoint's config goes through here)."""
     path = Path(path)
     try:
         cfg = json.loads(path.read_bytes().decode("utf-8"))
@@ -526,6 +520,20 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         raise MoesimError(f"cannot read {path}: not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise MoesimError(f"{path}: not a JSON object")
+    return cfg
+
+
+def from_hf_config(path: str | Path) -> ModelSpec:
+    """Build a spec from a Hugging Face ``config.json`` of a supported MoE family.
+
+    Covers the key spellings of Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V2/V3, gpt-oss and
+    GLM-4 MoE (:data:`HF_FAMILIES`). Weight formats come from ``torch_dtype`` (or
+    ``dtype``) and ``quantization_config`` (fp8 block or mxfp4). Every field is checked:
+    an unknown family, a non-integer size, zero KV heads or an unknown dtype is a
+    one-line error, never a silently wrong byte count.
+    """
+    path = Path(path)
+    cfg = read_config(path)
     mtype = cfg.get("model_type")
     n_experts = _first(cfg, "num_experts", "num_local_experts", "n_routed_experts")
     if mtype not in HF_FAMILIES:
