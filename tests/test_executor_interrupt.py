@@ -1,17 +1,16 @@
 """Ctrl-C at any instant keeps every finished step: a real SIGINT to a real `moesim profile`,
 and the library loops (profile, speculative decoding, training) stopped mid-run."""
 
-import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from cli_signals import signal_when  # noqa: E402
 
 from moesim.executor.interrupt import Interrupted, request_stop, stop_on_interrupt  # noqa: E402
 from moesim.executor.model import ExecConfig, load_checkpoint, random_model  # noqa: E402
@@ -22,36 +21,22 @@ from moesim.traces.format import read_trace, write_trace  # noqa: E402
 
 HW = get_profile("a6000")
 TOKENS = 30000  # ~30 s or more of decoding: never finished before the signal, even on a loaded machine
-ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 def _interrupt_profile(out, when: str, delay: float) -> tuple[int, str]:
     """Start `moesim profile --tokens TOKENS` with a live progress bar on stderr (as in a
     terminal); once the bar shows ``when`` ('start': drawn, before prefill; 'steps': at least
     one finished step), wait ``delay`` s and send SIGINT. Returns (exit code, stderr)."""
-    env = {**os.environ, "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1", "COLUMNS": "100"}
-    p = subprocess.Popen([sys.executable, "-m", "moesim", "profile", "--tokens", str(TOKENS), "--out", str(out)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    seen, chunks = threading.Event(), []
+    fired: list[bool] = []
 
-    def read() -> None:
-        while chunk := p.stderr.read1(4096):
-            chunks.append(chunk.decode(errors="replace"))
-            counts = [int(c) for c in re.findall(rf"(\d+)/{TOKENS}", ANSI.sub("", "".join(chunks[-3:])))]
-            if counts and (when == "start" or max(counts) >= 1):
-                seen.set()
+    def ready(text: str) -> bool:
+        counts = [int(c) for c in re.findall(rf"(\d+)/{TOKENS}", text)]
+        if not fired and counts and (when == "start" or max(counts) >= 1):
+            time.sleep(delay)  # in the reader thread: the signal goes once this returns
+            fired.append(True)
+        return bool(fired)
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        assert seen.wait(120), "".join(chunks)
-        time.sleep(delay)
-        p.send_signal(signal.SIGINT)
-        rc = p.wait(90)  # a lost signal would decode TOKENS steps: minutes
-    finally:
-        p.kill()
-    reader.join(10)
-    return rc, ANSI.sub("", "".join(chunks))
+    return signal_when(["profile", "--tokens", TOKENS, "--out", out], ready, signal.SIGINT)
 
 
 def test_sigint_to_moesim_profile_keeps_a_valid_trace(tmp_path):

@@ -258,33 +258,14 @@ def test_other_families_and_a_cache_tree_attention_cannot_use(ckpt):
 
 @pytest.mark.slow  # a real SIGINT to a real `moesim record --draft` (a CLI subprocess, several seconds)
 def test_sigint_to_record_draft_writes_the_finished_steps(ckpt, tmp_path):
-    import re
     import signal
-    import threading
+
+    from cli_signals import signal_when, steps_done
 
     total = 100000  # never reached before the signal
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1", "COLUMNS": "100"}
-    p = subprocess.Popen([sys.executable, "-m", "moesim", "record", str(ckpt["target"]), "--draft", str(ckpt["target"]),
-                          "--tokens", str(total), "--tree-depth", "2", "--budget", "2", "--out", "sd.npz"],
-                         cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    seen, chunks = threading.Event(), []
-
-    def read() -> None:
-        while chunk := p.stderr.read1(4096):
-            chunks.append(chunk.decode(errors="replace"))
-            if any(int(c) >= 1 for c in re.findall(rf"(\d+)/{total}", "".join(chunks[-3:]))):
-                seen.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        assert seen.wait(120), "".join(chunks)
-        p.send_signal(signal.SIGINT)
-        rc = p.wait(90)
-    finally:
-        p.kill()
-    reader.join(10)
-    assert rc == 0, "".join(chunks)
+    rc, err = signal_when(["record", ckpt["target"], "--draft", ckpt["target"], "--tokens", total, "--tree-depth", 2,
+                           "--budget", 2, "--out", "sd.npz"], steps_done(total), signal.SIGINT, cwd=tmp_path)
+    assert rc == 0, err
     t = read_trace(tmp_path / "sd.npz")
     assert t.header["recorded"]["interrupted"] and 1 <= t.n_tokens < total
     assert t.n_tokens == t.timings["sd_accepted"].sum()

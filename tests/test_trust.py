@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -27,6 +25,7 @@ from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "stranger"))
 from cases import make_readonly, undo_readonly  # noqa: E402
+from cli_signals import signal_when  # noqa: E402
 
 
 def moesim(*args, cwd, pre: str = "", timeout: float = 300) -> subprocess.CompletedProcess:
@@ -128,29 +127,10 @@ def test_sigterm_leaves_no_temporary_file(work, tmp_path):
     # a fixed sleep, on a loaded machine it once arrived while Python was still importing,
     # before the CLI had its handler, and the default action killed the process (-15).
     write_trace(synthetic_trace(get_model("qwen3-30b-a3b"), SyntheticParams(tokens=4096)), tmp_path / "big.npz")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg", "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "moesim", "replay", "big.npz", "--engine", "simpy", "--out", "rep"],
-                         cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    seen, chunks = threading.Event(), []
-
-    def read() -> None:
-        while chunk := p.stderr.read1(4096):
-            chunks.append(chunk.decode(errors="replace"))
-            if "replaying" in "".join(chunks[-3:]):
-                seen.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        assert seen.wait(120), "".join(chunks)
-        p.send_signal(signal.SIGTERM)
-        p.wait(60)
-    finally:
-        p.kill()
-    reader.join(10)
-    err = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", "".join(chunks))
+    rc, err = signal_when(["replay", "big.npz", "--engine", "simpy", "--out", "rep"], lambda text: "replaying" in text,
+                          signal.SIGTERM, cwd=tmp_path, wait_s=60)
     assert "Traceback" not in err
-    assert p.returncode == 130, err
+    assert rc == 130, err
     assert err.strip().splitlines()[-1] == "interrupted (SIGTERM)", err  # says what stopped it
     assert not list(tmp_path.rglob("*.tmp"))
 
