@@ -8,6 +8,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tiny_checkpoints import save_random_checkpoint  # noqa: E402
+
 from moesim.errors import MoesimError  # noqa: E402
 from moesim.executor import record as rec  # noqa: E402
 from moesim.hardware import get_profile  # noqa: E402
@@ -48,20 +50,7 @@ def _configs():
 def checkpoints(tmp_path_factory):
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("ckpt")
-    out = {}
-    for name, cfg in _configs().items():
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-        with torch.no_grad():  # routers far from ties, so the top-k is unambiguous
-            for n, p in model.named_parameters():
-                if n.endswith(("gate.weight", "router.weight")) and p.dim() == 2 and p.shape[0] == 8:
-                    p.normal_(0, 1.0)
-            for n, b in model.named_buffers():
-                if n.endswith("e_score_correction_bias"):
-                    b.copy_(torch.linspace(-0.3, 0.3, b.numel()))
-        model.save_pretrained(root / name)
-        out[name] = root / name
-    return out
+    return {name: save_random_checkpoint(cfg, root / name) for name, cfg in _configs().items()}
 
 
 def _expected(name, cfg, logits, router):

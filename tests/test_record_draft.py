@@ -14,6 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tiny_checkpoints import save_random_checkpoint  # noqa: E402
+
 from moesim.errors import MoesimError  # noqa: E402
 from moesim.executor import record as rec  # noqa: E402
 from moesim.executor import record_speculative as rs  # noqa: E402
@@ -43,17 +45,7 @@ def ckpt(tmp_path_factory):
         "gpt_oss": t.GptOssConfig(**COMMON, vocab_size=64, num_hidden_layers=2, num_local_experts=8,
                                   num_experts_per_tok=2, intermediate_size=16),
     }
-    out = {}
-    for name, cfg in cfgs.items():
-        torch.manual_seed(0)
-        model = t.AutoModelForCausalLM.from_config(cfg)
-        with torch.no_grad():  # routers far from ties, so the top-k is unambiguous
-            for n, p in model.named_parameters():
-                if n.endswith(("gate.weight", "router.weight")) and p.dim() == 2 and p.shape[0] == 8:
-                    p.normal_(0, 1.0)
-        model.save_pretrained(root / name)
-        out[name] = root / name
-    return out
+    return {name: save_random_checkpoint(cfg, root / name) for name, cfg in cfgs.items()}
 
 
 def _with_predictor(ckpt, tmp_path) -> Path:
