@@ -67,7 +67,8 @@ def parse_selections(text: str) -> tuple[Selection, ...]:
             lam = float(parts[2]) if len(parts) == 3 else 0.0
         except ValueError:
             raise MoesimError(f"--selection {item!r}: lambda {parts[2]!r} is not a number") from None
-        if len(parts) > 3 or not parts[0] or (parts[0] == "confidence" and len(parts) > 1) or not lam == lam or lam < 0:
+        if (len(parts) > 3 or not parts[0] or (parts[0] == "confidence" and len(parts) > 1) or not lam == lam or lam < 0
+                or (len(parts) == 3 and parts[1] != "lagrangian")):  # only the Lagrangian score has a lambda
             raise MoesimError(f"--selection {item!r}: write confidence, ecospec, ecospec:ratio or "
                               "ecospec:lagrangian:LAMBDA (LAMBDA >= 0)")
         out.append(Selection(parts[0], parts[1] if len(parts) > 1 else "ratio", lam))

@@ -229,7 +229,7 @@ def test_selections_parse_and_bad_ones_are_one_line():
 
     assert parse_selections("confidence,ecospec,ecospec:lagrangian:0.5") == (
         Selection("confidence"), Selection("ecospec", "ratio"), Selection("ecospec", "lagrangian", 0.5))
-    for bad in ("ecospec:lagrangian:x", "confidence:1", "ecospec:ratio:1:2", "ecospec:lagrangian:-1", "",
+    for bad in ("ecospec:lagrangian:x", "confidence:1", "ecospec:ratio:1:2", "ecospec:lagrangian:-1", "", "ecospec:ratio:1",
                 "ecospec:bogus", "nope"):
         with pytest.raises(MoesimError):
             parse_selections(bad)
