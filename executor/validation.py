@@ -376,7 +376,8 @@ def _calibration_ids(model: MoEModel, dv, tokens: int, hw: HardwareProfile, fmt:
 
 def _run_cpu_case(model: MoEModel, dv, prompt: torch.Tensor, policy: str, fmt: str | None, setup, tokens: int,
                   hw: HardwareProfile, repeats: int, synthetic: bool, name: str, cache: int = 0) -> Trace | None:
-    """As :func:`_run_case`, with a CPU-compute setup and an expert format; None if Ctrl-C."""
+    """A case's median-TPOT run of ``repeats`` after a warm-up, with a CPU-compute setup and
+    an expert format; None if Ctrl-C."""
     params = setup.params() if setup is not None else {}
     st = ProfileSettings(policy=policy, predictor="quasi", tokens=tokens, cache_experts=cache, hybrid=setup,
                          expert_dtype=fmt, hybrid_params=params)
@@ -391,5 +392,4 @@ def _run_cpu_case(model: MoEModel, dv, prompt: torch.Tensor, policy: str, fmt: s
             candidates.append(build_trace(model, prompt, st, hw, prefill, records, out_tokens, "cpu", synthetic, name))
     except Interrupted:
         return None
-    candidates.sort(key=lambda c: float(c.timings["tpot_s"][1:].mean()))
-    return candidates[len(candidates) // 2]
+    return _median_run(candidates)
