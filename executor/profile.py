@@ -110,6 +110,7 @@ class ProfileSettings:
     expert_dtype: str | None = None  # quantised routed experts (executor.quant_experts); None = the model's dtype
     hybrid_params: dict = field(default_factory=dict)  # what the header records of the CPU-compute setup
     prefetch_top: int | None = None  # prefetch only each sequence's m most confident predicted experts
+    copy_queue: str = "fifo"  # the link's queue discipline (moesim.policy.QUEUES; not fifo: emulated link only)
 
 
 def _next_token(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> torch.Tensor:
@@ -121,13 +122,14 @@ def _next_token(logits: torch.Tensor, temperature: float, gen: torch.Generator) 
 
 def _decoder(model: MoEModel, st: ProfileSettings, hw: HardwareProfile, batch: int, dv, policy: str | None = None,
              estimator=None):
-    transport = make_transport(model.embed_tokens.weight.device, hw.link_bw, hw.transfer_latency)
     policy = policy or st.policy
+    queue = st.copy_queue if policy == st.policy else "fifo"  # a pre-pass or reference run copies FIFO
+    transport = make_transport(model.embed_tokens.weight.device, hw.link_bw, hw.transfer_latency, queue)
     hybrid = st.hybrid if policy == st.policy else None  # a pre-pass or reference run is a copy policy
     return OffloadedDecoder(model, policy, transport, predictor=st.predictor, default_vectors=dv,
                             cache_experts=st.cache_experts, eviction=st.eviction, batch=batch, estimator=estimator,
                             hybrid=hybrid, expert_dtype=st.expert_dtype,
-                            prefetch_top=st.prefetch_top if policy == st.policy else None)
+                            prefetch_top=st.prefetch_top if policy == st.policy else None, copy_queue=queue)
 
 
 @contextmanager
@@ -254,6 +256,8 @@ def build_trace(model: MoEModel, prompt: torch.Tensor, st: ProfileSettings, hw: 
     )
     if st.prefetch_top:  # the predictions stay whole; replays cut them as the run did (sim.prefetch_top)
         header["prefetch_top_m"] = st.prefetch_top
+    if st.copy_queue != "fifo":  # replays time it with the same discipline (moesim.sim.validate)
+        header["copy_queue"] = st.copy_queue
     token_ids = torch.cat(out, 1).numpy().astype(np.int32) if out else np.zeros((b, 0), np.int32)
     return Trace(header, prompt.cpu().numpy().astype(np.int32), token_ids, true_ids,
                  stack("true_gates").astype(np.float32), pred_ids, stack("pred_gates").astype(np.float32),

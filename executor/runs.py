@@ -67,6 +67,7 @@ class DecodeRequest:
     # Routed experts quantised (executor.quant_experts): int8, int4-g32, int4-g128; None = --dtype
     expert_dtype: str | None = None
     prefetch_top: int | None = None  # prefetch only each sequence's m most confident predicted experts
+    copy_queue: str = "fifo"  # the emulated link's queue discipline (moesim.policy.QUEUES)
 
 
 @dataclass
@@ -154,6 +155,24 @@ def check_cpu_options(req: DecodeRequest, spec) -> tuple[np.ndarray | None, int 
     return calibration, n
 
 
+def check_copy_queue(req: DecodeRequest, pol) -> None:
+    """Before the model loads: a queue discipline other than FIFO needs the emulated link
+    (a CUDA stream cannot reorder or withdraw copies) and a copy policy."""
+    from moesim.policy import QUEUES
+
+    q = req.copy_queue
+    if q not in QUEUES:
+        raise MoesimError(f"unknown copy queue {q!r}; known: {', '.join(QUEUES)}")
+    if q == "fifo":
+        return
+    if req.device != "cpu":
+        raise MoesimError(f"--copy-queue {q} runs on the emulated link only (--device cpu): a CUDA copy stream copies "
+                          "in the order queued and cannot withdraw a copy")
+    if pol.cpu or not pol.offload:
+        raise MoesimError(f"--copy-queue {q} applies to the copy policies (on-demand, prefetch-fom, prefetch-spec, "
+                          f"oracle), not {pol.name}")
+
+
 def _request_spec(req: DecodeRequest):
     from moesim.executor.loading import shipped_model
     from moesim.models import get_model
@@ -189,6 +208,7 @@ def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], 
         if not pol.prefetch or pol.speculative or not 1 <= req.prefetch_top <= k:
             raise MoesimError(f"--prefetch-top {req.prefetch_top}: an integer from 1 to top_k ({k}), with prefetch-fom "
                               "or oracle (it cuts what is copied ahead)")
+    check_copy_queue(req, pol)
     host_profile = _host_profile(req, hw_profile) if pol.cpu else None
     loaded = load_model(req.model, req.layers, req.dtype, req.device, req.seed)
     m = loaded.model
@@ -198,7 +218,7 @@ def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], 
     if pol.cpu and pol.cpu != "miss":
         capacity = 0  # static placements keep no cache: their resident set is the placement
     st = ProfileSettings(pol.name, req.predictor, capacity, req.eviction, req.tokens, req.temperature, req.seed,
-                         expert_dtype=req.expert_dtype, prefetch_top=req.prefetch_top)
+                         expert_dtype=req.expert_dtype, prefetch_top=req.prefetch_top, copy_queue=req.copy_queue)
     ids = prompt_ids(m, req.prompt if req.prompt is not None else DEFAULT_PROMPT, req.prompt_len, req.batch, req.seed)
     if pol.cpu:
         from moesim.executor.runtime import hybrid_setup

@@ -42,9 +42,9 @@ from torch import Tensor
 
 from moesim.errors import MoesimError
 from moesim.executor.model import MoEModel, TreeMask, expert_forward, mix_experts, quasi_hidden
-from moesim.executor.transport import CudaTransport, EmulatedLink, Transfer
+from moesim.executor.transport import CudaTransport, EmulatedLink, QueuedEmulatedLink, Transfer
 from moesim.placement import HybridPlanner, Placement
-from moesim.policy import ExpertTimes, Planner, cpu_or_copy, expert_slots, get_policy
+from moesim.policy import QUEUES, ExpertTimes, Planner, cpu_or_copy, expert_slots, get_policy
 
 PREDICTORS = ("quasi", "stale", "oracle", "estimator", "hybrid")
 
@@ -188,14 +188,31 @@ class OffloadedDecoder:
     ``quasi`` (needs ``default_vectors`` [layers, experts, hidden]), ``stale``, or ``oracle``
     (``oracle_routes``: the true ids and gates of every step from an exact pre-pass; the
     ``oracle`` policy always uses it).
+
+    ``copy_queue`` (``moesim.policy.QUEUES``) is the transport's discipline: ``fifo`` waits
+    for a layer's whole prefetch; ``demand-first`` and ``cancel-unstarted`` need a
+    :class:`QueuedEmulatedLink` and wait only for the prefetched copies the layer executes
+    (up to the plan's ``prefetch_need``). A slot whose unneeded copy is still queued or
+    copying is reused only after that copy ended (:meth:`_take_slot`).
     """
 
     def __init__(self, model: MoEModel, policy: str, transport, *, predictor: str = "quasi",
                  default_vectors: Tensor | None = None, cache_experts: int = 0, eviction: str = "lru",
                  batch: int = 1, estimator: tuple[torch.nn.Module, list[str]] | None = None,
                  hybrid: HybridSetup | None = None, expert_dtype: str | None = None,
-                 prefetch_top: int | None = None) -> None:
+                 prefetch_top: int | None = None, copy_queue: str = "fifo") -> None:
         self.model, self.policy, self.transport = model, get_policy(policy), transport
+        if copy_queue not in QUEUES:
+            raise MoesimError(f"unknown copy queue {copy_queue!r}; known: {', '.join(QUEUES)}")
+        if copy_queue != "fifo" and self.policy.cpu:
+            raise MoesimError(f"{self.policy.name} copies at most its misses; copy queues apply to the copy policies")
+        if (copy_queue != "fifo") != isinstance(transport, QueuedEmulatedLink):
+            raise MoesimError(f"copy queue {copy_queue}: the transport is {type(transport).__name__} "
+                              "(make_transport(..., copy_queue) builds the matching one)")
+        self.copy_queue = copy_queue
+        self._copy_into: dict[int, Transfer] = {}  # queued link: slot -> the last copy issued into it
+        self._retiring: list[int] = []  # queued link: freed slots whose copy has not ended yet
+        self._unsettled: list[tuple[StepRecord, Transfer, float]] = []  # copies still queued at their step's end
         if prefetch_top is not None:
             k = model.spec.top_k
             if not self.policy.prefetch or self.policy.speculative:
@@ -272,10 +289,26 @@ class OffloadedDecoder:
             self.placed[(int(m), int(e))] = self.store.device_weight(self.layers.moe[int(m)], int(e))
 
     def close(self) -> None:
-        """Stop the link and the host expert threads."""
+        """Stop the link (a queued link first finishes the copies it holds, so every
+        recorded copy gets its times) and the host expert threads."""
         self.transport.close()
+        self._settle()
         if self.host is not None:
             self.host.close()
+
+    def _settle(self) -> None:
+        """Times of copies that were still queued when their step ended (queued link):
+        relative to their step's start once they have ended; a copy that never ran (the
+        link stopped first) leaves its step's record."""
+        waiting = []
+        for rec, c, t0 in self._unsettled:
+            if c.done.is_set():
+                c.issue, c.start, c.end = c.issue - t0, c.start - t0, c.end - t0
+            elif self.transport.closed():
+                rec.copies.remove(c)
+            else:
+                waiting.append((rec, c, t0))
+        self._unsettled = waiting
 
     # -- expert placement ---------------------------------------------------------------
     def _issue(self, m: int, experts: list[int], kind: int, out: list[Transfer]) -> None:
@@ -284,14 +317,40 @@ class OffloadedDecoder:
         src = self.store.src[layer]
         batch = []
         for e in experts:
-            if not self.free:
-                raise RuntimeError("expert slot pool exhausted (planner and pool disagree)")
-            slot = self.free.pop()
+            slot = self._take_slot()
             self.where[(m, e)] = slot
             self.loaded[m].append(e)
             t = Transfer(layer, e, src[e].numel() * src[e].element_size(), kind)
+            if self.copy_queue != "fifo":
+                self._copy_into[slot] = t
             batch.append((self.pool[slot, :src[e].numel()], src[e], t, self.freed_after.pop(slot, None)))
         out += self.transport.copy_batch(batch)
+
+    def _take_slot(self) -> int:
+        """A free slot. Under a queued copy discipline a released slot may still have an
+        unneeded prefetch copy queued or copying into it: it is reused once that copy has
+        ended, waiting for the oldest such copy when no other slot is free (the device
+        memory the discipline really needs; ``expert_slots`` sizes the pool for FIFO)."""
+        if not self.free and self._retiring:
+            self._reclaim()
+            if not self.free:
+                self.transport.wait([self._copy_into[self._retiring[0]]])
+                self._reclaim()
+        if not self.free:
+            raise RuntimeError("expert slot pool exhausted (planner and pool disagree)")
+        return self.free.pop()
+
+    def _free_slot(self, slot: int) -> None:
+        t = self._copy_into.get(slot)
+        if t is not None and not t.cancelled and not t.done.is_set():
+            self._retiring.append(slot)
+        else:
+            self.free.append(slot)
+
+    def _reclaim(self) -> None:
+        done = [s for s in self._retiring if self._copy_into[s].done.is_set()]
+        self._retiring = [s for s in self._retiring if s not in done]
+        self.free += done
 
     def _weights(self, m: int) -> dict[int, object] | list:
         """MoE layer ``m``'s experts on the device: resident, placed, or in slots (a packed
@@ -318,7 +377,7 @@ class OffloadedDecoder:
         for slot in freed:
             if done is not None:
                 self.freed_after[slot] = done
-            self.free.append(slot)
+            self._free_slot(slot)
 
     # -- prediction -----------------------------------------------------------------------
     def _predict(self, layer: int, nxt_layer: int, resid: Tensor, x: Tensor, ids: Tensor,
@@ -428,7 +487,7 @@ class OffloadedDecoder:
         self._record_routing(st, m, true_host, gates, pred_here, pred_here_host)
         plan, demand, prefetch = self._plan_copies(st, m, true_host, pred_here_host)
         t1 = tm.mark()
-        self.transport.wait(st.pending + demand)
+        self.transport.wait(st.pending + demand)  # fifo; a queued link: the needed prefix (_plan_copies)
         t2 = tm.mark()
         speculative = self.policy.speculative and pred_here is not None and st.predicted is None
         run_ids, run_gates = (pred_here_host, pred_here[1]) if speculative else (true_host, gates)
@@ -548,6 +607,8 @@ class OffloadedDecoder:
         if st.predicted is not None:
             here = st.predicted[m] if m > 0 else None
         plan = self.planner.route(m, _union(true_host), here)
+        if self.copy_queue != "fifo":
+            self._trim_pending(st, plan.prefetch_need)
         demand: list[Transfer] = []
         self._issue(m, list(plan.demand), 1, demand)
         prefetch: list[Transfer] = []
@@ -558,6 +619,19 @@ class OffloadedDecoder:
         elif st.predicted is not None and nxt is not None:
             self._issue(nxt, self.planner.prefetch(nxt, st.predicted[nxt]), 0, prefetch)
         return plan, demand, prefetch
+
+    def _trim_pending(self, st: _StepState, need: int) -> None:
+        """Queued link, at the layer's router: wait only for the prefetch's first ``need``
+        copies (those up to the last expert the layer executes); ``cancel-unstarted`` drops
+        the unstarted rest, which then never moved a byte and leave the record."""
+        rest, st.pending = st.pending[need:], st.pending[:need]
+        if self.copy_queue != "cancel-unstarted" or not rest:
+            return
+        for t in self.transport.cancel(rest):
+            st.rec.copies.remove(t)
+            m = self.layers.index[t.layer]
+            self.loaded[m].remove(t.expert)
+            self.free.append(self.where.pop((m, t.expert)))
 
     def _end_step(self, st: _StepState, t_end) -> None:
         """Copy the step's gates to the host (once), then turn marks into seconds: on CUDA
@@ -583,7 +657,11 @@ class OffloadedDecoder:
         rec.tpot_s = tm.seconds(st.t_start, t_end)
         if not tm.cuda:
             for c in rec.copies:
-                c.issue, c.start, c.end = c.issue - st.t_start, c.start - st.t_start, c.end - st.t_start
+                if c.done.is_set():
+                    c.issue, c.start, c.end = c.issue - st.t_start, c.start - st.t_start, c.end - st.t_start
+                else:  # a queued link still holds it (only prefetch copies the step did not wait for)
+                    self._unsettled.append((rec, c, st.t_start))
+            self._settle()
 
 
 @dataclass
@@ -689,8 +767,14 @@ def _union(ids: np.ndarray) -> list[int]:
     return list(dict.fromkeys(int(e) for e in ids.reshape(-1) if e >= 0))
 
 
-def make_transport(device: torch.device, link_bw: float, latency: float):
-    """CUDA: the real link. CPU: an emulated link paced to ``link_bw`` B/s and ``latency`` s."""
+def make_transport(device: torch.device, link_bw: float, latency: float, copy_queue: str = "fifo"):
+    """CUDA: the real link. CPU: an emulated link paced to ``link_bw`` B/s and ``latency`` s,
+    FIFO or, for the other ``copy_queue`` disciplines, demand-first with cancellation."""
+    if copy_queue not in QUEUES:
+        raise MoesimError(f"unknown copy queue {copy_queue!r}; known: {', '.join(QUEUES)}")
     if device.type == "cuda":
+        if copy_queue != "fifo":
+            raise MoesimError(f"--copy-queue {copy_queue} runs on the emulated link only (--device cpu): a CUDA copy "
+                              "stream copies in the order queued and cannot withdraw a copy")
         return CudaTransport(device)
-    return EmulatedLink(link_bw, latency)
+    return QueuedEmulatedLink(link_bw, latency) if copy_queue != "fifo" else EmulatedLink(link_bw, latency)

@@ -1,4 +1,4 @@
-"""Moving experts host-to-device: one interface, two transports.
+"""Moving experts host-to-device: one interface, three transports.
 
 - :class:`CudaTransport`: a dedicated high-priority copy stream, non-blocking copies from
   pinned memory, one CUDA event per copy; the compute stream waits on events on the
@@ -6,10 +6,16 @@
 - :class:`EmulatedLink` (CPU): a copy worker thread that really copies into the slot
   tensors and paces each transfer to ``latency + bytes / bandwidth`` on an ideal FIFO
   clock, so overlap, stalls and contention are real, measurable behaviour without a GPU.
+- :class:`QueuedEmulatedLink` (CPU): the same link serving demand copies before queued
+  prefetch copies, expert by expert, and cancelling a prefetch's unstarted tail.
+
+A CUDA copy stream runs its copies in the order they were queued and cannot withdraw one,
+so the queued disciplines run on the emulated link only (docs/policies.md).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import queue
@@ -35,6 +41,7 @@ class Transfer:
     end: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
     event: object = None  # CUDA event recorded after the copy
+    cancelled: bool = False  # dropped from the queue before it started (cancel-unstarted)
 
 
 class EmulatedLink:
@@ -102,6 +109,88 @@ class EmulatedLink:
     def close(self) -> None:
         self._q.put(None)
         self._thread.join(timeout=5)
+
+
+class QueuedEmulatedLink(EmulatedLink):
+    """An emulated link that serves demand copies before queued prefetch copies, one expert
+    at a time, and can cancel a prefetch's unstarted tail: the copy-queue disciplines
+    ``demand-first`` and ``cancel-unstarted`` (``moesim.sim.engine.run_simpy_queued`` is
+    their model; ``fifo`` is :class:`EmulatedLink`'s batch queue).
+
+    Same ideal clock as the FIFO link, but the worker decides the next copy only when the
+    previous one has ended on that clock (it sleeps to each copy's end), so a demand copy
+    issued while a prefetch is copying starts right after it, not after the whole queued
+    prefetch. Each copy signals its own event: a layer waits for exactly the copies it
+    needs. The cost is a wake-up per expert, not per layer.
+    """
+
+    def __init__(self, bandwidth: float, latency: float) -> None:
+        if bandwidth <= 0 or latency < 0:
+            raise ValueError("bandwidth must be > 0 and latency >= 0")
+        self.bandwidth, self.latency = bandwidth, latency
+        sys.setswitchinterval(min(sys.getswitchinterval(), 5e-5))
+        self._cv = threading.Condition()
+        self._demand: collections.deque = collections.deque()
+        self._prefetch: collections.deque = collections.deque()
+        self._closed = False
+        self._clock = 0.0
+        self._thread = threading.Thread(target=self._run, name="moesim-queued-link", daemon=True)
+        self._thread.start()
+
+    def copy_batch(self, items: list[tuple[Tensor, Tensor, Transfer, object]]) -> list[Transfer]:
+        """Queue ``(dst, src, transfer, after)`` copies, each with its own done event: demand
+        ones (``kind`` 1) behind earlier demand only, prefetch ones behind all queued copies."""
+        if not items:
+            return []
+        now = self.now()
+        with self._cv:
+            for item in items:
+                t = item[2]
+                t.issue, t.done = now, threading.Event()
+                (self._demand if t.kind == 1 else self._prefetch).append(item)
+            self._cv.notify()
+        return [t for _, _, t, _ in items]
+
+    def cancel(self, transfers: list[Transfer]) -> list[Transfer]:
+        """Drop those of ``transfers`` that have not started; returns them (their slots are
+        free at once: nothing will write into them)."""
+        drop = {id(t) for t in transfers}
+        with self._cv:
+            kept, gone = collections.deque(), []
+            for item in self._prefetch:
+                (gone if id(item[2]) in drop else kept).append(item)
+            self._prefetch = kept
+        for _, _, t, _ in gone:
+            t.cancelled = True
+        return [t for _, _, t, _ in gone]
+
+    def _run(self) -> None:
+        _tight_timer_slack()
+        while True:
+            with self._cv:
+                while not (self._demand or self._prefetch or self._closed):
+                    self._cv.wait()
+                if self._closed and not (self._demand or self._prefetch):
+                    return
+                dst, src, t, _ = (self._demand or self._prefetch).popleft()
+            t.start = max(t.issue, self._clock)
+            dst.copy_(src)
+            t.end = max(t.start + self.latency + t.nbytes / self.bandwidth, self.now())
+            self._clock = t.end
+            remaining = t.end - self.now()
+            if remaining > 0:
+                time.sleep(remaining)  # decide the next copy when this one has ended on the clock
+            t.done.set()
+
+    def closed(self) -> bool:
+        return self._closed and not self._thread.is_alive()
+
+    def close(self) -> None:
+        """Finish what is queued (its copies were recorded), then stop."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
 
 
 def _tight_timer_slack() -> None:

@@ -231,6 +231,18 @@ class LayerPlan:
     execute: tuple[int, ...]
     cache_hits: int  # executed experts that were already in the cross-token cache
     prefetch_hits: int  # executed experts that a prefetch brought in
+    # How many of the prefetch's first copies (in the order it issued them) the layer waits
+    # for: 1 + the position of the last one it executes. A copy queue that lets the layer
+    # go once its useful copies landed (demand-first, cancel-unstarted) waits this far.
+    prefetch_need: int = 0
+
+
+#: How a copy engine orders its queue (``moesim.sim.engine`` models them, the executor's
+#: emulated links run them): ``fifo`` copies in issue order; ``demand-first`` serves a
+#: layer's on-demand copies before queued prefetch copies, expert by expert;
+#: ``cancel-unstarted`` also drops, at a layer's router, the unstarted tail of its prefetch
+#: past the last expert it executes.
+QUEUES = ("fifo", "demand-first", "cancel-unstarted")
 
 
 class Planner:
@@ -247,7 +259,7 @@ class Planner:
             raise MoesimError(f"policy {self.policy.name!r} computes experts on the CPU: it is planned by "
                               "moesim.placement.HybridPlanner (moesim.sim.simulate / the executor's host experts)")
         self.cache = ExpertCache(cache_experts, eviction) if cache_experts > 0 else None
-        self._slots: dict[int, set[int]] = {}  # layer -> experts prefetched into its slot set
+        self._slots: dict[int, dict[int, int]] = {}  # layer -> {expert prefetched into its slots: issue position}
         self._protect: set[Key] = set()
 
     def _cached(self, layer: int, expert: int) -> bool:
@@ -260,13 +272,13 @@ class Planner:
         want = list(dict.fromkeys(predicted))
         load = [e for e in want if not self._cached(layer, e)]
         self._protect.update((layer, e) for e in want if self._cached(layer, e))
-        self._slots[layer] = set(load)
+        self._slots[layer] = {e: i for i, e in enumerate(load)}
         return load
 
     def route(self, layer: int, true: Iterable[int], predicted: Iterable[int] | None) -> LayerPlan:
         """At ``layer``'s router: what to copy on demand and what to execute."""
         true = list(dict.fromkeys(true))
-        slots = self._slots.get(layer, set())
+        slots = self._slots.get(layer, {})
         if self.policy.speculative and predicted is not None and layer in self._slots:
             execute = list(dict.fromkeys(predicted))
         else:
@@ -276,7 +288,8 @@ class Planner:
         cache_hits = sum(1 for e in execute if e not in slots and self._cached(layer, e))
         demand = tuple(e for e in execute if e not in slots and not self._cached(layer, e))
         prefetch_hits = sum(1 for e in execute if e in slots)
-        return LayerPlan(demand, tuple(execute), cache_hits, prefetch_hits)
+        need = max((slots[e] + 1 for e in execute if e in slots), default=0)
+        return LayerPlan(demand, tuple(execute), cache_hits, prefetch_hits, need)
 
     def finish(self, layer: int, plan: LayerPlan) -> tuple[list[int], list[Key]]:
         """After ``layer`` ran: release its slots and let the cache keep what it executed.
@@ -307,7 +320,7 @@ class Planner:
     # ----------------------------------------------------------------------------------
 
     #: Rows of :meth:`plan_trace`'s result, each [step, MoE layer].
-    COUNTS = ("prefetch", "demand", "execute", "assign", "cache_hits", "prefetch_hits")
+    COUNTS = ("prefetch", "demand", "execute", "assign", "cache_hits", "prefetch_hits", "prefetch_need")
 
     def _check_fresh(self, true_ids: np.ndarray, pred_ids: np.ndarray) -> None:
         if self._slots or self._protect or (self.cache is not None and len(self.cache)):
@@ -329,7 +342,7 @@ class Planner:
 
         true = sets(true_ids)
         pred = true if self.policy.oracle else sets(pred_ids)
-        counts = np.zeros((6, t, m), np.int32)
+        counts = np.zeros((len(self.COUNTS), t, m), np.int32)
         for step in range(t):
             tr, pr = true[step], pred[step]
             for layer in range(m):
@@ -339,7 +352,7 @@ class Planner:
                     counts[0, step, layer + 1] = len(self.prefetch(layer + 1, pr[layer + 1] or None))
                 self.finish(layer, plan)
                 counts[1:, step, layer] = (len(plan.demand), len(plan.execute), b * k,
-                                           plan.cache_hits, plan.prefetch_hits)
+                                           plan.cache_hits, plan.prefetch_hits, plan.prefetch_need)
         return counts
 
     def plan_trace(self, true_ids: np.ndarray, pred_ids: np.ndarray, n_experts: int,
@@ -357,7 +370,7 @@ class Planner:
             raise MoesimError(f"routing ids must be < n_experts ({n_experts})")
         tr = np.ascontiguousarray(true_ids.reshape(t, m, b * k))
         pr = tr if self.policy.oracle else np.ascontiguousarray(pred_ids.reshape(t, m, b * k))
-        counts = np.zeros((6, t, m), np.int32)
+        counts = np.zeros((len(self.COUNTS), t, m), np.int32)
         keys = m * n_experts
         # A cache that holds every (layer, expert) never evicts: a larger one behaves the same
         # and must not size the heap (a 1e12 GiB what-if would allocate terabytes).

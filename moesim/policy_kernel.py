@@ -40,8 +40,8 @@ TICK_MASK = (1 << TICK_BITS) - 1
 def plan_steps(tr, pr, out, offload, prefetch, speculative, cap, lfu, n_exp, state, resident, count, last, prot,
                inuse, pos, hp, hk):
     """Decide steps ``tr.shape[0]`` of a trace; ``tr``/``pr`` are [steps, moe layers, batch*top_k]
-    expert ids (-1 = none), ``out`` [6, steps, layers] receives (prefetch, demand, execute,
-    assign, cache_hits, prefetch_hits). ``state`` = [tick, heap size or queue end, cache size, stamp, queue start]
+    expert ids (-1 = none), ``out`` [7, steps, layers] receives (prefetch, demand, execute,
+    assign, cache_hits, prefetch_hits, prefetch_need). ``state`` = [tick, heap size or queue end, cache size, stamp, queue start]
     carries over between calls (chunks of one trace)."""
     steps, m, bk = tr.shape
     tick, hs, size, stamp, head = state[0], state[1], state[2], state[3], state[4]
@@ -50,6 +50,7 @@ def plan_steps(tr, pr, out, offload, prefetch, speculative, cap, lfu, n_exp, sta
     pnext = np.empty(bk, np.int64)
     mark = np.zeros(n_exp, np.int64)
     slot = np.zeros(n_exp, np.int64)  # slot[e] == cur_sid: e was prefetched into this layer's slots
+    slotpos = np.zeros(n_exp, np.int64)  # ... as the prefetch's slotpos[e]-th copy
     skipped = np.empty(hp.size, np.int64)
     skipped_p = np.empty(hp.size, np.int64)
     protected_cur = np.empty(bk, np.int64)  # keys this layer's prefetch (one layer back) protected
@@ -139,11 +140,12 @@ def plan_steps(tr, pr, out, offload, prefetch, speculative, cap, lfu, n_exp, sta
             if not offload:
                 continue
             base = layer * n_exp
-            hits = demand = pf_hits = 0
+            hits = demand = pf_hits = need = 0
             for j in range(nx):
                 e = ex[j]
                 if have_cur and slot[e] == cur_sid:
                     pf_hits += 1
+                    need = max(need, slotpos[e] + 1)
                 elif resident[base + e]:
                     hits += 1
                 else:
@@ -151,6 +153,7 @@ def plan_steps(tr, pr, out, offload, prefetch, speculative, cap, lfu, n_exp, sta
             out[1, s, layer] = demand
             out[4, s, layer] = hits
             out[5, s, layer] = pf_hits
+            out[6, s, layer] = need
             # prefetch(layer + 1): copy the predicted experts the cache does not hold.
             have_next = False
             n_prot_next = 0
@@ -170,6 +173,7 @@ def plan_steps(tr, pr, out, offload, prefetch, speculative, cap, lfu, n_exp, sta
                             n_prot_next += 1
                         else:
                             slot[e] = sid
+                            slotpos[e] = loads
                             loads += 1
                     out[0, s, layer + 1] = loads
             # finish(layer): release protection, let the cache keep what ran.

@@ -160,16 +160,44 @@ def write_single_validation(trace: Trace, trace_path: Path, hw: HardwareProfile,
     return write_html(out / "report.html", f"moesim validation: {trace_path.name}", what + ".", sections)
 
 
+def queues_png(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
+    """Per (link, predictor): each copy queue's measured TPOT (median, bar; runs' range,
+    whisker) with the simulator's prediction from the FIFO run (marker)."""
+    settings = list(dict.fromkeys((r["link_gbps"], r["predictor"]) for r in rows))
+    queues = list(dict.fromkeys(r["queue"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(settings) + 2), 3.8))
+    width = 0.8 / len(queues)
+    for i, q in enumerate(queues):
+        sel = [next(r for r in rows if (r["link_gbps"], r["predictor"], r["queue"]) == (*s, q)) for s in settings]
+        x = np.arange(len(settings)) + (i - (len(queues) - 1) / 2) * width
+        med = np.array([r["measured_ms"] for r in sel])
+        err = np.array([[m - r["measured_min_ms"] for m, r in zip(med, sel)],
+                        [r["measured_max_ms"] - m for m, r in zip(med, sel)]])
+        ax.bar(x, med, width * 0.9, yerr=err, capsize=2, label=f"{q} (measured)", color=f"C{i}", alpha=0.8)
+        ax.scatter(x, [r["from_fifo_ms"] for r in sel], marker="D", s=18, color="black", zorder=3,
+                   label="predicted from the FIFO run" if i == 0 else None)
+    ax.set_xticks(range(len(settings)), [f"{g:g} GB/s\n{p} predictor" for g, p in settings], fontsize=8)
+    ax.set_ylabel("ms per output token")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.grid(axis="y", alpha=0.3)
+    return save_figure(fig, path)
+
+
 def write_suite_report(rows: list[dict[str, Any]], traces: dict[str, Trace], summary: dict[str, Any], out: Path,
                        example: tuple[Trace, HardwareProfile] | None, machine: str,
-                       cpu_rows: list[dict[str, Any]] | None = None) -> Path:
+                       cpu_rows: list[dict[str, Any]] | None = None,
+                       queues: tuple[list[dict[str, Any]], list[dict[str, Any]]] | None = None) -> Path:
     out = Path(out)
     cpu_rows = cpu_rows or []
+    queue_rows, winners = queues or ([], [])
     write_csv(rows, out / "errors.csv")
     if cpu_rows:
         write_csv(cpu_rows, out / "cpu-errors.csv")
-    atomic_write_text(out / "summary.json", json.dumps({"summary": summary, "rows": rows, "cpu_rows": cpu_rows},
-                                                       indent=2))
+    if queue_rows:
+        write_csv(queue_rows, out / "queues.csv")
+    atomic_write_text(out / "summary.json", json.dumps({"summary": summary, "rows": rows, "cpu_rows": cpu_rows,
+                                                        "queue_rows": queue_rows, "queue_winners": winners}, indent=2))
     points = [{**r, "kind": r["case"]} for r in rows]
     scatter_png(points, out / "scatter.png", f"simulated vs measured mean TPOT, {len(rows)} cases ({machine})")
     same = [r for r in rows if r["case"] == "same-policy"]
@@ -220,17 +248,36 @@ def write_suite_report(rows: list[dict[str, Any]], traces: dict[str, Trace], sum
                          "replay of the run's own trace; transfer: predicted from the on-demand trace of the same "
                          "expert format. Each case is the run with the median TPOT.",
                          "rows": cpu_rows, "cols": ["policy", "case", "measured_ms", "predicted_ms", "error", "mape"]})
+    if queue_rows:
+        queues_png(queue_rows, out / "queues.png", f"copy queues under prefetch-fom, {queue_rows[0]['model']} ({machine})")
+        sections.append({"heading": "Copy queues: which wins, when", "image": out / "queues.png", "text":
+                         "The executor running prefetch-fom with each copy queue on the synthetic geometry (seeded "
+                         "random weights: synthetic routing): fifo (a layer waits for its whole prefetch), "
+                         "demand-first (a miss overtakes queued prefetch copies, one expert at a time; a layer waits "
+                         "only for the prefetched experts it runs) and cancel-unstarted (also drops a prefetch's "
+                         "unstarted tail past the last expert the layer runs), with a real (stale) and a perfect "
+                         "(oracle) predictor at a link-bound and a balanced emulated link. Bars: "
+                         "measured median TPOT, whiskers the runs' range; markers: the simulator's prediction from "
+                         "the FIFO run's trace. A win inside the runs' spread is a tie (clear = no).",
+                         "rows": winners, "cols": ["link_gbps", "predictor", "measured_winner", "margin", "clear",
+                                                   "predicted_winner", "predicted_margin"]})
+        sections.append({"heading": "Copy queues: every case", "rows": queue_rows, "cols": [
+            "link_gbps", "predictor", "queue", "measured_ms", "measured_min_ms", "measured_max_ms",
+            "prefetch_copies_per_token", "same_policy_ms", "same_policy_error", "from_fifo_ms", "from_fifo_error"]})
     return write_html(out / "report.html", "moesim validation suite", f"Simulator against executor on {machine}.", sections)
 
 
 def validation_suite(out: Path, tokens: int = 32, model: str | None = None, repeats: int = 3,
                      progress: Callable[[str, int, int], None] | None = None,
-                     cpu_policies: bool = True) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any], str, Path]:
+                     cpu_policies: bool = True, copy_queues: bool = True) -> tuple[
+                         list[dict[str, Any]], list[dict[str, Any]], tuple[list, list], dict[str, Any], str, Path]:
     """``moesim validate``: run the suite (moesim.executor.validation) and write its report
-    to ``out``; returns (rows, the CPU-compute policies' rows, summary, the machine, the
-    report page). The CPU-compute policies (``run_cpu_suite``, on the synthetic geometry)
-    run after the copy policies unless ``cpu_policies`` is False or ``model`` names the
-    learned model. Lives in the reports layer because it joins the executor's runs with
+    to ``out``; returns (rows, the CPU-compute policies' rows, the copy queues' (rows,
+    winners), summary, the machine, the report page). The CPU-compute policies
+    (``run_cpu_suite``, on the synthetic geometry) run after the copy policies unless
+    ``cpu_policies`` is False or ``model`` names the learned model; the copy queues
+    (``moesim.executor.validation_queues``, on the synthetic geometry too) last unless
+    ``copy_queues`` is False or ``model`` names the learned model. Lives in the reports layer because it joins the executor's runs with
     the simulator's replays."""
     from moesim.errors import MoesimError
     from moesim.executor.loading import shipped_model
@@ -243,9 +290,13 @@ def validation_suite(out: Path, tokens: int = 32, model: str | None = None, repe
 
     check_output_dir(out)
     from moesim.executor.interrupt import stop_on_interrupt, stop_requested
+    from moesim.executor.validation_queues import QUEUE_LINKS, QUEUE_PREDICTORS, run_queue_suite
+    from moesim.policy import QUEUES
 
     cpu_policies = cpu_policies and model in (None, SYNTHETIC_SPEC.name)
-    n_cpu = len(CPU_CASES) + 2 if cpu_policies else 0  # the cases and their two on-demand bases
+    copy_queues = copy_queues and model in (None, SYNTHETIC_SPEC.name)
+    n_queue = len(QUEUE_LINKS) * len(QUEUE_PREDICTORS) * len(QUEUES) * repeats if copy_queues else 0
+    n_cpu = (len(CPU_CASES) + 2 if cpu_policies else 0) + n_queue  # CPU: the cases and their two on-demand bases
     main_total, cpu_done = [0], [0]
 
     def main_progress(doing: str, done: int, total: int) -> None:
@@ -253,22 +304,28 @@ def validation_suite(out: Path, tokens: int = 32, model: str | None = None, repe
         if progress:
             progress(doing, done, total + n_cpu)
 
-    def cpu_progress(doing: str) -> None:
+    def extra_progress(doing: str) -> None:  # the parts after the main suite, counted on from its runs
         if progress:
-            progress(f"CPU-compute policies: {doing}", main_total[0] + cpu_done[0], main_total[0] + n_cpu)
+            progress(doing, main_total[0] + cpu_done[0], main_total[0] + n_cpu)
         cpu_done[0] += 1
 
     cpu_rows: list[dict[str, Any]] = []
+    queues: tuple[list, list] = ([], [])
     with stop_on_interrupt():  # Ctrl-C: report the finished cases
         rows, traces, summary = run_suite(out, shipped_model(), tokens, [model] if model else None, main_progress,
                                           repeats)
         if not rows:
             raise MoesimError(f"no suite model called {model!r}")
         if cpu_policies and not stop_requested():
-            cpu_rows, _, cpu_summary = run_cpu_suite(out, max(3, tokens // 2), repeats=repeats, progress=cpu_progress)
+            cpu_rows, _, cpu_summary = run_cpu_suite(out, max(3, tokens // 2), repeats=repeats, progress=lambda doing: extra_progress(f"CPU-compute policies: {doing}"))
             summary.update(cpu_summary)
+        if copy_queues and not stop_requested():
+            queue_rows, winners, queue_summary = run_queue_suite(out, shipped_model(), max(3, tokens // 2), repeats,
+                                                                 lambda doing: extra_progress(f"copy queues: {doing}"))
+            queues = (queue_rows, winners)
+            summary.update(queue_summary)
     example = next((tr for k, tr in traces.items() if k.endswith("prefetch-fom")), None)
     page = write_suite_report(rows, traces, summary, out,
                               (example, recorded_profile(example)) if example is not None else None, machine(),
-                              cpu_rows)
-    return rows, cpu_rows, summary, machine(), page
+                              cpu_rows, queues)
+    return rows, cpu_rows, queues, summary, machine(), page

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
+from moesim.policy import QUEUES
 from moesim.sim.workload import Link, Workload
 
 
@@ -236,8 +237,6 @@ def run_simpy_hybrid(w, planner, link: Link, record: bool = False):
 # Copy-queue disciplines: demand before prefetch (SimPy only)
 # ---------------------------------------------------------------------------------------
 
-#: How the copy engine orders its queue. ``fifo`` is :func:`run_simpy`'s model.
-QUEUES = ("fifo", "demand-first", "cancel-unstarted")
 
 
 class _Group:
@@ -309,17 +308,17 @@ class QueuedCopyEngine:
                 g.needed.succeed()
 
 
-def run_simpy_queued(w: Workload, link: Link, useful: np.ndarray, queue: str = "demand-first",
+def run_simpy_queued(w: Workload, link: Link, need: np.ndarray, queue: str = "demand-first",
                      record: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[Span]]:
     """:func:`run_simpy` with demand before prefetch.
 
-    ``useful[t, l]`` is how many of the experts prefetched for model layer l at step t the
-    layer executes (the plan's prefetch hits). A layer waits for its demand copies and
-    for its useful prefetched experts only, taken to be the first ones of the prefetch (a
-    predictor lists its most confident experts first: an optimistic assumption where the
-    order is unknown). ``demand-first`` serves demand copies before any queued prefetch
-    expert; ``cancel-unstarted`` also drops, at the layer's router, the prefetched experts
-    it did not need that have not started copying.
+    ``need[t, l]``: how many of the first experts prefetched for model layer l at step t
+    the layer waits for, in the order the prefetch issued them (the plan's
+    ``prefetch_need``: 1 + the position of the last one it executes). A layer waits for its
+    demand copies and those only, as the executor's queued link does
+    (``moesim.executor.transport.QueuedEmulatedLink``). ``demand-first`` serves demand copies
+    before any queued prefetch expert; ``cancel-unstarted`` also drops, at the layer's
+    router, the prefetched experts it will not wait for that have not started copying.
     """
     if queue not in QUEUES or queue == "fifo":
         raise ValueError(f"queue {queue!r}: use run_simpy for fifo; known: {', '.join(QUEUES)}")
@@ -350,8 +349,8 @@ def run_simpy_queued(w: Workload, link: Link, useful: np.ndarray, queue: str = "
                 d = copier.submit(dem, dem, True, f"demand L{layer}", step, layer) if dem else None
                 pf = int(w.prefetch_next[step, layer])
                 if pf:
-                    need = min(pf, int(useful[step, layer + 1]))
-                    pending = copier.submit(pf, need, False, f"prefetch L{layer + 1}", step, layer + 1)
+                    wait_for = min(pf, int(need[step, layer + 1]))
+                    pending = copier.submit(pf, wait_for, False, f"prefetch L{layer + 1}", step, layer + 1)
                 waits = [g.needed for g in (d, here) if g is not None and not g.needed.processed]
                 if waits:
                     waited = env.now

@@ -31,6 +31,7 @@ class Plan:
     assign: np.ndarray  # token-expert pairs executed (batch x top-k)
     cache_hits: np.ndarray
     prefetch_hits: np.ndarray
+    prefetch_need: np.ndarray  # the prefetch's first copies the layer waits for (moesim.policy.LayerPlan)
 
     @property
     def loads(self) -> np.ndarray:
@@ -49,7 +50,7 @@ def build_plan(trace: Trace, policy: Policy | str, cache_experts: int = 0, evict
                progress: Callable[[int, int], None] | None = None) -> Plan:
     """The plan of ``trace`` under ``policy``: :meth:`Planner.plan_trace`, the compiled batch
     form of the executor's per-layer calls (held identical to them by tests/test_policy.py).
-    Memory: six int32 counts per (step, MoE layer); ``progress(steps_done, steps)``."""
+    Memory: seven int32 counts per (step, MoE layer); ``progress(steps_done, steps)``."""
     policy = get_policy(policy) if isinstance(policy, str) else policy
     planner = Planner(policy, cache_experts, eviction)
     counts = planner.plan_trace(trace.true_ids, trace.pred_ids, trace.model.n_experts, progress)

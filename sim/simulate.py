@@ -11,9 +11,9 @@ import numpy as np
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile
 from moesim.models import ModelSpec, cache_capacity  # noqa: F401 (cache_capacity: defined with the byte accounting)
-from moesim.policy import EVICTIONS, Policy, get_policy
+from moesim.policy import EVICTIONS, QUEUES, Policy, get_policy
 from moesim.sim.costs import KERNELS_ATTENTION, Costs, charge_prediction, measured_costs, roofline_costs
-from moesim.sim.engine import QUEUES, Span, run_simpy, run_simpy_queued
+from moesim.sim.engine import Span, run_simpy, run_simpy_queued
 from moesim.sim.fastpath import run_fast
 from moesim.sim.plan import Plan, build_plan
 from moesim.sim.workload import Link, Workload, make_workload
@@ -195,9 +195,9 @@ def simulate(
     link = sim_link(trace, hw, costs)
     spans: list[Span] = []
     if copy_queue != "fifo":
-        useful = np.zeros(work.shape, np.int64)
-        useful[:, list(spec.moe_layers)] = plan.prefetch_hits
-        ends, copy, stall, spans = run_simpy_queued(work, link, useful, copy_queue, record)
+        need = np.zeros(work.shape, np.int64)
+        need[:, list(spec.moe_layers)] = plan.prefetch_need
+        ends, copy, stall, spans = run_simpy_queued(work, link, need, copy_queue, record)
     elif engine == "simpy":
         ends, copy, stall, spans = run_simpy(work, link, record)
     else:

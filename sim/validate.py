@@ -99,6 +99,8 @@ def validate_trace(trace: Trace, hw: HardwareProfile | None = None, policy: str 
         trace = keep_top_predictions(trace, int(trace.header["prefetch_top_m"]))
     kw.setdefault("cache_experts", meta.cache_experts)
     kw.setdefault("eviction", meta.eviction)
+    if trace.header.get("copy_queue") and policy == meta.policy:  # the run's queue discipline (profile --copy-queue)
+        kw.setdefault("copy_queue", trace.header["copy_queue"])
     profile = recorded_profile(trace, hw)
     if policy == meta.policy and POLICIES[policy].cpu:  # the recorded CPU-compute setup (executor/runs.py)
         profile, more = recorded_cpu_setup(trace, profile)

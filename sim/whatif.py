@@ -151,7 +151,7 @@ class Sweep:
 
     def __post_init__(self) -> None:
         from moesim.models import DTYPES
-        from moesim.sim.engine import QUEUES
+        from moesim.policy import QUEUES
 
         for p in self.policies:
             get_policy(p)

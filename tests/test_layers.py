@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"moesim": 0, "traces": 1, "sim": 2, "executor": 2, "reports": 3}
 PACKAGES = {"moesim.__main__": 4, "moesim.hwprofiles": 0, "moesim.traces": 1, "moesim.sim": 2, "moesim.executor": 2,
             "moesim.reports": 3, "moesim.cli": 4}
-EXECUTOR_MAY_USE_SIM = {"validation.py", "gpu_validate.py"}
+EXECUTOR_MAY_USE_SIM = {"validation.py", "validation_queues.py", "gpu_validate.py"}
 CLI_MODULE_MAX_LINES = 150
 
 

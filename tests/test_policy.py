@@ -82,6 +82,16 @@ def test_fetch_on_miss_copies_only_the_misses():
     assert plan.demand == (3,) and plan.execute == (2, 3) and plan.prefetch_hits == 1
 
 
+def test_a_layer_needs_its_prefetch_up_to_the_last_expert_it_executes():
+    """prefetch_need counts the prefetch's copies in issue order up to the last executed
+    one: what a demand-first or cancel-unstarted queue lets the layer wait for."""
+    p = Planner("prefetch-fom")
+    assert p.prefetch(1, [5, 3, 7, 2]) == [5, 3, 7, 2]
+    assert p.route(1, [3, 9], [5, 3, 7, 2]).prefetch_need == 2  # 5 (useless) and 3; 7 and 2 are not needed
+    p.prefetch(2, [4, 6])
+    assert p.route(2, [1], [4, 6]).prefetch_need == 0  # nothing useful: wait for no prefetch copy
+
+
 def test_speculative_execution_runs_the_prediction():
     p = Planner("prefetch-spec")
     p.prefetch(1, [1, 2])

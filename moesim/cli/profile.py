@@ -54,6 +54,9 @@ def profile(
                                                          "as many as the --hw device memory holds).")] = None,
     prefetch_top: Annotated[int | None, typer.Option(help="prefetch-fom, oracle: prefetch only each sequence's M most "
                                                           "confident predicted experts.")] = None,
+    copy_queue: Annotated[str, typer.Option(help="Emulated link's queue: fifo, demand-first (demand copies overtake "
+                                                 "queued prefetch copies) or cancel-unstarted (also drops a "
+                                                 "prefetch's unneeded unstarted tail).")] = "fifo",
     expert_dtype: Annotated[str | None, typer.Option(help="Quantise the routed experts (weight-only): int8, int4-g32 "
                                                           "or int4-g128; copies, device and CPU experts use them.")] = None,
     out_path: Annotated[Path | None, typer.Option("--out", help="Trace file to write (default ./profile.npz; "
@@ -101,7 +104,7 @@ def profile(
     req = DecodeRequest(model, policy, predictor, device, hw_name, link_gbps, tokens, batch, prompt, prompt_len,
                         cache_gib, cache_experts, eviction, layers, dtype, temperature, seed, fidelity_tokens, threads,
                         host=host, cpu_layers=cpu_layers, placement_from=placement_from, gpu_experts=gpu_experts,
-                        expert_dtype=expert_dtype, prefetch_top=prefetch_top)
+                        expert_dtype=expert_dtype, prefetch_top=prefetch_top, copy_queue=copy_queue)
     with Progress(TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err,
                   transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("decode", total=tokens)

@@ -72,8 +72,8 @@ def replay(
                                                              "where it has one.")] = True,
     expert_dtype: Annotated[str | None, typer.Option(help="Store the routed experts in this format: bf16, fp8-block128, int8, "
                                                           "int4-g32, int4-g128, q8_0, q4_k, q5_k, q6_k, ...")] = None,
-    copy_queue: Annotated[str, typer.Option(help="Copy queue (simpy engine): fifo, demand-first or "
-                                                 "cancel-unstarted.")] = "fifo",
+    copy_queue: Annotated[str | None, typer.Option(help="Copy queue (simpy engine): fifo, demand-first or "
+                                                        "cancel-unstarted (default: the trace's, else fifo).")] = None,
     prefetch_top: Annotated[int | None, typer.Option(help="Prefetch only each token's M most confident predicted "
                                                           "experts.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")] = False,

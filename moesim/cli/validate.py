@@ -1,4 +1,5 @@
-"""``moesim validate``. Python: ``moesim.reports.validation.validation_suite(out, tokens, model, repeats, cpu_policies)``."""
+"""``moesim validate``. Python: ``moesim.reports.validation.validation_suite(out, tokens, model, repeats,
+cpu_policies, copy_queues)``."""
 
 from __future__ import annotations
 
@@ -22,20 +23,24 @@ def validate(
     model: Annotated[str | None, typer.Option(help="Only this suite model (moe-stdlib or the synthetic one).")] = None,
     cpu_policies: Annotated[bool, typer.Option("--cpu-policies/--no-cpu-policies", help="Also run the CPU-compute "
                                                "policies and int8 experts (synthetic geometry).")] = True,
+    copy_queues: Annotated[bool, typer.Option("--copy-queues/--no-copy-queues", help="Also run prefetch-fom under each "
+                                              "copy queue (fifo, demand-first, cancel-unstarted; synthetic geometry).")] = True,
     repeats: Annotated[int, typer.Option(help="Rounds of every case (the policies interleaved in each); a case scores "
                                                "as the median over rounds, with its spread.")] = 3,
 ) -> None:
     """Run the validation suite: the simulator against the executor on this machine (CPU,
     emulated link): 2 models x 3 link bandwidths x 4 policies, same-policy replay and
-    policy transfer (predicted from the on-demand trace alone), with an error table.
+    policy transfer (predicted from the on-demand trace alone), with an error table; then
+    the CPU-compute policies and the copy queues (which wins, measured and predicted).
 
     Example: `moesim validate --out validation-report` (long-running)
     """
     from moesim.reports.validation import validation_suite
 
     with progress_bar("validating", "runs") as update:
-        rows, cpu_rows, summary, machine, page = validation_suite(
-            out_dir, tokens, model, repeats, lambda doing, done, total: update(done, total, doing), cpu_policies)
+        rows, cpu_rows, (queue_rows, winners), summary, machine, page = validation_suite(
+            out_dir, tokens, model, repeats, lambda doing, done, total: update(done, total, doing), cpu_policies,
+            copy_queues)
     out.print(table(f"simulated vs measured mean TPOT ({machine})",
                     ("model", "GB/s", "policy", "case", "measured ms", "simulated ms", "error", "error range"),
                     [[r["model"][:12], f"{r['link_gbps']:g}", r["policy"], CASE_SHORT[r["case"]], f"{r['measured_ms']:.3g}",
@@ -46,6 +51,16 @@ def validate(
                         ("policy", "case", "measured ms", "simulated ms", "error"),
                         [[r["policy"], CASE_SHORT[r["case"]], f"{r['measured_ms']:.3g}", f"{r['predicted_ms']:.3g}",
                           f"{r['error']:+.1%}"] for r in cpu_rows], "right"))
+    if queue_rows:
+        out.print(table("copy queues, prefetch-fom (synthetic geometry; measured: median of runs)",
+                        ("GB/s", "predictor", "queue", "measured ms", "range ms", "same-policy", "from FIFO"),
+                        [[f"{r['link_gbps']:g}", r["predictor"], r["queue"], f"{r['measured_ms']:.3g}",
+                          f"{r['measured_min_ms']:.3g}..{r['measured_max_ms']:.3g}", f"{r['same_policy_error']:+.1%}",
+                          f"{r['from_fifo_ms']:.3g} ({r['from_fifo_error']:+.1%})"] for r in queue_rows], "right"))
+        for w in winners:
+            out.print(f"{w['link_gbps']:g} GB/s, {w['predictor']}: measured winner {w['measured_winner']} "
+                      f"(+{w['margin']:.1%} to the next, {'clear' if w['clear'] else 'inside the runs’ spread: a tie'}); "
+                      f"predicted from FIFO: {w['predicted_winner']}")
     out.print("case: same = replay of the run's own trace; transfer = predicted from the on-demand trace. "
               "error: median over rounds; range: over rounds.")
     for k, v in summary.items():
