@@ -43,7 +43,8 @@ def one_suite(folder: Path, extra: list[str]) -> dict[str, Any]:
         raise SystemExit(f"moesim validate failed ({r.returncode}): {r.stderr.strip()[-500:]}")
     data = json.loads((folder / "summary.json").read_text())
     out: dict[str, Any] = {"seconds": round(time.perf_counter() - t0, 1), "machine_figures":
-                           data["summary"].get("machine figures (measured)"), "rows": data["rows"]}
+                           data["summary"].get("machine figures (measured)"),
+                           "steady_machine": data["summary"].get("steady machine"), "rows": data["rows"]}
     for case in CASES:
         rows = [r for r in data["rows"] if r["case"] == case]
         errs = [abs(r["error"]) for r in rows]
@@ -98,8 +99,8 @@ def main() -> None:
             res = one_suite(a.report if last else Path(tmp) / f"run{i}", extra)
             results.append(res)
             print(f"run {i + 1}/{runs} ({res['seconds']:.0f} s): " + "; ".join(
-                f"{c}: mean |error| {res[c]['mean_abs_error']:.2%}, max {res[c]['max_abs_error']:.2%}" for c in CASES),
-                flush=True)
+                f"{c}: mean |error| {res[c]['mean_abs_error']:.2%}, max {res[c]['max_abs_error']:.2%}" for c in CASES)
+                + f"; machine: {res['steady_machine']}", flush=True)
     summary = summarise(results)
     atomic_write_text(a.out, json.dumps({"machine": machine(), "command": "python bench/bench_validation.py"
                                          + (" --quick" if a.quick else ""), "summary": summary, "runs": results},

@@ -29,6 +29,7 @@ import torch
 from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
 from moesim.executor.model import ExecConfig, MoEModel, load_checkpoint, random_model
 from moesim.executor.profile import ProfileSettings, build_trace, calibrate, generate, load_default_vectors
+from moesim.executor.steady import SteadyMachine
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, HostProfile, get_profile
 from moesim.models import Attention, ModelSpec
 from moesim.sim.simulate import simulate
@@ -99,6 +100,7 @@ def run_suite(out: Path, shipped: Path, tokens: int = 32, models: list[str] | No
     if progress:
         progress("measuring copy/compute interference", 0, total)
     machine_hw = machine_profile()
+    steady = SteadyMachine()
     rows: list[dict[str, Any]] = []
     traces: dict[str, Trace] = {}
     with stop_on_interrupt():
@@ -108,7 +110,7 @@ def run_suite(out: Path, shipped: Path, tokens: int = 32, models: list[str] | No
             for gbps in links:
                 hw = get_profile(DEFAULT_PROFILE).with_figure("h2d_pinned_gbs", gbps, "estimate", "validation suite link")
                 runs = _run_link(model, dv, prompt, tokens * scale, hw, repeats, synthetic, name, gbps, out, traces,
-                                 counted)
+                                 counted, steady)
                 rows += _score(name, gbps, hw, runs, model, machine_hw)
                 if stop_requested():
                     break
@@ -117,6 +119,7 @@ def run_suite(out: Path, shipped: Path, tokens: int = 32, models: list[str] | No
         summary = summarise(rows)
         if stop_requested():
             summary["interrupted"] = f"Ctrl-C: {len(traces)} finished cases kept and scored; the rest did not run"
+    summary["steady machine"] = steady.summary()
     summary["machine figures (measured)"] = (
         f"{machine_hw['copy_interference']:.1%} compute slowdown at {machine_hw['copy_interference_gbs']:.1f} GB/s "
         f"of back-to-back copying, scaled by each link's rate; {machine_hw['wait_wakeup_us']:.0f} us from a copy "
@@ -126,7 +129,7 @@ def run_suite(out: Path, shipped: Path, tokens: int = 32, models: list[str] | No
 
 def _run_link(model: MoEModel, dv, prompt: torch.Tensor, tokens: int, hw: HardwareProfile, repeats: int,
               synthetic: bool, name: str, gbps: float, out: Path, traces: dict[str, Trace],
-              progress: Callable[[str], None]) -> dict[str, list[Trace]]:
+              progress: Callable[[str], None], steady: SteadyMachine) -> dict[str, list[Trace]]:
     """Every policy on one link, ``repeats`` rounds, the policies interleaved within a round.
 
     Why interleaved: on a shared or throttling machine the speed of the CPU drifts over
@@ -134,7 +137,8 @@ def _run_link(model: MoEModel, dv, prompt: torch.Tensor, tokens: int, hw: Hardwa
     that drift between the on-demand run a transfer is predicted from and the run it is
     judged against; interleaving keeps each round's runs seconds apart, and scoring pairs
     them round by round (:func:`_score`). Each case's trace file holds its median-TPOT run
-    so far, rewritten (atomically) as runs finish, so Ctrl-C keeps it."""
+    so far, rewritten (atomically) as runs finish, so Ctrl-C keeps it. ``steady`` probes
+    the machine's speed around each run (moesim.executor.steady)."""
     runs: dict[str, list[Trace]] = {p: [] for p in POLICIES}
     for r in range(repeats):
         for policy in POLICIES:
@@ -143,7 +147,7 @@ def _run_link(model: MoEModel, dv, prompt: torch.Tensor, tokens: int, hw: Hardwa
             try:
                 if r == 0:
                     generate(model, prompt, ProfileSettings(policy=policy, tokens=2), hw, dv)  # warm-up
-                prefill, records, out_tokens = generate(model, prompt, st, hw, dv)
+                prefill, records, out_tokens = steady.run(lambda st=st: generate(model, prompt, st, hw, dv))
             except Interrupted:
                 return runs
             if len(records) < tokens:  # Ctrl-C cut the run short
@@ -306,6 +310,7 @@ def run_cpu_suite(out: Path, tokens: int = 16, gbps: float = 4.0, repeats: int =
     if progress:
         progress("measuring this machine (link interference, host pool)")
     machine_hw = machine_profile()
+    steady = SteadyMachine()
     rows: list[dict[str, Any]] = []
     traces: dict[str, Trace] = {}
     bases: dict[str | None, Trace] = {}
@@ -314,7 +319,7 @@ def run_cpu_suite(out: Path, tokens: int = 16, gbps: float = 4.0, repeats: int =
         for fmt in dict.fromkeys(f for _, f in CPU_CASES):  # the on-demand base of each format first
             if progress:
                 progress(f"{name}, {gbps:g} GB/s, on-demand{'-' + fmt if fmt else ''} (base)")
-            tr = _run_cpu_case(model, dv, prompt, "on-demand", fmt, None, tokens, hw, repeats, synthetic, name)
+            tr = _run_cpu_case(model, dv, prompt, "on-demand", fmt, None, tokens, hw, repeats, synthetic, name, 0, steady)
             if tr is None:
                 break
             bases[fmt] = traces[f"on-demand{'-' + fmt if fmt else ''}"] = tr
@@ -336,7 +341,8 @@ def run_cpu_suite(out: Path, tokens: int = 16, gbps: float = 4.0, repeats: int =
                 cache = spec.n_experts * spec.n_moe_layers // 4 if pol.cpu == "miss" else 0
                 if progress:
                     progress(f"{name}, {gbps:g} GB/s, {key}")
-                tr = _run_cpu_case(model, dv, prompt, policy, fmt, setup, tokens, hw, repeats, synthetic, name, cache)
+                tr = _run_cpu_case(model, dv, prompt, policy, fmt, setup, tokens, hw, repeats, synthetic, name, cache,
+                                   steady)
                 if tr is None:
                     break
                 traces[key] = tr
@@ -357,6 +363,7 @@ def run_cpu_suite(out: Path, tokens: int = 16, gbps: float = 4.0, repeats: int =
                 stats_ = error_stats(tr.timings["tpot_s"][1:], pred[: tr.n_tokens - 1])
                 rows.append({**case, "case": "transfer from on-demand", **_short(stats_)})
     summary = summarise(rows, "CPU-compute policies, ")
+    summary["CPU-compute policies, steady machine"] = steady.summary()
     summary["CPU-compute policies, host (measured)"] = "; ".join(
         f"{fmt or spec.expert_dtype}: {h['mem_bw_achievable_gbs']:.2f} GB/s expert rate, "
         f"{h['activation_roundtrip_us']:.0f} us pool round trip, {h['expert_dispatch_us']:.0f} us/expert dispatch"
@@ -375,7 +382,8 @@ def _calibration_ids(model: MoEModel, dv, tokens: int, hw: HardwareProfile, fmt:
 
 
 def _run_cpu_case(model: MoEModel, dv, prompt: torch.Tensor, policy: str, fmt: str | None, setup, tokens: int,
-                  hw: HardwareProfile, repeats: int, synthetic: bool, name: str, cache: int = 0) -> Trace | None:
+                  hw: HardwareProfile, repeats: int, synthetic: bool, name: str, cache: int,
+                  steady: SteadyMachine) -> Trace | None:
     """A case's median-TPOT run of ``repeats`` after a warm-up, with a CPU-compute setup and
     an expert format; None if Ctrl-C."""
     params = setup.params() if setup is not None else {}
@@ -386,7 +394,7 @@ def _run_cpu_case(model: MoEModel, dv, prompt: torch.Tensor, policy: str, fmt: s
     try:
         generate(model, prompt, warm, hw, dv)
         for _ in range(repeats):
-            prefill, records, out_tokens = generate(model, prompt, st, hw, dv)
+            prefill, records, out_tokens = steady.run(lambda: generate(model, prompt, st, hw, dv))
             if len(records) < tokens:
                 return None
             candidates.append(build_trace(model, prompt, st, hw, prefill, records, out_tokens, "cpu", synthetic, name))

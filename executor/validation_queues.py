@@ -33,6 +33,7 @@ import torch
 
 from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
 from moesim.executor.profile import ProfileSettings, build_trace, generate
+from moesim.executor.steady import SteadyMachine
 from moesim.executor.validation import PROMPT, _median_run, machine_profile, suite_models
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, get_profile
 from moesim.policy import QUEUES
@@ -58,11 +59,13 @@ def run_queue_suite(out: Path, shipped: Path, tokens: int = 16, repeats: int = 3
     if machine_hw is None:
         machine_hw = machine_profile()
     rows: list[dict[str, Any]] = []
+    steady = SteadyMachine()
     with stop_on_interrupt():
         for gbps in QUEUE_LINKS:
             hw = get_profile(DEFAULT_PROFILE).with_figure("h2d_pinned_gbs", gbps, "estimate", "validation suite link")
             for predictor in QUEUE_PREDICTORS:
-                runs = _run_setting(model, dv, prompt, tokens, hw, repeats, synthetic, name, predictor, progress)
+                runs = _run_setting(model, dv, prompt, tokens, hw, repeats, synthetic, name, predictor, progress,
+                                    steady)
                 if runs is None:
                     break
                 for q, trs in runs.items():
@@ -71,11 +74,15 @@ def run_queue_suite(out: Path, shipped: Path, tokens: int = 16, repeats: int = 3
             if stop_requested():
                 break
     winners = pick_winners(rows)
-    return rows, winners, summarise_queues(rows, winners)
+    summary = summarise_queues(rows, winners)
+    if rows:
+        summary["copy queues, steady machine"] = steady.summary()
+    return rows, winners, summary
 
 
 def _run_setting(model, dv, prompt: torch.Tensor, tokens: int, hw: HardwareProfile, repeats: int, synthetic: bool,
-                 name: str, predictor: str, progress: Callable[[str], None] | None) -> dict[str, list[Trace]] | None:
+                 name: str, predictor: str, progress: Callable[[str], None] | None,
+                 steady: SteadyMachine) -> dict[str, list[Trace]] | None:
     """Every queue at one link and predictor, ``repeats`` interleaved rounds; None if Ctrl-C
     cut it (a setting is scored whole or not at all: its winner needs every queue)."""
     runs: dict[str, list[Trace]] = {q: [] for q in QUEUES}
@@ -89,7 +96,7 @@ def _run_setting(model, dv, prompt: torch.Tensor, tokens: int, hw: HardwareProfi
                 if r == 0:
                     generate(model, prompt, ProfileSettings(policy=POLICY, predictor=predictor, tokens=2, copy_queue=q),
                              hw, dv)  # warm-up
-                prefill, records, out_tokens = generate(model, prompt, st, hw, dv)
+                prefill, records, out_tokens = steady.run(lambda st=st: generate(model, prompt, st, hw, dv))
             except Interrupted:
                 return None
             if len(records) < tokens or stop_requested():

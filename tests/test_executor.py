@@ -193,3 +193,14 @@ def test_prefetching_only_the_top_m_predictions_stays_exact_and_copies_ahead_les
     assert trace.header["prefetch_top_m"] == 1
     _, sim = validate_trace(trace)
     assert int(sim.plan.prefetch.sum()) == int((trace.timings["copy_kind"] == 0).sum())
+
+
+def test_the_steadiness_probe_brackets_each_run_and_reports_against_its_best():
+    from moesim.executor.steady import SteadyMachine
+
+    s = SteadyMachine()
+    n = len(s.probes)
+    assert s.run(lambda: "result") == "result" and len(s.probes) == n + 2
+    s.probes.append(min(s.probes) * 3)  # as if the machine slowed to a third around one run
+    text = s.summary()
+    assert "3.00x (max)" in text
