@@ -115,8 +115,7 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
         kw["calibration"] = separate_calibration(load_calibration(str(placement_from), trace.model), trace,
                                                  placement_from)
     kw, cache_source = recorded_cache(trace, kw)
-    if kw.get("copy_queue") is None:  # as recorded (moesim profile --copy-queue), else FIFO
-        kw["copy_queue"] = trace.header.get("copy_queue", "fifo")
+    kw.setdefault("copy_queue", None)  # None: as recorded (moesim profile --copy-queue), else FIFO
     return Replay(trace, profile, source, simulate_policies(trace, profile, list(policies), progress=progress, **kw),
                   link_source, cache_source)
 

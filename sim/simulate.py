@@ -137,7 +137,7 @@ def simulate(
     costs: Costs | None = None,
     progress: Callable[[int, int], None] | None = None,
     pred_recall: float | None = None,
-    copy_queue: str = "fifo",
+    copy_queue: str | None = "fifo",
     host: Any = None,
     cpu_layers: int | str = "auto",
     calibration: np.ndarray | None = None,
@@ -157,20 +157,27 @@ def simulate(
     ``engine`` picks the SimPy reference or the fast path; ``plan`` and ``costs`` may be
     passed in when a sweep reuses them; ``progress(steps_planned, steps)`` reports planning,
     the part that grows with the trace (see :func:`simulate_policies` for a whole replay);
-    ``copy_queue`` picks a copy-queue discipline (SimPy only). The CPU-compute policies
+    ``copy_queue`` picks a copy-queue discipline (SimPy only); None: the trace's own
+    (``moesim profile --copy-queue`` records it), else FIFO, and FIFO for the CPU-compute
+    policies, which copy at most their misses. The CPU-compute policies
     (docs/policies.md) go to :func:`moesim.sim.hybrid.simulate_hybrid` with ``host`` (name,
     path or profile; default: the GPU profile's), ``cpu_layers``, ``calibration`` routing,
     ``calibrate_on_replay`` and ``amx``.
     """
     if engine not in ENGINES:
         raise MoesimError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+    pol = get_policy(policy)
+    if copy_queue is None:  # as recorded
+        copy_queue = "fifo" if pol.cpu else trace.header.get("copy_queue", "fifo")
+        if copy_queue != "fifo" and engine != "simpy":
+            raise MoesimError(f"the trace was recorded with copy queue {copy_queue!r}, which only the SimPy engine "
+                              "models: use --engine simpy, or --copy-queue fifo to time it as FIFO")
     if copy_queue not in QUEUES:
         raise MoesimError(f"unknown copy queue {copy_queue!r}; known: {', '.join(QUEUES)}")
     if copy_queue != "fifo" and engine != "simpy":
         raise MoesimError(f"copy queue {copy_queue!r} is modelled by the SimPy engine only (--engine simpy)")
     if eviction not in EVICTIONS:
         raise MoesimError(f"unknown eviction policy {eviction!r}; known: {', '.join(EVICTIONS)}")
-    pol = get_policy(policy)
     if pol.cpu:  # experts computed on the CPU: the hybrid step model (moesim.sim.hybrid)
         from moesim.sim.hybrid import simulate_hybrid
 

@@ -99,8 +99,8 @@ def validate_trace(trace: Trace, hw: HardwareProfile | None = None, policy: str 
         trace = keep_top_predictions(trace, int(trace.header["prefetch_top_m"]))
     kw.setdefault("cache_experts", meta.cache_experts)
     kw.setdefault("eviction", meta.eviction)
-    if trace.header.get("copy_queue") and policy == meta.policy:  # the run's queue discipline (profile --copy-queue)
-        kw.setdefault("copy_queue", trace.header["copy_queue"])
+    if policy == meta.policy:  # the run's queue discipline (moesim profile --copy-queue), else FIFO
+        kw.setdefault("copy_queue", None)
     profile = recorded_profile(trace, hw)
     if policy == meta.policy and POLICIES[policy].cpu:  # the recorded CPU-compute setup (executor/runs.py)
         profile, more = recorded_cpu_setup(trace, profile)
@@ -110,6 +110,7 @@ def validate_trace(trace: Trace, hw: HardwareProfile | None = None, policy: str 
     skip = min(skip, trace.n_tokens - 1)
     stats_ = error_stats(trace.timings["tpot_s"][skip:], result.tpot[skip:])
     cfg = result.config
-    return {"policy": cfg["policy"], "recorded_policy": meta.policy, "hw": cfg["hw"], "link_gbps": cfg["link_gbps"],
+    return {"policy": cfg["policy"], "recorded_policy": meta.policy, "copy_queue": cfg.get("copy_queue", "fifo"),
+            "hw": cfg["hw"], "link_gbps": cfg["link_gbps"],
             "link_source": "achieved by the trace's copies", "link_set_gbps": meta.link_gbps, "timing": cfg["timing"],
             **stats_}, result

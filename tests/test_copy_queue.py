@@ -12,6 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from moesim.errors import MoesimError  # noqa: E402
 from moesim.executor.model import ExecConfig, random_model  # noqa: E402
 from moesim.executor.profile import ProfileSettings, build_trace, calibrate, generate  # noqa: E402
 from moesim.executor.transport import QueuedEmulatedLink, Transfer  # noqa: E402
@@ -175,6 +176,9 @@ def test_a_replay_of_a_queued_run_times_it_with_the_recorded_queue(tiny, queue):
     assert planned == int((kinds == 0).sum()) if queue == "demand-first" else planned >= int((kinds == 0).sum())
     rows = replay(trace, policies=["prefetch-fom"]).rows
     assert rows[0]["copy_queue"] == queue
+    assert "copy_queue" not in replay(trace, policies=["prefetch-fom"], copy_queue="fifo").rows[0]
+    with pytest.raises(MoesimError, match=f"recorded with copy queue '{queue}'.*--engine simpy"):
+        replay(trace, policies=["prefetch-fom"], engine="fast")
 
 
 @pytest.mark.parametrize("args, says", [
@@ -190,7 +194,6 @@ def test_profile_refuses_a_queue_it_cannot_run_in_one_line(tmp_path, args, says)
 
 
 def test_a_cuda_transport_refuses_a_queue_it_cannot_keep():
-    from moesim.errors import MoesimError
     from moesim.executor.runtime import make_transport
 
     with pytest.raises(MoesimError, match="emulated link only"):

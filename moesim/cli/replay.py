@@ -129,7 +129,9 @@ def replay(
         out.print(results_table(rows, f"{trace.model.name} on {rep.profile.name} ({rep.profile_source}), link "
                                       f"{rows[0]['link_gbps']:g} GB/s ({rep.link_source}), {cache_text(rows[0], rep.cache_source)}, "
                                       f"{trace.n_tokens} steps ({src}; compute: "
-                                      f"{rows[0]['timing']}; engine: {engine})", SUMMARY_COLS))
+                                      f"{rows[0]['timing']}; engine: {engine}"
+                                      + "".join(f"; copy queue {q}" for q in {r["copy_queue"] for r in rows if "copy_queue" in r}) + ")",
+                                SUMMARY_COLS))
         for r in rows:
             out.print(f"[bold]{r['policy']}[/bold]: {why(r)}")
     if out_dir is not None:

@@ -56,8 +56,9 @@ def print_validation(trace, trace_path: Path, hw_name: str | None, engine: str, 
         cfg = result.config
         meta = trace.meta
         set_at = f" (set to {meta.link_gbps:.3g} GB/s)" if meta.link_gbps is not None else ""
+        queue = f"; copy queue {cfg['copy_queue']} (as recorded)" if "copy_queue" in cfg else ""
         out.print(f"on {cfg['hw']}, link {cfg['link_gbps']:.3g} GB/s: the rate the trace's copies achieved{set_at}; "
-                  f"compute: {cfg['timing']}. A plain `moesim replay` uses the set link and predicts every policy, "
+                  f"compute: {cfg['timing']}{queue}. A plain `moesim replay` uses the set link and predicts every policy, "
                   "so its numbers can differ from these.")
     if out_dir is not None:
         from moesim.reports.validation import write_single_validation

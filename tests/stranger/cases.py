@@ -380,6 +380,10 @@ def cases() -> list[Case]:
     add(Case("interrupted runs", ["profile", "--model", "tiny", "--tokens", "400", "--link-gbps", "0.05",
                                   "--out", "pi.npz"], expect="interrupt", signal_after=8.0, sig=signal.SIGINT,
              check=lambda d, s: no_tmp(d, s) or (trace_file("pi.npz")(d, s) if (d / "pi.npz").exists() else None)))
+    add(Case("interrupted runs", ["profile", "--model", "tiny", "--tokens", "3000", "--link-gbps", "0.05",
+                                  "--policy", "prefetch-fom", "--predictor", "stale", "--copy-queue", "demand-first",
+                                  "--out", "pq.npz"], expect="interrupt", signal_after=8.0, sig=signal.SIGINT,
+             check=lambda d, s: no_tmp(d, s) or (trace_file("pq.npz")(d, s) if (d / "pq.npz").exists() else None)))
     add(Case("interrupted runs", ["synth", "--model", "tiny", "--tokens", "4", "--out", "stale.npz"], expect="ok",
              before=stale_tmp, check=lambda d, s: no_tmp(d, s) or trace_file("stale.npz")(d, s), fast=True))
 
@@ -394,6 +398,10 @@ def cases() -> list[Case]:
                  ["replay", "t.npz", "--model", "olmoe-1b-7b"], ["replay", "t.npz", "--cache-gib", "1", "--cache-experts", "2"],
                  ["replay", "t.npz", "--timing", "measured"], ["replay", "t.npz", "--hw", "a6000,h200"],
                  ["profile", "--model", "moe-stdlib", "--layers", "2", "--tokens", "2"],
+                 ["profile", "--model", "tiny", "--copy-queue", "nope", "--tokens", "2"],
+                 ["profile", "--model", "tiny", "--copy-queue", "demand-first", "--policy", "all-resident", "--tokens", "2"],
+                 ["replay", "t.npz", "--copy-queue", "nope"],
+                 ["replay", "t.npz", "--copy-queue", "demand-first", "--engine", "fast"],
                  ["nonsense-command"], ["replay"]):
         add(Case("unknown names", list(args), fast=args in (["replay", "t.npz", "--policy", "nope"], ["nonsense-command"])))
     for i, k in enumerate(c):
