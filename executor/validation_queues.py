@@ -131,18 +131,21 @@ def _score(name: str, gbps: float, predictor: str, runs: dict[str, list[Trace]],
 def pick_winners(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (model, link, predictor): the measured and the predicted (from FIFO) winner. The
     measured win is ``clear`` when the winner's slowest run beats the runner-up's fastest
-    (never on one run: no spread to judge by)."""
+    (never on one run: no spread to judge by). The predicted winner is ``tie`` when the
+    best two predictions are equal."""
     out = []
     for key in dict.fromkeys((r["model"], r["link_gbps"], r["predictor"]) for r in rows):
         sel = sorted((r for r in rows if (r["model"], r["link_gbps"], r["predictor"]) == key),
                      key=lambda r: r["measured_ms"])
         best, second = sel[0], sel[1]
         predicted = min(sel, key=lambda r: r["from_fifo_ms"])
+        predicted_margin = sorted(r["from_fifo_ms"] for r in sel)[1] / predicted["from_fifo_ms"] - 1
         out.append({"model": key[0], "link_gbps": key[1], "predictor": key[2], "measured_winner": best["queue"],
                     "margin": second["measured_ms"] / best["measured_ms"] - 1,
                     "clear": best["runs"] > 1 and best["measured_max_ms"] < second["measured_min_ms"],
-                    "predicted_winner": predicted["queue"],
-                    "predicted_margin": sorted(r["from_fifo_ms"] for r in sel)[1] / predicted["from_fifo_ms"] - 1})
+                    # the simulator is deterministic: equal predictions are a predicted tie, not a pick
+                    "predicted_winner": predicted["queue"] if predicted_margin > 1e-6 else "tie",
+                    "predicted_margin": predicted_margin})
     return out
 
 

@@ -257,5 +257,7 @@ def test_a_win_inside_the_runs_spread_is_a_tie():
     assert clear["predicted_winner"] == "cancel-unstarted" and clear["margin"] == pytest.approx(1 / 9)
     tie = pick_winners([row("fifo", 10, 9.5, 10.5, 10), row("demand-first", 9.9, 9.6, 10.4, 10.1)])[0]
     assert tie["measured_winner"] == "demand-first" and not tie["clear"]
+    same = pick_winners([row("fifo", 10, 9.5, 10.5, 10), row("demand-first", 9.9, 9.6, 10.4, 10)])[0]
+    assert same["predicted_winner"] == "tie"
     one_run = pick_winners([row("fifo", 10, 10, 10, 10, 1), row("demand-first", 5, 5, 5, 5, 1)])[0]
     assert not one_run["clear"]
