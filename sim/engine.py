@@ -234,9 +234,8 @@ def run_simpy_hybrid(w, planner, link: Link, record: bool = False):
 
 
 # ---------------------------------------------------------------------------------------
-# Copy-queue disciplines: demand before prefetch (SimPy only)
+# Copy-queue disciplines (moesim.policy.QUEUES): demand before prefetch (SimPy only)
 # ---------------------------------------------------------------------------------------
-
 
 
 class _Group:
