@@ -3,7 +3,7 @@ simulator say so? The validation suite's third part (``moesim validate``).
 
 On the suite's synthetic geometry (seeded random weights: **synthetic** routing; top-4 of
 16 experts, ms-scale copies, so a queue's effect stands well above run-to-run noise), at
-a link-bound and a balanced emulated link, with a real predictor (``stale``: the layer's
+two link-bound emulated links (copies ~2.8x and ~1.4x a step's compute), with a real predictor (``stale``: the layer's
 own router input, about half its prefetches wrong) and a perfect one (``oracle``), the
 executor decodes under prefetch-fom with each queue of :data:`moesim.policy.QUEUES`, the
 queues interleaved in each of ``repeats`` rounds (as the main suite interleaves policies,
@@ -42,7 +42,7 @@ from moesim.sim.validate import recorded_profile, validate_trace
 from moesim.traces.format import Trace, write_trace
 
 SUITE_MODEL = 1  # executor.validation.suite_models: the synthetic geometry
-QUEUE_LINKS = (2.0, 4.0)  # GB/s: copies ~1.8x and ~0.9x the synthetic geometry's compute per step
+QUEUE_LINKS = (2.0, 4.0)  # GB/s: prefetch-fom's copies ~2.8x and ~1.4x the synthetic geometry's compute a step
 QUEUE_PREDICTORS = ("stale", "oracle")
 POLICY = "prefetch-fom"  # fetch-on-miss: the policy whose wrong prefetches a demand copy waits behind
 

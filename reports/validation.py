@@ -256,7 +256,7 @@ def write_suite_report(rows: list[dict[str, Any]], traces: dict[str, Trace], sum
                          "demand-first (a miss overtakes queued prefetch copies, one expert at a time; a layer waits "
                          "only for the prefetched experts it runs) and cancel-unstarted (also drops a prefetch's "
                          "unstarted tail past the last expert the layer runs), with a real (stale) and a perfect "
-                         "(oracle) predictor at a link-bound and a balanced emulated link. Bars: "
+                         "(oracle) predictor at two emulated links. Bars: "
                          "measured median TPOT, whiskers the runs' range; markers: the simulator's prediction from "
                          "the FIFO run's trace. A win inside the runs' spread is a tie (clear = no).",
                          "rows": winners, "cols": ["link_gbps", "predictor", "measured_winner", "margin", "clear",
