@@ -3,9 +3,9 @@
 Why: on shared VMs (the 2-core machines this suite is checked on) the whole machine slows
 down for seconds at a time, independently of moesim: a fixed 256x256 matmul that takes
 ~1.7 ms runs in 2.3-2.8 ms for ~5 s windows, and an all-resident decode of the learned
-model goes from ~3.2 to ~5.5 ms a token with it (measured with no emulated link, no other
-process, no cgroup throttling and no steal time reported: a noisy neighbour or the host's
-clock). A run caught in such a window measures the machine, not the model, and a transfer
+model goes from 3.0-3.5 to 4.7-6.7 ms a token with it (``bench/bench_machine_noise.py``;
+no emulated link, no other process, no cgroup throttling and no steal time reported: a
+noisy neighbour or the host's clock). A run caught in such a window measures the machine, not the model, and a transfer
 case pairs two runs that may sit on either side of one. Re-running disturbed runs was
 tried and did not help: on a noisy machine nearly every run was disturbed (70 re-runs for
 36 runs, 19 still disturbed after three tries). So the suite does not filter; it reports,
