@@ -140,7 +140,8 @@ def pick_winners(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         best, second = sel[0], sel[1]
         predicted = min(sel, key=lambda r: r["from_fifo_ms"])
         predicted_margin = sorted(r["from_fifo_ms"] for r in sel)[1] / predicted["from_fifo_ms"] - 1
-        out.append({"model": key[0], "link_gbps": key[1], "predictor": key[2], "measured_winner": best["queue"],
+        out.append({"model": key[0], "link_gbps": key[1], "predictor": key[2], "runs": best["runs"],
+                    "measured_winner": best["queue"],
                     "margin": second["measured_ms"] / best["measured_ms"] - 1,
                     "clear": best["runs"] > 1 and best["measured_max_ms"] < second["measured_min_ms"],
                     # the simulator is deterministic: equal predictions are a predicted tie, not a pick

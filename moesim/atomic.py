@@ -54,6 +54,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     path = Path(path)
     if path.is_dir():
         raise MoesimError(f"cannot write {path}: it is a folder")
+    if path.exists() and not path.is_file():  # the rename would replace a device or pipe node
+        raise MoesimError(f"cannot write {path}: it is not a regular file (a device, pipe or socket)")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         clean_stale_tmp(path)

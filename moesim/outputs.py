@@ -60,6 +60,10 @@ def check_output_file(path: str | os.PathLike, suffixes: Iterable[str] = (), wha
                           + (f" ({' or '.join(suffixes)})" if suffixes else ""))
     if suffixes and path.suffix.lower() not in suffixes:
         raise MoesimError(f"{what} {path}: expected a {' or '.join(suffixes)} file")
+    if path.exists() and not path.is_file():
+        # A write is a rename onto the path: it would replace the device or pipe node itself
+        # (as root, `--out /dev/null` would have turned /dev/null into a regular file).
+        raise MoesimError(f"{what} {path} is not a regular file (a device, pipe or socket); give a file path")
     folder = _check_ancestors(path, what)
     _probe_writable(folder, what, path)
     return path

@@ -267,6 +267,26 @@ def write_suite_report(rows: list[dict[str, Any]], traces: dict[str, Trace], sum
     return write_html(out / "report.html", "moesim validation suite", f"Simulator against executor on {machine}.", sections)
 
 
+def _check_budget(tokens: int, repeats: int, model: str | None) -> None:
+    """Refuse, before any run, a suite that cannot fit in memory or would take more than a
+    day (``moesim.budget``): the largest run's memory, and every run's time added up."""
+    from moesim import budget
+    from moesim.executor.loading import shipped_model
+    from moesim.executor.validation import POLICIES, PROMPT, SYNTHETIC_SPEC, suite_models
+    from moesim.models import get_model
+
+    peak, seconds = 0.0, 0.0
+    for name, _, links, scale in suite_models(shipped_model()):
+        if model and name != model:
+            continue
+        spec = get_model(str(shipped_model())) if name == "moe-stdlib" else SYNTHETIC_SPEC
+        for gbps in links:
+            est = budget.decode_estimate(spec, tokens * scale, 1, 4, gbps, 0, True, len(PROMPT))
+            peak = max(peak, est.bytes)
+            seconds += est.seconds * (len(POLICIES) + 1) * repeats  # + the warm-up runs
+    budget.check(budget.Estimate(f"the validation suite ({tokens} tokens, {repeats} rounds)", peak, seconds))
+
+
 def validation_suite(out: Path, tokens: int = 32, model: str | None = None, repeats: int = 3,
                      progress: Callable[[str, int, int], None] | None = None,
                      cpu_policies: bool = True, copy_queues: bool = True) -> tuple[
@@ -286,6 +306,7 @@ def validation_suite(out: Path, tokens: int = 32, model: str | None = None, repe
 
     if tokens < 3 or repeats < 1:
         raise MoesimError("--tokens must be >= 3 (the first step is warm-up) and --repeats >= 1")
+    _check_budget(tokens, repeats, model)
     from moesim.outputs import check_output_dir
 
     check_output_dir(out)

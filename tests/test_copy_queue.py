@@ -3,6 +3,7 @@ cancellation of a prefetch's unstarted tail), the decoder driving it, and the si
 replaying what it recorded. CPU only: a CUDA copy stream is FIFO (refused, see
 docs/policies.md)."""
 
+import json
 import subprocess
 import sys
 import threading
@@ -157,7 +158,7 @@ def test_cancel_unstarted_copies_fewer_prefetched_experts_and_records_none_it_dr
 
 
 @pytest.mark.parametrize("queue", QUEUED)
-def test_a_replay_of_a_queued_run_times_it_with_the_recorded_queue(tiny, queue):
+def test_a_replay_of_a_queued_run_times_it_with_the_recorded_queue(tiny, queue, tmp_path):
     """The header records the discipline; replay --validate and a plain replay use it, and
     the simulator plans exactly the copies the run made (cancelled ones excepted)."""
     from moesim.sim.replay import replay
@@ -179,6 +180,14 @@ def test_a_replay_of_a_queued_run_times_it_with_the_recorded_queue(tiny, queue):
     assert "copy_queue" not in replay(trace, policies=["prefetch-fom"], copy_queue="fifo").rows[0]
     with pytest.raises(MoesimError, match=f"recorded with copy queue '{queue}'.*--engine simpy"):
         replay(trace, policies=["prefetch-fom"], engine="fast")
+    from moesim.traces.format import write_trace
+
+    write_trace(trace, tmp_path / "q.npz")  # the CLI's --validate: the recorded queue, or the one asked for
+    for asked, used in ((None, queue), ("fifo", "fifo")):
+        r = subprocess.run([sys.executable, "-m", "moesim", "replay", str(tmp_path / "q.npz"), "--validate", "--json",
+                            *(["--copy-queue", asked] if asked else [])], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["copy_queue"] == used
 
 
 @pytest.mark.parametrize("args, says", [

@@ -82,6 +82,24 @@ def test_a_bad_output_path_is_one_line_before_any_work(work, args, out, words):
     assert time.time() - t0 < 60  # nothing ran
 
 
+def test_an_output_that_is_a_device_or_pipe_is_refused_and_left_as_it_is(work, tmp_path):
+    """A write renames a new file onto its path: run as root, `--out /dev/full` once replaced
+    the device node with a regular file. A real named pipe stands in for the device."""
+    import os
+    import stat
+
+    from moesim.atomic import atomic_write
+
+    pipe = tmp_path / "pipe.npz"
+    os.mkfifo(pipe)
+    for args in (("synth", "--model", "tiny", "--tokens", "2"), ("profile", "--model", "tiny", "--tokens", "2")):
+        one_line_error(moesim(*args, "--out", pipe, cwd=work), "not a regular file")
+        assert stat.S_ISFIFO(os.stat(pipe).st_mode)
+    with pytest.raises(MoesimError, match="not a regular file"):
+        atomic_write(pipe, lambda f: f.write(b"x"))  # the backstop every writer goes through
+    assert stat.S_ISFIFO(os.stat(pipe).st_mode)
+
+
 def test_a_read_only_folder_is_refused_before_any_work(work, readonly):
     for args in (("synth", "--model", "tiny", "--tokens", "2", "--out", readonly / "x.npz"),
                  ("replay", work / "t.npz", "--out", readonly / "report"),
@@ -162,6 +180,8 @@ def test_bad_input_files_are_one_line_each(work):
     (("whatif", "--model", "tiny", "--tokens", "1000000000000", "--out", "w"), ("available: refusing",)),
     (("profile", "--model", "tiny", "--link-gbps", "1e-9", "--tokens", "2"), ("days", "more than a day")),
     (("profile", "--model", "qwen3-30b-a3b", "--layers", "0", "--tokens", "2"), ("--layers 0",)),
+    (("validate", "--tokens", "100000000", "--repeats", "1", "--out", "v"), ("TiB", "available: refusing")),
+    (("validate", "--tokens", "3", "--repeats", "100000000", "--out", "v"), ("years", "more than a day")),
 ])
 def test_absurd_sizes_are_refused_with_the_estimate(work, args, words):
     t0 = time.time()

@@ -112,7 +112,7 @@ def replay(
     if gamma is not None or depth is not None or branch is not None or acceptance is not None:
         raise MoesimError("--gamma, --depth, --branch and --acceptance apply to speculative-decoding traces (moesim speculate)")
     if validate:
-        print_validation(trace, trace_path, hw_name, engine, as_json, out_dir, as_csv)
+        print_validation(trace, trace_path, hw_name, engine, as_json, out_dir, as_csv, copy_queue)
         return
     with progress_bar("replaying", "layer-steps", disable=as_json) as update:
         rep = run_replay(trace, hw_name, split(policy, "--policy"), model=model, step=step, where=trace_path,

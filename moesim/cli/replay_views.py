@@ -35,12 +35,12 @@ def print_speculative(res: dict[str, Any], trace_path: Path) -> None:
 
 
 def print_validation(trace, trace_path: Path, hw_name: str | None, engine: str, as_json: bool,
-                     out_dir: Path | None, as_csv: bool = False) -> None:
+                     out_dir: Path | None, as_csv: bool = False, copy_queue: str | None = None) -> None:
     from moesim.hardware import get_profile
     from moesim.sim.validate import recorded_profile, validate_trace
 
     hw_profile = get_profile(hw_name) if hw_name else None
-    s, result = validate_trace(trace, hw_profile, engine=engine)
+    s, result = validate_trace(trace, hw_profile, engine=engine, **({"copy_queue": copy_queue} if copy_queue else {}))
     if as_json:
         print_json(s)
     elif as_csv:
@@ -56,7 +56,8 @@ def print_validation(trace, trace_path: Path, hw_name: str | None, engine: str, 
         cfg = result.config
         meta = trace.meta
         set_at = f" (set to {meta.link_gbps:.3g} GB/s)" if meta.link_gbps is not None else ""
-        queue = f"; copy queue {cfg['copy_queue']} (as recorded)" if "copy_queue" in cfg else ""
+        how = "as recorded" if copy_queue is None else "--copy-queue"
+        queue = f"; copy queue {cfg['copy_queue']} ({how})" if "copy_queue" in cfg else ""
         out.print(f"on {cfg['hw']}, link {cfg['link_gbps']:.3g} GB/s: the rate the trace's copies achieved{set_at}; "
                   f"compute: {cfg['timing']}{queue}. A plain `moesim replay` uses the set link and predicts every policy, "
                   "so its numbers can differ from these.")

@@ -59,10 +59,16 @@ def validate(
                           f"{r['from_fifo_ms']:.3g} ({r['from_fifo_error']:+.1%})"] for r in queue_rows], "right"))
         for w in winners:
             out.print(f"{w['link_gbps']:g} GB/s, {w['predictor']}: measured winner {w['measured_winner']} "
-                      f"(+{w['margin']:.1%} to the next, {'clear' if w['clear'] else 'inside the runs’ spread: a tie'}); "
+                      f"(+{w['margin']:.1%} to the next, {_verdict(w)}); "
                       f"predicted from FIFO: {w['predicted_winner']}")
     out.print("case: same = replay of the run's own trace; transfer = predicted from the on-demand trace. "
               "error: median over rounds; range: over rounds.")
     for k, v in summary.items():
         out.print(f"[bold]{k}[/bold]: {v}")
     err.print(f"report: {page}")
+
+
+def _verdict(w: dict) -> str:
+    if w["runs"] < 2:
+        return "one run: no spread to judge it by"
+    return "clear" if w["clear"] else "inside the runs’ spread: a tie"
