@@ -205,9 +205,11 @@ def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], 
     calibration, n_cpu = check_cpu_options(req, _request_spec(req))
     if req.prefetch_top is not None:  # before the model loads: the decoder checks the same
         k = _request_spec(req).top_k
-        if not pol.prefetch or pol.speculative or not 1 <= req.prefetch_top <= k:
-            raise MoesimError(f"--prefetch-top {req.prefetch_top}: an integer from 1 to top_k ({k}), with prefetch-fom "
-                              "or oracle (it cuts what is copied ahead)")
+        if not pol.prefetch or pol.speculative:
+            raise MoesimError(f"--prefetch-top applies to prefetch-fom and oracle (it cuts what is copied ahead), "
+                              f"not {pol.name}")
+        if not 1 <= req.prefetch_top <= k:
+            raise MoesimError(f"--prefetch-top {req.prefetch_top}: an integer from 1 to top_k ({k})")
     check_copy_queue(req, pol)
     host_profile = _host_profile(req, hw_profile) if pol.cpu else None
     loaded = load_model(req.model, req.layers, req.dtype, req.device, req.seed)

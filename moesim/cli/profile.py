@@ -118,4 +118,5 @@ def profile(
               f"(p90 {np.percentile(t, 90) * 1e3:.3g}), TTFT {meta.prefill_s * 1e3:.3g} ms"
               + (f", prediction recall@k {sum(recall) / len(recall):.3f}" if recall else "")
               + (f", fidelity: agreement {fid['next_token_agreement']:.3f}, KL {fid['mean_kl']:.2e}" if fid else "")
-              + f"; link: {meta.hw_profile} at {meta.link_gbps:.3g} GB/s")
+              + f"; link: {meta.hw_profile} at {meta.link_gbps:.3g} GB/s"
+              + (f", copy queue {copy_queue}" if copy_queue != "fifo" else ""))
