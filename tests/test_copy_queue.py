@@ -13,12 +13,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tiny_models import sharp_tiny  # noqa: E402
+
 from moesim.errors import MoesimError  # noqa: E402
-from moesim.executor.model import ExecConfig, random_model  # noqa: E402
 from moesim.executor.profile import ProfileSettings, build_trace, calibrate, generate  # noqa: E402
 from moesim.executor.transport import QueuedEmulatedLink, Transfer  # noqa: E402
 from moesim.hardware import get_profile  # noqa: E402
-from moesim.models import get_model  # noqa: E402
 
 SLOW = get_profile("a6000").with_figure("h2d_pinned_gbs", 0.02)  # copies ~30x a layer's compute: a backlog builds
 PROMPT = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(5))
@@ -28,12 +28,7 @@ QUEUED = ("demand-first", "cancel-unstarted")
 @pytest.fixture(scope="module")
 def tiny():
     torch.set_num_threads(1)
-    model = random_model(ExecConfig(get_model("tiny"), rope_theta=1e4), seed=1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.3)
-        model.experts = [[w * 15 for w in row] for row in model.experts]
+    model = sharp_tiny()
     dv = calibrate(model, torch.randint(0, 256, (512,), generator=torch.Generator().manual_seed(0)))
     return model, dv
 

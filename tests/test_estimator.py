@@ -7,21 +7,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tiny_models import sharp_tiny  # noqa: E402
+
 from moesim.executor.estimator import Estimator, collect, load_estimator, recall_by_layer, train_estimator  # noqa: E402
-from moesim.executor.model import ExecConfig, random_model  # noqa: E402
 from moesim.executor.profile import ProfileSettings, calibrate, generate  # noqa: E402
 from moesim.hardware import get_profile  # noqa: E402
-from moesim.models import get_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     torch.set_num_threads(1)
-    model = random_model(ExecConfig(get_model("tiny"), rope_theta=1e4), seed=2)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.3)
+    model = sharp_tiny(seed=2, expert_scale=1)
     gen = torch.Generator().manual_seed(0)
     dv = calibrate(model, torch.randint(0, 256, (512,), generator=gen))
     out = tmp_path_factory.mktemp("est")

@@ -6,11 +6,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from moesim.executor.model import ExecConfig, random_model  # noqa: E402
+from tiny_models import sharp_tiny  # noqa: E402
+
 from moesim.executor.profile import ProfileSettings, build_trace, calibrate, generate  # noqa: E402
 from moesim.executor.transport import EmulatedLink, Transfer  # noqa: E402
 from moesim.hardware import get_profile  # noqa: E402
-from moesim.models import get_model  # noqa: E402
 from moesim.traces.format import read_trace, write_trace  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -21,13 +21,7 @@ def tiny(request):
     """The tiny model on each device present (CUDA: experts pinned in host memory)."""
     torch.set_num_threads(1)
     device = torch.device(request.param)
-    # Larger weights than the default init, so that experts matter and routing is not a tie.
-    model = random_model(ExecConfig(get_model("tiny"), rope_theta=1e4), seed=1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.3)
-        model.experts = [[w * 15 for w in row] for row in model.experts]
+    model = sharp_tiny()  # experts matter and routing is not a tie
     dv = calibrate(model, torch.randint(0, 256, (512,), generator=torch.Generator().manual_seed(0)))
     if device.type == "cuda":
         model.experts = [[w.pin_memory() for w in row] for row in model.experts]

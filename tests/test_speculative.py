@@ -5,8 +5,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tiny_models import sharp_tiny  # noqa: E402
+
 from moesim.errors import MoesimError  # noqa: E402
-from moesim.executor.model import ExecConfig, random_model  # noqa: E402
 from moesim.executor.runtime import OffloadedDecoder  # noqa: E402
 from moesim.executor.speculative import (  # noqa: E402
     SpecSettings,
@@ -58,16 +59,8 @@ def test_greedy_acceptance_follows_the_target():
 def models(tmp_path_factory):
     torch.set_num_threads(1)
 
-    def sharpen(m):
-        with torch.no_grad():
-            for p in m.parameters():
-                if p.dim() > 1:
-                    p.normal_(0, 0.3)
-        m.experts = [[w * 15 for w in row] for row in m.experts]
-        return m
-
-    target = sharpen(random_model(ExecConfig(get_model("tiny"), rope_theta=1e4), seed=1))
-    draft = sharpen(random_model(ExecConfig(get_model("tiny").with_layers(2), rope_theta=1e4), seed=1))
+    target = sharp_tiny()
+    draft = sharp_tiny(spec=get_model("tiny").with_layers(2))
     draft.embed_tokens.weight.data.copy_(target.embed_tokens.weight.data)  # some agreement with the target
     draft.lm_head.weight.data.copy_(target.lm_head.weight.data)
     out = tmp_path_factory.mktemp("pred")
