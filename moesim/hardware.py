@@ -22,15 +22,6 @@ from typing import Any
 
 from moesim.errors import MoesimError
 
-#: Kernels an eager decoder launches per attention block (norm, q/k/v, rope, attention,
-#: output projection, residual, norm, router, top-k) and per expert (gate-up, act, down).
-KERNELS_ATTENTION = 10
-KERNELS_EXPERT = 3
-KERNELS_HEAD = 3  # final norm, LM head, sampling
-#: Kernels of one next-layer prediction (the quasi-hidden state's RMSNorm, the next
-#: layer's router GEMV, top-k): what a prefetching policy adds to each layer's router.
-KERNELS_PREDICT = 3
-
 LINK_KINDS = ("pcie3", "pcie4", "pcie5", "nvlink-c2c", "emulated")
 FIGURE_KINDS = ("datasheet", "measured", "estimate", "fitted")
 # The profile a run uses when nothing names one: a trace that does not record its hardware
@@ -123,11 +114,6 @@ class HardwareProfile(_FigureLookup):
     @property
     def transfer_latency(self) -> float:
         return self["transfer_latency_us"] * 1e-6
-
-    def copy_seconds(self, nbytes: float) -> float:
-        """One host-to-device transfer of ``nbytes`` from pinned memory: latency + bytes /
-        bandwidth (the link model; ``moesim.sim.workload.Link`` times queues of them)."""
-        return self.transfer_latency + nbytes / self.link_bw
 
     @property
     def mem_bw(self) -> float:

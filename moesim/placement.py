@@ -25,14 +25,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moesim.costmodel import CostModel, ExpertTimes
 from moesim.errors import MoesimError
-from moesim.hardware import KERNELS_EXPERT, HardwareProfile, HostProfile
+from moesim.hardware import HardwareProfile, HostProfile
+from moesim.memory import WORKSPACE_BYTES, expert_budget, kv_bytes  # noqa: F401 (re-exported for the executor)
 from moesim.models import ModelSpec
-from moesim.policy import ExpertCache, ExpertTimes, Policy, get_policy
-
-#: Device memory held back for activations, workspace and the CUDA context when a
-#: placement decides what fits (an estimate; llama.cpp users leave about this much).
-WORKSPACE_BYTES = 1 << 30
+from moesim.policy import ExpertCache, Policy, get_policy
 
 
 def routing_counts(ids: np.ndarray, n_experts: int) -> np.ndarray:
@@ -45,28 +43,14 @@ def routing_counts(ids: np.ndarray, n_experts: int) -> np.ndarray:
     return counts
 
 
-def kv_bytes(spec: ModelSpec, batch: int, context: int) -> int:
-    return batch * context * spec.n_layers * spec.kv_bytes_per_token_layer
-
-
-def expert_budget(spec: ModelSpec, device_bytes: float, batch: int, context: int) -> int:
-    """Bytes of device memory left for routed experts: device memory less the resident
-    non-expert weights, the KV cache at ``context`` and :data:`WORKSPACE_BYTES`."""
-    left = device_bytes - spec.non_expert_bytes - kv_bytes(spec, batch, context) - WORKSPACE_BYTES
-    if left < 0:
-        raise MoesimError(f"{spec.name}: the non-expert weights and KV cache alone need "
-                          f"{(device_bytes - left) / 1e9:.1f} GB, more than the device's {device_bytes / 1e9:.1f} GB")
-    return int(left)
-
-
-def cpu_layers(spec: ModelSpec, n: int | str, device_bytes: float, batch: int = 1, context: int = 0) -> int:
+def cpu_layers(spec: ModelSpec, n: int | str, device_memory: float, batch: int = 1, context: int = 0) -> int:
     """How many MoE layers (the first ones, as llama.cpp counts) keep their experts on the CPU.
 
     ``n`` is a count, or ``"auto"``: the fewest that let the other layers' experts fit.
     """
     m = spec.n_moe_layers
     if n == "auto":
-        fit = expert_budget(spec, device_bytes, batch, context) // spec.layer_expert_bytes
+        fit = expert_budget(spec, device_memory, batch, context) // spec.layer_expert_bytes
         return int(max(0, m - fit))
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= m:
         raise MoesimError(f"--cpu-layers must be 'auto' or a count from 0 to {m} (the MoE layers of {spec.name}), got {n!r}")
@@ -110,7 +94,7 @@ def hot_set(counts: np.ndarray, spec: ModelSpec, budget_bytes: int, source: str,
                      optimistic, keys)
 
 
-def make_placement(policy: str | Policy, spec: ModelSpec, device_bytes: float, *, batch: int = 1, context: int = 0,
+def make_placement(policy: str | Policy, spec: ModelSpec, device_memory: float, *, batch: int = 1, context: int = 0,
                    cpu_layers_n: int | str = "auto", calibration: np.ndarray | None = None,
                    replay_ids: np.ndarray | None = None, calibrate_on_replay: bool = False) -> Placement | None:
     """The static placement a CPU-compute policy starts from (None for other policies).
@@ -123,7 +107,7 @@ def make_placement(policy: str | Policy, spec: ModelSpec, device_bytes: float, *
     if not pol.cpu:
         return None
     if pol.cpu == "layers":
-        return static_layers(spec, cpu_layers(spec, cpu_layers_n, device_bytes, batch, context))
+        return static_layers(spec, cpu_layers(spec, cpu_layers_n, device_memory, batch, context))
     if calibration is not None and calibrate_on_replay:
         raise MoesimError("give a calibration trace or ask to calibrate on the replayed trace, not both")
     if calibration is not None:
@@ -135,22 +119,8 @@ def make_placement(policy: str | Policy, spec: ModelSpec, device_bytes: float, *
     else:
         raise MoesimError(f"{pol.name} needs expert frequencies: a calibration trace (--placement-from), or "
                           "counting on the replayed trace itself (an optimistic bound) when asked")
-    return hot_set(routing_counts(ids, spec.n_experts), spec, expert_budget(spec, device_bytes, batch, context),
+    return hot_set(routing_counts(ids, spec.n_experts), spec, expert_budget(spec, device_memory, batch, context),
                    source, optimistic)
-
-
-def device_bytes(spec: ModelSpec, policy: str | Policy, placement: Placement | None, cache_experts: int = 0,
-                 batch: int = 1, context: int = 0) -> int:
-    """Device memory a CPU-compute configuration needs: non-expert weights, the KV cache,
-    the placement's resident experts (static policies) or the cache and one layer of
-    staging buffers (cpu-on-miss), and :data:`WORKSPACE_BYTES`. The what-if memory check
-    for these policies (the copy family uses ``moesim.sim.whatif.device_bytes_needed``)."""
-    pol = get_policy(policy)
-    if pol.cpu == "miss":
-        experts = cache_experts + spec.n_experts
-    else:
-        experts = placement.n_resident if placement is not None else 0
-    return spec.non_expert_bytes + kv_bytes(spec, batch, context) + experts * spec.expert_bytes + WORKSPACE_BYTES
 
 
 class HybridPlanner:
@@ -209,14 +179,8 @@ class HybridPlanner:
 
 def expert_times(spec: ModelSpec, hw: HardwareProfile, host: HostProfile, batch: int = 1,
                  amx: bool = True) -> ExpertTimes:
-    """The roofline figures of one expert on the device and on the CPU, and one copy over
-    ``hw``'s link: what the simulator times the CPU policies with and what the executor and
-    the simulator decide cpu-on-miss with (one definition for both)."""
-    activations = 2 * 2 * batch * spec.hidden  # bf16 hidden states down, expert outputs up
-    return ExpertTimes(
-        gpu_mem=spec.expert_bytes / hw.mem_bw, gpu_tok=spec.expert_flops(1) / hw.flops(spec.expert_dtype),
-        gpu_fixed=KERNELS_EXPERT * hw.launch,
-        cpu_mem=spec.expert_bytes / host.mem_bw, cpu_tok=spec.expert_flops(1) / host.flops(spec.expert_dtype, amx),
-        cpu_fixed=host.dispatch, roundtrip=host.roundtrip + activations / hw.link_bw,
-        copy=hw.copy_seconds(spec.expert_bytes),
-    )
+    """The cost model's figures of one expert on the device and on the CPU and one copy over
+    ``hw``'s link (:meth:`moesim.costmodel.CostModel.expert_times`): what the simulator
+    times the CPU policies with and what the executor and the simulator decide cpu-on-miss
+    with (one definition for both)."""
+    return CostModel(spec, hw, host, amx=amx).expert_times(batch)

@@ -6,7 +6,8 @@ cross-validation tests the timing model rather than two re-implementations of a 
 
 The life of one MoE layer ``l`` of one decode step, as both sides drive it:
 
-1. ``prefetch(l, predicted)`` at the end of layer ``l-1``'s router: experts to copy ahead.
+1. ``prefetch(l, predicted)`` at the end of MoE layer ``l - N``'s router (``N`` = the
+   planner's ``lookahead``, 1 by default): experts to copy ahead.
 2. ``route(l, true, predicted)`` at the end of layer ``l``'s router: experts to copy now
    (misses) and experts to execute.
 3. ``finish(l)`` after layer ``l``'s experts ran: the cross-token cache keeps what it will.
@@ -22,6 +23,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from moesim.costmodel import ExpertTimes  # noqa: F401 (re-exported: the executor decides cpu-on-miss with it)
 from moesim.errors import MoesimError
 from moesim.models import ModelSpec
 
@@ -115,20 +117,30 @@ def get_policy(name: str | Policy) -> Policy:
     return _REGISTRY[key]
 
 
-def expert_slots(spec: ModelSpec, policy: str | Policy, cache_experts: int = 0) -> int:
+def check_lookahead(lookahead: int, n_moe_layers: int | None = None) -> int:
+    """``lookahead`` if it is a whole number >= 1 that leaves some MoE layer to prefetch
+    (below ``n_moe_layers`` when given), else a one-line error."""
+    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 1:
+        raise MoesimError(f"lookahead must be a whole number of MoE layers >= 1, got {lookahead!r}")
+    if n_moe_layers is not None and lookahead >= n_moe_layers:
+        raise MoesimError(f"lookahead {lookahead} leaves nothing to prefetch: the model has {n_moe_layers} MoE layers")
+    return lookahead
+
+
+def expert_slots(spec: ModelSpec, policy: str | Policy, cache_experts: int = 0, lookahead: int = 1) -> int:
     """Device buffers, in experts, that a policy needs for routed experts beyond the resident model.
 
-    The one count both the executor's slot pool and the what-if memory check use. An
-    offloading policy holds two whole layers of experts plus the cross-token cache:
-    prefill routes (nearly) every expert of a layer and copies layer l+1 while layer l
-    computes (double-buffered, as ``moesim.sim.simulate.prefill_time`` models it), so the
-    peak is ``2 * n_experts``. Decode never needs more: at any moment it holds the current
-    layer's experts (at most ``n_experts`` distinct ones, prefetched plus missed) and the
-    next layer's prefetch (at most ``n_experts``). ``2 * min(E, batch * k)`` would
-    undercount prefill and prefetch-on-miss. All-resident keeps every expert on the device
-    (counted with the model, not here), so it needs no slots and no cache. The static
-    CPU-compute policies copy nothing (their resident experts are counted by
-    :func:`moesim.placement.device_bytes`); cpu-on-miss stages at most one layer's misses.
+    The one count both the executor's slot pool and the memory-fit test use. An
+    offloading policy holds ``1 + lookahead`` whole layers of experts plus the cross-token
+    cache: prefill routes (nearly) every expert of a layer and copies layer l+1 while layer
+    l computes (double-buffered, as the cost model's prefill has it), so the peak is
+    ``2 * n_experts``; decode holds the current layer's experts (at most ``n_experts``
+    distinct ones, prefetched plus missed) and the prefetches in flight, one layer each for
+    the ``lookahead`` layers ahead (at most ``n_experts`` each). ``2 * min(E, batch * k)``
+    would undercount prefill and prefetch-on-miss. All-resident keeps every expert on the
+    device (counted with the model, not here), so it needs no slots and no cache. The
+    static CPU-compute policies copy nothing (their resident experts are the placement's);
+    cpu-on-miss stages at most one layer's misses.
     """
     if cache_experts < 0:
         raise MoesimError(f"cache capacity must be >= 0 experts, got {cache_experts}")
@@ -139,7 +151,8 @@ def expert_slots(spec: ModelSpec, policy: str | Policy, cache_experts: int = 0) 
         return spec.n_experts + cache_experts
     if pol.cpu:  # static placements copy nothing: their resident experts are the placement's
         return 0
-    return 2 * spec.n_experts + cache_experts
+    ahead = check_lookahead(lookahead) if pol.prefetch else 1
+    return (1 + ahead) * spec.n_experts + cache_experts
 
 
 Key = tuple[int, int]  # (layer, expert)
@@ -250,20 +263,40 @@ class Planner:
 
     ``cache_experts`` > 0 adds a cross-token cache of that many experts; executed experts
     enter it after their layer ran. Without a cache every layer copies every expert it
-    does not already hold in its (double-buffered) slot set.
+    does not already hold in its slot sets. ``lookahead`` = N: the prefetch of MoE layer
+    ``l`` is issued at MoE layer ``l - N``'s router, from a prediction made there, so up to
+    N prefetches are in flight (:meth:`issue_layer`); the first N MoE layers load on demand.
     """
 
-    def __init__(self, policy: Policy | str, cache_experts: int = 0, eviction: str = "lru") -> None:
+    def __init__(self, policy: Policy | str, cache_experts: int = 0, eviction: str = "lru",
+                 lookahead: int = 1) -> None:
         self.policy = get_policy(policy) if isinstance(policy, str) else policy
         if self.policy.cpu:  # planning it as a copy policy would be a silently wrong answer
             raise MoesimError(f"policy {self.policy.name!r} computes experts on the CPU: it is planned by "
                               "moesim.placement.HybridPlanner (moesim.sim.simulate / the executor's host experts)")
+        self.lookahead = check_lookahead(lookahead)
         self.cache = ExpertCache(cache_experts, eviction) if cache_experts > 0 else None
         self._slots: dict[int, dict[int, int]] = {}  # layer -> {expert prefetched into its slots: issue position}
         self._protect: set[Key] = set()
 
     def _cached(self, layer: int, expert: int) -> bool:
         return self.cache is not None and (layer, expert) in self.cache
+
+    def issue_layer(self, layer: int) -> int | None:
+        """The MoE layer at whose router ``layer``'s prefetch is issued, or None (no prefetch):
+        the one place that says how far ahead a prefetch looks. Executor, planner, workload
+        and both timing engines take it from here."""
+        if not (self.policy.offload and self.policy.prefetch):
+            return None
+        src = layer - self.lookahead
+        return src if src >= 0 else None
+
+    def prefetch_target(self, layer: int, n_moe_layers: int) -> int | None:
+        """The MoE layer whose prefetch is issued at ``layer``'s router, or None."""
+        if not (self.policy.offload and self.policy.prefetch):
+            return None
+        dst = layer + self.lookahead
+        return dst if dst < n_moe_layers else None
 
     def prefetch(self, layer: int, predicted: Iterable[int] | None) -> list[int]:
         """Experts to copy now, ahead of ``layer``; ``predicted`` is None where no prediction ran."""
@@ -346,10 +379,12 @@ class Planner:
         for step in range(t):
             tr, pr = true[step], pred[step]
             for layer in range(m):
-                # The first MoE layer has no earlier router to predict from; it is on demand.
-                plan = self.route(layer, tr[layer], pr[layer] if layer > 0 and pr[layer] else None)
-                if layer + 1 < m:  # layer+1's prediction exists once this router ran
-                    counts[0, step, layer + 1] = len(self.prefetch(layer + 1, pr[layer + 1] or None))
+                # The first N MoE layers have no router N layers earlier to predict from: on demand.
+                ahead = self.issue_layer(layer) is not None
+                plan = self.route(layer, tr[layer], pr[layer] if ahead and pr[layer] else None)
+                nxt = self.prefetch_target(layer, m)
+                if nxt is not None:  # layer nxt's prediction exists once this router ran
+                    counts[0, step, nxt] = len(self.prefetch(nxt, pr[nxt] or None))
                 self.finish(layer, plan)
                 counts[1:, step, layer] = (len(plan.demand), len(plan.execute), b * k,
                                            plan.cache_hits, plan.prefetch_hits, plan.prefetch_need)
@@ -385,8 +420,8 @@ class Planner:
         for s0 in range(0, t, chunk):
             s1 = min(t, s0 + chunk)
             kern.plan_steps(tr[s0:s1], pr[s0:s1], counts[:, s0:s1], offload, offload and self.policy.prefetch,
-                            self.policy.speculative, cap, lfu, n_experts, state, resident, count, last, prot, inuse,
-                            pos, *heap)
+                            self.policy.speculative, self.lookahead, cap, lfu, n_experts, state, resident, count,
+                            last, prot, inuse, pos, *heap)
             if progress is not None:
                 progress(s1, t)
         return counts
@@ -394,35 +429,6 @@ class Planner:
 # ---------------------------------------------------------------------------------------
 # CPU or copy: the one decision of cpu-on-miss, shared by the simulator and the executor
 # ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class ExpertTimes:
-    """Seconds the two places to run an expert cost, as the roofline gives them.
-
-    A set of ``n`` experts serving ``a`` token-expert pairs takes, on the device,
-    ``max(n * (mem + launches), a * tok)`` (the roofline's ``Costs.expert_compute``) and on
-    the CPU ``max(n * mem, a * tok) + n * dispatch + roundtrip``: the weights are read
-    once per expert (memory-bound at small batch), the math grows with the tokens
-    (compute-bound at large batch or in prefill). The CPU pays the activation
-    ``roundtrip`` once per layer (hidden states down, expert outputs back up).
-    """
-
-    gpu_mem: float  # one expert's weights read from device memory
-    gpu_tok: float  # one token-expert pair's math on the device
-    gpu_fixed: float  # kernel launches of one expert
-    cpu_mem: float  # one expert's weights read from host memory
-    cpu_tok: float  # one token-expert pair's math on the CPU
-    cpu_fixed: float  # CPU dispatch of one expert
-    roundtrip: float  # activations device -> host -> device, once per layer with CPU work
-    copy: float  # one expert's host-to-device copy on the link
-
-    def gpu(self, n: int, assign: int) -> float:
-        """As ``moesim.sim.costs.Costs.expert_compute``: launches overlap the math."""
-        return max(n * (self.gpu_mem + self.gpu_fixed), assign * self.gpu_tok)
-
-    def cpu(self, n: int, assign: int) -> float:
-        return max(n * self.cpu_mem, assign * self.cpu_tok) + n * self.cpu_fixed + self.roundtrip if n else 0.0
 
 
 def cpu_or_copy(miss_assign: list[int], hit_assign: int, n_hits: int, *, now: float, link_free: float,

@@ -37,25 +37,26 @@ TICK_MASK = (1 << TICK_BITS) - 1
 
 
 @njit(cache=True)
-def plan_steps(tr, pr, out, offload, prefetch, speculative, cap, lfu, n_exp, state, resident, count, last, prot,
-               inuse, pos, hp, hk):
+def plan_steps(tr, pr, out, offload, prefetch, speculative, lookahead, cap, lfu, n_exp, state, resident, count, last,
+               prot, inuse, pos, hp, hk):
     """Decide steps ``tr.shape[0]`` of a trace; ``tr``/``pr`` are [steps, moe layers, batch*top_k]
     expert ids (-1 = none), ``out`` [7, steps, layers] receives (prefetch, demand, execute,
-    assign, cache_hits, prefetch_hits, prefetch_need). ``state`` = [tick, heap size or queue end, cache size, stamp, queue start]
-    carries over between calls (chunks of one trace)."""
+    assign, cache_hits, prefetch_hits, prefetch_need). Layer l's prefetch is issued at layer
+    ``l - lookahead``'s router (``Planner.issue_layer``). ``state`` = [tick, heap size or queue
+    end, cache size, stamp, queue start] carries over between calls (chunks of one trace)."""
     steps, m, bk = tr.shape
     tick, hs, size, stamp, head = state[0], state[1], state[2], state[3], state[4]
     tu = np.empty(bk, np.int64)
     pcur = np.empty(bk, np.int64)
     pnext = np.empty(bk, np.int64)
     mark = np.zeros(n_exp, np.int64)
-    slot = np.zeros(n_exp, np.int64)  # slot[e] == cur_sid: e was prefetched into this layer's slots
-    slotpos = np.zeros(n_exp, np.int64)  # ... as the prefetch's slotpos[e]-th copy
+    slot = np.zeros(m * n_exp, np.int64)  # slot[key] == layer_sid[layer]: prefetched into that layer's slots
+    slotpos = np.zeros(m * n_exp, np.int64)  # ... as its prefetch's slotpos[key]-th copy
+    layer_sid = np.full(m, -1, np.int64)  # this step's prefetch of each layer (-1: none issued)
     skipped = np.empty(hp.size, np.int64)
     skipped_p = np.empty(hp.size, np.int64)
-    protected_cur = np.empty(bk, np.int64)  # keys this layer's prefetch (one layer back) protected
-    protected_next = np.empty(bk, np.int64)  # keys this layer's prefetch of the next layer protects
-    n_prot_cur = n_prot_next = 0
+    protected = np.empty((m, bk), np.int64)  # keys each layer's prefetch protected until the layer ran
+    n_prot = np.zeros(m, np.int64)
 
     # Heap and set helpers are closures, which numba inlines: separate jitted functions
     # taking arrays cost ~100 ns a call here (measured), ten times the work they do. One
@@ -123,13 +124,14 @@ def plan_steps(tr, pr, out, offload, prefetch, speculative, cap, lfu, n_exp, sta
 
     sid = 0
     for s in range(steps):
-        have_cur = False
-        cur_sid = -1
+        layer_sid[:] = -1
         for layer in range(m):
+            cur_sid = layer_sid[layer]
+            have_cur = cur_sid >= 0
             stamp += 1
             nt = dedup(tr, s, layer, tu, stamp)
             n_pred = 0
-            if layer > 0:
+            if layer >= lookahead:
                 stamp += 1
                 n_pred = dedup(pr, s, layer, pcur, stamp)
             # route(): the speculative policy runs the prediction it prefetched.
@@ -143,9 +145,9 @@ def plan_steps(tr, pr, out, offload, prefetch, speculative, cap, lfu, n_exp, sta
             hits = demand = pf_hits = need = 0
             for j in range(nx):
                 e = ex[j]
-                if have_cur and slot[e] == cur_sid:
+                if have_cur and slot[base + e] == cur_sid:
                     pf_hits += 1
-                    need = max(need, slotpos[e] + 1)
+                    need = max(need, slotpos[base + e] + 1)
                 elif resident[base + e]:
                     hits += 1
                 else:
@@ -154,32 +156,33 @@ def plan_steps(tr, pr, out, offload, prefetch, speculative, cap, lfu, n_exp, sta
             out[4, s, layer] = hits
             out[5, s, layer] = pf_hits
             out[6, s, layer] = need
-            # prefetch(layer + 1): copy the predicted experts the cache does not hold.
-            have_next = False
-            n_prot_next = 0
-            if prefetch and layer + 1 < m:
+            # prefetch(layer + lookahead): copy the predicted experts the cache does not hold.
+            nxt = layer + lookahead
+            if prefetch and nxt < m:
                 stamp += 1
-                nn = dedup(pr, s, layer + 1, pnext, stamp)
+                nn = dedup(pr, s, nxt, pnext, stamp)
+                n_prot[nxt] = 0
                 if nn > 0:
                     sid += 1
-                    have_next = True
+                    layer_sid[nxt] = sid
                     loads = 0
-                    nbase = base + n_exp
+                    nbase = nxt * n_exp
                     for j in range(nn):
                         e = pnext[j]
                         if resident[nbase + e]:
                             prot[nbase + e] = True
-                            protected_next[n_prot_next] = nbase + e
-                            n_prot_next += 1
+                            protected[nxt, n_prot[nxt]] = nbase + e
+                            n_prot[nxt] += 1
                         else:
-                            slot[e] = sid
-                            slotpos[e] = loads
+                            slot[nbase + e] = sid
+                            slotpos[nbase + e] = loads
                             loads += 1
-                    out[0, s, layer + 1] = loads
-            # finish(layer): release protection, let the cache keep what ran.
+                    out[0, s, nxt] = loads
+            # finish(layer): release its protection, let the cache keep what ran.
             if cap > 0:
-                for j in range(n_prot_cur):
-                    prot[protected_cur[j]] = False
+                for j in range(n_prot[layer]):
+                    prot[protected[layer, j]] = False
+                n_prot[layer] = 0
                 new = 0
                 for j in range(nx):
                     key = base + ex[j]
@@ -252,8 +255,4 @@ def plan_steps(tr, pr, out, offload, prefetch, speculative, cap, lfu, n_exp, sta
                                 head = 0
                             hp[hs], hk[hs] = tick, key
                             hs += 1
-            have_cur = have_next
-            cur_sid = sid
-            protected_cur, protected_next = protected_next, protected_cur
-            n_prot_cur = n_prot_next
     state[0], state[1], state[2], state[3], state[4] = tick, hs, size, stamp, head

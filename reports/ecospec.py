@@ -33,7 +33,7 @@ from moesim.sim.ecospec import (  # noqa: E402
     ecospec_whatif,
     latency_fit,
 )
-from moesim.sim.placement import get_deployment  # noqa: E402
+from moesim.sim.deployment import get_deployment  # noqa: E402
 from moesim.traces.synthetic_speculative import SpecSynthParams, generate  # noqa: E402
 
 MODELS = ("qwen3-235b-a22b", "gpt-oss-120b", "deepseek-v3")
@@ -43,7 +43,7 @@ GAMMAS = (1, 2, 4, 8, 12, 16)
 COLS = ["model", "deployment", "selection", "gamma", "tokens_per_step", "rows_per_step", "distinct_experts_per_step",
         "verify_ms", "draft_ms", "tpot_ms", "speedup_vs_none", "speedup_vs_confidence"]
 SYNTHETIC = ("synthetic verification steps (moesim.traces.synthetic_speculative, seed {seed}); "
-             "timed with the roofline deployment model (moesim.sim.placement); no measurement")
+             "timed with the roofline deployment model (moesim.sim.deployment); no measurement")
 
 
 def _distinct_png(rows: list[dict[str, Any]], models: tuple[str, ...], dep: str, path: Path) -> Path:

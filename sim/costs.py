@@ -1,9 +1,9 @@
-"""Compute times: from a hardware profile (roofline) or from a trace's measurements.
+"""Compute times over a trace's steps and layers: from the cost model or from a trace's
+measurements. Every result says which source it used.
 
-Every result says which source it used. The roofline charges each block the larger of
-its device-memory time (bytes / achievable bandwidth) and its math time (FLOPs /
-achievable FLOP rate), plus a kernel-launch cost per kernel and the profile's fixed
-per-layer overhead (zero unless calibrated).
+The roofline times come from :class:`moesim.costmodel.CostModel` (the one place bytes and
+rates become seconds); measured times are the trace's own. Both are laid out the same
+way, so the workload builder and the timing engines never know which they got.
 """
 
 from __future__ import annotations
@@ -12,15 +12,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from moesim.costmodel import CostModel, device_expert_seconds
 from moesim.errors import MoesimError
-from moesim.hardware import (  # noqa: F401 (the kernel counts are defined there, once; re-exported)
-    KERNELS_ATTENTION,
-    KERNELS_EXPERT,
-    KERNELS_HEAD,
-    KERNELS_PREDICT,
-    HardwareProfile,
-)
-from moesim.models import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -36,40 +29,31 @@ class Costs:
     per_expert: np.ndarray
     other: np.ndarray
     source: str
-    expert_math_s: float = 0.0  # math time of one expert-token (roofline only; batch > 1)
+    expert_math_s: float = 0.0  # math time of one expert-token pair (roofline only; batch > 1)
+    layer_fixed_s: float = 0.0  # a fused engine's launches, once per layer that runs experts
 
     def expert_compute(self, n_exec: np.ndarray, n_assign: np.ndarray) -> np.ndarray:
         """Time of a layer's routed experts: ``n_exec`` distinct experts serving ``n_assign``
-        token-expert pairs. Memory-bound experts cost ``per_expert`` each; at large batch
-        the layer becomes math-bound (one grouped GEMM)."""
-        g = n_exec * self.per_expert
-        if self.expert_math_s:
-            g = np.maximum(g, n_assign * self.expert_math_s)
+        token-expert pairs (:func:`moesim.costmodel.device_expert_seconds`)."""
+        g = device_expert_seconds(n_exec, n_assign, self.per_expert, self.expert_math_s)
+        if self.layer_fixed_s:
+            g = g + np.where(n_exec > 0, self.layer_fixed_s, 0.0)
         return g
 
 
-def _roofline(nbytes: float, flops: float, hw: HardwareProfile, kernels: int, dtype: str) -> float:
-    return max(nbytes / hw.mem_bw, flops / hw.flops(dtype)) + kernels * hw.launch
-
-
-def roofline_costs(spec: ModelSpec, hw: HardwareProfile, tokens: int, prompt_len: int, batch: int = 1) -> Costs:
-    """Compute times predicted from the profile's bandwidth, FLOP rate and launch cost."""
+def roofline_costs(cm: CostModel, tokens: int, prompt_len: int, batch: int = 1) -> Costs:
+    """Compute times the cost model predicts for ``tokens`` decode steps after a prompt of
+    ``prompt_len`` tokens, ``batch`` sequences a step."""
+    spec = cm.spec
     ctx = prompt_len + np.arange(tokens, dtype=np.int64)
     attn = np.empty((tokens, spec.n_layers))
-    # attention_flops is affine in the context (weights + per-token score work): vectorised.
-    base = spec.attention_flops(0)
-    attn_flops = base + (spec.attention_flops(1) - base) * ctx
-    kv = batch * ctx * spec.kv_bytes_per_token_layer
     for layer in range(spec.n_layers):
-        resident = spec.layer_resident_bytes(layer)
-        flops = batch * (attn_flops + spec.dense_flops_per_token(layer))
-        mem = (resident + kv) / hw.mem_bw
-        attn[:, layer] = np.maximum(mem, flops / hw.flops(spec.dense_dtype)) + KERNELS_ATTENTION * hw.launch + hw.layer_overhead
-    per_expert = spec.expert_bytes / hw.mem_bw + KERNELS_EXPERT * hw.launch
-    other = _roofline(spec.lm_head_bytes, batch * spec.lm_head_flops, hw, KERNELS_HEAD, "bf16")
+        attn[:, layer] = cm.attention(layer, ctx, rows=batch)
     m = spec.n_moe_layers
-    return Costs(attn, np.full((tokens, m), per_expert), np.full(tokens, other),
-                 f"roofline ({hw.name})", spec.expert_flops(1) / hw.flops(spec.expert_dtype))
+    fixed = cm.engine.expert_kernels * cm.launch if cm.engine.fused_experts else 0.0
+    return Costs(attn, np.full((tokens, m), cm.expert_read()), np.full(tokens, cm.head(batch)),
+                 f"roofline ({cm.gpu.name}{'' if cm.engine.name == 'eager' else ', ' + cm.engine.name})",
+                 cm.expert_pair(), fixed)
 
 
 def measured_costs(timings: dict[str, np.ndarray], recorded_exec: np.ndarray) -> Costs:
@@ -82,30 +66,26 @@ def measured_costs(timings: dict[str, np.ndarray], recorded_exec: np.ndarray) ->
     return Costs(timings["attn_s"].astype(float), per_expert, timings["other_s"].astype(float), "measured (trace)")
 
 
-def prediction_seconds(spec: ModelSpec, hw: HardwareProfile, batch: int = 1) -> np.ndarray:
-    """Roofline time of predicting the next MoE layer's experts at the end of each model
-    layer's router, ``[n_layers]`` (0 where no MoE layer follows).
-
-    The predictor applies the next layer's post-attention RMSNorm and router to this
-    layer's hidden state (a quasi-hidden state): it reads ``hidden`` norm weights and the
-    ``n_experts x hidden`` router (bf16) and does ``2 x n_experts x hidden`` FLOPs a token.
-    """
-    out = np.zeros(spec.n_layers)
-    one = _roofline(2 * spec.hidden + spec.router_bytes, batch * 2 * spec.n_experts * spec.hidden, hw,
-                    KERNELS_PREDICT, "bf16")
-    for nxt in spec.moe_layers[1:]:
-        out[nxt - 1] = one  # issued where the workload issues that layer's prefetch
+def prediction_seconds(cm: CostModel, lookahead: int = 1, batch: int = 1) -> np.ndarray:
+    """Time of the predictions a prefetching policy makes, ``[n_layers]``: at each MoE
+    layer's router that issues a prefetch (the one ``lookahead`` MoE layers ahead), one
+    :meth:`CostModel.prediction`; 0 elsewhere."""
+    moe = cm.spec.moe_layers
+    out = np.zeros(cm.spec.n_layers)
+    one = cm.prediction(batch)
+    for m in range(len(moe) - lookahead):
+        out[moe[m]] = one  # issued where the workload issues layer m + lookahead's prefetch
     return out
 
 
-def charge_prediction(costs: Costs, spec: ModelSpec, hw: HardwareProfile, predicts: bool, batch: int = 1,
-                      measured: np.ndarray | None = None) -> Costs:
+def charge_prediction(costs: Costs, cm: CostModel, predicts: bool, batch: int = 1,
+                      measured: np.ndarray | None = None, lookahead: int = 1) -> Costs:
     """Costs with the predictor's time charged to the policies that run one.
 
     Roofline costs leave prediction out, so a predicting policy gets
-    :func:`prediction_seconds` added to each layer's attention block. Measured costs
-    already contain it in ``attn_s`` (the recording run's ``predict_s`` is part of it), so
-    a policy that predicts nothing gets ``measured`` (``predict_s``) taken back out.
+    :func:`prediction_seconds` added to each issuing layer's attention block. Measured
+    costs already contain it in ``attn_s`` (the recording run's ``predict_s`` is part of
+    it), so a policy that predicts nothing gets ``measured`` (``predict_s``) taken back out.
     The oracle's prediction is free by definition: callers pass ``predicts=False``.
     """
     if costs.source.startswith("measured"):
@@ -114,5 +94,5 @@ def charge_prediction(costs: Costs, spec: ModelSpec, hw: HardwareProfile, predic
         return replace(costs, attn=np.maximum(costs.attn - measured, 0.0))
     if not predicts:
         return costs
-    return replace(costs, attn=costs.attn + prediction_seconds(spec, hw, batch)[None, :],
+    return replace(costs, attn=costs.attn + prediction_seconds(cm, lookahead, batch)[None, :],
                    source=costs.source + " + predictor")

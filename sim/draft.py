@@ -26,10 +26,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moesim.costmodel import CostModel
 from moesim.errors import MoesimError
-from moesim.hardware import HardwareProfile
 from moesim.models import ModelSpec, matrix_bytes
-from moesim.sim.costs import KERNELS_ATTENTION, KERNELS_EXPERT, KERNELS_HEAD
 
 DRAFT_KINDS = ("none", "eagle", "dense", "recorded")
 
@@ -62,7 +61,7 @@ class DraftProfile:
         """Weight bytes one draft forward reads."""
         if self.kind == "eagle":
             layer = spec.layer_resident_bytes(spec.moe_layers[0]) + spec.top_k * spec.expert_bytes
-            return self.layer_fraction * layer + spec.vocab * spec.hidden * 2  # + the target's LM head (bf16)
+            return self.layer_fraction * layer + spec.lm_head_bytes  # + the target's LM head
         if self.kind == "dense":
             return self.params_b * 1e9 * matrix_bytes(1024, 1024, self.dtype) / 2**20
         return 0.0
@@ -70,23 +69,23 @@ class DraftProfile:
     def predictor_bytes(self, spec: ModelSpec) -> float:
         return 2.0 * spec.hidden * spec.n_moe_layers * spec.n_experts
 
-    def tree_seconds(self, spec: ModelSpec, hw: HardwareProfile, branch: int, depth: int, uses_predictor: bool,
-                     shards: int = 1) -> float:
+    def tree_seconds(self, cm: CostModel, branch: int, depth: int, uses_predictor: bool) -> float:
         """Seconds to draft a full ``branch``-ary tree of ``depth`` levels (and predict its
-        experts when ``uses_predictor``), weights split over ``shards`` devices."""
+        experts when ``uses_predictor``) on ``cm``'s deployment (weights split over its shards)."""
         if self.kind in ("none", "recorded") or depth == 0:
             return 0.0
-        w = self.forward_bytes(spec) / shards
-        params = w / (matrix_bytes(1024, 1024, self.dtype if self.kind == "dense" else spec.dense_dtype) / 2**20)
-        kernels = KERNELS_ATTENTION + KERNELS_HEAD + (KERNELS_EXPERT if self.kind == "eagle" else 0)
+        spec, e = cm.spec, cm.engine
+        dtype = self.dtype if self.kind == "dense" else spec.dense_dtype
+        w = self.forward_bytes(spec) / cm.shards
+        params = w / (matrix_bytes(1024, 1024, dtype) / 2**20)
+        kernels = e.attention_kernels + e.head_kernels + (e.expert_kernels if self.kind == "eagle" else 0)
         pred = uses_predictor and self.predictor
         total = 0.0
         for level in range(depth + (1 if pred else 0)):
             rows = branch ** level  # the frontier this forward reads
-            t = max(w / hw.mem_bw, 2 * params * rows / hw.flops(spec.dense_dtype)) + kernels * hw.launch
+            total += cm.draft_forward(w, params, rows, kernels, spec.dense_dtype)
             if pred:
-                t += self.predictor_bytes(spec) / shards / hw.mem_bw + hw.launch
-            total += t
+                total += cm.read(self.predictor_bytes(spec) / cm.shards)
         return total
 
 

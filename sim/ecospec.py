@@ -4,7 +4,7 @@ For a model, a tree shape and an acceptance model, :func:`ecospec_whatif` draws 
 verification steps (:mod:`moesim.traces.synthetic_speculative`), re-runs each selection
 (confidence-only, EcoSpec ratio, EcoSpec Lagrangian) at each verification budget gamma
 with the shared decisions of :mod:`moesim.selection`, and times the verified rows on each
-deployment (:mod:`moesim.sim.placement`) with the draft's cost from a draft profile
+deployment (:mod:`moesim.sim.deployment`) with the draft's cost from a draft profile
 (:mod:`moesim.sim.draft`). Because every synthetic node's true experts and acceptance are
 known, each re-selection is exact for the drawn steps; what is synthetic is the steps.
 
@@ -24,9 +24,9 @@ import numpy as np
 
 from moesim.errors import MoesimError
 from moesim.models import ModelSpec, get_model
+from moesim.sim.deployment import Deployment, get_deployment, seconds_per_distinct_expert, time_steps
 from moesim.sim.draft import DraftProfile
-from moesim.sim.placement import Deployment, get_deployment, seconds_per_distinct_expert, time_steps
-from moesim.sim.speculative import Step
+from moesim.sim.plan import Step
 from moesim.traces.synthetic_speculative import SpecSynthParams, SynthSpec, check_selection, generate
 
 
@@ -123,8 +123,8 @@ def ecospec_whatif(model: str | ModelSpec, deployments: list[str | Deployment], 
         rows.append(_row(spec, dep, params, "none", Selection("confidence"), 0, none, none["tpot_ms"], None, draft))
         conf_ms: dict[int, float] = {}
         for g, sel, steps in cases:
-            d_s = draft.tree_seconds(spec, dep.hw, params.branch, params.depth, sel.strategy == "ecospec",
-                                     dep.shards) if g else 0.0
+            d_s = draft.tree_seconds(dep.cost_model(spec), params.branch, params.depth,
+                                     sel.strategy == "ecospec") if g else 0.0
             r = time_steps(spec, steps, dep, d_s, context)
             if sel.strategy == "confidence":
                 conf_ms[g] = r["tpot_ms"]
@@ -149,7 +149,7 @@ def latency_fit(spec: ModelSpec, dep: str | Deployment, synth: SynthSpec, gammas
                 selections: tuple[Selection, ...] = SELECTIONS_DEFAULT, context: int = 1024) -> dict[str, Any]:
     """Verification latency against distinct experts over every step of every selection
     and gamma: the least-squares slope per expert, next to the analytic expert bytes /
-    bandwidth (:func:`moesim.sim.placement.seconds_per_distinct_expert`)."""
+    bandwidth (:func:`moesim.sim.deployment.seconds_per_distinct_expert`)."""
     dep = get_deployment(dep)
     xs, ys = [], []
     for g in gammas:

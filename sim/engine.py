@@ -4,12 +4,13 @@ Entities, each one long-lived SimPy process:
 
 - :class:`CopyEngine` serves host-to-device transfers first in, first out;
 - :class:`ComputeStream` walks the decode steps layer by layer: attention and router,
-  then it issues layer l's on-demand copies and layer l+1's prefetch, waits for layer
-  l's copies to land and runs its experts.
+  then it issues layer l's on-demand copies and the prefetch issued there (for the layer
+  the workload names, ``Workload.target``), waits for layer l's copies to land and runs
+  its experts.
 
-Double-buffered expert slots need no resource of their own: layer l+1's prefetch is
-issued after layer l's router, which runs after layer l-1's experts finished with the
-slot set l+1 reuses. The model can record every interval it simulates (``record=True``)
+Expert slots need no resource of their own: the planner holds one slot set per layer
+in flight (``moesim.policy.expert_slots``), and a prefetch is issued after a router, which
+runs after the previous layer's experts finished with the slot set it reuses. The model can record every interval it simulates (``record=True``)
 for timelines and Chrome traces.
 
 Two more references live here: :func:`run_simpy_hybrid`, the CPU-compute policies' step
@@ -92,7 +93,7 @@ class ComputeStream:
         """Walk the steps. Without recording, compute with no decision point in between
         (layer l's experts, layer l+1's attention) is one timeout: the same times, fewer events."""
         env, w, copier, spans = self.env, self.work, self.copier, self.spans
-        demand, prefetch = w.demand.tolist(), w.prefetch_next.tolist()
+        demand, prefetch, target = w.demand.tolist(), w.prefetch.tolist(), w.target.tolist()
         rows = zip(w.attn.tolist(), demand, prefetch, w.experts.tolist(), w.other.tolist())
         pending = 0.0  # compute issued to the stream but not yet simulated
 
@@ -102,11 +103,11 @@ class ComputeStream:
                 """``work`` seconds of compute, slowed while the copy engine is busy."""
                 return env.timeout(copier.link.compute_end(env.now, work, copier.busy_until) - env.now)
 
-        next_ready: simpy.Event | None = None
         for step, (attn, dem, pf, experts, other) in enumerate(rows):
             issued0, stalled = copier.issued, 0.0
+            inflight: dict[int, simpy.Event] = {}  # target layer -> its prefetch's completion
             for layer in range(len(attn)):
-                ready, next_ready = next_ready, None
+                ready = inflight.pop(layer, None)
                 pending += attn[layer]
                 if dem[layer] or pf[layer] or ready is not None or spans is not None:
                     start = env.now
@@ -114,10 +115,11 @@ class ComputeStream:
                     pending = 0.0
                     if spans is not None:
                         spans.append(Span("compute", f"attn L{layer}", start, env.now, step, layer))
-                if dem[layer]:
+                if dem[layer]:  # FIFO: it lands after everything issued before it, this layer's prefetch too
                     ready = copier.submit(dem[layer], f"demand L{layer} x{dem[layer]}", step, layer)
                 if pf[layer]:
-                    next_ready = copier.submit(pf[layer], f"prefetch L{layer + 1} x{pf[layer]}", step, layer + 1)
+                    to = target[layer]
+                    inflight[to] = copier.submit(pf[layer], f"prefetch L{to} x{pf[layer]}", step, to)
                 if ready is not None and not ready.processed:
                     waited = env.now
                     yield ready
@@ -307,11 +309,11 @@ class QueuedCopyEngine:
                 g.needed.succeed()
 
 
-def run_simpy_queued(w: Workload, link: Link, need: np.ndarray, queue: str = "demand-first",
+def run_simpy_queued(w: Workload, link: Link, queue: str = "demand-first",
                      record: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[Span]]:
     """:func:`run_simpy` with demand before prefetch.
 
-    ``need[t, l]``: how many of the first experts prefetched for model layer l at step t
+    ``w.need[t, l]``: how many of the first experts prefetched for model layer l at step t
     the layer waits for, in the order the prefetch issued them (the plan's
     ``prefetch_need``: 1 + the position of the last one it executes). A layer waits for its
     demand copies and those only, as the executor's queued link does
@@ -326,6 +328,7 @@ def run_simpy_queued(w: Workload, link: Link, need: np.ndarray, queue: str = "de
     copier = QueuedCopyEngine(env, link, spans)
     ends, busy, stalls = [], [], []
     slow = link.interference
+    target = w.target.tolist()
 
     def timeout(work: float):
         if slow:
@@ -333,11 +336,11 @@ def run_simpy_queued(w: Workload, link: Link, need: np.ndarray, queue: str = "de
         return env.timeout(work)
 
     def stream():
-        pending: _Group | None = None  # this layer's prefetch, issued at the previous layer
         for step in range(w.shape[0]):
             issued0, stalled = copier.issued, 0.0
+            inflight: dict[int, _Group] = {}  # target layer -> its prefetch, issued at an earlier layer
             for layer in range(w.shape[1]):
-                here, pending = pending, None
+                here = inflight.pop(layer, None)
                 start = env.now
                 yield timeout(float(w.attn[step, layer]))
                 if spans is not None:
@@ -346,10 +349,11 @@ def run_simpy_queued(w: Workload, link: Link, need: np.ndarray, queue: str = "de
                     copier.cancel(here)
                 dem = int(w.demand[step, layer])
                 d = copier.submit(dem, dem, True, f"demand L{layer}", step, layer) if dem else None
-                pf = int(w.prefetch_next[step, layer])
+                pf = int(w.prefetch[step, layer])
                 if pf:
-                    wait_for = min(pf, int(need[step, layer + 1]))
-                    pending = copier.submit(pf, wait_for, False, f"prefetch L{layer + 1}", step, layer + 1)
+                    to = target[layer]
+                    wait_for = min(pf, int(w.need[step, to]))
+                    inflight[to] = copier.submit(pf, wait_for, False, f"prefetch L{to}", step, to)
                 waits = [g.needed for g in (d, here) if g is not None and not g.needed.processed]
                 if waits:
                     waited = env.now

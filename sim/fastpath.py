@@ -1,7 +1,7 @@
 """The fast path: the SimPy model's pipeline as a per-layer recurrence, no event queue.
 
 Two clocks carry the state: ``t``, when the compute stream is next free, and ``link``,
-when the copy engine is next free. A copy issued at ``t`` lands at
+when the copy engine is next free (and, per layer, when the prefetch issued for it lands). A copy issued at ``t`` lands at
 ``max(link, t) + n * per_expert``. Tests hold it to the SimPy model (``sim.engine``) on
 every policy, with and without interference and wake-up delays; sweeps use it because
 it is far faster.
@@ -42,6 +42,7 @@ def run_fast_many(w: Workload, links: Sequence[Link]) -> tuple[np.ndarray, np.nd
     t = w.attn.shape[0]
     ends, copied, stalls = (np.empty((len(links), t)) for _ in range(3))
     kern.recurrence(np.ascontiguousarray(w.attn, float), np.ascontiguousarray(w.demand, np.int32),
-                    np.ascontiguousarray(w.prefetch_next, np.int32), np.ascontiguousarray(w.experts, float),
+                    np.ascontiguousarray(w.prefetch, np.int32), np.ascontiguousarray(w.target, np.int64),
+                    np.ascontiguousarray(w.experts, float),
                     np.ascontiguousarray(w.other, float), per, slow, wake, ends, copied, stalls)
     return ends, copied, stalls

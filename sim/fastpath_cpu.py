@@ -84,9 +84,8 @@ def _run_static(w, planner: HybridPlanner, run_cls):
     n_cpu = (routed & ~res).sum(-1)
     a_dev = np.where(res, c, 0).sum(-1)
     a_cpu = np.where(res, 0, c).sum(-1)
-    gpu = np.maximum(n_dev * (t_.gpu_mem + t_.gpu_fixed), a_dev * t_.gpu_tok)
-    cpu = np.where(n_cpu > 0, np.maximum(n_cpu * t_.cpu_mem, a_cpu * t_.cpu_tok) + n_cpu * t_.cpu_fixed + t_.roundtrip,
-                   0.0)
+    gpu = t_.gpu(n_dev, a_dev)  # the cost model's expert times (moesim.costmodel.ExpertTimes), vectorised
+    cpu = t_.cpu(n_cpu, a_cpu)
     layer = np.maximum(gpu, cpu)
     step = w.attn.sum(1) + layer.sum(1) + w.other
     zeros = np.zeros(len(step))

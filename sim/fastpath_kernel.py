@@ -11,12 +11,13 @@ use_user_cache()  # before the decorators: compiled code goes to the user cache,
 
 
 @njit(cache=True)
-def recurrence(attn, demand, prefetch, experts, other, per, slow, wake, ends, copied, stalls):
+def recurrence(attn, demand, prefetch, target, experts, other, per, slow, wake, ends, copied, stalls):
     """For each link c (``per`` seconds per expert copy, compute ``slow`` times slower while
     the link copies, ``wake`` seconds to resume after a wait), fill ``ends``/``copied``/
     ``stalls`` [c, step]. Mirrors ``sim.engine.ComputeStream.run`` step for step: at each
-    layer attention, then this layer's on-demand copies and the next layer's prefetch on
-    one FIFO engine, a wait for this layer's copies, then the experts."""
+    layer attention, then this layer's on-demand copies and the prefetch issued here (for
+    layer ``target[layer]``) on one FIFO engine, a wait for this layer's copies, then the
+    experts."""
     steps, layers = attn.shape
     C = per.size
 
@@ -29,27 +30,26 @@ def recurrence(attn, demand, prefetch, experts, other, per, slow, wake, ends, co
             return t + work * sl
         return link_free + work - busy / sl
 
-    # Per link: compute-stream clock, copy-engine clock, when the next layer's prefetch lands,
+    # Per link: compute-stream clock, copy-engine clock, when each layer's prefetch lands,
     # this step's stall and copy seconds. Links are the innermost loop: their recurrences are
     # independent, so the CPU overlaps them (measured ~2x over one link at a time).
     T = np.zeros(C)
     LF = np.zeros(C)
-    RN = np.zeros(C)
+    RN = np.zeros((layers, C))
     ST = np.zeros(C)
     IS = np.zeros(C)
     for s in range(steps):
-        RN[:] = 0.0
+        RN[:, :] = 0.0
         ST[:] = 0.0
         IS[:] = 0.0
         for layer in range(layers):
             a, g = attn[s, layer], experts[s, layer]
-            nd, nf = demand[s, layer], prefetch[s, layer]
+            nd, nf, to = demand[s, layer], prefetch[s, layer], target[layer]
             for c in range(C):
                 p, sl = per[c], slow[c]
                 t = run(T[c], a, LF[c], sl)
                 link_free = LF[c]
-                ready = RN[c]
-                ready_next = 0.0
+                ready = RN[layer, c]
                 d = nd * p
                 f = nf * p
                 if d:
@@ -63,13 +63,12 @@ def recurrence(attn, demand, prefetch, experts, other, per, slow, wake, ends, co
                         link_free = t
                     link_free += f
                     IS[c] += f
-                    ready_next = link_free
+                    RN[to, c] = link_free
                 if ready > t:  # wait for this layer's copies
                     ST[c] += ready + wake[c] - t
                     t = ready + wake[c]
                 T[c] = run(t, g, link_free, sl)
                 LF[c] = link_free
-                RN[c] = ready_next
         for c in range(C):
             T[c] = run(T[c], other[s], LF[c], slow[c])
             ends[c, s] = T[c]

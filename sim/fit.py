@@ -1,12 +1,13 @@
-"""Calibrate the roofline compute model from an executor trace.
+"""Calibrate the cost model's device figures from an executor trace.
 
 Unknowns: achievable memory bandwidth ``bw``, kernel-launch cost ``launch`` and the fixed
-per-layer overhead ``overhead``. At batch 1 every block is memory-bound, so measured times
-are linear in them (non-negative least squares over every layer of every step):
+per-layer overhead ``overhead``. At batch 1 every block is memory-bound, so the cost
+model's times (:class:`moesim.costmodel.CostModel`, eager engine: the executor's) are
+linear in them (non-negative least squares over every layer of every step):
 
-- attention block of layer l at context c: ``(resident_l + kv * c) / bw + 10 * launch + overhead``
-- one routed expert: ``expert_bytes / bw + 3 * launch``
-- LM head: ``head_bytes / bw + 3 * launch``
+- attention block of layer l at context c: ``(resident_l + kv * c) / bw + attention kernels * launch + overhead``
+- one routed expert: ``expert_bytes / bw + expert kernels * launch``
+- LM head: ``head_bytes / bw + head kernels * launch``
 
 The fit is reported with R^2 and the mean absolute error of the fitted block times,
 and of TPOT when the trace is replayed with the fitted profile instead of its own times.
@@ -20,9 +21,9 @@ from typing import Any
 import numpy as np
 from scipy.optimize import nnls
 
+from moesim.costmodel import EAGER
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile
-from moesim.sim.costs import KERNELS_ATTENTION, KERNELS_EXPERT, KERNELS_HEAD
 from moesim.sim.plan import build_plan
 from moesim.sim.simulate import simulate
 from moesim.traces.format import Trace
@@ -40,17 +41,17 @@ def fit_profile(trace: Trace, base: HardwareProfile, name: str | None = None) ->
     for t in range(trace.n_tokens):
         for layer in range(spec.n_layers):
             nbytes = spec.layer_resident_bytes(layer) + spec.kv_bytes_per_token_layer * (ctx0 + t)
-            rows.append((nbytes, KERNELS_ATTENTION, 1.0))
+            rows.append((nbytes, EAGER.attention_kernels, 1.0))
             y.append(tm["attn_s"][t, layer])
     meta = trace.meta
     n_exec = build_plan(trace, meta.replay_policy).execute
     for t in range(trace.n_tokens):
         for m in range(spec.n_moe_layers):
             n = int(n_exec[t, m])
-            rows.append((n * spec.expert_bytes, n * KERNELS_EXPERT, 0.0))
+            rows.append((n * spec.expert_bytes, n * EAGER.expert_kernels, 0.0))
             y.append(tm["expert_s"][t, m])
     for t in range(trace.n_tokens):
-        rows.append((spec.lm_head_bytes, KERNELS_HEAD, 0.0))
+        rows.append((spec.lm_head_bytes, EAGER.head_kernels, 0.0))
         y.append(tm["other_s"][t])
     a, y = np.array(rows, float), np.array(y, float)
     scale = a.max(0)

@@ -28,13 +28,15 @@ from typing import Any
 
 import numpy as np
 
+from moesim.costmodel import CostModel, ExpertTimes
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile, HostProfile, get_host
-from moesim.models import ModelSpec
-from moesim.placement import HybridPlanner, Placement, device_bytes, expert_times, make_placement
-from moesim.policy import EVICTIONS, ExpertTimes, get_policy
-from moesim.sim.costs import KERNELS_ATTENTION, roofline_costs
+from moesim.memory import device_bytes
+from moesim.placement import HybridPlanner, Placement, make_placement
+from moesim.policy import EVICTIONS, get_policy
+from moesim.sim.costs import roofline_costs
 from moesim.sim.plan import Plan
+from moesim.sim.prefill import prefill_time_hybrid
 from moesim.sim.workload import Link
 from moesim.traces.format import Trace, load_calibration, read_trace  # noqa: F401 (load_calibration re-exported)
 
@@ -110,9 +112,9 @@ def token_counts(ids: np.ndarray, n_experts: int) -> np.ndarray:
     return counts.reshape(t, m, n_experts)
 
 
-def build_work(trace: Trace, hw: HardwareProfile, times: ExpertTimes) -> HybridWork:
+def build_work(trace: Trace, cm: CostModel, times: ExpertTimes) -> HybridWork:
     spec = trace.model
-    costs = roofline_costs(spec, hw, trace.n_tokens, trace.prompt_len, trace.batch)
+    costs = roofline_costs(cm, trace.n_tokens, trace.prompt_len, trace.batch)
     return HybridWork(costs.attn, costs.other, spec.moe_layers, routed_sets(trace.true_ids), times,
                       token_counts(trace.true_ids, spec.n_experts))
 
@@ -144,51 +146,6 @@ def measured_work(trace: Trace, times: ExpertTimes) -> HybridWork:
         attn = np.maximum(attn - tm["predict_s"], 0.0)
     return HybridWork(attn, tm["other_s"].astype(float), spec.moe_layers,
                       routed_sets(trace.true_ids), times, None, dev_per, cpu_per)
-
-
-def prefill_time_hybrid(spec: ModelSpec, hw: HardwareProfile, times: ExpertTimes, resident: np.ndarray | None,
-                        prompt_len: int, batch: int = 1) -> float:
-    """Time to first token when some experts live on the CPU.
-
-    Prefill routes (nearly) every expert, tokens assumed spread evenly over a layer's
-    experts. The device runs attention and its resident experts as one roofline block
-    (as ``moesim.sim.simulate.prefill_time`` does for an all-resident model, which this
-    equals when nothing is on the CPU). A layer's CPU-held experts start after attention
-    and either run on the CPU (weights read once, math for every token routed to them,
-    the prompt's activations over the link) or are copied and run on the device,
-    whichever ends first: llama.cpp copies such weights for large batches (its op
-    offload), so long prompts are not CPU-bound. Copies are not overlapped with compute
-    here (conservative).
-    """
-    n = batch * prompt_len
-    if n == 0:
-        return 0.0
-    e, k = spec.n_experts, spec.top_k
-    rate = hw.flops(spec.dense_dtype)
-
-    def block(nbytes: float, flops: float) -> float:
-        return max(nbytes / hw.mem_bw, flops / rate) + hw.launch * KERNELS_ATTENTION
-
-    total, m = 0.0, 0
-    for layer in range(spec.n_layers):
-        flops = n * (spec.attention_flops(prompt_len // 2) + spec.dense_flops_per_token(layer))
-        mem = spec.layer_resident_bytes(layer) + n * spec.kv_bytes_per_token_layer
-        if layer in spec.dense_layers:
-            total += block(mem, flops)
-            continue
-        on_dev = int(resident[m].sum()) if resident is not None else 0
-        m += 1
-        on_cpu, pairs = e - on_dev, n * k
-        dev_pairs = pairs * on_dev // e
-        device = block(mem + on_dev * spec.expert_bytes, flops + dev_pairs * spec.expert_flops(1))
-        if not on_cpu:
-            total += device
-            continue
-        attention = block(mem, flops)
-        cpu = attention + times.cpu(on_cpu, pairs - dev_pairs) + 2 * 2 * n * spec.hidden / hw.link_bw
-        copy = on_cpu * times.copy + block(mem + spec.layer_expert_bytes, flops + pairs * spec.expert_flops(1))
-        total += min(max(device, cpu), copy)
-    return total + max(spec.lm_head_bytes / hw.mem_bw, batch * spec.lm_head_flops / hw.flops("bf16"))
 
 
 @dataclass
@@ -284,11 +241,12 @@ def simulate_hybrid(trace: Trace, hw: HardwareProfile, policy: str = "cpu-static
     placement = placement or make_placement(pol, spec, hw["device_memory_gb"] * 1e9, batch=trace.batch, context=context,
                                cpu_layers_n=cpu_layers, calibration=calibration, replay_ids=trace.true_ids,
                                calibrate_on_replay=calibrate_on_replay)
-    link = Link.from_profile(hw, spec)
-    times = expert_times(spec, hw, host, trace.batch, amx)
+    cm = CostModel(spec, hw, host, amx=amx)
+    link = Link.of(cm)
+    times = cm.expert_times(trace.batch)
     if timing not in ("profile", "measured"):
         raise MoesimError(f"unknown timing {timing!r} for {pol.name}; known: profile, measured")
-    work = measured_work(trace, times) if timing == "measured" else build_work(trace, hw, times)
+    work = measured_work(trace, times) if timing == "measured" else build_work(trace, cm, times)
     planner = HybridPlanner(pol, spec, placement, cache_experts, eviction)
     if timing == "measured":
         engine = "fast"  # per-(step, layer) measured times: the recurrence reads them
@@ -297,9 +255,10 @@ def simulate_hybrid(trace: Trace, hw: HardwareProfile, policy: str = "cpu-static
     b, k = trace.batch, spec.top_k
     n_exec = run.n_gpu + run.n_cpu
     zeros = np.zeros_like(n_exec)
-    plan = Plan(pol, cache_experts, eviction, zeros, run.n_copied, n_exec, np.full_like(n_exec, b * k), run.n_hits, zeros, zeros)
+    plan = Plan(pol, cache_experts, eviction, 1, zeros, run.n_copied, n_exec, np.full_like(n_exec, b * k), run.n_hits,
+                zeros, zeros)
     resident = placement.resident if placement is not None else None
-    ttft = prefill_time_hybrid(spec, hw, times, resident, trace.prompt_len, b)
+    ttft = prefill_time_hybrid(cm, times, resident, trace.prompt_len, b)
     config = {
         "model": spec.name, "hw": hw.name, "host": host.name, "policy": pol.name, "cache_experts": cache_experts,
         "eviction": eviction if cache_experts else "-", "link_gbps": hw["h2d_pinned_gbs"], "batch": b,
@@ -310,7 +269,8 @@ def simulate_hybrid(trace: Trace, hw: HardwareProfile, policy: str = "cpu-static
         "resident_experts": placement.n_resident if placement is not None else 0,
         "expert_bytes": spec.expert_bytes, "synthetic_trace": trace.synthetic,
     }
-    need = device_bytes(spec, pol, placement, cache_experts, b, context)
+    need = device_bytes(spec, pol, cache_experts=cache_experts, batch=b, context=context,
+                        resident_experts=placement.n_resident if placement is not None else 0)
     config["device_gb_needed"] = need / 1e9
     config["fits"] = need <= hw["device_memory_gb"] * 1e9
     return HybridResult(config, tpot, run, plan, ttft, placement)

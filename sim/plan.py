@@ -14,17 +14,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moesim.policy import Planner, Policy, get_policy
+from moesim.errors import MoesimError
+from moesim.policy import Planner, Policy, check_lookahead, get_policy
 from moesim.traces.format import Trace
 
 
 @dataclass(frozen=True)
 class Plan:
-    """Counts per [step, MoE layer]; ``prefetch`` copies are issued at the previous layer's router."""
+    """Counts per [step, MoE layer]; ``prefetch[t, m]`` copies are issued at MoE layer
+    ``m - lookahead``'s router (:meth:`moesim.policy.Planner.issue_layer`)."""
 
     policy: Policy
     cache_experts: int
     eviction: str
+    lookahead: int
     prefetch: np.ndarray
     demand: np.ndarray
     execute: np.ndarray
@@ -46,12 +49,70 @@ class Plan:
                 "cache_hits": float(self.cache_hits.sum()), "prefetch_hits": float(self.prefetch_hits.sum())}
 
 
+def trace_lookahead(trace: Trace) -> int:
+    """How many MoE layers ahead the trace's predictions were made (its header's ``lookahead``)."""
+    return int(trace.header.get("lookahead", 1))
+
+
+def plan_lookahead(trace: Trace, policy: Policy, lookahead: int | None) -> int:
+    """The lookahead to plan ``policy`` with: ``lookahead``, else the trace's. A policy that
+    prefetches from predictions needs predictions made that far ahead (the trace's own);
+    the oracle reads the true routing, so any lookahead the model allows is fine."""
+    recorded = trace_lookahead(trace)
+    if lookahead is None:
+        return recorded
+    check_lookahead(lookahead, trace.model.n_moe_layers)
+    if lookahead != recorded and policy.prefetch and not policy.oracle:
+        raise MoesimError(f"--lookahead {lookahead}: the trace's predictions were made {recorded} MoE layer"
+                          f"{'s' if recorded != 1 else ''} ahead; record or synthesise it with --lookahead "
+                          f"{lookahead} (only the oracle can look any distance ahead)")
+    return lookahead
+
+
 def build_plan(trace: Trace, policy: Policy | str, cache_experts: int = 0, eviction: str = "lru",
-               progress: Callable[[int, int], None] | None = None) -> Plan:
+               progress: Callable[[int, int], None] | None = None, lookahead: int | None = None) -> Plan:
     """The plan of ``trace`` under ``policy``: :meth:`Planner.plan_trace`, the compiled batch
     form of the executor's per-layer calls (held identical to them by tests/test_policy.py).
-    Memory: seven int32 counts per (step, MoE layer); ``progress(steps_done, steps)``."""
+    Memory: seven int32 counts per (step, MoE layer); ``progress(steps_done, steps)``;
+    ``lookahead`` None: the trace's (:func:`plan_lookahead`)."""
     policy = get_policy(policy) if isinstance(policy, str) else policy
-    planner = Planner(policy, cache_experts, eviction)
+    n = plan_lookahead(trace, policy, lookahead)
+    planner = Planner(policy, cache_experts, eviction, n)
     counts = planner.plan_trace(trace.true_ids, trace.pred_ids, trace.model.n_experts, progress)
-    return Plan(policy, cache_experts, eviction, *counts)
+    return Plan(policy, cache_experts, eviction, n, *counts)
+
+
+@dataclass
+class Step:
+    """One speculative-decoding verification step as the simulator sees it: ``rows`` rows
+    (the root and the verified candidates) sharing, per MoE layer, one union of true and
+    one of predicted experts."""
+
+    rows: int
+    true_union: list[set[int]]  # per MoE layer
+    pred_union: list[set[int]]
+    produced: float  # tokens the step produced (accepted candidates + the bonus token); expected under a model
+
+
+def plan_sets(true_sets: list[list[set[int]]], pred_sets: list[list[set[int]]], policy: Policy | str,
+              cache_experts: int = 0, eviction: str = "lru", lookahead: int = 1) -> Plan:
+    """The plan of steps given as expert SETS per [step][MoE layer] (speculative-decoding
+    verification: a step's rows share one union), decided by the Planner's per-layer calls
+    exactly as :meth:`Planner.plan_trace_stepwise` makes them. ``assign`` is left 0: the
+    caller knows each step's token-expert pairs."""
+    pol = get_policy(policy) if isinstance(policy, str) else policy
+    planner = Planner(pol, cache_experts if pol.offload else 0, eviction, lookahead)
+    s_n = len(true_sets)
+    m_n = len(true_sets[0]) if s_n else 0
+    counts = np.zeros((len(Planner.COUNTS), s_n, m_n), np.int32)
+    for s, (true, pred) in enumerate(zip(true_sets, pred_sets)):
+        for m in range(m_n):
+            ahead = planner.issue_layer(m) is not None
+            plan = planner.route(m, sorted(true[m]), sorted(pred[m]) if ahead and pred[m] else None)
+            nxt = planner.prefetch_target(m, m_n)
+            if nxt is not None:
+                counts[0, s, nxt] = len(planner.prefetch(nxt, sorted(pred[nxt]) or None))
+            planner.finish(m, plan)
+            counts[1:, s, m] = (len(plan.demand), len(plan.execute), 0, plan.cache_hits, plan.prefetch_hits,
+                                plan.prefetch_need)
+    return Plan(pol, cache_experts, eviction, lookahead, *counts)

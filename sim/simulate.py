@@ -8,14 +8,16 @@ from typing import Any
 
 import numpy as np
 
+from moesim.costmodel import CostModel
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile
 from moesim.models import ModelSpec, cache_capacity  # noqa: F401 (cache_capacity: defined with the byte accounting)
 from moesim.policy import EVICTIONS, QUEUES, Policy, get_policy
-from moesim.sim.costs import KERNELS_ATTENTION, Costs, charge_prediction, measured_costs, roofline_costs
+from moesim.sim.costs import Costs, charge_prediction, measured_costs, roofline_costs
 from moesim.sim.engine import Span, run_simpy, run_simpy_queued
-from moesim.sim.fastpath import run_fast
+from moesim.sim.fastpath import run_fast_many
 from moesim.sim.plan import Plan, build_plan
+from moesim.sim.prefill import prefill_time
 from moesim.sim.workload import Link, Workload, make_workload
 from moesim.traces.format import Trace
 
@@ -23,49 +25,34 @@ ENGINES = ("simpy", "fast")
 TIMINGS = ("auto", "profile", "measured")
 
 
-def pick_costs(trace: Trace, spec: ModelSpec, hw: HardwareProfile, timing: str) -> Costs:
-    """Compute times from the trace's measurements or from the profile's roofline.
+def pick_costs(trace: Trace, cm: CostModel, timing: str) -> Costs:
+    """Compute times from the trace's measurements or from the cost model ``cm``.
 
-    ``auto`` uses the measurements when the trace has them and was recorded on ``hw``
-    (measured times belong to the machine that measured them), else the roofline.
+    ``auto`` uses the measurements when the trace has them and was recorded on ``cm``'s
+    GPU (measured times belong to the machine that measured them), else the roofline.
     """
     if timing not in TIMINGS:
         raise MoesimError(f"unknown timing source {timing!r}; known: {', '.join(TIMINGS)}")
     meta = trace.meta
-    if timing == "measured" or (timing == "auto" and "expert_s" in trace.timings and meta.hw_profile == hw.name):
+    if timing == "measured" or (timing == "auto" and "expert_s" in trace.timings and meta.hw_profile == cm.gpu.name):
         # Charge other policies at the recorded run's measured per-expert rate.
         recorded_plan = build_plan(trace, meta.replay_policy)
         return measured_costs(trace.timings, recorded_plan.execute)
-    return roofline_costs(spec, hw, trace.n_tokens, trace.prompt_len, trace.batch)
+    return roofline_costs(cm, trace.n_tokens, trace.prompt_len, trace.batch)
 
 
-def prefill_time(spec: ModelSpec, hw: HardwareProfile, prompt_len: int, offload: bool, batch: int = 1) -> float:
-    """Time to first token: prefill touches (nearly) every expert, so it copies whole
-    layers, double-buffered: layer l+1's copy overlaps layer l's compute (roofline)."""
-    n = batch * prompt_len
-    if n == 0:
-        return 0.0
-    link = Link.from_profile(hw, spec)
-    compute_end = copy_end = 0.0
-    prev_compute_end = 0.0  # end of layer l-1: frees the slot set layer l+1 copies into
-    for layer in range(spec.n_layers):
-        moe = layer not in spec.dense_layers
-        resident = spec.layer_resident_bytes(layer)
-        flops = n * (spec.attention_flops(prompt_len // 2) + spec.dense_flops_per_token(layer))
-        mem = resident + n * spec.kv_bytes_per_token_layer
-        if moe:
-            flops += n * spec.top_k * spec.expert_flops(1)
-            mem += spec.layer_expert_bytes
-        compute = max(mem / hw.mem_bw, flops / hw.flops(spec.dense_dtype)) + hw.launch * KERNELS_ATTENTION
-        if moe and offload:
-            copy_end = max(copy_end, prev_compute_end) + link.copy_time(spec.n_experts)
-            ready = copy_end
-        else:
-            ready = 0.0
-        prev_compute_end = compute_end
-        compute_end = max(compute_end, ready) + compute
-    head = max(spec.lm_head_bytes / hw.mem_bw, batch * spec.lm_head_flops / hw.flops("bf16"))
-    return compute_end + head
+def time_workload(work: Workload, links: list[Link], queue: str = "fifo", engine: str = "fast",
+                  record: bool = False) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, list[Span]]]:
+    """Time one workload on each link: per link, per-step (end time, copy seconds issued,
+    stall seconds) and the recorded spans. The one dispatch to the timing engines that
+    ``replay``, ``whatif`` and validation share: the compiled fast path for FIFO sweeps
+    (every link in one call), the SimPy reference, or SimPy's copy-queue disciplines."""
+    if queue != "fifo":
+        return [run_simpy_queued(work, k, queue, record) for k in links]
+    if engine == "simpy":
+        return [run_simpy(work, k, record) for k in links]
+    ends, copy, stall = run_fast_many(work, links)
+    return [(ends[i], copy[i], stall[i], []) for i in range(len(links))]
 
 
 @dataclass
@@ -144,6 +131,7 @@ def simulate(
     calibrate_on_replay: bool = False,
     amx: bool = True,
     as_recorded: bool = False,
+    lookahead: int | None = None,
 ) -> SimResult:
     """Simulate ``trace`` under ``policy`` on ``hw``.
 
@@ -162,7 +150,8 @@ def simulate(
     policies, which copy at most their misses. The CPU-compute policies
     (docs/policies.md) go to :func:`moesim.sim.hybrid.simulate_hybrid` with ``host`` (name,
     path or profile; default: the GPU profile's), ``cpu_layers``, ``calibration`` routing,
-    ``calibrate_on_replay`` and ``amx``.
+    ``calibrate_on_replay`` and ``amx``. ``lookahead``: how many MoE layers ahead a
+    prefetch is issued (None: the trace's; :func:`moesim.sim.plan.plan_lookahead`).
     """
     if engine not in ENGINES:
         raise MoesimError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
@@ -194,31 +183,51 @@ def simulate(
     if link_gbps is not None:
         hw = hw.with_figure("h2d_pinned_gbs", link_gbps)
     capacity = cache_capacity(spec, cache_gib, cache_experts) if pol.offload else 0
-    plan = plan or build_plan(trace, pol, capacity, eviction, progress)
-    costs = costs or pick_costs(trace, spec, hw, timing)
-    costs = charge_prediction(costs, spec, hw, (pol.prefetch and not pol.oracle) or as_recorded, trace.batch,
-                              trace.timings.get("predict_s"))
-    work = make_workload(spec, plan, costs)
-    link = sim_link(trace, hw, costs)
-    spans: list[Span] = []
-    if copy_queue != "fifo":
-        need = np.zeros(work.shape, np.int64)
-        need[:, list(spec.moe_layers)] = plan.prefetch_need
-        ends, copy, stall, spans = run_simpy_queued(work, link, need, copy_queue, record)
-    elif engine == "simpy":
-        ends, copy, stall, spans = run_simpy(work, link, record)
-    else:
-        ends, copy, stall = run_fast(work, link)
-    result = make_result(trace, hw, pol, eviction, engine, plan, costs, work, ends, copy, stall, spans, pred_recall)
-    if copy_queue != "fifo":
-        result.config["copy_queue"] = copy_queue
+    plan = plan or build_plan(trace, pol, capacity, eviction, progress, lookahead)
+    cm = CostModel(spec, hw)
+    costs = costs or pick_costs(trace, cm, timing)
+    (result,) = time_plan(trace, pol, plan, costs, [hw], engine=engine, copy_queue=copy_queue, record=record,
+                          pred_recall=pred_recall, as_recorded=as_recorded)
     return result
 
 
-def sim_link(trace: Trace, hw: HardwareProfile, costs: Costs, spec: ModelSpec | None = None) -> Link:
-    """The copy engine of ``hw`` for this trace's model (``spec``, parsed once by sweeps),
-    as the timing source needs it."""
-    link = Link.from_profile(hw, spec or trace.model)
+def time_plan(trace: Trace, pol: Policy, plan: Plan, costs: Costs, profiles: list[HardwareProfile], *,
+              engine: str = "fast", copy_queue: str = "fifo", record: bool = False, pred_recall: float | None = None,
+              as_recorded: bool = False, ttfts: dict | None = None, spec: ModelSpec | None = None) -> list[SimResult]:
+    """The results of one plan of a copy policy on each of ``profiles`` (one GPU whose link
+    figures differ: ``costs`` are its compute times, computed once): the path ``replay``
+    and ``whatif`` share, so one deployment gets one number from both. ``ttfts`` memoises
+    the time to first token by profile (a sweep's groups share it)."""
+    spec = spec or trace.model
+    cm = CostModel(spec, profiles[0])
+    # A predicting policy pays for its predictor (the recorded one, replaying the run as measured).
+    costs = charge_prediction(costs, cm, (pol.prefetch and not pol.oracle) or as_recorded, trace.batch,
+                              trace.timings.get("predict_s"), plan.lookahead)
+    work = make_workload(spec, plan, costs)
+    cms = [CostModel(spec, h) for h in profiles]
+    links = [sim_link(trace, c, costs) for c in cms]
+    results = []
+    for c, (ends, copy, stall, spans) in zip(cms, time_workload(work, links, copy_queue, engine, record)):
+        key = (c.gpu.name, c.gpu["h2d_pinned_gbs"], c.gpu["transfer_latency_us"], pol.offload, spec.expert_dtype)
+        if ttfts is not None and key in ttfts:
+            ttft = ttfts[key]
+        else:
+            ttft = ttft_of(trace, c, pol, costs)
+            if ttfts is not None:
+                ttfts[key] = ttft
+        result = make_result(trace, c.gpu, pol, plan.eviction, "simpy" if copy_queue != "fifo" else engine,
+                             plan, costs, work, ends, copy, stall, spans, pred_recall, ttft, spec)
+        if copy_queue != "fifo":
+            result.config["copy_queue"] = copy_queue
+        if plan.lookahead != 1:
+            result.config["lookahead"] = plan.lookahead
+        results.append(result)
+    return results
+
+
+def sim_link(trace: Trace, cm: CostModel, costs: Costs) -> Link:
+    """The copy engine of ``cm``'s GPU for this trace's model, as the timing source needs it."""
+    link = Link.of(cm)
     recorded = trace.meta.recorded_policy
     if costs.source.startswith("measured") and recorded is not None and recorded.prefetch:
         # Times measured while copies overlapped compute already include the interference.
@@ -226,11 +235,11 @@ def sim_link(trace: Trace, hw: HardwareProfile, costs: Costs, spec: ModelSpec | 
     return link
 
 
-def ttft_of(trace: Trace, hw: HardwareProfile, pol: Policy, costs: Costs) -> float:
+def ttft_of(trace: Trace, cm: CostModel, pol: Policy, costs: Costs) -> float:
     """Time to first token: the trace's measured prefill with measured times, else the roofline."""
     ttft = trace.meta.prefill_s if costs.source.startswith("measured") else None
     if ttft is None:
-        ttft = prefill_time(trace.model, hw, trace.prompt_len, pol.offload, trace.batch)
+        ttft = prefill_time(cm, trace.prompt_len, pol.offload, trace.batch)
     return float(ttft)
 
 
@@ -250,7 +259,7 @@ def make_result(trace: Trace, hw: HardwareProfile, pol: Policy, eviction: str, e
         "synthetic_trace": trace.synthetic,
     }
     if ttft is None:
-        ttft = ttft_of(trace, hw, pol, costs)
+        ttft = ttft_of(trace, CostModel(spec, hw), pol, costs)
     recall = prediction_recall(trace) if pred_recall is None else pred_recall
     return SimResult(config, tpot, work.compute_per_token, copy, stall, plan, spec.expert_bytes, float(ttft),
                      recall, spans or [])
@@ -280,7 +289,7 @@ def simulate_policies(trace: Trace, hw: HardwareProfile, policies: list[str], *,
     total = 2 * per_policy * len(policies)  # planning, then timing, per policy
     link_gbps = kw.get("link_gbps")
     profile = hw.with_figure("h2d_pinned_gbs", link_gbps) if link_gbps is not None else hw
-    costs = kw.pop("costs", None) or pick_costs(trace, trace.model, profile, kw.get("timing", "auto"))
+    costs = kw.pop("costs", None) or pick_costs(trace, CostModel(trace.model, profile), kw.get("timing", "auto"))
     recall = prediction_recall(trace)
     results = []
     for i, p in enumerate(policies):

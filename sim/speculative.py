@@ -16,30 +16,21 @@ Draft probabilities are stored in float32, so near-ties may order differently th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from moesim.costmodel import CostModel
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile
-from moesim.policy import Planner, get_policy
+from moesim.policy import get_policy
 from moesim.selection import Tree, select
-from moesim.sim.costs import roofline_costs
+from moesim.sim.deployment import Deployment, time_steps
 from moesim.sim.fastpath import run_fast
-from moesim.sim.workload import Link, Workload
+from moesim.sim.plan import Step, plan_sets  # noqa: F401 (Step: the verification step, re-exported)
+from moesim.sim.workload import Link, lay_out
 from moesim.traces.format import Trace
 from moesim.traces.records import NOT_CHOSEN, PAD_EXPERT, ROOT_PARENT, SDStep, sd_steps
-
-
-@dataclass
-class Step:
-    """One verification step as the simulator sees it."""
-
-    rows: int
-    true_union: list[set[int]]  # per layer
-    pred_union: list[set[int]]
-    produced: float  # tokens the step produced (accepted candidates + the bonus token); expected under a model
 
 
 def _sets(mask: np.ndarray) -> list[set[int]]:
@@ -138,7 +129,8 @@ def reselected_steps(trace: Trace, gamma: int, strategy: str, score: str = "rati
 def simulate_steps(trace: Trace, steps: list[Step], hw: HardwareProfile, policy: str, cache_experts: int = 0,
                    eviction: str = "lru", timing: str = "measured", link_gbps: float | None = None) -> dict[str, Any]:
     """Time verification steps with the fast path; ``timing`` measured (the trace's own
-    per-layer times, charged per row and per expert) or profile (roofline)."""
+    per-layer times, charged per row and per expert) or profile (the cost model, as a
+    one-GPU deployment of :func:`moesim.sim.deployment.time_steps`)."""
     spec = trace.model
     pol = get_policy(policy)
     if pol.speculative or pol.oracle:
@@ -148,50 +140,37 @@ def simulate_steps(trace: Trace, steps: list[Step], hw: HardwareProfile, policy:
     tm = trace.timings
     if spec.dense_layers:  # below, step sets (per MoE layer) are indexed by model layer
         raise MoesimError(f"{spec.name} has dense layers; time its speculative steps with "
-                          "moesim.sim.placement.time_steps (the EcoSpec what-if)")
-    n_steps, n_layers = len(steps), spec.n_layers
+                          "moesim.sim.deployment.time_steps (the EcoSpec what-if)")
+    n_steps = len(steps)
     if len(tm["sd_accepted"]) != n_steps:
         raise MoesimError("steps do not match the trace")
-    planner = Planner(pol, cache_experts if pol.offload else 0, eviction)
-    demand = np.zeros((n_steps, n_layers), np.int32)
-    prefetch_next = np.zeros((n_steps, n_layers), np.int32)
-    executed = np.zeros((n_steps, n_layers), np.int32)
-    for s_, st in enumerate(steps):
-        for layer in range(n_layers):
-            plan = planner.route(layer, sorted(st.true_union[layer]),
-                                 sorted(st.pred_union[layer]) if layer and pol.prefetch else None)
-            if layer + 1 < n_layers and pol.prefetch:
-                prefetch_next[s_, layer] = len(planner.prefetch(layer + 1, sorted(st.pred_union[layer + 1])))
-            planner.finish(layer, plan)
-            demand[s_, layer], executed[s_, layer] = len(plan.demand), len(plan.execute)
-    rec_rows = np.array([1 + int((tm["sd_chosen"][i] != NOT_CHOSEN).sum()) for i in range(n_steps)])
-    rec_union = np.array([[len({int(e) for r in range(rec_rows[i]) for e in tm["sd_row_true"][i, r, layer]
-                                if e != PAD_EXPERT})
-                           for layer in range(n_layers)] for i in range(n_steps)])
     rows = np.array([st.rows for st in steps])
+    produced = np.array([st.produced for st in steps], float)
+    distinct = np.array([sum(len(u) for u in st.true_union) for st in steps])
     if timing == "measured" and not sd_measured(trace):
         raise MoesimError("a synthetic speculative trace has no measured times; use timing='profile'")
-    if timing == "measured":
+    if timing == "profile":
+        dep = Deployment(f"1 x {hw.name}", hw, offload=pol.offload, policy=pol.name if pol.offload else "on-demand",
+                         cache_experts=cache_experts if pol.offload else 0)
+        r = time_steps(spec, steps, dep, tm["sd_draft_s"], trace.prompt_len, check=False)
+        step_s, copy, stall, source = r["step_s"], r["copy_s"], r["stall_s"], f"roofline ({hw.name})"
+    elif timing == "measured":
+        plan = plan_sets([st.true_union for st in steps], [st.pred_union for st in steps], pol, cache_experts,
+                         eviction)
+        rec_rows = np.array([1 + int((tm["sd_chosen"][i] != NOT_CHOSEN).sum()) for i in range(n_steps)])
+        rec_union = np.array([[len({int(e) for r in range(rec_rows[i]) for e in tm["sd_row_true"][i, r, layer]
+                                    if e != PAD_EXPERT})
+                               for layer in range(spec.n_layers)] for i in range(n_steps)])
         per_expert = tm["sd_expert_s"] / np.maximum(rec_union, 1)
         attn = tm["sd_attn_s"] * (rows / rec_rows)[:, None]  # attention work grows with the rows verified
         rest = tm["sd_verify_s"] - tm["sd_attn_s"].sum(1) - tm["sd_expert_s"].sum(1) - tm["sd_stall_s"].sum(1)
-        experts = executed * per_expert
+        other = np.maximum(rest, 0) + tm["sd_draft_s"]  # the draft runs before verification
         source = "measured (trace)"
-    elif timing == "profile":
-        ctx = trace.prompt_len + np.concatenate([[0], np.cumsum(tm["sd_accepted"])[:-1]])
-        attn = np.stack([roofline_costs(spec, hw, 1, int(c), int(r)).attn[0] for c, r in zip(ctx, rows, strict=True)])
-        c1 = roofline_costs(spec, hw, 1, trace.prompt_len, 1)
-        experts = np.maximum(executed * c1.per_expert[0, 0], rows[:, None] * spec.top_k * c1.expert_math_s)
-        rest = np.full(n_steps, c1.other[0])
-        source = f"roofline ({hw.name})"
+        work = lay_out(spec, plan, attn, plan.execute * per_expert, other, source)
+        ends, copy, stall = run_fast(work, Link.of(CostModel(spec, hw)))
+        step_s = np.diff(ends, prepend=0.0)
     else:
         raise MoesimError(f"unknown timing {timing!r}; use measured or profile")
-    other = np.maximum(rest, 0) + tm["sd_draft_s"]  # the draft runs before verification
-    work = Workload(attn, experts, demand, prefetch_next, other, source)
-    ends, copy, stall = run_fast(work, Link.from_profile(hw, spec))
-    step_s = np.diff(ends, prepend=0.0)
-    produced = np.array([st.produced for st in steps], float)
-    distinct = np.array([sum(len(u) for u in st.true_union) for st in steps])
     return {
         "policy": pol.name, "hw": hw.name, "link_gbps": hw["h2d_pinned_gbs"], "timing": source,
         "steps": n_steps, "tokens": float(produced.sum()), "accepted_per_step": float(produced.mean()),

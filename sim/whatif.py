@@ -31,17 +31,16 @@ from pathlib import Path
 from typing import Any
 
 from moesim.atomic import atomic_write_text
+from moesim.costmodel import CostModel
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile
 from moesim.models import ModelSpec
-from moesim.policy import expert_slots, get_policy
-from moesim.sim.costs import charge_prediction
+from moesim.policy import get_policy
 from moesim.sim.fastpath import run_fast_many
 from moesim.sim.plan import build_plan
 from moesim.sim.prefetch_top import keep_top_predictions
 from moesim.sim.quantised import with_expert_dtype
-from moesim.sim.simulate import cache_capacity, make_result, pick_costs, prediction_recall, sim_link, ttft_of
-from moesim.sim.workload import make_workload
+from moesim.sim.simulate import cache_capacity, pick_costs, prediction_recall, time_plan
 from moesim.traces.format import Trace
 
 GOALS = {
@@ -266,14 +265,12 @@ class Sweep:
         return h.hexdigest()[:16]
 
 
-def device_bytes_needed(spec: ModelSpec, policy: str, cache_experts: int, batch: int, context: int) -> int:
-    """Device memory a configuration needs: resident weights, all experts (all-resident) or
-    the expert slots the executor allocates (:func:`moesim.policy.expert_slots`: two whole
-    layers for prefill plus the cross-token cache), and the KV cache at ``context`` tokens."""
-    kv = batch * context * spec.n_layers * spec.kv_bytes_per_token_layer
-    if not get_policy(policy).offload:
-        return spec.non_expert_bytes + spec.all_expert_bytes + kv
-    return spec.non_expert_bytes + expert_slots(spec, policy, cache_experts) * spec.expert_bytes + kv
+def device_bytes_needed(spec: ModelSpec, policy: str, cache_experts: int, batch: int, context: int,
+                        lookahead: int = 1) -> int:
+    """Device memory a copy-policy configuration needs (:func:`moesim.memory.device_bytes`)."""
+    from moesim.memory import device_bytes
+
+    return device_bytes(spec, policy, cache_experts=cache_experts, batch=batch, context=context, lookahead=lookahead)
 
 
 def _group_trace(sweep: Sweep, cfg: Config) -> Trace:
@@ -377,7 +374,8 @@ def run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
     capacity = cache_capacity(spec, cfg.cache_gib) if pol.offload else 0
     plan = build_plan(trace, pol, capacity, sweep.eviction)
     recall = sweep.recalls[cfg.trace] if cfg.prefetch_top is None else prediction_recall(trace)
-    need = device_bytes_needed(spec, cfg.policy, capacity, trace.batch, trace.prompt_len + trace.n_tokens)
+    need = device_bytes_needed(spec, cfg.policy, capacity, trace.batch, trace.prompt_len + trace.n_tokens,
+                               plan.lookahead)
     rows = []
     memo = sweep._costs_memo
     if any(k[:2] != (cfg.trace, cfg.expert_dtype) for k in memo):
@@ -387,33 +385,13 @@ def run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
     engine = sweep.engine if cfg.copy_queue == "fifo" else "simpy"
     for hi, hw in enumerate(sweep.hws):
         if (cfg.trace, cfg.expert_dtype, hi) not in memo:
-            memo[cfg.trace, cfg.expert_dtype, hi] = pick_costs(trace, spec, hw, sweep.timing)
-        # A predicting policy pays for its predictor, as in simulate() (sim.costs.charge_prediction).
-        costs = charge_prediction(memo[cfg.trace, cfg.expert_dtype, hi], spec, hw, pol.prefetch and not pol.oracle,
-                                  trace.batch, trace.timings.get("predict_s"))
-        work = make_workload(spec, plan, costs)
+            memo[cfg.trace, cfg.expert_dtype, hi] = pick_costs(trace, CostModel(spec, hw), sweep.timing)
         profiles = [hw if g is None else hw.with_figure("h2d_pinned_gbs", g) for g in sweep.link_gbps]
-        links = [sim_link(trace, h, costs, spec) for h in profiles]
-        if cfg.copy_queue != "fifo":
-            import numpy as np
-
-            from moesim.sim.engine import run_simpy_queued
-
-            useful = np.zeros(work.shape, np.int64)
-            useful[:, list(spec.moe_layers)] = plan.prefetch_hits
-            timed = (run_simpy_queued(work, k, useful, cfg.copy_queue, False)[:3] for k in links)
-        elif engine == "fast":
-            timed = zip(*run_fast_many(work, links))
-        else:
-            from moesim.sim.engine import run_simpy
-
-            timed = (run_simpy(work, k)[:3] for k in links)
-        for li, (h, (ends, copy, stall)) in enumerate(zip(profiles, timed)):
-            key = (cfg.trace, cfg.expert_dtype, hi, li, pol.offload)
-            if key not in sweep._ttft_memo:
-                sweep._ttft_memo[key] = ttft_of(trace, h, pol, costs)
-            row = make_result(trace, h, pol, sweep.eviction, engine, plan, costs, work, ends, copy, stall,
-                              pred_recall=recall, ttft=sweep._ttft_memo[key], spec=spec).summary()
+        # The path replay takes (moesim.sim.simulate.time_plan): one deployment, one number.
+        results = time_plan(trace, pol, plan, memo[cfg.trace, cfg.expert_dtype, hi], profiles, engine=engine,
+                            copy_queue=cfg.copy_queue, pred_recall=recall, ttfts=sweep._ttft_memo, spec=spec)
+        for h, res in zip(profiles, results):
+            row = res.summary()
             row.update(_axes(sweep, cfg, trace, base))
             row["cache_gib"] = cfg.cache_gib if capacity else 0.0  # as asked; cache_experts is what fits
             row["device_gb_needed"] = need / 1e9
@@ -454,7 +432,7 @@ def _warm_kernels() -> None:
     ids = np.zeros((1, 1, 1, 1), np.int16)
     Planner("on-demand", 1).plan_trace(ids, ids, 1)
     z = np.zeros((1, 1))
-    run_fast_many(Workload(z, z, z.astype(np.int32), z.astype(np.int32), np.zeros(1), "warm-up"), [Link(1.0, 0.0, 1)])
+    run_fast_many(Workload.build(z, z, z, np.zeros(1), "warm-up"), [Link(1.0)])
 
 
 def _local(sweep: Sweep, todo: list[int], jobs: int) -> Iterator[Outcome]:

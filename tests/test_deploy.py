@@ -16,7 +16,10 @@ from moesim.hardware import builtin_hosts, builtin_profiles, get_host, get_profi
 from moesim.models import GGML_BLOCKS, get_model, matrix_bytes
 from moesim.placement import WORKSPACE_BYTES, cpu_layers, expert_budget, make_placement, routing_counts
 from moesim.policy import POLICIES, ExpertTimes, Policy, cpu_or_copy, get_policy, register
-from moesim.sim.hybrid import expert_times, prefill_time_hybrid, simulate_hybrid
+from moesim.costmodel import EAGER, CostModel
+from moesim.placement import expert_times
+from moesim.sim.hybrid import simulate_hybrid
+from moesim.sim.prefill import prefill_time, prefill_time_hybrid
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
 # -- quantised expert formats ------------------------------------------------------------
@@ -233,9 +236,9 @@ def test_prefill_picks_cpu_for_short_prompts_and_copies_for_long_ones():
     resident = np.zeros((spec.n_moe_layers, spec.n_experts), bool)
     picks = []
     for prompt in (1, 8192):
-        both = prefill_time_hybrid(spec, hw, times, resident, prompt)
-        cpu = prefill_time_hybrid(spec, hw, never_copy, resident, prompt)
-        copy = prefill_time_hybrid(spec, hw, never_cpu, resident, prompt)
+        both = prefill_time_hybrid(CostModel(spec, hw, host), times, resident, prompt)
+        cpu = prefill_time_hybrid(CostModel(spec, hw, host), never_copy, resident, prompt)
+        copy = prefill_time_hybrid(CostModel(spec, hw, host), never_cpu, resident, prompt)
         assert both == pytest.approx(min(cpu, copy), rel=1e-12)
         picks.append("cpu" if cpu < copy else "copy")
     assert picks == ["cpu", "copy"]
@@ -262,14 +265,14 @@ def test_no_warnings_from_shipped_profiles():
 
 
 def test_prediction_is_charged_where_a_prefetch_is_issued():
-    from moesim.sim.costs import KERNELS_PREDICT, prediction_seconds
+    from moesim.sim.costs import prediction_seconds
 
     spec, hw = get_model("glm-4.7-flash"), get_profile("h100-sxm")  # layer 0 is dense
-    p = prediction_seconds(spec, hw)
+    p = prediction_seconds(CostModel(spec, hw))
     moe = spec.moe_layers
     expected = max((2 * spec.hidden + spec.router_bytes) / hw.mem_bw, 2 * spec.n_experts * spec.hidden / hw.flops()) \
-        + KERNELS_PREDICT * hw.launch
-    charged = [m - 1 for m in moe[1:]]
+        + EAGER.predict_kernels * hw.launch
+    charged = list(moe[:-1])  # at each MoE layer's router, for the next MoE layer
     assert np.allclose(p[charged], expected) and p[[i for i in range(spec.n_layers) if i not in charged]].sum() == 0
 
 
@@ -278,7 +281,7 @@ def test_predicting_policies_pay_for_the_predictor(tiny_trace):
     from moesim.sim.simulate import simulate
 
     hw = get_profile("a6000")
-    extra = prediction_seconds(tiny_trace.model, hw).sum()
+    extra = prediction_seconds(CostModel(tiny_trace.model, hw)).sum()
     rows = {p: simulate(tiny_trace, hw, p, engine="fast") for p in ("prefetch-fom", "oracle", "on-demand")}
     assert rows["prefetch-fom"].config["timing"].endswith("+ predictor")
     assert rows["oracle"].config["timing"] == rows["on-demand"].config["timing"] == "roofline (a6000)"
@@ -338,7 +341,7 @@ def test_queues_other_than_fifo_need_simpy(tiny_trace):
 
 
 def test_memory_check_and_calibration_file(tmp_path, tiny_trace):
-    from moesim.placement import device_bytes
+    from moesim.memory import device_bytes
     from moesim.policy import expert_slots
     from moesim.sim.hybrid import load_calibration
     from moesim.traces.format import write_trace
@@ -347,8 +350,8 @@ def test_memory_check_and_calibration_file(tmp_path, tiny_trace):
     assert expert_slots(spec, "cpu-static") == 0 and expert_slots(spec, "cpu-on-miss", 5) == spec.n_experts + 5
     hw = get_profile("a6000")
     r = simulate_hybrid(tiny_trace, hw, "cpu-static", cpu_layers=1, engine="fast")
-    assert r.config["device_gb_needed"] * 1e9 == device_bytes(spec, "cpu-static", r.placement, 0, 1,
-                                                               tiny_trace.prompt_len + tiny_trace.n_tokens)
+    assert r.config["device_gb_needed"] * 1e9 == device_bytes(spec, "cpu-static", resident_experts=r.placement.n_resident,
+                                                               context=tiny_trace.prompt_len + tiny_trace.n_tokens)
     assert r.placement.n_resident == 3 * spec.n_experts and r.config["fits"]
     path = write_trace(tiny_trace, tmp_path / "cal.npz")
     assert (load_calibration(str(path), spec) == tiny_trace.true_ids).all()
@@ -440,14 +443,13 @@ def test_without_amx_the_cpu_is_slower_once_compute_bound():
 
 
 def test_prefill_with_nothing_on_the_cpu_is_the_resident_prefill():
-    from moesim.sim.simulate import prefill_time
-
     spec, hw = get_model("glm-4.7-flash"), get_profile("h100-sxm")  # a dense first layer too
-    times = expert_times(spec, hw, get_host(None, hw))
+    cm = CostModel(spec, hw, get_host(None, hw))
+    times = cm.expert_times()
     resident = np.ones((spec.n_moe_layers, spec.n_experts), bool)
     for prompt in (16, 2048):
-        assert prefill_time_hybrid(spec, hw, times, resident, prompt) == pytest.approx(
-            prefill_time(spec, hw, prompt, offload=False), rel=1e-12)
+        assert prefill_time_hybrid(cm, times, resident, prompt) == pytest.approx(
+            prefill_time(cm, prompt, offload=False), rel=1e-12)
 
 
 def test_the_copy_planner_refuses_cpu_policies(tiny_trace):

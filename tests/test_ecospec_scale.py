@@ -18,7 +18,7 @@ from moesim.errors import MoesimError
 from moesim.models import get_model
 from moesim.sim.draft import DraftProfile
 from moesim.sim.ecospec import Selection, ecospec_whatif, latency_fit, selected_steps
-from moesim.sim.placement import DEPLOYMENTS, Deployment, check_fits, seconds_per_distinct_expert, time_steps
+from moesim.sim.deployment import DEPLOYMENTS, Deployment, check_fits, seconds_per_distinct_expert, time_steps
 from moesim.traces.format import read_trace, write_trace
 from moesim.traces.sd_ids import PAD, ids_to_mask, mask_to_ids
 from moesim.traces.synthetic_speculative import (
@@ -170,13 +170,14 @@ def test_ecospec_loads_fewer_experts_than_confidence_when_candidates_differ():
 
 
 def test_draft_profiles_cost():
-    spec, hw = get_model("deepseek-v3"), DEPLOYMENTS["8xh200-tp"].hw
+    spec, dep = get_model("deepseek-v3"), DEPLOYMENTS["8xh200-tp"]
+    one = dep.cost_model(spec, shards=1)
     eagle = DraftProfile("eagle")
-    assert DraftProfile("none").tree_seconds(spec, hw, 2, 4, True) == 0.0
-    shallow, deep = eagle.tree_seconds(spec, hw, 2, 2, False), eagle.tree_seconds(spec, hw, 2, 4, False)
+    assert DraftProfile("none").tree_seconds(one, 2, 4, True) == 0.0
+    shallow, deep = eagle.tree_seconds(one, 2, 2, False), eagle.tree_seconds(one, 2, 4, False)
     assert 0 < shallow < deep
-    assert eagle.tree_seconds(spec, hw, 2, 4, True) > deep  # the expert predictor is charged
-    assert eagle.tree_seconds(spec, hw, 2, 4, False, shards=8) < deep
+    assert eagle.tree_seconds(one, 2, 4, True) > deep  # the expert predictor is charged
+    assert eagle.tree_seconds(dep.cost_model(spec), 2, 4, False) < deep  # split over 8 GPUs
     dense = DraftProfile("dense", params_b=1.0)
     assert dense.forward_bytes(spec) == pytest.approx(2e9)
     with pytest.raises(MoesimError):

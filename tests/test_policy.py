@@ -153,13 +153,32 @@ def _ids(r):
 
 
 @settings(max_examples=60, deadline=None)
-@given(routing, st.sampled_from([0, 1, 2, 3, 7, 1000]), st.sampled_from(EVICTIONS))
-def test_plan_trace_makes_the_per_layer_decisions(r, capacity, eviction):
+@given(routing, st.sampled_from([0, 1, 2, 3, 7, 1000]), st.sampled_from(EVICTIONS), st.sampled_from([1, 1, 2, 3]))
+def test_plan_trace_makes_the_per_layer_decisions(r, capacity, eviction, lookahead):
     true, pred = _ids(r)
     for policy in (p for p in POLICIES if not POLICIES[p].cpu):  # CPU-compute policies: moesim.placement
-        stepwise = Planner(policy, capacity, eviction).plan_trace_stepwise(true, pred)
-        batch = Planner(policy, capacity, eviction).plan_trace(true, pred, r["experts"])
-        np.testing.assert_array_equal(batch, stepwise, err_msg=f"{policy}, cache {capacity} {eviction}")
+        stepwise = Planner(policy, capacity, eviction, lookahead).plan_trace_stepwise(true, pred)
+        batch = Planner(policy, capacity, eviction, lookahead).plan_trace(true, pred, r["experts"])
+        np.testing.assert_array_equal(batch, stepwise, err_msg=f"{policy}, cache {capacity} {eviction}, "
+                                                               f"lookahead {lookahead}")
+
+
+def test_lookahead_prefetches_n_layers_ahead_and_keeps_every_prefetch_in_flight():
+    """With lookahead 2, layer l's prefetch is issued at layer l - 2's router: layers 0 and 1
+    load on demand, and the prefetches of layers l + 1 and l + 2 are both held (neither
+    one's slots are released by the other's issue)."""
+    p = Planner("prefetch-fom", lookahead=2)
+    assert [p.issue_layer(m) for m in range(4)] == [None, None, 0, 1]
+    assert [p.prefetch_target(m, 4) for m in range(4)] == [2, 3, None, None]
+    assert Planner("on-demand", lookahead=2).issue_layer(3) is None
+    true = np.array([[[[1]], [[2]], [[3]], [[4]]]], np.int16)  # [1 token, 4 layers, batch 1, top-1]
+    pred = np.array([[[[-1]], [[-1]], [[3]], [[5]]]], np.int16)  # made 2 layers earlier; layer 3 mispredicted
+    counts = dict(zip(Planner.COUNTS, Planner("prefetch-fom", lookahead=2).plan_trace_stepwise(true, pred)[:, 0]))
+    assert counts["prefetch"].tolist() == [0, 0, 1, 1]
+    assert counts["demand"].tolist() == [1, 1, 0, 1]  # layer 3's wrong prefetch: fetched on miss
+    assert counts["prefetch_hits"].tolist() == [0, 0, 1, 0]
+    with pytest.raises(MoesimError, match="lookahead"):
+        Planner("prefetch-fom", lookahead=0)
 
 
 def test_plan_trace_reports_progress_and_refuses_a_used_planner():

@@ -6,6 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import hand_trace, two_layer_spec
+from moesim.costmodel import EAGER, CostModel
 from moesim.hardware import get_profile
 from moesim.models import get_model
 from moesim.policy import POLICIES
@@ -26,7 +27,7 @@ COPY_POLICIES = [p for p in POLICIES if not POLICIES[p].cpu]
 # --------------------------------------------------------------------------------------
 
 HAND_COSTS = Costs(attn=np.array([[1.0, 1.0]]), per_expert=np.array([[1.0, 1.0]]), other=np.array([0.5]), source="hand")
-HAND_LINK = Link(bandwidth=192.0, latency=0.5, expert_bytes=192)
+HAND_LINK = Link(per_expert=0.5 + 192 / 192)
 
 
 def _hand(policy, pred_layer1):
@@ -137,7 +138,7 @@ def test_more_link_bandwidth_never_hurts(c, factor):
 def test_compute_slows_while_the_link_copies():
     """Worked by hand: 1 s of compute at t=0, link busy until 1 s, compute 2x slower meanwhile:
     0.5 s of work done by t=1, the remaining 0.5 s at full speed: ends at 1.5 s."""
-    link = Link(1.0, 0.0, 1, interference=1.0)
+    link = Link(1.0, interference=1.0)
     assert link.compute_end(0.0, 1.0, 1.0) == pytest.approx(1.5)
     assert link.compute_end(0.0, 0.25, 1.0) == pytest.approx(0.5)  # entirely inside the busy window
     assert link.compute_end(2.0, 1.0, 1.0) == pytest.approx(3.0)  # link already idle
@@ -174,9 +175,9 @@ def test_bytes_are_conserved(c):
     for policy in COPY_POLICIES:
         r = _run(trace, c, policy)
         spec = trace.model
-        link = Link(c["link_gbps"] * 1e9, get_profile(c["hw"]).transfer_latency, spec.expert_bytes)
+        per = get_profile(c["hw"]).transfer_latency + spec.expert_bytes / (c["link_gbps"] * 1e9)
         loads = r.plan.loads.sum()
-        assert r.copy.sum() == pytest.approx(loads * link.per_expert)
+        assert r.copy.sum() == pytest.approx(loads * per)
         assert r.summary()["gb_moved_per_token"] * 1e9 * trace.n_tokens == pytest.approx(loads * spec.expert_bytes)
         # Every executed expert was copied, cached, prefetched or resident.
         if POLICIES[policy].offload:
@@ -206,13 +207,14 @@ def test_measured_compute_times_are_used_and_said(tiny_trace):
 
 
 def test_ttft_grows_with_prompt_length_and_offload_costs_whole_layers():
-    from moesim.sim.simulate import prefill_time
+    from moesim.sim.prefill import prefill_time
 
     spec, hw = get_model("qwen3-30b-a3b"), get_profile("h100-sxm")
-    short, long = prefill_time(spec, hw, 128, True), prefill_time(spec, hw, 4096, True)
+    cm = CostModel(spec, hw)
+    short, long = prefill_time(cm, 128, True), prefill_time(cm, 4096, True)
     assert long > short
     assert short >= spec.all_expert_bytes / hw.link_bw  # every expert crosses the link once
-    assert prefill_time(spec, hw, 128, False) < short
+    assert prefill_time(cm, 128, False) < short
 
 
 def test_simpy_records_a_timeline(tiny_trace):
@@ -251,7 +253,7 @@ def test_roofline_charges_a_bf16_dense_layer_two_flops_per_weight():
                      dense_layers=(0,), dense_inter=4096)
     hw = _compute_bound(get_profile("h100-sxm"))
     batch, ctx = 64, 10
-    c = roofline_costs(spec, hw, tokens=1, prompt_len=ctx, batch=batch)
+    c = roofline_costs(CostModel(spec, hw), tokens=1, prompt_len=ctx, batch=batch)
     weights = 3 * spec.hidden * spec.dense_inter  # the dense FFN's weight COUNT
     flops = batch * (spec.attention_flops(ctx) + 2 * weights)
     # 2 x bytes (the old formula) would be twice the FFN's FLOPs for bf16 weights.
@@ -260,15 +262,15 @@ def test_roofline_charges_a_bf16_dense_layer_two_flops_per_weight():
 
 
 def test_lm_head_and_copy_time_are_defined_once():
-    from moesim.sim.costs import KERNELS_HEAD, roofline_costs
-    from moesim.sim.simulate import prefill_time
+    from moesim.sim.costs import roofline_costs
+    from moesim.sim.prefill import prefill_time
 
     spec, hw = get_model("olmoe-1b-7b"), get_profile("a6000")
-    c = roofline_costs(spec, hw, tokens=1, prompt_len=4)
-    assert c.other[0] == pytest.approx(spec.lm_head_bytes / hw.mem_bw + KERNELS_HEAD * hw.launch)
-    link = Link.from_profile(hw, spec)
+    c = roofline_costs(CostModel(spec, hw), tokens=1, prompt_len=4)
+    assert c.other[0] == pytest.approx(spec.lm_head_bytes / hw.mem_bw + EAGER.head_kernels * hw.launch)
+    link = Link.of(CostModel(spec, hw))
     assert link.copy_time(3) == pytest.approx(3 * (hw.transfer_latency + spec.expert_bytes / hw.link_bw))
     # With compute almost free, prefill is the link copying every MoE layer once.
     fast = _compute_bound(hw).with_figure("bf16_tflops", 1e9)
-    expected = spec.n_moe_layers * Link.from_profile(fast, spec).copy_time(spec.n_experts)
-    assert prefill_time(spec, fast, 16, offload=True) == pytest.approx(expected, rel=1e-3)
+    expected = spec.n_moe_layers * Link.of(CostModel(spec, fast)).copy_time(spec.n_experts)
+    assert prefill_time(CostModel(spec, fast), 16, offload=True) == pytest.approx(expected, rel=1e-3)

@@ -46,11 +46,16 @@ def test_best_skips_the_oracle_and_what_does_not_fit():
 
 def test_memory_fit_uses_the_byte_accounting():
     spec = get_model("qwen3-30b-a3b")
+    from moesim.memory import WORKSPACE_BYTES
+
     resident = device_bytes_needed(spec, "all-resident", 0, 1, 0)
-    assert resident == spec.non_expert_bytes + spec.all_expert_bytes
+    assert resident == spec.non_expert_bytes + spec.all_expert_bytes + WORKSPACE_BYTES
     offload = device_bytes_needed(spec, "on-demand", 10, 1, 0)
     # The executor's pool: two whole layers (prefill is double-buffered) plus the cache.
-    assert offload == spec.non_expert_bytes + (2 * spec.n_experts + 10) * spec.expert_bytes
+    assert offload == spec.non_expert_bytes + (2 * spec.n_experts + 10) * spec.expert_bytes + WORKSPACE_BYTES
+    # Prefetching 2 layers ahead holds one more layer in flight.
+    ahead = device_bytes_needed(spec, "prefetch-fom", 10, 1, 0, lookahead=2)
+    assert ahead == offload + spec.n_experts * spec.expert_bytes
 
 
 def test_bad_sweeps_are_rejected(sweep):
@@ -74,8 +79,11 @@ def test_many_links_in_one_call_equal_one_call_per_link(sweep):
 
     trace = sweep.traces["olmoe-1b-7b"]
     hw = profile("a6000")
-    work = make_workload(trace.model, build_plan(trace, "prefetch-fom", 30), pick_costs(trace, trace.model, hw, "auto"))
-    links = [Link(g * 1e9, 2e-6, trace.model.expert_bytes, interference=i, wakeup=w)
+    from moesim.costmodel import CostModel
+
+    work = make_workload(trace.model, build_plan(trace, "prefetch-fom", 30), pick_costs(trace, CostModel(trace.model, hw),
+                                                                                        "auto"))
+    links = [Link(2e-6 + trace.model.expert_bytes / (g * 1e9), interference=i, wakeup=w)
              for g, i, w in ((8, 0, 0), (32, 0.3, 0), (16, 0.2, 2e-5), (400, 0, 1e-5))]
     many = run_fast_many(work, links)
     for j, link in enumerate(links):
