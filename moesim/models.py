@@ -35,19 +35,25 @@ DTYPES: dict[str, str] = {
     "int4-g128": "int4 weight-only, group-wise: 4 bits a weight plus an fp16 scale and fp16 zero per 128 weights of a row",
 }
 
-#: Repack formats of Hugging Face ``quantization_config`` (GPTQ, AWQ, compressed-tensors
-#: pack-quantized, mlx): ``{bits}b-g{group}[-sym]`` = ``bits`` a weight packed in int32
-#: words along the input dimension, an fp16 scale per group of ``group`` weights of a row
-#: and (asymmetric) a zero point of ``bits`` bits per group (GPTQ ``qzeros``, AWQ
-#: ``qzeros``: int32-packed) -- mlx stores its zero as an fp16 ``bias`` instead (the ``-mlx``
-#: formats). Parsed by :func:`_repack_layout`; these are the groupings the repacks use.
-for _bits in (2, 3, 4, 8):
+#: Repack formats of Hugging Face ``quantization_config``: ``int{bits}-g{group}-{kind}``,
+#: ``bits`` a weight packed into 32-bit words along the input dimension and a 16-bit scale
+#: per group of ``group`` weights of a row, plus what each kind stores besides
+#: (:func:`_repack_layout`, :func:`matrix_bytes`):
+#:
+#: - ``gptq`` (GPTQ, AutoGPTQ/GPTQModel ``QuantLinear``): ``qzeros`` (``bits``-bit zeros
+#:   int32-packed along the output dimension, one row a group) and ``g_idx`` (one int32 per
+#:   input channel);
+#: - ``awq`` (AutoAWQ GEMM): ``qzeros`` as GPTQ's, no ``g_idx``;
+#: - ``sym`` (compressed-tensors ``pack-quantized``, symmetric): ``weight_packed``,
+#:   ``weight_scale`` and ``weight_shape`` (two int64);
+#: - ``mlx`` (``mlx.nn.QuantizedLinear``): uint32 ``weight``, ``scales`` and ``biases`` (the
+#:   affine zero, 16-bit), one of each per group.
+REPACK_KINDS = ("gptq", "awq", "sym", "mlx")
+for _bits in (2, 3, 4, 6, 8):
     for _g in (32, 64, 128):
-        DTYPES[f"int{_bits}-g{_g}-gptq"] = (f"GPTQ/AWQ/compressed-tensors: {_bits}-bit weights packed in int32, fp16 scale "
-                                           f"and a {_bits}-bit packed zero per {_g} weights of a row")
-        DTYPES[f"int{_bits}-g{_g}-sym"] = f"symmetric {_bits}-bit weights packed in int32, an fp16 scale per {_g} weights"
-        DTYPES[f"int{_bits}-g{_g}-mlx"] = (f"mlx: {_bits}-bit weights packed in uint32, an fp16 scale and fp16 bias "
-                                          f"per {_g} weights of a row")
+        for _kind in REPACK_KINDS:
+            DTYPES[f"int{_bits}-g{_g}-{_kind}"] = (f"{_kind} repack: {_bits}-bit weights packed in 32-bit words, a "
+                                                   f"16-bit scale per {_g} weights of a row (docs/models.md)")
 DTYPES["nf4-bnb"] = "bitsandbytes NF4/FP4: 4 bits a weight plus one fp32 absmax per 64 weights (blocksize 64)"
 DTYPES["nf4-bnb-dq"] = ("bitsandbytes NF4/FP4 with double quantisation: 4 bits a weight, an 8-bit absmax per 64 "
                         "weights and one fp32 per 256 absmax values")
@@ -100,7 +106,7 @@ LAYER_KINDS = ("full", "sliding", "chunked", "linear")
 #: weight-only int formats run int8 kernels on CPUs with VNNI/AMX-INT8); every other format is
 #: dequantised to bf16 and multiplied at the bf16 rate.
 INTEGER_DTYPES = frozenset({"int8", *INT4_GROUPS, *GGML_BLOCKS, "int8-bnb",
-                            *(d for d in DTYPES if d.startswith("int") and d.endswith(("-gptq", "-sym")))})
+                            *(d for d in DTYPES if d.startswith("int") and d.endswith(("-gptq", "-awq", "-sym")))})
 
 
 def _repack_layout(dtype: str) -> tuple[int, int, str] | None:
@@ -108,7 +114,7 @@ def _repack_layout(dtype: str) -> tuple[int, int, str] | None:
     if not dtype.startswith("int") or dtype.count("-") != 2:
         return None
     bits, group, kind = dtype.split("-")
-    if kind not in ("gptq", "sym", "mlx") or not bits[3:].isdigit() or not group[1:].isdigit():
+    if kind not in REPACK_KINDS or not bits[3:].isdigit() or not group[1:].isdigit():
         return None
     return int(bits[3:]), int(group[1:]), kind
 
@@ -153,10 +159,14 @@ def matrix_bytes(rows: int, cols: int, dtype: str) -> int:
         groups = math.ceil(cols / group)
         words = math.ceil(cols * bits / 32)  # weights packed along a row into 32-bit words
         b = rows * words * 4 + rows * groups * 2  # packed weights + fp16 scales
-        if kind == "gptq":
+        if kind in ("gptq", "awq"):
             b += math.ceil(rows * bits / 32) * 4 * groups  # qzeros: int32-packed along the output dimension
+        if kind == "gptq":
+            b += 4 * cols  # g_idx: the group of each input channel
+        elif kind == "sym":
+            b += 16  # weight_shape: two int64
         elif kind == "mlx":
-            b += rows * groups * 2  # fp16 biases (mlx's affine zero)
+            b += rows * groups * 2  # 16-bit biases (mlx's affine zero)
         return b
     if dtype in GGML_BLOCKS:
         per, size = GGML_BLOCKS[dtype]
@@ -191,6 +201,7 @@ class Attention:
     q_gate: bool = False  # gated attention: q_proj also yields a sigmoid output gate (Qwen3-Next, Qwen3.5)
     qk_norm_full: bool = False  # q/k norms over all heads (OLMoE, MiniMax-M2) instead of per head
     o_bias: bool = False  # output projection bias (Phi-3.5-MoE, gpt-oss)
+    sinks: bool = False  # one learned attention-sink logit per head (gpt-oss)
 
 
 #: Linear-attention / state-space mixers moesim sizes (``LinearAttention.kind``).
@@ -467,6 +478,8 @@ class ModelSpec:
             p += self.hidden
         if a.qk_norm:
             p += q_dim + kv_dim if a.qk_norm_full else 2 * a.head_dim
+        if a.sinks:
+            p += a.n_heads
         return p
 
     @property
@@ -904,6 +917,15 @@ def get_model(name_or_path: str) -> ModelSpec:
     p = Path(name_or_path)
     if p.exists():
         cfg = p / "config.json" if p.is_dir() else p
+        gguf = sorted(p.glob("*.gguf")) if p.is_dir() else [p] if p.suffix == ".gguf" else []
+        if gguf and not (p / "config.json").is_file():
+            from moesim.gguf_file import spec_from_gguf
+
+            spec = spec_from_gguf(gguf[0])
+            if key in CATALOGUE:
+                warnings.warn(f"{name_or_path!r} is both a local path and the catalogue model {key!r}; "
+                              f"using the local {gguf[0]}", UserWarning, stacklevel=2)
+            return spec
         if not cfg.is_file():
             also = f" (also the catalogue model {key!r}: pass it from another directory)" if key in CATALOGUE else ""
             raise MoesimError(f"model directory {p} has no config.json{also}")
@@ -934,8 +956,10 @@ def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
 
 #: ``model_type`` values whose config keys :func:`from_hf_config` knows; any other family
 #: (llama, bert, ...) is refused rather than read with guessed keys.
-HF_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe",
-               "glm4_moe_lite")
+HF_FAMILIES = ("qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "mixtral", "olmoe",
+               "deepseek_v2", "deepseek_v3", "gpt_oss", "glm4_moe", "glm4_moe_lite", "llama4", "llama4_text", "dbrx",
+               "ernie4_5_moe", "granitemoe", "granitemoeshared", "phimoe", "jamba", "hunyuan_v1_moe", "minimax_m2",
+               "minimax", "dots1")
 #: ``torch_dtype`` / ``dtype`` values and the storage format they mean.
 HF_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
@@ -973,102 +997,19 @@ def read_config(path: str | Path) -> dict:
 
 
 def from_hf_config(path: str | Path) -> ModelSpec:
-    """Build a spec from a Hugging Face ``config.json`` of a supported MoE family.
+    """Build a spec from a Hugging Face ``config.json`` of a decoder-only MoE model.
 
-    Covers the key spellings of Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V2/V3, gpt-oss and
-    GLM-4 MoE (:data:`HF_FAMILIES`). Weight formats come from ``torch_dtype`` (or
-    ``dtype``) and ``quantization_config`` (fp8 block or mxfp4). Every field is checked:
-    an unknown family, a non-integer size, zero KV heads or an unknown dtype is a
-    one-line error, never a silently wrong byte count.
+    With transformers installed, every MoE family it knows is read through ``AutoConfig``
+    and a model built on the meta device (:mod:`moesim.hf_config`); without it, the
+    families of :data:`HF_FAMILIES` by their keys. Weight formats come from ``torch_dtype``
+    (or ``dtype``) and ``quantization_config`` (:mod:`moesim.artefacts`); a folder's
+    safetensors headers then give the exact stored bytes. Every field is checked: an
+    unknown family, a non-integer size, zero KV heads or an unknown dtype is a one-line
+    error, never a silently wrong byte count.
     """
-    path = Path(path)
-    cfg = read_config(path)
-    mtype = cfg.get("model_type")
-    n_experts = _first(cfg, "num_experts", "num_local_experts", "n_routed_experts")
-    if mtype not in HF_FAMILIES:
-        what = "has no expert count; not an MoE config" if n_experts is None else "is not a supported MoE family"
-        raise MoesimError(f"{path}: model_type {mtype!r} {what} (supported: {', '.join(HF_FAMILIES)})")
-    if n_experts is None:
-        raise MoesimError(f"{path}: model_type {mtype!r} has no expert count; not an MoE config")
-    n_experts = _int(cfg, path, "num_experts", "num_local_experts", "n_routed_experts")
-    n_layers = _int(cfg, path, "num_hidden_layers")
-    hidden = _int(cfg, path, "hidden_size")
-    heads = _int(cfg, path, "num_attention_heads")
-    vocab = _int(cfg, path, "vocab_size")
-    top_k = _int(cfg, path, "num_experts_per_tok", "experts_per_token")
-    has_moe_inter = "moe_intermediate_size" in cfg
-    expert_inter = _int(cfg, path, "moe_intermediate_size", "intermediate_size")
-    dense_inter = _int(cfg, path, "intermediate_size", default=0, minimum=0) if has_moe_inter else 0
+    from moesim.hf_config import spec_from_config
 
-    # Which layers are dense.
-    dense: set[int] = set(range(_int(cfg, path, "first_k_dense_replace", default=0, minimum=0)))
-    only = cfg.get("mlp_only_layers") or []
-    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
-        raise MoesimError(f"{path}: mlp_only_layers must be a list of layer indices")
-    dense |= set(only)
-    step = _int(cfg, path, "decoder_sparse_step", default=1)
-    freq = _int(cfg, path, "moe_layer_freq", default=1)
-    # Qwen3: layer i is sparse when (i + 1) % decoder_sparse_step == 0;
-    # DeepSeek/GLM: when i >= first_k_dense_replace and i % moe_layer_freq == 0.
-    dense |= {i for i in range(n_layers) if (i + 1) % step != 0 or i % freq != 0}
-    if dense and not dense_inter:
-        dense_inter = _int(cfg, path, "intermediate_size", default=expert_inter)
-
-    if cfg.get("kv_lora_rank"):
-        attention = Attention(
-            "mla", heads, heads, 0,
-            q_lora_rank=_int(cfg, path, "q_lora_rank", default=0, minimum=0),
-            kv_lora_rank=_int(cfg, path, "kv_lora_rank"),
-            qk_nope_head_dim=_int(cfg, path, "qk_nope_head_dim", default=128),
-            qk_rope_head_dim=_int(cfg, path, "qk_rope_head_dim", default=64),
-            v_head_dim=_int(cfg, path, "v_head_dim", default=128),
-        )
-    else:
-        kv_heads = _int(cfg, path, "num_key_value_heads", default=heads)
-        if heads % kv_heads:
-            raise MoesimError(f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-        if "head_dim" not in cfg and hidden % heads:
-            raise MoesimError(f"{path}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}; "
-                              "give head_dim")
-        attention = Attention(
-            "gqa", heads, kv_heads, _int(cfg, path, "head_dim", default=hidden // heads),
-            bias=bool(_first(cfg, "attention_bias", "qkv_bias", default=mtype in ("gpt_oss", "qwen2_moe"))),
-            qk_norm=mtype in ("qwen3_moe", "olmoe") or bool(cfg.get("use_qk_norm", False)),
-        )
-
-    raw_dtype = _first(cfg, "dtype", "torch_dtype", default="bfloat16")
-    if raw_dtype not in HF_DTYPES:
-        raise MoesimError(f"{path}: torch_dtype {raw_dtype!r} not supported ({', '.join(HF_DTYPES)})")
-    quant = cfg.get("quantization_config") or {}
-    if not isinstance(quant, dict):
-        raise MoesimError(f"{path}: quantization_config must be an object")
-    method = str(quant.get("quant_method", "")).lower()
-    expert_dtype = dense_dtype = HF_DTYPES[raw_dtype]
-    if method == "fp8":
-        expert_dtype = dense_dtype = "fp8-block128"
-        block = quant.get("weight_block_size", [128, 128])
-        if block != [128, 128]:
-            raise MoesimError(f"{path}: fp8 block size {block} not supported (only 128x128)")
-    elif method == "mxfp4":
-        expert_dtype = "mxfp4"
-    elif method:
-        raise MoesimError(f"{path}: quantisation {method!r} not supported (fp8 block, mxfp4)")
-
-    return ModelSpec(
-        name=str(cfg.get("_name_or_path") or path.parent.name or mtype),
-        n_layers=n_layers, n_experts=int(n_experts), top_k=top_k, hidden=hidden,
-        expert_inter=expert_inter, vocab=vocab, attention=attention,
-        dense_layers=tuple(sorted(dense)), dense_inter=dense_inter,
-        # DeepSeek/GLM: n_shared_experts of moe_intermediate_size; Qwen2-MoE: one of its own size.
-        n_shared=_int(cfg, path, "n_shared_experts", default=0, minimum=0)
-        or (1 if cfg.get("shared_expert_intermediate_size") else 0),
-        shared_inter=_int(cfg, path, "shared_expert_intermediate_size", default=0, minimum=0),
-        expert_dtype=expert_dtype, dense_dtype=dense_dtype,
-        expert_bias=mtype == "gpt_oss",
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", mtype not in ("olmoe",))),
-        family=mtype, source=str(path),
-    )
+    return spec_from_config(path)
 
 
 def catalogue_in(expert_dtype: str | None) -> tuple[list[ModelSpec], dict[str, str]]:

@@ -1,0 +1,247 @@
+"""Weight formats and exact bytes from a checkpoint's own artefacts.
+
+- :func:`formats_from_config`: ``torch_dtype`` and ``quantization_config`` (or mlx's
+  ``quantization``) -> moesim formats for the routed experts, the other layer weights, the
+  input embedding and the LM head. Each repack's bytes follow its published layout (see
+  :data:`moesim.models.DTYPES` and docs/models.md); a method moesim cannot size is refused
+  in one line, never read as bf16.
+- :func:`exact_bytes`: the safetensors headers of a folder (the JSON header only, no tensor
+  data) give every tensor's stored size; the spec then carries the artefact's exact bytes
+  per routed expert and MoE layer, per layer of non-expert weights, embedding, head and MTP.
+
+Nothing here imports torch or transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from moesim.errors import MoesimError
+from moesim.models import HF_DTYPES, ModelSpec
+
+#: quantization_config methods moesim sizes (others are refused in one line).
+QUANT_METHODS = ("fp8", "fbgemm_fp8", "mxfp4", "gptq", "awq", "compressed-tensors", "bitsandbytes", "mlx", "modelopt")
+
+
+def _repack(bits: Any, group: Any, kind: str, path: Path, method: str) -> str:
+    from moesim.models import DTYPES
+
+    if group in (-1, None, 0):
+        raise MoesimError(f"{path}: {method} without groups (group_size {group}) is not sized; group-wise only")
+    name = f"int{bits}-g{group}-{kind}"
+    if name not in DTYPES:
+        raise MoesimError(f"{path}: {method} with {bits} bits and groups of {group} is not sized "
+                          "(bits 2, 3, 4, 6, 8; groups 32, 64, 128)")
+    return name
+
+
+def _ct_format(group: dict[str, Any], path: Path) -> str:
+    """A compressed-tensors ``config_groups`` entry's weight format."""
+    w = group.get("weights") or {}
+    bits, kind, strategy = w.get("num_bits"), w.get("type"), w.get("strategy")
+    if kind == "float" and bits == 8:
+        if strategy == "channel":
+            return "fp8-channel"
+        if strategy == "tensor":
+            return "fp8-tensor"
+        if strategy == "block" and list(w.get("block_structure") or []) == [128, 128]:
+            return "fp8-block128"
+    if kind == "float" and bits == 4 and strategy in ("group", "tensor_group") and w.get("group_size") == 16:
+        return "nvfp4"
+    if kind == "int" and strategy == "group":
+        return _repack(bits, w.get("group_size"), "sym" if w.get("symmetric", True) else "awq", path,
+                       "compressed-tensors")
+    if kind == "int" and bits == 8 and strategy == "channel":
+        return "int8"
+    raise MoesimError(f"{path}: compressed-tensors weights {kind} {bits}-bit by {strategy} are not sized")
+
+
+def _ignored(patterns: list[str], *names: str) -> bool:
+    """Whether any module name matches an ignore / skip list (plain names or ``re:`` patterns)."""
+    for p in patterns or []:
+        p = str(p)
+        for n in names:
+            if (p.startswith("re:") and re.search(p[3:], n)) or p == n or n.endswith(p) or p.endswith(n):
+                return True
+    return False
+
+
+def formats_from_config(raw: dict[str, Any], path: Path) -> tuple[str, str, str, str]:
+    """(expert, dense, embedding, head) formats of a config (its top level: a multimodal
+    wrapper's ``quantization_config`` and dtype apply to its decoder)."""
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    dtype = raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype") or "bfloat16"
+    if dtype not in HF_DTYPES:
+        raise MoesimError(f"{path}: torch_dtype {dtype!r} not supported ({', '.join(HF_DTYPES)})")
+    base = HF_DTYPES[dtype]
+    quant = raw.get("quantization_config")
+    if quant is None and isinstance(raw.get("quantization"), dict):  # mlx-lm writes "quantization"
+        quant = {"quant_method": "mlx", **raw["quantization"]}
+    if quant is None:
+        quant = text.get("quantization_config")
+    quant = quant or {}
+    if not isinstance(quant, dict):
+        raise MoesimError(f"{path}: quantization_config must be an object")
+    method = str(quant.get("quant_method", "")).lower()
+    if not method and {"bits", "group_size"} <= set(quant):
+        method = "mlx"
+    if not method:
+        return base, base, base, base
+    if method == "fp8":
+        block = quant.get("weight_block_size", [128, 128])
+        if block is None:
+            return "fp8-tensor", "fp8-tensor", base, base
+        if not isinstance(block, list) or block != [128, 128]:
+            raise MoesimError(f"{path}: fp8 block size {block} not supported (only 128x128)")
+        return "fp8-block128", "fp8-block128", base, base
+    if method == "fbgemm_fp8":
+        return "fp8-channel", "fp8-channel", base, base
+    if method == "mxfp4":
+        return "mxfp4", base, base, base
+    if method in ("gptq", "awq"):
+        bits = quant.get("bits", quant.get("w_bit"))
+        group = quant.get("group_size", quant.get("q_group_size"))
+        if method == "awq" and not quant.get("zero_point", True):
+            raise MoesimError(f"{path}: AWQ without zero points is not sized")
+        fmt = _repack(bits, group, method, path, method.upper())
+        skip = quant.get("modules_to_not_convert") or []
+        dense = base if _ignored(skip, "self_attn", "attn") else fmt
+        return fmt, dense, base, base
+    if method == "bitsandbytes":
+        if quant.get("load_in_4bit"):
+            fmt = "nf4-bnb-dq" if quant.get("bnb_4bit_use_double_quant") else "nf4-bnb"
+        elif quant.get("load_in_8bit"):
+            fmt = "int8-bnb"
+        else:
+            raise MoesimError(f"{path}: bitsandbytes config loads neither 4-bit nor 8-bit")
+        skip = quant.get("llm_int8_skip_modules") or []
+        return fmt, base if _ignored(skip, "self_attn") else fmt, base, base
+    if method == "mlx":
+        fmt = _repack(quant.get("bits"), quant.get("group_size"), "mlx", path, "mlx")
+        return fmt, fmt, fmt, fmt  # mlx-lm quantises embeddings and the head too
+    if method == "compressed-tensors":
+        groups = quant.get("config_groups") or {}
+        if not groups:
+            raise MoesimError(f"{path}: compressed-tensors config has no config_groups")
+        fmts = {_ct_format(g, path) for g in groups.values()}
+        if len(fmts) != 1:
+            raise MoesimError(f"{path}: compressed-tensors mixes formats {sorted(fmts)}; per-module formats need "
+                              "the safetensors files")
+        fmt = fmts.pop()
+        ignore = quant.get("ignore") or []
+        dense = base if _ignored(ignore, "model.layers.0.self_attn.q_proj", "self_attn") else fmt
+        return fmt, dense, base, base
+    if method == "modelopt":
+        algo = str(quant.get("quant_algo", "")).upper()
+        if algo == "NVFP4":
+            return "nvfp4", "nvfp4", base, base
+        if algo == "FP8":
+            return "fp8-tensor", "fp8-tensor", base, base
+        raise MoesimError(f"{path}: modelopt quant_algo {algo!r} is not sized (NVFP4, FP8)")
+    raise MoesimError(f"{path}: quantisation {method!r} not supported (sized: {', '.join(QUANT_METHODS)})")
+
+
+# --------------------------------------------------------------------------------------
+# safetensors headers
+# --------------------------------------------------------------------------------------
+
+_LAYER = re.compile(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)\.")
+_SKIP = ("vision", "visual", "multi_modal_projector", "audio", "mm_projector", "image_newline", "patch_embed")
+
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a ``.safetensors`` file (8-byte little-endian length, then JSON);
+    no tensor data is read."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise MoesimError(f"{path}: not a safetensors file (shorter than its header length)")
+            (n,) = struct.unpack("<Q", head)
+            if n > 100_000_000:
+                raise MoesimError(f"{path}: not a safetensors file (header of {n} bytes)")
+            header = json.loads(f.read(n).decode("utf-8"))
+    except OSError as e:
+        raise MoesimError(f"cannot read {path}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise MoesimError(f"{path}: not a safetensors file (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise MoesimError(f"{path}: not a safetensors file")
+    header.pop("__metadata__", None)
+    return header
+
+
+def tensor_bytes(folder: Path) -> dict[str, int] | None:
+    """Stored bytes of every tensor in the folder's safetensors files (None without any)."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        return None
+    sizes: dict[str, int] = {}
+    for f in files:
+        for name, t in safetensors_header(f).items():
+            try:
+                a, b = t["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise MoesimError(f"{f}: tensor {name} has no data_offsets") from None
+            sizes[name] = int(b) - int(a)
+    return sizes
+
+
+def exact_bytes(spec: ModelSpec, folder: Path) -> ModelSpec:
+    """``spec`` with the bytes the folder's safetensors headers give (unchanged without
+    them, or when the files do not hold every layer: a partial download)."""
+    sizes = tensor_bytes(folder)
+    if not sizes:
+        return spec
+    return apply_tensor_bytes(spec, sizes, str(folder))
+
+
+def apply_tensor_bytes(spec: ModelSpec, sizes: dict[str, int], where: str, expert_marks=(".experts.",),
+                       embed_names=("embed_tokens", "wte", "tok_embeddings", "word_embeddings"),
+                       head_names=("lm_head", "output.weight"), final_norm=("model.norm.", "norm_f", "ln_f")) -> ModelSpec:
+    """Distribute tensor sizes (name -> bytes) over the spec's layers."""
+    layer_bytes = [0] * spec.n_layers
+    expert_bytes = [0] * spec.n_layers
+    embed = head = norm = mtp = 0
+    seen_layers: set[int] = set()
+    for name, b in sizes.items():
+        if any(s in name for s in _SKIP):
+            continue
+        m = _LAYER.search(name)
+        if m:
+            i = int(m.group(1))
+            if i >= spec.n_layers:
+                mtp += b
+                continue
+            seen_layers.add(i)
+            if any(mark in name for mark in expert_marks) and "shared_expert" not in name:
+                expert_bytes[i] += b
+            else:
+                layer_bytes[i] += b
+        elif any(e in name for e in embed_names):
+            embed += b
+        elif any(h in name for h in head_names):
+            head += b
+        elif any(n in name for n in final_norm) or name.startswith("norm."):
+            norm += b
+        elif name.startswith("mtp.") or ".mtp." in name:
+            mtp += b
+    if seen_layers != set(range(spec.n_layers)) or any(expert_bytes[i] == 0 for i in spec.moe_layers):
+        return spec  # not every layer's tensors are here (a partial download): keep the formula
+    per = []
+    for i in spec.moe_layers:
+        q, r = divmod(expert_bytes[i], spec.n_experts)
+        if r:
+            raise MoesimError(f"{where}: layer {i}'s routed experts hold {expert_bytes[i]} bytes, not a multiple of "
+                              f"{spec.n_experts} experts")
+        per.append(q)
+    if spec.tie_embeddings and not head:  # the head is the input table itself
+        head, embed = embed, 0
+    return replace(spec, expert_bytes_by_layer=tuple(per), artefact_layer_bytes=tuple(layer_bytes),
+                   artefact_head_bytes=head + norm, artefact_embed_bytes=embed if not spec.tie_embeddings else 0,
+                   artefact_mtp_bytes=mtp if spec.n_mtp_layers else 0)
