@@ -150,7 +150,7 @@ def formats_from_config(raw: dict[str, Any], path: Path) -> tuple[str, str, str,
 # safetensors headers
 # --------------------------------------------------------------------------------------
 
-_LAYER = re.compile(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)\.")
+_LAYER = re.compile(r"(?:^|\.)(?:layers|blocks|h|blk)\.(\d+)\.")
 _SKIP = ("vision", "visual", "multi_modal_projector", "audio", "mm_projector", "image_newline", "patch_embed")
 
 

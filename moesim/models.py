@@ -92,8 +92,10 @@ GGML_BLOCKS: dict[str, tuple[int, int]] = {
     "tq1_0": (256, 2 + 4 * 13),
     "tq2_0": (256, 2 + 64),
     "mxfp4-gguf": (32, 1 + 16),
+    "nvfp4-gguf": (64, 4 * (1 + 8)),  # four sub-blocks of 16: an E4M3 scale and 8 nibble bytes each
+    "q1_0": (128, 2 + 128 // 8),
 }
-_GGML_NAMES = {"q8_0": "Q8_0", "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K", "mxfp4-gguf": "MXFP4"}
+_GGML_NAMES = {"q8_0": "Q8_0", "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K", "mxfp4-gguf": "MXFP4", "nvfp4-gguf": "NVFP4"}
 for _name, (_per, _size) in GGML_BLOCKS.items():
     DTYPES.setdefault(_name, f"llama.cpp/ggml {_GGML_NAMES.get(_name, _name.upper())}: blocks of {_per} weights, "
                              f"{_size} bytes ({_size * 8 / _per:g} bits a weight)")

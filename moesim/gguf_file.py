@@ -1,0 +1,210 @@
+"""GGUF files (llama.cpp) -> :class:`moesim.models.ModelSpec` with the file's exact bytes.
+
+Read through gguf-py (``gguf.GGUFReader``, the reader llama.cpp maintains): the geometry
+from the metadata (``{arch}.block_count``, ``expert_count``, ``expert_used_count``,
+``embedding_length``, ``expert_feed_forward_length``, ``leading_dense_block_count``,
+``expert_shared_count``, attention and MLA keys, ``nextn_predict_layers``...), and every
+tensor's real ggml type and stored size (a Q4_K_M file mixes Q4_K and Q6_K; Q2_K, Q3_K and
+the IQ types are sized the same way). The type sizes are gguf-py's ``GGML_QUANT_SIZES``
+(through ``ReaderTensor.n_bytes``): a maintained library table is preferred over a
+hand-written one. Split files (``name-00001-of-00003.gguf``) are followed: every part is
+read, the first holds the metadata.
+
+Only the headers are read (gguf-py memory-maps the file; no tensor data is touched).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from moesim.errors import MoesimError
+from moesim.models import Attention, LinearAttention, ModelSpec
+
+_SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+#: GGUF architectures whose attention is MLA (DeepSeek-V2/V3, Kimi-K2, GLM-4.7-Flash).
+MLA_ARCHS = ("deepseek2", "glm4moe_lite", "kimi_k2")
+#: ggml type names moesim knows under another name.
+GGML_TO_DTYPE = {"F16": "fp16", "BF16": "bf16", "F32": "fp32", "MXFP4": "mxfp4-gguf", "NVFP4": "nvfp4-gguf"}
+
+
+def _gguf():
+    try:
+        import gguf
+    except ModuleNotFoundError:
+        raise MoesimError("reading a .gguf file needs gguf-py: pip install gguf") from None
+    return gguf
+
+
+def parts_of(path: Path) -> list[Path]:
+    """The files of a (possibly split) GGUF model, first part first."""
+    m = _SPLIT.match(path.name)
+    if not m:
+        return [path]
+    count = int(m["count"])
+    files = [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise MoesimError(f"{path}: split GGUF part {missing[0]} is missing ({len(missing)} of {count} parts)")
+    return files
+
+
+def _reader(path: Path):
+    gguf = _gguf()
+    try:
+        return gguf.GGUFReader(str(path), "r")
+    except (ValueError, OSError, IndexError, KeyError) as e:
+        raise MoesimError(f"{path}: not a readable GGUF file ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})"
+                          ) from None
+
+
+def _value(field) -> Any:
+    """A metadata field's value: a scalar, a string, or a list."""
+    gguf = _gguf()
+    v = field.contents()
+    if field.types and field.types[0] == gguf.GGUFValueType.ARRAY:
+        return list(v)
+    return v
+
+
+def metadata(reader) -> dict[str, Any]:
+    return {name: _value(f) for name, f in reader.fields.items() if not name.startswith("tokenizer.ggml.")}
+
+
+def _dtype(type_name: str) -> str:
+    from moesim.models import DTYPES
+
+    d = GGML_TO_DTYPE.get(type_name, type_name.lower())
+    if d not in DTYPES:
+        raise MoesimError(f"ggml type {type_name} is not sized by moesim")
+    return d
+
+
+def spec_from_gguf(path: str | Path) -> ModelSpec:
+    """A spec for the model in a GGUF file (or the first part of a split one): geometry
+    from its metadata, the routed experts' and every layer's bytes from its tensors."""
+    path = Path(path)
+    if not path.is_file():
+        raise MoesimError(f"GGUF file {path} does not exist")
+    files = parts_of(path)
+    readers = [_reader(f) for f in files]
+    meta = metadata(readers[0])
+    tensors: dict[str, tuple[str, int, tuple[int, ...]]] = {}
+    for r in readers:
+        for t in r.tensors:
+            tensors[t.name] = (t.tensor_type.name, int(t.n_bytes), tuple(int(x) for x in t.shape))
+    vocab = None
+    tok = readers[0].fields.get("tokenizer.ggml.tokens")
+    if tok is not None:
+        vocab = len(tok.data)
+    return spec_from_metadata(meta, tensors, str(path), vocab)
+
+
+def spec_from_metadata(meta: dict[str, Any], tensors: dict[str, tuple[str, int, tuple[int, ...]]], where: str,
+                       vocab: int | None = None) -> ModelSpec:
+    """The spec from GGUF metadata and ``name -> (ggml type, bytes, shape)`` of every tensor."""
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str):
+        raise MoesimError(f"{where}: no general.architecture in the GGUF metadata")
+
+    def key(name: str, default: Any = None, required: bool = False) -> Any:
+        v = meta.get(f"{arch}.{name}", default)
+        if required and v is None:
+            raise MoesimError(f"{where}: GGUF metadata has no {arch}.{name} (not an MoE model, or an architecture "
+                              "moesim does not read)")
+        if isinstance(v, list) and v and all(x == v[0] for x in v):
+            v = v[0]  # a per-layer list of equal values (head_count_kv of some files)
+        if isinstance(v, list):
+            raise MoesimError(f"{where}: {arch}.{name} differs between layers; not modelled")
+        return v
+
+    n_experts = key("expert_count", required=True)
+    top_k = key("expert_used_count", required=True)
+    blocks = key("block_count", required=True)
+    nextn = int(key("nextn_predict_layers", 0) or 0)
+    n_layers = blocks - nextn
+    hidden = key("embedding_length", required=True)
+    expert_inter = key("expert_feed_forward_length") or key("feed_forward_length", required=True)
+    dense_inter = key("feed_forward_length", 0) or 0
+    heads = key("attention.head_count", required=True)
+    kv_heads = key("attention.head_count_kv", heads)
+    vocab = vocab or key("vocab_size") or tensors.get("token_embd.weight", ("", 0, (0, 0)))[2][-1]
+    n_shared = int(key("expert_shared_count", 0) or 0)
+    shared_inter = int(key("expert_shared_feed_forward_length", 0) or 0)
+
+    moe = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors]
+    if not moe:
+        raise MoesimError(f"{where}: no layer has a router (blk.N.ffn_gate_inp); not an MoE model")
+    dense = [i for i in range(n_layers) if i not in moe]
+    shexp = tensors.get(f"blk.{moe[0]}.ffn_up_shexp.weight")  # ggml shape: [hidden, n_shared x inter]
+    if shexp and not n_shared:
+        n_shared = 1
+    if shexp and not shared_inter and shexp[2][-1] != expert_inter * n_shared:
+        shared_inter = shexp[2][-1] // n_shared
+
+    if key("attention.kv_lora_rank"):
+        k_len = key("attention.key_length", 192)
+        rope = key("rope.dimension_count", 64)
+        attention = Attention("mla", heads, heads, 0, q_lora_rank=int(key("attention.q_lora_rank", 0) or 0),
+                              kv_lora_rank=key("attention.kv_lora_rank"), qk_nope_head_dim=k_len - rope,
+                              qk_rope_head_dim=rope, v_head_dim=key("attention.value_length", 128))
+    else:
+        head_dim = key("attention.key_length") or hidden // heads
+        attention = Attention("gqa", heads, kv_heads, head_dim,
+                              bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
+                              qk_norm="blk.0.attn_q_norm.weight" in tensors or any(
+                                  f"blk.{i}.attn_q_norm.weight" in tensors for i in range(n_layers)))
+
+    kinds: tuple[str, ...] = ()
+    window = chunk = 0
+    linear = None
+    if arch == "gpt-oss":
+        window = int(key("attention.sliding_window", 128))
+        kinds = tuple("sliding" if i % 2 == 0 else "full" for i in range(n_layers))
+    elif arch == "llama4":
+        chunk = int(key("attention.chunk_size", 8192) or 0)
+        kinds = tuple("chunked" if (i + 1) % 4 and chunk else "full" for i in range(n_layers))  # every 4th is NoPE
+    elif arch in ("qwen3next", "qwen35moe"):
+        every = int(key("full_attention_interval", 4))
+        kinds = tuple("full" if (i + 1) % every == 0 else "linear" for i in range(n_layers))
+        inner, n_v = key("ssm.inner_size", required=True), key("ssm.time_step_rank", required=True)
+        linear = LinearAttention("gated_deltanet", n_heads=n_v, n_k_heads=key("ssm.group_count", required=True),
+                                 head_k_dim=key("ssm.state_size", required=True), head_v_dim=inner // n_v,
+                                 conv_kernel=key("ssm.conv_kernel", 4))
+    if kinds and all(k == "full" for k in kinds):
+        kinds = ()
+
+    def ttype(name: str) -> str | None:
+        t = tensors.get(name)
+        return t[0] if t else None
+
+    first = moe[0]
+    e_type = ttype(f"blk.{first}.ffn_gate_exps.weight") or ttype(f"blk.{first}.ffn_up_exps.weight")
+    a_type = (ttype("blk.0.attn_q.weight") or ttype("blk.0.attn_qkv.weight") or ttype("blk.0.attn_q_a.weight")
+              or ttype("blk.0.attn_q_b.weight") or e_type)
+    embed_type = ttype("token_embd.weight") or "BF16"
+    tied = "output.weight" not in tensors
+    head_type = embed_type if tied else ttype("output.weight")
+
+    spec = ModelSpec(
+        name=str(meta.get("general.name") or Path(where).stem), n_layers=n_layers, n_experts=n_experts, top_k=top_k,
+        hidden=hidden, expert_inter=expert_inter, vocab=int(vocab), attention=attention, dense_layers=tuple(dense),
+        dense_inter=dense_inter if dense else 0, n_shared=n_shared, shared_inter=shared_inter,
+        expert_dtype=_dtype(e_type), dense_dtype=_dtype(a_type), embed_dtype=_dtype(embed_type),
+        head_dtype=_dtype(head_type), expert_bias=f"blk.{first}.ffn_gate_exps.bias" in tensors,
+        tie_embeddings=tied, family=f"gguf:{arch}", source=where, layer_types=kinds, sliding_window=window,
+        attention_chunk=chunk, linear=linear, n_mtp_layers=nextn,
+        router_bias=f"blk.{first}.exp_probs_b.bias" in tensors or f"blk.{first}.ffn_gate_inp.bias" in tensors,
+        # A placeholder that the file's real bytes replace below (a K-quant file stores tensors whose rows are
+        # not a multiple of 256 in a fallback type, so the formula's checks do not apply).
+        expert_bytes_by_layer=(1,) * (n_layers - len(dense)),
+    )
+    from moesim.artefacts import apply_tensor_bytes
+
+    sizes = {name: b for name, (_, b, _) in tensors.items()}
+    exact = apply_tensor_bytes(spec, sizes, where, expert_marks=("_exps.",), embed_names=("token_embd",),
+                               head_names=("output.weight",), final_norm=("output_norm",))
+    if exact is spec:
+        raise MoesimError(f"{where}: the GGUF file does not hold every layer's tensors")
+    return exact
