@@ -43,7 +43,10 @@ EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_
 TOPK_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_k", "moe_topk", "num_experts_per_token", "top_k_experts")
 LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked",
                "linear_attention": "linear", "mamba": "linear", "full": "full", "sliding": "sliding",
-               "chunked": "chunked", "linear": "linear", "attention": "full"}
+               "chunked": "chunked", "linear": "linear", "attention": "full",
+               # DeepSeek-V3.2's sparse attention: its lightning indexer picks the keys it reads, but the cache
+               # holds every token's (modelled as full attention; the indexer's own keys are not counted)
+               "indexed_attention": "full"}
 #: Families with q/k norms: per head (Qwen3 style) or over all heads (OLMoE, MiniMax-M2).
 QK_NORM_HEAD = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "dots1", "hunyuan_v1_moe")
 QK_NORM_FULL = ("olmoe", "minimax_m2")
@@ -112,11 +115,14 @@ def _moe_layers(cfg: dict[str, Any], path: Path, mtype: str, n_layers: int) -> s
         end = n_layers - 1 if end is None or end == -1 else int(end)
         interval = _int(cfg, path, "moe_layer_interval", default=1)
         return {i for i in range(n_layers) if start <= i <= end and (i - start) % interval == 0}
+    mlp_types = cfg.get("mlp_layer_types")
+    if isinstance(mlp_types, list) and len(mlp_types) == n_layers:  # transformers 5: "dense" / "sparse" per layer
+        return {i for i, t in enumerate(mlp_types) if str(t).lower() in ("sparse", "moe")}
     if mtype == "jamba":
         period = _int(cfg, path, "expert_layer_period", default=2)
         offset = _int(cfg, path, "expert_layer_offset", default=1, minimum=0)
         return {i for i in range(n_layers) if i % period == offset}
-    dense: set[int] = set(range(_int(cfg, path, "first_k_dense_replace", default=0, minimum=0)))
+    dense: set[int] = set(range(_int(cfg, path, "first_k_dense_replace", "num_dense_layers", default=0, minimum=0)))
     only = cfg.get("mlp_only_layers") or []
     if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
         raise MoesimError(f"{path}: mlp_only_layers must be a list of layer indices")
@@ -181,6 +187,13 @@ def _linear(cfg: dict[str, Any], path: Path, mtype: str, hidden: int) -> LinearA
             raise MoesimError(f"{path}: Jamba with mamba_proj_bias or without mamba_conv_bias is not modelled")
         return LinearAttention("mamba", d_inner=d_inner, d_state=_int(cfg, path, "mamba_d_state", default=16),
                                dt_rank=rank, conv_kernel=_int(cfg, path, "mamba_d_conv", default=4))
+    if mtype == "granitemoehybrid":
+        heads, head = _int(cfg, path, "mamba_n_heads"), _int(cfg, path, "mamba_d_head")
+        if cfg.get("mamba_proj_bias") or not cfg.get("mamba_conv_bias", True):
+            raise MoesimError(f"{path}: Mamba-2 with mamba_proj_bias or without mamba_conv_bias is not modelled")
+        return LinearAttention("mamba2", n_heads=heads, head_v_dim=head, d_inner=heads * head,
+                               d_state=_int(cfg, path, "mamba_d_state"), n_groups=_int(cfg, path, "mamba_n_groups"),
+                               conv_kernel=_int(cfg, path, "mamba_d_conv", default=4))
     if mtype == "minimax":
         heads = _int(cfg, path, "num_attention_heads")
         return LinearAttention("lightning", n_heads=heads, head_v_dim=_int(cfg, path, "head_dim",

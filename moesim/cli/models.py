@@ -9,7 +9,30 @@ import typer
 from moesim.cli.app import app, err, out, print_csv, print_json, table
 
 COLUMNS = ("model", "layers (MoE)", "experts + shared", "top-k", "hidden / inter", "expert dtype",
-           "MB / expert", "GB / layer", "GB experts", "GB non-expert", "GB / token")
+           "MB / expert", "GB / layer", "GB experts", "GB non-expert", "GB / token", "B params (active)", "layers by kind")
+
+
+def _kinds(s) -> dict[str, int]:
+    kinds: dict[str, int] = {}
+    for i in range(s.n_layers):
+        kinds[s.layer_kind(i)] = kinds.get(s.layer_kind(i), 0) + 1
+    return kinds
+
+
+def _row(s) -> dict:
+    """One model's figures (every byte exact; the per-layer expert bytes when the artefact gives them)."""
+    return {"model": s.name, "family": s.family, "layers": s.n_layers, "moe_layers": s.n_moe_layers,
+            "experts": s.n_experts, "shared": s.n_shared, "top_k": s.top_k, "hidden": s.hidden,
+            "expert_inter": s.expert_inter, "expert_dtype": s.expert_dtype, "dense_dtype": s.dense_dtype,
+            "expert_bytes": s.expert_bytes,
+            "expert_bytes_by_layer": list(s.expert_bytes_by_layer) or None,
+            "layer_expert_bytes": s.layer_expert_bytes, "all_expert_bytes": s.all_expert_bytes,
+            "non_expert_bytes": s.non_expert_bytes, "input_embedding_bytes": s.input_embedding_bytes,
+            "embedding_row_bytes": s.embedding_row_bytes, "bytes_per_token": s.bytes_per_token(),
+            "total_params": s.total_params, "active_params": s.active_params, "extra_params": s.extra_params,
+            "layer_kinds": _kinds(s), "sliding_window": s.sliding_window or None,
+            "attention_chunk": s.attention_chunk or None, "kv_cache_bytes_4k_context": s.kv_cache_bytes(1, 4096),
+            "n_mtp_layers": s.n_mtp_layers, "mtp_layer_bytes": s.mtp_layer_bytes}
 
 
 @app.command()
@@ -24,6 +47,9 @@ def models(
 
     Sizes in decimal GB/MB. "per token" is what one decoded token touches at batch 1:
     every non-expert weight plus top-k experts in every MoE layer (no KV cache).
+    A model directory is read through transformers when it is installed (every MoE
+    family it knows), its safetensors headers give exact bytes, and a `.gguf` file (or a
+    folder of one, split files followed) is read with every tensor's real ggml type.
 
     `--expert-dtype` shows every byte figure with the routed experts in that format
     (non-expert weights keep theirs).
@@ -41,11 +67,7 @@ def models(
             specs = [s.with_expert_dtype(expert_dtype) for s in specs]  # validates the format (one line, exit 2)
     else:
         specs, skipped = catalogue_in(expert_dtype)
-    rows = [{"model": s.name, "layers": s.n_layers, "moe_layers": s.n_moe_layers, "experts": s.n_experts,
-             "shared": s.n_shared, "top_k": s.top_k, "hidden": s.hidden, "expert_inter": s.expert_inter,
-             "expert_dtype": s.expert_dtype, "expert_bytes": s.expert_bytes,
-             "layer_expert_bytes": s.layer_expert_bytes, "all_expert_bytes": s.all_expert_bytes,
-             "non_expert_bytes": s.non_expert_bytes, "bytes_per_token": s.bytes_per_token()} for s in specs]
+    rows = [_row(s) for s in specs]
     if as_json:
         print_json({"models": rows, "specs": [s.to_dict() for s in specs]})
         return
@@ -56,6 +78,8 @@ def models(
         [r["model"], f"{r['layers']} ({r['moe_layers']})", f"{r['experts']} + {r['shared']}", str(r["top_k"]),
          f"{r['hidden']} / {r['expert_inter']}", r["expert_dtype"], f"{r['expert_bytes'] / 1e6:.2f}",
          f"{r['layer_expert_bytes'] / 1e9:.3f}", f"{r['all_expert_bytes'] / 1e9:.1f}",
-         f"{r['non_expert_bytes'] / 1e9:.2f}", f"{r['bytes_per_token'] / 1e9:.2f}"] for r in rows], ["left"] + ["right"] * 10))
+         f"{r['non_expert_bytes'] / 1e9:.2f}", f"{r['bytes_per_token'] / 1e9:.2f}",
+         f"{r['total_params'] / 1e9:.2f} ({r['active_params'] / 1e9:.2f})",
+         ", ".join(f"{n} {k}" for k, n in r["layer_kinds"].items())] for r in rows], ["left"] + ["right"] * 12))
     for name, why in skipped.items():
         err.print(f"not listed: {name}: {why}", highlight=False, markup=False, soft_wrap=True)
