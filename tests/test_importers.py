@@ -84,3 +84,138 @@ def test_mismatched_array_dumps_are_refused(tmp_path):
     (tmp_path / "junk.npz").write_bytes(b"nope")
     with pytest.raises(MoesimError, match="not a readable"):
         importers.import_routing("npz", tmp_path / "junk.npz", MODEL)
+
+
+# --------------------------------------------------------------------------------------
+# vLLM's real layout: every layer's row, from .npy, .npz and the server's JSON (synthetic examples)
+# --------------------------------------------------------------------------------------
+
+SYNTH = "vllm-synthetic-deepseek-v2-lite"
+PROMPT, COMPLETION = 8, 9  # vLLM writes prompt + completion - 1 = 16 rows
+
+
+def synthetic_vllm_routing(seed: int = 0) -> np.ndarray:
+    """[16, 27, 6] uint8 like vLLM's output for deepseek-v2-lite (27 layers, the first dense:
+    its row is zeros, as vLLM leaves a layer without a router); synthetic routing."""
+    rng = np.random.default_rng(seed)
+    r = np.zeros((PROMPT + COMPLETION - 1, 27, 6), np.uint8)
+    for t in range(r.shape[0]):
+        for layer in range(1, 27):
+            r[t, layer] = rng.choice(64, 6, replace=False)
+    return r
+
+
+def write_vllm_examples(folder: Path) -> list[Path]:
+    """The committed synthetic examples (tests/test_importers.py regenerates and compares them)."""
+    import base64
+    import io
+
+    r = synthetic_vllm_routing()
+    tokens = np.arange(100, 100 + COMPLETION, dtype=np.int64)
+    np.save(folder / f"{SYNTH}.npy", r)
+    np.savez(folder / f"{SYNTH}.npz", routed_experts=r, prompt_tokens=PROMPT, token_ids=tokens)
+    buf = io.BytesIO()
+    np.save(buf, r)
+    response = {"id": "cmpl-synthetic", "object": "text_completion", "model": "deepseek-ai/DeepSeek-V2-Lite",
+                "choices": [{"index": 0, "text": "(synthetic)", "finish_reason": "length",
+                             "token_ids": tokens.tolist(), "routed_experts": base64.b64encode(buf.getvalue()).decode()}],
+                "usage": {"prompt_tokens": PROMPT, "completion_tokens": COMPLETION,
+                          "total_tokens": PROMPT + COMPLETION}}
+    (folder / f"{SYNTH}.json").write_text(json.dumps(response, indent=1) + "\n")
+    return [folder / f"{SYNTH}.{ext}" for ext in ("npy", "npz", "json")]
+
+
+def test_synthetic_examples_are_what_the_script_writes(tmp_path):
+    for made in write_vllm_examples(tmp_path):
+        committed = EXAMPLES / made.name
+        if made.suffix == ".npz":
+            a, b = np.load(made), np.load(committed)
+            assert sorted(a.files) == sorted(b.files) and all((a[k] == b[k]).all() for k in a.files)
+        else:
+            assert made.read_bytes() == committed.read_bytes(), made.name
+
+
+@pytest.mark.parametrize("ext", ["npy", "npz", "json"])
+def test_vllm_rows_of_dense_layers_are_dropped(tmp_path, ext):
+    t = importers.import_routing("vllm", EXAMPLES / f"{SYNTH}.{ext}", "deepseek-v2-lite", tmp_path / "t.npz",
+                                 prompt_tokens=PROMPT if ext == "npy" else None)
+    r = synthetic_vllm_routing()
+    assert t.true_ids.shape == (COMPLETION - 1, 26, 1, 6) and t.prompt_len == PROMPT
+    np.testing.assert_array_equal(t.true_ids[:, :, 0], r[PROMPT:, 1:])
+    if ext != "npy":
+        np.testing.assert_array_equal(t.token_ids[0], np.arange(100, 100 + COMPLETION - 1))
+    assert read_trace(tmp_path / "t.npz").n_tokens == COMPLETION - 1
+
+
+def test_sglang_json_is_read(tmp_path):
+    import base64
+
+    r = synthetic_vllm_routing()
+    body = {"text": "x", "output_ids": list(range(100, 100 + COMPLETION)),
+            "meta_info": {"prompt_tokens": PROMPT, "routed_experts": base64.b64encode(r.astype("<i4").tobytes()).decode()}}
+    p = tmp_path / "s.json"
+    p.write_text(json.dumps(body))
+    t = importers.import_routing("sglang", p, "deepseek-v2-lite")
+    np.testing.assert_array_equal(t.true_ids[:, :, 0], r[PROMPT:, 1:])
+
+
+def _npz(tmp_path, **arrays):
+    p = tmp_path / "h.npz"
+    np.savez(p, **arrays)
+    return p
+
+
+R = synthetic_vllm_routing()
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: _npz(d, routed_experts=R.astype(np.float32) * np.nan, prompt_tokens=8), "must be integers"),
+    (lambda d: _npz(d, routed_experts=R > 3, prompt_tokens=8), "must be integers"),
+    (lambda d: _npz(d, routed_experts=R.astype(str), prompt_tokens=8), "must be integers"),
+    (lambda d: _npz(d, routed_experts=R[0, 0], prompt_tokens=8), r"\[seq_len, layers, top_k\]"),
+    (lambda d: _npz(d, routed_experts=R + 64, prompt_tokens=8), "expert id .* outside"),
+    (lambda d: _npz(d, routed_experts=R, prompt_tokens=np.float64(8.5)), "prompt_tokens must be one whole number"),
+    (lambda d: _npz(d, routed_experts=R, prompt_tokens=True), "prompt_tokens must be one whole number"),
+    (lambda d: _npz(d, routed_experts=R[:, :20], prompt_tokens=8), "20 layers; deepseek-v2-lite has 26 MoE"),
+    (lambda d: (np.save(d / "p.npy", R), d / "p.npy")[1], "does not say how long the prompt was"),
+    (lambda d: ((d / "j.json").write_text('{"choices": [{"routed_experts": 5}], "usage": {"prompt_tokens": 8}}'),
+                d / "j.json")[1], "must be a base64 string"),
+    (lambda d: ((d / "j.json").write_text('{"choices": [{"routed_experts": "@@@"}]}'), d / "j.json")[1], "not base64"),
+    (lambda d: ((d / "j.json").write_text('{"choices": [], "usage": NaN}'), d / "j.json")[1], "not a JSON response"),
+    (lambda d: ((d / "j.json").write_text('{"choices": [{"text": "no routing"}]}'), d / "j.json")[1],
+     "enable-return-routed-experts"),
+])
+def test_hostile_vllm_dumps_are_one_line(tmp_path, make, message):
+    p = make(tmp_path)
+    with pytest.raises(MoesimError, match=message) as e:
+        importers.import_routing("vllm", p, "deepseek-v2-lite", tmp_path / "o.npz")
+    assert "\n" not in str(e.value) and not (tmp_path / "o.npz").exists()
+
+
+def test_hostile_dumps_exit_2_with_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    np.save(tmp_path / "p.npy", R)
+    _npz(tmp_path, routed_experts=R.astype(np.float64) * np.nan, prompt_tokens=8)
+    for f in (tmp_path / "p.npy", tmp_path / "h.npz"):
+        r = subprocess.run([sys.executable, "-m", "moesim", "import", "vllm", str(f), "--model", "deepseek-v2-lite",
+                            "--out", str(tmp_path / "o.npz")], capture_output=True, text=True)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and r.stdout == "", r.stderr
+    assert not (tmp_path / "o.npz").exists()
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"token": 0, "layer": 0, "experts": [True, 1, 2, 3]}, "an expert id must be a whole number"),
+    ({"token": 0, "layer": 0, "experts": ["a", 1, 2, 3]}, "an expert id must be a whole number"),
+    ({"token": 0.5, "layer": 0, "experts": [0, 1, 2, 3]}, "token must be a whole number"),
+    ({"token": 0, "layer": 0, "experts": [0, 1, 2, 3], "gates": ["NaN", 1, 1, 1]}, "gates must be a list of numbers"),
+])
+def test_hostile_jsonl_records_are_one_line(tmp_path, record, message):
+    p = _jsonl(tmp_path, [record])
+    with pytest.raises(MoesimError, match=message) as e:
+        importers.import_routing("jsonl", p, MODEL)
+    assert "\n" not in str(e.value)
+    p.write_text('{"token": 0, "layer": 0, "experts": [0, 1, 2, 3], "gates": [NaN, 1, 1, 1]}')
+    with pytest.raises(MoesimError, match="not a routing record"):
+        importers.import_routing("jsonl", p, MODEL)

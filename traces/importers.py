@@ -4,14 +4,20 @@ Formats (full descriptions in docs/routing.md):
 
 - ``vllm``: vLLM's per-completion routed experts (server flag
   ``--enable-return-routed-experts``; ``CompletionOutput.routed_experts`` in vLLM's
-  ``vllm/outputs.py``): an int array ``[seq_len, moe_layers, top_k]`` over every token that
-  went through a forward pass (prompt tokens, then generated tokens except the last, so
-  ``seq_len = prompt + completion - 1``). Saved by the user as ``.npz`` holding
-  ``routed_experts`` and ``prompt_tokens`` (and optionally ``token_ids``, the completion's
-  tokens); several completions of equal length may be stacked as
-  ``[batch, seq_len, moe_layers, top_k]``. The prompt rows are prefill and are dropped;
-  the decode steps are the rest. vLLM returns no gate weights: gates are set to ``1/k``
-  and the header says so.
+  ``vllm/outputs.py``, ``CompletionResponseChoice.routed_experts`` in its OpenAI-compatible
+  server): an int array ``[seq_len, num_hidden_layers, top_k]`` (uint8, uint16 past 256
+  experts) over every token that went through a forward pass (prompt tokens, then generated
+  tokens except the last, so ``seq_len = prompt + completion - 1``), with a row for every
+  layer, dense ones included: those rows are dropped using the model's MoE layers (an array
+  of MoE layers only is read as it is). Read from a ``.npz`` (``routed_experts``,
+  ``prompt_tokens``, optional ``token_ids`` and ``gates``), a plain ``.npy`` (the prompt
+  length given as ``prompt_tokens``) or the server's JSON response (``choices[i].routed_experts``:
+  base64 of the ``.npy`` bytes; ``usage.prompt_tokens`` or ``choices[i].prompt_token_ids``;
+  ``choices[i].token_ids``). Several completions of equal length are stacked as a batch.
+  The prompt rows are prefill and are dropped; the decode steps are the rest. vLLM returns
+  no gate weights: gates are set to ``1/k`` and the header says so.
+- ``sglang``: SGLang's ``/generate`` JSON with ``--enable-return-routed-experts``
+  (``meta_info.routed_experts``, base64; ``meta_info.prompt_tokens``), the same layout.
 - ``jsonl``: one JSON object a line, ``{"token": i, "layer": l, "experts": [...],
   "gates": [...]}``, optional ``"seq": b`` (batch row, default 0); ``layer`` is the model
   layer index (an MoE layer of the model), experts largest gate first; ``gates`` optional.
@@ -26,6 +32,9 @@ Imported traces have no predictions (``pred_ids`` -1) and no timings.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 import json
 import zipfile
 from pathlib import Path
@@ -38,25 +47,30 @@ from moesim.models import ModelSpec, get_model
 from moesim.traces.format import Trace, write_trace
 from moesim.traces.header import make_header
 
-FORMATS = ("vllm", "jsonl", "npz")
+FORMATS = ("vllm", "sglang", "jsonl", "npz")
 
 
-def import_routing(fmt: str, path: str | Path, model: str | ModelSpec, out: str | Path | None = None) -> Trace:
+def import_routing(fmt: str, path: str | Path, model: str | ModelSpec, out: str | Path | None = None,
+                   prompt_tokens: int | None = None) -> Trace:
     """Read ``path`` in format ``fmt`` for ``model`` (catalogue name, config path or spec);
-    write the trace to ``out`` when given (atomic). Returns the trace."""
+    write the trace to ``out`` when given (atomic). ``prompt_tokens``: the prompt length
+    of a plain ``.npy`` vLLM dump (a ``.npz`` or JSON carries its own). Returns the trace."""
     if fmt not in FORMATS:
         raise MoesimError(f"unknown routing format {fmt!r}; known: {', '.join(FORMATS)}")
     path = Path(path)
     if not path.is_file():
         raise MoesimError(f"routing dump {path} does not exist")
+    if prompt_tokens is not None and (isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int)
+                                      or prompt_tokens < 1):
+        raise MoesimError(f"prompt_tokens must be a whole number >= 1 (got {prompt_tokens!r})")
     spec = model if isinstance(model, ModelSpec) else get_model(model)
     if out is not None:
         from moesim.outputs import check_output_file
 
         check_output_file(out, (".npz",))
     where = path.name
-    if fmt == "vllm":
-        ids, gates, tokens, prompt_len = _read_vllm(path, where)
+    if fmt in ("vllm", "sglang"):
+        ids, gates, tokens, prompt_len = _read_vllm(path, where, spec, prompt_tokens, fmt)
     elif fmt == "jsonl":
         ids, gates, tokens, prompt_len = _read_jsonl(path, spec, where)
     else:
@@ -80,24 +94,140 @@ def _load_npz(path: Path, where: str) -> dict[str, np.ndarray]:
         raise MoesimError(f"{where}: not a readable .npz ({e})") from None
 
 
-def _read_vllm(path: Path, where: str):
-    d = _load_npz(path, where)
-    if "routed_experts" not in d or "prompt_tokens" not in d:
-        raise MoesimError(f"{where}: a vLLM dump needs arrays routed_experts and prompt_tokens")
-    r = d["routed_experts"]
+def _whole(v, what: str, where: str) -> int:
+    """A JSON / array scalar that must be a whole number (not a bool, float or string)."""
+    if isinstance(v, np.ndarray):
+        if v.size != 1 or v.dtype.kind not in "iu":
+            raise MoesimError(f"{where}: {what} must be one whole number, got {v.dtype} {v.shape}")
+        v = v.ravel()[0].item()
+    if isinstance(v, bool) or not isinstance(v, int | np.integer):
+        raise MoesimError(f"{where}: {what} must be a whole number, got {v!r}")
+    return int(v)
+
+
+def _npy_bytes(raw: bytes, where: str, what: str) -> np.ndarray:
+    try:
+        return np.load(io.BytesIO(raw), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise MoesimError(f"{where}: {what} is not .npy data ({str(e)[:80]})") from None
+
+
+def _b64_array(s, where: str, what: str, spec: ModelSpec) -> np.ndarray:
+    """vLLM/SGLang's base64 routed experts: the bytes of a ``.npy`` (vLLM); raw int32 rows
+    when they carry no ``.npy`` header (SGLang's tensor bytes), reshaped to [rows, layers, top_k]."""
+    if not isinstance(s, str):
+        raise MoesimError(f"{where}: {what} must be a base64 string, got {type(s).__name__}")
+    try:
+        raw = base64.b64decode(s, validate=True)
+    except (binascii.Error, ValueError):
+        raise MoesimError(f"{where}: {what} is not base64") from None
+    if raw.startswith(b"\x93NUMPY"):
+        return _npy_bytes(raw, where, what)
+    if len(raw) % 4:
+        raise MoesimError(f"{where}: {what} holds {len(raw)} bytes: neither .npy nor int32 rows")
+    flat = np.frombuffer(raw, "<i4")
+    for layers in (spec.n_layers, spec.n_moe_layers):
+        if flat.size % (layers * spec.top_k) == 0:
+            return flat.reshape(-1, layers, spec.top_k)
+    raise MoesimError(f"{where}: {what} holds {flat.size} ids: not rows of {spec.n_layers} layers x top-{spec.top_k}")
+
+
+def _read_vllm_json(path: Path, where: str, spec: ModelSpec, fmt: str):
+    """The OpenAI-compatible server's completion response (vLLM) or /generate's (SGLang)."""
+    try:
+        d = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_no_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
+        raise MoesimError(f"{where}: not a JSON response ({str(e)[:80]})") from None
+    items = d if isinstance(d, list) else [d]
+    arrays, prompts, tokens = [], [], []
+    for n, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise MoesimError(f"{where}: response {n} is not a JSON object")
+        if fmt == "sglang":
+            meta = item.get("meta_info")
+            if not isinstance(meta, dict) or meta.get("routed_experts") is None:
+                raise MoesimError(f"{where}: response {n} has no meta_info.routed_experts (start SGLang with "
+                                  "--enable-return-routed-experts and ask for return_routed_experts)")
+            arrays.append(_b64_array(meta["routed_experts"], where, "meta_info.routed_experts", spec))
+            prompts.append(_whole(meta.get("prompt_tokens"), "meta_info.prompt_tokens", where))
+            tokens.append(item.get("output_ids"))
+            continue
+        choices = item.get("choices")
+        if not isinstance(choices, list) or not choices:
+            raise MoesimError(f"{where}: response {n} has no choices")
+        usage = item.get("usage") if isinstance(item.get("usage"), dict) else {}
+        for c in choices:
+            if not isinstance(c, dict) or c.get("routed_experts") is None:
+                raise MoesimError(f"{where}: a choice has no routed_experts (start vLLM with "
+                                  "--enable-return-routed-experts)")
+            arrays.append(_b64_array(c["routed_experts"], where, "choices[].routed_experts", spec))
+            if isinstance(c.get("prompt_token_ids"), list):
+                prompts.append(len(c["prompt_token_ids"]))
+            else:
+                prompts.append(_whole(usage.get("prompt_tokens"), "usage.prompt_tokens", where))
+            tokens.append(c.get("token_ids"))
+    if len(set(prompts)) != 1 or len({a.shape for a in arrays}) != 1:
+        raise MoesimError(f"{where}: completions of different lengths cannot be one batch "
+                          f"(prompts {sorted(set(prompts))}, routed {sorted({a.shape for a in arrays})})")
+    tok = None
+    if all(isinstance(t, list) for t in tokens):
+        if any(isinstance(x, bool) or not isinstance(x, int) for t in tokens for x in t):
+            raise MoesimError(f"{where}: token_ids must be whole numbers")
+        if len({len(t) for t in tokens}) == 1:
+            tok = np.array(tokens, np.int64)
+    return np.stack(arrays), prompts[0], tok, None
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _read_vllm(path: Path, where: str, spec: ModelSpec, prompt_tokens: int | None, fmt: str = "vllm"):
+    gates = tokens = None
+    if path.suffix == ".json" or fmt == "sglang":
+        r, p, tokens, gates = _read_vllm_json(path, where, spec, fmt)
+    elif path.suffix == ".npy":
+        if prompt_tokens is None:
+            raise MoesimError(f"{where}: a plain .npy of routed experts does not say how long the prompt was: "
+                              "give --prompt-tokens (or save a .npz with prompt_tokens)")
+        with open(path, "rb") as f:
+            r = _npy_bytes(f.read(), where, "the file")
+        p = prompt_tokens
+    else:
+        d = _load_npz(path, where)
+        if "routed_experts" not in d or ("prompt_tokens" not in d and prompt_tokens is None):
+            raise MoesimError(f"{where}: a vLLM dump needs arrays routed_experts and prompt_tokens")
+        r = d["routed_experts"]
+        p = prompt_tokens if prompt_tokens is not None else _whole(d["prompt_tokens"], "prompt_tokens", where)
+        tokens, gates = d.get("token_ids"), d.get("gates")
+    if r.dtype.kind not in "iu":
+        raise MoesimError(f"{where}: routed experts must be integers, got {r.dtype} (a {r.dtype.kind!r} array)")
     if r.ndim == 3:
         r = r[None]
-    if r.ndim != 4 or r.dtype.kind not in "iu":
+    if r.ndim != 4:
         raise MoesimError(f"{where}: routed_experts must be integer [seq_len, layers, top_k] "
                           f"(or [batch, seq_len, layers, top_k]), got {r.dtype} {r.shape}")
-    p = int(np.asarray(d["prompt_tokens"]).ravel()[0])
+    if gates is not None:
+        gates = np.asarray(gates)
+        if gates.dtype.kind != "f" or gates.size != r.size:
+            raise MoesimError(f"{where}: gates must be floats of the shape of routed_experts {r.shape}")
+        gates = gates.reshape(r.shape)
     if not 1 <= p < r.shape[1]:
         raise MoesimError(f"{where}: prompt_tokens {p} leaves no decode step in {r.shape[1]} routed rows")
-    ids = r[:, p:].transpose(1, 2, 0, 3)  # [T, M, B, k]; rows before p are the prefill
-    tokens = d.get("token_ids")
+    layers = r.shape[2]
+    if layers == spec.n_layers and spec.dense_layers:  # vLLM writes every layer; the dense ones carry nothing
+        keep = list(spec.moe_layers)
+        r = r[:, :, keep]
+        gates = gates[:, :, keep] if gates is not None else None
+    ids = r[:, p:].transpose(1, 2, 0, 3).astype(np.int64)  # [T, M, B, k]; rows before p are the prefill
+    if gates is not None:
+        gates = gates[:, p:].transpose(1, 2, 0, 3)
     if tokens is not None:
-        tokens = np.atleast_2d(tokens)[:, : ids.shape[0]]  # generated token i is fed at decode step i
-    return ids, None, tokens, p
+        tokens = np.atleast_2d(np.asarray(tokens))
+        if tokens.dtype.kind not in "iu":
+            raise MoesimError(f"{where}: token_ids must be integers, got {tokens.dtype}")
+        tokens = tokens[:, : ids.shape[0]]  # generated token i is fed at decode step i
+    return ids, gates, tokens, p
 
 
 def _read_npz(path: Path, where: str):
@@ -112,26 +242,43 @@ def _read_npz(path: Path, where: str):
                           f"[tokens, layers, batch, top_k], got {ids.dtype} {ids.shape}")
     gates = d.get("gates")
     if gates is not None:
-        gates = gates.reshape(ids.shape) if gates.size == ids.size else None
-        if gates is None:
-            raise MoesimError(f"{where}: gates must have the shape of experts {d['experts'].shape}")
-    return ids, gates, d.get("token_ids"), 0
+        if gates.dtype.kind != "f" or gates.size != ids.size:
+            raise MoesimError(f"{where}: gates must be floats of the shape of experts {d['experts'].shape}")
+        gates = gates.reshape(ids.shape)
+    tokens = d.get("token_ids")
+    if tokens is not None and tokens.dtype.kind not in "iu":
+        raise MoesimError(f"{where}: token_ids must be integers, got {tokens.dtype}")
+    return ids, gates, tokens, 0
 
 
 def _read_jsonl(path: Path, spec: ModelSpec, where: str):
     moe_index = {layer: j for j, layer in enumerate(spec.moe_layers)}
     rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-                rows.append((int(r.get("seq", 0)), int(r["token"]), int(r["layer"]), list(r["experts"]),
-                             r.get("gates")))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
-                raise MoesimError(f"{where}:{n}: not a routing record "
-                                  f'{{"token", "layer", "experts"[, "gates", "seq"]}} ({e})') from None
+    try:
+        lines = path.read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise MoesimError(f"{where}: not UTF-8 text (a JSON-lines file is expected)") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line, parse_constant=_no_constant)
+            if not isinstance(r, dict):
+                raise TypeError("not an object")
+            seq, tok, layer = (_whole(r.get("seq", 0), "seq", f"{where}:{n}"),
+                               _whole(r["token"], "token", f"{where}:{n}"), _whole(r["layer"], "layer", f"{where}:{n}"))
+            experts = r["experts"]
+            if not isinstance(experts, list) or not experts:
+                raise TypeError("experts must be a non-empty list")
+            experts = [_whole(e, "an expert id", f"{where}:{n}") for e in experts]
+            g = r.get("gates")
+            if g is not None and (not isinstance(g, list) or any(
+                    isinstance(x, bool) or not isinstance(x, int | float) for x in g)):
+                raise TypeError("gates must be a list of numbers")
+            rows.append((seq, tok, layer, experts, g))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+            raise MoesimError(f"{where}:{n}: not a routing record "
+                              f'{{"token", "layer", "experts"[, "gates", "seq"]}} ({e})') from None
     if not rows:
         raise MoesimError(f"{where}: no routing records")
     k = len(rows[0][3])
@@ -174,8 +321,11 @@ def _read_jsonl(path: Path, spec: ModelSpec, where: str):
 def _build(spec: ModelSpec, ids: np.ndarray, gates: np.ndarray | None, tokens: np.ndarray | None, prompt_len: int,
            fmt: str, path: Path, where: str) -> Trace:
     t, m, b, k = ids.shape
+    if ids.size == 0:
+        raise MoesimError(f"{where}: no routing rows")
     if m != spec.n_moe_layers:
-        extra = f" ({spec.n_layers} layers, {len(spec.dense_layers)} dense)" if spec.dense_layers else ""
+        extra = (f" ({spec.n_layers} layers, {len(spec.dense_layers)} dense; a dump of all {spec.n_layers} layers "
+                 "is read too)") if spec.dense_layers else ""
         raise MoesimError(f"{where}: routing has {m} layers; {spec.name} has {spec.n_moe_layers} MoE layers{extra}")
     if k != spec.top_k:
         raise MoesimError(f"{where}: routing has top-{k}; {spec.name} routes top-{spec.top_k}")

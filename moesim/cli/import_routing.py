@@ -12,20 +12,25 @@ from moesim.cli.app import app, err
 
 @app.command("import")
 def import_routing(
-    fmt: Annotated[str, typer.Argument(metavar="FORMAT", help="vllm, jsonl or npz (docs/routing.md).")],
+    fmt: Annotated[str, typer.Argument(metavar="FORMAT", help="vllm, sglang, jsonl or npz (docs/routing.md).")],
     path: Annotated[Path, typer.Argument(metavar="FILE", help="The routing dump.")],
     model: Annotated[str, typer.Option(help="Catalogue name or model directory the dump was recorded on.")],
     out_path: Annotated[Path, typer.Option("--out", help="Trace file to write (.npz).")] = Path("imported.npz"),
+    prompt_tokens: Annotated[int | None, typer.Option(help="vllm, plain .npy: the prompt's length (its first rows "
+                                                           "are prefill).")] = None,
 ) -> None:
     """Import routing that another engine recorded: vLLM's per-completion routed experts
-    (`--enable-return-routed-experts`), or the plain JSON-lines / npz format any tool can
-    write (docs/routing.md). A dump that does not match the model is one line.
+    (`--enable-return-routed-experts`: a .npz, a plain .npy with `--prompt-tokens`, or the
+    OpenAI-compatible server's JSON response), SGLang's /generate JSON, or the plain
+    JSON-lines / npz format any tool can write (docs/routing.md). vLLM's rows for dense
+    layers are dropped using the model's MoE layers. A dump that does not match the model is
+    one line.
 
-    Example: `moesim import jsonl routing.jsonl --model ./moe-stdlib --out imported.npz` (needs a dump file:
-    traces/examples/ in the source tree has one of each format)
+    Example: `moesim import vllm vllm-synthetic-deepseek-v2-lite.json --model deepseek-v2-lite --out imported.npz`
+    (traces/examples/ in the source tree has one file of each format)
     """
     from moesim.traces.importers import import_routing as run_import
 
-    trace = run_import(fmt, path, model, out_path)
+    trace = run_import(fmt, path, model, out_path, prompt_tokens=prompt_tokens)
     err.print(f"wrote {out_path}: {trace.n_tokens} steps x {trace.model.n_moe_layers} MoE layers of "
               f"{trace.model.name}, batch {trace.batch} (imported from {fmt})")
