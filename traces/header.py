@@ -27,13 +27,14 @@ FALLBACK_POLICY = "on-demand"
 
 def make_header(spec: ModelSpec, *, policy: str, params: dict[str, Any] | None = None, prompt_len: int,
                 n_tokens: int, batch: int, seed: int, synthetic: bool, recorded: dict[str, Any],
-                prefill_s: float | None = None, metrics: dict[str, Any] | None = None,
+                prefill_s: float | None = None, metrics: dict[str, Any] | None = None, lookahead: int = 1,
                 **extra: Any) -> dict[str, Any]:
     """The JSON header every trace writer builds (executor, speculative executor, generator).
 
     ``recorded`` says where and how (``tool``, ``how``, and for measured traces
     ``hw_profile``, ``link_gbps``, ``latency_us``, ``device``, ``transport``, ...);
-    ``extra`` holds the optional sections (``speculative``, ``generator``).
+    ``extra`` holds the optional sections (``speculative``, ``generator``); ``lookahead``
+    (how many MoE layers ahead ``pred_ids`` were predicted) is written only when it is not 1.
     """
     header: dict[str, Any] = {
         "format": FORMAT, "version": VERSION, "model": spec.to_dict(),
@@ -45,6 +46,8 @@ def make_header(spec: ModelSpec, *, policy: str, params: dict[str, Any] | None =
         header["prefill_s"] = float(prefill_s)
     if metrics is not None:
         header["metrics"] = metrics
+    if int(lookahead) != 1:
+        header["lookahead"] = int(lookahead)
     header.update(extra)
     return header
 
@@ -95,6 +98,7 @@ class TraceMeta:
     metrics: dict[str, Any] = field(default_factory=dict)
     speculative: dict[str, Any] | None = None
     generator: dict[str, Any] | None = None
+    lookahead: int = 1  # pred_ids[:, m] was predicted at MoE layer m - lookahead's router
 
     @property
     def recorded_policy(self) -> Policy | None:
@@ -118,8 +122,13 @@ class TraceMeta:
         for name, sec in (("speculative", spec_), ("generator", gen)):
             if sec is not None and not isinstance(sec, dict):
                 raise MoesimError(f"trace header {name!r} must be an object")
+        model = ModelSpec.from_dict(h["model"])
+        lookahead = _opt(h, "lookahead", int, "")
+        if lookahead is not None and (lookahead < 1 or lookahead != 1 and lookahead >= model.n_moe_layers):
+            raise MoesimError(f"trace header lookahead {lookahead} must be >= 1 and less than {model.name}'s "
+                              f"{model.n_moe_layers} MoE layers (predictions made that many MoE layers ahead)")
         return cls(
-            model=ModelSpec.from_dict(h["model"]),
+            model=model,
             policy=_opt(pol, "name", str, "policy "),
             policy_params=params,
             cache_experts=_opt(params, "cache_experts", int, "policy params ") or 0,
@@ -145,4 +154,5 @@ class TraceMeta:
             metrics=_section(h, "metrics"),
             speculative=spec_,
             generator=gen,
+            lookahead=1 if lookahead is None else lookahead,
         )

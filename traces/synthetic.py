@@ -14,18 +14,42 @@ Each knob can instead be given per MoE layer (``popularity``, ``layer_reuse``,
 ``layer_hit``): :func:`moesim.sim.stats.fit_synthetic` fits them to a real trace so a
 short recording stretches to any length and batch (``like`` names the source).
 
-Memory is proportional to tokens x layers x batch x top-k (the output) plus a fixed
-scratch of at most :data:`SCRATCH` draws, never x experts: tokens are drawn in chunks;
-top-k without replacement is sequential sampling (draw with replacement from the layer's
-CDF, keep first occurrences), the same distribution as Gumbel-top-k (Kool et al. 2019,
-"Stochastic Beams and Where to Find Them", arXiv:1903.06059), which is the fallback for
-rows whose draws hold too few distinct experts.
+Two more parameters:
 
-The header says ``synthetic: true`` and carries these parameters; no timing is recorded.
+- ``lookahead`` (N, default 1): ``pred_ids[t, m]`` is the prediction for MoE layer ``m``
+  made N MoE layers earlier, at layer ``m - N``'s router, so rows ``m < N`` hold no
+  prediction (-1, gates 0). **A synthetic assumption**: prediction gets worse the further
+  ahead it looks, and the per-expert hit rate at distance N is the distance-1 rate raised
+  to the power N (``layer_hit_rates(n_moe) ** N``: N one-layer guesses that must all be
+  right). ``hit_rate``/``layer_hit`` are always the distance-1 rates.
+- ``draw_seed``: the popularity (each layer's expert ranking and probabilities) comes from
+  ``seed``; every draw (routing, reuse, gates, predictions, token ids) comes from
+  ``draw_seed`` when given, else from ``seed``. Two traces with one ``seed`` and two
+  ``draw_seed`` share their hot experts but not their routing: a calibration twin.
+
+Sampling is exact and compiled (numba, see :func:`_draw_rows`): a token's top-k at a layer
+is the experts forced back in from the previous token (each with the layer's reuse
+probability, first, in the previous token's order), then sequential sampling without
+replacement from the layer's popularity over the other experts -- the same law as
+Gumbel-top-k (Kool et al. 2019, "Stochastic Beams and Where to Find Them",
+arXiv:1903.06059) -- by rejection from Walker's alias table (Vose 1991, IEEE TSE 17(9)),
+then, for a row whose rejections exceed a small budget (a very skewed popularity), by
+inverting the cumulative popularity with the chosen experts cut out. A prediction keeps
+each true expert with the (lookahead) hit rate and fills up the same way from the experts
+that are not true. Every (quantity, layer) has its own random stream (xoshiro256+,
+Blackman and Vigna 2018, seeded from ``numpy.random.SeedSequence``), so the trace does
+not depend on how tokens are chunked.
+
+Memory is the output (about 14 bytes per token x MoE layer x batch x top-k) plus tables
+of layers x experts, never tokens x experts.
+
+The header says ``synthetic: true`` and carries these parameters (and ``lookahead`` at its
+top level when it is not 1); no timing is recorded.
 """
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -37,7 +61,7 @@ from moesim.models import ModelSpec
 from moesim.traces.format import Trace
 from moesim.traces.header import make_header
 
-#: Most expert draws held at once (int64, 32 MiB); a chunk of tokens is sized to fit.
+#: Expert slots drawn per call of the compiled kernel (progress is reported between calls).
 SCRATCH = 1 << 22
 
 
@@ -60,6 +84,10 @@ class SyntheticParams:
     layer_hit: tuple[float, ...] = ()
     #: Where fitted per-layer parameters came from (a trace's name); empty when not fitted.
     like: str = ""
+    #: Predictions for MoE layer m are made at layer m - lookahead (hit rate: the layer's ** lookahead).
+    lookahead: int = 1
+    #: Seed of every draw (routing, reuse, gates, predictions, tokens); None: ``seed``. Popularity is ``seed``'s.
+    draw_seed: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tokens", "batch"):
@@ -73,6 +101,11 @@ class SyntheticParams:
         for name in ("layer_reuse", "layer_hit"):
             if any(not 0 <= v <= 1 for v in getattr(self, name)):
                 raise MoesimError(f"synthetic trace: every {name} value must be in [0, 1]")
+        if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, numbers.Integral) or self.lookahead < 1:
+            raise MoesimError(f"synthetic trace: lookahead must be an integer >= 1, got {self.lookahead!r}")
+        if self.draw_seed is not None and (isinstance(self.draw_seed, bool)
+                                           or not isinstance(self.draw_seed, numbers.Integral) or self.draw_seed < 0):
+            raise MoesimError(f"synthetic trace: draw_seed must be an integer >= 0 or None, got {self.draw_seed!r}")
         for row in self.popularity:
             if any(not np.isfinite(p) or p < 0 for p in row) or not sum(row) > 0:
                 raise MoesimError("synthetic trace: popularity rows must be non-negative with a positive sum")
@@ -83,6 +116,11 @@ class SyntheticParams:
         rates = np.full(n_moe, self.hit_rate)
         rates[: self.early_layers] = self.early_hit_rate
         return rates
+
+    def lookahead_hit_rates(self, n_moe: int) -> np.ndarray:
+        """Per MoE layer, the hit rate of a prediction made ``lookahead`` layers ahead:
+        the distance-1 rate to the power ``lookahead`` (the module docstring's assumption)."""
+        return self.layer_hit_rates(n_moe) ** self.lookahead
 
     def layer_reuse_rates(self, n_moe: int) -> np.ndarray:
         return np.asarray(self.layer_reuse, float) if self.layer_reuse else np.full(n_moe, self.reuse)
@@ -98,6 +136,9 @@ class SyntheticParams:
             v = getattr(self, name)
             if not 0 <= v <= 1:
                 raise MoesimError(f"synthetic trace: --{name.replace('_', '-')} {v} must be in [0, 1]")
+        if self.lookahead != 1 and self.lookahead >= m:
+            raise MoesimError(f"synthetic trace: --lookahead {self.lookahead} must be less than {spec.name}'s {m} "
+                              "MoE layers (a prediction is made that many MoE layers ahead)")
         for name in ("popularity", "layer_reuse", "layer_hit"):
             v = getattr(self, name)
             if v and len(v) != m:
@@ -108,11 +149,6 @@ class SyntheticParams:
             raise MoesimError(f"synthetic trace: every popularity row needs >= top_k={spec.top_k} non-zero experts")
 
 
-def _topk_keys(keys: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest keys along the last axis, largest first."""
-    idx = np.argpartition(-keys, k - 1, axis=-1)[..., :k]
-    order = np.argsort(-np.take_along_axis(keys, idx, -1), axis=-1)
-    return np.take_along_axis(idx, order, -1)
 
 
 def _log_popularity(spec: ModelSpec, params: SyntheticParams, rng: np.random.Generator) -> np.ndarray:
@@ -146,59 +182,276 @@ def _alias_tables(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return prob, alias
 
 
-class _Sampler:
-    """Top-k without replacement from each layer's popularity, without a per-token
-    [experts] array: draw ``3k + 8`` experts with replacement (Walker's alias method), keep the
-    first distinct ones in draw order -- exactly sequential sampling without replacement,
-    the same law as Gumbel-top-k. A row whose draws hold too few usable experts (a very
-    skewed popularity) is redrawn by Gumbel-top-k over all experts."""
+def _stream_states(seq: np.random.SeedSequence, n: int) -> np.ndarray:
+    """[n, 4] xoshiro256+ states, one stream per MoE layer, from ``seq`` (never all zero)."""
+    st = seq.generate_state(4 * n, np.uint64).reshape(n, 4)
+    st[(st == 0).all(1), 0] = 1
+    return st
 
-    def __init__(self, logp: np.ndarray, k: int) -> None:
-        self.logp, self.k = logp, k
-        self.prob, self.alias = _alias_tables(np.exp(logp))
-        self.draws = 3 * k + 8
 
-    def distinct(self, rng: np.random.Generator, n: int, b: int) -> np.ndarray:
-        """[n, m, b, 2k] first distinct draws per row in draw order, -1 padded."""
-        m, c, want = self.logp.shape[0], self.draws, 2 * self.k
-        e = self.logp.shape[1]
-        col = rng.integers(0, e, (n, m, b, c))
-        layer = np.arange(m)[None, :, None, None]
-        cand = np.where(rng.random((n, m, b, c)) < self.prob[layer, col], col, self.alias[layer, col])
-        order = np.argsort(cand, axis=-1, kind="stable")
-        srt = np.take_along_axis(cand, order, -1)
-        first_sorted = np.ones_like(srt, bool)
-        first_sorted[..., 1:] = srt[..., 1:] != srt[..., :-1]
-        first = np.empty_like(first_sorted)
-        np.put_along_axis(first, order, first_sorted, -1)
-        pos = np.cumsum(first, -1) - 1
-        sel = first & (pos < want)
-        out = np.full((n, m, b, want), -1, np.int64)
-        idx = np.nonzero(sel)
-        out[(*idx[:3], pos[idx])] = cand[idx]
-        return out
+def _alias_words(p: np.ndarray) -> np.ndarray:
+    """The alias tables packed for the kernel: per [layer, column] ``alias << 33 | threshold``,
+    the threshold being the keep probability in units of 2**-32 (so 2**32 always keeps)."""
+    prob, alias = _alias_tables(p)
+    zero = (p <= 0) & (prob > 0)  # a never-routed column left over by rounding: always take its alias
+    alias[zero] = np.argmax(p, 1)[np.nonzero(zero)[0]]
+    prob[zero] = 0.0
+    thr = np.clip(np.round(prob * 2.0**32), 0, 2**32).astype(np.uint64)
+    return (alias.astype(np.uint64) << np.uint64(33)) | thr
 
-    def fill(self, forced: np.ndarray, exclude: np.ndarray, drawn: np.ndarray, rng: np.random.Generator,
-             layer_axis: int) -> np.ndarray:
-        """Rows of k experts: the ``forced`` ones (>= 0) first, then the first ``drawn`` ones
-        not in ``exclude``. Shapes [..., k], [..., k], [..., 2k]; ``layer_axis`` indexes layers."""
-        k = self.k
-        bad = (drawn[..., :, None] == exclude[..., None, :]).any(-1) | (drawn < 0)
-        comb = np.concatenate([forced, np.where(bad, -1, drawn)], -1)
-        keep = comb >= 0
-        order = np.argsort(~keep, axis=-1, kind="stable")[..., :k]
-        out = np.take_along_axis(comb, order, -1)
-        short = keep.sum(-1) < k
-        if short.any():  # rare: redraw these rows exactly by Gumbel-top-k over the experts
-            where = np.nonzero(short)
-            layers = where[layer_axis]
-            keys = self.logp[layers] + rng.gumbel(size=(layers.size, self.logp.shape[1]))
-            rows = np.arange(layers.size)[:, None]
-            ex, fo = exclude[where], forced[where]
-            keys[np.broadcast_to(rows, ex.shape)[ex >= 0], ex[ex >= 0]] = -np.inf
-            keys[np.broadcast_to(rows, fo.shape)[fo >= 0], fo[fo >= 0]] = np.inf
-            out[where] = _topk_keys(keys, k)
-        return out
+
+def _ziggurat() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Tables of Marsaglia and Tsang's ziggurat for the standard normal, 128 boxes
+    ("The Ziggurat Method for Generating Random Variables", J. Stat. Softw. 5(8), 2000)."""
+    kn, wn, fn = np.zeros(128, np.int64), np.zeros(128), np.zeros(128)
+    m1, dn, vn = 2147483648.0, 3.442619855899, 9.91256303526217e-3
+    tn = dn
+    q = vn / np.exp(-0.5 * dn * dn)
+    kn[0], kn[1] = int(dn / q * m1), 0
+    wn[0], wn[127] = q / m1, dn / m1
+    fn[0], fn[127] = 1.0, np.exp(-0.5 * dn * dn)
+    for i in range(126, 0, -1):
+        dn = np.sqrt(-2.0 * np.log(vn / dn + np.exp(-0.5 * dn * dn)))
+        kn[i + 1] = int(dn / tn * m1)
+        tn = dn
+        fn[i] = np.exp(-0.5 * dn * dn)
+        wn[i] = dn / m1
+    return kn, wn, fn
+
+
+def _draw_rows(true, gates, pred, t0, t1, p, start, words, reuse, hit, look, st_route, st_gate, st_pred, kn, wn, fn):
+    """Draw steps [t0, t1) of ``true``/``gates``/``pred`` [steps, layers, batch, k] in place
+    (the module docstring says what is drawn). ``p`` [layers, E] is the popularity,
+    ``start`` its exclusive cumulative sum, ``words`` the packed alias tables
+    (:func:`_alias_words`), ``reuse``/``hit`` the per-layer rates (``hit`` already at the
+    lookahead distance); rows of layers < ``look`` get no prediction; ``st_*`` [layers, 4]
+    are the random streams, advanced in place; ``kn``/``wn``/``fn`` the ziggurat's tables.
+
+    Why numba: every row is a short sequential loop (forced experts, then draws until k
+    distinct ones), which numpy can only do by drawing a fixed surplus per row and sorting
+    it: that generator took 62 s for 100,000 Qwen3-30B-A3B tokens (38.4M expert slots) on
+    this project's 2-core machine. The random streams are inlined and kept in registers
+    for the same reason (numpy's Generator called from numba cost ~8 ns a number there,
+    xoshiro256+ ~1 ns), and the alias draw is branch-free (one packed word a column:
+    9 ns a slot against 21 ns with a branch, measured)."""
+    m, b, k = true.shape[1], true.shape[2], true.shape[3]
+    e = p.shape[1]
+    ue = np.uint64(e)
+    lo32 = np.uint64(0xFFFFFFFF)
+    lo33 = np.uint64(0x1FFFFFFFF)
+    inv53 = 1.0 / 9007199254740992.0
+    mark = np.zeros(e, np.int64)
+    row = np.empty(k, np.int64)
+    srt = np.empty(2 * k + 1, np.int64)
+    z = np.empty(k, np.float64)
+    budget = 4 * k + 16
+
+    def nxt(s0, s1, s2, s3):
+        """xoshiro256+ (Blackman and Vigna 2018): a 64-bit draw and the next state."""
+        r = s0 + s3
+        sh = s1 << np.uint64(17)
+        s2 ^= s0
+        s3 ^= s1
+        s1 ^= s2
+        s0 ^= s3
+        s2 ^= sh
+        s3 = (s3 << np.uint64(45)) | (s3 >> np.uint64(19))
+        return r, s0, s1, s2, s3
+
+    def normal(s0, s1, s2, s3):
+        """A standard normal by the ziggurat (index from the low 7 bits, value from the top 32)."""
+        r, s0, s1, s2, s3 = nxt(s0, s1, s2, s3)
+        hz = np.int64(np.int32(np.uint32(r >> np.uint64(32))))
+        iz = np.int64(r & np.uint64(127))
+        while True:
+            if abs(hz) < kn[iz]:
+                return hz * wn[iz], s0, s1, s2, s3
+            x = hz * wn[iz]
+            if iz == 0:  # the tail beyond r (Marsaglia 1964)
+                while True:
+                    r, s0, s1, s2, s3 = nxt(s0, s1, s2, s3)
+                    x = -np.log(1.0 - (r >> np.uint64(11)) * inv53) / 3.442619855899
+                    r, s0, s1, s2, s3 = nxt(s0, s1, s2, s3)
+                    y = -np.log(1.0 - (r >> np.uint64(11)) * inv53)
+                    if y + y >= x * x:
+                        break
+                return (3.442619855899 + x if hz > 0 else -3.442619855899 - x), s0, s1, s2, s3
+            r, s0, s1, s2, s3 = nxt(s0, s1, s2, s3)
+            if fn[iz] + (r >> np.uint64(11)) * inv53 * (fn[iz - 1] - fn[iz]) < np.exp(-0.5 * x * x):
+                return x, s0, s1, s2, s3
+            r, s0, s1, s2, s3 = nxt(s0, s1, s2, s3)
+            hz = np.int64(np.int32(np.uint32(r >> np.uint64(32))))
+            iz = np.int64(r & np.uint64(127))
+
+    def fill_exact(ly, n, stamp, s0, s1, s2, s3):
+        """Sequential sampling over the unmarked experts by inverting the cumulative
+        popularity with the marked experts' intervals cut out: O(marked + log E) a draw."""
+        ns = 0
+        rem = 0.0
+        for j in range(e):
+            if mark[j] == stamp:
+                srt[ns] = j
+                ns += 1
+            else:
+                rem += p[ly, j]
+        while n < k:
+            r, s0, s1, s2, s3 = nxt(s0, s1, s2, s3)
+            u = (r >> np.uint64(11)) * inv53
+            j = -1
+            if rem > 1e-12:
+                v = u * rem
+                x = v
+                for i in range(ns):
+                    c = srt[i]
+                    if start[ly, c] <= x:
+                        x += p[ly, c]
+                    else:
+                        break
+                lo, hi = 0, e
+                while hi - lo > 1:
+                    mid = (lo + hi) >> 1
+                    if start[ly, mid] <= x:
+                        lo = mid
+                    else:
+                        hi = mid
+                j = lo
+                if mark[j] == stamp or p[ly, j] <= 0.0:  # a rounding edge: walk the unmarked mass
+                    j = -1
+                    acc = 0.0
+                    for jj in range(e):
+                        if mark[jj] != stamp and p[ly, jj] > 0.0:
+                            j = jj
+                            acc += p[ly, jj]
+                            if acc > v:
+                                break
+            if j < 0:  # no popularity left: uniform over the unmarked experts, else over those not in the row
+                free = 0
+                for jj in range(e):
+                    if mark[jj] != stamp:
+                        free += 1
+                if free > 0:
+                    q = int(u * free)
+                    for jj in range(e):
+                        if mark[jj] != stamp:
+                            j = jj
+                            if q == 0:
+                                break
+                            q -= 1
+                else:
+                    q = int(u * (e - n))
+                    for jj in range(e):
+                        used = False
+                        for i in range(n):
+                            if row[i] == jj:
+                                used = True
+                        if not used:
+                            j = jj
+                            if q == 0:
+                                break
+                            q -= 1
+            if mark[j] != stamp:
+                rem -= p[ly, j]
+                i = ns  # keep srt sorted
+                while i > 0 and srt[i - 1] > j:
+                    srt[i] = srt[i - 1]
+                    i -= 1
+                srt[i] = j
+                ns += 1
+            mark[j] = stamp
+            row[n] = j
+            n += 1
+        return n, s0, s1, s2, s3
+
+    def fill(ly, n, stamp, s0, s1, s2, s3):
+        """Append distinct unmarked experts to row[n:k]: alias draws, rejecting marked ones."""
+        attempts = 0
+        while n < k and attempts < budget:
+            attempts += 1
+            r, s0, s1, s2, s3 = nxt(s0, s1, s2, s3)
+            c = ((r >> np.uint64(32)) * ue) >> np.uint64(32)
+            w = words[ly, c]
+            j = np.int64(c) if (r & lo32) < (w & lo33) else np.int64(w >> np.uint64(33))
+            if mark[j] == stamp:
+                continue  # rejected: chosen or excluded already
+            mark[j] = stamp
+            row[n] = j
+            n += 1
+        if n < k:
+            return fill_exact(ly, n, stamp, s0, s1, s2, s3)
+        return n, s0, s1, s2, s3
+
+    stamp = 0
+    for t in range(t0, t1):
+        for ly in range(m):
+            a0, a1, a2, a3 = st_route[ly, 0], st_route[ly, 1], st_route[ly, 2], st_route[ly, 3]
+            g0, g1, g2, g3 = st_gate[ly, 0], st_gate[ly, 1], st_gate[ly, 2], st_gate[ly, 3]
+            q0, q1, q2, q3 = st_pred[ly, 0], st_pred[ly, 1], st_pred[ly, 2], st_pred[ly, 3]
+            for s in range(b):
+                # True top-k: the previous token's experts forced back in, then popularity.
+                stamp += 1
+                n = 0
+                if t > 0:  # branch-free: a forced expert is written always, kept when drawn
+                    for j in range(k):
+                        r, a0, a1, a2, a3 = nxt(a0, a1, a2, a3)
+                        x = true[t - 1, ly, s, j]
+                        keep = (r >> np.uint64(11)) * inv53 < reuse[ly]
+                        row[n] = x
+                        mark[x] = stamp if keep else mark[x]
+                        n += 1 if keep else 0
+                n, a0, a1, a2, a3 = fill(ly, n, stamp, a0, a1, a2, a3)
+                for j in range(k):
+                    true[t, ly, s, j] = row[j]
+                # Gates: softmax of k sorted normal logits, largest first.
+                for i in range(k):
+                    z[i], g0, g1, g2, g3 = normal(g0, g1, g2, g3)
+                for i in range(k):  # odd-even transposition sort, descending: branch-free min/max
+                    for j in range(i & 1, k - 1, 2):
+                        hi_, lo_ = max(z[j], z[j + 1]), min(z[j], z[j + 1])
+                        z[j], z[j + 1] = hi_, lo_
+                tot = 0.0
+                for j in range(k):
+                    z[j] = np.exp(z[j] - z[0]) if j else 1.0
+                    tot += z[j]
+                for j in range(k):
+                    gates[t, ly, s, j] = z[j] / tot
+                # Prediction (made at layer l - look): each true expert kept with the hit rate,
+                # the rest from the popularity among the experts that are not true.
+                if ly < look:
+                    for j in range(k):
+                        pred[t, ly, s, j] = -1
+                    continue
+                stamp += 1
+                for j in range(k):
+                    mark[true[t, ly, s, j]] = stamp
+                n = 0
+                for j in range(k):
+                    r, q0, q1, q2, q3 = nxt(q0, q1, q2, q3)
+                    row[n] = true[t, ly, s, j]
+                    n += 1 if (r >> np.uint64(11)) * inv53 < hit[ly] else 0
+                n, q0, q1, q2, q3 = fill(ly, n, stamp, q0, q1, q2, q3)
+                for j in range(k):
+                    pred[t, ly, s, j] = row[j]
+            st_route[ly, 0], st_route[ly, 1], st_route[ly, 2], st_route[ly, 3] = a0, a1, a2, a3
+            st_gate[ly, 0], st_gate[ly, 1], st_gate[ly, 2], st_gate[ly, 3] = g0, g1, g2, g3
+            st_pred[ly, 0], st_pred[ly, 1], st_pred[ly, 2], st_pred[ly, 3] = q0, q1, q2, q3
+
+
+_ZIGGURAT = _ziggurat()
+_KERNEL = None
+
+
+def _kernel():
+    """:func:`_draw_rows`, compiled on first use (numba costs ~0.4 s to import: only
+    commands that synthesise pay it) and cached in the user's folder (:mod:`moesim.jit`)."""
+    global _KERNEL
+    if _KERNEL is None:
+        from numba import njit
+
+        from moesim.jit import use_user_cache
+
+        use_user_cache()
+        _KERNEL = njit(cache=True)(_draw_rows)
+    return _KERNEL
 
 
 def _chunks(t: int, per_token: int):
@@ -209,62 +462,49 @@ def _chunks(t: int, per_token: int):
 
 def synthetic_trace(spec: ModelSpec, params: SyntheticParams = SyntheticParams(),
                     progress: Callable[[int, int], None] | None = None) -> Trace:
-    """Generate a trace for ``spec``, in chunks of tokens (memory ~ the output's size);
-    ``progress(done, total)`` counts tokens, for a progress bar on long traces."""
+    """Generate a trace for ``spec`` (memory ~ the output's size); ``progress(done, total)``
+    counts tokens, for a progress bar on long traces."""
     params.check(spec)
     budget.check(budget.synth_estimate(spec, params.tokens, params.batch))
-    # Independent streams per quantity, so chunk sizes never change what is drawn where.
-    seeds = np.random.SeedSequence(params.seed).spawn(5)
-    r_pop, r_route, r_gate, r_pred, r_tok = (np.random.default_rng(s) for s in seeds)
+    # Independent streams per quantity (and per layer inside the kernel), so chunk sizes
+    # never change what is drawn where; popularity from ``seed``, draws from ``draw_seed``.
+    pop_seeds = np.random.SeedSequence(params.seed).spawn(5)
+    draw_seeds = pop_seeds if params.draw_seed is None else np.random.SeedSequence(params.draw_seed).spawn(5)
     t, m, b, k = params.tokens, spec.n_moe_layers, params.batch, spec.top_k
-    sampler = _Sampler(_log_popularity(spec, params, r_pop), k)
-    reuse = params.layer_reuse_rates(m)[:, None, None]  # [m, 1, 1]
-    hit = params.layer_hit_rates(m)[None, :, None, None]  # [1, m, 1, 1]
+    p = np.exp(_log_popularity(spec, params, np.random.default_rng(pop_seeds[0])))
+    p /= p.sum(1, keepdims=True)
+    words = _alias_words(p)
+    start = np.cumsum(p, 1) - p
+    kn, wn, fn = _ZIGGURAT
+    st_route, st_gate, st_pred = (_stream_states(s, m) for s in draw_seeds[1:4])
+    reuse = np.ascontiguousarray(params.layer_reuse_rates(m), float)
+    hit = np.ascontiguousarray(params.lookahead_hit_rates(m), float)
 
     true = np.empty((t, m, b, k), np.int16)
     gates = np.empty((t, m, b, k), np.float32)
     pred = np.empty((t, m, b, k), np.int16)
-    prev = None
-    none = np.full((m, b, k), -1, np.int64)
-    for s0, s1 in _chunks(t, m * b * sampler.draws):
-        n = s1 - s0
-        # True top-k from the layer's popularity; each expert of the previous token forced
-        # back in (first) with the layer's reuse probability.
-        drawn = sampler.distinct(r_route, n, b)
-        forced = r_route.random((n, m, b, k)) < reuse[None]
-        for i in range(n):
-            keep = np.where(forced[i], prev, -1) if prev is not None else none
-            prev = sampler.fill(keep, keep, drawn[i], r_route, 0)
-            true[s0 + i] = prev
-            if progress is not None and i % 256 == 0:
-                progress(s0 + i, t)
-
-        # Gates: softmax of sorted normal logits over the top-k (largest gate first).
-        logits = -np.sort(-r_gate.normal(0, 1, (n, m, b, k)), axis=-1)
-        g = np.exp(logits)
-        gates[s0:s1] = g / g.sum(-1, keepdims=True)
-
-        # Predictions: each true expert kept with its layer's hit rate; the rest filled from
-        # the layer's popularity among experts that are not true.
-        tr = true[s0:s1].astype(np.int64)
-        kept = r_pred.random((n, m, b, k)) < hit
-        pred[s0:s1] = sampler.fill(np.where(kept, tr, -1), tr, sampler.distinct(r_pred, n, b), r_pred, 1)
-    if progress is not None:
-        progress(t, t)
+    kernel = _kernel()
+    for s0, s1 in _chunks(t, m * b * k):
+        kernel(true, gates, pred, s0, s1, p, start, words, reuse, hit, int(params.lookahead),
+               st_route, st_gate, st_pred, kn, wn, fn)
+        if progress is not None:
+            progress(s1, t)
     pred_gates = gates.copy()
-    pred[:, 0] = -1  # the first MoE layer has no earlier layer to predict from
-    pred_gates[:, 0] = 0
+    pred_gates[:, : params.lookahead] = 0  # no prediction there: it would be made before the first MoE layer
 
     gen = asdict(params)  # as JSON would read it back: lists, fitted values rounded
     gen["popularity"] = [[round(float(p), 6) for p in row] for row in params.popularity]
     gen["layer_reuse"] = [round(float(v), 6) for v in params.layer_reuse]
     gen["layer_hit"] = [round(float(v), 6) for v in params.layer_hit]
+    gen["lookahead"] = int(params.lookahead)
+    gen["draw_seed"] = None if params.draw_seed is None else int(params.draw_seed)
     header = make_header(
         spec, policy="none", prompt_len=params.prompt_len, n_tokens=t, batch=b, seed=params.seed, synthetic=True,
         recorded={"tool": f"moesim {__version__}", "how": "synthetic routing, no timings"
                   + (f" (parameters fitted to {params.like})" if params.like else "")},
-        generator={"name": "moesim.synthetic", **gen},
+        lookahead=int(params.lookahead), generator={"name": "moesim.synthetic", **gen},
     )
+    r_tok = np.random.default_rng(draw_seeds[4])
     prompt = r_tok.integers(0, spec.vocab, (b, params.prompt_len), dtype=np.int32)
     tokens = r_tok.integers(0, spec.vocab, (b, t), dtype=np.int32)
     return Trace(header, prompt, tokens, true, gates, pred, pred_gates, true.copy())
