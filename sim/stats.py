@@ -14,14 +14,41 @@
   (e.g. by upcycling); reported because some engines key predictors on it;
 - **predictor recall@k** per layer for the trace's main prediction and any recorded in
   ``header['metrics']['predictors']``;
-- **cache hit rate against cache size** for LRU and LFU (the simulator's own
-  :class:`moesim.policy.ExpertCache`, so the curve equals what ``simulate`` charges) and
-  Belady's offline optimum (evict the expert used again farthest in the future; Belady
-  1966, "A study of replacement algorithms for a virtual-storage computer"), the ceiling
-  no online eviction reaches, with the device memory each size needs;
+- **cache hit rate against cache size**, over all layers and per layer, for LRU and LFU
+  (exactly the simulator's :class:`moesim.policy.ExpertCache` under the planner's
+  protocol, so the curve equals what ``simulate`` charges) and Belady's offline optimum
+  (evict the expert used again farthest in the future; Belady 1966, "A study of
+  replacement algorithms for a virtual-storage computer"), the ceiling no online eviction
+  reaches, with the device memory each size needs;
 - with a hardware profile, **TPOT against cache size** through the simulator and the
   **knee**: the smallest cache whose TPOT is within :data:`KNEE_TOLERANCE` (5%) of the best
   TPOT over the sizes tried -- "how many experts should stay on the GPU".
+
+How it is computed (``tests/test_stats_fast.py`` holds every figure equal to the plain
+Python definitions it replaced, on random traces with ties, every eviction and sizes from
+none to more than the model):
+
+- popularity, reuse, overlap and recall: one compiled pass over the routing;
+- LRU at every size at once: the cache's protocol (a layer's experts hit if resident
+  before it runs, then are admitted without evicting each other) keeps, whenever the
+  cache holds at least a layer's distinct experts, exactly the most recently used keys,
+  so an access hits iff fewer than ``size`` distinct keys were used since its key's last
+  use: Mattson's stack algorithm (Mattson et al. 1970, "Evaluation techniques for storage
+  hierarchies", IBM Syst. J. 9(2)) on one recency list cut into segments at the sizes
+  (O(segments an access crosses)). Sizes below a layer's distinct experts replay the
+  cache itself;
+- LFU: one compiled replay per size, O(1) an access: a list of the resident keys in
+  eviction order (use count, then least recent use, ExpertCache's tie-break), with the
+  tail of each count's run, so a use moves a key to the end of the next count's run;
+- Belady: also a stack algorithm, so one compiled pass serves every size: segments of
+  keys between consecutive sizes, each a max-heap on precomputed next-use times
+  (O(log size) a segment a miss crosses). Hits do not depend on how ties between equal
+  next uses are broken: both tied keys are used again in the same layer.
+
+Sizes at which nothing is ever evicted (0, or at least every key the trace uses) need
+no replay. The passes run side by side on the machine's cores (threads: the kernels
+release the GIL). Memory: one int32 next-use time per access (Belady) beyond the trace;
+never a copy of the trace per size.
 
 :func:`fit_synthetic` fits the synthetic generator's per-layer parameters to a trace so a
 short recording stretches to any length or batch (``moesim synth --like``).
@@ -29,8 +56,9 @@ short recording stretches to any length or batch (``moesim synth --like``).
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -39,9 +67,7 @@ import numpy as np
 
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile
-from moesim.policy import ExpertCache
 from moesim.traces.format import Trace
-from moesim.traces.metrics import recall_per_layer
 
 #: Knee rule: the smallest cache whose simulated TPOT is within this fraction of the best.
 KNEE_TOLERANCE = 0.05
@@ -52,16 +78,454 @@ MAX_DISTANCE = 64
 
 
 # ---------------------------------------------------------------------------------------
-# Popularity and skew
+# Compiled kernels. Why numba: each statistic is a recurrence over the accesses in order
+# (last use, a cache's contents), which numpy cannot vectorise; the plain Python loops took
+# more than 600 s for a 100,000-token Qwen3-30B-A3B trace (38.4M accesses) on this
+# project's 2-core machine. Compiled on first use (numba costs ~0.4 s to import) and
+# cached in the user's folder (moesim.jit).
 # ---------------------------------------------------------------------------------------
+
+
+def _routing_pass(true, pred, n_exp, maxd, counts, hist, overlap, shared, rec_hits, rec_rows):
+    """One pass over ``true``/``pred`` [steps, layers, batch, k]: expert ``counts`` [m, E],
+    the reuse-distance ``hist`` [maxd + 2] (index maxd + 1: longer), ``overlap`` [m]
+    (experts the previous step also used), ``shared`` [m - 1] (ids shared with the next
+    layer), per-layer recall hits and predicted rows; returns the first uses."""
+    t, m, b, k = true.shape
+    last = np.full((m, b, n_exp), -1, np.int64)
+    mark = np.zeros(n_exp, np.int64)
+    stamp = 0
+    never = 0
+    for s in range(t):
+        for ly in range(m):
+            for bb in range(b):
+                stamp += 1
+                for j in range(k):
+                    e = true[s, ly, bb, j]
+                    counts[ly, e] += 1
+                    prev = last[ly, bb, e]
+                    if prev < 0:
+                        never += 1
+                    else:
+                        hist[min(s - prev, maxd + 1)] += 1
+                        if prev == s - 1:
+                            overlap[ly] += 1
+                    last[ly, bb, e] = s
+                    mark[e] = stamp
+                if ly > 0:  # the previous layer's ids against this row's (stamp - 1 marked them)
+                    for j in range(k):
+                        if mark[true[s, ly - 1, bb, j]] == stamp:
+                            shared[ly - 1] += 1
+                # predictions: a true expert counts as predicted if any predicted id equals it
+                has = False
+                stamp += 1
+                for j in range(k):
+                    x = pred[s, ly, bb, j]
+                    if x >= 0:
+                        has = True
+                        mark[x] = stamp
+                if has:
+                    rec_rows[ly] += 1
+                    for j in range(k):
+                        if mark[true[s, ly, bb, j]] == stamp:
+                            rec_hits[ly] += 1
+    return never
+
+
+def _lru_segments(ids, n_exp, caps, hits, acc, first):
+    """LRU (:func:`online_hits`' protocol) at every size of ``caps`` (ascending, distinct,
+    each at least a group's distinct keys; may be empty) in one pass: ``hits[layer, i]``
+    counts the layer's accesses that hit at ``caps[i]`` and every larger size, ``acc`` and
+    ``first`` [layer] its accesses and first uses.
+
+    Mattson's stack algorithm: with room for a whole group the cache of size c holds
+    exactly the c most recently used keys, so one recency list (most recent first) serves
+    every size, cut into segments at the sizes; ``bottom[i]`` is segment i's last key. A
+    group's hits are read from its keys' segments before any of them moves; moving a key
+    to the front shifts each segment above it down by one key (its bottom key crosses into
+    the next): O(segments crossed) an access."""
+    t, m, w = ids.shape
+    nk = m * n_exp
+    ns = caps.size
+    quota = np.empty(ns, np.int64)
+    for i in range(ns):
+        quota[i] = caps[i] - (caps[i - 1] if i else 0)
+    fill = np.zeros(ns, np.int64)
+    bottom = np.full(ns, -1, np.int64)
+    seg = np.full(nk, ns, np.int64)  # ns: in no cache
+    nxt = np.full(nk, -1, np.int64)
+    prv = np.full(nk, -1, np.int64)
+    seen = np.zeros(nk, np.int64)
+    grp = np.empty(w, np.int64)
+    head = -1
+    stamp = 0
+    for s in range(t):
+        for ly in range(m):
+            stamp += 1
+            n = 0
+            for j in range(w):
+                e = ids[s, ly, j]
+                if e < 0:
+                    continue
+                key = ly * n_exp + e
+                if seen[key] != stamp:
+                    if seen[key] == 0:
+                        first[ly] += 1
+                    seen[key] = stamp
+                    grp[n] = key
+                    n += 1
+                    if seg[key] < ns:
+                        hits[ly, seg[key]] += 1
+            acc[ly] += n
+            for g in range(n):
+                x = grp[g]
+                sx = seg[x]
+                if x == head:
+                    continue
+                if sx < ns:  # take x out of the list
+                    if bottom[sx] == x:
+                        bottom[sx] = prv[x]
+                    p, q = prv[x], nxt[x]
+                    nxt[p] = q  # p exists: x is not the head
+                    if q != -1:
+                        prv[q] = p
+                prv[x] = -1
+                nxt[x] = head
+                if head != -1:
+                    prv[head] = x
+                head = x
+                seg[x] = 0
+                # each segment above x's old one takes one key at its top (x, or the key the
+                # segment above handed down) and hands its bottom key to the next
+                recv = x
+                for i in range(ns if sx == ns else sx):
+                    if fill[i] < quota[i]:  # not full yet (only while the trace starts)
+                        if fill[i] == 0:
+                            bottom[i] = recv
+                        fill[i] += 1
+                        break
+                    b = bottom[i]
+                    bottom[i] = prv[b]
+                    if i + 1 < ns:
+                        seg[b] = i + 1
+                    else:  # leaves the largest cache: off the list (it is the list's tail)
+                        seg[b] = ns
+                        nxt[prv[b]] = -1
+                        prv[b] = -1
+                    recv = b
+
+
+def _online(ids, n_exp, cap, lfu, hits):
+    """Replay the simulator's cache (:func:`online_hits`' protocol) of ``cap`` >= 1 keys
+    over ``ids`` [steps, layers, width]; adds each layer's hits to ``hits`` [layers].
+
+    The resident keys form one doubly linked list in eviction order: by use count (LFU;
+    LRU keeps every count at 1), then by last use; ``tail[c]`` is the last key of count
+    ``c``. A use moves its key to the end of the next count's run, an admission to the end
+    of count 1's, and the victim is the first unprotected key: O(1) an access."""
+    t, m, w = ids.shape
+    nk = m * n_exp
+    nxt = np.full(nk, -1, np.int64)
+    prv = np.full(nk, -1, np.int64)
+    cnt = np.zeros(nk, np.int64)  # 0: not resident
+    tail = np.full(t + 3, -1, np.int64)
+    prot = np.zeros(nk, np.int64)
+    grp = np.empty(w, np.int64)
+    pres = np.zeros(w, np.bool_)
+    head = np.full(1, -1, np.int64)
+
+    def unlink(x):
+        p, q = prv[x], nxt[x]
+        if p != -1:
+            nxt[p] = q
+        else:
+            head[0] = q
+        if q != -1:
+            prv[q] = p
+
+    def insert_after(a, x):
+        if a == -1:
+            prv[x] = -1
+            nxt[x] = head[0]
+            if head[0] != -1:
+                prv[head[0]] = x
+            head[0] = x
+        else:
+            q = nxt[a]
+            prv[x] = a
+            nxt[x] = q
+            nxt[a] = x
+            if q != -1:
+                prv[q] = x
+
+    def drop_tail(x, c):
+        """x leaves count c's run: if it was the run's last key, the run ends before it."""
+        if tail[c] == x:
+            p = prv[x]
+            tail[c] = p if p != -1 and cnt[p] == c else -1
+
+    stamp = 0
+    size = 0
+    for s in range(t):
+        for ly in range(m):
+            stamp += 1
+            n = 0
+            npres = 0
+            for j in range(w):
+                e = ids[s, ly, j]
+                if e < 0:
+                    continue
+                key = ly * n_exp + e
+                if prot[key] != stamp:
+                    prot[key] = stamp
+                    grp[n] = key
+                    pres[n] = cnt[key] > 0
+                    npres += 1 if pres[n] else 0
+                    n += 1
+            hits[ly] += npres
+            new = n - npres
+            while size + new > cap:
+                y = head[0]
+                while y != -1 and prot[y] == stamp:
+                    y = nxt[y]
+                if y == -1:
+                    break
+                drop_tail(y, cnt[y])
+                unlink(y)
+                cnt[y] = 0
+                size -= 1
+            room = cap - size
+            for i in range(n):
+                x = grp[i]
+                if pres[i]:
+                    c = cnt[x]
+                    if not lfu:
+                        if tail[1] != x:
+                            unlink(x)
+                            insert_after(tail[1], x)
+                            tail[1] = x
+                        continue
+                    was_tail = tail[c] == x
+                    drop_tail(x, c)
+                    if tail[c + 1] != -1:
+                        unlink(x)
+                        insert_after(tail[c + 1], x)
+                    elif not was_tail:  # count c + 1 has no run yet: it starts right after count c's
+                        a = tail[c]
+                        unlink(x)
+                        insert_after(a, x)
+                    tail[c + 1] = x
+                    cnt[x] = c + 1
+                elif room > 0:
+                    insert_after(tail[1], x)
+                    tail[1] = x
+                    cnt[x] = 1
+                    size += 1
+                    room -= 1
+
+
+def _next_uses(ids, n_exp, nu):
+    """``nu[s, l, j]``: the (step * layers + layer) group in which the key of ``ids[s, l, j]``
+    is used next (groups + 1: never), for each first occurrence inside a group."""
+    t, m, w = ids.shape
+    nk = m * n_exp
+    groups = t * m
+    upcoming = np.full(nk, groups + 1, np.int64)
+    seen = np.zeros(nk, np.int64)
+    stamp = 0
+    for g in range(groups - 1, -1, -1):
+        s = g // m
+        ly = g - s * m
+        stamp += 1
+        for j in range(w):
+            e = ids[s, ly, j]
+            if e < 0:
+                continue
+            key = ly * n_exp + e
+            if seen[key] != stamp:
+                seen[key] = stamp
+                nu[s, ly, j] = upcoming[key]
+        for j in range(w):
+            e = ids[s, ly, j]
+            if e >= 0:
+                upcoming[ly * n_exp + e] = g
+
+
+def _belady(ids, nu, n_exp, caps, hits):
+    """Belady's optimum (:func:`belady_hits`' protocol) at every size of ``caps`` (ascending,
+    distinct, >= 1) in one pass over ``ids`` and its next uses ``nu``; ``hits[layer, i]``
+    counts the layer's accesses that hit at ``caps[i]`` and every larger size.
+
+    Belady's optimum is a stack algorithm (Mattson et al. 1970): the cache of each size
+    holds the one of every smaller size, so the keys form segments, segment i the keys in
+    the cache of ``caps[i]`` but not of ``caps[i - 1]``, each an indexed max-heap on next
+    use. Keeping "the c keys used again soonest" after a group is the same as taking the
+    group's keys out (those of segment 0 just take their new next uses) and admitting them
+    one at a time with their new next uses (selecting the c smallest is indifferent to
+    the order things arrive): a key enters segment 0 and each full segment passes the
+    farthest-used of its keys and the one it received down to the next (the farthest of
+    segment i after it received from above is the farthest of the whole cache of
+    ``caps[i]``, since everything it received was farther than all that stayed above),
+    until a segment with room, or the last (whose overflow leaves every cache). A key
+    farther than a segment's root goes straight through, so a pass costs a comparison or
+    one sift per segment."""
+    t, m, w = ids.shape
+    nk = m * n_exp
+    ns = caps.size
+    quota = np.empty(ns, np.int64)
+    off = np.empty(ns + 1, np.int64)
+    off[0] = 0
+    for i in range(ns):
+        quota[i] = caps[i] - (caps[i - 1] if i else 0)
+        off[i + 1] = off[i] + quota[i] + 1
+    hp = np.empty(off[ns], np.int64)  # next use
+    hk = np.empty(off[ns], np.int64)  # key
+    hs = np.zeros(ns, np.int64)
+    seg = np.full(nk, ns, np.int64)  # ns: in no cache
+    pos = np.zeros(nk, np.int64)  # index inside its segment's heap
+    seen = np.zeros(nk, np.int64)
+
+    def sift_up(base, i):
+        pr, key = hp[base + i], hk[base + i]
+        while i > 0:
+            par = (i - 1) >> 1
+            if hp[base + par] >= pr:
+                break
+            hp[base + i], hk[base + i] = hp[base + par], hk[base + par]
+            pos[hk[base + i]] = i
+            i = par
+        hp[base + i], hk[base + i] = pr, key
+        pos[key] = i
+
+    def sift_down(base, i, n):
+        pr, key = hp[base + i], hk[base + i]
+        while True:
+            a = 2 * i + 1
+            if a >= n:
+                break
+            if a + 1 < n and hp[base + a + 1] > hp[base + a]:
+                a += 1
+            if hp[base + a] <= pr:
+                break
+            hp[base + i], hk[base + i] = hp[base + a], hk[base + a]
+            pos[hk[base + i]] = i
+            i = a
+        hp[base + i], hk[base + i] = pr, key
+        pos[key] = i
+
+    def fix(base, i, n):
+        """Restore the heap after entry i changed."""
+        if i > 0 and hp[base + i] > hp[base + ((i - 1) >> 1)]:
+            sift_up(base, i)
+        else:
+            sift_down(base, i, n)
+
+    grp = np.empty(w, np.int64)
+    gpr = np.empty(w, np.int64)
+    gin = np.zeros(w, np.bool_)  # stays where it is (it was in segment 0)
+    stamp = 0
+    for s in range(t):
+        for ly in range(m):
+            stamp += 1
+            n = 0
+            # First every cached key of the group takes its new next use where it is, so
+            # that the admissions below compare the final priorities (the group's keys hit
+            # or miss on the caches as they were).
+            for j in range(w):
+                e = ids[s, ly, j]
+                if e < 0:
+                    continue
+                key = ly * n_exp + e
+                if seen[key] == stamp:
+                    continue
+                seen[key] = stamp
+                sx = seg[key]
+                pr = np.int64(nu[s, ly, j])
+                grp[n], gpr[n], gin[n] = key, pr, sx == 0
+                n += 1
+                if sx == 0:
+                    hits[ly, 0] += 1
+                    hp[pos[key]] = pr  # later than before (it was this group)
+                    sift_up(0, pos[key])
+                elif sx < ns:  # out of segment sx for now: admitted again below
+                    hits[ly, sx] += 1
+                    base = off[sx]
+                    i = pos[key]
+                    hn = hs[sx] - 1
+                    hs[sx] = hn
+                    if i < hn:
+                        hp[base + i], hk[base + i] = hp[base + hn], hk[base + hn]
+                        pos[hk[base + i]] = i
+                        fix(base, i, hn)
+                    seg[key] = ns
+            # Then each key not in segment 0 is admitted (from the top: it was in the caches
+            # from its segment's size on, and being admitted again keeps it in them).
+            for g in range(n):
+                key, pr = grp[g], gpr[g]
+                if gin[g]:
+                    continue
+                for sg in range(ns):
+                    base = off[sg]
+                    hn = hs[sg]
+                    if hn < quota[sg]:  # room (a hole, or a segment still filling): it stays here
+                        hp[base + hn], hk[base + hn] = pr, key
+                        hs[sg] = hn + 1
+                        seg[key] = sg
+                        sift_up(base, hn)
+                        key = -1
+                        break
+                    if hp[base] > pr:  # the root is farther: it goes on down, this key stays
+                        k2, p2 = hk[base], hp[base]
+                        hp[base], hk[base] = pr, key
+                        seg[key] = sg
+                        pos[key] = 0
+                        sift_down(base, 0, hn)
+                        key, pr = k2, p2
+                if key >= 0:
+                    seg[key] = ns  # farther than every cache keeps
+
+
+_KERNELS: dict[str, Any] = {}
+
+
+def _kernel(name: str) -> Any:
+    """The compiled form of one of the kernels above (compiled on first use, cached)."""
+    if not _KERNELS:
+        from numba import njit
+
+        from moesim.jit import use_user_cache
+
+        use_user_cache()
+        for fn in (_routing_pass, _lru_segments, _online, _next_uses, _belady):
+            _KERNELS[fn.__name__] = njit(cache=True, nogil=True)(fn)
+    return _KERNELS[name]
+
+
+# ---------------------------------------------------------------------------------------
+# Popularity, reuse, overlap and recall (one pass)
+# ---------------------------------------------------------------------------------------
+
+
+def _routing_summary(trace: Trace) -> dict[str, Any]:
+    """Everything :func:`_routing_pass` counts, for the functions below."""
+    true, pred = trace.true_ids, trace.pred_ids
+    t, m, b, k = true.shape
+    e = trace.model.n_experts
+    counts = np.zeros((m, e), np.int64)
+    hist = np.zeros(MAX_DISTANCE + 2, np.int64)  # [0] unused, 1..MAX, MAX+1 = longer
+    overlap = np.zeros(m, np.int64)
+    shared = np.zeros(max(m - 1, 0), np.int64)
+    rec_hits, rec_rows = np.zeros(m, np.int64), np.zeros(m, np.int64)
+    never = _kernel("_routing_pass")(true, pred, e, MAX_DISTANCE, counts, hist, overlap, shared, rec_hits, rec_rows)
+    return {"shape": (t, m, b, k), "n_experts": e, "counts": counts, "hist": hist, "never": int(never),
+            "overlap": overlap, "shared": shared, "rec_hits": rec_hits, "rec_rows": rec_rows}
 
 
 def expert_counts(trace: Trace) -> np.ndarray:
     """[moe_layers, experts] activations of each routed expert over steps, sequences and slots."""
-    t, m, b, k = trace.true_ids.shape
     e = trace.model.n_experts
-    flat = trace.true_ids.transpose(1, 0, 2, 3).reshape(m, -1).astype(np.int64)
-    return np.stack([np.bincount(row, minlength=e) for row in flat])
+    return np.stack([np.bincount(trace.true_ids[:, j].ravel(), minlength=e)
+                     for j in range(trace.true_ids.shape[1])]).astype(np.int64)
 
 
 def skew_metrics(counts: np.ndarray) -> dict[str, np.ndarray]:
@@ -80,64 +544,57 @@ def skew_metrics(counts: np.ndarray) -> dict[str, np.ndarray]:
     return {"norm_entropy": ent, "top10_share": top_share, "gini": gini}
 
 
-# ---------------------------------------------------------------------------------------
-# Reuse across tokens and overlap across layers
-# ---------------------------------------------------------------------------------------
+def _reuse_from(summary: dict[str, Any]) -> dict[str, Any]:
+    t, m, b, k = summary["shape"]
+    hist = summary["hist"]
+    pairs = max(t - 1, 1) * b * k
+    total = hist.sum()
+    cdf = np.cumsum(hist[1:]) / max(total, 1)
+    median = int(np.searchsorted(cdf, 0.5) + 1) if total else None
+    return {
+        "reuse_prev_token": summary["overlap"].astype(float) / pairs,  # per layer: share the previous token also used
+        "distance_hist": hist[1:].tolist(),  # counts for d = 1..MAX_DISTANCE, then > MAX_DISTANCE
+        "first_uses": summary["never"],
+        "median_distance": median if median is not None and median <= MAX_DISTANCE else None,
+    }
 
 
 def reuse_stats(trace: Trace) -> dict[str, Any]:
     """Token-to-token reuse per layer and the reuse-distance histogram (all layers).
 
     Distance d >= 1: the expert was last used by the same sequence at the same layer d
-    steps earlier; ``never``: first use in the trace. One pass over steps.
+    steps earlier; ``never``: first use in the trace.
     """
-    ids = trace.true_ids.astype(np.intp)  # [t, m, b, k]
-    t, m, b, k = ids.shape
-    e = trace.model.n_experts
-    last = np.full((m, b, e), -1, np.int64)
-    hist = np.zeros(MAX_DISTANCE + 2, np.int64)  # [0] unused, 1..MAX, MAX+1 = longer
-    never = 0
-    overlap = np.zeros(m)
-    for s in range(t):
-        row = ids[s]
-        prev = np.take_along_axis(last, row, -1)
-        seen = prev >= 0
-        never += int((~seen).sum())
-        d = np.minimum(s - prev[seen], MAX_DISTANCE + 1)
-        hist += np.bincount(d, minlength=MAX_DISTANCE + 2)
-        if s:
-            overlap += (prev == s - 1).sum((1, 2))
-        np.put_along_axis(last, row, s, -1)
-    pairs = max(t - 1, 1) * b * k
-    total = hist.sum()
-    cdf = np.cumsum(hist[1:]) / max(total, 1)
-    median = int(np.searchsorted(cdf, 0.5) + 1) if total else None
-    return {
-        "reuse_prev_token": overlap / pairs,  # per layer: share of experts the previous token also used
-        "distance_hist": hist[1:].tolist(),  # counts for d = 1..MAX_DISTANCE, then > MAX_DISTANCE
-        "first_uses": never,
-        "median_distance": median if median is not None and median <= MAX_DISTANCE else None,
-    }
+    return _reuse_from(_routing_summary(trace))
+
+
+def _overlap_from(summary: dict[str, Any]) -> dict[str, Any]:
+    t, m, b, k = summary["shape"]
+    chance = k * k / summary["n_experts"]
+    if m < 2:
+        return {"per_layer": [], "mean": float("nan"), "chance": chance}
+    per = summary["shared"] / float(t * b)
+    return {"per_layer": per.tolist(), "mean": float(per.mean()), "chance": chance}
 
 
 def adjacent_layer_overlap(trace: Trace) -> dict[str, Any]:
     """Mean number of expert ids a token shares between MoE layers l and l+1, and chance."""
-    ids = trace.true_ids
-    t, m, b, k = ids.shape
-    e = trace.model.n_experts
-    if m < 2:
-        return {"per_layer": [], "mean": float("nan"), "chance": k * k / e}
-    shared = (ids[:, :-1, :, :, None] == ids[:, 1:, :, None, :]).any(-1).sum(-1)  # [t, m-1, b]
-    per = shared.mean((0, 2))
-    return {"per_layer": per.tolist(), "mean": float(per.mean()), "chance": k * k / e}
+    return _overlap_from(_routing_summary(trace))
 
 
-def predictor_recalls(trace: Trace) -> dict[str, list[float]]:
-    """Recall@k per layer of the main prediction (named by the header) and recorded others."""
+def _recall_from(summary: dict[str, Any]) -> np.ndarray:
+    """Recall@k per layer (NaN where no row has a prediction), as traces.metrics defines it."""
+    k = summary["shape"][3]
+    rows = summary["rec_rows"]
+    return np.array([float(h / (r * k)) if r else float("nan") for h, r in zip(summary["rec_hits"], rows,
+                                                                                strict=True)])
+
+
+def _recalls_from(trace: Trace, summary: dict[str, Any]) -> dict[str, list[float]]:
     metrics = trace.header.get("metrics", {}) or {}
     main = trace.meta.predictor or "main"
     out = {}
-    main_recall = recall_per_layer(trace.true_ids, trace.pred_ids)
+    main_recall = _recall_from(summary)
     if not np.isnan(main_recall).all():
         out[str(main)] = main_recall.tolist()
     for name, rec in (metrics.get("predictors") or {}).items():
@@ -145,90 +602,163 @@ def predictor_recalls(trace: Trace) -> dict[str, list[float]]:
     return out
 
 
+def predictor_recalls(trace: Trace) -> dict[str, list[float]]:
+    """Recall@k per layer of the main prediction (named by the header) and recorded others."""
+    return _recalls_from(trace, _routing_summary(trace))
+
+
 # ---------------------------------------------------------------------------------------
 # Cache hit rate against cache size
 # ---------------------------------------------------------------------------------------
 
 
-def access_groups(trace: Trace) -> list[list[int]]:
-    """The cache's access stream: per (step, MoE layer) the distinct experts the batch used,
-    as keys ``layer * E + expert``, in the order the simulator's planner sees them."""
+def _stream(trace: Trace) -> tuple[np.ndarray, int]:
+    """The cache's access stream as [steps, MoE layers, batch * top-k] ids (a view) and E:
+    per (step, layer) the distinct experts the batch used, in the order the simulator's
+    planner sees them, keyed ``layer * E + expert``."""
     t, m, b, k = trace.true_ids.shape
-    e = trace.model.n_experts
-    flat = (trace.true_ids.reshape(t, m, b * k).astype(np.int64) + (np.arange(m) * e)[None, :, None]).tolist()
-    return [list(dict.fromkeys(row)) for step in flat for row in step]
+    return trace.true_ids.reshape(t, m, b * k), trace.model.n_experts
+
+
+def _groups_stream(groups: Sequence[Sequence[int]]) -> tuple[np.ndarray, int]:
+    """A list of groups of keys as a one-layer stream [groups, 1, widest] (-1 padded)."""
+    width = max((len(g) for g in groups), default=0) or 1
+    top = max((max(g) for g in groups if len(g)), default=0)
+    ids = np.full((len(groups), 1, width), -1, np.int16 if top < 2**15 - 1 else np.int64)
+    for i, g in enumerate(groups):
+        ids[i, 0, : len(g)] = g
+    return ids, top + 1
+
+
+def _online_layer_hits(ids: np.ndarray, n_exp: int, capacity: int, eviction: str) -> np.ndarray:
+    hits = np.zeros(ids.shape[1], np.int64)
+    if capacity > 0:
+        _kernel("_online")(ids, n_exp, int(capacity), eviction == "lfu", hits)
+    return hits
+
+
+def _belady_layer_hits(ids: np.ndarray, n_exp: int, capacities: Sequence[int]) -> np.ndarray:
+    """[layers, len(capacities)] Belady hits at each capacity (any order, repeats allowed)."""
+    caps = np.array(sorted({int(c) for c in capacities if c > 0}), np.int64)
+    out = np.zeros((ids.shape[1], len(capacities)), np.int64)
+    if caps.size:
+        hits = np.zeros((ids.shape[1], caps.size), np.int64)
+        _kernel("_belady")(ids, _next_use_times(ids, n_exp), n_exp, caps, hits)
+        cum = np.cumsum(hits, 1)
+        for i, c in enumerate(capacities):
+            if c > 0:
+                out[:, i] = cum[:, int(np.searchsorted(caps, c))]
+    return out
+
+
+def _next_use_times(ids: np.ndarray, n_exp: int) -> np.ndarray:
+    nu = np.zeros(ids.shape, np.int32 if ids.shape[0] * ids.shape[1] < 2**31 - 2 else np.int64)
+    _kernel("_next_uses")(ids, n_exp, nu)
+    return nu
 
 
 def online_hits(groups: Sequence[Sequence[int]], capacity: int, eviction: str) -> int:
-    """Hits of the simulator's cross-token cache (LRU or LFU) over ``groups``: a group's
-    experts hit if resident before it runs; afterwards they are admitted, never evicting
-    each other (the protocol of :meth:`moesim.policy.Planner.finish`)."""
-    if capacity <= 0:
-        return 0
-    cache = ExpertCache(capacity, eviction)
-    hits = 0
-    for g in groups:
-        keys = [(0, x) for x in g]
-        present = [key in cache for key in keys]
-        hits += sum(present)
-        new = len(keys) - sum(present)
-        cache.evict_for(new, set(keys))
-        room = capacity - len(cache)
-        for key, was in zip(keys, present, strict=True):
-            if was:
-                cache.use(key)
-            elif room > 0:
-                cache.use(key)
-                room -= 1
-    return hits
+    """Hits of the simulator's cross-token cache (LRU or LFU) over ``groups`` of distinct
+    keys: a group's keys hit if resident before it runs; afterwards they are admitted,
+    never evicting each other (the protocol of :meth:`moesim.policy.Planner.finish`)."""
+    if eviction not in ("lru", "lfu"):
+        raise MoesimError(f"unknown eviction policy {eviction!r}; known: lru, lfu")
+    ids, n = _groups_stream(groups)
+    return int(_online_layer_hits(ids, n, capacity, eviction).sum())
 
 
 def belady_hits(groups: Sequence[Sequence[int]], capacity: int) -> int:
-    """Hits of Belady's offline optimum: after each group keep the ``capacity`` experts
+    """Hits of Belady's offline optimum: after each group keep the ``capacity`` keys
     (resident or just used) whose next use comes soonest; the rest are dropped."""
-    if capacity <= 0:
-        return 0
-    n = len(groups)
-    nxt: list[list[int]] = [[] for _ in range(n)]
-    upcoming: dict[int, int] = {}
-    for gi in range(n - 1, -1, -1):
-        nxt[gi] = [upcoming.get(x, n + 1) for x in groups[gi]]
-        for x in groups[gi]:
-            upcoming[x] = gi
-    cached: dict[int, int] = {}  # key -> its next use (the heap's current entry)
-    heap: list[tuple[int, int]] = []  # (-next use, key), lazily cleaned
-    hits = 0
-    for gi, g in enumerate(groups):
-        for x, nu in zip(g, nxt[gi], strict=True):
-            if x in cached:
-                hits += 1
-            cached[x] = nu
-            heapq.heappush(heap, (-nu, x))
-        while len(cached) > capacity:
-            neg, x = heapq.heappop(heap)
-            if cached.get(x) == -neg:
-                del cached[x]
-    return hits
+    ids, n = _groups_stream(groups)
+    return int(_belady_layer_hits(ids, n, [capacity]).sum())
+
+
+def _lru_layer_hits(ids: np.ndarray, n_exp: int, capacities: Sequence[int]) -> tuple[np.ndarray, np.ndarray,
+                                                                                     np.ndarray]:
+    """LRU hits [layers, len(capacities)] at sizes of at least a group's distinct keys, all
+    in one pass (:func:`_lru_segments`), and each layer's accesses and first uses."""
+    caps = np.array(sorted({int(c) for c in capacities if c > 0}), np.int64)
+    m = ids.shape[1]
+    hits = np.zeros((m, caps.size), np.int64)
+    acc, first = np.zeros(m, np.int64), np.zeros(m, np.int64)
+    _kernel("_lru_segments")(ids, n_exp, caps, hits, acc, first)
+    cum = np.cumsum(hits, 1)
+    out = np.zeros((m, len(capacities)), np.int64)
+    for i, c in enumerate(capacities):
+        if c > 0:
+            out[:, i] = cum[:, int(np.searchsorted(caps, c))]
+    return out, acc, first
 
 
 def default_sizes(n_total: int) -> list[int]:
     return sorted({int(round(f * n_total)) for f in SIZE_FRACTIONS})
 
 
-def hit_rate_curve(trace: Trace, sizes: Sequence[int] | None = None) -> dict[str, Any]:
-    """Hit rate of LRU, LFU and Belady per cache size (in experts), with the bytes each needs."""
+def _run_all(tasks: list[Callable[[], Any]]) -> list[Any]:
+    """Run independent compiled passes on the machine's cores: the kernels release the GIL
+    (``nogil``), so plain threads suffice (no numba threading layer, safe after a fork)."""
+    workers = max(1, min(len(tasks), os.cpu_count() or 1))
+    if workers == 1:
+        return [task() for task in tasks]
+    with ThreadPoolExecutor(workers) as pool:
+        return [f.result() for f in [pool.submit(task) for task in tasks]]
+
+
+def _curve(trace: Trace, sizes: Sequence[int] | None, summary: bool = False) -> tuple[dict[str, Any], Any]:
+    """:func:`hit_rate_curve` (and, with ``summary``, :func:`_routing_summary` alongside)."""
     spec = trace.model
     total = spec.n_moe_layers * spec.n_experts
-    sizes = list(sizes) if sizes is not None else default_sizes(total)
+    sizes = [int(s) for s in sizes] if sizes is not None else default_sizes(total)
     if any(s < 0 for s in sizes):
         raise MoesimError("cache sizes must be >= 0 experts")
-    groups = access_groups(trace)
-    accesses = sum(len(g) for g in groups)
-    curve = {"sizes": sizes, "bytes": [s * spec.expert_bytes for s in sizes], "accesses": accesses}
-    for name in ("lru", "lfu"):
-        curve[name] = [online_hits(groups, s, name) / accesses for s in sizes]
-    curve["belady"] = [belady_hits(groups, s) / accesses for s in sizes]
-    return curve
+    ids, e = _stream(trace)
+    b, k = trace.true_ids.shape[2:]
+    group_max = min(b * k, e)  # a (step, layer) has at most this many distinct experts
+    used = int(np.count_nonzero(expert_counts(trace)))  # distinct keys the trace uses
+    # Sizes that need a replay: not 0, and not so large that nothing is ever evicted;
+    # LRU replays one by one only below a group's size (the stack pass serves the rest).
+    replay = sorted({s for s in sizes if 0 < s < used})
+    stack = [s for s in replay if s >= group_max]
+    small = [s for s in replay if s < group_max]
+    tasks: list[Callable[[], Any]] = [lambda: _belady_layer_hits(ids, e, replay),
+                                      lambda: _lru_layer_hits(ids, e, stack)]
+    tasks += [lambda s=s: _online_layer_hits(ids, e, s, "lfu") for s in replay]
+    tasks += [lambda s=s: _online_layer_hits(ids, e, s, "lru") for s in small]
+    if summary:
+        tasks.append(lambda: _routing_summary(trace))
+    out = _run_all(tasks)
+    belady, (lru_stack, layer_acc, layer_cold) = out[0], out[1]
+    lfu = dict(zip(replay, out[2:2 + len(replay)], strict=True))
+    lru = {**dict(zip(stack, lru_stack.T, strict=True)),
+           **dict(zip(small, out[2 + len(replay):2 + len(replay) + len(small)], strict=True))}
+    accesses = int(layer_acc.sum())
+    per: dict[str, list[np.ndarray]] = {"lru": [], "lfu": [], "belady": []}
+    for s in sizes:
+        if s <= 0:
+            for name in per:
+                per[name].append(np.zeros_like(layer_acc))
+        elif s >= used:  # nothing is ever evicted: only first uses miss, whatever the policy
+            for name in per:
+                per[name].append(layer_acc - layer_cold)
+        else:
+            per["lru"].append(lru[s])
+            per["lfu"].append(lfu[s])
+            per["belady"].append(belady[:, replay.index(s)])
+    curve: dict[str, Any] = {"sizes": sizes, "bytes": [s * spec.expert_bytes for s in sizes], "accesses": accesses}
+    for name, rows in per.items():
+        curve[name] = [int(h.sum()) / accesses for h in rows]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        curve["per_layer"] = {"accesses": layer_acc.tolist(),
+                              **{name: (np.stack(rows, 1) / layer_acc[:, None]).tolist() if rows else
+                                 [[] for _ in layer_acc] for name, rows in per.items()}}
+    return curve, (out[-1] if summary else None)
+
+
+def hit_rate_curve(trace: Trace, sizes: Sequence[int] | None = None) -> dict[str, Any]:
+    """Hit rate of LRU, LFU and Belady per cache size (in experts), with the bytes each
+    needs; ``per_layer`` holds each layer's accesses and hit rates [layer][size]."""
+    return _curve(trace, sizes)[0]
 
 
 # ---------------------------------------------------------------------------------------
@@ -237,12 +767,14 @@ def hit_rate_curve(trace: Trace, sizes: Sequence[int] | None = None) -> dict[str
 
 
 def tpot_curve(trace: Trace, hw: HardwareProfile, sizes: Sequence[int], policy: str = "on-demand",
-               eviction: str = "lru") -> dict[str, Any]:
-    """Simulated TPOT (fast engine, profile timing) per cache size, and the knee."""
-    from moesim.sim.simulate import simulate
+               eviction: str = "lru", pred_recall: float | None = None) -> dict[str, Any]:
+    """Simulated TPOT (fast engine, profile timing) per cache size, and the knee.
+    ``pred_recall`` (the trace's, computed once) only saves each simulation recomputing it."""
+    from moesim.sim.simulate import prediction_recall, simulate
 
+    recall = prediction_recall(trace) if pred_recall is None else pred_recall
     tpot = [simulate(trace, hw, policy, cache_experts=int(s), eviction=eviction, engine="fast",
-                     timing="profile").summary()["tpot_ms"] for s in sizes]
+                     timing="profile", pred_recall=recall).summary()["tpot_ms"] for s in sizes]
     return {"policy": policy, "eviction": eviction, "hw": hw.name, "sizes": list(sizes), "tpot_ms": tpot,
             **knee(sizes, tpot)}
 
@@ -266,11 +798,12 @@ def routing_stats(trace: Trace, hw: HardwareProfile | None = None, sizes: Sequen
                   policy: str = "on-demand") -> dict[str, Any]:
     """All routing statistics of ``trace`` as plain JSON-able data (see the module docstring)."""
     spec = trace.model
-    counts = expert_counts(trace)
+    curve, summary = _curve(trace, sizes, summary=True)
+    counts = summary["counts"]
     skew = skew_metrics(counts)
     whole = skew_metrics(counts.reshape(1, -1))  # every (layer, expert) pair as one population
-    reuse = reuse_stats(trace)
-    curve = hit_rate_curve(trace, sizes)
+    reuse = _reuse_from(summary)
+    recalls = _recalls_from(trace, summary)
     out: dict[str, Any] = {
         "model": spec.name, "tokens": trace.n_tokens, "batch": trace.batch, "synthetic": trace.synthetic,
         "source": trace.meta.how or "",
@@ -279,12 +812,14 @@ def routing_stats(trace: Trace, hw: HardwareProfile | None = None, sizes: Sequen
         "popularity": {"counts": counts.tolist(), **{k: v.tolist() for k, v in skew.items()},
                        "all_layers": {k: float(v[0]) for k, v in whole.items()}},
         "reuse": {**reuse, "reuse_prev_token": reuse["reuse_prev_token"].tolist()},
-        "adjacent_layer_overlap": adjacent_layer_overlap(trace),
-        "predictor_recall": predictor_recalls(trace),
+        "adjacent_layer_overlap": _overlap_from(summary),
+        "predictor_recall": recalls,
         "hit_rate": curve,
     }
     if hw is not None:
-        out["tpot"] = tpot_curve(trace, hw, curve["sizes"], policy)
+        rows = int(summary["rec_rows"].sum())
+        recall = float(summary["rec_hits"].sum()) / (rows * spec.top_k) if rows else float("nan")
+        out["tpot"] = tpot_curve(trace, hw, curve["sizes"], policy, pred_recall=recall)
     return out
 
 
@@ -302,7 +837,10 @@ def fit_synthetic(trace: Trace, tokens: int | None = None, batch: int | None = N
     - ``layer_reuse``: the forced-reuse probability whose synthetic routing reproduces the
       layer's measured previous-token reuse (calibrated on a short synthetic run per grid
       value, interpolated; reuse rises monotonically with the knob);
-    - ``layer_hit``: the layer's recall@k of the main prediction (0 where none).
+    - ``layer_hit``: the layer's recall@k of the main prediction (0 where none), as the
+      distance-1 rate: a trace whose header says ``lookahead`` N > 1 predicted N layers
+      ahead, so its recall r gives ``r ** (1 / N)`` (the generator raises it back to the N);
+    - ``lookahead``: the trace's.
 
     What it does not model: reuse at distances > 1 beyond popularity, correlation between
     layers and between sequences of a batch, the gate distribution.
@@ -310,10 +848,12 @@ def fit_synthetic(trace: Trace, tokens: int | None = None, batch: int | None = N
     from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
     spec = trace.model
-    counts = expert_counts(trace).astype(float) + 0.5
+    summary = _routing_summary(trace)
+    counts = summary["counts"].astype(float) + 0.5
     pop = counts / counts.sum(1, keepdims=True)
-    target = reuse_stats(trace)["reuse_prev_token"]
-    recall = np.nan_to_num(recall_per_layer(trace.true_ids, trace.pred_ids), nan=0.0)
+    target = _reuse_from(summary)["reuse_prev_token"]
+    lookahead = trace.meta.lookahead
+    recall = np.nan_to_num(_recall_from(summary), nan=0.0) ** (1.0 / lookahead)
     popularity = tuple(tuple(float(p) for p in row) for row in pop)
     grid = np.linspace(0, 1, 11)
     calib_tokens = max(64, min(512, 4096 // max(spec.top_k, 1)))
@@ -327,22 +867,27 @@ def fit_synthetic(trace: Trace, tokens: int | None = None, batch: int | None = N
                         for m in range(spec.n_moe_layers))
     return SyntheticParams(tokens=tokens or trace.n_tokens, batch=batch or trace.batch, prompt_len=trace.prompt_len,
                            seed=seed, popularity=popularity, layer_reuse=layer_reuse,
-                           layer_hit=tuple(float(x) for x in recall), like=like or spec.name)
+                           layer_hit=tuple(float(x) for x in recall), like=like or spec.name, lookahead=lookahead)
 
 
-def synth_like(trace: Trace, tokens: int, batch: int = 1, seed: int = 0, like: str = "") -> Trace:
-    """A synthetic trace of ``tokens`` steps and ``batch`` sequences shaped like ``trace``."""
+def synth_like(trace: Trace, tokens: int, batch: int = 1, seed: int = 0, like: str = "",
+               lookahead: int | None = None) -> Trace:
+    """A synthetic trace of ``tokens`` steps and ``batch`` sequences shaped like ``trace``
+    (predicting ``lookahead`` MoE layers ahead; None: as ``trace`` did)."""
     from moesim.traces.synthetic import synthetic_trace
 
-    params = replace(fit_synthetic(trace, seed=seed, like=like), tokens=tokens, batch=batch)
+    params = fit_synthetic(trace, seed=seed, like=like)
+    params = replace(params, tokens=tokens, batch=batch, lookahead=params.lookahead if lookahead is None else lookahead)
     return synthetic_trace(trace.model, params)
 
 
-def synth_like_file(like: str | Path, out: str | Path, tokens: int, batch: int = 1, seed: int = 0) -> Trace:
-    """``moesim synth --like TRACE``: fit to the trace at ``like``, write a synthetic trace to ``out``."""
+def synth_like_file(like: str | Path, out: str | Path, tokens: int, batch: int = 1, seed: int = 0,
+                    lookahead: int | None = None) -> Trace:
+    """``moesim synth --like TRACE``: fit to the trace at ``like``, write a synthetic trace to ``out``
+    (``lookahead`` None: the like-trace's)."""
     from moesim.traces.format import read_trace, write_trace
 
-    trace = synth_like(read_trace(like), tokens, batch, seed, like=Path(like).name)
+    trace = synth_like(read_trace(like), tokens, batch, seed, like=Path(like).name, lookahead=lookahead)
     write_trace(trace, out)
     return trace
 
