@@ -1,4 +1,6 @@
 import json
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -196,5 +198,189 @@ def test_flops_follow_weight_counts_not_bytes():
 def test_lm_head_bytes_is_the_one_definition():
     for spec in CATALOGUE.values():
         table = 0 if spec.tie_embeddings else 2 * spec.vocab * spec.hidden
-        assert spec.lm_head_bytes == 2 * spec.vocab * spec.hidden + 2 * spec.hidden
-        assert spec.embedding_bytes == table + spec.lm_head_bytes
+        norm = 2 * spec.hidden * (2 if spec.norm_bias else 1)
+        bias = 2 * spec.vocab if spec.lm_head_bias else 0
+        assert spec.lm_head_bytes == 2 * spec.vocab * spec.hidden + norm + bias
+        assert spec.embedding_bytes == table + spec.lm_head_bytes == spec.input_embedding_bytes + spec.lm_head_bytes
+        assert spec.embedding_row_bytes == 2 * spec.hidden
+
+
+CONFIGS = Path(__file__).parent / "data" / "configs"
+#: catalogue name -> its config.json fixture (the entry is that config's geometry).
+NEW_ENTRIES = {"qwen3.5-35b-a3b": "Qwen3.5-35B-A3B", "qwen3-next-80b-a3b": "Qwen3-Next-80B-A3B-Instruct",
+               "qwen3-coder-480b-a35b": "Qwen3-Coder-480B-A35B-Instruct", "kimi-k2": "Kimi-K2-Instruct",
+               "deepseek-v3.1": "DeepSeek-V3.1", "glm-4.5": "GLM-4.5", "glm-4.5-air": "GLM-4.5-Air",
+               "llama-4-scout-17b-16e": "Llama-4-Scout-17B-16E-Instruct",
+               "llama-4-maverick-17b-128e": "Llama-4-Maverick-17B-128E-Instruct", "mixtral-8x22b": "Mixtral-8x22B-v0.1",
+               "phi-3.5-moe": "Phi-3.5-MoE-instruct", "ernie-4.5-21b-a3b": "ERNIE-4.5-21B-A3B-PT",
+               "minimax-m2": "MiniMax-M2", "dots-llm1": "dots.llm1.inst", "hunyuan-a13b": "Hunyuan-A13B-Instruct",
+               "jamba-1.5-mini": "AI21-Jamba-1.5-Mini", "dbrx": "dbrx-instruct"}
+
+
+@pytest.mark.parametrize("name", sorted(NEW_ENTRIES))
+def test_new_catalogue_entries_are_their_configs(name):
+    from moesim.hf_config import hand_spec
+    from moesim.models import read_config
+
+    path = CONFIGS / NEW_ENTRIES[name] / "config.json"
+    spec = CATALOGUE[name]
+    assert replace(hand_spec(read_config(path), path), name=name, source=spec.source) == spec
+    assert spec.source and "config.json" in spec.source
+
+
+def test_new_fields_round_trip_and_old_headers_load():
+    for name in ("qwen3-next-80b-a3b", "llama-4-scout-17b-16e", "gpt-oss-120b", "jamba-1.5-mini"):
+        m = get_model(name)
+        assert ModelSpec.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    old = {k: v for k, v in get_model("deepseek-v2-lite").to_dict().items() if k in OLD_FIELDS}
+    old["attention"] = {k: v for k, v in old["attention"].items() if k not in ("q_gate", "qk_norm_full", "o_bias", "sinks")}
+    assert ModelSpec.from_dict(old) == get_model("deepseek-v2-lite")
+
+
+OLD_FIELDS = ("name", "n_layers", "n_experts", "top_k", "hidden", "expert_inter", "vocab", "attention", "dense_layers",
+              "dense_inter", "n_shared", "shared_inter", "expert_dtype", "dense_dtype", "expert_bias", "tie_embeddings",
+              "norm_topk_prob", "family", "source")
+
+
+def test_layer_kinds_kv_and_state():
+    import numpy as np
+
+    nxt, scout, oss = get_model("qwen3-next-80b-a3b"), get_model("llama-4-scout-17b-16e"), get_model("gpt-oss-20b")
+    ctx = np.array([0, 100, 8191, 8192, 20000])
+    np.testing.assert_array_equal(scout.kv_tokens(0, ctx), ctx % 8192)
+    np.testing.assert_array_equal(scout.kv_tokens(3, ctx), ctx)
+    np.testing.assert_array_equal(oss.kv_tokens(0, ctx), np.minimum(ctx, 127))
+    np.testing.assert_array_equal(nxt.kv_tokens(0, ctx), 0)
+    assert nxt.layer_kind(0) == "linear" and nxt.kv_bytes_per_token(0) == 0 and nxt.state_bytes(3) == 0
+    assert nxt.layer_attention_bytes(3) == nxt.attention_bytes and nxt.layer_attention_bytes(0) == nxt.linear_attention_bytes
+    assert nxt.layer_attention_flops(3, 1000) == nxt.attention_flops(1000)
+    np.testing.assert_array_equal(nxt.layer_attention_flops(0, ctx), nxt.layer_attention_flops(0, 5))
+    # A linear layer's bf16 weights are twice its parameters, like every bf16 weight.
+    assert nxt.linear_attention_bytes == 2 * nxt.linear_attention_params
+    q = get_model("qwen3-30b-a3b")  # all full attention: the new per-layer calls equal the old figures
+    assert q.kv_cache_bytes(4, 1000) == 4 * 1000 * q.n_layers * q.kv_bytes_per_token_layer
+    assert all(q.layer_attention_flops(i, 77) == q.attention_flops(77) for i in range(q.n_layers))
+    assert q.moe_expert_bytes(0) == q.expert_bytes and q.layer_kind(5) == "full"
+    assert scout.kv_cache_bytes(1, 20000) == 12 * 20000 * scout.kv_bytes_per_token_layer + 36 * 8191 * scout.kv_bytes_per_token_layer
+
+
+def test_parameter_counts_match_the_published_ones():
+    for name, total, active in (("qwen3-30b-a3b", 30.5e9, 3.3e9), ("deepseek-v3", 671e9, 37e9),
+                                ("mixtral-8x7b", 46.7e9, 12.9e9), ("gpt-oss-120b", 116.83e9, 5.13e9)):
+        m = get_model(name)
+        assert abs(m.total_params - total) / total < 0.01, name
+        # gpt-oss's published active count leaves out the 0.58B embedding table
+        assert abs(m.active_params - active) / active < (0.12 if name == "gpt-oss-120b" else 0.04), name
+    assert get_model("deepseek-v3.1").n_mtp_layers == 1 and get_model("deepseek-v3.1").mtp_layer_bytes > 0
+
+
+
+
+
+QWEN30 = json.loads((CONFIGS / "Qwen3-30B-A3B" / "config.json").read_text())
+
+
+@pytest.mark.parametrize("quant, expert_dtype, expert_bytes", [
+    # mlx-lm: uint32-packed 4-bit weights, an fp16 scale and bias per 64 (mlx.nn.QuantizedLinear)
+    ({"quantization": {"group_size": 64, "bits": 4}}, "int4-g64-mlx", 2_654_208),
+    # GPTQ: qweight [in/8, out] int32, qzeros [in/128, out/8] int32, scales [in/128, out] fp16, g_idx [in] int32
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False}},
+     "int4-g128-gptq", 2 * (786432 + 6144 + 24576 + 8192) + (786432 + 6144 + 24576 + 3072)),
+    # AutoAWQ GEMM: as GPTQ without g_idx
+    ({"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                              "version": "gemm"}}, "int4-g128-awq", 3 * (786432 + 6144 + 24576)),
+    # compressed-tensors pack-quantized, symmetric int4 groups of 128: weight_packed, weight_scale, weight_shape
+    ({"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+                              "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                                  "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                  "group_size": 128}}}}}, "int4-g128-sym", 3 * (786432 + 24576 + 16)),
+    # per-channel fp8 (compressed-tensors float-quantized; FBGEMM fp8): 1 byte a weight + an fp32 scale a row
+    ({"quantization_config": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}}},
+     "fp8-channel", 3 * 768 * 2048 + 4 * (2 * 768 + 2048)),
+    ({"quantization_config": {"quant_method": "fbgemm_fp8"}}, "fp8-channel", 3 * 768 * 2048 + 4 * (2 * 768 + 2048)),
+    # bitsandbytes NF4, double quantisation: nibbles, a uint8 absmax per 64, an fp32 per 256 absmax (+1 offset)
+    ({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                              "bnb_4bit_use_double_quant": True}}, "nf4-bnb-dq",
+     3 * (768 * 2048 // 2 + 768 * 2048 // 64 + 4 * (768 * 2048 // 64 // 256) + 4)),
+    ({"quantization_config": {"quant_method": "bitsandbytes", "load_in_8bit": True}}, "int8-bnb",
+     3 * 768 * 2048 + 4 * (2 * 768 + 2048)),
+])
+def test_repack_formats_are_sized_from_their_layouts(tmp_path, quant, expert_dtype, expert_bytes):
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**QWEN30, **quant}))
+    spec = get_model(str(d))
+    assert spec.expert_dtype == expert_dtype and spec.expert_bytes == expert_bytes
+    assert spec.expert_bytes < get_model("qwen3-30b-a3b").expert_bytes  # never read as bf16
+
+
+@pytest.mark.parametrize("quant, message", [
+    ({"quantization_config": {"quant_method": "hqq", "nbits": 4}}, "quantisation 'hqq' not supported"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": -1}}, "without groups"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 5, "group_size": 128}}, "5 bits"),
+    ({"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}},
+     "without zero points"),
+    ({"quantization_config": {"quant_method": "bitsandbytes"}}, "neither 4-bit nor 8-bit"),
+    ({"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
+        "num_bits": 4, "type": "float", "strategy": "channel"}}}}}, "not sized"),
+])
+def test_unsized_repacks_are_refused_in_one_line(tmp_path, quant, message):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({**QWEN30, **quant}))
+    with pytest.raises(MoesimError, match=message) as e:
+        from_hf_config(p)
+    assert "\n" not in str(e.value)
+
+
+def _mlx_checkpoint(d: Path, layers: int = 2, drop_layer: int | None = None) -> dict:
+    """A tiny mlx-style 4-bit repack: config.json and a safetensors file with the packed
+    uint32 weights, fp16 scales and biases of every projection (zeros)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    h, inter, experts, vocab, g = 128, 64, 4, 256, 64
+    cfg = {**TINY_QWEN, "num_hidden_layers": layers, "hidden_size": h, "moe_intermediate_size": inter,
+           "num_experts": experts, "vocab_size": vocab, "head_dim": 32, "quantization": {"group_size": g, "bits": 4}}
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+
+    def q(name: str, rows: int, cols: int, out: dict):
+        out[name + ".weight"] = np.zeros((rows, cols * 4 // 32), np.uint32)
+        out[name + ".scales"] = np.zeros((rows, cols // g), np.float16)
+        out[name + ".biases"] = np.zeros((rows, cols // g), np.float16)
+
+    t: dict = {}
+    q("model.embed_tokens", vocab, h, t)
+    q("lm_head", vocab, h, t)
+    t["model.norm.weight"] = np.zeros(h, np.float16)
+    for i in range(layers):
+        if i == drop_layer:
+            continue
+        b = f"model.layers.{i}."
+        for n, rows, cols in (("q_proj", 128, h), ("k_proj", 64, h), ("v_proj", 64, h), ("o_proj", h, 128)):
+            q(b + "self_attn." + n, rows, cols, t)
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            t[b + n + ".weight"] = np.zeros(h, np.float16)
+        q(b + "mlp.gate", experts, h, t)
+        for e in range(experts):
+            q(f"{b}mlp.experts.{e}.gate_proj", inter, h, t)
+            q(f"{b}mlp.experts.{e}.up_proj", inter, h, t)
+            q(f"{b}mlp.experts.{e}.down_proj", h, inter, t)
+    save_file(t, str(d / "model.safetensors"))
+    return t
+
+
+def test_safetensors_headers_give_exact_bytes(tmp_path):
+    from moesim.models import matrix_bytes
+
+    tensors = _mlx_checkpoint(tmp_path / "m")
+    spec = get_model(str(tmp_path / "m"))
+    per_expert = sum(v.nbytes for k, v in tensors.items() if ".experts.0." in k and ".layers.0." in k)
+    assert spec.expert_dtype == "int4-g64-mlx" and spec.embed_dtype == spec.head_dtype == "int4-g64-mlx"
+    assert [spec.moe_expert_bytes(m) for m in range(2)] == [per_expert] * 2
+    assert per_expert == 2 * matrix_bytes(64, 128, "int4-g64-mlx") + matrix_bytes(128, 64, "int4-g64-mlx")
+    assert spec.non_expert_bytes + spec.all_expert_bytes == sum(v.nbytes for v in tensors.values())
+    # A partial download (a layer's file missing) keeps the formula instead of half the bytes.
+    _mlx_checkpoint(tmp_path / "p", drop_layer=1)
+    assert get_model(str(tmp_path / "p")).expert_bytes_by_layer == ()
