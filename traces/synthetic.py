@@ -409,8 +409,9 @@ def _draw_rows(true, gates, pred, t0, t1, p, start, words, reuse, hit, look, st_
                         hi_, lo_ = max(z[j], z[j + 1]), min(z[j], z[j + 1])
                         z[j], z[j + 1] = hi_, lo_
                 tot = 0.0
+                top = z[0]
                 for j in range(k):
-                    z[j] = np.exp(z[j] - z[0]) if j else 1.0
+                    z[j] = np.exp(z[j] - top)
                     tot += z[j]
                 for j in range(k):
                     gates[t, ly, s, j] = z[j] / tot

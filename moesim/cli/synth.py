@@ -10,6 +10,7 @@ import typer
 
 from moesim.cli.app import app, err, floats
 from moesim.cli.running import progress_bar
+from moesim.errors import MoesimError
 
 
 @app.command()
@@ -25,6 +26,12 @@ def synth(
     early_hit_rate: Annotated[float, typer.Option(help="Hit rate on the first --early-layers MoE layers.")] = 0.5,
     early_layers: Annotated[int, typer.Option(help="How many early MoE layers predict poorly.")] = 2,
     seed: Annotated[int, typer.Option(help="Random seed (same seed, same trace).")] = 0,
+    lookahead: Annotated[int | None, typer.Option(help="Predictions are made this many MoE layers ahead (hit rate: "
+                                                        "the per-layer rate to this power; default 1, with --like "
+                                                        "the trace's).")] = None,
+    draw_seed: Annotated[int | None, typer.Option(help="Seed of the routing draws only; the expert popularity stays "
+                                                       "--seed's (a calibration twin: same hot experts, other "
+                                                       "routing).")] = None,
     like: Annotated[Path | None, typer.Option(help="Fit the generator to this (real) trace and stretch it to --tokens "
                                                    "and --batch (the model is the trace's).")] = None,
     speculative: Annotated[bool, typer.Option("--speculative", help="A speculative-decoding trace (draft trees, "
@@ -43,13 +50,19 @@ def synth(
     rate stand in for real routing, so every policy can be simulated before a real
     trace exists. The trace records no hardware: replaying it without `--hw` uses the
     default profile (moesim.hardware.DEFAULT_PROFILE), and says so.
+    `--lookahead N` makes each prediction N MoE layers ahead (the first N layers have none).
     `--like TRACE` fits the generator to a real trace (per-layer popularity, reuse, hit
-    rates) and stretches it to any length or batch; `--speculative` writes draft trees
-    and per-node routing for the EcoSpec what-if (`--tokens` verification steps).
+    rates, its lookahead) and stretches it to any length or batch; `--speculative` writes
+    draft trees and per-node routing for the EcoSpec what-if (`--tokens` verification steps).
     Examples: `moesim synth --model olmoe-1b-7b --tokens 64 --out olmoe.npz`,
     `moesim synth --like olmoe.npz --tokens 128 --batch 2 --out stretched.npz`,
+    `moesim synth --model olmoe-1b-7b --tokens 64 --lookahead 2 --out ahead.npz`,
     `moesim synth --speculative --model qwen3-235b-a22b --tokens 16 --out sd.npz`.
     """
+    if speculative and (lookahead is not None or draw_seed is not None):
+        raise MoesimError("--lookahead and --draw-seed apply to plain synthetic traces, not to --speculative")
+    if like is not None and draw_seed is not None:
+        raise MoesimError("--draw-seed: with --like the popularity is the trace's, so --seed alone sets the draws")
     if like is not None and speculative:  # acceptance, overlap and skew fitted to a speculative trace
         from moesim.traces.format import read_trace
         from moesim.traces.synthetic_speculative import synth_speculative
@@ -61,7 +74,7 @@ def synth(
     if like is not None:
         from moesim.sim.stats import synth_like_file
 
-        trace = synth_like_file(like, out_path, tokens, batch, seed)
+        trace = synth_like_file(like, out_path, tokens, batch, seed, lookahead=lookahead)
         err.print(f"wrote synthetic trace {out_path} ({tokens} steps of {trace.model.name}, batch {batch}, "
                   f"parameters fitted to {like})")
         return
@@ -81,7 +94,8 @@ def synth(
     from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
     check_output_file(out_path)
-    params = SyntheticParams(tokens, batch, prompt_len, skew, reuse, hit_rate, early_hit_rate, early_layers, seed)
+    params = SyntheticParams(tokens, batch, prompt_len, skew, reuse, hit_rate, early_hit_rate, early_layers, seed,
+                             lookahead=1 if lookahead is None else lookahead, draw_seed=draw_seed)
     with progress_bar("generating", "tokens") as update:
         trace = synthetic_trace(get_model(model), params, progress=update)
     path = write_trace(trace, out_path)
