@@ -26,10 +26,15 @@ a collective           :meth:`CostModel.collective`
 =====================  ==========================================================
 
 Every block on a processor is a roofline: the larger of its memory time (bytes / the
-bandwidth the engine reaches) and its math time (FLOPs / the achievable rate), plus the
-engine's fixed costs (kernel launches, dispatch, per-layer overhead). A new cost term
-joins here, as a method or as a figure of the engine or a profile, and every command
-picks it up (docs/policies.md, "The cost model").
+bandwidth the engine's kernels reach on that weight format) and its math time (FLOPs /
+the achievable rate), plus the engine's fixed costs (kernel launches, dispatch,
+per-layer overhead). On the CPU the bandwidth and the rate are those of the threads
+the deployment uses (``threads``, spread over the host's sockets, each further socket
+adding the engine's ``numa_efficiency`` of its bandwidth), and weights that do not fit
+in host RAM are read from disk as they are touched (engines that memory-map their
+file) or refused. A new cost term joins here, as a method or as a figure of the engine
+(:mod:`moesim.engines`) or a profile (:mod:`moesim.hardware`), and every command picks it
+up (docs/policies.md, "The cost model").
 """
 
 from __future__ import annotations
@@ -38,43 +43,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moesim.errors import MoesimError
+from moesim.engines import EngineProfile, get_engine
+from moesim.errors import DoesNotFit, MoesimError
 from moesim.hardware import HardwareProfile, HostProfile
 from moesim.models import ModelSpec
-
-
-@dataclass(frozen=True)
-class Engine:
-    """What the software running the model adds to the hardware's figures.
-
-    The default, ``eager``, is a framework that launches every kernel from Python
-    (PyTorch eager, the reference executor): per attention block norm, q/k/v, rope,
-    attention, output projection, residual, norm, router and top-k; per expert gate-up,
-    activation and down; per step final norm, LM head and sampling; per prediction the
-    quasi-hidden state's norm, the next layer's router and top-k. ``graph`` replays a
-    captured CUDA graph with fused MoE kernels (vLLM, SGLang): one launch per layer's
-    experts at a graph's per-kernel cost.
-    """
-
-    name: str = "eager"
-    attention_kernels: int = 10
-    expert_kernels: int = 3  # per expert; per layer when ``fused_experts``
-    head_kernels: int = 3
-    predict_kernels: int = 3
-    fused_experts: bool = False
-    kernel_launch_us: float | None = None  # None: the GPU profile's kernel_launch_us
-
-    def __post_init__(self) -> None:
-        if min(self.attention_kernels, self.expert_kernels, self.head_kernels, self.predict_kernels) < 0 or (
-                self.kernel_launch_us is not None and not self.kernel_launch_us > 0):
-            raise MoesimError(f"engine {self.name!r}: kernel counts must be >= 0 and kernel_launch_us > 0")
-
-
-EAGER = Engine()
-#: Serving engines replay one captured CUDA graph per decode step, where a kernel costs a
-#: microsecond or two (estimate: NVIDIA's CUDA Graphs documentation and vLLM's
-#: ``--enforce-eager`` comparisons show launch overhead falling from ~5 us to ~1-2 us).
-GRAPH = Engine("graph", fused_experts=True, expert_kernels=1, kernel_launch_us=2.0)
 
 
 def device_expert_seconds(n: np.ndarray | float, assign: np.ndarray | float, per_expert: np.ndarray | float,
@@ -104,12 +76,18 @@ class ExpertTimes:
     cpu_mem: float  # one expert's weights read from host memory
     cpu_tok: float  # one token-expert pair's math on the CPU
     cpu_fixed: float  # CPU dispatch of one expert
-    roundtrip: float  # activations device -> host -> device, once per layer with CPU work
+    roundtrip: float  # activations device -> host -> device (and the engine's CPU layer cost), once a layer
     copy: float  # one expert's host-to-device copy on the link
+    gpu_layer: float = 0.0  # a fused engine's launches, once per layer with device experts
 
     def gpu(self, n, assign):
-        """Device seconds (:func:`device_expert_seconds`); works on scalars and arrays."""
-        return device_expert_seconds(n, assign, self.gpu_mem + self.gpu_fixed, self.gpu_tok)
+        """Device seconds (:func:`device_expert_seconds`, plus a fused engine's launches once
+        a layer); works on scalars and arrays."""
+        t = device_expert_seconds(n, assign, self.gpu_mem + self.gpu_fixed, self.gpu_tok)
+        if not self.gpu_layer:
+            return t
+        return t + (np.where(np.asarray(n) > 0, self.gpu_layer, 0.0) if isinstance(n, np.ndarray)
+                    else (self.gpu_layer if n else 0.0))
 
     def cpu(self, n, assign):
         """CPU seconds, 0 where no expert runs there; works on scalars and arrays."""
@@ -117,42 +95,133 @@ class ExpertTimes:
         return np.where(np.asarray(n) > 0, t, 0.0) if isinstance(n, np.ndarray) else (t if n else 0.0)
 
 
+#: Host memory the operating system and the engine's own buffers keep from the page cache
+#: (an estimate: a desktop or server OS with an engine's activations and KV cache in RAM).
+HOST_RESERVE_BYTES = 4 * 10**9
+
+
 class CostModel:
     """Seconds of every piece of decode and prefill work for one deployment.
 
     ``gpu`` is the device profile (its figures as given: a what-if's link override is a
-    profile with that figure replaced); ``host`` the CPU that holds offloaded experts and,
-    under the CPU-compute policies, multiplies them (None: no CPU work can be priced);
-    ``engine`` the software (:data:`EAGER` by default); ``shards`` splits the dense
-    weights (and under tensor parallelism the experts) over that many devices; ``amx``
-    lets the host's AMX matrix units run expert math where it has them.
+    profile with that figure replaced), or None for a machine without a GPU (everything on
+    the CPU); ``host`` the CPU that holds offloaded experts and, under the CPU-compute
+    policies, multiplies them (None: no CPU work can be priced); ``engine`` the software
+    (a name, a path or an :class:`~moesim.engines.EngineProfile`; default PyTorch eager);
+    ``shards`` splits the dense weights (and under tensor parallelism the experts) over
+    that many devices; ``amx`` lets the host's AMX matrix units run expert math where it
+    has them; ``threads`` the CPU threads the engine uses (default: every core of every
+    socket); ``host_weights`` the weight bytes kept in host memory and ``host_other`` the
+    rest of what host RAM must hold (a KV cache there): what paging is judged on, when the
+    host profile gives its RAM.
     """
 
-    def __init__(self, spec: ModelSpec, gpu: HardwareProfile, host: HostProfile | None = None,
-                 engine: Engine = EAGER, *, shards: int = 1, amx: bool = True) -> None:
+    def __init__(self, spec: ModelSpec, gpu: HardwareProfile | None, host: HostProfile | None = None,
+                 engine: str | EngineProfile | None = None, *, shards: int = 1, amx: bool = True,
+                 threads: int | None = None, host_weights: float = 0.0, host_other: float = 0.0) -> None:
         if shards < 1:
             raise MoesimError(f"shards must be >= 1, got {shards}")
-        self.spec, self.gpu, self.host, self.engine, self.shards, self.amx = spec, gpu, host, engine, shards, amx
-        self.launch = gpu.launch if engine.kernel_launch_us is None else engine.kernel_launch_us * 1e-6
-        self.layer_overhead = gpu.layer_overhead
+        if gpu is None and host is None:
+            raise MoesimError("a deployment needs a GPU profile or a host profile")
+        self.spec, self.gpu, self.host, self.shards, self.amx = spec, gpu, host, shards, amx
+        self.engine = e = get_engine(engine)
+        if gpu is not None:
+            self.launch = gpu.launch if e.kernel_launch_us is None else e.kernel_launch_us * 1e-6
+            self.layer_overhead = gpu.layer_overhead if e.layer_overhead_us is None else e.layer_overhead_us * 1e-6
+        if host is not None:
+            self._host_setup(threads, host_weights, host_other)
+        elif threads is not None:
+            raise MoesimError("--threads sets the host's CPU threads: give a host profile")
+
+    def _host_setup(self, threads: int | None, host_weights: float, host_other: float) -> None:
+        h, e = self.host, self.engine
+        total = h.cores * h.sockets
+        threads = total if threads is None else threads
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 4 * total:
+            raise MoesimError(f"--threads {threads!r}: a count from 1 to {4 * total} ({h.name} has {total} cores)")
+        self.threads = threads
+        used = min(h.sockets, -(-threads // h.cores))  # sockets the threads spread over
+        per_socket = min(h.cores, threads / used)
+        scale = 1.0 + (used - 1) * e.get("numa_efficiency")
+        self.host_bw = h.socket_bw(per_socket) * scale
+        self.host_compute = (per_socket / h.cores) * used  # share of one socket's peak rates the threads reach
+        self.cpu_layer = e.get("cpu_layer_overhead_us") * 1e-6
+        self.cpu_dispatch = e["cpu_expert_dispatch_us"] * 1e-6 if "cpu_expert_dispatch_us" in e.figures else h.dispatch
+        self.cpu_roundtrip = e["activation_roundtrip_us"] * 1e-6 if "activation_roundtrip_us" in e.figures \
+            else h.roundtrip
+        self.page_miss = self._page_miss(host_weights, host_other)
+
+    def _page_miss(self, host_weights: float, host_other: float = 0.0) -> float:
+        """Share of host-held weight bytes that must come from disk when they are touched:
+        0 when they fit in RAM; else, for an engine that memory-maps its weights, the share
+        the page cache cannot hold (touched uniformly, the cache keeps ``cache / weights`` of
+        them); an engine that must load them refuses in one line."""
+        ram = self.host.ram_bytes
+        if ram is None or host_weights <= 0:
+            return 0.0
+        cache = max(ram - HOST_RESERVE_BYTES - host_other, 0.0)
+        if host_weights <= cache:
+            return 0.0
+        need = f"{host_weights / 1e9:.1f} GB of weights in host memory, {ram / 1e9:g} GB of RAM ({self.host.name})"
+        if not self.engine.pages_from_disk:
+            raise DoesNotFit(f"does not fit: {need}; {self.engine.name} loads its weights into RAM (an engine that "
+                              "memory-maps them, such as llama.cpp, pages them from disk instead)")
+        if "disk_read_gbs" not in self.host.figures:
+            raise MoesimError(f"{need}: the weights page from disk, but host {self.host.name} gives no disk_read_gbs")
+        return 1.0 - cache / host_weights
 
     # -- the roofline: the one place bytes and rates become seconds ----------------------
-    def _device(self, nbytes, flops, dtype: str, kernels: float = 0.0):
-        """A block on the device: ``max(bytes / bandwidth, FLOPs / rate) + kernels x launch``."""
-        return np.maximum(nbytes / self.gpu.mem_bw, flops / self.gpu.flops(dtype)) + kernels * self.launch
+    def _gpu(self) -> HardwareProfile:
+        if self.gpu is None:
+            raise MoesimError("this cost needs a GPU; the deployment has none (--hw none)")
+        return self.gpu
+
+    def _device_mem(self, nbytes, dtype: str):
+        """Seconds the device takes to read ``nbytes`` of ``dtype`` weights."""
+        gpu = self._gpu()
+        return nbytes / (gpu.mem_bw * self.engine.weight_efficiency("gpu", dtype))
+
+    def _device(self, nbytes, flops, dtype: str, kernels: float = 0.0, extra_mem=0.0):
+        """A block on the device: ``max(bytes / bandwidth + extra, FLOPs / rate) + kernels x launch``."""
+        gpu = self._gpu()
+        return np.maximum(self._device_mem(nbytes, dtype) + extra_mem, flops / gpu.flops(dtype)) + kernels * self.launch
 
     def _host(self) -> HostProfile:
         if self.host is None:
             raise MoesimError("this cost needs a host (CPU) profile: pick one with --host (`moesim hw --hosts`)")
         return self.host
 
-    # -- device work ---------------------------------------------------------------------
-    def attention(self, layer: int, context, rows: float = 1, sequences: float | None = None):
+    def _cpu_mem(self, nbytes, dtype: str):
+        """Seconds the CPU threads take to read ``nbytes`` of ``dtype`` weights (and fault in
+        the share that pages from disk)."""
+        h = self._host()
+        t = nbytes / (self.host_bw * self.engine.weight_efficiency("cpu", dtype))
+        if self.page_miss:
+            t = t + nbytes * self.page_miss / (h["disk_read_gbs"] * 1e9)
+        return t
+
+    def cpu_rate(self, dtype: str) -> float:
+        """Multiply-adds x 2 a second the deployment's CPU threads reach on ``dtype`` weights."""
+        return self._host().flops(dtype, self.amx) * self.host_compute
+
+    def _cpu(self, nbytes, flops, dtype: str, extra_mem=0.0):
+        """A block on the CPU: ``max(bytes / bandwidth + extra, FLOPs / rate) + the engine's per-layer cost``."""
+        return np.maximum(self._cpu_mem(nbytes, dtype) + extra_mem, flops / self.cpu_rate(dtype)) + self.cpu_layer
+
+    def _on_cpu(self, on: str | None) -> bool:
+        where = on or ("gpu" if self.gpu is not None else "cpu")
+        if where not in ("gpu", "cpu"):
+            raise MoesimError(f"unknown processor {where!r}: gpu or cpu")
+        return where == "cpu"
+
+    # -- dense work (the GPU, or the CPU for layers it holds) -----------------------------
+    def attention(self, layer: int, context, rows: float = 1, sequences: float | None = None, on: str | None = None):
         """One model layer's block before its routed experts: attention over ``context``
         past tokens (a number or an array of them) for ``rows`` new tokens of ``sequences``
         sequences (each reads its own KV cache; default: one sequence a row), the router
         and shared experts of an MoE layer or the dense FFN of a dense layer, the engine's
-        launches and the per-layer overhead."""
+        launches and the per-layer overhead; ``on`` the CPU for a layer the CPU holds
+        (default: the GPU, or the CPU when there is none)."""
         s, sh = self.spec, self.shards
         seqs = rows if sequences is None else sequences
         ctx = np.asarray(context, float)
@@ -160,13 +229,20 @@ class CostModel:
         attn_flops = base + (s.attention_flops(1) - base) * ctx  # affine in the context
         kv = seqs * ctx * s.kv_bytes_per_token_layer
         flops = rows * (attn_flops + s.dense_flops_per_token(layer))
-        t = self._device((s.layer_resident_bytes(layer) + kv) / sh, flops / sh, s.dense_dtype,
-                         self.engine.attention_kernels) + self.layer_overhead
+        weights = s.layer_resident_bytes(layer)
+        if self._on_cpu(on):
+            t = self._cpu(weights, flops, s.dense_dtype, extra_mem=kv / self.host_bw)
+        else:
+            kv_s = kv / sh / (self.gpu.mem_bw * self.engine.get("kv_read_efficiency", 1.0))
+            t = self._device(weights / sh, flops / sh, s.dense_dtype, self.engine.attention_kernels,
+                             kv_s) + self.layer_overhead
         return t if t.ndim else float(t)
 
-    def head(self, rows: float = 1) -> float:
+    def head(self, rows: float = 1, on: str | None = None) -> float:
         """The final norm and the LM head (:attr:`ModelSpec.lm_head_bytes`), sampling included."""
         s = self.spec
+        if self._on_cpu(on):
+            return float(self._cpu(s.lm_head_bytes, rows * s.lm_head_flops, "bf16"))
         return float(self._device(s.lm_head_bytes / self.shards, rows * s.lm_head_flops / self.shards, "bf16",
                                   self.engine.head_kernels))
 
@@ -178,6 +254,7 @@ class CostModel:
         return float(self._device(2 * s.hidden + s.router_bytes, rows * 2 * s.n_experts * s.hidden, "bf16",
                                   self.engine.predict_kernels))
 
+    # -- routed experts on the device ----------------------------------------------------
     def expert_read(self) -> float:
         """Seconds one routed expert's weights take to read on the device, with its launches
         (per expert under an eager engine; a fused engine pays them once a layer)."""
@@ -187,44 +264,55 @@ class CostModel:
 
     def expert_pair(self) -> float:
         """Seconds of one token-expert pair's math on the device."""
-        return float(self.spec.expert_flops(1) / self.shards / self.gpu.flops(self.spec.expert_dtype))
+        return float(self.spec.expert_flops(1) / self.shards / self._gpu().flops(self.spec.expert_dtype))
+
+    @property
+    def layer_expert_launches(self) -> float:
+        """A fused engine's launches for one layer's experts (0 under an eager engine, which
+        pays them per expert)."""
+        e = self.engine
+        return e.expert_kernels * self.launch if e.fused_experts else 0.0
 
     def experts_device(self, n, assign):
         """``n`` distinct routed experts serving ``assign`` token-expert pairs on the device
         (:func:`device_expert_seconds`; a fused engine adds its launches once a layer)."""
         t = device_expert_seconds(n, assign, self.expert_read(), self.expert_pair())
         if self.engine.fused_experts:
-            t = t + np.where(np.asarray(n) > 0, self.engine.expert_kernels * self.launch, 0.0)
+            t = t + np.where(np.asarray(n) > 0, self.layer_expert_launches, 0.0)
         return t
 
-    # -- the CPU -------------------------------------------------------------------------
+    # -- routed experts on the CPU -------------------------------------------------------
     def roundtrip(self, rows: float = 1) -> float:
-        """One layer's activation round trip for CPU experts: the host profile's fixed
-        latency plus ``rows`` hidden states down and expert outputs up (bf16) over the link."""
-        return self._host().roundtrip + self.copy(2 * 2 * rows * self.spec.hidden, transfers=0)
+        """One layer's activation round trip for CPU experts: the fixed latency (engine,
+        else host profile) plus ``rows`` hidden states down and expert outputs up (bf16)
+        over the link, and the engine's per-layer CPU cost."""
+        self._host()
+        moved = self.copy(2 * 2 * rows * self.spec.hidden, transfers=0) if self.gpu is not None else 0.0
+        return self.cpu_roundtrip + moved + self.cpu_layer
 
     def expert_times(self, batch: int = 1) -> ExpertTimes:
         """The figures of one expert on the device and on the CPU and one copy over the link,
         at ``batch`` sequences: what the CPU-compute policies are timed and decided with
         (the simulator and the executor's cpu-on-miss alike)."""
-        s, h = self.spec, self._host()
+        s = self.spec
         e = self.engine
+        gpu = self.gpu is not None
         return ExpertTimes(
-            gpu_mem=float(self._device(s.expert_bytes, 0.0, s.expert_dtype)), gpu_tok=self.expert_pair(),
-            gpu_fixed=e.expert_kernels * self.launch,
-            cpu_mem=s.expert_bytes / h.mem_bw, cpu_tok=s.expert_flops(1) / h.flops(s.expert_dtype, self.amx),
-            cpu_fixed=h.dispatch, roundtrip=self.roundtrip(batch), copy=self.copy_expert(),
+            gpu_mem=float(self._device_mem(s.expert_bytes, s.expert_dtype)) if gpu else np.inf,
+            gpu_tok=self.expert_pair() if gpu else np.inf,
+            gpu_fixed=(0.0 if e.fused_experts else e.expert_kernels * self.launch) if gpu else 0.0,
+            cpu_mem=float(self._cpu_mem(s.expert_bytes, s.expert_dtype)),
+            cpu_tok=s.expert_flops(1) / self.cpu_rate(s.expert_dtype),
+            cpu_fixed=self.cpu_dispatch, roundtrip=self.roundtrip(batch),
+            copy=self.copy_expert() if gpu else np.inf, gpu_layer=self.layer_expert_launches if gpu else 0.0,
         )
-
-    def experts_cpu(self, n, assign, rows: float = 1):
-        """``n`` experts serving ``assign`` pairs on the CPU, the round trip included (0 if none)."""
-        return self.expert_times(int(rows)).cpu(n, assign)
 
     # -- the link ------------------------------------------------------------------------
     def copy(self, nbytes, transfers: float = 1):
         """``transfers`` host-to-device copies moving ``nbytes`` in all, from pinned memory:
         each pays the transfer latency, the bytes share the link's bandwidth."""
-        return transfers * self.gpu.transfer_latency + nbytes / self.gpu.link_bw
+        gpu = self._gpu()
+        return transfers * gpu.transfer_latency + nbytes / gpu.link_bw
 
     def copy_expert(self) -> float:
         """One routed expert's copy (one contiguous buffer): the link model's unit."""
@@ -239,14 +327,16 @@ class CostModel:
 
     # -- prefill and drafting --------------------------------------------------------------
     def prefill_layer(self, layer: int, tokens: int, prompt_len: int, expert_bytes: float = 0.0,
-                      pairs: float = 0.0) -> float:
+                      pairs: float = 0.0, on: str | None = None) -> float:
         """One layer's prefill of ``tokens`` prompt tokens (batch x prompt length) attending
         to ``prompt_len / 2`` past tokens on average, reading ``expert_bytes`` of routed
-        experts and multiplying ``pairs`` token-expert pairs on the device."""
+        experts and multiplying ``pairs`` token-expert pairs, on the device (or ``on`` the CPU)."""
         s = self.spec
         flops = tokens * (s.attention_flops(prompt_len // 2) + s.dense_flops_per_token(layer))
         flops += pairs * s.expert_flops(1)
         mem = s.layer_resident_bytes(layer) + tokens * s.kv_bytes_per_token_layer + expert_bytes
+        if self._on_cpu(on):
+            return float(self._cpu(mem, flops, s.dense_dtype))
         return float(self._device(mem, flops, s.dense_dtype, self.engine.attention_kernels))
 
     def draft_forward(self, weight_bytes: float, params: float, rows: float, kernels: float, dtype: str) -> float:

@@ -13,6 +13,7 @@ Fiddler), multiply them. A GPU profile names its usual host (``host = "..."``).
 from __future__ import annotations
 
 import math
+import re
 import tomllib
 import warnings
 from dataclasses import dataclass, replace
@@ -70,6 +71,12 @@ HOST_FIGURES: dict[str, tuple[str, bool, bool, str]] = {
     "expert_dispatch_us": ("us", True, False, "fixed CPU cost to start one expert's matrix work"),
     "activation_roundtrip_us": ("us", True, False, "GPU->CPU hidden state, CPU->GPU expert output: "
                                                     "latency of the round trip per layer"),
+    "sockets": ("count", False, True, "CPU sockets of the machine (absent: 1); every other figure is one socket's"),
+    "mem_bw_per_core_gbs": ("GB/s", False, False, "host memory bandwidth one core reaches alone (absent: the "
+                                                  "socket's figure is reached with any thread count)"),
+    "ram_gb": ("GB", False, False, "host memory capacity of the machine (absent: assumed large enough)"),
+    "disk_read_gbs": ("GB/s", False, False, "random-read rate of the disk that holds the weights, at the size a "
+                                            "memory-mapped model faults in"),
 }
 HOST_TOP_KEYS = {"name", "description", "figures"}
 
@@ -163,20 +170,28 @@ def _q(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def _check_value(where: str, key: str, value: Any) -> None:
+#: Figures that may be exactly 0 (a cost that is absent, a switch that is off); every
+#: other figure must be positive.
+ZERO_OK = {"layer_overhead_us", "copy_interference", "wait_wakeup_us"}
+
+
+def _check_value(where: str, key: str, value: Any, zero_ok: set[str] = ZERO_OK) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise MoesimError(f"{where}: figure {key!r} must be a number, got {value!r}")
-    zero_ok = key in ("layer_overhead_us", "copy_interference", "wait_wakeup_us") and value == 0
-    if (not math.isfinite(value) or value <= 0) and not zero_ok:
+    if (not math.isfinite(value) or value <= 0) and not (key in zero_ok and value == 0):
         raise MoesimError(f"{where}: figure {key!r} must be positive and finite, got {value}")
-    if key == "compute_efficiency" and value > 1:
-        raise MoesimError(f"{where}: compute_efficiency is a fraction of peak; got {value} > 1")
+    if key.endswith("efficiency") and value > 1:
+        raise MoesimError(f"{where}: {key} is a fraction of peak; got {value} > 1")
 
 
-def _parse_figures(raw: Any, table: dict[str, tuple[str, bool, bool, str]], where: str,
-                   retired: dict[str, str] | None = None) -> dict[str, Figure]:
+def parse_figures(raw: Any, table: dict[str, tuple[str, bool, bool, str]], where: str,
+                  retired: dict[str, str] | None = None, zero_ok: set[str] = ZERO_OK,
+                  section: str = "figures") -> dict[str, Figure]:
+    """Validate a ``[figures]`` table against ``table`` (name -> (unit, required, integer,
+    description)): each entry ``{ value, kind, source }``, a known kind, a positive finite
+    value (0 only for ``zero_ok``), whole numbers where the table says so."""
     if not isinstance(raw, dict):
-        raise MoesimError(f"{where}: [figures] must be a table")
+        raise MoesimError(f"{where}: [{section}] must be a table")
     figures: dict[str, Figure] = {}
     for key, entry in raw.items():
         if retired and key in retired:
@@ -184,18 +199,23 @@ def _parse_figures(raw: Any, table: dict[str, tuple[str, bool, bool, str]], wher
                           UserWarning, stacklevel=3)
             continue
         if key not in table:
-            raise MoesimError(f"{where}: unknown figure {key!r}; known: {', '.join(table)}")
+            raise MoesimError(f"{where}: unknown figure {key!r} in [{section}]; known: {', '.join(table)}")
         if not isinstance(entry, dict) or set(entry) != {"value", "kind", "source"}:
             raise MoesimError(f"{where}: figure {key!r} must be {{ value, kind, source }}")
         if entry["kind"] not in FIGURE_KINDS:
             raise MoesimError(f"{where}: figure {key!r} kind {entry['kind']!r} not in {', '.join(FIGURE_KINDS)}")
-        _check_value(where, key, entry["value"])
+        _check_value(where, key, entry["value"], zero_ok)
         if table[key][2] and entry["value"] != int(entry["value"]):
             raise MoesimError(f"{where}: figure {key!r} must be a whole number, got {entry['value']}")
         figures[key] = Figure(float(entry["value"]), entry["kind"], str(entry["source"]))
     missing = [k for k, (_, req, _, _) in table.items() if req and k not in figures]
     if missing:
         raise MoesimError(f"{where}: missing required figure(s) {', '.join(missing)}")
+    return figures
+
+
+def _memory_figures(raw: Any, table, where: str, retired: dict[str, str] | None = None) -> dict[str, Figure]:
+    figures = parse_figures(raw, table, where, retired)
     if figures["mem_bw_achievable_gbs"].value > figures["mem_bw_peak_gbs"].value:
         raise MoesimError(f"{where}: achievable memory bandwidth exceeds the peak")
     return figures
@@ -214,11 +234,11 @@ def parse_profile(data: dict[str, Any], where: str) -> HardwareProfile:
     host = data.get("host", "")
     if not isinstance(host, str):
         raise MoesimError(f"{where}: host must be the name of a host profile, got {host!r}")
-    figures = _parse_figures(data["figures"], FIGURES, where, RETIRED_FIGURES)
+    figures = _memory_figures(data["figures"], FIGURES, where, RETIRED_FIGURES)
     return HardwareProfile(str(data["name"]), str(data.get("description", "")), data["link"], figures, where, host)
 
 
-def _read_toml(path: Path, what: str) -> dict[str, Any]:
+def read_toml(path: Path, what: str) -> dict[str, Any]:
     if path.is_dir():
         raise MoesimError(f"{what} {path} is a directory, not a .toml file")
     try:
@@ -238,7 +258,7 @@ def _read_toml(path: Path, what: str) -> dict[str, Any]:
 def load_profile(path: str | Path) -> HardwareProfile:
     """Read a profile TOML; a directory, a binary or non-UTF-8 file or bad TOML is one line."""
     path = Path(path)
-    return parse_profile(_read_toml(path, "hardware profile"), str(path))
+    return parse_profile(read_toml(path, "hardware profile"), str(path))
 
 
 def builtin_profiles() -> dict[str, Path]:
@@ -317,6 +337,26 @@ class HostProfile(_FigureLookup):
     def roundtrip(self) -> float:
         return self["activation_roundtrip_us"] * 1e-6
 
+    @property
+    def sockets(self) -> int:
+        return int(self.get("sockets", 1))
+
+    @property
+    def cores(self) -> int:
+        """Physical cores of one socket."""
+        return int(self["cores"])
+
+    def socket_bw(self, threads: int) -> float:
+        """Bytes/s one socket's memory delivers to ``threads`` threads on it: its achievable
+        bandwidth, or less when too few threads run to saturate it (``mem_bw_per_core_gbs``)."""
+        per_core = self.get("mem_bw_per_core_gbs") * 1e9
+        return min(self.mem_bw, threads * per_core) if per_core else self.mem_bw
+
+    @property
+    def ram_bytes(self) -> float | None:
+        """Host memory of the machine, or None when the profile does not say."""
+        return self["ram_gb"] * 1e9 if "ram_gb" in self.figures else None
+
     def with_figure(self, key: str, value: float, kind: str = "estimate", source: str = "what-if") -> HostProfile:
         """A copy with one figure replaced (what-if sweeps over host bandwidth)."""
         if key not in HOST_FIGURES:
@@ -344,7 +384,7 @@ def parse_host(data: dict[str, Any], where: str) -> HostProfile:
     for key in ("name", "figures"):
         if key not in data:
             raise MoesimError(f"{where}: missing required key {key!r}")
-    figures = _parse_figures(data["figures"], HOST_FIGURES, where)
+    figures = _memory_figures(data["figures"], HOST_FIGURES, where)
     if ("amx_bf16_tflops" in figures) != ("amx_int8_tops" in figures):
         raise MoesimError(f"{where}: give both amx_bf16_tflops and amx_int8_tops, or neither")
     return HostProfile(str(data["name"]), str(data.get("description", "")), figures, where)
@@ -353,7 +393,7 @@ def parse_host(data: dict[str, Any], where: str) -> HostProfile:
 def load_host(path: str | Path) -> HostProfile:
     """Read a host profile TOML; problems are one line naming the file and field."""
     path = Path(path)
-    return parse_host(_read_toml(path, "host profile"), str(path))
+    return parse_host(read_toml(path, "host profile"), str(path))
 
 
 def builtin_hosts() -> dict[str, Path]:
@@ -378,3 +418,67 @@ def get_host(name_or_path: str | None = None, gpu: HardwareProfile | None = None
             raise MoesimError(f"host profile file {p} does not exist")
         return load_host(p)
     raise MoesimError(f"unknown host profile {name_or_path!r}; built-in: {', '.join(builtin)} (or a .toml path)")
+
+
+# ---------------------------------------------------------------------------------------
+# A machine: the GPUs of one host
+# ---------------------------------------------------------------------------------------
+
+#: ``--hw none``: a machine without a GPU (every weight in host memory, computed by the CPU).
+NO_GPU = "none"
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The GPUs of one host: none, one, or several of the same or mixed profiles
+    (``--hw none``, ``--hw rtx4090``, ``--hw 2xrtx5090``, ``--hw rtx4090+rtx3090``)."""
+
+    gpus: tuple[HardwareProfile, ...]
+    name: str
+
+    @property
+    def n_gpus(self) -> int:
+        return len(self.gpus)
+
+    @property
+    def host(self) -> str:
+        """The host profile the (first) GPU names; none for a machine without GPUs."""
+        return self.gpus[0].host if self.gpus else ""
+
+    def with_figure(self, key: str, value: float, kind: str = "estimate", source: str = "what-if") -> Machine:
+        """Every GPU with one figure replaced (a what-if's link bandwidth)."""
+        return replace(self, gpus=tuple(g.with_figure(key, value, kind, source) for g in self.gpus))
+
+    def link_gbps(self) -> float | None:
+        return self.gpus[0]["h2d_pinned_gbs"] if self.gpus else None
+
+    def device_memory_gb(self) -> list[float]:
+        return [g["device_memory_gb"] for g in self.gpus]
+
+
+def get_machine(text: str | HardwareProfile | Machine) -> Machine:
+    """``none``, a GPU profile (name or path), ``NxPROFILE`` or ``A+B+...`` as a machine."""
+    if isinstance(text, Machine):
+        return text
+    if isinstance(text, HardwareProfile):
+        return Machine((text,), text.name)
+    t = text.strip()
+    if t.lower() == NO_GPU:
+        return Machine((), NO_GPU)
+    if "+" in t:
+        parts = [p.strip() for p in t.split("+")]
+        if not all(parts):
+            raise MoesimError(f"--hw {text!r}: join GPU profiles with '+', e.g. rtx4090+rtx3090")
+        gpus = tuple(g for p in parts for g in get_machine(p).gpus)
+        if len(gpus) != len(parts) and any(get_machine(p).n_gpus != 1 for p in parts):
+            raise MoesimError(f"--hw {text!r}: each part joined by '+' is one GPU profile")
+        return Machine(gpus, "+".join(g.name for g in gpus))
+    many = re.fullmatch(r"(\d+)x(.+)", t)
+    if many and t.lower() not in builtin_profiles():
+        n = int(many.group(1))
+        if not 1 <= n <= 64:
+            raise MoesimError(f"--hw {text!r}: 1 to 64 GPUs of one profile")
+        gpu = get_profile(many.group(2))
+        return Machine((gpu,) * n, gpu.name if n == 1 else f"{n}x{gpu.name}")
+    gpu = get_profile(t)
+    return Machine((gpu,), gpu.name)

@@ -1,6 +1,7 @@
 """Does a deployment fit? The one memory-fit test, shared by every policy family.
 
-Device memory holds the non-expert weights, the KV cache at the run's longest context,
+Device memory holds the non-expert weights (but the input embedding table: engines keep
+it in host memory and read one row a token), the KV cache at the run's longest context,
 a workspace for activations and the CUDA context (:data:`WORKSPACE_BYTES`), and the
 routed experts the policy keeps there: all of them (all-resident), the slots of the
 layers in flight plus the cross-token cache (the copy policies, ``moesim.policy.expert_slots``),
@@ -10,7 +11,9 @@ staging buffers (cpu-on-miss). Every family is compared on these same terms.
 
 from __future__ import annotations
 
-from moesim.errors import MoesimError
+from dataclasses import dataclass
+
+from moesim.errors import DoesNotFit
 from moesim.models import ModelSpec
 from moesim.policy import Policy, expert_slots, get_policy
 
@@ -38,15 +41,62 @@ def device_bytes(spec: ModelSpec, policy: str | Policy, *, cache_experts: int = 
         experts = resident_experts
     else:
         experts = expert_slots(spec, pol, cache_experts, lookahead)
-    split = spec.non_expert_bytes + kv_bytes(spec, batch, context) + experts * spec.expert_bytes
+    weights = spec.non_expert_bytes - spec.input_embedding_bytes  # the table stays in host memory
+    split = weights + kv_bytes(spec, batch, context) + experts * spec.expert_bytes
     return -(-split // shards) + WORKSPACE_BYTES
 
 
-def expert_budget(spec: ModelSpec, device_bytes: float, batch: int, context: int) -> int:
-    """Bytes of device memory left for routed experts: device memory less the resident
-    non-expert weights, the KV cache at ``context`` and :data:`WORKSPACE_BYTES`."""
-    left = device_bytes - spec.non_expert_bytes - kv_bytes(spec, batch, context) - WORKSPACE_BYTES
+def expert_budget(spec: ModelSpec, device_memory: float, batch: int, context: int) -> int:
+    """Bytes of device memory left for routed experts: device memory less what
+    :func:`device_bytes` holds besides experts (a static placement of none)."""
+    fixed = device_bytes(spec, "cpu-static", batch=batch, context=context)
+    left = device_memory - fixed
     if left < 0:
-        raise MoesimError(f"{spec.name}: the non-expert weights and KV cache alone need "
-                          f"{(device_bytes - left) / 1e9:.1f} GB, more than the device's {device_bytes / 1e9:.1f} GB")
+        raise DoesNotFit(f"{spec.name}: the non-expert weights and KV cache alone need {fixed / 1e9:.1f} GB, more "
+                         f"than the device's {device_memory / 1e9:.1f} GB")
     return int(left)
+
+
+@dataclass(frozen=True)
+class LayoutBytes:
+    """Where a static layout's bytes sit: per GPU, and in host memory (weights, KV cache)."""
+
+    gpu: list[int]  # each GPU: its weights, KV cache and WORKSPACE_BYTES
+    host_weights: int  # weights kept in host memory (what may page from disk)
+    host_kv: int  # KV cache of the CPU's layers
+
+
+def layout_bytes(spec: ModelSpec, layout, batch: int = 1, context: int = 0) -> LayoutBytes:
+    """The bytes of a static :class:`moesim.layout.Layout`: each GPU its layers' attention
+    and dense weights, their KV cache, its experts, the LM head if it has it, and
+    :data:`WORKSPACE_BYTES`; the host the rest of the weights, the input embedding table
+    (engines keep it there and read one row a token) and its layers' KV cache. Under
+    ``split="tensor"`` every GPU holds an equal share of what the GPU layers hold, and a
+    workspace of its own."""
+    from moesim.layout import CPU
+
+    g = max(layout.n_gpus, 0)
+    gpu = [0] * g
+    host, host_kv = spec.input_embedding_bytes, 0
+    kv_layer = batch * context * spec.kv_bytes_per_token_layer
+    moe = {layer: m for m, layer in enumerate(spec.moe_layers)}
+    for layer in range(spec.n_layers):
+        d = int(layout.layer_device[layer])
+        if d == CPU:
+            host += spec.layer_resident_bytes(layer)
+            host_kv += kv_layer
+        else:
+            gpu[d] += spec.layer_resident_bytes(layer) + kv_layer
+        m = moe.get(layer)
+        if m is not None:
+            devs = layout.expert_device[m]
+            host += int((devs == CPU).sum()) * spec.expert_bytes
+            for i in range(g):
+                gpu[i] += int((devs == i).sum()) * spec.expert_bytes
+    if layout.head_device == CPU:
+        host += spec.lm_head_bytes
+    else:
+        gpu[layout.head_device] += spec.lm_head_bytes
+    if layout.split == "tensor" and g > 1:
+        gpu = [-(-sum(gpu) // g)] * g
+    return LayoutBytes([b + WORKSPACE_BYTES for b in gpu], host, host_kv)

@@ -46,7 +46,9 @@ class Policy:
     # Where experts that are not on the device run: "" = copied to the device;
     # "layers" = whole MoE layers on the CPU (llama.cpp --n-cpu-moe); "hot" = all but a
     # static hot set on the CPU (KTransformers); "miss" = a cache miss runs on the CPU or
-    # is copied, whichever the cost model says ends first (Fiddler). See moesim.placement.
+    # is copied, whichever the cost model says ends first (Fiddler); "whole" = whole layers
+    # (attention and experts) on the CPU, the rest on the GPU (llama.cpp -ngl N). See
+    # moesim.placement and moesim.layout.
     cpu: str = ""
     aliases: tuple[str, ...] = ()  # other names get_policy accepts
 
@@ -57,7 +59,7 @@ _ALIASES: dict[str, str] = {}
 POLICIES: Mapping[str, Policy] = MappingProxyType(_REGISTRY)
 ALIASES: Mapping[str, str] = MappingProxyType(_ALIASES)
 EVICTIONS = ("lru", "lfu")
-CPU_MODES = ("", "layers", "hot", "miss")
+CPU_MODES = ("", "layers", "hot", "miss", "whole")
 
 
 def register(policy: Policy) -> Policy:
@@ -101,6 +103,9 @@ register(Policy(name="hot-experts", cpu="hot", aliases=("ktransformers",),
 register(Policy(name="cpu-on-miss", cpu="miss", aliases=("fiddler",),
                 summary="a device expert cache; a miss runs on the CPU or is copied, whichever the cost model "
                         "says finishes first given the link's queue (Fiddler)"))
+register(Policy(name="gpu-layers", cpu="whole", aliases=("ngl",),
+                summary="the last N model layers wholly on the GPU(s), the rest (attention and experts) on the "
+                        "CPU (llama.cpp -ngl N, Ollama; N given or the most that fit)"))
 register(Policy(name="oracle", prefetch=True, oracle=True,
                 summary="prefetch the true next-layer experts (a perfect predictor: the upper bound of prefetching)"))
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from moesim.costmodel import CostModel, device_expert_seconds
+from moesim.engines import DEFAULT_ENGINE
 from moesim.errors import MoesimError
 
 
@@ -50,10 +51,9 @@ def roofline_costs(cm: CostModel, tokens: int, prompt_len: int, batch: int = 1) 
     for layer in range(spec.n_layers):
         attn[:, layer] = cm.attention(layer, ctx, rows=batch)
     m = spec.n_moe_layers
-    fixed = cm.engine.expert_kernels * cm.launch if cm.engine.fused_experts else 0.0
     return Costs(attn, np.full((tokens, m), cm.expert_read()), np.full(tokens, cm.head(batch)),
-                 f"roofline ({cm.gpu.name}{'' if cm.engine.name == 'eager' else ', ' + cm.engine.name})",
-                 cm.expert_pair(), fixed)
+                 f"roofline ({cm.gpu.name}{'' if cm.engine.name == DEFAULT_ENGINE else ', ' + cm.engine.name})",
+                 cm.expert_pair(), cm.layer_expert_launches)
 
 
 def measured_costs(timings: dict[str, np.ndarray], recorded_exec: np.ndarray) -> Costs:

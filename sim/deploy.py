@@ -2,8 +2,9 @@
 best configuration, what bounds it, the overall winner and why, and the crossover points
 (batch size, prompt length, link bandwidth) where the winner changes.
 
-Families (docs/policies.md): ``prefetching`` (on-demand, prefetch-fom, prefetch-spec with
-their cache, copy queue and top-m), ``cpu-static`` (llama.cpp ``--n-cpu-moe``),
+Families (docs/policies.md; from the policy registry, :func:`moesim.sim.whatif.families`):
+``prefetching`` (on-demand, prefetch-fom, prefetch-spec with their cache, copy queue and
+top-m), ``cpu-static`` (llama.cpp ``--n-cpu-moe``), ``gpu-layers`` (llama.cpp ``-ngl``),
 ``hot-experts`` (KTransformers), ``cpu-on-miss`` (Fiddler) and ``all-resident``; the
 oracle is shown as the prefetching family's bound and never wins. A configuration that
 does not fit in device memory is never a family's best.
@@ -21,13 +22,9 @@ from typing import Any
 
 from moesim.errors import MoesimError
 from moesim.fmt import number
-from moesim.sim.whatif import GOALS
+from moesim.sim.whatif import BOUND, GOALS, families, simplicity
 
-FAMILIES = ("prefetching", "cpu-static", "hot-experts", "cpu-on-miss", "all-resident")
-#: On a tie the simpler deployment wins: nothing offloaded, then static placements, then
-#: the dynamic ones (a cpu-static run with 0 layers on the CPU *is* all-resident).
-SIMPLER = ("all-resident", "cpu-static", "hot-experts", "cpu-on-miss", "prefetching")
-BOUND = "oracle (bound)"
+# The families and their tie order come from the policy registry (moesim.sim.whatif).
 AXES = {"batch": "batch size", "prompt_len": "prompt length, tokens", "link_gbps": "link, GB/s"}
 Scenario = tuple[str, str, str, int, int, float]  # (model, hw, host, batch, prompt_len, link_gbps)
 
@@ -42,6 +39,8 @@ def configuration(row: dict[str, Any]) -> str:
     dtype = row["expert_dtype"]
     if fam == "cpu-static":
         what = f"{row['cpu_layers']} MoE layers on CPU"
+    elif fam == "gpu-layers":
+        what = f"{row['gpu_layers']} layers on GPU, the rest on CPU"
     elif fam == "hot-experts":
         gib = row["resident_experts"] * _expert_bytes(row) / 2**30 if _ok(row["resident_experts"]) else None
         what = f"{row['resident_experts']} hot experts on GPU" + (f" ({gib:.3g} GiB)" if gib is not None else "")
@@ -141,7 +140,7 @@ def _level(value: float) -> float:
 
 def _rank(row: dict[str, Any], key: str) -> tuple:
     fam = row["family"]
-    return (_level(row[key]), SIMPLER.index(fam) if fam in SIMPLER else len(SIMPLER))
+    return (_level(row[key]), simplicity(fam))
 
 
 def _best(rows: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
@@ -212,7 +211,7 @@ def deployment_answer(rows: list[dict[str, Any]], goal: str = "tpot",
     for model, hw, host, batch, prompt, link in (base_scenarios(rows) if which is None else which):
         here = _in(rows, model, hw, host, batch=batch, prompt_len=prompt, link_gbps=link)
         fams = []
-        for fam in (*FAMILIES, BOUND):
+        for fam in (*families(), BOUND):
             mine = [r for r in here if r["family"] == fam]
             fams.append(FamilyBest(fam, _best(mine, key), len(mine), sum(bool(r["fits"]) for r in mine)))
         bound, fams = fams[-1], fams[:-1]
@@ -244,14 +243,14 @@ def crossovers(rows: list[dict[str, Any]], metrics: dict[str, tuple[str, ...]] |
             line = [r for r in mine if all(r[a] == v for a, v in fixed.items())]
             for key in keys:
                 curves: dict[str, list[float | None]] = {}
-                for fam in (*FAMILIES, BOUND):
+                for fam in (*families(), BOUND):
                     pts = [_best([r for r in line if r["family"] == fam and r[axis] == x], key) for x in xs]
                     if any(p is not None for p in pts):
                         curves[fam] = [p[key] if p is not None else None for p in pts]
                 winners = []
                 for i in range(len(xs)):
                     cand = {f: c[i] for f, c in curves.items() if f != BOUND and c[i] is not None}
-                    winners.append(min(cand, key=lambda f: (_level(cand[f]), SIMPLER.index(f))) if cand else None)
+                    winners.append(min(cand, key=lambda f: (_level(cand[f]), simplicity(f))) if cand else None)
                 changes = []
                 for i in range(1, len(xs)):
                     a, b = winners[i - 1], winners[i]

@@ -4,8 +4,7 @@ offloaded to host memory (the setting the rest of moesim models).
 
 A :class:`Deployment` is a small typed description: the GPU (a hardware profile name or a
 profile), how many, how the model is split, the engine that runs it
-(:class:`moesim.costmodel.Engine`: serving engines replay a CUDA graph with fused MoE
-kernels) and the NVLink figures for the collectives. NVLink 4 on H100/H200 SXM moves
+(:mod:`moesim.engines`: serving engines replay a CUDA graph with fused MoE kernels) and the NVLink figures for the collectives. NVLink 4 on H100/H200 SXM moves
 900 GB/s per GPU, both directions together (NVIDIA H100 Tensor Core GPU datasheet;
 NVIDIA H200 Tensor Core GPU datasheet), so 450 GB/s each way; the fixed cost of one
 collective is an estimate (NCCL small-message latency inside one NVLink node is some
@@ -43,7 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from moesim.costmodel import EAGER, GRAPH, CostModel, Engine
+from moesim.costmodel import CostModel
+from moesim.engines import DEFAULT_ENGINE
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile, get_profile
 from moesim.memory import WORKSPACE_BYTES, device_bytes
@@ -69,7 +69,7 @@ class Deployment:
     cache_experts: int = 0  # offloaded: experts the device keeps across steps
     nvlink_gbs: float = NVLINK4_GBS
     collective_latency_us: float = COLLECTIVE_LATENCY_US
-    engine: Engine = EAGER  # the software: resident serving deployments replay a CUDA graph (GRAPH)
+    engine: str = DEFAULT_ENGINE  # the software (moesim.engines): resident serving deployments run vllm
 
     def __post_init__(self) -> None:
         if self.parallel not in PARALLEL:
@@ -108,12 +108,12 @@ class Deployment:
 
 
 DEPLOYMENTS: dict[str, Deployment] = {d.name: d for d in [
-    Deployment("8xh100-tp", "h100-sxm", 8, "tp", engine=GRAPH),
-    Deployment("8xh100-ep", "h100-sxm", 8, "ep", engine=GRAPH),
-    Deployment("8xh200-tp", "h200", 8, "tp", engine=GRAPH),
-    Deployment("8xh200-ep", "h200", 8, "ep", engine=GRAPH),
-    Deployment("1xh100-resident", "h100-sxm", engine=GRAPH),
-    Deployment("1xh200-resident", "h200", engine=GRAPH),
+    Deployment("8xh100-tp", "h100-sxm", 8, "tp", engine="vllm"),
+    Deployment("8xh100-ep", "h100-sxm", 8, "ep", engine="vllm"),
+    Deployment("8xh200-tp", "h200", 8, "tp", engine="vllm"),
+    Deployment("8xh200-ep", "h200", 8, "ep", engine="vllm"),
+    Deployment("1xh100-resident", "h100-sxm", engine="vllm"),
+    Deployment("1xh200-resident", "h200", engine="vllm"),
     Deployment("1xh200-offload", "h200", offload=True),
     Deployment("1xh200-offload-prefetch", "h200", offload=True, policy="prefetch-fom"),
 ]}

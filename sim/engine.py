@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
-from moesim.policy import QUEUES
+from moesim.policy import QUEUES, cpu_or_copy
+from moesim.sim.cpu_run import HybridRun
 from moesim.sim.workload import Link, Workload
 
 
@@ -165,9 +166,6 @@ def run_simpy_hybrid(w, planner, link: Link, record: bool = False):
     planner for the device/CPU split (and, under cpu-on-miss, :func:`moesim.policy.cpu_or_copy`
     how many misses to copy, given the copy engine's queue), starts the CPU job, waits for
     its copies, runs its experts and then waits for the CPU."""
-    from moesim.policy import cpu_or_copy
-    from moesim.sim.hybrid import HybridRun
-
     env = simpy.Environment()
     spans: list[Span] | None = [] if record else None
     copier = CopyEngine(env, link, spans)

@@ -1,7 +1,7 @@
 """The fast path of the CPU-compute policies: :mod:`moesim.sim.hybrid`'s step model as a
-per-layer recurrence, no event queue (the lead folds it into ``sim.fastpath``). Static
-placements (cpu-static, hot-experts) copy nothing, so their layers are independent and
-are computed for all steps at once from token counts.
+per-layer recurrence, no event queue. Static placements timed by the cost model copy
+nothing, so their layers are independent: ``moesim.sim.static`` prices them all at once
+from token counts; the recurrence here serves cpu-on-miss and measured timings.
 
 Two clocks: ``t``, when the device stream is next free, and ``link_free``, when the copy
 engine is next free. The CPU needs no clock of its own: a layer waits for its CPU work,
@@ -15,15 +15,11 @@ import numpy as np
 
 from moesim.placement import HybridPlanner
 from moesim.policy import cpu_or_copy
+from moesim.sim.cpu_run import HybridRun
 
 
 def run_fast_hybrid(w, planner: HybridPlanner):
     """Simulate every step of ``w`` (a :class:`moesim.sim.hybrid.HybridWork`)."""
-    from moesim.sim.hybrid import HybridRun
-
-    if not planner.copies and w.counts is not None and w.dev_per is None:
-        return _run_static(w, planner, HybridRun)
-
     times, per = w.times, w.times.copy
     n_t, n_layers = w.attn.shape
     m_of = {layer: i for i, layer in enumerate(w.moe)}
@@ -71,24 +67,3 @@ def _measured(per, step: int, m: int, n: int, roofline: float) -> float:
         if v == v:  # not NaN
             return n * float(v)
     return roofline
-
-
-def _run_static(w, planner: HybridPlanner, run_cls):
-    """Static placements copy nothing, so no layer depends on the link's past: every
-    layer's time is ``max(device, CPU)`` from counts alone, all steps at once."""
-    t_ = w.times
-    c = w.counts
-    res = planner.resident[None, :, :]
-    routed = c > 0
-    n_dev = (routed & res).sum(-1)
-    n_cpu = (routed & ~res).sum(-1)
-    a_dev = np.where(res, c, 0).sum(-1)
-    a_cpu = np.where(res, 0, c).sum(-1)
-    gpu = t_.gpu(n_dev, a_dev)  # the cost model's expert times (moesim.costmodel.ExpertTimes), vectorised
-    cpu = t_.cpu(n_cpu, a_cpu)
-    layer = np.maximum(gpu, cpu)
-    step = w.attn.sum(1) + layer.sum(1) + w.other
-    zeros = np.zeros(len(step))
-    return run_cls(np.cumsum(step), zeros, zeros.copy(), np.maximum(cpu - gpu, 0).sum(1), cpu.sum(1),
-                   n_dev.astype(np.int32), n_cpu.astype(np.int32), np.zeros_like(n_dev, np.int32),
-                   n_dev.astype(np.int32))

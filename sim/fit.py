@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import nnls
 
-from moesim.costmodel import EAGER
+from moesim.engines import get_engine
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile
 from moesim.sim.plan import build_plan
@@ -36,22 +36,23 @@ def fit_profile(trace: Trace, base: HardwareProfile, name: str | None = None) ->
         raise MoesimError("fitting uses batch-1 traces (every block memory-bound)")
     spec = trace.model
     tm = trace.timings
+    eager = get_engine()  # the executor's engine: PyTorch eager
     rows, y = [], []
     ctx0 = trace.prompt_len
     for t in range(trace.n_tokens):
         for layer in range(spec.n_layers):
             nbytes = spec.layer_resident_bytes(layer) + spec.kv_bytes_per_token_layer * (ctx0 + t)
-            rows.append((nbytes, EAGER.attention_kernels, 1.0))
+            rows.append((nbytes, eager.attention_kernels, 1.0))
             y.append(tm["attn_s"][t, layer])
     meta = trace.meta
     n_exec = build_plan(trace, meta.replay_policy).execute
     for t in range(trace.n_tokens):
         for m in range(spec.n_moe_layers):
             n = int(n_exec[t, m])
-            rows.append((n * spec.expert_bytes, n * EAGER.expert_kernels, 0.0))
+            rows.append((n * spec.expert_bytes, n * eager.expert_kernels, 0.0))
             y.append(tm["expert_s"][t, m])
     for t in range(trace.n_tokens):
-        rows.append((spec.lm_head_bytes, EAGER.head_kernels, 0.0))
+        rows.append((spec.lm_head_bytes, eager.head_kernels, 0.0))
         y.append(tm["other_s"][t])
     a, y = np.array(rows, float), np.array(y, float)
     scale = a.max(0)

@@ -23,9 +23,6 @@ are device times and say nothing about the CPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 import numpy as np
 
 from moesim.costmodel import CostModel, ExpertTimes
@@ -35,59 +32,14 @@ from moesim.memory import device_bytes
 from moesim.placement import HybridPlanner, Placement, make_placement
 from moesim.policy import EVICTIONS, get_policy
 from moesim.sim.costs import roofline_costs
+from moesim.sim.cpu_run import HybridResult, HybridWork, routed_sets, token_counts  # noqa: F401 (re-exported)
+from moesim.sim.engine import run_simpy_hybrid
+from moesim.sim.fastpath_cpu import run_fast_hybrid
 from moesim.sim.plan import Plan
 from moesim.sim.prefill import prefill_time_hybrid
+from moesim.sim.static import STATIC_CPU, simulate_static
 from moesim.sim.workload import Link
 from moesim.traces.format import Trace, load_calibration, read_trace  # noqa: F401 (load_calibration re-exported)
-
-
-@dataclass(frozen=True)
-class HybridWork:
-    """Per step and model layer: attention time; per MoE layer: the routed experts with
-    their token counts, heaviest first (ties by expert id)."""
-
-    attn: np.ndarray  # [t, n_layers] seconds
-    other: np.ndarray  # [t] seconds (embedding, final norm, LM head)
-    moe: tuple[int, ...]  # model layer index of each MoE layer
-    routed: list[list[list[tuple[int, int]]]]  # [t][m] -> [(expert, tokens)]
-    times: ExpertTimes
-    counts: np.ndarray | None = None  # [t, m, E] tokens routed to each expert (the vectorised static path)
-    # Measured timing (a trace the executor recorded): seconds per expert the device / the CPU
-    # took at [step, MoE layer], NaN where the recording ran none there (the roofline is used).
-    dev_per: np.ndarray | None = None
-    cpu_per: np.ndarray | None = None
-
-
-@dataclass
-class HybridRun:
-    """Per-step results of one engine run, and per (step, MoE layer) counts."""
-
-    ends: np.ndarray
-    copy: np.ndarray  # link seconds issued per step
-    stall: np.ndarray  # seconds the device waited for copies per step
-    cpu_wait: np.ndarray  # seconds a layer's end waited on the CPU past the device's end, per step
-    cpu_busy: np.ndarray  # CPU seconds per step (with round trips)
-    n_gpu: np.ndarray  # [t, m] experts the device ran
-    n_cpu: np.ndarray  # [t, m] experts the CPU ran
-    n_copied: np.ndarray  # [t, m] misses copied
-    n_hits: np.ndarray  # [t, m] experts the device already held
-    spans: list = field(default_factory=list)
-
-
-def routed_sets(ids: np.ndarray) -> list[list[list[tuple[int, int]]]]:
-    """``[t, m, b, k]`` ids -> per (t, m) the (expert, token count) pairs, heaviest first."""
-    t, m, b, k = ids.shape
-    out = []
-    for step in ids.reshape(t, m, b * k).tolist():
-        rows = []
-        for row in step:
-            count: dict[int, int] = {}
-            for e in row:
-                if e >= 0:
-                    count[e] = count.get(e, 0) + 1
-            rows.append(sorted(count.items(), key=lambda p: (-p[1], p[0])))
-        out.append(rows)
-    return out
 
 
 def separate_calibration(calibration: np.ndarray, trace: Trace, path: object) -> np.ndarray:
@@ -99,17 +51,6 @@ def separate_calibration(calibration: np.ndarray, trace: Trace, path: object) ->
                           "has seen the future; pass --calibrate-on-replay instead (rows marked optimistic), or a "
                           "separate calibration trace")
     return calibration
-
-
-def token_counts(ids: np.ndarray, n_experts: int) -> np.ndarray:
-    """``[t, m, b, k]`` ids -> ``[t, m, E]`` tokens routed to each expert."""
-    t, m, b, k = ids.shape
-    flat = ids.reshape(t * m, b * k).astype(np.int64)
-    row = np.repeat(np.arange(t * m), b * k)
-    ok = flat.reshape(-1) >= 0
-    counts = np.zeros(t * m * n_experts, np.int32)
-    np.add.at(counts, row[ok] * n_experts + flat.reshape(-1)[ok], 1)
-    return counts.reshape(t, m, n_experts)
 
 
 def build_work(trace: Trace, cm: CostModel, times: ExpertTimes) -> HybridWork:
@@ -148,87 +89,27 @@ def measured_work(trace: Trace, times: ExpertTimes) -> HybridWork:
                       routed_sets(trace.true_ids), times, None, dev_per, cpu_per)
 
 
-@dataclass
-class HybridResult:
-    """A CPU-compute policy's simulated run: per-step times and the summary reports read."""
-
-    config: dict[str, Any]
-    tpot: np.ndarray
-    run: HybridRun
-    plan: Plan
-    ttft: float
-    placement: Placement | None
-
-    # The copy family's per-step arrays, so reports and sweeps read either result alike.
-    @property
-    def copy(self) -> np.ndarray:
-        return self.run.copy
-
-    @property
-    def stall(self) -> np.ndarray:
-        return self.run.stall
-
-    @property
-    def compute(self) -> np.ndarray:
-        """The device stream's own work per step (attention, its experts, the head)."""
-        return self.tpot - self.run.stall - self.run.cpu_wait
-
-    @property
-    def spans(self) -> list:
-        return self.run.spans
-
-    def summary(self) -> dict[str, Any]:
-        r, tp, ms = self.run, self.tpot, 1e3
-        executed = (r.n_gpu + r.n_cpu).sum()
-        device = tp - r.stall - r.cpu_wait  # the device stream's own work: attention, its experts, the head
-        return {
-            **self.config,
-            "cache_gib": float(f"{self.config['cache_experts'] * self.config['expert_bytes'] / 2**30:.4g}"),
-            "compute_ms": float(device.mean() * ms),
-            "serial_bound_ms": float((device + r.copy).mean() * ms),
-            "overlap_bound_ms": float(np.maximum(device, r.copy).mean() * ms),
-            "cache_hit_rate": float(r.n_hits.sum() / executed) if self.config["cache_experts"] else 0.0,
-            "prefetch_hit_rate": 0.0,
-            "pred_recall": float("nan"),  # these policies use no prediction
-            "tokens": int(tp.size),
-            "tpot_ms": float(tp.mean() * ms),
-            "tpot_p50_ms": float(np.percentile(tp, 50) * ms),
-            "tpot_p90_ms": float(np.percentile(tp, 90) * ms),
-            "tpot_p99_ms": float(np.percentile(tp, 99) * ms),
-            "tokens_per_s": float(1 / tp.mean()),
-            "copy_ms": float(r.copy.mean() * ms),
-            "stall_ms": float(r.stall.mean() * ms),
-            "cpu_ms": float(r.cpu_busy.mean() * ms),
-            "cpu_wait_ms": float(r.cpu_wait.mean() * ms),
-            "cpu_expert_share": float(r.n_cpu.sum() / executed),
-            "cpu_experts_per_token": float(r.n_cpu.sum(1).mean()),
-            "experts_loaded_per_token": float(r.n_copied.sum(1).mean()),
-            "gb_moved_per_token": float(r.n_copied.sum(1).mean() * self.config["expert_bytes"] / 1e9),
-            "device_hit_rate": float(r.n_hits.sum() / executed),
-            "ttft_ms": float(self.ttft * ms),
-        }
-
-
 def simulate_hybrid(trace: Trace, hw: HardwareProfile, policy: str = "cpu-static", *, host: str | HostProfile | None = None,
                     cpu_layers: int | str = "auto", calibration: np.ndarray | None = None,
                     calibrate_on_replay: bool = False, cache_experts: int = 0, eviction: str = "lru",
-                    engine: str = "simpy", link_gbps: float | None = None, amx: bool = True,
+                    sim: str = "simpy", link_gbps: float | None = None, amx: bool = True,
                     record: bool = False, placement: Placement | None = None,
-                    timing: str = "profile") -> HybridResult:
+                    timing: str = "profile", engine: str | None = None, threads: int | None = None) -> HybridResult:
     """Simulate ``trace`` under a CPU-compute policy on GPU ``hw`` and ``host`` (default:
     the GPU profile's host). ``calibration`` is the ``[t, m, b, k]`` routing of a separate
     calibration trace (hot-experts; warms cpu-on-miss's cache). ``placement`` replaces the
     one the policy would choose (a what-if sweep's smaller hot-experts budget).
     ``timing="measured"`` times the work with the trace's own measured times
-    (:func:`measured_work`; the fast engine)."""
-    from moesim.sim.engine import run_simpy_hybrid
-    from moesim.sim.fastpath_cpu import run_fast_hybrid
-
+    (:func:`measured_work`; the fast path). A static placement timed by the cost model on
+    the fast path is :func:`moesim.sim.static.simulate_static` (its one step model; the
+    SimPy run here is its reference); ``engine`` and ``threads`` as there."""
+    if engine in ("simpy", "fast"):  # callers that still name the simulator ``engine`` (before --sim existed)
+        sim, engine = engine, None
     pol = get_policy(policy)
     if not pol.cpu:
         raise MoesimError(f"policy {pol.name!r} computes no experts on the CPU; use moesim.sim.simulate.simulate")
-    if engine not in ("simpy", "fast"):
-        raise MoesimError(f"unknown engine {engine!r}; known: simpy, fast")
+    if sim not in ("simpy", "fast"):
+        raise MoesimError(f"unknown simulator {sim!r}; known: simpy, fast")
     if eviction not in EVICTIONS:
         raise MoesimError(f"unknown eviction policy {eviction!r}; known: {', '.join(EVICTIONS)}")
     spec = trace.model
@@ -241,7 +122,11 @@ def simulate_hybrid(trace: Trace, hw: HardwareProfile, policy: str = "cpu-static
     placement = placement or make_placement(pol, spec, hw["device_memory_gb"] * 1e9, batch=trace.batch, context=context,
                                cpu_layers_n=cpu_layers, calibration=calibration, replay_ids=trace.true_ids,
                                calibrate_on_replay=calibrate_on_replay)
-    cm = CostModel(spec, hw, host, amx=amx)
+    if pol.cpu in STATIC_CPU and timing == "profile" and sim == "fast":
+        return simulate_static(trace, hw, pol, host=host, engine=engine, threads=threads, cpu_layers=cpu_layers,
+                               placement=placement, calibration=calibration, calibrate_on_replay=calibrate_on_replay,
+                               amx=amx)
+    cm = CostModel(spec, hw, host, engine=engine, amx=amx, threads=threads)
     link = Link.of(cm)
     times = cm.expert_times(trace.batch)
     if timing not in ("profile", "measured"):
@@ -249,8 +134,8 @@ def simulate_hybrid(trace: Trace, hw: HardwareProfile, policy: str = "cpu-static
     work = measured_work(trace, times) if timing == "measured" else build_work(trace, cm, times)
     planner = HybridPlanner(pol, spec, placement, cache_experts, eviction)
     if timing == "measured":
-        engine = "fast"  # per-(step, layer) measured times: the recurrence reads them
-    run = run_simpy_hybrid(work, planner, link, record) if engine == "simpy" else run_fast_hybrid(work, planner)
+        sim = "fast"  # per-(step, layer) measured times: the recurrence reads them
+    run = run_simpy_hybrid(work, planner, link, record) if sim == "simpy" else run_fast_hybrid(work, planner)
     tpot = np.diff(run.ends, prepend=0.0)
     b, k = trace.batch, spec.top_k
     n_exec = run.n_gpu + run.n_cpu
@@ -262,8 +147,9 @@ def simulate_hybrid(trace: Trace, hw: HardwareProfile, policy: str = "cpu-static
     config = {
         "model": spec.name, "hw": hw.name, "host": host.name, "policy": pol.name, "cache_experts": cache_experts,
         "eviction": eviction if cache_experts else "-", "link_gbps": hw["h2d_pinned_gbs"], "batch": b,
-        "engine": engine, "timing": ("measured (trace); decisions by the roofline" if timing == "measured" else
-                                     f"roofline ({hw.name} + {host.name}{'' if amx and host.has_amx else ', no AMX'})"),
+        "sim": sim, "engine": cm.engine.name, "threads": cm.threads,
+        "timing": ("measured (trace); decisions by the roofline" if timing == "measured" else
+                   f"roofline ({hw.name} + {host.name}, {cm.engine.name}{'' if amx and host.has_amx else ', no AMX'})"),
         "placement": placement.source if placement is not None else "cold cache",
         "optimistic_placement": bool(placement is not None and placement.optimistic),
         "resident_experts": placement.n_resident if placement is not None else 0,

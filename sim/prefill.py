@@ -69,3 +69,43 @@ def prefill_time_hybrid(cm: CostModel, times: ExpertTimes, resident: np.ndarray 
         copy = on_cpu * times.copy + cm.prefill_layer(layer, n, prompt_len, spec.layer_expert_bytes, pairs)
         total += min(max(device, cpu), copy)
     return total + cm.head(batch)
+
+
+def prefill_time_static(cms: list[CostModel], cpu_cm: CostModel, layout, prompt_len: int, batch: int = 1) -> float:
+    """Time to first token of a static :class:`moesim.layout.Layout`: each layer on its
+    processor; a GPU layer's CPU experts run on the CPU or are copied to it, whichever ends
+    first (as :func:`prefill_time_hybrid`); a CPU layer runs wholly on the CPU."""
+    from moesim.layout import CPU
+
+    spec = cpu_cm.spec
+    n = batch * prompt_len
+    if n == 0:
+        return 0.0
+    e, k = spec.n_experts, spec.top_k
+    moe = {layer: m for m, layer in enumerate(spec.moe_layers)}
+    total = 0.0
+    for layer in range(spec.n_layers):
+        d = int(layout.layer_device[layer])
+        m = moe.get(layer)
+        if d == CPU:
+            exp = (spec.layer_expert_bytes, n * k) if m is not None else (0.0, 0.0)
+            total += cpu_cm.prefill_layer(layer, n, prompt_len, *exp, on="cpu")
+            continue
+        cm = cms[d]
+        if m is None:
+            total += cm.prefill_layer(layer, n, prompt_len)
+            continue
+        on_dev = int((layout.expert_device[m] == d).sum())
+        on_cpu, pairs = e - on_dev, n * k
+        dev_pairs = pairs * on_dev // e
+        device = cm.prefill_layer(layer, n, prompt_len, on_dev * spec.expert_bytes, dev_pairs)
+        if not on_cpu:
+            total += device
+            continue
+        times = cm.expert_times(batch)
+        cpu = cm.prefill_layer(layer, n, prompt_len) + times.cpu(on_cpu, pairs - dev_pairs) - times.roundtrip
+        cpu += cm.roundtrip(n)
+        copy = on_cpu * times.copy + cm.prefill_layer(layer, n, prompt_len, spec.layer_expert_bytes, pairs)
+        total += min(max(device, cpu), copy)
+    head = layout.head_device
+    return total + (cpu_cm.head(batch, on="cpu") if head == CPU else cms[head].head(batch))

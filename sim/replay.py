@@ -21,7 +21,7 @@ from typing import Any
 
 from moesim import budget
 from moesim.errors import MoesimError
-from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, get_profile
+from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, Machine, get_machine, get_profile
 from moesim.models import ModelSpec, get_model
 from moesim.sim.hybrid import load_calibration, separate_calibration
 from moesim.sim.prefetch_top import keep_top_predictions
@@ -32,10 +32,13 @@ from moesim.traces.format import Trace, read_trace
 DEFAULT_POLICIES = ("on-demand", "prefetch-fom", "prefetch-spec", "oracle")
 
 
-def trace_profile(trace: Trace, hw: str | None = None) -> tuple[HardwareProfile, str]:
-    """(profile, where its name came from): ``hw``, the trace's recording profile, or the default."""
+def trace_profile(trace: Trace, hw: str | None = None) -> tuple[HardwareProfile | Machine, str]:
+    """(profile, where its name came from): ``hw`` (a GPU profile, or a machine of several
+    GPUs or none: :func:`moesim.hardware.get_machine`), the trace's recording profile, or
+    the default."""
     if hw:
-        return get_profile(hw), "named"
+        machine = get_machine(hw)
+        return (machine.gpus[0] if machine.n_gpus == 1 else machine), "named"
     recorded = trace.meta.hw_profile
     if recorded:
         return get_profile(recorded), "recorded in the trace"
@@ -54,7 +57,7 @@ def check_trace_model(trace: Trace, model: str | ModelSpec, where: str | Path = 
 @dataclass
 class Replay:
     trace: Trace
-    profile: HardwareProfile
+    profile: HardwareProfile | Machine
     profile_source: str  # named / recorded in the trace / default
     results: list[SimResult]
     link_source: str = "the profile's"  # given / recorded in the trace / the profile's
@@ -85,7 +88,7 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
            progress: Callable[[int, int], None] | None = None, expert_dtype: str | None = None,
            prefetch_top: int | None = None, placement_from: str | Path | None = None, **kw: Any) -> Replay:
     """Simulate a (non-speculative) trace under each policy; ``kw`` goes to
-    :func:`moesim.sim.simulate.simulate` (cache, eviction, engine, timing, link_gbps).
+    :func:`moesim.sim.simulate.simulate` (cache, eviction, sim, engine, timing, link_gbps, ...).
     ``model`` checks the trace against a model; ``step`` must be one of the trace's steps
     (the report's timeline shows it); ``where`` names the trace in errors; ``progress(done,
     total)`` counts layer-steps planned and timed, for a progress bar on long traces.
@@ -103,7 +106,7 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
     if not 0 <= step < trace.n_tokens:
         raise MoesimError(f"--step {step} outside the trace's {trace.n_tokens} steps")
     budget.check(budget.replay_estimate(trace.model, trace.n_tokens, trace.batch, len(policies),
-                                        kw.get("engine", "simpy")))
+                                        kw.get("sim", "simpy")))
     profile, link_source = replay_link(trace, profile, source, kw.pop("link_gbps", None))
     if expert_dtype is not None:
         trace = with_expert_dtype(trace, expert_dtype)

@@ -9,19 +9,22 @@ from typing import Any
 import numpy as np
 
 from moesim.costmodel import CostModel
+from moesim.engines import DEFAULT_ENGINE
 from moesim.errors import MoesimError
-from moesim.hardware import HardwareProfile
+from moesim.hardware import HardwareProfile, Machine, get_machine
 from moesim.models import ModelSpec, cache_capacity  # noqa: F401 (cache_capacity: defined with the byte accounting)
 from moesim.policy import EVICTIONS, QUEUES, Policy, get_policy
 from moesim.sim.costs import Costs, charge_prediction, measured_costs, roofline_costs
 from moesim.sim.engine import Span, run_simpy, run_simpy_queued
 from moesim.sim.fastpath import run_fast_many
+from moesim.sim.hybrid import simulate_hybrid
 from moesim.sim.plan import Plan, build_plan
 from moesim.sim.prefill import prefill_time
+from moesim.sim.static import STATIC_CPU, simulate_static
 from moesim.sim.workload import Link, Workload, make_workload
 from moesim.traces.format import Trace
 
-ENGINES = ("simpy", "fast")
+SIMS = ("simpy", "fast")  # the simulator: the SimPy reference or the compiled fast path
 TIMINGS = ("auto", "profile", "measured")
 
 
@@ -41,15 +44,15 @@ def pick_costs(trace: Trace, cm: CostModel, timing: str) -> Costs:
     return roofline_costs(cm, trace.n_tokens, trace.prompt_len, trace.batch)
 
 
-def time_workload(work: Workload, links: list[Link], queue: str = "fifo", engine: str = "fast",
+def time_workload(work: Workload, links: list[Link], queue: str = "fifo", sim: str = "fast",
                   record: bool = False) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, list[Span]]]:
     """Time one workload on each link: per link, per-step (end time, copy seconds issued,
-    stall seconds) and the recorded spans. The one dispatch to the timing engines that
+    stall seconds) and the recorded spans. The one dispatch to the simulators that
     ``replay``, ``whatif`` and validation share: the compiled fast path for FIFO sweeps
     (every link in one call), the SimPy reference, or SimPy's copy-queue disciplines."""
     if queue != "fifo":
         return [run_simpy_queued(work, k, queue, record) for k in links]
-    if engine == "simpy":
+    if sim == "simpy":
         return [run_simpy(work, k, record) for k in links]
     ends, copy, stall = run_fast_many(work, links)
     return [(ends[i], copy[i], stall[i], []) for i in range(len(links))]
@@ -110,13 +113,14 @@ class SimResult:
 
 def simulate(
     trace: Trace,
-    hw: HardwareProfile,
+    hw: HardwareProfile | Machine | str,
     policy: str = "on-demand",
     *,
     cache_gib: float = 0.0,
     cache_experts: int = 0,
     eviction: str = "lru",
-    engine: str = "simpy",
+    sim: str = "simpy",
+    engine: str | None = None,
     timing: str = "auto",
     link_gbps: float | None = None,
     record: bool = False,
@@ -132,6 +136,10 @@ def simulate(
     amx: bool = True,
     as_recorded: bool = False,
     lookahead: int | None = None,
+    threads: int | None = None,
+    gpu_layers: int | str = "auto",
+    split: str = "layer",
+    ratios: list[float] | None = None,
 ) -> SimResult:
     """Simulate ``trace`` under ``policy`` on ``hw``.
 
@@ -141,8 +149,12 @@ def simulate(
     can stand in for the prefetching policies), so the measured run paid for it. A what-if
     of a policy that predicts nothing takes it back out.
 
-    ``link_gbps`` overrides the profile's pinned host-to-device bandwidth (what-if);
-    ``engine`` picks the SimPy reference or the fast path; ``plan`` and ``costs`` may be
+    ``hw`` is a GPU profile or a machine (:func:`moesim.hardware.get_machine`: ``none``,
+    ``2xrtx5090``, ``rtx4090+rtx3090``; several GPUs or none take the static layouts of
+    :mod:`moesim.sim.static`). ``link_gbps`` overrides the profile's pinned host-to-device
+    bandwidth (what-if); ``sim`` picks the SimPy reference or the fast path; ``engine`` the
+    inference engine whose figures time the work (:mod:`moesim.engines`; default PyTorch
+    eager); ``threads`` its CPU threads; ``plan`` and ``costs`` may be
     passed in when a sweep reuses them; ``progress(steps_planned, steps)`` reports planning,
     the part that grows with the trace (see :func:`simulate_policies` for a whole replay);
     ``copy_queue`` picks a copy-queue discipline (SimPy only); None: the trace's own
@@ -152,24 +164,46 @@ def simulate(
     path or profile; default: the GPU profile's), ``cpu_layers``, ``calibration`` routing,
     ``calibrate_on_replay`` and ``amx``. ``lookahead``: how many MoE layers ahead a
     prefetch is issued (None: the trace's; :func:`moesim.sim.plan.plan_lookahead`).
+    ``gpu_layers``, ``split`` and ``ratios``: the gpu-layers policy's count and how GPU
+    layers spread over several GPUs.
     """
-    if engine not in ENGINES:
-        raise MoesimError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+    if engine in SIMS:  # callers that still name the simulator ``engine`` (before --sim existed)
+        sim, engine = engine, None
+    if sim not in SIMS:
+        raise MoesimError(f"unknown simulator {sim!r}; known: {', '.join(SIMS)}")
     pol = get_policy(policy)
     if copy_queue is None:  # as recorded
         copy_queue = "fifo" if pol.cpu else trace.header.get("copy_queue", "fifo")
-        if copy_queue != "fifo" and engine != "simpy":
-            raise MoesimError(f"the trace was recorded with copy queue {copy_queue!r}, which only the SimPy engine "
-                              "models: use --engine simpy, or --copy-queue fifo to time it as FIFO")
+        if copy_queue != "fifo" and sim != "simpy":
+            raise MoesimError(f"the trace was recorded with copy queue {copy_queue!r}, which only the SimPy simulator "
+                              "models: use --sim simpy, or --copy-queue fifo to time it as FIFO")
     if copy_queue not in QUEUES:
         raise MoesimError(f"unknown copy queue {copy_queue!r}; known: {', '.join(QUEUES)}")
-    if copy_queue != "fifo" and engine != "simpy":
-        raise MoesimError(f"copy queue {copy_queue!r} is modelled by the SimPy engine only (--engine simpy)")
+    if copy_queue != "fifo" and sim != "simpy":
+        raise MoesimError(f"copy queue {copy_queue!r} is modelled by the SimPy simulator only (--sim simpy)")
     if eviction not in EVICTIONS:
         raise MoesimError(f"unknown eviction policy {eviction!r}; known: {', '.join(EVICTIONS)}")
+    machine = get_machine(hw)
+    # Static layouts go to the static step model; on one GPU the SimPy simulator times the
+    # static CPU policies as the reference the static model is held to (tests/test_deploy.py).
+    static = pol.cpu in STATIC_CPU or (not pol.offload and machine.n_gpus != 1)
+    if static and sim == "simpy" and machine.n_gpus == 1 and pol.cpu in ("layers", "hot"):
+        static = False
+    if machine.n_gpus != 1 and not static:
+        where = "no GPU" if not machine.n_gpus else f"{machine.n_gpus} GPUs"
+        raise MoesimError(f"{pol.name} copies experts to one GPU; on a machine with {where} only the static layouts "
+                          "apply (all-resident, cpu-static, hot-experts, gpu-layers)")
+    if static and timing == "measured" and (pol.cpu == "whole" or machine.n_gpus != 1):
+        raise MoesimError(f"{pol.name} on {machine.name} is timed from the profiles only (--timing profile): a trace's "
+                          "measured times belong to the one GPU that recorded it")
+    if static and timing != "measured":
+        if copy_queue != "fifo":
+            raise MoesimError(f"{pol.name} copies nothing; copy queues apply to the copy policies")
+        return simulate_static(trace, machine, pol, host=host, engine=engine, threads=threads, cpu_layers=cpu_layers,
+                               gpu_layers=gpu_layers, calibration=calibration, calibrate_on_replay=calibrate_on_replay,
+                               split=split, ratios=ratios, amx=amx, link_gbps=link_gbps)
+    hw = machine.gpus[0]
     if pol.cpu:  # experts computed on the CPU: the hybrid step model (moesim.sim.hybrid)
-        from moesim.sim.hybrid import simulate_hybrid
-
         if timing == "measured" and not trace.measured:
             raise MoesimError("the trace has no measured timings (--timing profile)")
         if copy_queue != "fifo":
@@ -177,46 +211,48 @@ def simulate(
         capacity = cache_capacity(trace.model, cache_gib, cache_experts)
         return simulate_hybrid(trace, hw, pol, host=host, cpu_layers=cpu_layers, calibration=calibration,
                                calibrate_on_replay=calibrate_on_replay, cache_experts=capacity, eviction=eviction,
-                               engine=engine, link_gbps=link_gbps, amx=amx, record=record,
-                               timing="measured" if timing == "measured" else "profile")
+                               sim=sim, engine=engine, link_gbps=link_gbps, amx=amx, record=record,
+                               timing="measured" if timing == "measured" else "profile", threads=threads)
     spec = trace.model
     if link_gbps is not None:
         hw = hw.with_figure("h2d_pinned_gbs", link_gbps)
     capacity = cache_capacity(spec, cache_gib, cache_experts) if pol.offload else 0
     plan = plan or build_plan(trace, pol, capacity, eviction, progress, lookahead)
-    cm = CostModel(spec, hw)
+    cm = CostModel(spec, hw, engine=engine)
     costs = costs or pick_costs(trace, cm, timing)
-    (result,) = time_plan(trace, pol, plan, costs, [hw], engine=engine, copy_queue=copy_queue, record=record,
-                          pred_recall=pred_recall, as_recorded=as_recorded)
+    (result,) = time_plan(trace, pol, plan, costs, [hw], sim=sim, engine=engine, copy_queue=copy_queue,
+                          record=record, pred_recall=pred_recall, as_recorded=as_recorded)
     return result
 
 
 def time_plan(trace: Trace, pol: Policy, plan: Plan, costs: Costs, profiles: list[HardwareProfile], *,
-              engine: str = "fast", copy_queue: str = "fifo", record: bool = False, pred_recall: float | None = None,
-              as_recorded: bool = False, ttfts: dict | None = None, spec: ModelSpec | None = None) -> list[SimResult]:
+              sim: str = "fast", engine: str | None = None, copy_queue: str = "fifo", record: bool = False,
+              pred_recall: float | None = None, as_recorded: bool = False, ttfts: dict | None = None,
+              spec: ModelSpec | None = None) -> list[SimResult]:
     """The results of one plan of a copy policy on each of ``profiles`` (one GPU whose link
     figures differ: ``costs`` are its compute times, computed once): the path ``replay``
     and ``whatif`` share, so one deployment gets one number from both. ``ttfts`` memoises
     the time to first token by profile (a sweep's groups share it)."""
     spec = spec or trace.model
-    cm = CostModel(spec, profiles[0])
+    cm = CostModel(spec, profiles[0], engine=engine)
     # A predicting policy pays for its predictor (the recorded one, replaying the run as measured).
     costs = charge_prediction(costs, cm, (pol.prefetch and not pol.oracle) or as_recorded, trace.batch,
                               trace.timings.get("predict_s"), plan.lookahead)
     work = make_workload(spec, plan, costs)
-    cms = [CostModel(spec, h) for h in profiles]
+    cms = [CostModel(spec, h, engine=engine) for h in profiles]
     links = [sim_link(trace, c, costs) for c in cms]
     results = []
-    for c, (ends, copy, stall, spans) in zip(cms, time_workload(work, links, copy_queue, engine, record)):
-        key = (c.gpu.name, c.gpu["h2d_pinned_gbs"], c.gpu["transfer_latency_us"], pol.offload, spec.expert_dtype)
+    for c, (ends, copy, stall, spans) in zip(cms, time_workload(work, links, copy_queue, sim, record)):
+        key = (c.gpu.name, c.gpu["h2d_pinned_gbs"], c.gpu["transfer_latency_us"], pol.offload, spec.expert_dtype,
+               c.engine.name)
         if ttfts is not None and key in ttfts:
             ttft = ttfts[key]
         else:
             ttft = ttft_of(trace, c, pol, costs)
             if ttfts is not None:
                 ttfts[key] = ttft
-        result = make_result(trace, c.gpu, pol, plan.eviction, "simpy" if copy_queue != "fifo" else engine,
-                             plan, costs, work, ends, copy, stall, spans, pred_recall, ttft, spec)
+        result = make_result(trace, c.gpu, pol, plan.eviction, "simpy" if copy_queue != "fifo" else sim,
+                             plan, costs, work, ends, copy, stall, spans, pred_recall, ttft, spec, c.engine.name)
         if copy_queue != "fifo":
             result.config["copy_queue"] = copy_queue
         if plan.lookahead != 1:
@@ -243,10 +279,10 @@ def ttft_of(trace: Trace, cm: CostModel, pol: Policy, costs: Costs) -> float:
     return float(ttft)
 
 
-def make_result(trace: Trace, hw: HardwareProfile, pol: Policy, eviction: str, engine: str, plan: Plan, costs: Costs,
+def make_result(trace: Trace, hw: HardwareProfile, pol: Policy, eviction: str, sim: str, plan: Plan, costs: Costs,
                 work: Workload, ends: np.ndarray, copy: np.ndarray, stall: np.ndarray, spans: list[Span] | None = None,
                 pred_recall: float | None = None, ttft: float | None = None,
-                spec: ModelSpec | None = None) -> SimResult:
+                spec: ModelSpec | None = None, engine: str = DEFAULT_ENGINE) -> SimResult:
     """The :class:`SimResult` of one timed configuration (``hw`` already carries any link
     override); sweeps pass ``pred_recall``, ``ttft`` and ``spec`` computed once per trace and link."""
     spec = spec or trace.model
@@ -255,11 +291,11 @@ def make_result(trace: Trace, hw: HardwareProfile, pol: Policy, eviction: str, e
     config = {
         "model": spec.name, "hw": hw.name, "policy": pol.name, "cache_experts": capacity,
         "cache_gib": float(f"{capacity * spec.expert_bytes / 2**30:.4g}"), "eviction": eviction if capacity else "-",
-        "link_gbps": hw["h2d_pinned_gbs"], "batch": trace.batch, "engine": engine, "timing": costs.source,
+        "link_gbps": hw["h2d_pinned_gbs"], "batch": trace.batch, "sim": sim, "engine": engine, "timing": costs.source,
         "synthetic_trace": trace.synthetic,
     }
     if ttft is None:
-        ttft = ttft_of(trace, CostModel(spec, hw), pol, costs)
+        ttft = ttft_of(trace, CostModel(spec, hw, engine=engine), pol, costs)
     recall = prediction_recall(trace) if pred_recall is None else pred_recall
     return SimResult(config, tpot, work.compute_per_token, copy, stall, plan, spec.expert_bytes, float(ttft),
                      recall, spans or [])
@@ -288,8 +324,13 @@ def simulate_policies(trace: Trace, hw: HardwareProfile, policies: list[str], *,
     per_policy = trace.n_tokens * trace.model.n_moe_layers
     total = 2 * per_policy * len(policies)  # planning, then timing, per policy
     link_gbps = kw.get("link_gbps")
-    profile = hw.with_figure("h2d_pinned_gbs", link_gbps) if link_gbps is not None else hw
-    costs = kw.pop("costs", None) or pick_costs(trace, CostModel(trace.model, profile), kw.get("timing", "auto"))
+    machine = get_machine(hw)
+    costs = kw.pop("costs", None)
+    if machine.n_gpus == 1 and costs is None:
+        profile = machine.gpus[0]
+        profile = profile.with_figure("h2d_pinned_gbs", link_gbps) if link_gbps is not None else profile
+        engine = kw.get("engine") if kw.get("engine") not in SIMS else None
+        costs = pick_costs(trace, CostModel(trace.model, profile, engine=engine), kw.get("timing", "auto"))
     recall = prediction_recall(trace)
     results = []
     for i, p in enumerate(policies):

@@ -14,8 +14,9 @@ from typing import Any
 
 from moesim import budget
 from moesim.errors import MoesimError
-from moesim.hardware import get_profile
+from moesim.hardware import get_machine
 from moesim.models import get_model
+from moesim.policy import check_lookahead
 from moesim.sim.hybrid import load_calibration, separate_calibration
 from moesim.sim.whatif import GOALS, Sweep, best, run_sweep
 from moesim.traces.format import read_trace
@@ -89,19 +90,26 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
            hws: tuple[str, ...] | list[str] = DEFAULT_HWS, policies: tuple[str, ...] | list[str] = DEFAULT_POLICIES,
            link_gbps: list[float] | None = None, cache_gib: tuple[float, ...] | list[float] = DEFAULT_CACHE_GIB,
            eviction: str = "lru", tokens: int = 256, prompt_len: int | list[int] = 128, batch: int | list[int] = 1,
-           goal: str = "tpot", engine: str = "fast", jobs: int | None = None,
+           goal: str = "tpot", sim: str = "fast", jobs: int | None = None,
            progress: Callable[[int, int], None] | None = None, *, backend: str = "local",
            address: str | None = None, rows_csv: str | Path | None = None,
            expert_dtypes: list[str] | None = None, hosts: list[str] | None = None,
            cpu_layers: list[int | str] | None = None, gpu_expert_gib: list[float | str] | None = None,
            copy_queues: list[str] | None = None, prefetch_top: list[int] | None = None,
-           placement_from: str | Path | None = None, calibrate_on_replay: bool = False) -> WhatIf:
+           placement_from: str | Path | None = None, calibrate_on_replay: bool = False,
+           engine: str | None = None, threads: int | None = None, gpu_layers: list[int | str] | None = None,
+           lookaheads: list[int] | None = None) -> WhatIf:
     """Sweep models x hardware x policies x link bandwidth (None: each profile's own) x cache
     size, and the axes each policy family has: ``expert_dtypes`` (every policy), ``hosts``
     (CPU policies; None: each GPU profile's own), ``cpu_layers`` (cpu-static; None:
     :func:`default_cpu_layers`), ``gpu_expert_gib`` (hot-experts; ``auto`` = all that fit),
-    ``copy_queues`` and ``prefetch_top`` (the predicting copy policies). ``batch`` and
-    ``prompt_len`` are axes of the synthetic traces (a recorded trace has its own).
+    ``copy_queues`` and ``prefetch_top`` (the predicting copy policies), ``gpu_layers``
+    (gpu-layers; None: auto, the most that fit). ``batch``, ``prompt_len`` and
+    ``lookaheads`` (how many MoE layers ahead the predictions are made) are axes of the
+    synthetic traces (a recorded trace has its own). ``hws`` are machines
+    (:func:`moesim.hardware.get_machine`: ``a6000``, ``2xrtx5090``, ``none``); ``engine``
+    the inference engine (:mod:`moesim.engines`) and ``threads`` its CPU threads; ``sim``
+    the simulator (fast or simpy).
 
     hot-experts (and cpu-on-miss's warm cache) place experts by the routing of a SEPARATE
     calibration trace: ``placement_from``, else for synthetic traces a second synthetic
@@ -127,6 +135,7 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
     notes: list[str] = unused_options(pols, hosts, cpu_layers, gpu_expert_gib, copy_queues, prefetch_top)
     calibration: dict[str, Any] = {}
     calibration_source = "-"
+    aheads = _positive_ints(list(lookaheads), "--lookahead") if lookaheads else [1]
     if trace is not None:
         if len(batches) > 1 or len(prompts) > 1:
             raise MoesimError("--batch and --prompt-len axes shape synthetic traces; a recorded trace (--trace) has its "
@@ -136,6 +145,10 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
             raise MoesimError(f"{trace} records speculative decoding: sweep it with "
                               "`moesim replay TRACE --gamma ... --policy ...`")
         traces = {t.model.name: t}
+        for n in aheads:
+            if n != t.meta.lookahead:
+                raise MoesimError(f"--lookahead {n}: {trace} holds predictions made {t.meta.lookahead} MoE layer(s) "
+                                  f"ahead; record or synthesise it with --lookahead {n}")
         if placement_from is not None:
             calibration[t.model.name] = separate_calibration(load_calibration(str(placement_from), t.model), t,
                                                              placement_from)
@@ -151,20 +164,29 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
         specs = [get_model(m) for m in models]
         for spec in specs:  # all sizes checked before any trace is made: the trace and one replay of it together
             for b in batches:
-                made, run = budget.synth_estimate(spec, tokens, b), budget.replay_estimate(spec, tokens, b, 1, engine)
+                made, run = budget.synth_estimate(spec, tokens, b), budget.replay_estimate(spec, tokens, b, 1, sim)
                 budget.check(budget.Estimate(f"a synthetic trace of {tokens} steps x batch {b} of {spec.name} and one "
                                              "simulation of it", made.bytes + run.bytes, made.seconds + run.seconds))
-        one_shape = len(batches) == 1 and len(prompts) == 1
+        one_shape = len(batches) == 1 and len(prompts) == 1 and len(aheads) == 1
         for spec in specs:
+            for n in aheads:
+                check_lookahead(n, spec.n_moe_layers)
             for b in batches:
                 for p in prompts:
-                    params = SyntheticParams(tokens=tokens, batch=b, prompt_len=p)
-                    traces[spec.name if one_shape else f"{spec.name} b{b} p{p}"] = synthetic_trace(spec, params)
+                    for n in aheads:
+                        params = SyntheticParams(tokens=tokens, batch=b, prompt_len=p, lookahead=n)
+                        key = spec.name if one_shape else f"{spec.name} b{b} p{p}" + (f" ahead{n}" if n != 1 else "")
+                        traces[key] = synthetic_trace(spec, params)
             if any(p.cpu in ("hot", "miss") for p in pols) and not calibrate_on_replay:
+                # The calibration twin: the replayed traces' expert popularity (one seed), other
+                # draws, so "the hottest experts" are the replayed routing's hot experts without
+                # the placement having seen the draws it is judged on.
+                base = SyntheticParams()
                 params = SyntheticParams(tokens=tokens, batch=batches[0], prompt_len=prompts[0],
-                                         seed=SyntheticParams().seed + CALIBRATION_SEED_OFFSET)
+                                         draw_seed=base.seed + CALIBRATION_SEED_OFFSET)
                 calibration[spec.name] = synthetic_trace(spec, params).true_ids
-                calibration_source = f"a second synthetic trace (seed {params.seed})"
+                calibration_source = (f"a second synthetic trace (the same expert popularity, other draws: "
+                                      f"draw seed {params.draw_seed})")
     if calibration:
         notes.append(f"hot-experts and cpu-on-miss place experts by the routing of {calibration_source}, not the "
                      "replayed trace")
@@ -172,25 +194,26 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
         notes.append("optimistic: hot-experts places experts by the replayed trace's own routing (it has seen the "
                      "future), an upper bound")
     host_names = tuple(hosts) if hosts else (None,)
-    profiles = [get_profile(h) for h in hws]
+    profiles = [get_machine(h) for h in hws]
     check_unique_names(hws, profiles)
     for h in host_names:
-        get_host(h, profiles[0]) if h else None
-    if any(p.cpu for p in pols) and not hosts:
+        get_host(h) if h else None
+    if any(p.cpu for p in pols) and not hosts or any(m.n_gpus == 0 for m in profiles) and not hosts:
         for prof in profiles:
-            get_host(None, prof)  # a GPU profile without a host: one line, before any work
+            get_host(None, prof.gpus[0] if prof.gpus else None)  # a machine without a host: one line, first
     layers = tuple(cpu_layers) if cpu_layers else default_cpu_layers([t.model for t in traces.values()])
     sweep = Sweep(traces, profiles, list(policies), list(link_gbps) if link_gbps else [None],
-                  list(cache_gib), eviction, engine, expert_dtypes=tuple(expert_dtypes) if expert_dtypes else (None,),
+                  list(cache_gib), eviction, sim, expert_dtypes=tuple(expert_dtypes) if expert_dtypes else (None,),
                   hosts=host_names, cpu_layers=layers,
                   gpu_expert_gib=tuple(gpu_expert_gib) if gpu_expert_gib else ("auto",),
                   copy_queues=tuple(copy_queues) if copy_queues else ("fifo",),
                   prefetch_top=tuple(prefetch_top) if prefetch_top else (None,),
                   calibration=calibration or None, calibration_source=calibration_source,
-                  calibrate_on_replay=calibrate_on_replay)
+                  calibrate_on_replay=calibrate_on_replay, engine=engine, threads=threads,
+                  gpu_layers=tuple(gpu_layers) if gpu_layers else ("auto",))
     runs = max(1, sweep.size // max(1, len(sweep.traces)))
     for t in traces.values():
-        budget.check(budget.replay_estimate(t.model, t.n_tokens, t.batch, runs, engine,
+        budget.check(budget.replay_estimate(t.model, t.n_tokens, t.batch, runs, sim,
                                             f"{runs} simulations of {t.n_tokens} steps of {t.model.name}"))
     rows = run_sweep(sweep, jobs, progress, backend=backend, address=address, out=rows_csv)
     by_hw = {h.name: best([r for r in rows if r["hw"] == h.name], goal) for h in sweep.hws}

@@ -16,6 +16,7 @@ from scipy import stats
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile, get_profile
 from moesim.policy import POLICIES
+from moesim.sim.hybrid import load_calibration
 from moesim.sim.simulate import SimResult, simulate
 from moesim.traces.format import Trace
 
@@ -73,8 +74,6 @@ def recorded_profile(trace: Trace, hw: HardwareProfile | None = None) -> Hardwar
 def recorded_cpu_setup(trace: Trace, hw: HardwareProfile) -> tuple[HardwareProfile, dict[str, Any]]:
     """A CPU-compute recording's own setup: its host profile, cpu-static layer count, the
     calibration trace that placed its experts and the device memory the placement filled."""
-    from moesim.sim.hybrid import load_calibration
-
     meta = trace.meta
     kw: dict[str, Any] = {"host": meta.host_profile,
                           "cpu_layers": meta.cpu_layers if meta.cpu_layers is not None else "auto"}

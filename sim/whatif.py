@@ -32,15 +32,17 @@ from typing import Any
 
 from moesim.atomic import atomic_write_text
 from moesim.costmodel import CostModel
-from moesim.errors import MoesimError
-from moesim.hardware import HardwareProfile
+from moesim.errors import DoesNotFit, MoesimError
+from moesim.hardware import HardwareProfile, Machine, get_machine
 from moesim.models import ModelSpec
-from moesim.policy import get_policy
+from moesim.policy import POLICIES, get_policy
 from moesim.sim.fastpath import run_fast_many
+from moesim.sim.hybrid import simulate_hybrid
 from moesim.sim.plan import build_plan
 from moesim.sim.prefetch_top import keep_top_predictions
 from moesim.sim.quantised import with_expert_dtype
 from moesim.sim.simulate import cache_capacity, pick_costs, prediction_recall, time_plan
+from moesim.sim.static import STATIC_CPU, simulate_static
 from moesim.traces.format import Trace
 
 GOALS = {
@@ -66,12 +68,14 @@ class Config:
     gpu_expert_gib: float | str = "-"  # hot-experts: GiB of experts kept on the device, or "auto" (all that fit)
     copy_queue: str = "fifo"
     prefetch_top: int | None = None
+    gpu_layers: int | str = "-"  # gpu-layers: a count of model layers on the GPU(s), or "auto" (all that fit)
 
     def describe(self) -> str:
         parts = [f"trace {self.trace}", f"policy {self.policy}", f"cache {self.cache_gib:g} GiB"]
         for name, value, neutral in (("expert dtype", self.expert_dtype, None), ("host", self.host, None),
                                      ("cpu layers", self.cpu_layers, "-"), ("GPU expert GiB", self.gpu_expert_gib, "-"),
-                                     ("copy queue", self.copy_queue, "fifo"), ("prefetch top", self.prefetch_top, None)):
+                                     ("copy queue", self.copy_queue, "fifo"), ("prefetch top", self.prefetch_top, None),
+                                     ("gpu layers", self.gpu_layers, "-")):
             if value != neutral:
                 parts.append(f"{name} {value}")
         return ", ".join(parts)
@@ -84,15 +88,16 @@ Group = Config
 #: ``None`` (numbers, NaN too; an empty CSV cell, JSON null) or ``-`` (words).
 ROW_COLUMNS = (
     "model", "base_model", "expert_dtype", "hw", "host", "policy", "family", "link_gbps", "cache_gib", "cache_experts",
-    "eviction", "cpu_layers", "gpu_expert_gib", "resident_experts", "copy_queue", "prefetch_top", "batch",
-    "prompt_len", "engine", "timing", "synthetic_trace", "placement", "optimistic_placement", "tokens", "tpot_ms",
+    "eviction", "cpu_layers", "gpu_layers", "gpu_expert_gib", "resident_experts", "copy_queue", "prefetch_top",
+    "lookahead", "batch", "prompt_len", "engine", "threads", "sim", "timing", "synthetic_trace", "placement", "optimistic_placement", "tokens", "tpot_ms",
     "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms", "tokens_per_s", "compute_ms", "copy_ms", "stall_ms", "cpu_ms",
     "cpu_wait_ms", "overlap_ms", "serial_bound_ms", "overlap_bound_ms", "max_prefetch_gain",
     "experts_loaded_per_token", "gb_moved_per_token", "cache_hit_rate", "prefetch_hit_rate", "pred_recall",
-    "cpu_expert_share", "device_hit_rate", "ttft_ms", "device_gb_needed", "fits", "bound", "note", "group",
+    "cpu_expert_share", "device_hit_rate", "ttft_ms", "device_gb_needed", "host_gb_needed", "page_miss", "fits", "bound",
+    "note", "group",
 )
 _WORDS = {"model", "base_model", "expert_dtype", "hw", "host", "policy", "family", "eviction", "copy_queue", "engine",
-          "timing", "placement", "bound", "note", "cpu_layers", "gpu_expert_gib", "prefetch_top"}
+          "sim", "timing", "placement", "bound", "note", "cpu_layers", "gpu_layers", "gpu_expert_gib", "prefetch_top"}
 
 
 def family(policy: str) -> str:
@@ -105,6 +110,35 @@ def family(policy: str) -> str:
     if not pol.offload:
         return "all-resident"
     return "oracle (bound)" if pol.oracle else "prefetching"
+
+
+#: Policy families from the least to the most that moves at run time: nothing offloaded,
+#: then static placements (whole layers, expert layers, hot experts), then the dynamic
+#: ones. On a tie the simpler deployment is named (a cpu-static run with 0 layers on the
+#: CPU *is* all-resident). Derived from the registry, so a new policy joins by its kind.
+_KIND_RANK = {"whole": 1, "layers": 2, "hot": 3, "miss": 4}
+
+
+def _rank_of(pol) -> int:
+    if not pol.offload:
+        return 0
+    return _KIND_RANK.get(pol.cpu, 5)
+
+
+BOUND = "oracle (bound)"
+
+
+def families() -> tuple[str, ...]:
+    """Every registered family but the oracle's bound, simplest first (read from the registry
+    each time, so a policy registered later joins the deployment answer)."""
+    fams = dict.fromkeys(family(p) for p, pol in POLICIES.items() if not pol.oracle)
+    return tuple(sorted(fams, key=lambda f: min(_rank_of(POLICIES[p]) for p in POLICIES if family(p) == f)))
+
+
+def simplicity(fam: str) -> int:
+    """Where ``fam`` stands in :func:`families` (simplest first); an unknown family last."""
+    fams = families()
+    return fams.index(fam) if fam in fams else len(fams)
 
 
 def bound_of(row: dict[str, Any]) -> str:
@@ -131,12 +165,12 @@ def normalise(row: dict[str, Any]) -> dict[str, Any]:
 @dataclass(frozen=True)
 class Sweep:
     traces: dict[str, Trace]  # trace key -> trace (a model at one batch size and prompt length)
-    hws: list[HardwareProfile]
+    hws: list[HardwareProfile | Machine]  # machines (one GPU, several, or none: moesim.hardware.get_machine)
     policies: list[str]
     link_gbps: list[float | None]  # None = the profile's own figure
     cache_gib: list[float]
     eviction: str = "lru"
-    engine: str = "fast"
+    sim: str = "fast"
     timing: str = "auto"
     expert_dtypes: tuple[str | None, ...] = (None,)  # None = the model's own format
     hosts: tuple[str | None, ...] = (None,)  # CPU policies; None = each GPU profile's own host
@@ -147,11 +181,19 @@ class Sweep:
     calibration: dict[str, Any] | None = None  # base model name -> [t, m, b, k] routing (hot-experts, cpu-on-miss)
     calibration_source: str = "-"  # said in every row that uses it
     calibrate_on_replay: bool = False  # hot-experts counts the replayed trace: rows marked optimistic
+    engine: str | None = None  # the inference engine (moesim.engines); None: PyTorch eager
+    threads: int | None = None  # its CPU threads; None: every core
+    gpu_layers: tuple[int | str, ...] = ("auto",)  # gpu-layers
 
     def __post_init__(self) -> None:
+        from moesim.engines import get_engine
         from moesim.models import DTYPES
         from moesim.policy import QUEUES
 
+        object.__setattr__(self, "hws", [get_machine(h) for h in self.hws])  # rows name machines
+        if self.sim not in ("simpy", "fast"):
+            raise MoesimError(f"unknown simulator {self.sim!r}; known: simpy, fast")
+        get_engine(self.engine)  # an unknown engine: one line, before any work
         for p in self.policies:
             get_policy(p)
         if any(g is not None and g <= 0 for g in self.link_gbps):
@@ -167,6 +209,9 @@ class Sweep:
         for n in self.cpu_layers:
             if n != "auto" and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
                 raise MoesimError(f"--cpu-layers: 'auto' or a count of MoE layers >= 0, got {n!r}")
+        for n in self.gpu_layers:
+            if n != "auto" and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+                raise MoesimError(f"--gpu-layers: 'auto' or a count of model layers >= 0, got {n!r}")
         for g in self.gpu_expert_gib:
             if g != "auto" and (isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g < float("inf")):
                 raise MoesimError(f"--gpu-expert-gib: 'auto' or a finite GiB >= 0, got {g!r}")
@@ -211,13 +256,16 @@ class Sweep:
             pol = get_policy(policy)
             if pol.cpu == "layers":
                 out += [Config(key, policy, 0.0, dtype, h, n) for h in self.hosts for n in self.cpu_layers]
+            elif pol.cpu == "whole":
+                out += [Config(key, policy, 0.0, dtype, h, gpu_layers=n) for h in self.hosts for n in self.gpu_layers]
             elif pol.cpu == "hot":
                 out += [Config(key, policy, 0.0, dtype, h, gpu_expert_gib=g) for h in self.hosts
                         for g in self.gpu_expert_gib]
             elif pol.cpu:
                 out += [Config(key, policy, c, dtype, h) for h in self.hosts for c in self.cache_gib if c > 0]
-            elif not pol.offload:
-                out.append(Config(key, policy, 0.0, dtype))
+            elif not pol.offload:  # the host matters only on a machine whose layout uses the CPU
+                hosts = self.hosts if any(m.n_gpus != 1 for m in self.hws) else (None,)
+                out += [Config(key, policy, 0.0, dtype, h) for h in hosts]
             elif pol.prefetch and not pol.oracle:
                 out += [Config(key, policy, c, dtype, copy_queue=q, prefetch_top=m) for c in self.cache_gib
                         for q in self.copy_queues for m in self.prefetch_top]
@@ -254,9 +302,10 @@ class Sweep:
         for name, ids in sorted((self.calibration or {}).items()):
             h.update(name.encode())
             h.update(memoryview(ids.tobytes()))
-        spec = {"hws": [[hw.name, {k: hw[k] for k in sorted(hw.figures)}] for hw in self.hws],
+        spec = {"hws": [[m.name, [{k: g[k] for k in sorted(g.figures)} for g in m.gpus]] for m in self.hws],
                 "policies": self.policies, "link_gbps": self.link_gbps, "cache_gib": self.cache_gib,
-                "eviction": self.eviction, "engine": self.engine, "timing": self.timing,
+                "eviction": self.eviction, "sim": self.sim, "engine": self.engine, "threads": self.threads,
+                "gpu_layers": self.gpu_layers, "timing": self.timing,
                 "expert_dtypes": self.expert_dtypes, "hosts": self.hosts, "cpu_layers": self.cpu_layers,
                 "gpu_expert_gib": self.gpu_expert_gib, "copy_queues": self.copy_queues,
                 "prefetch_top": self.prefetch_top, "calibration_source": self.calibration_source,
@@ -288,10 +337,10 @@ def _axes(sweep: Sweep, cfg: Config, trace: Trace, base: str) -> dict[str, Any]:
     return {"base_model": base, "expert_dtype": trace.model.expert_dtype, "family": family(cfg.policy),
             "cpu_layers": cfg.cpu_layers, "gpu_expert_gib": cfg.gpu_expert_gib, "copy_queue": cfg.copy_queue,
             "prefetch_top": "-" if cfg.prefetch_top is None else cfg.prefetch_top, "batch": trace.batch,
-            "prompt_len": trace.prompt_len}
+            "prompt_len": trace.prompt_len, "gpu_layers": cfg.gpu_layers, "lookahead": trace.meta.lookahead}
 
 
-def _hot_placement(sweep: Sweep, cfg: Config, trace: Trace, base: str, hw: HardwareProfile):
+def _hot_placement(sweep: Sweep, cfg: Config, trace: Trace, base: str, machine: Machine):
     """hot-experts' placement at the group's GPU expert budget (None: the policy's own
     choice, all that fit), from the sweep's calibration routing."""
     from moesim.placement import expert_budget, hot_set, routing_counts
@@ -302,7 +351,9 @@ def _hot_placement(sweep: Sweep, cfg: Config, trace: Trace, base: str, hw: Hardw
     calib, source, optimistic = _calibration(sweep, base, trace)
     if calib is None:
         return None  # simulate_hybrid explains what is missing
-    room = expert_budget(spec, hw["device_memory_gb"] * 1e9, trace.batch, trace.prompt_len + trace.n_tokens)
+    if machine.n_gpus != 1:
+        return None  # simulate_static refuses hot-experts on other than one GPU, in one line
+    room = expert_budget(spec, machine.gpus[0]["device_memory_gb"] * 1e9, trace.batch, trace.prompt_len + trace.n_tokens)
     return hot_set(routing_counts(calib, spec.n_experts), spec, min(room, int(float(cfg.gpu_expert_gib) * 2**30)),
                    source, optimistic)
 
@@ -316,38 +367,57 @@ def _calibration(sweep: Sweep, base: str, trace: Trace):
     return None, "-", False
 
 
-def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str) -> list[dict[str, Any]]:
-    """The rows of a CPU-compute group (:func:`moesim.sim.hybrid.simulate_hybrid`, the path
-    ``moesim replay`` takes), one per profile and link."""
-    from moesim.sim.hybrid import simulate_hybrid
+def _static(pol, machine: Machine) -> bool:
+    """Whether ``pol`` on ``machine`` is a static layout (moesim.sim.static): the static CPU
+    policies anywhere, all-resident on a machine of other than one GPU."""
+    return pol.cpu in STATIC_CPU or (not pol.offload and machine.n_gpus != 1)
 
+
+def _not_run(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str, machine: Machine, why: str):
+    """A row for a configuration that cannot run on ``machine``: it says why, never a best."""
+    return {"model": trace.model.name, "hw": machine.name, "policy": cfg.policy, "link_gbps": machine.link_gbps(),
+            "cache_gib": cfg.cache_gib, "fits": False, "note": why, "synthetic_trace": trace.synthetic,
+            "sim": sweep.sim, "group": index, "host": cfg.host or machine.host or "-", **_axes(sweep, cfg, trace, base)}
+
+
+def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str) -> list[dict[str, Any]]:
+    """The rows of a CPU-compute or static-layout group (:func:`moesim.sim.static.simulate_static`
+    or :func:`moesim.sim.hybrid.simulate_hybrid`, the paths ``moesim replay`` takes), one per
+    machine and link."""
     pol = get_policy(cfg.policy)
     capacity = cache_capacity(trace.model, cfg.cache_gib) if pol.cpu == "miss" else 0
     calib, source, optimistic = _calibration(sweep, base, trace)
     rows = []
-    for hw in sweep.hws:
+    for machine in sweep.hws:
         for g in sweep.link_gbps:
-            h = hw if g is None else hw.with_figure("h2d_pinned_gbs", g)
+            h = machine if g is None else machine.with_figure("h2d_pinned_gbs", g)
+            kw = dict(host=cfg.host, calibration=None if optimistic else calib, calibrate_on_replay=optimistic,
+                      engine=sweep.engine, threads=sweep.threads)
             try:
-                placement = _hot_placement(sweep, cfg, trace, base, h) if pol.cpu == "hot" else None
-                res = simulate_hybrid(trace, h, pol, host=cfg.host, cpu_layers=cfg.cpu_layers if pol.cpu == "layers"
-                                      else "auto", calibration=None if optimistic else calib,
-                                      calibrate_on_replay=optimistic, cache_experts=capacity, eviction=sweep.eviction,
-                                      engine=sweep.engine, placement=placement)
-            except MoesimError as e:
-                if "non-expert weights and KV cache alone" not in str(e):
-                    raise
-                # Nothing of this model fits this device: a row that says so, never a best.
-                rows.append({"model": trace.model.name, "hw": h.name, "policy": pol.name, "link_gbps":
-                             h["h2d_pinned_gbs"], "cache_gib": cfg.cache_gib, "fits": False, "note": str(e),
-                             "synthetic_trace": trace.synthetic, "engine": sweep.engine, "group": index,
-                             "host": cfg.host or h.host or "-", **_axes(sweep, cfg, trace, base)})
+                if _static(pol, h):
+                    placement = _hot_placement(sweep, cfg, trace, base, h) if pol.cpu == "hot" else None
+                    res = simulate_static(trace, h, pol, cpu_layers=cfg.cpu_layers if pol.cpu == "layers" else "auto",
+                                          gpu_layers=cfg.gpu_layers if pol.cpu == "whole" else "auto",
+                                          placement=placement, **kw)
+                elif h.n_gpus != 1:
+                    rows.append(_not_run(sweep, index, cfg, trace, base, h, f"{pol.name} runs on one GPU"))
+                    continue
+                else:
+                    res = simulate_hybrid(trace, h.gpus[0], pol, cache_experts=capacity, eviction=sweep.eviction,
+                                          sim=sweep.sim, **kw)
+            except DoesNotFit as e:
+                # Nothing of this model fits this machine: a row that says so, never a best.
+                rows.append(_not_run(sweep, index, cfg, trace, base, h, str(e)))
                 continue
             row = res.summary()
             row.update(_axes(sweep, cfg, trace, base))
             if pol.cpu == "layers":  # the count "auto" resolved to on this device, for the answer
-                n = int((~res.placement.resident).all(1).sum())
+                n = res.config["cpu_layers"] if "cpu_layers" in res.config else int(
+                    (~res.placement.resident).all(1).sum())
                 row["cpu_layers"] = n if cfg.cpu_layers != "auto" else f"auto ({n})"
+            if pol.cpu == "whole":
+                n = res.config["gpu_layers"]
+                row["gpu_layers"] = n if cfg.gpu_layers != "auto" else f"auto ({n})"
             row["cache_gib"] = cfg.cache_gib if capacity else 0.0
             row["device_gb_needed"] = res.config["device_gb_needed"]
             row["fits"] = res.config["fits"]
@@ -366,7 +436,7 @@ def run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
     spec = trace.model
     base = sweep.traces[cfg.trace].model.name
     pol = get_policy(cfg.policy)
-    if pol.cpu:
+    if pol.cpu or any(_static(pol, m) for m in sweep.hws):
         rows = _cpu_rows(sweep, index, cfg, trace, base)
         for r in rows:
             r["bound"] = bound_of(normalise(r))
@@ -380,16 +450,23 @@ def run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
     memo = sweep._costs_memo
     if any(k[:2] != (cfg.trace, cfg.expert_dtype) for k in memo):
         memo.clear()  # one trace's compute times at a time: memory stays one trace's worth
-    # Copy queues other than fifo are modelled by the SimPy engine only: those groups run
-    # there, and their rows say engine "simpy" (never a silent substitute).
-    engine = sweep.engine if cfg.copy_queue == "fifo" else "simpy"
-    for hi, hw in enumerate(sweep.hws):
+    # Copy queues other than fifo are modelled by the SimPy simulator only: those groups run
+    # there, and their rows say sim "simpy" (never a silent substitute).
+    sim = sweep.sim if cfg.copy_queue == "fifo" else "simpy"
+    for hi, machine in enumerate(sweep.hws):
+        if machine.n_gpus != 1:
+            rows += [normalise({**_not_run(sweep, index, cfg, trace, base, machine, f"{pol.name} copies experts to "
+                                           "one GPU"), "bound": "memory"}) for _ in sweep.link_gbps]
+            continue
+        hw = machine.gpus[0]
         if (cfg.trace, cfg.expert_dtype, hi) not in memo:
-            memo[cfg.trace, cfg.expert_dtype, hi] = pick_costs(trace, CostModel(spec, hw), sweep.timing)
+            memo[cfg.trace, cfg.expert_dtype, hi] = pick_costs(trace, CostModel(spec, hw, engine=sweep.engine),
+                                                               sweep.timing)
         profiles = [hw if g is None else hw.with_figure("h2d_pinned_gbs", g) for g in sweep.link_gbps]
         # The path replay takes (moesim.sim.simulate.time_plan): one deployment, one number.
-        results = time_plan(trace, pol, plan, memo[cfg.trace, cfg.expert_dtype, hi], profiles, engine=engine,
-                            copy_queue=cfg.copy_queue, pred_recall=recall, ttfts=sweep._ttft_memo, spec=spec)
+        results = time_plan(trace, pol, plan, memo[cfg.trace, cfg.expert_dtype, hi], profiles, sim=sim,
+                            engine=sweep.engine, copy_queue=cfg.copy_queue, pred_recall=recall,
+                            ttfts=sweep._ttft_memo, spec=spec)
         for h, res in zip(profiles, results):
             row = res.summary()
             row.update(_axes(sweep, cfg, trace, base))
@@ -637,6 +714,4 @@ def best(rows: list[dict[str, Any]], goal: str = "tpot") -> dict[str, Any] | Non
         raise MoesimError(f"unknown goal {goal!r}; known: {', '.join(GOALS)}")
     key = GOALS[goal][0]
     fitting = [r for r in rows if r["fits"] and not get_policy(r["policy"]).oracle and _number(r[key])]
-    simpler = ("all-resident", "cpu-static", "hot-experts", "cpu-on-miss", "prefetching")  # ties: sim.deploy.SIMPLER
-    return min(fitting, key=lambda r: (float(f"{r[key]:.6g}"), simpler.index(r["family"]) if r.get("family") in simpler
-                                       else len(simpler))) if fitting else None
+    return min(fitting, key=lambda r: (float(f"{r[key]:.6g}"), simplicity(r.get("family")))) if fitting else None

@@ -106,7 +106,7 @@ def test_bad_inputs_get_one_line_errors(tmp_path, olmoe_trace):
         (("replay", olmoe_trace, "--link-gbps", "-5"), "must be positive"),
         (("replay", olmoe_trace, "--model", "qwen3-30b-a3b"), "was recorded for olmoe-1b-7b"),
         (("replay", olmoe_trace, "--cache-gib", "-1"), "cache size must be >= 0"),
-        (("replay", olmoe_trace, "--engine", "warp"), "unknown engine"),
+        (("replay", olmoe_trace, "--sim", "warp"), "unknown simulator"), (("replay", olmoe_trace, "--engine", "warp"), "unknown engine"),
         (("whatif", "--link-gbps", "16,fast", "--out", tmp_path / "w"), "not a comma-separated list of numbers"),
         (("whatif", "--goal", "happiness"), "unknown goal"),
         (("synth", "--model", "tiny", "--hit-rate", "2", "--out", tmp_path / "x.npz"), "hit_rate must be in [0, 1]"),
@@ -130,7 +130,7 @@ def test_profile_and_calibrate_errors_are_one_line(tmp_path):
     cases = [
         (("profile", "--model", "tiny", "--device", "tpu"), "unknown device"),
         (("profile", "--model", "gpt-9"), "unknown model"),
-        (("profile", "--model", "deepseek-v3", "--layers", "4"), "executor runs GQA models"),
+        (("profile", "--model", "deepseek-v3", "--layers", "4"), "not executable"),
         (("profile", "--model", "tiny", "--predictor", "tea-leaves"), "unknown predictor"),
         (("profile", "--model", "tiny", "--tokens", "0"), "must be >= 1"),
         (("calibrate", "--model", tmp_path / "nowhere"), "not a checkpoint directory"),

@@ -104,11 +104,11 @@ def test_copy_policies_get_one_number_from_every_path(trace, policy, cache, evic
             t = with_expert_dtype(trace, dtype)
         except MoesimError:
             pytest.skip(f"{trace.model.name} cannot store its experts in {dtype}")
-    ref = simulate(t, hw, policy, engine="simpy", **kw)
+    ref = simulate(t, hw, policy, sim="simpy", **kw)
     want = _tpot(ref)
     if queue == "fifo":  # the compiled fast path times FIFO queues (copy queues: SimPy only)
-        assert _tpot(simulate(t, hw, policy, engine="fast", **kw)) == pytest.approx(want, rel=RTOL)
-    rep = replay(trace, HW, [policy], expert_dtype=dtype, engine="simpy", **kw)
+        assert _tpot(simulate(t, hw, policy, sim="fast", **kw)) == pytest.approx(want, rel=RTOL)
+    rep = replay(trace, HW, [policy], expert_dtype=dtype, sim="simpy", **kw)
     assert rep.rows[0]["tpot_ms"] * 1e-3 == pytest.approx(want, rel=RTOL)
     row, rows = _sweep_row(trace, policy, cache, eviction, queue, dtype)
     assert row["tpot_ms"] * 1e-3 == pytest.approx(want, rel=RTOL)
@@ -126,9 +126,9 @@ def test_cpu_policies_get_one_number_from_every_path(trace, calibration, policy)
     layers = 3 if pol.cpu == "layers" else "auto"
     kw = dict(cache_gib=cache, link_gbps=LINK, cpu_layers=layers)
     calib = ids if pol.cpu in ("hot", "miss") else None
-    want = _tpot(simulate(trace, hw, policy, engine="simpy", calibration=calib, **kw))
-    assert _tpot(simulate(trace, hw, policy, engine="fast", calibration=calib, **kw)) == pytest.approx(want, rel=RTOL)
-    rep = replay(trace, HW, [policy], engine="simpy", placement_from=path if calib is not None else None, **kw)
+    want = _tpot(simulate(trace, hw, policy, sim="simpy", calibration=calib, **kw))
+    assert _tpot(simulate(trace, hw, policy, sim="fast", calibration=calib, **kw)) == pytest.approx(want, rel=RTOL)
+    rep = replay(trace, HW, [policy], sim="simpy", placement_from=path if calib is not None else None, **kw)
     assert rep.rows[0]["tpot_ms"] * 1e-3 == pytest.approx(want, rel=RTOL)
     axes = dict(cpu_layers=(layers,), calibration={trace.model.name: ids} if calib is not None else None,
                 calibration_source="a calibration trace")
@@ -165,6 +165,40 @@ def test_validations_predictor_is_replays_number(trace, policy):
     from moesim.sim.validate import validate_trace
 
     measured = _measured(trace)
-    _, predicted = validate_trace(measured, policy=policy, engine="simpy")
-    rep = replay(measured, None, [policy], engine="simpy", timing="measured", as_recorded=policy == "on-demand")
+    _, predicted = validate_trace(measured, policy=policy, sim="simpy")
+    rep = replay(measured, None, [policy], sim="simpy", timing="measured", as_recorded=policy == "on-demand")
     assert rep.rows[0]["tpot_ms"] * 1e-3 == pytest.approx(_tpot(predicted), rel=RTOL)
+
+
+@pytest.mark.parametrize("machine", ["none", "2xa6000", "a6000+rtx4090"])
+@pytest.mark.parametrize("policy", [p for p, pol in POLICIES.items() if pol.cpu in ("layers", "whole") or not pol.offload])
+def test_machines_of_several_gpus_or_none_get_one_number(trace, machine, policy):
+    """A static layout on a machine of several GPUs, or none: replay and the sweep agree."""
+    if machine == "none" and policy != "all-resident":
+        with pytest.raises(MoesimError, match="only all-resident"):
+            replay(trace, machine, [policy], host="ryzen-7950x")
+        return
+    kw = dict(host="ryzen-7950x", engine="llama.cpp", threads=8)
+    rep = replay(trace, machine, [policy], sim="fast", link_gbps=LINK, **kw).rows[0]
+    sweep = Sweep({trace.model.name: trace}, [machine], [policy], [LINK], [0.0], hosts=("ryzen-7950x",),
+                  engine="llama.cpp", threads=8)
+    (row,) = run_sweep(sweep, jobs=1)
+    assert row["tpot_ms"] == pytest.approx(rep["tpot_ms"], rel=RTOL)
+    assert row["hw"] == rep["hw"] and row["engine"] == rep["engine"] == "llama.cpp" and row["threads"] == 8
+
+
+def test_a_static_layout_on_one_gpu_is_the_copy_paths_all_resident(trace):
+    """All-resident on one GPU is timed by the copy path; the static layout of the same
+    deployment (every layer on that GPU) gives the same TPOT and the same memory verdict."""
+    from moesim.layout import make_layout
+    from moesim.memory import device_bytes, layout_bytes
+    from moesim.sim.static import simulate_static
+
+    hw = get_profile(HW)
+    copy_path = simulate(trace, hw, "all-resident", sim="fast")
+    static = simulate_static(trace, hw, "all-resident")
+    assert _tpot(static) == pytest.approx(_tpot(copy_path), rel=RTOL)
+    spec = trace.model
+    ctx = trace.prompt_len + trace.n_tokens
+    assert layout_bytes(spec, make_layout(spec, 1), context=ctx).gpu == [device_bytes(spec, "all-resident",
+                                                                                      context=ctx)]

@@ -11,13 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from moesim.costmodel import CostModel
+from moesim.engines import get_engine
 from moesim.errors import MoesimError
 from moesim.hardware import builtin_hosts, builtin_profiles, get_host, get_profile, load_profile
 from moesim.models import GGML_BLOCKS, get_model, matrix_bytes
-from moesim.placement import WORKSPACE_BYTES, cpu_layers, expert_budget, make_placement, routing_counts
+from moesim.placement import WORKSPACE_BYTES, cpu_layers, expert_budget, expert_times, make_placement, routing_counts
 from moesim.policy import POLICIES, ExpertTimes, Policy, cpu_or_copy, get_policy, register
-from moesim.costmodel import EAGER, CostModel
-from moesim.placement import expert_times
 from moesim.sim.hybrid import simulate_hybrid
 from moesim.sim.prefill import prefill_time, prefill_time_hybrid
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
@@ -159,7 +159,7 @@ def test_auto_cpu_layers_is_the_fewest_that_fit():
     n = cpu_layers(spec, "auto", gb, 1, 4096)
     budget = expert_budget(spec, gb, 1, 4096)
     assert (spec.n_moe_layers - n) * spec.layer_expert_bytes <= budget < (spec.n_moe_layers - n + 1) * spec.layer_expert_bytes
-    assert budget == int(gb - spec.non_expert_bytes - 4096 * spec.n_layers * spec.kv_bytes_per_token_layer - WORKSPACE_BYTES)
+    assert budget == int(gb - (spec.non_expert_bytes - spec.input_embedding_bytes) - 4096 * spec.n_layers * spec.kv_bytes_per_token_layer - WORKSPACE_BYTES)
     assert cpu_layers(spec, "auto", 200e9) == 0
     with pytest.raises(MoesimError, match="--cpu-layers"):
         cpu_layers(spec, 49, gb)
@@ -171,7 +171,7 @@ def test_hot_experts_take_the_most_routed_and_need_a_calibration():
     counts = routing_counts(cal.true_ids, spec.n_experts)
     assert counts.sum() == (cal.true_ids >= 0).sum()
     budget_experts = 10
-    device = spec.non_expert_bytes + WORKSPACE_BYTES + budget_experts * spec.expert_bytes + 1
+    device = spec.non_expert_bytes - spec.input_embedding_bytes + WORKSPACE_BYTES + budget_experts * spec.expert_bytes + 1
     p = make_placement("hot-experts", spec, device, context=0, calibration=cal.true_ids)
     assert p.n_resident == budget_experts and not p.optimistic
     assert counts[p.resident].min() >= counts[~p.resident].max()
@@ -196,8 +196,8 @@ def test_fast_path_equals_simpy(policy, batch, seed, link, host_bw, cache, evict
     host = get_host("ryzen-7950x").with_figure("mem_bw_achievable_gbs", host_bw)
     kw = dict(host=host, link_gbps=link, cpu_layers=n_cpu, calibration=cal, eviction=eviction,
               cache_experts=cache if policy == "cpu-on-miss" else 0)
-    a = simulate_hybrid(trace, hw, policy, engine="simpy", **kw)
-    b = simulate_hybrid(trace, hw, policy, engine="fast", **kw)
+    a = simulate_hybrid(trace, hw, policy, sim="simpy", **kw)
+    b = simulate_hybrid(trace, hw, policy, sim="fast", **kw)
     np.testing.assert_allclose(a.tpot, b.tpot, rtol=1e-12, atol=1e-15)
     for name in ("n_gpu", "n_cpu", "n_copied", "n_hits"):
         np.testing.assert_array_equal(getattr(a.run, name), getattr(b.run, name))
@@ -208,10 +208,10 @@ def test_fast_path_equals_simpy(policy, batch, seed, link, host_bw, cache, evict
 
 def test_static_layers_put_exactly_those_layers_on_the_cpu(tiny_trace):
     hw = get_profile("a6000")
-    r = simulate_hybrid(tiny_trace, hw, "cpu-static", cpu_layers=2, engine="fast")
+    r = simulate_hybrid(tiny_trace, hw, "cpu-static", cpu_layers=2, sim="fast")
     assert (r.run.n_cpu[:, :2] > 0).all() and (r.run.n_gpu[:, :2] == 0).all()
     assert (r.run.n_cpu[:, 2:] == 0).all() and r.run.copy.sum() == 0
-    none = simulate_hybrid(tiny_trace, hw, "cpu-static", cpu_layers=0, engine="fast")
+    none = simulate_hybrid(tiny_trace, hw, "cpu-static", cpu_layers=0, sim="fast")
     assert none.run.cpu_busy.sum() == 0 and none.tpot.mean() < r.tpot.mean()
 
 
@@ -222,7 +222,7 @@ def test_cpu_time_grows_with_batch_once_compute_bound():
     per_expert = []
     for batch in (1, 2048):
         tr = synthetic_trace(spec, SyntheticParams(tokens=3, prompt_len=8, batch=batch, seed=1))
-        r = simulate_hybrid(tr, hw, "cpu-static", host=host, cpu_layers=4, engine="fast")
+        r = simulate_hybrid(tr, hw, "cpu-static", host=host, cpu_layers=4, sim="fast")
         per_expert.append(r.run.cpu_busy.sum() / r.run.n_cpu.sum())
     assert per_expert[1] > 2 * per_expert[0]  # math, not the weight read, dominates at 128 tokens an expert
 
@@ -248,7 +248,7 @@ def test_cpu_on_miss_needs_a_cache_and_optimistic_is_marked(tiny_trace):
     hw = get_profile("a6000")
     with pytest.raises(MoesimError, match="cache"):
         simulate_hybrid(tiny_trace, hw, "cpu-on-miss")
-    r = simulate_hybrid(tiny_trace, hw, "hot-experts", calibrate_on_replay=True, engine="fast").summary()
+    r = simulate_hybrid(tiny_trace, hw, "hot-experts", calibrate_on_replay=True, sim="fast").summary()
     assert r["optimistic_placement"] is True and r["synthetic_trace"] is True
     with pytest.raises(MoesimError, match="computes no experts on the CPU"):
         simulate_hybrid(tiny_trace, hw, "on-demand")
@@ -271,7 +271,7 @@ def test_prediction_is_charged_where_a_prefetch_is_issued():
     p = prediction_seconds(CostModel(spec, hw))
     moe = spec.moe_layers
     expected = max((2 * spec.hidden + spec.router_bytes) / hw.mem_bw, 2 * spec.n_experts * spec.hidden / hw.flops()) \
-        + EAGER.predict_kernels * hw.launch
+        + get_engine().predict_kernels * hw.launch
     charged = list(moe[:-1])  # at each MoE layer's router, for the next MoE layer
     assert np.allclose(p[charged], expected) and p[[i for i in range(spec.n_layers) if i not in charged]].sum() == 0
 
@@ -282,7 +282,7 @@ def test_predicting_policies_pay_for_the_predictor(tiny_trace):
 
     hw = get_profile("a6000")
     extra = prediction_seconds(CostModel(tiny_trace.model, hw)).sum()
-    rows = {p: simulate(tiny_trace, hw, p, engine="fast") for p in ("prefetch-fom", "oracle", "on-demand")}
+    rows = {p: simulate(tiny_trace, hw, p, sim="fast") for p in ("prefetch-fom", "oracle", "on-demand")}
     assert rows["prefetch-fom"].config["timing"].endswith("+ predictor")
     assert rows["oracle"].config["timing"] == rows["on-demand"].config["timing"] == "roofline (a6000)"
     assert rows["prefetch-fom"].compute.mean() == pytest.approx(rows["oracle"].compute.mean() + extra, rel=1e-12)
@@ -334,8 +334,8 @@ def test_demand_first_and_cancelling_never_hurt(seed, hit, link, cache):
 def test_queues_other_than_fifo_need_simpy(tiny_trace):
     from moesim.sim.simulate import simulate
 
-    with pytest.raises(MoesimError, match="SimPy engine only"):
-        simulate(tiny_trace, get_profile("a6000"), "prefetch-fom", engine="fast", copy_queue="demand-first")
+    with pytest.raises(MoesimError, match="SimPy simulator only"):
+        simulate(tiny_trace, get_profile("a6000"), "prefetch-fom", sim="fast", copy_queue="demand-first")
     with pytest.raises(MoesimError, match="unknown copy queue"):
         simulate(tiny_trace, get_profile("a6000"), "prefetch-fom", copy_queue="lifo")
 
@@ -349,7 +349,7 @@ def test_memory_check_and_calibration_file(tmp_path, tiny_trace):
     spec = tiny_trace.model
     assert expert_slots(spec, "cpu-static") == 0 and expert_slots(spec, "cpu-on-miss", 5) == spec.n_experts + 5
     hw = get_profile("a6000")
-    r = simulate_hybrid(tiny_trace, hw, "cpu-static", cpu_layers=1, engine="fast")
+    r = simulate_hybrid(tiny_trace, hw, "cpu-static", cpu_layers=1, sim="fast")
     assert r.config["device_gb_needed"] * 1e9 == device_bytes(spec, "cpu-static", resident_experts=r.placement.n_resident,
                                                                context=tiny_trace.prompt_len + tiny_trace.n_tokens)
     assert r.placement.n_resident == 3 * spec.n_experts and r.config["fits"]
@@ -378,8 +378,8 @@ def test_no_cpu_layers_is_the_all_resident_model(batch):
 
     trace = synthetic_trace(get_model("tiny"), SyntheticParams(tokens=6, prompt_len=4, batch=batch, seed=2))
     hw = get_profile("h100-sxm")
-    hybrid = simulate_hybrid(trace, hw, "cpu-static", cpu_layers=0, engine="fast")
-    resident = simulate(trace, hw, "all-resident", engine="fast")
+    hybrid = simulate_hybrid(trace, hw, "cpu-static", cpu_layers=0, sim="fast")
+    resident = simulate(trace, hw, "all-resident", sim="fast")
     np.testing.assert_allclose(hybrid.tpot, resident.tpot, rtol=1e-12)
 
 
@@ -387,9 +387,9 @@ def test_simulate_is_the_one_front_door_for_cpu_policies(tiny_trace):
     from moesim.sim.simulate import simulate
 
     hw = get_profile("a6000")
-    via = simulate(tiny_trace, hw, "hot-experts", host="xeon-8480", calibration=tiny_trace.true_ids, engine="fast")
+    via = simulate(tiny_trace, hw, "hot-experts", host="xeon-8480", calibration=tiny_trace.true_ids, sim="fast")
     direct = simulate_hybrid(tiny_trace, hw, "hot-experts", host="xeon-8480", calibration=tiny_trace.true_ids,
-                             engine="fast")
+                             sim="fast")
     np.testing.assert_array_equal(via.tpot, direct.tpot)
     assert via.config["host"] == "xeon-8480"
     with pytest.raises(MoesimError, match="measured"):
@@ -408,8 +408,8 @@ def test_a_quantised_replay_moves_fewer_bytes(tiny_trace):
     assert q.timings == {} and t.timings  # measured at bf16: not reused
     assert (q.true_ids == t.true_ids).all()
     hw = get_profile("a6000")
-    bf16 = simulate(t, hw, "on-demand", timing="profile", engine="fast").summary()
-    int4 = simulate(q, hw, "on-demand", engine="fast").summary()
+    bf16 = simulate(t, hw, "on-demand", timing="profile", sim="fast").summary()
+    int4 = simulate(q, hw, "on-demand", sim="fast").summary()
     assert int4["gb_moved_per_token"] == pytest.approx(bf16["gb_moved_per_token"] * q.model.expert_bytes
                                                        / t.model.expert_bytes)
     assert int4["tpot_ms"] < bf16["tpot_ms"]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moesim.engines import get_engine
 from moesim.hardware import get_profile
 from moesim.models import get_model
-from moesim.costmodel import EAGER
 from moesim.sim.fit import fit_profile
 from moesim.sim.plan import build_plan
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
@@ -25,10 +25,10 @@ def measured_trace(noise: float, seed: int = 0):
     t, L, M = trace.n_tokens, spec.n_layers, spec.n_moe_layers
     ctx = trace.prompt_len + np.arange(t)
     attn = np.stack([(spec.layer_resident_bytes(layer) + spec.kv_bytes_per_token_layer * ctx) / TRUE_BW
-                     + EAGER.attention_kernels * TRUE_LAUNCH + TRUE_OVERHEAD for layer in range(L)], 1)
+                     + get_engine().attention_kernels * TRUE_LAUNCH + TRUE_OVERHEAD for layer in range(L)], 1)
     n_exec = build_plan(trace, "on-demand").execute
-    expert = n_exec * (spec.expert_bytes / TRUE_BW + EAGER.expert_kernels * TRUE_LAUNCH)
-    head = spec.lm_head_bytes / TRUE_BW + EAGER.head_kernels * TRUE_LAUNCH
+    expert = n_exec * (spec.expert_bytes / TRUE_BW + get_engine().expert_kernels * TRUE_LAUNCH)
+    head = spec.lm_head_bytes / TRUE_BW + get_engine().head_kernels * TRUE_LAUNCH
     other = np.full(t, head)
     attn, expert, other = attn * jitter(attn.shape), expert * jitter(expert.shape), other * jitter(other.shape)
     trace.timings.update({"attn_s": attn, "expert_s": expert, "stall_s": np.zeros((t, M)),

@@ -157,7 +157,7 @@ def test_fuzz_trace(base_trace, m):
         p = Path(d) / "mutated.npz"
         p.write_bytes(data)
         digests = [sha(p)]
-        r = moesim(["replay", p.name, "--policy", "on-demand", "--engine", "fast", "--json"], Path(d))
+        r = moesim(["replay", p.name, "--policy", "on-demand", "--sim", "fast", "--json"], Path(d))
         assert_clean(r, [p], digests, valid_rows)
 
 
@@ -187,7 +187,7 @@ def test_fuzz_profile(base_trace, line, value, encoding):
         trace.write_bytes(base_trace)
         prof.write_bytes(text.encode(encoding))
         digests = [sha(trace), sha(prof)]
-        r = moesim(["replay", "t.npz", "--hw", prof.name, "--policy", "on-demand", "--engine", "fast", "--json"],
+        r = moesim(["replay", "t.npz", "--hw", prof.name, "--policy", "on-demand", "--sim", "fast", "--json"],
                    Path(d))
         assert_clean(r, [trace, prof], digests, valid_rows)
 

@@ -6,7 +6,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import hand_trace, two_layer_spec
-from moesim.costmodel import EAGER, CostModel
+from moesim.costmodel import CostModel
+from moesim.engines import get_engine
 from moesim.hardware import get_profile
 from moesim.models import get_model
 from moesim.policy import POLICIES
@@ -85,7 +86,7 @@ def _trace(c):
         tokens=c["tokens"], batch=c["batch"], hit_rate=c["hit_rate"], reuse=c["reuse"], seed=c["seed"], prompt_len=4))
 
 
-def _run(trace, c, policy, engine="fast", **kw):
+def _run(trace, c, policy, sim="fast", **kw):
     kw.setdefault("cache_experts", c["cache"])
     kw.setdefault("link_gbps", c["link_gbps"])
     hw = get_profile(c["hw"])
@@ -93,7 +94,7 @@ def _run(trace, c, policy, engine="fast", **kw):
         hw = hw.with_figure("copy_interference", c["interference"])
     if c.get("wakeup"):
         hw = hw.with_figure("wait_wakeup_us", c["wakeup"])
-    return simulate(trace, hw, policy, eviction=c["eviction"], engine=engine, **kw)
+    return simulate(trace, hw, policy, eviction=c["eviction"], sim=sim, **kw)
 
 
 @SETTINGS
@@ -188,8 +189,8 @@ def test_bytes_are_conserved(c):
 def test_a_cache_cuts_copies_when_routing_repeats():
     trace = synthetic_trace(get_model("olmoe-1b-7b"), SyntheticParams(tokens=64, reuse=0.7))
     hw = get_profile("a6000")
-    none = simulate(trace, hw, "on-demand", engine="fast")
-    cached = simulate(trace, hw, "on-demand", cache_gib=2, engine="fast")
+    none = simulate(trace, hw, "on-demand", sim="fast")
+    cached = simulate(trace, hw, "on-demand", cache_gib=2, sim="fast")
     assert cached.summary()["cache_hit_rate"] > 0.5
     assert cached.plan.loads.sum() < 0.5 * none.plan.loads.sum()
     assert cached.tpot.mean() < none.tpot.mean()
@@ -267,7 +268,7 @@ def test_lm_head_and_copy_time_are_defined_once():
 
     spec, hw = get_model("olmoe-1b-7b"), get_profile("a6000")
     c = roofline_costs(CostModel(spec, hw), tokens=1, prompt_len=4)
-    assert c.other[0] == pytest.approx(spec.lm_head_bytes / hw.mem_bw + EAGER.head_kernels * hw.launch)
+    assert c.other[0] == pytest.approx(spec.lm_head_bytes / hw.mem_bw + get_engine().head_kernels * hw.launch)
     link = Link.of(CostModel(spec, hw))
     assert link.copy_time(3) == pytest.approx(3 * (hw.transfer_latency + spec.expert_bytes / hw.link_bw))
     # With compute almost free, prefill is the link copying every MoE layer once.

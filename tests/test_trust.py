@@ -145,7 +145,7 @@ def test_sigterm_leaves_no_temporary_file(work, tmp_path):
     # a fixed sleep, on a loaded machine it once arrived while Python was still importing,
     # before the CLI had its handler, and the default action killed the process (-15).
     write_trace(synthetic_trace(get_model("qwen3-30b-a3b"), SyntheticParams(tokens=4096)), tmp_path / "big.npz")
-    rc, err = signal_when(["replay", "big.npz", "--engine", "simpy", "--out", "rep"], lambda text: "replaying" in text,
+    rc, err = signal_when(["replay", "big.npz", "--sim", "simpy", "--out", "rep"], lambda text: "replaying" in text,
                           signal.SIGTERM, cwd=tmp_path, wait_s=60)
     assert "Traceback" not in err
     assert rc == 130, err
@@ -247,11 +247,11 @@ def test_replay_uses_the_link_the_trace_was_recorded_with():
     trace.header["recorded"] = {**trace.header.get("recorded", {}), "hw_profile": "a6000", "link_gbps": 0.5,
                                 "latency_us": 10.0}
     assert trace.meta.link_gbps == 0.5
-    rec = replay(trace, None, ["on-demand"], engine="fast")
+    rec = replay(trace, None, ["on-demand"], sim="fast")
     assert rec.rows[0]["link_gbps"] == 0.5 and rec.link_source == "recorded in the trace"
-    named = replay(trace, "a6000", ["on-demand"], engine="fast")  # another profile named: its own link
+    named = replay(trace, "a6000", ["on-demand"], sim="fast")  # another profile named: its own link
     assert named.link_source == "the profile's" and named.rows[0]["link_gbps"] == named.profile["h2d_pinned_gbs"] != 0.5
-    given = replay(trace, None, ["on-demand"], engine="fast", link_gbps=2.0)
+    given = replay(trace, None, ["on-demand"], sim="fast", link_gbps=2.0)
     assert given.rows[0]["link_gbps"] == 2.0 and given.link_source == "given"
     assert rec.rows[0]["tpot_ms"] > given.rows[0]["tpot_ms"]  # a slower link is not ignored
 
@@ -278,7 +278,7 @@ def test_signed_intercepts_never_read_plus_minus():
 
 
 def test_json_of_a_replay_names_its_sources(work):
-    r = moesim("replay", "t.npz", "--policy", "on-demand", "--engine", "fast", "--json", cwd=work)
+    r = moesim("replay", "t.npz", "--policy", "on-demand", "--sim", "fast", "--json", cwd=work)
     row = json.loads(r.stdout)[0]
     assert row["hw_source"].startswith("default") and row["link_source"] == "the profile's"
 

@@ -29,7 +29,7 @@ def test_sweep_rows_match_single_replays(sweep):
     row = next(r for r in rows if (r["model"], r["hw"], r["policy"], r["link_gbps"], r["cache_gib"]) ==
                ("olmoe-1b-7b", "rtx4090", "prefetch-fom", 8.0, 1.0))
     direct = simulate(sweep.traces["olmoe-1b-7b"], get_profile("rtx4090"), "prefetch", cache_gib=1, link_gbps=8,
-                      engine="simpy").summary()
+                      sim="simpy").summary()
     assert row["tpot_ms"] == pytest.approx(direct["tpot_ms"], rel=1e-9)
 
 
@@ -48,11 +48,12 @@ def test_memory_fit_uses_the_byte_accounting():
     spec = get_model("qwen3-30b-a3b")
     from moesim.memory import WORKSPACE_BYTES
 
+    weights = spec.non_expert_bytes - spec.input_embedding_bytes  # the input table stays in host memory
     resident = device_bytes_needed(spec, "all-resident", 0, 1, 0)
-    assert resident == spec.non_expert_bytes + spec.all_expert_bytes + WORKSPACE_BYTES
+    assert resident == weights + spec.all_expert_bytes + WORKSPACE_BYTES
     offload = device_bytes_needed(spec, "on-demand", 10, 1, 0)
     # The executor's pool: two whole layers (prefill is double-buffered) plus the cache.
-    assert offload == spec.non_expert_bytes + (2 * spec.n_experts + 10) * spec.expert_bytes + WORKSPACE_BYTES
+    assert offload == weights + (2 * spec.n_experts + 10) * spec.expert_bytes + WORKSPACE_BYTES
     # Prefetching 2 layers ahead holds one more layer in flight.
     ahead = device_bytes_needed(spec, "prefetch-fom", 10, 1, 0, lookahead=2)
     assert ahead == offload + spec.n_experts * spec.expert_bytes
@@ -187,12 +188,12 @@ def test_replay_of_several_policies_reports_progress_and_equals_single_replays()
     hw = get_profile("a6000")
     policies = ["on-demand", "prefetch-fom", "oracle"]
     seen = []
-    results = simulate_policies(trace, hw, policies, engine="fast", cache_gib=1, link_gbps=16,
+    results = simulate_policies(trace, hw, policies, sim="fast", cache_gib=1, link_gbps=16,
                                 progress=lambda done, total: seen.append((done, total)))
     total = 2 * 40 * trace.model.n_moe_layers * len(policies)
     assert seen[-1] == (total, total) and all(b >= a for (a, _), (b, _) in zip(seen, seen[1:]))
     for p, r in zip(policies, results):
-        assert r.summary() == simulate(trace, hw, p, engine="fast", cache_gib=1, link_gbps=16).summary()
+        assert r.summary() == simulate(trace, hw, p, sim="fast", cache_gib=1, link_gbps=16).summary()
     with pytest.raises(MoesimError, match="unknown policy"):
         simulate_policies(trace, hw, ["on-demand", "nope"])
 
@@ -210,7 +211,7 @@ def test_replay_memory_grows_linearly_with_the_trace():
         trace = synthetic_trace(spec, SyntheticParams(tokens=tokens, seed=1))
         tracemalloc.start()
         simulate_policies(trace, get_profile("a6000"), ["on-demand", "prefetch-fom", "oracle", "prefetch-spec"],
-                          engine="fast", cache_gib=1)
+                          sim="fast", cache_gib=1)
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         per_unit.append(peak / (tokens * spec.n_moe_layers * spec.top_k))

@@ -47,7 +47,7 @@ def test_cpu_policy_rows_equal_replay(traces, tmp_path):
     common = ["--hw", "a6000", "--host", "xeon-8480", "--cpu-layers", "6", "--placement-from", calib,
               "--cache-gib", "1", "--link-gbps", "12", "--json"]
     pols = "cpu-static,hot-experts,cpu-on-miss"
-    rep = moesim("replay", run, "--policy", pols, "--engine", "simpy", *common)
+    rep = moesim("replay", run, "--policy", pols, "--sim", "simpy", *common)
     assert rep.returncode == 0, rep.stderr
     wi = moesim("whatif", "--trace", run, "--policy", pols, "--jobs", "1", "--out", tmp_path / "r", *common)
     assert wi.returncode == 0, wi.stderr
@@ -55,7 +55,8 @@ def test_cpu_policy_rows_equal_replay(traces, tmp_path):
     assert set(got) == set(pols.split(","))
     for p in got:
         assert got[p]["host"] == want[p]["host"] == "xeon-8480"
-        assert got[p]["engine"] == "fast" and want[p]["engine"] == "simpy"
+        # Static placements: the static step model in the sweep, the SimPy reference in replay.
+        assert got[p]["sim"] == ("fast" if p == "cpu-on-miss" else "static") and want[p]["sim"] == "simpy"
         for k in ("tpot_ms", "tpot_p99_ms", "ttft_ms", "cpu_ms", "copy_ms", "compute_ms"):
             assert got[p][k] == pytest.approx(want[p][k], rel=RTOL), (p, k)
         for k in ("fits", "device_gb_needed", "resident_experts", "cache_experts"):
@@ -69,11 +70,11 @@ def test_copy_axes_equal_replay(traces):
     from moesim.sim.replay import replay
 
     run, _ = traces
-    want = replay(run, "h100-sxm", ["prefetch-fom"], engine="simpy", expert_dtype="int8", prefetch_top=4,
+    want = replay(run, "h100-sxm", ["prefetch-fom"], sim="simpy", expert_dtype="int8", prefetch_top=4,
                   copy_queue="demand-first").rows[0]
     (got,) = whatif(run, hws=["h100-sxm"], policies=["prefetch-fom"], cache_gib=[0], expert_dtypes=["int8"],
                     prefetch_top=[4], copy_queues=["demand-first"], jobs=1).rows
-    assert got["engine"] == "simpy"  # the fast path has no copy queues: never a silent substitute
+    assert got["sim"] == "simpy"  # the fast path has no copy queues: never a silent substitute
     assert (got["copy_queue"], got["prefetch_top"], got["expert_dtype"]) == ("demand-first", 4, "int8")
     assert got["model"] == want["model"] == "olmoe-1b-7b@int8"
     for k in ("tpot_ms", "ttft_ms", "copy_ms", "stall_ms", "gb_moved_per_token", "pred_recall"):
@@ -81,25 +82,29 @@ def test_copy_axes_equal_replay(traces):
 
 
 def test_synthetic_hot_experts_place_from_a_second_synthetic_trace(tmp_path):
-    """Without --trace, hot-experts places by a synthetic trace of the next seed, never the
-    swept one: on a GPU that holds part of the experts, the row equals `replay
-    --placement-from` that trace and differs from placing by the swept trace itself."""
+    """Without --trace, hot-experts places by a calibration twin of the swept trace (its
+    expert popularity, other draws), never the swept one: on a GPU that holds part of the
+    experts, the row equals `replay --placement-from` that twin and differs from placing by
+    the swept trace itself; and the placement finds the popular experts, so the device hit
+    rate beats the resident share (a random placement's: the bug this fixes)."""
     from moesim.sim.replay import replay
     from moesim.sim.sweep import CALIBRATION_SEED_OFFSET
 
     spec = get_model("qwen3-30b-a3b")
     params = SyntheticParams(tokens=4, prompt_len=16)
     calib = write_trace(synthetic_trace(spec, SyntheticParams(tokens=4, prompt_len=16,
-                                                              seed=params.seed + CALIBRATION_SEED_OFFSET)),
+                                                              draw_seed=params.seed + CALIBRATION_SEED_OFFSET)),
                         tmp_path / "calib.npz")
     (got,) = whatif(models=[spec.name], hws=["rtx4090"], policies=["hot-experts"], tokens=4, prompt_len=16,
                     jobs=1).rows
     swept = synthetic_trace(spec, params)
-    want = replay(swept, "rtx4090", ["hot-experts"], engine="simpy", placement_from=calib).rows[0]
+    want = replay(swept, "rtx4090", ["hot-experts"], sim="simpy", placement_from=calib).rows[0]
     assert 0 < got["resident_experts"] == want["resident_experts"] < spec.n_moe_layers * spec.n_experts
     assert got["tpot_ms"] == pytest.approx(want["tpot_ms"], rel=RTOL) and not got["optimistic_placement"]
-    peek = replay(swept, "rtx4090", ["hot-experts"], engine="simpy", calibrate_on_replay=True).rows[0]
+    peek = replay(swept, "rtx4090", ["hot-experts"], sim="simpy", calibrate_on_replay=True).rows[0]
     assert peek["tpot_ms"] != pytest.approx(got["tpot_ms"], rel=1e-3)
+    share = got["resident_experts"] / (spec.n_moe_layers * spec.n_experts)
+    assert got["device_hit_rate"] > share + 0.1
 
 
 def test_family_axes_make_one_row_per_configuration():

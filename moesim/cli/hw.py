@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, out, print_csv, print_json, table
+from moesim.errors import MoesimError
 
 
 @app.command()
@@ -15,14 +16,24 @@ def hw(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV (every field) instead of a table.")] = False,
     hosts: Annotated[bool, typer.Option("--hosts", help="Host (CPU) profiles instead of GPU profiles.")] = False,
+    engines: Annotated[bool, typer.Option("--engines", help="Engine profiles (llama.cpp, KTransformers, vLLM, "
+                                                            "PyTorch eager) instead of GPU profiles.")] = False,
 ) -> None:
     """List hardware profiles, or show one with the kind and source of every figure.
 
     Profiles are TOML files (docs/hwprofile-format.md); any command's `--hw` also takes
     the path of your own. Host profiles (the CPU that computes experts in the CPU-compute
-    policies) are listed with `--hosts`. Examples: `moesim hw`, `moesim hw gh200`,
-    `moesim hw h100-sxm --json`, `moesim hw --hosts`, `moesim hw xeon-8480 --hosts`.
+    policies) are listed with `--hosts`, engine profiles (the software: kernel counts,
+    launch costs, the bandwidth its kernels reach per weight format; docs/engine-format.md)
+    with `--engines`. Examples: `moesim hw`, `moesim hw gh200`, `moesim hw h100-sxm --json`,
+    `moesim hw --hosts`, `moesim hw xeon-8480 --hosts`, `moesim hw --engines`,
+    `moesim hw llama.cpp --engines`.
     """
+    if hosts and engines:
+        raise MoesimError("--hosts and --engines list different profiles: give one")
+    if engines:
+        _engines(profile, as_json, as_csv)
+        return
     from moesim.hardware import (
         DEFAULT_PROFILE,
         FIGURES,
@@ -75,3 +86,25 @@ def hw(
                     [[p.name, p.link, f"{p['device_memory_gb']:g}", f"{p['mem_bw_achievable_gbs']:g}",
                       f"{p['bf16_tflops']:g}", f"{p['h2d_pinned_gbs']:g}", f"{p['transfer_latency_us']:g}",
                       p.description] for p in profiles]))
+
+
+def _engines(name: str | None, as_json: bool, as_csv: bool) -> None:
+    from moesim.engines import DEFAULT_ENGINE, ENGINE_FIGURES, builtin_engines, get_engine
+
+    found = [get_engine(name)] if name else [get_engine(n) for n in builtin_engines()]
+    if as_json:
+        print_json([{"name": e.name, "description": e.description, "runs_on": list(e.runs_on),
+                     "figures": {k: vars(f) for k, f in e.sources()}} for e in found])
+    elif as_csv:
+        print_csv([{"engine": e.name, "figure": k, **vars(f)} for e in found for k, f in e.sources()])
+    elif name:
+        e = found[0]
+        unit = {k: v[0] for k, v in ENGINE_FIGURES.items()}
+        out.print(table(f"{e.name}: {e.description} (runs on {', '.join(e.runs_on)})",
+                        ("figure", "value", "unit", "kind", "source"),
+                        [[k, f"{f.value:g}", unit.get(k, "fraction"), f.kind, f.source] for k, f in e.sources()]))
+    else:
+        out.print(table(f"Engine profiles (show one with `moesim hw NAME --engines` for sources; default: "
+                        f"{DEFAULT_ENGINE})", ("name", "runs on", "fitted figures", "description"),
+                        [[e.name, ", ".join(e.runs_on), str(sum(f.kind == "fitted" for _, f in e.sources())),
+                          e.description] for e in found]))

@@ -33,8 +33,9 @@ def cache_text(row: dict, source: str) -> str:
 @app.command()
 def replay(
     trace_path: Annotated[Path, typer.Argument(metavar="TRACE", help="A trace file (.npz, format version 1 or 2).")],
-    hw_name: Annotated[str | None, typer.Option("--hw", help="Hardware profile name or .toml path (default: the one "
-                                                         f"the trace was recorded on, else {DEFAULT_PROFILE}).")] = None,
+    hw_name: Annotated[str | None, typer.Option("--hw", help="The machine: a GPU profile name or .toml path, NxPROFILE "
+                                                         "or A+B for several GPUs, none for no GPU (default: the "
+                                                         f"profile the trace was recorded on, else {DEFAULT_PROFILE}).")] = None,
     policy: Annotated[str, typer.Option(help="Comma-separated policies: all-resident, on-demand, prefetch-spec, "
                                               "prefetch-fom (alias prefetch), oracle.")] = REPLAY_POLICIES,
     cache_gib: Annotated[float | None, typer.Option(help="Cross-token expert cache on the device, GiB (0 = none; "
@@ -44,7 +45,19 @@ def replay(
                                                       "else lru).")] = None,
     link_gbps: Annotated[float | None, typer.Option(help="Host-to-device GB/s (default: the link the trace "
                                                                       "recorded, on its own profile; else the profile's).")] = None,
-    engine: Annotated[str, typer.Option(help="simpy (the reference) or fast (the recurrence).")] = "simpy",
+    sim: Annotated[str, typer.Option(help="The simulator: simpy (the reference) or fast (the recurrence).")] = "simpy",
+    engine: Annotated[str | None, typer.Option(help="The inference engine whose figures time the work: llama.cpp, "
+                                                    "ik_llama.cpp, ktransformers, vllm, pytorch-eager (default) or a "
+                                                    ".toml (`moesim hw --engines`).")] = None,
+    threads: Annotated[int | None, typer.Option(help="CPU threads the engine uses (default: every core of the host).")] = None,
+    gpu_layers: Annotated[str, typer.Option(help="gpu-layers: model layers on the GPU(s) (llama.cpp -ngl), or auto "
+                                                 "(the most that fit).")] = "auto",
+    split_mode: Annotated[str, typer.Option("--split", help="Several GPUs: layer (whole layers per GPU, llama.cpp's "
+                                                            "default) or tensor (every layer split over all).")] = "layer",
+    tensor_split: Annotated[str | None, typer.Option(help="Several GPUs, layer split: comma-separated shares of the "
+                                                          "layers per GPU (llama.cpp --tensor-split; default equal).")] = None,
+    lookahead: Annotated[int | None, typer.Option(help="Prefetch the experts predicted this many MoE layers ahead "
+                                                       "(default: the trace's; 1 = the next layer).")] = None,
     timing: Annotated[str, typer.Option(help="Compute times: auto (measured if the trace has them for this hw), "
                                               "profile (roofline) or measured.")] = "auto",
     model: Annotated[str | None, typer.Option(help="Check the trace against this model (errors on mismatch).")] = None,
@@ -112,24 +125,29 @@ def replay(
     if gamma is not None or depth is not None or branch is not None or acceptance is not None:
         raise MoesimError("--gamma, --depth, --branch and --acceptance apply to speculative-decoding traces (moesim speculate)")
     if validate:
-        print_validation(trace, trace_path, hw_name, engine, as_json, out_dir, as_csv, copy_queue)
+        print_validation(trace, trace_path, hw_name, sim, as_json, out_dir, as_csv, copy_queue)
         return
     with progress_bar("replaying", "layer-steps", disable=as_json) as update:
         rep = run_replay(trace, hw_name, split(policy, "--policy"), model=model, step=step, where=trace_path,
-                         cache_gib=cache_gib, cache_experts=cache_experts, eviction=eviction, engine=engine,
+                         cache_gib=cache_gib, cache_experts=cache_experts, eviction=eviction, sim=sim, engine=engine,
                          timing=timing, link_gbps=link_gbps, progress=update, expert_dtype=expert_dtype,
                          prefetch_top=prefetch_top, placement_from=placement_from, host=host,
                          cpu_layers=int(cpu_layers) if cpu_layers.isdigit() else cpu_layers,
-                         calibrate_on_replay=calibrate_on_replay, amx=amx, copy_queue=copy_queue)
+                         calibrate_on_replay=calibrate_on_replay, amx=amx, copy_queue=copy_queue, threads=threads,
+                         gpu_layers=int(gpu_layers) if gpu_layers.isdigit() else gpu_layers, split=split_mode,
+                         ratios=floats(tensor_split, "--tensor-split") if tensor_split is not None else None,
+                         lookahead=lookahead)
     rows = rep.rows
     if as_json or as_csv:
         print_json(rows) if as_json else print_csv(rows)
     else:
         src = ("measured run, synthetic routing" if trace.measured else "synthetic trace") if trace.synthetic else "trace"
-        out.print(results_table(rows, f"{trace.model.name} on {rep.profile.name} ({rep.profile_source}), link "
-                                      f"{rows[0]['link_gbps']:g} GB/s ({rep.link_source}), {cache_text(rows[0], rep.cache_source)}, "
+        link = (f"link {rows[0]['link_gbps']:g} GB/s ({rep.link_source})" if rows[0].get("link_gbps") is not None
+                else "no GPU link")
+        out.print(results_table(rows, f"{trace.model.name} on {rep.profile.name} ({rep.profile_source}), {link}, "
+                                      f"{cache_text(rows[0], rep.cache_source)}, "
                                       f"{trace.n_tokens} steps ({src}; compute: "
-                                      f"{rows[0]['timing']}; engine: {engine}"
+                                      f"{rows[0]['timing']}; simulator: {sim}"
                                       + "".join(f"; copy queue {q}" for q in {r["copy_queue"] for r in rows if "copy_queue" in r}) + ")",
                                 SUMMARY_COLS))
         for r in rows:

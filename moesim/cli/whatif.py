@@ -22,7 +22,8 @@ WHATIF_COLS = (("model", "model"), ("hw", "hw"), ("host", "host"), ("policy", "p
 def whatif(
     trace_path: Annotated[Path | None, typer.Option("--trace", help="Sweep over this trace (else a synthetic one per model).")] = None,
     model: Annotated[str, typer.Option(help="Comma-separated models (ignored with --trace: the trace's model).")] = "qwen3-30b-a3b",
-    hw_names: Annotated[str, typer.Option("--hw", help="Comma-separated hardware profiles or .toml paths.")] = "a6000,h100-sxm,gh200",
+    hw_names: Annotated[str, typer.Option("--hw", help="Comma-separated machines: a GPU profile or .toml path, "
+                                                       "NxPROFILE or A+B for several GPUs, none for no GPU.")] = "a6000,h100-sxm,gh200",
     policy: Annotated[str, typer.Option(help="Comma-separated policies.")] = ",".join(DEFAULT_POLICIES),
     link_gbps: Annotated[str | None, typer.Option(help="Comma-separated host-to-device GB/s (default: each profile's own).")] = None,
     cache_gib: Annotated[str, typer.Option(help="Comma-separated cross-token cache sizes, GiB.")] = "0,8,16",
@@ -36,6 +37,8 @@ def whatif(
                                                   "(default: each GPU profile's host).")] = None,
     cpu_layers: Annotated[str | None, typer.Option(help="cpu-static: comma-separated MoE-layer counts on the CPU or "
                                                         "auto (default: auto and 1/4, 1/2, all of them).")] = None,
+    gpu_layers: Annotated[str, typer.Option(help="gpu-layers: comma-separated counts of model layers on the GPU(s) "
+                                                 "(llama.cpp -ngl), or auto (the most that fit).")] = "auto",
     gpu_expert_gib: Annotated[str, typer.Option(help="hot-experts: comma-separated GiB of experts kept on the GPU, "
                                                      "or auto (all that fit).")] = "auto",
     copy_queue: Annotated[str, typer.Option(help="Prefetching policies: comma-separated copy queues: fifo, "
@@ -47,7 +50,15 @@ def whatif(
     calibrate_on_replay: Annotated[bool, typer.Option("--calibrate-on-replay", help="hot-experts: place from the "
                                                       "swept trace itself (rows marked optimistic).")] = False,
     goal: Annotated[str, typer.Option(help="What 'best' means: tpot, p99, ttft or bytes.")] = "tpot",
-    engine: Annotated[str, typer.Option(help="fast (default for sweeps) or simpy.")] = "fast",
+    engine: Annotated[str | None, typer.Option(help="The inference engine whose figures time the work: llama.cpp, "
+                                                    "ik_llama.cpp, ktransformers, vllm, pytorch-eager (default) or a "
+                                                    ".toml (`moesim hw --engines`).")] = None,
+    threads: Annotated[int | None, typer.Option(help="CPU threads the engine uses (default: every core of the "
+                                                     "host).")] = None,
+    lookahead: Annotated[str | None, typer.Option(help="Prefetching: comma-separated MoE layers ahead the "
+                                                       "predictions are made (an axis of the synthetic traces; "
+                                                       "default 1).")] = None,
+    sim: Annotated[str, typer.Option(help="The simulator: fast (default for sweeps) or simpy.")] = "fast",
     jobs: Annotated[int, typer.Option(help="Worker processes (0 = all cores; local backend).")] = 0,
     backend: Annotated[str, typer.Option(help="local (process pool on this machine) or ray (a Ray cluster: "
                                               "docs/cluster.md).")] = "local",
@@ -88,7 +99,7 @@ def whatif(
     with progress_bar("simulating", "configurations", disable=as_json or as_csv) as update:
         res = run_whatif(trace_path, split(model, "--model"), split(hw_names, "--hw"), split(policy, "--policy"),
                          floats(link_gbps, "--link-gbps") if link_gbps is not None else None, floats(cache_gib, "--cache-gib"),
-                         eviction, tokens, ints(prompt_len, "--prompt-len"), ints(batch, "--batch"), goal, engine,
+                         eviction, tokens, ints(prompt_len, "--prompt-len"), ints(batch, "--batch"), goal, sim,
                          jobs or None, update, backend=backend, address=address, rows_csv=rows_csv,
                          expert_dtypes=split(expert_dtype, "--expert-dtype") if expert_dtype is not None else None,
                          hosts=split(host, "--host") if host is not None else None,
@@ -96,7 +107,9 @@ def whatif(
                          gpu_expert_gib=auto_or(gpu_expert_gib, "--gpu-expert-gib", float),
                          copy_queues=split(copy_queue, "--copy-queue"),
                          prefetch_top=ints(prefetch_top, "--prefetch-top") if prefetch_top is not None else None,
-                         placement_from=placement_from, calibrate_on_replay=calibrate_on_replay)
+                         placement_from=placement_from, calibrate_on_replay=calibrate_on_replay,
+                         engine=engine, threads=threads, gpu_layers=auto_or(gpu_layers, "--gpu-layers", int),
+                         lookaheads=ints(lookahead, "--lookahead") if lookahead is not None else None)
     rows, winner = res.rows, res.winner
     answers = deployment_answer(rows, goal)
     crosses = crossovers(rows)
@@ -114,7 +127,8 @@ def whatif(
                 out.print(f"on {h.name}: best is {b['policy']} (link {b['link_gbps']:g} GB/s, cache {b['cache_gib']:g} GiB)"
                           f" at {b['tpot_ms']:.3g} ms/token; {bound_words(b)}")
             else:
-                out.print(f"on {h.name}: no configuration fits in {h['device_memory_gb']:g} GB of device memory")
+                mem = "+".join(f"{g:g}" for g in h.device_memory_gb()) or "no"
+                out.print(f"on {h.name}: no configuration fits in {mem} GB of device memory")
         for a in answers:
             out.print()
             out.print(format_answer(a), markup=False, highlight=False)

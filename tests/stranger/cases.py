@@ -223,7 +223,7 @@ def cases() -> list[Case]:
     # bad paths: outputs
     writers = [
         (["synth", "--model", "tiny", "--tokens", "4"], "file"),
-        (["replay", "t.npz", "--policy", "on-demand", "--engine", "fast"], "dir"),
+        (["replay", "t.npz", "--policy", "on-demand", "--sim", "fast"], "dir"),
         (["whatif", "--model", "tiny", "--hw", "a6000", "--policy", "on-demand", "--cache-gib", "0", "--tokens", "4",
           "--jobs", "1"], "dir"),
         (["profile", "--model", "tiny", "--tokens", "2"], "file"),
@@ -261,7 +261,7 @@ def cases() -> list[Case]:
     for opt, vals in {"--link-gbps": ["0", "-1", "nan", "inf", "abc"], "--cache-gib": ["-1", "nan"],
                       "--cache-experts": ["-5"], "--step": ["99", "-1"]}.items():
         for v in vals:
-            add(Case("bad numbers", ["replay", "t.npz", "--policy", "on-demand", "--engine", "fast", opt, v]))
+            add(Case("bad numbers", ["replay", "t.npz", "--policy", "on-demand", "--sim", "fast", opt, v]))
     for opt, v in (("--link-gbps", "1,,x"), ("--link-gbps", "0"), ("--cache-gib", "-1"), ("--cache-gib", "nan"),
                    ("--tokens", "0"), ("--batch", "0"), ("--top", "-1"), ("--jobs", "-2"), ("--link-gbps", ",")):
         add(Case("bad numbers", ["whatif", "--model", "tiny", "--hw", "a6000", "--policy", "on-demand",
@@ -281,13 +281,13 @@ def cases() -> list[Case]:
               "noheader.npz", "badjson.npz", "latin1header.npz", "listheader.npz", "v99.npz", "lies.npz",
               "badmodel.npz", "noroute.npz", "badids.npz", "nangates.npz", "wrongshape.npz", "floatids.npz",
               "extra.npz", "binary.toml"):
-        add(Case("bad files", ["replay", f, "--engine", "fast"], fast=f in ("random.npz", "latin1header.npz")))
+        add(Case("bad files", ["replay", f, "--sim", "fast"], fast=f in ("random.npz", "latin1header.npz")))
     for f in ("random.npz", "empty.npz", "badids.npz"):
         add(Case("bad files", ["whatif", "--trace", f, "--jobs", "1", "--out", "w"]))
         add(Case("bad files", ["fit", f]))
     for f in ("t.npz", "binary.toml", "latin1.toml", "bad.toml", "empty.toml", "negative.toml", "nofigures.toml",
               "utf16.toml", "afile"):
-        add(Case("bad files", ["replay", "t.npz", "--engine", "fast", "--policy", "on-demand", "--hw", f],
+        add(Case("bad files", ["replay", "t.npz", "--sim", "fast", "--policy", "on-demand", "--hw", f],
                  fast=f == "t.npz"))
     for f in ("binary.toml", "t.npz"):
         add(Case("bad files", ["hw", f]))
@@ -317,7 +317,7 @@ def cases() -> list[Case]:
         add(Case("absurd sizes", list(args), timeout=90, fast=args[0] == "synth" and "tiny" in args))
     for args in (["profile", "--model", "tiny", "--cache-gib", "1e9", "--tokens", "2", "--fidelity-tokens", "0",
                   "--out", "p.npz"],
-                 ["replay", "t.npz", "--cache-gib", "1e12", "--policy", "on-demand", "--engine", "fast", "--json"],
+                 ["replay", "t.npz", "--cache-gib", "1e12", "--policy", "on-demand", "--sim", "fast", "--json"],
                  ["whatif", "--model", "tiny", "--hw", "a6000", "--policy", "on-demand", "--cache-gib", "1e12",
                   "--tokens", "4", "--jobs", "1", "--json", "--out", "w"]):
         add(Case("absurd sizes", list(args), expect="ok", timeout=180,
@@ -361,18 +361,18 @@ def cases() -> list[Case]:
                   "--cache-gib", "0,0", "--json", "--out", "w"],
                  ["whatif", "--model", "tiny", "--hw", "a6000", "--policy", "on-demand", "--tokens", "4", "--jobs", "1",
                   "--cache-gib", "0", "--link-gbps", "16,16", "--json", "--out", "w"],
-                 ["replay", "t.npz", "--policy", "on-demand,on-demand", "--engine", "fast", "--json"],
-                 ["replay", "t.npz", "--policy", "prefetch,prefetch-fom", "--engine", "fast", "--json"]):
+                 ["replay", "t.npz", "--policy", "on-demand,on-demand", "--sim", "fast", "--json"],
+                 ["replay", "t.npz", "--policy", "prefetch,prefetch-fom", "--sim", "fast", "--json"]):
         add(Case("duplicate names", list(args), expect="either", check=json_rows))
 
     # interrupted runs
     add(Case("interrupted runs", ["whatif", "--model", "qwen3-30b-a3b", "--hw", "a6000", "--tokens", "2048",
-                                  "--jobs", "1", "--engine", "simpy", "--out", "wi"], expect="interrupt",
+                                  "--jobs", "1", "--sim", "simpy", "--out", "wi"], expect="interrupt",
              signal_after=4.0, sig=signal.SIGINT, check=no_tmp))
     add(Case("interrupted runs", ["whatif", "--model", "qwen3-30b-a3b", "--hw", "a6000", "--tokens", "2048",
-                                  "--jobs", "1", "--engine", "simpy", "--out", "wi"], expect="interrupt",
+                                  "--jobs", "1", "--sim", "simpy", "--out", "wi"], expect="interrupt",
              signal_after=4.0, sig=signal.SIGTERM, check=no_tmp))
-    add(Case("interrupted runs", ["replay", "big.npz", "--engine", "simpy"], expect="interrupt", signal_after=2.0,
+    add(Case("interrupted runs", ["replay", "big.npz", "--sim", "simpy"], expect="interrupt", signal_after=2.0,
              sig=signal.SIGTERM, check=no_tmp,
              before=lambda d: run_moesim(["synth", "--model", "qwen3-30b-a3b", "--tokens", "4096", "--out", "big.npz"], d)))
     add(Case("interrupted runs", ["synth", "--model", "qwen3-30b-a3b", "--tokens", "20000", "--out", "s.npz"],
@@ -389,7 +389,7 @@ def cases() -> list[Case]:
 
     # unknown names and mismatches
     for args in (["synth", "--model", "nope"], ["replay", "t.npz", "--hw", "nope"], ["replay", "t.npz", "--policy", "nope"],
-                 ["replay", "t.npz", "--engine", "nope"], ["replay", "t.npz", "--eviction", "nope", "--cache-gib", "1"],
+                 ["replay", "t.npz", "--sim", "nope"], ["replay", "t.npz", "--eviction", "nope", "--cache-gib", "1"],
                  ["replay", "t.npz", "--timing", "nope"], ["whatif", "--goal", "nope", "--model", "tiny"],
                  ["profile", "--model", "tiny", "--device", "nope", "--tokens", "2"],
                  ["profile", "--model", "tiny", "--dtype", "fp8", "--tokens", "2"],
@@ -401,7 +401,7 @@ def cases() -> list[Case]:
                  ["profile", "--model", "tiny", "--copy-queue", "nope", "--tokens", "2"],
                  ["profile", "--model", "tiny", "--copy-queue", "demand-first", "--policy", "all-resident", "--tokens", "2"],
                  ["replay", "t.npz", "--copy-queue", "nope"],
-                 ["replay", "t.npz", "--copy-queue", "demand-first", "--engine", "fast"],
+                 ["replay", "t.npz", "--copy-queue", "demand-first", "--sim", "fast"],
                  ["nonsense-command"], ["replay"]):
         add(Case("unknown names", list(args), fast=args in (["replay", "t.npz", "--policy", "nope"], ["nonsense-command"])))
     for i, k in enumerate(c):

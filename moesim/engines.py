@@ -1,0 +1,189 @@
+"""Engine profiles: what the software that runs the model adds to the hardware.
+
+The same GPU and CPU decode at different speeds under llama.cpp, KTransformers, vLLM or
+a Hugging Face model in PyTorch eager: their kernels reach different shares of the
+memory bandwidth for each weight format, launch different numbers of kernels, pay
+different per-layer costs, and read the KV cache more or less efficiently. An engine
+profile is a TOML file under ``hwprofiles/engines/`` (format: ``docs/engine-format.md``)
+whose every figure has a value, a kind (``datasheet``, ``measured``, ``estimate`` or
+``fitted``) and a source, as hardware figures do; :class:`moesim.costmodel.CostModel`
+reads them, and nothing else does.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from moesim.errors import MoesimError
+from moesim.hardware import Figure, _FigureLookup, parse_figures, read_toml
+
+#: Figure name -> (unit, required, whether an integer, description).
+ENGINE_FIGURES: dict[str, tuple[str, bool, bool, str]] = {
+    "attention_kernels": ("count", True, True, "GPU kernels per attention block (norms, projections, rope, "
+                                               "attention, residual, router, top-k)"),
+    "expert_kernels": ("count", True, True, "GPU kernels per routed expert (per layer's experts when fused)"),
+    "fused_experts": ("0/1", True, True, "1: one grouped kernel set runs a layer's experts (launches once a layer)"),
+    "head_kernels": ("count", True, True, "GPU kernels of the final norm, LM head and sampling"),
+    "predict_kernels": ("count", True, True, "GPU kernels of one next-layer expert prediction"),
+    "kernel_launch_us": ("us", False, False, "cost of one GPU kernel (absent: the GPU profile's kernel_launch_us)"),
+    "layer_overhead_us": ("us", False, False, "fixed framework cost per layer on the GPU (absent: the GPU "
+                                              "profile's layer_overhead_us)"),
+    "kv_read_efficiency": ("fraction", False, False, "share of the device bandwidth attention reaches reading the "
+                                                     "KV cache (absent: 1)"),
+    "cpu_layer_overhead_us": ("us", False, False, "fixed cost per layer with work on the CPU: thread-pool "
+                                                  "barriers and graph scheduling (absent: 0)"),
+    "cpu_expert_dispatch_us": ("us", False, False, "CPU cost to start one expert (absent: the host profile's)"),
+    "activation_roundtrip_us": ("us", False, False, "GPU -> CPU -> GPU activation round trip per layer (absent: "
+                                                    "the host profile's)"),
+    "numa_efficiency": ("fraction", False, False, "share of each further socket's bandwidth the engine turns "
+                                                  "into speed (absent: 0: one socket's bandwidth)"),
+    "pages_from_disk": ("0/1", False, True, "1: the weights are a memory-mapped file, so a model larger than host "
+                                            "RAM pages from disk (llama.cpp's mmap); 0: it must fit"),
+}
+#: Weight-format efficiencies: fraction of the processor's achievable memory bandwidth the
+#: engine's kernels reach reading weights of a format (``default``, or a format name of
+#: ``moesim.models.DTYPES``).
+EFFICIENCY_TABLES = ("cpu_weight_efficiency", "gpu_weight_efficiency")
+ZERO_OK = {"fused_experts", "layer_overhead_us", "cpu_layer_overhead_us", "numa_efficiency", "pages_from_disk"}
+TOP_KEYS = {"name", "description", "runs_on", "figures", *EFFICIENCY_TABLES}
+RUNS_ON = ("gpu", "cpu")
+
+
+@dataclass(frozen=True)
+class EngineProfile(_FigureLookup):
+    """An inference engine's figures (see the module docstring)."""
+
+    name: str
+    description: str
+    runs_on: tuple[str, ...]
+    figures: dict[str, Figure]
+    cpu_weight_efficiency: dict[str, Figure] = field(default_factory=dict)
+    gpu_weight_efficiency: dict[str, Figure] = field(default_factory=dict)
+    path: str = ""
+
+    # The figures in the units the cost model uses.
+    @property
+    def attention_kernels(self) -> int:
+        return int(self["attention_kernels"])
+
+    @property
+    def expert_kernels(self) -> int:
+        return int(self["expert_kernels"])
+
+    @property
+    def fused_experts(self) -> bool:
+        return bool(self["fused_experts"])
+
+    @property
+    def head_kernels(self) -> int:
+        return int(self["head_kernels"])
+
+    @property
+    def predict_kernels(self) -> int:
+        return int(self["predict_kernels"])
+
+    @property
+    def kernel_launch_us(self) -> float | None:
+        return self["kernel_launch_us"] if "kernel_launch_us" in self.figures else None
+
+    @property
+    def layer_overhead_us(self) -> float | None:
+        return self["layer_overhead_us"] if "layer_overhead_us" in self.figures else None
+
+    @property
+    def pages_from_disk(self) -> bool:
+        return bool(self.get("pages_from_disk"))
+
+    def weight_efficiency(self, where: str, dtype: str) -> float:
+        """Share of ``where``'s (``cpu`` or ``gpu``) bandwidth its kernels reach on ``dtype`` weights."""
+        table = self.cpu_weight_efficiency if where == "cpu" else self.gpu_weight_efficiency
+        f = table.get(dtype) or table.get("default")
+        return f.value if f is not None else 1.0
+
+    def with_figure(self, key: str, value: float, kind: str = "estimate", source: str = "what-if") -> EngineProfile:
+        """A copy with one figure (``name``, or ``cpu_weight_efficiency.FORMAT``) replaced."""
+        table, _, name = key.rpartition(".")
+        fig = Figure(float(value), kind, source)
+        if table:
+            if table not in EFFICIENCY_TABLES:
+                raise MoesimError(f"unknown engine table {table!r}; known: {', '.join(EFFICIENCY_TABLES)}")
+            return replace(self, **{table: {**getattr(self, table), name: fig}})
+        if name not in ENGINE_FIGURES:
+            raise MoesimError(f"unknown engine figure {name!r}; known: {', '.join(ENGINE_FIGURES)}")
+        return replace(self, figures={**self.figures, name: fig})
+
+    def sources(self) -> list[tuple[str, Figure]]:
+        """Every figure with its name, for ``moesim hw --engines NAME``."""
+        out = list(self.figures.items())
+        for t in EFFICIENCY_TABLES:
+            out += [(f"{t}.{k}", v) for k, v in getattr(self, t).items()]
+        return out
+
+
+def _efficiency(raw: Any, where: str, table: str) -> dict[str, Figure]:
+    from moesim.models import DTYPES
+
+    if not isinstance(raw, dict):
+        raise MoesimError(f"{where}: [{table}] must be a table")
+    known = {k: ("fraction", False, False, "") for k in ("default", *DTYPES)}
+    return parse_figures(raw, known, where, section=table)
+
+
+def parse_engine(data: dict[str, Any], where: str) -> EngineProfile:
+    """Validate a parsed engine TOML and build the profile (errors name the field)."""
+    unknown = set(data) - TOP_KEYS
+    if unknown:
+        raise MoesimError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(TOP_KEYS))}")
+    for key in ("name", "runs_on", "figures"):
+        if key not in data:
+            raise MoesimError(f"{where}: missing required key {key!r}")
+    runs = data["runs_on"]
+    if not isinstance(runs, list) or not runs or any(r not in RUNS_ON for r in runs):
+        raise MoesimError(f"{where}: runs_on must be a non-empty list of {', '.join(RUNS_ON)}")
+    figures = parse_figures(data["figures"], ENGINE_FIGURES, where, zero_ok=ZERO_OK)
+    for flag in ("fused_experts", "pages_from_disk"):
+        if flag in figures and figures[flag].value not in (0, 1):
+            raise MoesimError(f"{where}: {flag} is 0 or 1, got {figures[flag].value:g}")
+    tables = {t: _efficiency(data.get(t, {}), where, t) for t in EFFICIENCY_TABLES}
+    return EngineProfile(str(data["name"]), str(data.get("description", "")), tuple(runs), figures, **tables,
+                         path=where)
+
+
+def load_engine(path: str | Path) -> EngineProfile:
+    path = Path(path)
+    return parse_engine(read_toml(path, "engine profile"), str(path))
+
+
+def builtin_engines() -> dict[str, Path]:
+    """Name -> path of the engine profiles shipped in ``hwprofiles/engines/``."""
+    root = resources.files("moesim.hwprofiles").joinpath("engines")
+    return {p.name[:-5]: Path(str(p)) for p in sorted(root.iterdir(), key=lambda p: p.name) if p.name.endswith(".toml")}
+
+
+@functools.lru_cache(maxsize=64)
+def _builtin(name: str) -> EngineProfile:
+    return load_engine(builtin_engines()[name])
+
+
+#: The engine a result uses when none is named: PyTorch eager, the reference executor's.
+DEFAULT_ENGINE = "pytorch-eager"
+
+
+def get_engine(name_or_path: str | EngineProfile | None = None) -> EngineProfile:
+    """A built-in engine by name (``llama.cpp``), a user's TOML by path, or the default."""
+    if isinstance(name_or_path, EngineProfile):
+        return name_or_path
+    name = name_or_path or DEFAULT_ENGINE
+    builtin = builtin_engines()
+    if name.lower() in builtin:
+        return _builtin(name.lower())
+    p = Path(name)
+    if p.suffix == ".toml" or p.exists():
+        if not p.exists():
+            raise MoesimError(f"engine profile file {p} does not exist")
+        return load_engine(p)
+    raise MoesimError(f"unknown engine {name!r}; built-in: {', '.join(builtin)} (or a .toml path)")

@@ -1,0 +1,123 @@
+"""Where every layer and every routed expert lives on one machine: a GPU or the CPU.
+
+A :class:`Layout` is the static answer to "which processor holds this": each model
+layer's attention and dense weights (``layer_device``), each (MoE layer, expert) pair
+(``expert_device``) and the LM head sit on one of the machine's GPUs (0, 1, ...) or in
+host memory, computed by the CPU (:data:`CPU`). It is what the engines' placement
+arguments say, so every deployment people run is one:
+
+- all on one GPU, or spread over several by whole layers (llama.cpp's default
+  ``--split-mode layer``, ``--tensor-split`` proportions) or split inside every layer
+  (``--split-mode row``, vLLM's tensor parallelism: ``split="tensor"``);
+- the experts of the first N MoE layers on the CPU (llama.cpp ``--n-cpu-moe N``; all of
+  them: ``--cpu-moe`` / ``-ot exps=CPU``, KTransformers' default rule);
+- the hottest experts on the GPU, the rest on the CPU (KTransformers' GPU experts, as a
+  device budget or a count per layer);
+- the last N layers on the GPU(s) and the rest wholly on the CPU (llama.cpp ``-ngl N``,
+  Ollama), or no GPU at all.
+
+Data in, data out: the simulator times a layout (``moesim.sim.static``), the memory-fit
+test sizes it (:func:`moesim.memory.layout_bytes`), ``moesim plan`` prints the engine
+arguments that build it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moesim.errors import MoesimError
+from moesim.models import ModelSpec
+
+#: The processor index of the host CPU (GPUs are 0, 1, ...).
+CPU = -1
+SPLITS = ("layer", "tensor")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Processors of every layer and expert (see the module docstring)."""
+
+    n_gpus: int
+    layer_device: np.ndarray  # [n_layers] int: the GPU holding the layer's attention and dense weights, or CPU
+    expert_device: np.ndarray  # [moe layers, experts] int: the GPU holding the expert, or CPU
+    head_device: int
+    split: str = "layer"  # "tensor": every GPU layer is split over all the GPUs
+    source: str = ""  # how it was chosen, for reports
+    optimistic: bool = False  # placed from the replayed trace itself: an upper bound
+
+    def __post_init__(self) -> None:
+        if self.split not in SPLITS:
+            raise MoesimError(f"split {self.split!r}: one of {', '.join(SPLITS)}")
+        devices = np.concatenate([self.layer_device.ravel(), self.expert_device.ravel(), [self.head_device]])
+        if devices.min() < CPU or devices.max() >= self.n_gpus:
+            raise MoesimError(f"a layout names a processor the machine does not have ({self.n_gpus} GPUs)")
+
+    @property
+    def resident(self) -> np.ndarray:
+        """``[m, E]`` bool: the expert sits on the GPU of its layer (the CPU policies' view)."""
+        moe_dev = self.expert_device
+        return moe_dev >= 0
+
+    @property
+    def n_resident(self) -> int:
+        return int(self.resident.sum())
+
+    def cpu_moe_layers(self) -> int:
+        """MoE layers whose experts are all on the CPU."""
+        return int((self.expert_device == CPU).all(1).sum())
+
+    def gpu_layers(self) -> int:
+        """Model layers whose attention runs on a GPU."""
+        return int((self.layer_device >= 0).sum())
+
+
+def layer_shares(n_layers: int, ratios: list[float]) -> np.ndarray:
+    """GPU index of each of ``n_layers`` consecutive layers split in proportion to
+    ``ratios`` (llama.cpp's ``--tensor-split``: cumulative shares, each layer to the GPU
+    whose share its index falls in)."""
+    r = np.asarray(ratios, float)
+    if r.size == 0 or (r < 0).any() or not r.sum() > 0:
+        raise MoesimError(f"--tensor-split {','.join(f'{x:g}' for x in ratios)}: non-negative shares with a positive sum")
+    bounds = np.cumsum(r) / r.sum()
+    return np.minimum(np.searchsorted(bounds, (np.arange(n_layers) + 0.5) / n_layers), r.size - 1).astype(np.int64)
+
+
+def make_layout(spec: ModelSpec, n_gpus: int, *, gpu_layers: int | None = None, cpu_moe_layers: int = 0,
+                hot: np.ndarray | None = None, split: str = "layer", ratios: list[float] | None = None,
+                source: str = "", optimistic: bool = False) -> Layout:
+    """A layout in the engines' own terms.
+
+    ``gpu_layers`` (llama.cpp ``-ngl``; None: all) keeps the LAST that many model layers on
+    the GPUs (as llama.cpp counts: the head joins them when every layer does) and the rest
+    wholly on the CPU; the GPU layers are spread over ``n_gpus`` in proportion to
+    ``ratios`` (default: equal). ``cpu_moe_layers`` (``--n-cpu-moe``) moves the experts of
+    the first that many MoE layers to the CPU; ``hot`` (``[m, E]`` bool, True = on the GPU)
+    instead names each GPU layer's resident experts. ``n_gpus == 0``: everything on the CPU.
+    """
+    L, M, E = spec.n_layers, spec.n_moe_layers, spec.n_experts
+    if n_gpus < 0:
+        raise MoesimError("a machine has 0 or more GPUs")
+    g = L if gpu_layers is None else gpu_layers
+    if not n_gpus:
+        g = 0
+    if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or not 0 <= g <= L:
+        raise MoesimError(f"--gpu-layers {gpu_layers!r}: a count of model layers from 0 to {L} ({spec.name})")
+    if not 0 <= cpu_moe_layers <= M:
+        raise MoesimError(f"--cpu-layers {cpu_moe_layers}: a count of MoE layers from 0 to {M} ({spec.name})")
+    layer_device = np.full(L, CPU, np.int64)
+    if g:
+        shares = layer_shares(g, ratios or [1.0] * n_gpus) if split == "layer" else np.zeros(g, np.int64)
+        if ratios is not None and len(ratios) != n_gpus:
+            raise MoesimError(f"--tensor-split has {len(ratios)} shares for {n_gpus} GPUs")
+        layer_device[L - g:] = shares
+    moe = np.asarray(spec.moe_layers)
+    expert_device = np.repeat(layer_device[moe][:, None], E, axis=1)
+    expert_device[:cpu_moe_layers] = CPU
+    if hot is not None:
+        if hot.shape != (M, E):
+            raise MoesimError(f"a hot-expert placement of {hot.shape} for {spec.name}'s {M} x {E} experts")
+        expert_device = np.where(hot & (expert_device >= 0), expert_device, CPU)
+    head = int(layer_device[-1]) if g == L else CPU
+    return Layout(n_gpus, layer_device, expert_device, head, split, source, optimistic)

@@ -1,0 +1,228 @@
+"""Timing a static layout: every weight stays where the layout puts it, nothing is copied.
+
+A decode step walks the model layers in order. Layer l runs on its processor p (a GPU,
+or the CPU; :class:`moesim.layout.Layout`): its attention block there, then its routed
+experts, the ones on p's GPU and the ones on the CPU at the same time (the layer ends
+when the later finishes; CPU experts of a GPU layer pay the activation round trip).
+When consecutive layers sit on different processors, the hidden states cross between
+them (a copy on the link of the GPU involved). The step ends with the LM head on its
+processor. Nothing depends on the link's past, so every layer of every step is priced
+at once, from the trace's token counts, by the cost model (:class:`moesim.costmodel.CostModel`).
+
+This is the step model of the static CPU-compute policies (llama.cpp ``--n-cpu-moe``,
+KTransformers) and of every deployment that places whole layers: several GPUs (layer or
+tensor split), llama.cpp ``-ngl``, no GPU at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from moesim.costmodel import CostModel, device_expert_seconds
+from moesim.errors import MoesimError
+from moesim.hardware import HardwareProfile, HostProfile, Machine, get_host, get_machine
+from moesim.layout import CPU, Layout, make_layout
+from moesim.memory import layout_bytes
+from moesim.models import ModelSpec
+from moesim.policy import get_policy
+from moesim.sim.cpu_run import HybridResult, HybridRun, token_counts
+from moesim.sim.plan import Plan
+from moesim.sim.prefill import prefill_time_static
+from moesim.traces.format import Trace
+
+#: The CPU-compute policies whose layouts are static (nothing copied): timed here.
+STATIC_CPU = ("layers", "hot", "whole")
+#: Fixed cost of one collective over PCIe between GPUs (estimate: a small-message NCCL
+#: all-reduce without NVLink takes tens of microseconds).
+PCIE_COLLECTIVE_US = 20.0
+
+
+@dataclass
+class StaticRun:
+    """Per step: TPOT and its parts; per (step, MoE layer): where the experts ran."""
+
+    tpot: np.ndarray
+    device: np.ndarray  # GPU work per step (attention, GPU experts, head, transfers)
+    cpu_busy: np.ndarray  # CPU work per step (CPU layers, CPU experts with their round trips)
+    cpu_wait: np.ndarray  # per step, how long GPU layers waited on their CPU experts
+    transfer: np.ndarray  # per step, hidden states crossing between processors
+    n_gpu: np.ndarray  # [t, m] experts a GPU ran
+    n_cpu: np.ndarray  # [t, m] experts the CPU ran
+
+
+def _cm_for(cms: list[CostModel], cpu_cm: CostModel, d: int) -> CostModel:
+    return cpu_cm if d == CPU else cms[d]
+
+
+def time_static(spec: ModelSpec, layout: Layout, counts: np.ndarray, ctx: np.ndarray, batch: int,
+                cms: list[CostModel], cpu_cm: CostModel) -> StaticRun:
+    """Time every step of a static layout. ``counts[t, m, e]``: tokens routed to each
+    expert; ``ctx[t]``: the context at each step; ``cms[g]`` the cost model of GPU g
+    (with the host, for CPU experts and round trips), ``cpu_cm`` the one that prices CPU
+    layers (the first GPU's, or the host's alone on a machine without GPUs)."""
+    T = counts.shape[0]
+    moe_index = {layer: m for m, layer in enumerate(spec.moe_layers)}
+    times = {d: _cm_for(cms, cpu_cm, d).expert_times(batch) for d in {*layout.layer_device.tolist(), CPU}
+             if d != CPU or cpu_cm.host is not None}
+    total = np.zeros(T)
+    device = np.zeros(T)
+    cpu_busy = np.zeros(T)
+    cpu_wait = np.zeros(T)
+    transfer = np.zeros(T)
+    n_gpu = np.zeros(counts.shape[:2], np.int32)
+    n_cpu = np.zeros(counts.shape[:2], np.int32)
+    hidden_bytes = 2 * batch * spec.hidden
+    # The embedding row (a few KB read on the host) reaches the first layer's processor with
+    # the step's tokens: not charged, as the input ids are not.
+    prev = int(layout.layer_device[0])
+    for layer in range(spec.n_layers):
+        d = int(layout.layer_device[layer])
+        cm = _cm_for(cms, cpu_cm, d)
+        if d != prev:
+            transfer += _crossing(cms, prev, d, hidden_bytes)
+        prev = d
+        attn = cm.attention(layer, ctx, rows=batch, on="cpu" if d == CPU else "gpu")
+        if layout.split == "tensor" and d != CPU and len(cms) > 1:
+            attn = attn + 2 * cm.collective(hidden_bytes, True, len(cms), cm.gpu.link_bw / 1e9, PCIE_COLLECTIVE_US)
+        total += attn
+        (cpu_busy if d == CPU else device).__iadd__(attn)
+        m = moe_index.get(layer)
+        if m is None:
+            continue
+        c = counts[:, m, :]  # [t, E]
+        routed = c > 0
+        on_cpu = layout.expert_device[m] == CPU
+        nc, ac = (routed & on_cpu).sum(-1), np.where(on_cpu, c, 0).sum(-1)
+        n_cpu[:, m] = nc
+        if d == CPU:
+            t = times[CPU]
+            cpu = device_expert_seconds(nc, ac, t.cpu_mem, t.cpu_tok) + nc * t.cpu_fixed + cpu_cm.cpu_layer
+            total += cpu
+            cpu_busy += cpu
+            continue
+        on_dev = layout.expert_device[m] == d
+        nd, ad = (routed & on_dev).sum(-1), np.where(on_dev, c, 0).sum(-1)
+        n_gpu[:, m] = nd
+        gpu = times[d].gpu(nd, ad)
+        cpu = times[d].cpu(nc, ac)
+        total += np.maximum(gpu, cpu)  # the layer ends when the later of the two does
+        device += gpu
+        cpu_busy += cpu
+        cpu_wait += np.maximum(cpu - gpu, 0.0)
+    head = layout.head_device
+    if head != prev:
+        transfer += _crossing(cms, prev, head, hidden_bytes)
+    h = _cm_for(cms, cpu_cm, head).head(batch, on="cpu" if head == CPU else "gpu")
+    total += h + transfer
+    (cpu_busy if head == CPU else device).__iadd__(h)
+    return StaticRun(total, device, cpu_busy, cpu_wait, transfer, n_gpu, n_cpu)
+
+
+def _crossing(cms: list[CostModel], a: int, b: int, nbytes: float) -> float:
+    """Seconds the hidden states take from processor ``a`` to ``b`` (a copy on the link of
+    the GPU involved; GPU to GPU through the host's PCIe, on the sender's link)."""
+    gpu = a if a != CPU else b
+    return float(cms[gpu].copy(nbytes)) if gpu != CPU and cms else 0.0
+
+
+def _layout_for(pol, spec, machine, *, batch: int, context: int, cpu_layers, gpu_layers, split: str,
+                ratios, hot_placement) -> Layout:
+    """The layout ``pol`` gives on ``machine``, choosing ``auto`` counts to fit its GPUs."""
+    g = machine.n_gpus
+    mem = [x * 1e9 for x in machine.device_memory_gb()]
+
+    def fits(lay: Layout) -> bool:
+        return all(b <= m for b, m in zip(layout_bytes(spec, lay, batch, context).gpu, mem))
+
+    def make(**kw) -> Layout:
+        return make_layout(spec, g, split=split, ratios=ratios, **kw)
+
+    if g == 0:
+        if pol.name != "all-resident":
+            raise MoesimError(f"--hw none: without a GPU every weight is in host memory and computed on the CPU; "
+                              f"only all-resident applies, not {pol.name}")
+        return make_layout(spec, 0, source="no GPU: every layer on the CPU")
+    if pol.name == "all-resident":
+        lay = make()
+        return replace(lay, source=f"every layer on {machine.name}")
+    if pol.cpu == "layers":
+        m = spec.n_moe_layers
+        auto = next((n for n in range(m + 1) if fits(make(cpu_moe_layers=n))), m) if cpu_layers == "auto" else None
+        n = cpu_layers if auto is None else auto
+        return replace(make(cpu_moe_layers=n), source=f"first {n} of {m} MoE layers' experts on the CPU")
+    if pol.cpu == "whole":
+        L = spec.n_layers
+        auto = next((n for n in range(L, -1, -1) if fits(make(gpu_layers=n))), 0) if gpu_layers == "auto" else None
+        n = gpu_layers if auto is None else auto
+        return replace(make(gpu_layers=n), source=f"last {n} of {L} layers on {machine.name}, the rest on the CPU")
+    if pol.cpu == "hot":
+        if g != 1:
+            raise MoesimError("hot-experts places experts on one GPU; give one GPU profile (or use cpu-static on several)")
+        return make(hot=hot_placement.resident, source=hot_placement.source, optimistic=hot_placement.optimistic)
+    raise MoesimError(f"{pol.name} is not a static layout (it copies experts): one GPU, moesim.sim.simulate")
+
+
+def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, policy: str, *,
+                    host: str | HostProfile | None = None, engine: str | None = None, threads: int | None = None,
+                    cpu_layers: int | str = "auto", gpu_layers: int | str = "auto",
+                    calibration: np.ndarray | None = None, calibrate_on_replay: bool = False, split: str = "layer",
+                    ratios: list[float] | None = None, amx: bool = True, placement=None,
+                    link_gbps: float | None = None) -> HybridResult:
+    """Simulate ``trace`` under a static layout (all-resident, cpu-static, hot-experts,
+    gpu-layers) on a machine of zero, one or several GPUs (:func:`moesim.hardware.get_machine`)
+    and ``host``, run by ``engine`` with ``threads`` CPU threads (:func:`time_static`).
+    ``split`` and ``ratios`` spread the GPU layers over several GPUs (llama.cpp's
+    ``--split-mode`` and ``--tensor-split``); ``placement`` replaces hot-experts' own."""
+    from moesim.placement import make_placement
+
+    pol = get_policy(policy)
+    machine = get_machine(machine)
+    if link_gbps is not None:
+        machine = machine.with_figure("h2d_pinned_gbs", link_gbps)
+    spec = trace.model
+    g = machine.n_gpus
+    if host is None and g == 0:
+        raise MoesimError("--hw none: name the host that runs everything (--host; `moesim hw --hosts`)")
+    host = host if isinstance(host, HostProfile) else get_host(host, machine.gpus[0] if g else None)
+    b, T = trace.batch, trace.n_tokens
+    context = trace.prompt_len + T
+    hot = None
+    if pol.cpu == "hot" and g == 1:
+        hot = placement or make_placement(pol, spec, machine.gpus[0]["device_memory_gb"] * 1e9, batch=b,
+                                          context=context, calibration=calibration, replay_ids=trace.true_ids,
+                                          calibrate_on_replay=calibrate_on_replay)
+    layout = _layout_for(pol, spec, machine, batch=b, context=context, cpu_layers=cpu_layers, gpu_layers=gpu_layers,
+                         split=split, ratios=ratios, hot_placement=hot)
+    need = layout_bytes(spec, layout, b, context)
+    kw = dict(engine=engine, amx=amx, threads=threads, host_weights=need.host_weights, host_other=need.host_kv)
+    shards = g if split == "tensor" and g > 1 else 1
+    cms = [CostModel(spec, gpu, host, shards=shards, **kw) for gpu in machine.gpus]
+    cpu_cm = cms[0] if cms else CostModel(spec, None, host, **kw)
+    ctx = trace.prompt_len + np.arange(T)
+    counts = token_counts(trace.true_ids, spec.n_experts)
+    r = time_static(spec, layout, counts, ctx, b, cms, cpu_cm)
+    zeros = np.zeros(T)
+    zeros_m = np.zeros_like(r.n_gpu)
+    run = HybridRun(np.cumsum(r.tpot), zeros, zeros.copy(), r.cpu_wait, r.cpu_busy, r.n_gpu, r.n_cpu, zeros_m,
+                    r.n_gpu, device=r.device, transfer=r.transfer)
+    n_exec = r.n_gpu + r.n_cpu
+    plan = Plan(pol, 0, "lru", 1, zeros_m, zeros_m, n_exec, np.full_like(n_exec, b * spec.top_k), r.n_gpu, zeros_m,
+                zeros_m)
+    ttft = prefill_time_static(cms, cpu_cm, layout, trace.prompt_len, b)
+    mem = machine.device_memory_gb()
+    eng = cpu_cm.engine
+    config = {
+        "model": spec.name, "hw": machine.name, "host": host.name, "policy": pol.name, "cache_experts": 0,
+        "eviction": "-", "link_gbps": machine.link_gbps(), "batch": b, "sim": "static", "engine": eng.name,
+        "threads": cpu_cm.threads,
+        "timing": f"roofline ({machine.name} + {host.name}, {eng.name}{'' if amx and host.has_amx else ', no AMX'})",
+        "placement": layout.source, "optimistic_placement": layout.optimistic,
+        "resident_experts": int((layout.expert_device >= 0).sum()), "gpu_layers": layout.gpu_layers(),
+        "cpu_layers": layout.cpu_moe_layers(), "expert_bytes": spec.expert_bytes, "synthetic_trace": trace.synthetic,
+        "device_gb_needed": max(need.gpu, default=0) / 1e9, "host_gb_needed": (need.host_weights + need.host_kv) / 1e9,
+        "fits": all(x <= m * 1e9 for x, m in zip(need.gpu, mem)),
+        "page_miss": cpu_cm.page_miss if cpu_cm.host is not None else 0.0,
+    }
+    return HybridResult(config, r.tpot, run, plan, ttft, layout)
