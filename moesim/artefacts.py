@@ -178,7 +178,16 @@ def safetensors_header(path: Path) -> dict[str, Any]:
 
 def tensor_bytes(folder: Path) -> dict[str, int] | None:
     """Stored bytes of every tensor in the folder's safetensors files (None without any)."""
-    files = sorted(Path(folder).glob("*.safetensors"))
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():  # a sharded checkpoint names its files; other .safetensors beside it are not the model
+        try:
+            names = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        except (OSError, ValueError, AttributeError):
+            raise MoesimError(f"{index}: not a safetensors index (weight_map)") from None
+        files = sorted(folder / n for n in names)
+    else:
+        files = sorted(folder.glob("model*.safetensors")) or sorted(folder.glob("*.safetensors"))
     if not files:
         return None
     sizes: dict[str, int] = {}
