@@ -142,8 +142,8 @@ class QueuedEmulatedLink(EmulatedLink):
         ones (``kind`` 1) behind earlier demand only, prefetch ones behind all queued copies."""
         if not items:
             return []
-        now = self.now()
-        with self._cv:
+        with self._cv:  # the issue time is taken under the queue's lock: a copy the link thread took
+            now = self.now()  # before it has started (on the link's clock) before this issue, never after
             for item in items:
                 t = item[2]
                 t.issue, t.done = now, threading.Event()
