@@ -18,8 +18,12 @@ import torch
 
 from moesim.errors import MoesimError
 from moesim.executor.corpus import describe_training_split, splits
+from moesim.executor.default_vectors import calibrate, load_default_vectors, save_default_vectors
 from moesim.executor.defaults import OFFLINE_THREADS
+from moesim.executor.estimator import train_estimator
 from moesim.executor.loading import check_derived_out, checkpoint_dir, derived_checkpoint
+from moesim.executor.model import load_checkpoint
+from moesim.executor.speculative import train_expert_predictor
 
 
 def default_out(source: Path, suffix: str) -> Path:
@@ -33,9 +37,6 @@ def calibrate_checkpoint(model: str, out: Path | None = None, text: Path | None 
     """Default vectors for the quasi-hidden predictor, from ``text`` (bytes) or the start of
     the corpus's training split; returns (folder written, tokens used, what the text was).
     ``progress(done, total)`` counts tokens."""
-    from moesim.executor.model import load_checkpoint
-    from moesim.executor.profile import calibrate, save_default_vectors
-
     path = checkpoint_dir(model)
     out = out or default_out(path, "calibrated")
     check_derived_out(path, out, force)
@@ -67,10 +68,6 @@ def train_estimator_into(model: str, out: Path | None = None, tokens: int = 6553
                          progress: Callable[[int, int, float], None] | None = None) -> tuple[Path, dict, int]:
     """Train the neural estimator (distillation on the training split, held-out evaluation)
     into ``out``; returns (folder, the record, the model's top-k)."""
-    from moesim.executor.estimator import train_estimator
-    from moesim.executor.model import load_checkpoint
-    from moesim.executor.profile import load_default_vectors
-
     path = checkpoint_dir(model)
     out = out or default_out(path, "estimator")
     if min(tokens, eval_tokens, epochs, width) < 1 or lr <= 0:
@@ -98,9 +95,6 @@ def train_predictor_into(draft: str, model: str, out: Path | None = None, tokens
                          progress: Callable[[int, int], None] | None = None) -> tuple[Path, dict, int]:
     """Train EcoSpec's expert predictor (draft hidden state -> target router logits) into
     ``out``, a copy of the draft; returns (folder, the record, the target's top-k)."""
-    from moesim.executor.model import load_checkpoint
-    from moesim.executor.speculative import train_expert_predictor
-
     dpath, tpath = checkpoint_dir(draft), checkpoint_dir(model)
     out = out or default_out(dpath, "predictor")
     check_derived_out(dpath, out, force)

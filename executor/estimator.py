@@ -18,12 +18,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save
 from torch import Tensor, nn
 
 from moesim.atomic import atomic_write, atomic_write_text
 from moesim.errors import MoesimError
 from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
-from moesim.executor.model import MoEModel, ResidentExperts, quasi_hidden, read_tensors
+from moesim.executor.model import Hooks, MoEModel, ResidentExperts, quasi_hidden, read_tensors
 
 ESTIMATOR_FILE = "estimator.safetensors"
 RECORD_FILE = "estimator.json"
@@ -60,11 +61,11 @@ def collect(model: MoEModel, dv: Tensor, tokens: Tensor, chunk: int = 256) -> tu
         if layer + 1 < s.n_layers:
             prev.append(quasi_hidden(model, layer, resid, ids, gates, dv).float())
 
-    hook = ResidentExperts(model, on_route=capture)
+    hooks = Hooks(ResidentExperts(model, on_route=capture), logits="none")  # the routers are all it reads
     for i in range(0, tokens.numel() - 1, chunk):
         if stop_requested():  # Ctrl-C: the caller writes nothing from a partial collection
             break
-        model.hidden_states(tokens[i:i + chunk].view(1, -1), hook)
+        model(tokens[i:i + chunk].view(1, -1), hooks=hooks)
     if not qs:
         return torch.empty(0, s.hidden), torch.empty(0, s.n_experts), torch.empty(0, dtype=torch.long)
     return torch.cat(qs), torch.cat(ps), torch.cat(ls)
@@ -101,7 +102,7 @@ def train_estimator(model: MoEModel, dv: Tensor, train_tokens: Tensor, eval_toke
             router_recall = []
             for layer in range(s.n_layers - 1):
                 sel = le == layer
-                logits = model.layers[layer + 1].gate(qe[sel].to(model.embed_tokens.weight.dtype)).float()
+                logits = model.layers[layer + 1].mlp.gate(qe[sel].to(model.embed_tokens.weight.dtype)).float()
                 router_recall += recall_by_layer(logits, pe[sel], torch.zeros(int(sel.sum()), dtype=torch.long), 2,
                                                  s.top_k)
         curve: list[dict] = []
@@ -160,8 +161,6 @@ def train_estimator(model: MoEModel, dv: Tensor, train_tokens: Tensor, eval_toke
 
 
 def save_estimator(model_dir: Path, est: Estimator) -> None:
-    from safetensors.torch import save
-
     meta = {"hidden": str(est.up.in_features), "width": str(est.up.out_features), "experts": str(est.down.out_features),
             "layers": str(est.pos.num_embeddings)}
     data = save({k: v.contiguous() for k, v in est.state_dict().items()}, metadata=meta)

@@ -1,18 +1,21 @@
 """Experts computed on the CPU, from the host store, while the device keeps working.
 
 The executor half of the CPU-compute policies (``cpu-static``, ``hot-experts``,
-``cpu-on-miss``; docs/policies.md): after a layer's router the runtime splits the
-routed experts (``moesim.placement.HybridPlanner``), hands the CPU's share to
-:meth:`HostExperts.submit` and goes on issuing the device's experts; the job copies the
-rows' hidden states to the host, a thread pool multiplies each expert from its host
-buffer (torch releases the GIL inside its kernels, so the device stream's Python thread
-is not blocked), and :meth:`HostJob.result` returns the gated partial output on the
-device for the runtime to add. The layer ends when both are done, as the step model
-(``moesim.sim.hybrid``) says.
+``cpu-on-miss``; docs/policies.md). The layer itself is split in ONE place, the runtime's
+``OffloadedDecoder._host_layer``: after a layer's router it splits the routed experts
+(``moesim.placement.HybridPlanner``), hands the CPU's share to :meth:`HostExperts.submit`
+and goes on issuing the device's experts; the job copies the rows' hidden states to the
+host, a thread pool multiplies each expert from its host buffer (torch releases the GIL
+inside its kernels, so the device stream's Python thread is not blocked), and
+:meth:`HostJob.result` returns the gated partial output on the device for the runtime
+to add. The layer ends when both are done, as the step model (``moesim.sim.hybrid``)
+says.
 
 Weights are the runtime's host buffers (flat ``[gate; up; down]``, as
 ``executor.model.expert_forward`` reads them) or quantised experts from
-``executor.quant_experts`` (dequantise-and-multiply).
+``executor.quant_experts`` (dequantise-and-multiply): the runtime passes the same
+per-expert forward it runs on the device, and the gated sum is the one
+``executor.model.mix_experts``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from moesim.executor.model import expert_forward
+from moesim.executor.model import expert_forward, mix_experts
 
 ExpertFn = Callable[[int, int, Tensor], Tensor]  # (layer, expert, x rows) -> y rows
 
@@ -36,7 +39,8 @@ ExpertFn = Callable[[int, int, Tensor], Tensor]  # (layer, expert, x rows) -> y 
 class HostJob:
     """One layer's CPU experts in flight."""
 
-    futures: list[tuple[Future, Tensor, Tensor]]  # ((expert output, end time), rows, top-k slots of those rows)
+    futures: dict[int, Future]  # expert -> (its output on its routed rows, end time)
+    ids: np.ndarray  # [rows, k] routed ids (host)
     gates: Tensor | _Lazy  # [rows, k] on the host (read after the futures: on CUDA they waited for its copy)
     shape: tuple[int, int]
     device: torch.device
@@ -45,7 +49,7 @@ class HostJob:
     ended: float = 0.0  # perf_counter() when the last expert finished (set by result())
 
     def done(self) -> bool:
-        return all(f.done() for f, _, _ in self.futures)
+        return all(f.done() for f in self.futures.values())
 
     @property
     def seconds(self) -> float:
@@ -61,12 +65,12 @@ class HostJob:
         it has run): the host does not wait for the device here."""
         pin = self.device.type == "cuda"
         out = torch.zeros(self.shape, dtype=torch.float32, pin_memory=pin)
-        end = self.started
-        for fut, rows, cols in self.futures:
-            y, t = fut.result()
-            end = max(end, t)
-            out.index_add_(0, rows, y.float() * self.gates[rows, cols][:, None])
-        self.ended = end
+        done = {e: f.result() for e, f in self.futures.items()}  # expert -> (output rows, end time)
+        self.ended = max([self.started, *(t for _, t in done.values())])
+        # The one mix, with each expert's output already computed on its rows (in the order
+        # mix_experts groups them: increasing row).
+        mix_experts(out, self.ids, self.gates, {e: y for e, (y, _) in done.items()}, lambda y, rows: y.float(),
+                    only=set(done), out=out)
         return out.to(self.device, self.dtype, non_blocking=True)
 
 
@@ -101,16 +105,13 @@ class HostExperts:
         """
         started = time.perf_counter()
         x_host, g_host, ready = _to_host(x, gates)
-        wanted = set(int(e) for e in experts)
-        futures = []
-        for e in sorted(wanted):
-            rows, cols = np.nonzero(ids == e)
-            if rows.size == 0:
-                continue
-            r = torch.from_numpy(rows.astype(np.int64))
-            c = torch.from_numpy(cols.astype(np.int64))
-            futures.append((self._pool.submit(self._timed, layer, e, x_host, r, ready), r, c))
-        return HostJob(futures, g_host, (x.shape[0], x.shape[1]), x.device, x.dtype, started)
+        futures = {}
+        for e in sorted(set(int(e) for e in experts)):
+            rows = np.unique(np.nonzero(ids == e)[0])  # a row routed to e once (top-k ids are distinct)
+            if rows.size:
+                futures[e] = self._pool.submit(self._timed, layer, e, x_host, torch.from_numpy(rows.astype(np.int64)),
+                                               ready)
+        return HostJob(futures, ids, g_host, (x.shape[0], x.shape[1]), x.device, x.dtype, started)
 
     def _timed(self, layer: int, e: int, x_host: Tensor, rows: Tensor, ready) -> tuple[Tensor, float]:
         if ready is not None:
@@ -153,64 +154,3 @@ class _Lazy:
 
     def __getitem__(self, idx):
         return self.t[idx].float()
-
-
-def hybrid_moe(layer: int, moe_index: int, x: Tensor, ids: np.ndarray, gates: Tensor, planner,
-               device_weights: Sequence[Tensor], host: HostExperts, hidden: int, inter: int,
-               copied: Sequence[int] = ()) -> Tensor:
-    """One MoE layer split between the device and the CPU, as the runtime's layer hook runs it.
-
-    ``planner`` (a ``moesim.placement.HybridPlanner``) says which routed experts the device
-    holds; ``copied`` are misses the caller copied this layer (cpu-on-miss, decided with
-    ``moesim.policy.cpu_or_copy``) and now holds in ``device_weights``. The CPU's share is
-    submitted first so it runs while the device multiplies its own; the result is the
-    same gated sum as running every expert in one place.
-    """
-    experts = list(dict.fromkeys(int(e) for e in ids.reshape(-1) if e >= 0))
-    hits, misses = planner.split(moe_index, experts)
-    copied = [e for e in copied if e in misses]
-    on_cpu = [e for e in misses if e not in copied]
-    job = host.submit(layer, x, ids, gates, on_cpu) if on_cpu else None
-    out = torch.zeros_like(x)
-    for e in hits + copied:
-        rows, cols = np.nonzero(ids == e)
-        r = torch.from_numpy(rows.astype(np.int64)).to(x.device)
-        c = torch.from_numpy(cols.astype(np.int64)).to(x.device)
-        y = expert_forward(device_weights[e], x[r], hidden, inter)
-        out.index_add_(0, r, y * gates[r, c, None].to(y.dtype))
-    if job is not None:
-        out = out + job.result()
-    planner.finish(moe_index, hits, copied)
-    return out
-
-
-class HybridExperts:
-    """An :class:`~moesim.executor.model.ExpertHook` for the CPU-compute policies: routes a
-    layer, runs the CPU's share on ``host`` and the device's share from ``weights``
-    (``weights[layer][e]``: resident or copied buffers) with :func:`hybrid_moe`.
-
-    ``copy_for(layer, misses)`` (optional) returns the misses to copy this layer; it is
-    where the runtime calls ``moesim.policy.cpu_or_copy`` with its clock and link queue
-    and performs the copies. Without it no miss is copied (the static policies).
-    """
-
-    def __init__(self, model, planner, host: HostExperts, weights=None,
-                 copy_for: Callable[[int, list[int]], Sequence[int]] | None = None) -> None:
-        self._route = model.route  # the family's router rule (DeepSeek: group limit, gate scale)
-        self.spec = model.spec
-        self.planner, self.host = planner, host
-        self.weights = weights if weights is not None else model.experts
-        self.copy_for = copy_for
-        self._moe = {layer: i for i, layer in enumerate(self.spec.moe_layers)}
-
-    def __call__(self, layer: int, x: Tensor, logits: Tensor, resid: Tensor) -> Tensor:
-        s = self.spec
-        ids, gates = self._route(logits, layer)
-        ids_host = ids.cpu().numpy()
-        m = self._moe[layer]
-        copied: Sequence[int] = ()
-        if self.copy_for is not None:
-            _, misses = self.planner.split(m, list(dict.fromkeys(int(e) for e in ids_host.reshape(-1))))
-            copied = self.copy_for(layer, misses)
-        return hybrid_moe(layer, m, x, ids_host, gates, self.planner, self.weights[layer], self.host,
-                          s.hidden, s.expert_inter, copied)

@@ -20,7 +20,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moesim.hardware import FIGURES, Figure, HardwareProfile
+from moesim.atomic import atomic_write_text
+from moesim.executor.profile import check_device
+from moesim.executor.transport import EmulatedLink, Transfer
+from moesim.hardware import FIGURES, Figure, HardwareProfile, get_profile
+from moesim.outputs import check_output_file
 from moesim.timing import best_time
 
 Step = Callable[[str], None]
@@ -48,8 +52,6 @@ def _fit_line(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
 def cpu_wakeup() -> float:
     """Seconds from an emulated copy's (ideal) end to the waiting thread running again:
     the median over paced 200 us transfers."""
-    from moesim.executor.transport import EmulatedLink, Transfer
-
     link = EmulatedLink(1e9, 0.0)
     src, dst = torch.zeros(50_000), torch.empty(50_000)  # 200 KB: 200 us at 1 GB/s
     lags = []
@@ -66,8 +68,6 @@ def cpu_interference(copy_gbs: float, repeats: int = 5) -> float:
     """How much slower memory-bound compute (fp32 GEMVs over a 16 MiB matrix, one thread)
     runs while the emulated link copies back to back at its full memcpy rate ``copy_gbs``:
     median over ``repeats`` of t_with / t_alone - 1. On a CPU both stream DRAM."""
-    from moesim.executor.transport import EmulatedLink, Transfer
-
     w, x = torch.randn(2048, 2048), torch.randn(2048)
     acc = torch.zeros(2048)
 
@@ -94,8 +94,6 @@ def cpu_interference(copy_gbs: float, repeats: int = 5) -> float:
 
 
 def measure_cpu(step: Step) -> tuple[dict[str, tuple[float, str]], dict[str, str]]:
-    from moesim.executor.transport import EmulatedLink, Transfer
-
     figs: dict[str, tuple[float, str]] = {}
     n = 1024
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -206,7 +204,7 @@ def measure_cuda(device: torch.device, step: Step) -> tuple[dict[str, tuple[floa
     figs["host_mem_bw_gbs"] = (figs["h2d_pinned_gbs"][0], "not measured separately: the pinned H2D rate is a floor")
     facts = {"gpu": props.name, "bf16_gemv_gbs": f"{gemv / 1e9:.0f}"}
     try:
-        import pynvml
+        import pynvml  # optional (nvidia-ml-py): the NVML facts are extras
 
         pynvml.nvmlInit()
         h = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
@@ -246,11 +244,6 @@ def measure_to_file(device: str, name: str | None, out: Path | None, threads: in
     """``moesim profile --hardware``: measure this machine and write the profile (TOML) to
     ``out``, by default ``./<name>.toml`` in the current directory (never into the
     package's hwprofiles/); what was written must load back."""
-    from moesim.atomic import atomic_write_text
-    from moesim.executor.profile import check_device
-    from moesim.hardware import get_profile
-    from moesim.outputs import check_output_file
-
     if out is not None:
         check_output_file(out, (".toml",))
     elif name is not None:

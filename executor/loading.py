@@ -18,10 +18,15 @@ from pathlib import Path
 import torch
 
 from moesim.errors import MoesimError
+from moesim.executor.default_vectors import calibrate, load_default_vectors
 from moesim.executor.defaults import DECODE_THREADS, DRAFT_MODEL, OFFLINE_THREADS, SHIPPED_MODEL  # noqa: F401
+from moesim.executor.estimator import load_estimator
+from moesim.executor.families import hf_spec
 from moesim.executor.model import ExecConfig, MoEModel, load_checkpoint, random_model
 from moesim.executor.runtime import predictor_inputs
-from moesim.models import CATALOGUE, get_model
+from moesim.models import CATALOGUE, ModelSpec, get_model
+from moesim.outputs import check_output_dir
+from moesim.policy import get_policy
 
 CHECKPOINTS = Path(__file__).parent / "checkpoints"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -47,11 +52,32 @@ def refuse_shipped(path: str | Path, force: bool) -> None:
 
 
 def checkpoint_dir(name: str | Path) -> Path:
-    """A shipped checkpoint's name, or a checkpoint directory."""
+    """A shipped checkpoint's name, or a checkpoint directory (a Hugging Face cache folder
+    ``models--ORG--NAME`` resolves to its one snapshot, :func:`resolve_snapshot`)."""
     path = shipped_model(str(name)) if str(name) in (SHIPPED_MODEL, DRAFT_MODEL) else Path(name)
     if not path.is_dir():
         raise MoesimError(f"{name} is not a checkpoint directory")
-    return path
+    return resolve_snapshot(path)
+
+
+def resolve_snapshot(path: Path) -> Path:
+    """``path`` itself, or, for a Hugging Face cache folder (``models--ORG--NAME`` with
+    ``snapshots/<hash>/config.json`` and no config.json of its own), its snapshot: the one
+    there is, or the one ``refs/main`` names; several without a ref is one line."""
+    path = Path(path)
+    snaps = path / "snapshots"
+    if (path / "config.json").is_file() or not snaps.is_dir():
+        return path
+    found = sorted(p for p in snaps.iterdir() if (p / "config.json").is_file())
+    ref = path / "refs" / "main"
+    if ref.is_file() and (snaps / ref.read_text().strip() / "config.json").is_file():
+        return snaps / ref.read_text().strip()
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise MoesimError(f"{path}: a Hugging Face cache folder with no snapshot holding a config.json")
+    raise MoesimError(f"{path}: {len(found)} snapshots ({', '.join(p.name[:12] for p in found)}) and no refs/main; "
+                      "pass the snapshot folder itself")
 
 
 def check_derived_out(source: Path, out: Path, force: bool) -> None:
@@ -59,8 +85,6 @@ def check_derived_out(source: Path, out: Path, force: bool) -> None:
     a shipped checkpoint, or a folder holding something other than a copy of ``source``
     (both allowed with ``force``)."""
     refuse_shipped(out, force)
-    from moesim.outputs import check_output_dir
-
     check_output_dir(out)
     if force or out.resolve() == source.resolve() or not out.exists():
         return
@@ -108,6 +132,7 @@ def load_model(model: str, layers: int | None = None, dtype: str = "fp32", devic
     pin = dev.type == "cuda"
     path = shipped_model(model) if model in (SHIPPED_MODEL, DRAFT_MODEL) else Path(model)
     if path.is_dir():
+        path = resolve_snapshot(path)
         m = load_checkpoint(path, dt, pin=pin).to(dev)
         if layers:
             raise MoesimError("--layers applies to catalogue models, not checkpoints")
@@ -121,15 +146,44 @@ def load_model(model: str, layers: int | None = None, dtype: str = "fp32", devic
     return LoadedModel(m.to(dev), True, f"catalogue {model} with seeded random weights (synthetic)", None)
 
 
-def prompt_ids(model: MoEModel, text: str, prompt_len: int, batch: int, seed: int) -> torch.Tensor:
-    """[batch, n] prompt: the text's bytes for byte-level models, else ``prompt_len`` seeded random ids."""
-    if model.spec.vocab == 256:
-        ids = torch.tensor(list(text.encode()), dtype=torch.long)
+def model_spec(model: str, layers: int | None = None) -> ModelSpec:
+    """The spec :func:`load_model` will run, without loading weights (a checkpoint folder's
+    as its family adapter reads it, a shipped checkpoint's, or a catalogue geometry's)."""
+    path = shipped_model(model) if model in (SHIPPED_MODEL, DRAFT_MODEL) else Path(model)
+    spec = hf_spec(resolve_snapshot(path))[0] if path.is_dir() else get_model(str(model))
+    return spec.with_layers(layers) if layers is not None else spec
+
+
+def parse_prompt_ids(text: str | list[int] | None, vocab: int | None = None, option: str = "--prompt-ids") -> list[int] | None:
+    """Token ids from ``1,2,3`` (or a list): non-empty integers in ``[0, vocab)``, else one line."""
+    if text is None:
+        return None
+    parts = [p.strip() for p in text.split(",")] if isinstance(text, str) else list(text)
+    try:
+        ids = [int(p) if isinstance(p, str) else p for p in parts if p != ""]
+    except ValueError:
+        raise MoesimError(f"{option} {text!r}: comma-separated token ids (integers), e.g. 1,2,3") from None
+    if not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise MoesimError(f"{option} {text!r}: at least one token id, integers only, e.g. 1,2,3")
+    if vocab is not None and not all(0 <= i < vocab for i in ids):
+        bad = next(i for i in ids if not 0 <= i < vocab)
+        raise MoesimError(f"{option}: token id {bad} is outside the vocabulary [0, {vocab})")
+    return ids
+
+
+def prompt_ids(model: MoEModel, text: str, prompt_len: int, batch: int, seed: int,
+               ids: list[int] | None = None) -> torch.Tensor:
+    """[batch, n] prompt: ``ids`` when given (checked against the vocabulary), else the
+    text's bytes for byte-level models, else ``prompt_len`` seeded random ids."""
+    if ids is not None:
+        prompt = torch.tensor(parse_prompt_ids(ids, model.spec.vocab), dtype=torch.long)
+    elif model.spec.vocab == 256:
+        prompt = torch.tensor(list(text.encode()), dtype=torch.long)
     else:
-        ids = torch.randint(0, model.spec.vocab, (prompt_len,), generator=torch.Generator().manual_seed(seed))
-    if ids.numel() == 0:
+        prompt = torch.randint(0, model.spec.vocab, (prompt_len,), generator=torch.Generator().manual_seed(seed))
+    if prompt.numel() == 0:
         raise MoesimError("empty prompt")
-    return ids.view(1, -1).repeat(batch, 1)
+    return prompt.view(1, -1).repeat(batch, 1)
 
 
 def predictor_files(loaded: LoadedModel, name: str, policy: str, predictor: str, seed: int,
@@ -138,10 +192,6 @@ def predictor_files(loaded: LoadedModel, name: str, policy: str, predictor: str,
     (:func:`moesim.executor.runtime.predictor_inputs` says which). A synthetic model gets
     default vectors calibrated on seeded random ids; a missing file is an error only where
     the run needs it (the estimator whenever chosen; default vectors when prefetching)."""
-    from moesim.executor.estimator import load_estimator
-    from moesim.executor.profile import calibrate, load_default_vectors
-    from moesim.policy import get_policy
-
     uses_dv, uses_est = predictor_inputs(policy, predictor)
     dv, est = None, None
     if uses_est:

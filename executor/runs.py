@@ -18,14 +18,37 @@ import torch
 
 from moesim import budget
 from moesim.errors import MoesimError
+from moesim.executor.default_vectors import load_default_vectors
 from moesim.executor.defaults import DECODE_THREADS, DRAFT_MODEL, SHIPPED_MODEL
+from moesim.executor.families import ExecConfig
 from moesim.executor.interrupt import stop_on_interrupt, stop_requested
-from moesim.executor.loading import checkpoint_dir, load_model, predictor_files, prompt_ids
-from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, get_profile
+from moesim.executor.loading import (
+    checkpoint_dir,
+    load_model,
+    model_spec,
+    parse_prompt_ids,
+    predictor_files,
+    prompt_ids,
+)
+from moesim.executor.model import load_checkpoint
+from moesim.executor.profile import (
+    DEFAULT_PROMPT,
+    ProfileSettings,
+    build_trace,
+    check_device,
+    eval_text,
+    fidelity,
+    generate,
+)
+from moesim.executor.quant_experts import FORMATS
+from moesim.executor.runtime import OffloadedDecoder, check_lookahead_for, host_setup, make_transport
+from moesim.executor.speculative import SDSettings, build_sd_trace, load_expert_predictor, sd_generate
+from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, get_host, get_profile
 from moesim.models import cache_capacity
 from moesim.outputs import check_output_file
-from moesim.policy import get_policy
-from moesim.traces.format import Trace, write_trace
+from moesim.placement import cpu_layers as check_layers
+from moesim.policy import QUEUES, get_policy
+from moesim.traces.format import Trace, load_calibration, write_trace
 
 
 def link_profile(hw: str, link_gbps: float | None) -> HardwareProfile:
@@ -68,6 +91,8 @@ class DecodeRequest:
     expert_dtype: str | None = None
     prefetch_top: int | None = None  # prefetch only each sequence's m most confident predicted experts
     copy_queue: str = "fifo"  # the emulated link's queue discipline (moesim.policy.QUEUES)
+    lookahead: int = 1  # prefetching policies: the MoE layer m + N's prefetch is issued at m's router
+    prompt_ids: str | list[int] | None = None  # token ids instead of text ("1,2,3"), checked against the vocabulary
 
 
 @dataclass
@@ -84,9 +109,6 @@ class Recorded:
 def check_decode_budget(req: DecodeRequest, hw: HardwareProfile, offload: bool) -> None:
     """Refuse, before loading anything, a decode that cannot fit in memory or would take
     more than a day; announce one that takes long (moesim.budget)."""
-    from moesim.executor.loading import shipped_model
-    from moesim.models import get_model
-
     if req.layers is not None and req.layers < 1:
         raise MoesimError(f"--layers {req.layers}: keep at least one layer (leave it out for all)")
     if not 0 <= req.temperature < float("inf"):
@@ -97,12 +119,7 @@ def check_decode_budget(req: DecodeRequest, hw: HardwareProfile, offload: bool) 
         raise MoesimError("--prompt-len must be >= 1")
     if req.cache_gib < 0 or req.cache_experts < 0 or req.cache_gib != req.cache_gib:
         raise MoesimError("cache size must be >= 0")
-    src = shipped_model(req.model) if req.model in (SHIPPED_MODEL, DRAFT_MODEL) else req.model
-    spec = get_model(str(src))
-    if req.layers is not None:
-        spec = spec.with_layers(req.layers)
-    from moesim.executor.model import ExecConfig
-
+    spec = _request_spec(req)
     ExecConfig(spec)  # a model the executor cannot run says so first
     capacity = cache_capacity(spec, min(req.cache_gib, 2.0**40), req.cache_experts)
     budget.check(budget.decode_estimate(spec, req.tokens, req.batch, 4 if req.dtype == "fp32" else 2,
@@ -113,8 +130,6 @@ def check_cpu_options(req: DecodeRequest, spec) -> tuple[np.ndarray | None, int 
     """One-line errors, before any work, for options that do not fit the policy; returns the
     calibration routing (``--placement-from``, checked against the model) and the
     cpu-static layer count (``auto`` or a number)."""
-    from moesim.executor.quant_experts import FORMATS
-
     pol = get_policy(req.policy)
     if req.expert_dtype is not None and req.expert_dtype not in FORMATS:
         raise MoesimError(f"--expert-dtype {req.expert_dtype!r}: the executor quantises experts to "
@@ -141,16 +156,12 @@ def check_cpu_options(req: DecodeRequest, spec) -> tuple[np.ndarray | None, int 
         n = req.cpu_layers
         if isinstance(n, str):
             n = int(n) if n.strip().isdigit() else n.strip()
-        from moesim.placement import cpu_layers as check_layers
-
         check_layers(spec, n, 1e30)  # "auto" or 0..M: the count alone, memory comes later
     if req.gpu_experts is not None and not 0 <= req.gpu_experts <= spec.n_moe_layers * spec.n_experts:
         raise MoesimError(f"--gpu-experts {req.gpu_experts}: 0 to {spec.n_moe_layers * spec.n_experts} "
                           f"(the routed experts of {spec.name})")
     calibration = None
     if req.placement_from is not None:
-        from moesim.traces.format import load_calibration
-
         calibration = load_calibration(str(req.placement_from), spec)
     return calibration, n
 
@@ -158,8 +169,6 @@ def check_cpu_options(req: DecodeRequest, spec) -> tuple[np.ndarray | None, int 
 def check_copy_queue(req: DecodeRequest, pol) -> None:
     """Before the model loads: a queue discipline other than FIFO needs the emulated link
     (a CUDA stream cannot reorder or withdraw copies) and a copy policy."""
-    from moesim.policy import QUEUES
-
     q = req.copy_queue
     if q not in QUEUES:
         raise MoesimError(f"unknown copy queue {q!r}; known: {', '.join(QUEUES)}")
@@ -174,26 +183,22 @@ def check_copy_queue(req: DecodeRequest, pol) -> None:
 
 
 def _request_spec(req: DecodeRequest):
-    from moesim.executor.loading import shipped_model
-    from moesim.models import get_model
+    return model_spec(req.model, req.layers)
 
-    src = shipped_model(req.model) if req.model in (SHIPPED_MODEL, DRAFT_MODEL) else req.model
-    spec = get_model(str(src))
-    return spec.with_layers(req.layers) if req.layers is not None else spec
+
+def check_prompt_and_lookahead(req: DecodeRequest, pol, spec) -> list[int] | None:
+    """Before the model loads: ``--prompt-ids`` (integers in the vocabulary, and not with
+    ``--prompt``) and ``--lookahead`` (a prefetching policy, a MoE layer left to prefetch,
+    a predictor that looks that far); returns the prompt ids."""
+    if req.prompt_ids is not None and req.prompt is not None:
+        raise MoesimError("--prompt and --prompt-ids: give one (text, or token ids)")
+    ids = parse_prompt_ids(req.prompt_ids, spec.vocab)
+    check_lookahead_for(pol, req.lookahead, spec.n_moe_layers, req.predictor)
+    return ids
 
 
 def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], None] | None = None) -> Recorded:
     """Decode with the reference executor under ``req.policy`` and write its trace to ``out``."""
-    from moesim.executor.profile import (
-        DEFAULT_PROMPT,
-        ProfileSettings,
-        build_trace,
-        check_device,
-        eval_text,
-        fidelity,
-        generate,
-    )
-
     if req.tokens < 1 or req.batch < 1 or req.threads < 1:
         raise MoesimError("--tokens, --batch and --threads must be >= 1")
     check_output_file(out)
@@ -211,7 +216,8 @@ def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], 
         if not 1 <= req.prefetch_top <= k:
             raise MoesimError(f"--prefetch-top {req.prefetch_top}: an integer from 1 to top_k ({k})")
     check_copy_queue(req, pol)
-    host_profile = _host_profile(req, hw_profile) if pol.cpu else None
+    given_ids = check_prompt_and_lookahead(req, pol, _request_spec(req))
+    host_profile = get_host(req.host, hw_profile) if pol.cpu else None
     loaded = load_model(req.model, req.layers, req.dtype, req.device, req.seed)
     m = loaded.model
     spec = m.spec.with_expert_dtype(req.expert_dtype) if req.expert_dtype else m.spec  # byte accounting
@@ -220,16 +226,16 @@ def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], 
     if pol.cpu and pol.cpu != "miss":
         capacity = 0  # static placements keep no cache: their resident set is the placement
     st = ProfileSettings(pol.name, req.predictor, capacity, req.eviction, req.tokens, req.temperature, req.seed,
-                         expert_dtype=req.expert_dtype, prefetch_top=req.prefetch_top, copy_queue=req.copy_queue)
-    ids = prompt_ids(m, req.prompt if req.prompt is not None else DEFAULT_PROMPT, req.prompt_len, req.batch, req.seed)
+                         expert_dtype=req.expert_dtype, prefetch_top=req.prefetch_top, copy_queue=req.copy_queue,
+                         lookahead=req.lookahead)
+    ids = prompt_ids(m, req.prompt if req.prompt is not None else DEFAULT_PROMPT, req.prompt_len, req.batch, req.seed,
+                     given_ids)
     if pol.cpu:
-        from moesim.executor.runtime import hybrid_setup
-
-        setup = hybrid_setup(spec, pol.name, hw_profile, host_profile, batch=req.batch,
-                             context=ids.shape[1] + req.tokens, cpu_layers=n_cpu, calibration=calibration,
-                             gpu_experts=req.gpu_experts)
-        st.hybrid = setup
-        st.hybrid_params = setup.params(req.placement_from, req.gpu_experts)
+        setup = host_setup(spec, pol.name, hw_profile, host_profile, batch=req.batch,
+                           context=ids.shape[1] + req.tokens, cpu_layers=n_cpu, calibration=calibration,
+                           gpu_experts=req.gpu_experts)
+        st.host_setup = setup
+        st.host_params = setup.params(req.placement_from, req.gpu_experts)
     dv, est = predictor_files(loaded, req.model, pol.name, req.predictor, req.seed, dev)
     with stop_on_interrupt():  # from here on, Ctrl-C keeps and writes the finished steps
         prefill_s, records, produced = generate(m, ids, st, hw_profile, dv, progress=progress, estimator=est)
@@ -243,12 +249,6 @@ def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], 
                             loaded.source, extra)
         write_trace(trace, out)
     return Recorded(trace, out, len(records), req.tokens, extra)
-
-
-def _host_profile(req: DecodeRequest, hw: HardwareProfile):
-    from moesim.hardware import get_host
-
-    return get_host(req.host, hw)
 
 
 @dataclass
@@ -284,17 +284,12 @@ def record_speculative(req: SpeculateRequest, out: Path,
                        progress: Callable[[int, int], None] | None = None) -> tuple[Recorded, SpeculateSummary]:
     """Greedy (lossless) speculative decoding on the offload engine; writes its trace to ``out``.
     ``progress(tokens done, tokens asked)`` after each verification step."""
-    from moesim.executor.model import load_checkpoint
-    from moesim.executor.profile import DEFAULT_PROMPT, load_default_vectors
-    from moesim.executor.runtime import OffloadedDecoder, make_transport
-    from moesim.executor.speculative import SpecSettings, build_sd_trace, load_expert_predictor, speculative_generate
-
     check_output_file(out)
     pol = get_policy(req.policy)
     if pol.speculative or pol.oracle or pol.cpu:
         raise MoesimError("speculative decoding verifies exactly on the copy engine: use all-resident, on-demand "
                           "or prefetch-fom")
-    st = SpecSettings(req.gamma, req.branch, req.depth, req.selection, req.score, req.lam, req.tokens)
+    st = SDSettings(req.gamma, req.branch, req.depth, req.selection, req.score, req.lam, req.tokens)
     tpath, dpath = checkpoint_dir(req.model), checkpoint_dir(req.draft)
     torch.set_num_threads(req.threads)
     target, d = load_checkpoint(tpath), load_checkpoint(dpath)
@@ -307,7 +302,7 @@ def record_speculative(req: SpeculateRequest, out: Path,
                            cache_experts=req.cache_experts)
     ids = torch.tensor(list((req.prompt if req.prompt is not None else DEFAULT_PROMPT).encode())).view(1, -1)
     with stop_on_interrupt():  # Ctrl-C keeps and writes the finished verification steps
-        prefill, records, produced = speculative_generate(dec, d, predictor, ids, st, progress)
+        prefill, records, produced = sd_generate(dec, d, predictor, ids, st, progress)
         trace = build_sd_trace(target, ids, records, prefill, hw, st, pol.name, req.cache_experts, "cpu", False,
                                str(tpath), str(dpath))
         write_trace(trace, out)

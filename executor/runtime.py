@@ -9,12 +9,18 @@ Per MoE layer ``l`` of a step (batch rows decode one token each; dense layers, s
 DeepSeek's leading ones or Qwen2-MoE's ``mlp_only_layers``, run resident and are only
 timed; "layer ``l+1``" below is the NEXT MoE layer):
 
-The layer pass is the model's own (``Block.forward``); the decoder supplies the expert
-hook that does steps 1-4 below, split into small methods (prediction, the host sync,
-planning and copies, the step's timing).
+The layer pass is the model's own (:meth:`MoEModel.forward`); the decoder supplies its
+:class:`~moesim.executor.model.Hooks` (the expert hook that does steps 1-4 below, split
+into small methods: prediction, the host sync, planning and copies, the step's timing).
+With ``lookahead`` N (``moesim profile --lookahead``) "layer ``l+1``" below is MoE layer
+``l+N``: its prefetch is issued at layer ``l``'s router (``Planner.prefetch_target``), the
+decoder waits for it at layer ``l+N`` and keeps its slots until that layer ran; the first
+N MoE layers of a step load on demand.
 
 1. attention, router (true top-k), and the prediction for layer ``l+1``:
-   ``quasi`` applies layer l+1's router to ``LN_{l+1}(r_l + d_l)`` with default vectors,
+   ``quasi`` applies layer l+1's router to ``LN_{l+1}(r_l + d_l)`` with default vectors
+   (lookahead N: the state carried through the MoE layers between, each routing it with
+   its own router and adding its default vectors, :func:`~moesim.executor.model.quasi_hidden`),
    ``stale`` applies it to layer l's own router input, ``oracle`` reads the true ids of a
    routing pre-pass;
 2. one device-to-host copy of (true ids, predicted ids) - the only host synchronisation
@@ -22,6 +28,10 @@ planning and copies, the step's timing).
 3. issue layer ``l``'s on-demand copies, then layer ``l+1``'s prefetch;
 4. wait for layer ``l``'s copies (on CUDA the compute stream waits on events) and run
    the executed experts (the prediction, with its gates, under speculative execution).
+
+The CPU-compute policies (``cpu-static``, ``hot-experts``, ``cpu-on-miss``) run each MoE
+layer through :meth:`OffloadedDecoder._host_layer` instead: the device's share from its
+slots, the CPU's on the host pool (:class:`~moesim.executor.host_experts.HostExperts`).
 
 Indexing, mapped once here (:class:`_Layers`) as in the trace and the simulator: routing
 records, ``expert_s``/``stall_s``, the planner and its cache, and the expert slots are per
@@ -41,10 +51,14 @@ import torch
 from torch import Tensor
 
 from moesim.errors import MoesimError
-from moesim.executor.model import MoEModel, TreeMask, expert_forward, mix_experts, quasi_hidden
+from moesim.executor.host_experts import HostExperts
+from moesim.executor.model import Hooks, MoEModel, TreeMask, expert_fn_for, mix_experts, quasi_hidden
+from moesim.executor.quant_experts import quantize_experts
 from moesim.executor.transport import CudaTransport, EmulatedLink, QueuedEmulatedLink, Transfer
-from moesim.placement import HybridPlanner, Placement
-from moesim.policy import QUEUES, ExpertTimes, Planner, cpu_or_copy, expert_slots, get_policy
+from moesim.hardware import HostProfile, builtin_hosts, get_host
+from moesim.placement import WORKSPACE_BYTES, HybridPlanner, Placement, expert_times, kv_bytes, make_placement
+from moesim.placement import cpu_layers as resolve_cpu_layers
+from moesim.policy import QUEUES, ExpertTimes, Planner, check_lookahead, cpu_or_copy, expert_slots, get_policy
 
 PREDICTORS = ("quasi", "stale", "oracle", "estimator", "hybrid")
 
@@ -73,10 +87,6 @@ class _Layers:
     def of(cls, spec) -> _Layers:
         return cls(tuple(spec.moe_layers), {layer: m for m, layer in enumerate(spec.moe_layers)})
 
-    def next_moe(self, m: int) -> int | None:
-        """The MoE index after ``m``, or None after the last."""
-        return m + 1 if m + 1 < len(self.moe) else None
-
 
 @dataclass
 class StepRecord:
@@ -103,10 +113,10 @@ class StepRecord:
 
 
 @dataclass(frozen=True)
-class HybridSetup:
+class HostSetup:
     """What a CPU-compute policy needs beyond a copy policy: the static placement it starts
     from (None: cpu-on-miss with a cold cache) and the expert times cpu-on-miss decides
-    with. Built by :func:`hybrid_setup` from the same functions the simulator calls."""
+    with. Built by :func:`host_setup` from the same functions the simulator calls."""
 
     placement: Placement | None
     times: ExpertTimes
@@ -126,9 +136,9 @@ class HybridSetup:
                 "gpu_experts": gpu_experts}
 
 
-def hybrid_setup(spec, policy: str, hw, host=None, *, batch: int = 1, context: int = 0, cpu_layers: int | str = "auto",
-                 calibration: np.ndarray | None = None, gpu_experts: int | None = None, amx: bool = True,
-                 workers: int | None = None) -> HybridSetup:
+def host_setup(spec, policy: str, hw, host=None, *, batch: int = 1, context: int = 0, cpu_layers: int | str = "auto",
+               calibration: np.ndarray | None = None, gpu_experts: int | None = None, amx: bool = True,
+               workers: int | None = None) -> HostSetup:
     """The placement (``moesim.placement.make_placement``, device memory from ``hw``) and the
     roofline expert times (``moesim.placement.expert_times`` on ``hw``'s link and ``host``)
     exactly as ``moesim.sim.hybrid.simulate_hybrid`` builds them, so the executor and the
@@ -137,18 +147,12 @@ def hybrid_setup(spec, policy: str, hw, host=None, *, batch: int = 1, context: i
     ``gpu_experts`` (KTransformers' ``--kt-num-gpu-experts``) sizes the device memory so
     that exactly that many routed experts fit beside the resident weights, the KV cache
     and the workspace (a small model on a real profile would otherwise hold every expert)."""
-    from moesim.hardware import HostProfile, builtin_hosts, get_host
-    from moesim.placement import cpu_layers as resolve_cpu_layers
-    from moesim.placement import expert_times, make_placement
-
     pol = get_policy(policy)
     if not pol.cpu:
         raise MoesimError(f"policy {pol.name!r} computes no experts on the CPU")
     host_p = host if isinstance(host, HostProfile) else get_host(host, hw)
     mem = hw["device_memory_gb"] * 1e9
     if gpu_experts is not None:
-        from moesim.placement import WORKSPACE_BYTES, kv_bytes
-
         if gpu_experts < 0:
             raise MoesimError(f"--gpu-experts must be >= 0, got {gpu_experts}")
         mem = spec.non_expert_bytes + kv_bytes(spec, batch, context) + WORKSPACE_BYTES + gpu_experts * spec.expert_bytes
@@ -157,7 +161,7 @@ def hybrid_setup(spec, policy: str, hw, host=None, *, batch: int = 1, context: i
     n_cpu = resolve_cpu_layers(spec, cpu_layers, mem, batch, context) if pol.cpu == "layers" else None
     times = expert_times(spec, hw, host_p, batch, amx)
     named = host_p.name if host_p.name.lower() in builtin_hosts() or not host_p.path else str(Path(host_p.path).resolve())
-    return HybridSetup(placement, times, named, mem / 1e9, n_cpu, workers)
+    return HostSetup(placement, times, named, mem / 1e9, n_cpu, workers)
 
 
 class Timer:
@@ -189,19 +193,26 @@ class OffloadedDecoder:
     (``oracle_routes``: the true ids and gates of every step from an exact pre-pass; the
     ``oracle`` policy always uses it).
 
+    ``lookahead`` N (prefetching policies): MoE layer ``m``'s router predicts and prefetches
+    MoE layer ``m + N`` (the shared planner's ``prefetch_target``); ``estimator`` and
+    ``hybrid`` are trained one layer ahead and refuse N > 1.
+
     ``copy_queue`` (``moesim.policy.QUEUES``) is the transport's discipline: ``fifo`` waits
     for a layer's whole prefetch; ``demand-first`` and ``cancel-unstarted`` need a
     :class:`QueuedEmulatedLink` and wait only for the prefetched copies the layer executes
     (up to the plan's ``prefetch_need``). A slot whose unneeded copy is still queued or
     copying is reused only after that copy ended (:meth:`_take_slot`).
+
+    ``host_setup`` (:func:`host_setup`): the CPU-compute policies' placement and expert times.
     """
 
     def __init__(self, model: MoEModel, policy: str, transport, *, predictor: str = "quasi",
                  default_vectors: Tensor | None = None, cache_experts: int = 0, eviction: str = "lru",
                  batch: int = 1, estimator: tuple[torch.nn.Module, list[str]] | None = None,
-                 hybrid: HybridSetup | None = None, expert_dtype: str | None = None,
-                 prefetch_top: int | None = None, copy_queue: str = "fifo") -> None:
+                 host_setup: HostSetup | None = None, expert_dtype: str | None = None,
+                 prefetch_top: int | None = None, copy_queue: str = "fifo", lookahead: int = 1) -> None:
         self.model, self.policy, self.transport = model, get_policy(policy), transport
+        s = model.spec
         if copy_queue not in QUEUES:
             raise MoesimError(f"unknown copy queue {copy_queue!r}; known: {', '.join(QUEUES)}")
         if copy_queue != "fifo" and self.policy.cpu:
@@ -209,12 +220,13 @@ class OffloadedDecoder:
         if (copy_queue != "fifo") != isinstance(transport, QueuedEmulatedLink):
             raise MoesimError(f"copy queue {copy_queue}: the transport is {type(transport).__name__} "
                               "(make_transport(..., copy_queue) builds the matching one)")
+        self.lookahead = check_lookahead_for(self.policy, lookahead, s.n_moe_layers, predictor)
         self.copy_queue = copy_queue
         self._copy_into: dict[int, Transfer] = {}  # queued link: slot -> the last copy issued into it
         self._retiring: list[int] = []  # queued link: freed slots whose copy has not ended yet
         self._unsettled: list[tuple[StepRecord, Transfer, float]] = []  # copies still queued at their step's end
         if prefetch_top is not None:
-            k = model.spec.top_k
+            k = s.top_k
             if not self.policy.prefetch or self.policy.speculative:
                 raise MoesimError(f"--prefetch-top applies to prefetch-fom and oracle (it cuts what is copied ahead; "
                                   f"{self.policy.name} {'executes the predicted experts' if self.policy.speculative else 'prefetches nothing'})")
@@ -236,7 +248,6 @@ class OffloadedDecoder:
         self.predictor, self.dv = predictor, default_vectors
         self.can_predict = not self.policy.cpu and (predictor == "stale" or (default_vectors is not None and (
             predictor == "quasi" or (predictor in ("estimator", "hybrid") and estimator is not None))))
-        s = model.spec
         if s.dense_layers and self.policy.offload and predictor in ("estimator", "hybrid"):
             # estimator.py pairs layer l's quasi-hidden state with layer l+1: not the next MoE layer
             raise MoesimError(f"the {predictor} predictor is not trained for models with dense layers ({s.name}); "
@@ -246,18 +257,18 @@ class OffloadedDecoder:
         self.device, self.dtype = p.device, p.dtype
         self.store = _ExpertStore(model, expert_dtype, self.device)
         cache_experts = cache_experts if self.policy.offload else 0
-        self.hybrid = hybrid
+        self.host_setup = host_setup
         if self.policy.cpu:
-            if hybrid is None:
-                raise MoesimError(f"{self.policy.name} needs its placement and expert times (runtime.hybrid_setup)")
+            if host_setup is None:
+                raise MoesimError(f"{self.policy.name} needs its placement and expert times (runtime.host_setup)")
             self.planner = None
-            self.hplanner = HybridPlanner(self.policy, s, hybrid.placement, cache_experts, eviction)
-            self.host = self.store.host_pool(hybrid.workers)
+            self.host_planner = HybridPlanner(self.policy, s, host_setup.placement, cache_experts, eviction)
+            self.host_pool = self.store.host_pool(host_setup.workers)
             self._link_free = 0.0  # perf_counter() seconds when the link has copied everything issued
         else:
-            self.planner = Planner(self.policy, cache_experts, eviction)
-            self.hplanner = self.host = None
-        n_slots = expert_slots(s, self.policy, cache_experts)  # what the what-if counts
+            self.planner = Planner(self.policy, cache_experts, eviction, lookahead=self.lookahead)
+            self.host_planner = self.host_pool = None
+        n_slots = expert_slots(s, self.policy, cache_experts, self.lookahead)  # what the what-if counts
         self.pool = torch.empty((n_slots, self.store.width), device=self.device, dtype=self.store.pool_dtype)
         self.free = list(range(n_slots))
         self.freed_after: dict[int, object] = {}  # CUDA: slot -> event after the last kernel that read it
@@ -276,7 +287,7 @@ class OffloadedDecoder:
         """Before the first step (untimed, like loading the model): the static placement's
         resident experts go to the device; a warmed cpu-on-miss cache gets its experts
         copied into slots."""
-        hp = self.hplanner
+        hp = self.host_planner
         if hp.cache is not None:
             warm = hp.cache.keys()  # a list (ExpertCache), coldest first
             for key in warm:
@@ -293,8 +304,8 @@ class OffloadedDecoder:
         recorded copy gets its times) and the host expert threads."""
         self.transport.close()
         self._settle()
-        if self.host is not None:
-            self.host.close()
+        if self.host_pool is not None:
+            self.host_pool.close()
 
     def _settle(self) -> None:
         """Times of copies that were still queued when their step ended (queued link):
@@ -365,7 +376,8 @@ class OffloadedDecoder:
     def _release(self, m: int, evicted: list[tuple[int, int]]) -> None:
         """Return the slots the planner no longer needs. On CUDA a slot is reused only after
         the kernels that read it (queued on the compute stream) are done: the next copy
-        into it waits on this event."""
+        into it waits on this event. A prefetch in flight for a later layer keeps its
+        slots until that layer ran (its ``loaded`` entry is its own)."""
         cache = self.planner.cache
         done = None
         if self.device.type == "cuda":
@@ -380,35 +392,35 @@ class OffloadedDecoder:
             self._free_slot(slot)
 
     # -- prediction -----------------------------------------------------------------------
-    def _predict(self, layer: int, nxt_layer: int, resid: Tensor, x: Tensor, ids: Tensor,
+    def _target(self, st: _StepState, m: int) -> int | None:
+        """The MoE layer whose experts MoE layer ``m``'s router predicts, or None.
+        Prefetching policies: the shared planner's ``prefetch_target`` (m + lookahead).
+        On-demand predicts the next MoE layer too (its cost stays in attn_s) so that its
+        trace can stand in for the prefetching policies. Verification brings its own
+        predictions; prefill predicts nothing."""
+        if st.predicted is not None or st.prefill or not self.policy.offload:
+            return None
+        if self.policy.prefetch:
+            return self.planner.prefetch_target(m, len(self.layers.moe))
+        return m + 1 if self.can_predict and m + 1 < len(self.layers.moe) else None
+
+    def _predict(self, st: _StepState, m: int, target: int, resid: Tensor, x: Tensor, ids: Tensor,
                  gates: Tensor) -> tuple[Tensor, Tensor]:
-        """Predicted (ids, gates) of the next MoE layer (model layer ``nxt_layer``) from
-        model layer ``layer``'s state."""
-        nxt = self.model.layers[nxt_layer]
+        """MoE layer ``target``'s predicted (ids, gates) on the device from MoE layer ``m``'s
+        state: its router input ``x``, residual ``resid`` and routing (``ids``, ``gates``)."""
+        if self.predictor == "oracle":
+            ids_o, gates_o = self.oracle_routes[st.step_index]
+            return (torch.as_tensor(ids_o[target].astype(np.int64), device=self.device),
+                    torch.as_tensor(gates_o[target], device=self.device))
+        layer, nxt_layer = self.layers.moe[m], self.layers.moe[target]
+        router = self.model.layers[nxt_layer].mlp.gate
         if self.predictor == "stale":
-            return self.model.route(nxt.router_logits(x), nxt_layer)
-        q = quasi_hidden(self.model, layer, resid, ids, gates, self.dv, nxt_layer)
+            return self.model.route(router(x), nxt_layer)
+        q = quasi_hidden(self.model, layer, resid, ids, gates, self.dv, nxt_layer, self.layers.moe[m + 1:target])
         use = self.predictor if self.predictor != "hybrid" else self.estimator[1][layer]
         if use == "estimator":
             return self.model.route(self.estimator[0](q.to(self.est_dtype), layer), nxt_layer)
-        return self.model.route(nxt.router_logits(q), nxt_layer)
-
-    def _predict_next(self, st: _StepState, m: int, resid: Tensor, x: Tensor, ids: Tensor,
-                      gates: Tensor) -> tuple[Tensor, Tensor] | None:
-        """The next MoE layer's (``m + 1``) predicted (ids, gates) on the device, or None.
-        Offloading policies all run the predictor: prefetchers use it, on-demand records it
-        (its cost stays in attn_s) so its trace can predict the prefetching policies.
-        Verification brings its own predictions; prefill predicts nothing."""
-        nxt = self.layers.next_moe(m)
-        if st.predicted is not None or st.prefill or nxt is None:
-            return None
-        if not (self.policy.offload and (self.policy.prefetch or self.can_predict)):
-            return None
-        if self.predictor == "oracle":
-            ids_o, gates_o = self.oracle_routes[st.step_index]
-            return (torch.as_tensor(ids_o[nxt].astype(np.int64), device=self.device),
-                    torch.as_tensor(gates_o[nxt], device=self.device))
-        return self._predict(self.layers.moe[m], self.layers.moe[nxt], resid, x, ids, gates)
+        return self.model.route(router(q), nxt_layer)
 
     @property
     def est_dtype(self) -> torch.dtype:
@@ -424,23 +436,19 @@ class OffloadedDecoder:
         verification of a candidate tree (``tree``; ``predicted``: per MoE layer, the union of
         the experts predicted for its tokens, which prefetching policies copy ahead).
 
-        The model's own layer pass runs the step; this decoder only supplies the expert
-        hook (:meth:`_layer_experts`), so the block is the same one every other caller runs."""
-        m = self.model
-        if predicted is not None and len(predicted) != m.spec.n_moe_layers:
-            raise MoesimError(f"predicted experts are given for {len(predicted)} layers; {m.spec.name} has "
-                              f"{m.spec.n_moe_layers} MoE layers")
+        The model's own pass runs the step; this decoder only supplies its hooks (the expert
+        hook :meth:`_layer_experts`, and the after-layer marks), so every block is the one
+        every other caller runs."""
+        s = self.model.spec
+        if predicted is not None and len(predicted) != s.n_moe_layers:
+            raise MoesimError(f"predicted experts are given for {len(predicted)} layers; {s.name} has "
+                              f"{s.n_moe_layers} MoE layers")
         st = self._begin_step(tokens.numel(), step_index, prefill, predicted)
-        h = m.embed_tokens(tokens)  # [B, t, hidden]
-        st.t_embed = st.t_layer = self.timer.mark()
-        h = m.blocks(h, lambda *a: self._layer_experts(st, *a), cache, pos, tree,
-                     after=lambda layer: self._dense_end(st, layer))
-        hn = m.norm(h)  # [B, t, hidden]
+        hooks = Hooks(lambda *a: self._layer_experts(st, *a), lambda layer: self._layer_end(st, layer), tree,
+                      "all" if tree is not None else "last")
+        logits = self.model.forward(tokens, cache, pos, hooks)  # [B, t, vocab] for a tree, else [B, vocab]
         if tree is not None:
-            st.rec.all_logits = m.lm_head(hn)  # [B, t, vocab]
-            logits = st.rec.all_logits[:, -1]
-        else:
-            logits = m.lm_head(hn)[:, -1]  # [B, vocab]
+            st.rec.all_logits, logits = logits, logits[:, -1]
         self._end_step(st, self.timer.mark())
         st.rec.logits = logits
         return st.rec
@@ -457,53 +465,59 @@ class OffloadedDecoder:
         rec = StepRecord(np.full(shape, -1, np.int16), np.zeros(shape, np.float32), np.full(shape, -1, np.int16),
                          np.zeros(shape, np.float32), np.full(shape, -1, np.int16), np.zeros(L), np.zeros(M), np.zeros(M),
                          np.zeros(L))
-        if self.hplanner is not None:
+        if self.host_planner is not None:
             rec.cpu_s, rec.cpu_wait_s, rec.cpu_experts = np.zeros(M), np.zeros(M), np.zeros(M, np.int32)
         return _StepState(rec, step_index, prefill, predicted, t_start)
 
-    def _dense_end(self, st: _StepState, layer: int) -> None:
-        """End of a block: a dense layer's whole time (attention and MLP) is its attn_s."""
-        if layer not in self.layers.index:
+    def _layer_end(self, st: _StepState, layer: int) -> None:
+        """After the embedding (-1): where the first layer's time starts. After a dense layer:
+        its whole time (attention and MLP) is its attn_s."""
+        if layer < 0:
+            st.t_embed = st.t_layer = self.timer.mark()
+        elif layer not in self.layers.index:
             t = self.timer.mark()
             st.dense_marks.append((layer, st.t_layer, t))
             st.t_layer = t
 
     def _layer_experts(self, st: _StepState, layer: int, x: Tensor, logits: Tensor, resid: Tensor) -> Tensor:
-        """The expert hook of one MoE layer (model layer ``layer``): route, predict the next
-        MoE layer, sync once, plan and issue copies, wait for this layer's, run the executed
-        experts. ``x``, ``resid`` [rows, hidden]; ``logits`` [rows, experts]. Marks: attn_s
-        runs from the end of the previous layer (its attention, router, prediction,
-        planning) to t1; stall_s t1-t2; expert_s t2-t3."""
-        if self.hplanner is not None:
-            return self._hybrid_layer(st, layer, x, logits)
+        """The expert hook of one MoE layer (model layer ``layer``): route, predict MoE layer
+        ``target`` (m + lookahead), sync once, plan and issue copies, wait for this layer's,
+        run the executed experts. ``x``, ``resid`` [rows, hidden]; ``logits`` [rows, experts].
+        Marks: attn_s runs from the end of the previous layer (its attention, router,
+        prediction, planning) to t1; stall_s t1-t2; expert_s t2-t3."""
+        if self.host_planner is not None:
+            return self._host_layer(st, layer, x, logits)
         tm = self.timer
         m = self.layers.index[layer]
         ids, gates = self.model.route(logits, layer)  # [rows, k] each, on the device
-        pred_here, pred_here_host = st.pred_next, st.pred_next_host
+        here, here_host = st.predictions.pop(m, (None, None))  # made at MoE layer m - lookahead's router
         tp0 = tm.mark()
-        st.pred_next = self._predict_next(st, m, resid, x, ids, gates)
+        target = self._target(st, m)
+        pred = self._predict(st, m, target, resid, x, ids, gates) if target is not None else None
         tp1 = tm.mark()
-        true_host, st.pred_next_host = self._to_host(ids, st.pred_next)
-        self._record_routing(st, m, true_host, gates, pred_here, pred_here_host)
-        plan, demand, prefetch = self._plan_copies(st, m, true_host, pred_here_host)
+        true_host, pred_host = self._to_host(ids, pred)
+        if pred is not None:
+            st.predictions[target] = (pred, pred_host)
+        self._record_routing(st, m, true_host, gates, here, here_host)
+        plan, pending, demand, prefetch = self._plan_copies(st, m, target, true_host, here_host, pred_host)
         t1 = tm.mark()
-        self.transport.wait(st.pending + demand)  # fifo; a queued link: the needed prefix (_plan_copies)
+        self.transport.wait(pending + demand)  # fifo; a queued link: the needed prefix (_plan_copies)
         t2 = tm.mark()
-        speculative = self.policy.speculative and pred_here is not None and st.predicted is None
-        run_ids, run_gates = (pred_here_host, pred_here[1]) if speculative else (true_host, gates)
+        spec_exec = self.policy.speculative and here is not None and st.predicted is None  # speculative execution
+        run_ids, run_gates = (here_host, here[1]) if spec_exec else (true_host, gates)
         st.rec.exec_ids[m] = run_ids
         y = self.store.mix(x, run_ids, run_gates, self._weights(m))  # [rows, hidden]
         t3 = tm.mark()
         _, evicted = self.planner.finish(m, plan)
         self._release(m, evicted)
         st.rec.copies += demand + prefetch
-        st.pending = prefetch
         st.marks.append((st.t_layer, t1, t2, t3, tp0, tp1, t3))
         st.t_layer = t3
         return y
 
-    def _hybrid_layer(self, st: _StepState, layer: int, x: Tensor, logits: Tensor) -> Tensor:
-        """The expert hook under a CPU-compute policy (MoE layer of model layer ``layer``).
+    def _host_layer(self, st: _StepState, layer: int, x: Tensor, logits: Tensor) -> Tensor:
+        """The expert hook under a CPU-compute policy (MoE layer of model layer ``layer``): the
+        one place where a layer is split between the device and the host CPU.
 
         Route; one host sync for the ids; the shared :class:`~moesim.placement.HybridPlanner`
         splits the routed experts into those the device holds and misses; cpu-on-miss asks
@@ -525,11 +539,11 @@ class OffloadedDecoder:
         for e in ids_host.reshape(-1).tolist():
             count[e] = count.get(e, 0) + 1
         routed = sorted(count, key=lambda e: (-count[e], e))  # heaviest first, as moesim.sim.hybrid.routed_sets
-        hits, misses = self.hplanner.split(m, routed)
+        hits, misses = self.host_planner.split(m, routed)
         copied: list[int] = []
         demand: list[Transfer] = []
-        if self.hplanner.copies and misses:
-            now, times = time.perf_counter(), self.hybrid.times
+        if self.host_planner.copies and misses:
+            now, times = time.perf_counter(), self.host_setup.times
             c = cpu_or_copy([count[e] for e in misses], sum(count[e] for e in hits), len(hits), now=now,
                             link_free=self._link_free, times=times)
             copied = misses[:c]
@@ -537,13 +551,12 @@ class OffloadedDecoder:
                 self._link_free = max(self._link_free, now) + c * times.copy
                 self._issue(m, copied, 1, demand)
         on_cpu = [e for e in misses if e not in copied]
-        job = self.host.submit(layer, x, ids_host, gates, on_cpu) if on_cpu else None
+        job = self.host_pool.submit(layer, x, ids_host, gates, on_cpu) if on_cpu else None
         t1 = tm.mark()
         cpu_from = time.perf_counter()  # the step model starts a layer's CPU share where its attn_s ends
         self.transport.wait(demand)
         t2 = tm.mark()
-        weights = self._weights(m)
-        y = self.store.mix_subset(x, ids_host, gates, weights, hits + copied)  # [rows, hidden]
+        y = self.store.mix(x, ids_host, gates, self._weights(m), only=set(hits + copied))  # [rows, hidden]
         t3 = tm.mark()
         if job is not None:
             y = y + job.result()
@@ -551,18 +564,18 @@ class OffloadedDecoder:
         rec.exec_ids[m] = ids_host
         rec.cpu_experts[m] = len(on_cpu)
         rec.cpu_s[m] = max(job.ended - cpu_from, 0.0) if job is not None else 0.0
-        self.hplanner.finish(m, hits, copied)
-        self._release_hybrid(m)
+        self.host_planner.finish(m, hits, copied)
+        self._release_host(m)
         rec.copies += demand
         st.marks.append((st.t_layer, t1, t2, t3, tp, tp, t4))
         st.t_layer = t4
         return y
 
-    def _release_hybrid(self, m: int) -> None:
+    def _release_host(self, m: int) -> None:
         """cpu-on-miss: free the slots of experts the cache does not hold after layer ``m``
         (copied misses it did not admit, and its evictions, of any layer). On CUDA a freed
         slot is reused only after the kernels that read it (as :meth:`_release`)."""
-        cache = self.hplanner.cache
+        cache = self.host_planner.cache
         if cache is None:
             return
         gone = [key for key in self.where if key not in cache]
@@ -581,8 +594,8 @@ class OffloadedDecoder:
 
     @staticmethod
     def _to_host(ids: Tensor, pred: tuple[Tensor, Tensor] | None) -> tuple[np.ndarray, np.ndarray | None]:
-        """The one host synchronisation of a layer: true ids and the next layer's predicted
-        ids in one device-to-host copy (the host plans the copies)."""
+        """The one host synchronisation of a layer: true ids and the predicted ids in one
+        device-to-host copy (the host plans the copies)."""
         k = ids.shape[1]
         host = (torch.cat([ids, pred[0]], 1) if pred is not None else ids).cpu().numpy()
         return host[:, :k], (host[:, k:] if pred is not None else None)
@@ -590,48 +603,55 @@ class OffloadedDecoder:
     @staticmethod
     def _record_routing(st: _StepState, m: int, true_host: np.ndarray, gates: Tensor, pred: tuple | None,
                         pred_host: np.ndarray | None) -> None:
-        """Ids go into the record now (MoE layer ``m``); gates stay on the device until the step's end."""
+        """Ids go into the record now (MoE layer ``m``; ``pred``: the prediction FOR layer m,
+        made lookahead layers earlier); gates stay on the device until the step's end."""
         st.rec.true_ids[m] = true_host
         st.true_gates.append(gates)
         if pred is not None:
             st.rec.pred_ids[m] = pred_host
             st.pred_gates[m] = pred[1]
 
-    def _plan_copies(self, st: _StepState, m: int, true_host: np.ndarray, pred_here_host: np.ndarray | None):
+    def _plan_copies(self, st: _StepState, m: int, target: int | None, true_host: np.ndarray,
+                     here_host: np.ndarray | None, pred_host: np.ndarray | None):
         """Ask the shared planner (which, as in the simulator, indexes MoE layers), then
-        issue MoE layer ``m``'s on-demand copies and the next MoE layer's prefetch.
-        Returns (plan, demand copies, prefetch copies)."""
-        if pred_here_host is not None and self.prefetch_top:
-            pred_here_host = pred_here_host[:, :self.prefetch_top]  # what was prefetched for this layer
-        here = _union(pred_here_host) if pred_here_host is not None else None
+        issue MoE layer ``m``'s on-demand copies and MoE layer ``target``'s prefetch.
+        Returns (plan, this layer's prefetched copies to wait for, demand copies, the
+        prefetch just issued)."""
+        if here_host is not None and self.prefetch_top:
+            here_host = here_host[:, :self.prefetch_top]  # what was prefetched for this layer
+        here = _union(here_host) if here_host is not None else None
         if st.predicted is not None:
-            here = st.predicted[m] if m > 0 else None
+            here = st.predicted[m] if self.planner.issue_layer(m) is not None else None
         plan = self.planner.route(m, _union(true_host), here)
+        pending = st.pending.pop(m, [])
         if self.copy_queue != "fifo":
-            self._trim_pending(st, plan.prefetch_need)
+            pending = self._trim_pending(st, m, pending, plan.prefetch_need)
         demand: list[Transfer] = []
         self._issue(m, list(plan.demand), 1, demand)
         prefetch: list[Transfer] = []
-        nxt = self.layers.next_moe(m)
-        if st.pred_next_host is not None:
-            ahead = st.pred_next_host[:, :self.prefetch_top] if self.prefetch_top else st.pred_next_host
-            self._issue(nxt, self.planner.prefetch(nxt, _union(ahead)), 0, prefetch)
-        elif st.predicted is not None and nxt is not None:
-            self._issue(nxt, self.planner.prefetch(nxt, st.predicted[nxt]), 0, prefetch)
-        return plan, demand, prefetch
+        if pred_host is not None:
+            ahead = pred_host[:, :self.prefetch_top] if self.prefetch_top else pred_host
+            self._issue(target, self.planner.prefetch(target, _union(ahead)), 0, prefetch)
+        elif st.predicted is not None:
+            target = self.planner.prefetch_target(m, len(self.layers.moe))
+            if target is not None:
+                self._issue(target, self.planner.prefetch(target, st.predicted[target]), 0, prefetch)
+        if prefetch:
+            st.pending[target] = prefetch
+        return plan, pending, demand, prefetch
 
-    def _trim_pending(self, st: _StepState, need: int) -> None:
-        """Queued link, at the layer's router: wait only for the prefetch's first ``need``
-        copies (those up to the last expert the layer executes); ``cancel-unstarted`` drops
-        the unstarted rest, which then never moved a byte and leave the record."""
-        rest, st.pending = st.pending[need:], st.pending[:need]
+    def _trim_pending(self, st: _StepState, m: int, pending: list[Transfer], need: int) -> list[Transfer]:
+        """Queued link, at MoE layer ``m``'s router: wait only for its prefetch's first
+        ``need`` copies (those up to the last expert the layer executes); ``cancel-unstarted``
+        drops the unstarted rest, which then never moved a byte and leaves the record."""
+        rest, keep = pending[need:], pending[:need]
         if self.copy_queue != "cancel-unstarted" or not rest:
-            return
+            return keep
         for t in self.transport.cancel(rest):
             st.rec.copies.remove(t)
-            m = self.layers.index[t.layer]
             self.loaded[m].remove(t.expert)
             self.free.append(self.where.pop((m, t.expert)))
+        return keep
 
     def _end_step(self, st: _StepState, t_end) -> None:
         """Copy the step's gates to the host (once), then turn marks into seconds: on CUDA
@@ -664,6 +684,25 @@ class OffloadedDecoder:
             self._settle()
 
 
+def check_lookahead_for(policy, lookahead: int, n_moe_layers: int, predictor: str = "quasi") -> int:
+    """``lookahead`` if ``policy`` can run it, else one line: N > 1 needs a prefetching policy
+    (it says how far ahead a prefetch is issued), leaves a MoE layer to prefetch, and a
+    predictor that can look that far (the estimator and hybrid are trained one layer ahead)."""
+    pol = get_policy(policy)
+    if isinstance(lookahead, bool) or not isinstance(lookahead, int):
+        raise MoesimError(f"--lookahead must be a whole number of MoE layers, got {lookahead!r}")
+    if lookahead == 1:
+        return 1
+    if not (pol.offload and pol.prefetch):
+        raise MoesimError(f"--lookahead applies to the prefetching policies (prefetch-fom, prefetch-spec, oracle), "
+                          f"not {pol.name}: it says how many MoE layers ahead a prefetch is issued")
+    check_lookahead(lookahead, n_moe_layers)
+    if predictor in ("estimator", "hybrid") and not pol.oracle:
+        raise MoesimError(f"--lookahead {lookahead}: the {predictor} predictor is trained one MoE layer ahead; "
+                          "use quasi, stale or oracle")
+    return lookahead
+
+
 @dataclass
 class _StepState:
     """What the layer hook threads from one layer to the next within a step."""
@@ -677,9 +716,8 @@ class _StepState:
     t_layer: object = None  # mark where the current layer began (the previous layer's end)
     true_gates: list[Tensor] = field(default_factory=list)  # kept on the device, copied once at the end
     pred_gates: dict[int, Tensor] = field(default_factory=dict)
-    pending: list[Transfer] = field(default_factory=list)  # the current layer's prefetched copies
-    pred_next: tuple[Tensor, Tensor] | None = None
-    pred_next_host: np.ndarray | None = None
+    pending: dict[int, list[Transfer]] = field(default_factory=dict)  # MoE layer -> its prefetched copies in flight
+    predictions: dict[int, tuple] = field(default_factory=dict)  # MoE layer -> ((ids, gates) on device, ids on host)
     marks: list = field(default_factory=list)  # per MoE layer (t0, t1, t2, t3, tp0, tp1, t4)
     dense_marks: list = field(default_factory=list)  # per dense layer (layer, start, end)
 
@@ -687,31 +725,37 @@ class _StepState:
 class _ExpertStore:
     """Where the routed experts' weights come from, in one of two representations.
 
-    Dense: the model's flat ``[gate; up; down]`` host buffers (``executor.model``).
-    Quantised (``expert_dtype`` int8 / int4-g32 / int4-g128): each expert quantised once on
-    the host (``executor.quant_experts``) and packed into one uint8 buffer of exactly the
-    byte accounting's size (``moesim.models``): that buffer is what a copy moves, and a
-    device slot holding it is read through views (dequantise-and-multiply). ``host`` feeds
-    the CPU experts, ``src`` the copies, ``view``/``mix`` the device."""
+    Dense: the model's flat ``[gate; up; down(; biases)]`` host buffers (``executor.model``).
+    Packed quantised (``expert_dtype`` int8 / int4-g32 / int4-g128 / mxfp4, or a checkpoint
+    stored packed, gpt-oss's MXFP4): each expert quantised once on the host
+    (``executor.quant_experts``; a packed checkpoint as stored) and packed into one uint8
+    buffer of exactly the byte accounting's size (``moesim.models``): that buffer is what a
+    copy moves, and a device slot holding it is read through views (dequantise-and-
+    multiply). ``host`` feeds the CPU experts, ``src`` the copies, ``view``/``mix`` the
+    device; both sides use the one per-expert forward (``expert_fn``) and mix."""
 
     def __init__(self, model: MoEModel, expert_dtype: str | None, device: torch.device) -> None:
-        s = model.spec
-        self.model, self.device, self.fmt = model, device, expert_dtype
+        s, cfg = model.spec, model.cfg
+        native = model.packed_experts
+        if expert_dtype is not None and native is not None and expert_dtype != native:
+            raise MoesimError(f"{s.name} stores its experts as {native}; --expert-dtype {expert_dtype} would "
+                              "requantise them (leave it out)")
+        self.model, self.device, self.fmt = model, device, expert_dtype or native
         self.hidden, self.inter = s.hidden, s.expert_inter
-        if expert_dtype is None:
-            self.host = model.experts
-            self.src = model.experts
-            self.width, self.pool_dtype = s.expert_weights, model.embed_tokens.weight.dtype
+        if self.fmt is None:
+            self.host = self.src = model.experts
+            self.width, self.pool_dtype = cfg.expert_width, model.embed_tokens.weight.dtype
+            self.expert_fn = model.expert_fn
             return
-        from moesim.executor.quant_experts import quantize_experts
-
-        self.host = quantize_experts(model.experts, s.hidden, s.expert_inter, expert_dtype)
+        self.host = model.experts if native else quantize_experts(model.experts, s.hidden, s.expert_inter,
+                                                                  self.fmt, s.expert_bias)
         pin = device.type == "cuda"
         self.src = [[q.pack().pin_memory() if pin else q.pack() for q in row] for row in self.host]
-        # A slot starts on a 16-byte boundary, so the packed fp16 scales keep their alignment
-        # in every slot (a dtype view needs it); copies move the packed bytes only.
+        # A slot starts on a 16-byte boundary, so the packed multi-byte parts keep their
+        # alignment in every slot (a dtype view needs it); copies move the packed bytes only.
         self.width = -(-next(len(row[0]) for row in self.src if row) // 16) * 16
         self.pool_dtype = torch.uint8
+        self.expert_fn = expert_fn_for(cfg, packed=True)
 
     def view(self, layer: int, e: int, buf: Tensor):
         """Expert ``e`` of model layer ``layer`` read from ``buf`` (a slot or a device copy)."""
@@ -727,40 +771,23 @@ class _ExpertStore:
         row = self.src[layer]
         if self.fmt is None and (not row or row[0].device == self.device):
             return row
+        if self.fmt is not None and self.device.type == "cpu":
+            return self.host[layer]
         return [self.device_weight(layer, e) for e in range(len(row))]
 
-    def host_pool(self, workers: int | None):
-        from moesim.executor.host_experts import HostExperts
-
+    def host_pool(self, workers: int | None) -> HostExperts:
+        """The thread pool that runs the CPU's share, with the same per-expert forward as the
+        device (its rows arrive in fp32 on the host: a dense expert gets them in its dtype)."""
+        fn, host = self.expert_fn, self.host
         if self.fmt is None:
-            return HostExperts(self.hidden, self.inter, weights=self.host, workers=workers)
-        return HostExperts(self.hidden, self.inter, workers=workers,
-                           expert_fn=lambda layer, e, x: self.host[layer][e].forward(x))
+            return HostExperts(self.hidden, self.inter, workers=workers,
+                               expert_fn=lambda layer, e, x: fn(host[layer][e], x.to(host[layer][e].dtype)))
+        return HostExperts(self.hidden, self.inter, workers=workers, expert_fn=lambda layer, e, x: fn(host[layer][e], x))
 
-    def forward(self, w, x: Tensor) -> Tensor:
-        if self.fmt is None:
-            return expert_forward(w.to(x.device), x, self.hidden, self.inter)
-        return w.forward(x).to(x.dtype)
-
-    def mix(self, x: Tensor, ids: np.ndarray, gates: Tensor, weights) -> Tensor:
-        """All of a layer's executed experts (``executor.model.mix_experts`` for dense ones)."""
-        if self.fmt is None:
-            return mix_experts(x, ids, gates, weights, self.hidden, self.inter)
-        from moesim.executor.quant_experts import mix_quant
-
-        return mix_quant(x, ids, gates, weights)
-
-    def mix_subset(self, x: Tensor, ids: np.ndarray, gates: Tensor, weights, experts: list[int]) -> Tensor:
-        """The gated sum over the (row, slot) pairs routed to ``experts`` only (the device's
-        share of a layer split with the CPU), experts in increasing id order."""
-        out = torch.zeros_like(x)
-        for e in sorted(experts):
-            rows, cols = np.nonzero(ids == e)
-            r = torch.from_numpy(rows.astype(np.int64)).to(x.device)
-            c = torch.from_numpy(cols.astype(np.int64)).to(x.device)
-            y = self.forward(weights[e], x[r])  # [n_e, hidden]
-            out.index_add_(0, r, y * gates[r, c, None].to(y.dtype))
-        return out
+    def mix(self, x: Tensor, ids: np.ndarray, gates: Tensor, weights, only: set[int] | None = None) -> Tensor:
+        """The gated sum of a layer's executed experts (of ``only`` those: the device's share
+        of a layer split with the CPU), through :func:`~moesim.executor.model.mix_experts`."""
+        return mix_experts(x, ids, gates, weights, self.expert_fn, only=only)
 
 
 def _union(ids: np.ndarray) -> list[int]:

@@ -1,5 +1,8 @@
 """Speculative decoding on the offload engine, with cost-aware tree selection (EcoSpec).
 
+(Speculative DECODING: a draft proposes tokens, the target verifies them. Not the
+speculative EXECUTION of the ``prefetch-spec`` policy, which runs predicted experts.)
+
 Each step: the draft model grows a candidate tree (top-``branch`` children per node to
 ``depth``); a selection strategy picks ``gamma`` nodes that keep a tree; the target
 verifies the root (the last committed token) and the chosen nodes in one pass with a tree
@@ -25,14 +28,19 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save
 from torch import Tensor, nn
 
+from moesim import __version__
 from moesim.atomic import atomic_write, atomic_write_text
 from moesim.errors import MoesimError
 from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
-from moesim.executor.model import MoEModel, ResidentExperts, TreeMask, read_tensors
+from moesim.executor.model import Hooks, MoEModel, ResidentExperts, TreeMask, read_tensors
 from moesim.executor.runtime import OffloadedDecoder
 from moesim.selection import SCORES, SELECTIONS, Tree, accept, select
+from moesim.traces.format import Trace
+from moesim.traces.header import make_header
+from moesim.traces.records import SDStep, copy_arrays, expert_mask, sd_arrays
 
 __all__ = ["SCORES", "SELECTIONS", "Tree", "accept", "select"]  # the shared decisions, re-exported
 PREDICTOR_FILE = "expert_predictor.safetensors"
@@ -59,7 +67,7 @@ def draft_hidden(draft: MoEModel, tokens: Tensor, tree: TreeMask | None = None, 
                  start: int = 0) -> tuple[Tensor, Tensor]:
     """Draft forward over ``tokens`` [1, t] (after ``start`` cached tokens when ``cache``):
     (logits [t, V], final normed hidden [t, d])."""
-    hn = draft.hidden_states(tokens, None, cache, start, tree)[0]  # [t, d]
+    hn = draft(tokens, cache, start, Hooks(tree=tree, logits="none"))[0]  # [t, d]
     return draft.lm_head(hn), hn
 
 
@@ -87,8 +95,8 @@ class DraftState:
 def _target_router_probs(target: MoEModel, tokens: Tensor) -> Tensor:
     """Every target layer's router distribution for each token: [t, layers, experts]."""
     probs: list[Tensor] = []  # per layer [t, experts]
-    target.hidden_states(tokens.view(1, -1), ResidentExperts(
-        target, on_route=lambda layer, x, logits, *_: probs.append(logits.float().softmax(-1))))
+    target(tokens.view(1, -1), hooks=Hooks(ResidentExperts(
+        target, on_route=lambda layer, x, logits, *_: probs.append(logits.float().softmax(-1))), logits="none"))
     return torch.stack(probs, 1)
 
 
@@ -135,8 +143,6 @@ def train_expert_predictor(draft: MoEModel, target: MoEModel, train: Tensor, hel
         top_p = pred(xe).topk(s.top_k, -1).indices
         top_t = ye.topk(s.top_k, -1).indices
         recall = (top_p[..., :, None] == top_t[..., None, :]).any(-1).float().mean((0, 2)).tolist()
-    from safetensors.torch import save
-
     data_ = save({k: v.contiguous() for k, v in pred.state_dict().items()},
                  metadata={"draft_hidden": str(draft.spec.hidden), "layers": str(s.n_layers), "experts": str(s.n_experts)})
     atomic_write(out_dir / PREDICTOR_FILE, lambda f: f.write(data_))
@@ -163,7 +169,7 @@ def load_expert_predictor(model_dir: Path) -> ExpertPredictor | None:
 
 
 @dataclass
-class SpecSettings:
+class SDSettings:
     gamma: int = 4  # candidates verified per step (besides the root)
     branch: int = 2
     depth: int = 3
@@ -236,15 +242,15 @@ def build_tree(state: DraftState, predictor: ExpertPredictor | None, branch: int
 
 
 @torch.no_grad()
-def speculative_generate(decoder: OffloadedDecoder, draft: MoEModel, predictor: ExpertPredictor | None,
-                         prompt: Tensor, st: SpecSettings,
-                         progress: Callable[[int, int], None] | None = None) -> tuple[float, list[VerifyRecord], list[int]]:
+def sd_generate(decoder: OffloadedDecoder, draft: MoEModel, predictor: ExpertPredictor | None,
+                prompt: Tensor, st: SDSettings,
+                progress: Callable[[int, int], None] | None = None) -> tuple[float, list[VerifyRecord], list[int]]:
     """Greedy speculative decoding of ``prompt`` [1, P] (batch 1). Returns (prefill seconds,
     verification records, produced tokens). Ctrl-C at any instant keeps the finished
     verification steps (and the tokens they produced); before the first one it raises
     :class:`Interrupted`."""
     target = decoder.model
-    if decoder.policy.speculative:
+    if decoder.policy.speculative:  # speculative EXECUTION (prefetch-spec) would verify with predicted experts
         raise MoesimError("speculative decoding verifies exactly: use an exact policy (not prefetch-spec)")
     if prompt.shape[0] != 1:
         raise MoesimError("speculative decoding runs at batch 1")
@@ -311,29 +317,26 @@ def speculative_generate(decoder: OffloadedDecoder, draft: MoEModel, predictor: 
     return pre.tpot_s, records, out[: st.tokens]
 
 
+@torch.no_grad()
 def greedy_reference(target: MoEModel, prompt: Tensor, n: int) -> list[int]:
     """Plain greedy decoding with everything resident: what speculative decoding must equal."""
     cache = target.new_cache(1, prompt.shape[1] + n + 1)
-    logits = target(prompt, cache, 0)[:, -1]
+    last = Hooks(logits="last")
+    logits = target(prompt, cache, 0, last)  # [1, vocab]
     out, pos = [], prompt.shape[1]
     for _ in range(n):
         tok = int(logits[0].argmax())
         out.append(tok)
-        logits = target(torch.tensor([[tok]]), cache, pos)[:, -1]
+        logits = target(torch.tensor([[tok]]), cache, pos, last)
         pos += 1
     return out
 
 
 def build_sd_trace(target: MoEModel, prompt: Tensor, records: list[VerifyRecord], prefill_s: float, hw,
-                   st: SpecSettings, policy: str, cache_experts: int, device: str, synthetic: bool, source: str,
+                   st: SDSettings, policy: str, cache_experts: int, device: str, synthetic: bool, source: str,
                    draft_source: str, extra: dict | None = None):
     """A version-2 trace: the routing of every accepted row as the main arrays, and one
     record per verification step (tree, choice, acceptance, experts, timings)."""
-    from moesim import __version__
-    from moesim.traces.format import Trace
-    from moesim.traces.header import make_header
-    from moesim.traces.records import SDStep, copy_arrays, expert_mask, sd_arrays
-
     s = target.spec
     L, E, k = s.n_layers, s.n_experts, s.top_k
     steps, true_rows, token_rows = [], [], []
@@ -372,3 +375,8 @@ def build_sd_trace(target: MoEModel, prompt: Tensor, records: list[VerifyRecord]
     return Trace(header, prompt.numpy().astype(np.int32), np.array([token_rows], np.int32), true_ids, gates, pred,
                  np.zeros_like(gates), true_ids.copy(), timings)
 
+
+
+# Old names, still imported by bench/bench_speculative.py (remove once it uses the new ones).
+SpecSettings = SDSettings
+speculative_generate = sd_generate

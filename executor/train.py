@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import platform
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from moesim import budget
 from moesim.atomic import atomic_write_text
 from moesim.executor.corpus import split_index, stdlib_corpus  # noqa: F401 (stdlib_corpus re-exported)
 from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
-from moesim.executor.model import ExecConfig, MoEModel, ResidentExperts, count_params, save_checkpoint
+from moesim.executor.model import ExecConfig, Hooks, MoEModel, ResidentExperts, count_params, save_checkpoint
 from moesim.models import Attention, ModelSpec
+from moesim.outputs import check_output_dir
 
 STDLIB_SOURCE = "trained by moesim (executor/train.py) on the Python standard library's source"
 
@@ -42,8 +46,8 @@ def forward_train(model: MoEModel, experts: list[torch.nn.Parameter], tokens: to
         frac = torch.bincount(ids.reshape(-1), minlength=s.n_experts).float() / ids.numel()
         aux.append(s.n_experts * (frac * logits.float().softmax(-1).mean(0)).sum())
 
-    hn = model.hidden_states(tokens, ResidentExperts(model, experts, on_route=balance))
-    return model.lm_head(hn), torch.stack(aux).sum()
+    logits = model(tokens, hooks=Hooks(ResidentExperts(model, experts, on_route=balance)))  # [b, t, vocab]
+    return logits, torch.stack(aux).sum()
 
 
 def stdlib_spec(name: str = "moe-stdlib", layers: int = 4, experts: int = 32, top_k: int = 4, hidden: int = 128,
@@ -62,11 +66,7 @@ def train(out: Path, steps: int = 3000, batch: int = 16, seq: int = 128, lr: flo
     """Train and write the checkpoint to ``out``: every ``save_every`` steps (with a held-out
     evaluation), at the end, and on Ctrl-C (whatever step it reached), each file atomically,
     so an interrupted run keeps a loadable checkpoint and an honest training.json."""
-    from moesim.outputs import check_output_dir
-
     check_output_dir(out)  # before minutes of training, not after
-    from moesim import budget
-
     budget.check(budget.train_estimate(spec, steps, batch, seq))
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
@@ -157,17 +157,14 @@ def train(out: Path, steps: int = 3000, batch: int = 16, seq: int = 128, lr: flo
 
 
 def _machine() -> str:
-    import os
-    import platform
-
     return f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, torch {torch.__version__}".strip()
 
 
 def _plot(record: dict, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # heavy: imported only when a plot is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the backend is chosen (heavy, plots only)
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([c["step"] for c in record["curve"]], [c["loss"] for c in record["curve"]], label="train (batch)")

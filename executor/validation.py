@@ -26,15 +26,22 @@ from typing import Any
 import numpy as np
 import torch
 
+from moesim.executor.host_experts import HostExperts
+from moesim.executor.hwbench import cpu_interference, cpu_wakeup
 from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
-from moesim.executor.model import ExecConfig, MoEModel, load_checkpoint, random_model
+from moesim.executor.model import ExecConfig, MoEModel, expert_forward, load_checkpoint, random_model
 from moesim.executor.profile import ProfileSettings, build_trace, calibrate, generate, load_default_vectors
+from moesim.executor.quant_experts import QuantExpert
+from moesim.executor.runtime import host_setup
 from moesim.executor.steady import SteadyMachine
-from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, HostProfile, get_profile
+from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, HostProfile, get_host, get_profile
 from moesim.models import Attention, ModelSpec
+from moesim.policy import get_policy
+from moesim.sim.hybrid import simulate_hybrid
 from moesim.sim.simulate import simulate
 from moesim.sim.validate import error_stats, recorded_profile, validate_trace
 from moesim.sim.workload import Link
+from moesim.timing import best_time
 from moesim.traces.format import Trace, write_trace
 
 POLICIES = ("on-demand", "prefetch-fom", "prefetch-spec", "oracle")
@@ -68,9 +75,6 @@ def machine_profile() -> HardwareProfile:
     """What the simulator knows of this machine beyond each trace's recorded link, measured
     here (executor/hwbench.py): how much compute slows while the emulated link copies, and
     how long a thread that waited on a copy takes to run again."""
-    from moesim.executor.hwbench import cpu_interference, cpu_wakeup
-    from moesim.timing import best_time
-
     big = torch.zeros(16 * 2**20 // 4)
     dst = torch.zeros_like(big)
     copy_gbs = big.numel() * 4 / best_time(lambda: dst.copy_(big)) / 1e9  # what the link thread's memcpy reaches
@@ -256,17 +260,10 @@ def machine_host(model: MoEModel, expert_dtype: str | None = None) -> HostProfil
     one expert's time at one row (memory-bound at batch 1), and the host pool's per-layer
     overhead (hand-off to a thread and back) and per-expert dispatch from jobs of tiny
     experts. The default profile's host supplies the rest (compute rates)."""
-    from moesim.executor.host_experts import HostExperts
-    from moesim.executor.quant_experts import QuantExpert
-    from moesim.hardware import get_host
-    from moesim.timing import best_time
-
     s = model.spec
     w = model.experts[s.moe_layers[0]][0]
     x = torch.randn(1, s.hidden)
     if expert_dtype is None:
-        from moesim.executor.model import expert_forward
-
         t_expert = best_time(lambda: expert_forward(w, x, s.hidden, s.expert_inter))
         nbytes = s.expert_bytes
     else:
@@ -299,10 +296,6 @@ def run_cpu_suite(out: Path, tokens: int = 16, gbps: float = 4.0, repeats: int =
     executor and the simulator use one host profile, :func:`machine_host`, measured here
     before the runs: cpu-on-miss decides with it in both. On-demand int8 is the copy
     family with quantised bytes (its transfer row is the plain same-policy one)."""
-    from moesim.executor.runtime import hybrid_setup
-    from moesim.policy import get_policy
-    from moesim.sim.hybrid import simulate_hybrid
-
     torch.set_num_threads(1)
     name, load, _, _ = suite_models(Path("."))[1]
     model, dv, synthetic = load()
@@ -337,9 +330,9 @@ def run_cpu_suite(out: Path, tokens: int = 16, gbps: float = 4.0, repeats: int =
                 gpu_experts = spec.n_moe_layers * spec.n_experts // 2
             if pol.cpu:
                 qspec = spec.with_expert_dtype(fmt) if fmt else spec
-                setup = hybrid_setup(qspec, policy, hw, hosts[fmt], context=prompt.shape[1] + tokens,
-                                     cpu_layers=spec.n_moe_layers // 2, calibration=calibration,
-                                     gpu_experts=gpu_experts)
+                setup = host_setup(qspec, policy, hw, hosts[fmt], context=prompt.shape[1] + tokens,
+                                   cpu_layers=spec.n_moe_layers // 2, calibration=calibration,
+                                   gpu_experts=gpu_experts)
                 cache = spec.n_experts * spec.n_moe_layers // 4 if pol.cpu == "miss" else 0
                 if progress:
                     progress(f"{name}, {gbps:g} GB/s, {key}")
@@ -389,9 +382,9 @@ def _run_cpu_case(model: MoEModel, dv, prompt: torch.Tensor, policy: str, fmt: s
     """A case's median-TPOT run of ``repeats`` after a warm-up, with a CPU-compute setup and
     an expert format; None if Ctrl-C."""
     params = setup.params() if setup is not None else {}
-    st = ProfileSettings(policy=policy, predictor="quasi", tokens=tokens, cache_experts=cache, hybrid=setup,
-                         expert_dtype=fmt, hybrid_params=params)
-    warm = ProfileSettings(policy=policy, tokens=2, cache_experts=cache, hybrid=setup, expert_dtype=fmt)
+    st = ProfileSettings(policy=policy, predictor="quasi", tokens=tokens, cache_experts=cache, host_setup=setup,
+                         expert_dtype=fmt, host_params=params)
+    warm = ProfileSettings(policy=policy, tokens=2, cache_experts=cache, host_setup=setup, expert_dtype=fmt)
     candidates = []
     try:
         generate(model, prompt, warm, hw, dv)

@@ -15,7 +15,7 @@ import torch
 from moesim.executor.model import ExecConfig, expert_forward, random_model
 from moesim.executor.profile import ProfileSettings, build_trace, generate
 from moesim.executor.quant_experts import QuantExpert
-from moesim.executor.runtime import HybridSetup, hybrid_setup
+from moesim.executor.runtime import HostSetup, host_setup
 from moesim.hardware import DEFAULT_PROFILE, get_profile
 from moesim.models import get_model
 from moesim.policy import ExpertTimes
@@ -56,18 +56,18 @@ def _miss_times() -> ExpertTimes:
                        roundtrip=0.0, copy=1e-6)
 
 
-def _setup(policy: str) -> tuple[HybridSetup, int]:
+def _setup(policy: str) -> tuple[HostSetup, int]:
     if policy == "cpu-static":
-        return hybrid_setup(SPEC, policy, HW, cpu_layers=2), 0
+        return host_setup(SPEC, policy, HW, cpu_layers=2), 0
     if policy == "hot-experts":
-        return hybrid_setup(SPEC, policy, HW, calibration=_calibration(), gpu_experts=20), 0
-    return HybridSetup(None, _miss_times(), "test figures", 0.0), 6
+        return host_setup(SPEC, policy, HW, calibration=_calibration(), gpu_experts=20), 0
+    return HostSetup(None, _miss_times(), "test figures", 0.0), 6
 
 
 @pytest.mark.parametrize("policy", ["cpu-static", "hot-experts", "cpu-on-miss"])
 def test_cpu_compute_policies_decode_the_all_resident_tokens(model, prompt, reference, policy):
     setup, cache = _setup(policy)
-    st = ProfileSettings(policy, cache_experts=cache, tokens=TOKENS, hybrid=setup)
+    st = ProfileSettings(policy, cache_experts=cache, tokens=TOKENS, host_setup=setup)
     _, recs, toks = generate(model, prompt, st, HW)
     assert torch.equal(torch.cat(toks, 1), reference[0])  # greedy: exactly the same tokens
     cpu = np.stack([r.cpu_experts for r in recs])  # [T, M]
@@ -90,8 +90,8 @@ def test_a_cpu_compute_trace_records_its_setup_and_replays(model, prompt, tmp_pa
     from moesim.sim.validate import validate_trace
 
     setup, _ = _setup("cpu-static")
-    st = ProfileSettings("cpu-static", tokens=TOKENS, hybrid=setup,
-                         hybrid_params={"host_profile": setup.host, "cpu_layers": setup.cpu_layers,
+    st = ProfileSettings("cpu-static", tokens=TOKENS, host_setup=setup,
+                         host_params={"host_profile": setup.host, "cpu_layers": setup.cpu_layers,
                                         "device_memory_gb": setup.device_memory_gb})
     pre, recs, toks = generate(model, prompt, st, HW)
     path = write_trace(build_trace(model, prompt, st, HW, pre, recs, toks, "cpu", True, "test"), tmp_path / "t.npz")
@@ -121,8 +121,8 @@ def test_quantised_experts_copy_their_accounted_bytes_and_match_the_dequantised_
     for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a.logits, b.logits, rtol=1e-4, atol=1e-4)
     # The host pool runs the same quantised experts (cpu-static, every layer on the CPU).
-    setup = hybrid_setup(SPEC, "cpu-static", HW, cpu_layers=SPEC.n_moe_layers)
-    _, cpu, _ = generate(model, prompt, ProfileSettings("cpu-static", tokens=TOKENS, expert_dtype=fmt, hybrid=setup),
+    setup = host_setup(SPEC, "cpu-static", HW, cpu_layers=SPEC.n_moe_layers)
+    _, cpu, _ = generate(model, prompt, ProfileSettings("cpu-static", tokens=TOKENS, expert_dtype=fmt, host_setup=setup),
                          HW, forced=forced)
     for a, b in zip(cpu, ref, strict=True):
         torch.testing.assert_close(a.logits, b.logits, rtol=1e-4, atol=1e-4)

@@ -66,7 +66,7 @@ def test_host_experts_run_while_the_caller_continues():
 def test_an_expert_routed_nowhere_costs_nothing():
     with HostExperts(H, INTER, weights=_experts(), workers=1) as host:
         job = host.submit(0, torch.randn(2, H), np.array([[0, 1], [1, 0]]), torch.ones(2, 2), [4])
-        assert job.futures == [] and torch.equal(job.result(), torch.zeros(2, H))
+        assert job.futures == {} and torch.equal(job.result(), torch.zeros(2, H))
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4-g32", "int4-g128"])
@@ -115,28 +115,43 @@ def test_quantised_experts_run_on_the_host_pool():
 
 
 @pytest.mark.parametrize("policy", ["cpu-static", "cpu-on-miss"])
-def test_a_hybrid_layer_pass_equals_the_all_resident_model(policy):
-    """The real layer pass with the CPU-compute hook gives the all-resident hidden states."""
-    from moesim.executor.host_experts import HybridExperts
+def test_the_decoders_host_layer_gives_the_all_resident_logits(policy):
+    """The one place a layer is split between the device and the CPU (the production
+    decoder's ``_host_layer``: the device's share from its slots, the CPU's on the host
+    pool, summed) gives the all-resident logits, for a prefill and decode steps, with the
+    CPU really running experts (cpu-on-miss: misses both copied into the cache and run on
+    the CPU)."""
     from moesim.executor.model import ExecConfig, random_model
-    from moesim.placement import HybridPlanner, static_layers
+    from moesim.executor.runtime import HostSetup, OffloadedDecoder, host_setup
+    from moesim.executor.transport import EmulatedLink
+    from moesim.hardware import get_profile
+    from moesim.policy import ExpertTimes
 
     spec = get_model("tiny")
     model = random_model(ExecConfig(spec), seed=3)
-    tokens = torch.randint(0, spec.vocab, (2, 5), generator=torch.Generator().manual_seed(4))
-    placement = static_layers(spec, 2)  # layers 0-1 on the CPU, 2-3 resident
-    planner = HybridPlanner(policy, spec, placement if policy == "cpu-static" else None, cache_experts=4)
-    copied_log: list[tuple[int, list[int]]] = []
+    tokens = torch.randint(0, spec.vocab, (2, 6), generator=torch.Generator().manual_seed(4))
+    if policy == "cpu-static":  # layers 0-1 on the CPU, 2-3 resident
+        setup, cache = host_setup(spec, policy, get_profile("a6000"), cpu_layers=2), 0
+    else:  # decision figures under which two misses split: one copied, one on the CPU
+        times = ExpertTimes(gpu_mem=0.0, gpu_tok=0.0, gpu_fixed=0.0, cpu_mem=1.5e-6, cpu_tok=0.0, cpu_fixed=0.0,
+                            roundtrip=0.0, copy=1e-6)
+        setup, cache = HostSetup(None, times, "test figures", 0.0), 4
 
-    def copy_first(layer, misses):  # stands in for cpu_or_copy: copy one miss a layer
-        copied_log.append((layer, misses[:1]))
-        return misses[:1]
+    def run(name, **kw):
+        dec = OffloadedDecoder(model, name, EmulatedLink(1e9, 0), **kw)
+        kv = model.new_cache(2, 8)
+        recs = [dec.step(tokens[:, :3], kv, 0, prefill=True)]
+        recs += [dec.step(tokens[:, i:i + 1], kv, i, step_index=i - 3) for i in range(3, 6)]
+        dec.close()
+        return dec, recs
 
-    with torch.no_grad(), HostExperts(spec.hidden, spec.expert_inter, weights=model.experts, workers=2) as host:
-        hook = HybridExperts(model, planner, host, copy_for=copy_first if policy == "cpu-on-miss" else None)
-        hybrid = model.hidden_states(tokens, hook)
-        reference = model.hidden_states(tokens)
-    torch.testing.assert_close(hybrid, reference, rtol=1e-5, atol=1e-5)
-    if policy == "cpu-on-miss":  # the copied misses entered the device cache
-        assert all((layer, e) in planner.cache for layer, es in copied_log for e in es)
-        assert len(copied_log) == spec.n_layers
+    _, want = run("all-resident")
+    dec, got = run(policy, host_setup=setup, cache_experts=cache)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+    assert sum(int(r.cpu_experts.sum()) for r in got) > 0
+    if policy == "cpu-static":
+        assert all((r.cpu_experts[2:] == 0).all() for r in got)
+    else:  # the copied misses entered the device cache
+        copied = [(spec.moe_layers.index(c.layer), c.expert) for r in got for c in r.copies]
+        assert copied and any(key in dec.host_planner.cache for key in copied)
