@@ -33,6 +33,7 @@ loop between two steps, :mod:`moesim.executor.interrupt`).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import inspect
 import os
 from collections.abc import Callable, Sequence
@@ -44,15 +45,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from moesim import __version__
+from moesim import __version__, budget
 from moesim.errors import MoesimError
 from moesim.executor.defaults import DRAFT_MODEL, SHIPPED_MODEL
+from moesim.executor.families import FAMILIES
 from moesim.executor.interrupt import stop_on_interrupt, stop_requested
-from moesim.executor.loading import shipped_model
+from moesim.executor.loading import resolve_snapshot, shipped_model
 from moesim.executor.profile import DEFAULT_PROMPT
 from moesim.models import ModelSpec, from_hf_config, read_config
-from moesim.traces.format import Trace
+from moesim.outputs import check_output_file
+from moesim.traces.format import Trace, write_trace
 from moesim.traces.header import make_header
+from moesim.traces.metrics import recall_per_layer
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -67,6 +71,42 @@ MAIN_PREDICTOR = "quasi"
 
 def weight_files(model_dir: Path) -> list[Path]:
     return sorted(p for p in Path(model_dir).iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+
+
+def checkpoint_folder(model_dir: str | Path) -> Path:
+    """A checkpoint folder to record from: a shipped checkpoint's name, a folder, or a
+    Hugging Face cache folder (``models--ORG--NAME``: its one snapshot). One line, before
+    anything loads, for a folder with no config.json or with a config.json and no weights."""
+    path = shipped_model(str(model_dir)) if str(model_dir) in (SHIPPED_MODEL, DRAFT_MODEL) else Path(model_dir)
+    if path.is_dir():
+        path = resolve_snapshot(path)
+    if not (path / "config.json").is_file():
+        raise MoesimError(f"{path}: not a Hugging Face checkpoint (no config.json)")
+    if not weight_files(path):
+        index = sorted(p.name for p in path.glob("*.index.json"))
+        raise MoesimError(f"{path}: a config.json but no weight files ({', '.join(WEIGHT_SUFFIXES)})"
+                          + (f"; {index[0]} names shards that are not there" if index else "")
+                          + ": download the weights first")
+    return path
+
+
+def check_record_device(device: str) -> None:
+    """``cpu``, or ``cuda`` where there is one and ``accelerate`` is installed (it places a
+    large checkpoint over GPUs and host memory: ``device_map='auto'``)."""
+    if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
+        raise MoesimError(f"record: device {device!r} is not available (cpu, or cuda when present)")
+    if device != "cpu" and importlib.util.find_spec("accelerate") is None:
+        raise MoesimError('record --device cuda needs accelerate (device_map="auto"), which is not installed: '
+                          'pip install "moesim[record]"')
+
+
+def record_spec(model_dir: Path) -> ModelSpec:
+    """The checkpoint's spec (:func:`moesim.models.from_hf_config`), with the executor's
+    family adapter's corrections where it has one (GLM-4.7-Flash's ``mlp_layer_types``)."""
+    spec = from_hf_config(model_dir / "config.json")
+    cfg = read_config(model_dir / "config.json")
+    fam = FAMILIES.get(cfg.get("model_type"))
+    return fam.fix_spec(cfg, spec, model_dir / "config.json") if fam is not None else spec
 
 
 def revision_hash(model_dir: str | Path) -> str:
@@ -95,8 +135,6 @@ def check_record_budget(spec, tokens: int, rows: int, prompt_len: int) -> None:
     """Refuse, before a model loads, a recording that cannot fit in this machine's memory or
     would run for more than a day (the estimate of ``moesim profile``'s resident decode,
     ``rows`` sequences a step; moesim.budget)."""
-    from moesim import budget
-
     budget.check(budget.decode_estimate(spec, tokens, rows, 4, 1.0, 0, False, prompt_len))
 
 
@@ -132,6 +170,33 @@ class MoeLayer:
     gates: list[np.ndarray] = field(default_factory=list)
     x: list[torch.Tensor] = field(default_factory=list)  # router input [B, H]
     resid: list[torch.Tensor] = field(default_factory=list)  # residual after attention [B, H]
+    call: RouterCall | None = None  # how the block calls its router (what predictions call it with)
+
+
+@dataclass
+class RouterCall:
+    """How a block calls its router beyond the hidden states: the rank of the input it
+    passes (``[N, H]`` or ``[B, T, H]``) and any further arguments (MiniMax-M2's and
+    Afmoe's routers take the selection bias; LFM2-MoE's optionally), kept from the first
+    call so predictions call the router exactly as the block does."""
+
+    ndim: int = 2
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+
+def _router_input(args: tuple, kwargs: dict) -> tuple[torch.Tensor, RouterCall]:
+    """The hidden states a router was called with, wherever they were passed, and the rest."""
+    if args:
+        x, rest, kw = args[0], args[1:], dict(kwargs)
+    else:
+        kw = dict(kwargs)
+        key = "hidden_states" if "hidden_states" in kw else next(
+            (k for k, v in kw.items() if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
+        if key is None:
+            raise MoesimError("a router was called without hidden states it could record")
+        x, rest = kw.pop(key), ()
+    return x, RouterCall(x.dim(), rest, kw)
 
 
 def _decoder_layers(model: torch.nn.Module) -> Sequence[torch.nn.Module]:
@@ -168,12 +233,23 @@ def _placement(module: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
     return (torch.device(dev) if dev is not None else p.device), p.dtype
 
 
-def _route(router: torch.nn.Module, x: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, gates) [N, k] from the router module, largest gate first, gates / ``scale``."""
-    _, w, ids = router(x)
-    w = w.float() / scale
+def _route(router: torch.nn.Module, x: torch.Tensor, scale: float,
+           call: RouterCall | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, gates) [N, k] from the router module called as its block calls it (``call``),
+    largest gate first, gates / ``scale``."""
+    call = call or RouterCall()
+    _, w, ids = _router_output(router(x.view(1, *x.shape) if call.ndim == 3 else x, *call.args, **call.kwargs))
+    w = w.float().reshape(-1, w.shape[-1]) / scale
+    ids = ids.reshape(-1, ids.shape[-1])
     order = w.argsort(dim=-1, descending=True, stable=True)
     return ids.gather(-1, order), w.gather(-1, order)
+
+
+def _router_output(out) -> tuple:
+    """A router's ``(logits, weights, ids)`` (transformers 5.x MoE routers), checked."""
+    if not isinstance(out, (tuple, list)) or len(out) < 3:
+        raise MoesimError(f"a router returned {type(out).__name__}, not (logits, weights, ids): not recordable")
+    return out[0], out[1], out[2]
 
 
 # --------------------------------------------------------------------------------------
@@ -197,7 +273,7 @@ def prompt_ids(prompts: Any, model_dir: Path, vocab: int, batch: int | None) -> 
     else:
         texts = list(prompts)
         if any((model_dir / f).is_file() for f in TOKENIZER_FILES):
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # optional and heavy (the record extra)
 
             tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
             rows = [tok(t)["input_ids"] for t in texts]
@@ -241,7 +317,7 @@ def _forward(model, ids: torch.Tensor, cache):
 def load_model(model_dir: Path, device: str):
     """The checkpoint in transformers' reference classes: fp32 on CPU, its own dtype with
     ``device_map='auto'`` on CUDA (large checkpoints spread over GPUs, then host)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # optional and heavy (the record extra)
 
     if device == "cpu":
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True)
@@ -258,14 +334,11 @@ def record(model_dir: str | Path, prompts: Any, tokens: int = 64, device: str = 
     """Decode ``tokens`` steps from ``prompts`` with the checkpoint in ``model_dir`` (or a
     shipped checkpoint's name, e.g. ``moe-stdlib``) and return its routing as a trace (no
     timings). ``temperature`` 0 = greedy."""
-    model_dir = shipped_model(str(model_dir)) if str(model_dir) in (SHIPPED_MODEL, DRAFT_MODEL) else Path(model_dir)
-    if not (model_dir / "config.json").is_file():
-        raise MoesimError(f"{model_dir}: not a Hugging Face checkpoint (no config.json)")
+    model_dir = checkpoint_folder(model_dir)
     if tokens < 1:
         raise MoesimError("record: tokens must be >= 1")
-    if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
-        raise MoesimError(f"record: device {device!r} is not available (cpu, or cuda when present)")
-    spec = from_hf_config(model_dir / "config.json")
+    check_record_device(device)
+    spec = record_spec(model_dir)
     if not spec.top_k:
         raise MoesimError(f"{model_dir}: config has no experts-per-token")
     prompt, how = prompt_ids(prompts, model_dir, spec.vocab, batch)
@@ -285,12 +358,15 @@ def record(model_dir: str | Path, prompts: Any, tokens: int = 64, device: str = 
     state = {"on": False}
     hooks = []
     for m in layers:
-        def on_router(mod, args, out, m=m):
+        def on_router(mod, args, kwargs, out, m=m):
             if state["on"]:
-                x = args[0].reshape(-1, args[0].shape[-1])
-                w = out[1].float() / scale
+                x, call = _router_input(args, kwargs)
+                m.call = m.call or call
+                x = x.reshape(-1, x.shape[-1])
+                _, w, ids = _router_output(out)
+                w = w.float().reshape(-1, w.shape[-1]) / scale
                 order = w.argsort(dim=-1, descending=True, stable=True)
-                m.ids.append(out[2].gather(-1, order).cpu().numpy())
+                m.ids.append(ids.reshape(-1, ids.shape[-1]).gather(-1, order).cpu().numpy())
                 m.gates.append(w.gather(-1, order).cpu().numpy())
                 m.x.append(x.detach().cpu())  # model dtype (bf16 on GPU): T x M x B x H each for x and resid
 
@@ -298,7 +374,8 @@ def record(model_dir: str | Path, prompts: Any, tokens: int = 64, device: str = 
             if state["on"]:
                 m.resid.append(args[0].reshape(-1, args[0].shape[-1]).detach().cpu())
 
-        hooks += [m.router.register_forward_hook(on_router), m.norm.register_forward_pre_hook(on_norm)]
+        hooks += [m.router.register_forward_hook(on_router, with_kwargs=True),
+                  m.norm.register_forward_pre_hook(on_norm)]
 
     gen = torch.Generator().manual_seed(seed)
     out_tokens: list[torch.Tensor] = []
@@ -365,14 +442,12 @@ def _decode(model, prompt: torch.Tensor, tokens: int, temperature: float, gen: t
 
 
 def _transformers_version() -> str:
-    import transformers
+    import transformers  # optional and heavy (the record extra)
 
     return transformers.__version__
 
 
 def _recall(true_ids: np.ndarray, pred_ids: np.ndarray) -> list[float]:
-    from moesim.traces.metrics import recall_per_layer
-
     return [float(x) for x in recall_per_layer(true_ids, pred_ids)]
 
 
@@ -414,7 +489,7 @@ def predictions(layers: list[MoeLayer], spec: ModelSpec, scale: float) -> dict[s
                 e = torch.from_numpy(np.concatenate(prev.ids)).long()
                 d = (dv[j - 1][e] * g[..., None]).sum(1)
                 q = cur.norm((torch.cat(prev.resid).float() + d).to(*_placement(cur.norm)))
-            pi, pg = _route(cur.router, q.to(r_dev, r_dtype if r_dtype.is_floating_point else q.dtype), scale)
+            pi, pg = _route(cur.router, q.to(r_dev, r_dtype if r_dtype.is_floating_point else q.dtype), scale, cur.call)
             ids[:, j] = pi.cpu().numpy().reshape(t, b, k)
             gates[:, j] = np.clip(pg.cpu().numpy().reshape(t, b, k), 0, 1)
         out[name] = (ids, gates)
@@ -428,9 +503,6 @@ def predictions(layers: list[MoeLayer], spec: ModelSpec, scale: float) -> dict[s
 
 def record_trace(model_dir: str | Path, out: str | Path, prompts: Any, **kw: Any) -> Trace:
     """``moesim record``: :func:`record`, then write the trace atomically to ``out``."""
-    from moesim.outputs import check_output_file
-    from moesim.traces.format import write_trace
-
     check_output_file(out, (".npz",))  # before the model loads, not after the run
     trace = record(model_dir, prompts, **kw)
     write_trace(trace, out)

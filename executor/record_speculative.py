@@ -51,22 +51,25 @@ import torch
 
 from moesim import __version__
 from moesim.errors import MoesimError
-from moesim.executor.defaults import DRAFT_MODEL, RECORD_DRAFT, SHIPPED_MODEL
+from moesim.executor.defaults import RECORD_DRAFT
 from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
-from moesim.executor.loading import shipped_model
 from moesim.executor.model import TreeMask
 from moesim.executor.record import (
+    _router_output,
     _transformers_version,
     check_fits,
     check_record_budget,
+    checkpoint_folder,
     find_moe_layers,
     load_model,
     prompt_ids,
     revision_hash,
 )
+from moesim.executor.speculative import load_expert_predictor
 from moesim.models import ModelSpec, from_hf_config, read_config
+from moesim.outputs import check_output_file
 from moesim.selection import SCORES, SELECTIONS, Tree, accept, select
-from moesim.traces.format import Trace
+from moesim.traces.format import Trace, write_trace
 from moesim.traces.header import make_header
 from moesim.traces.records import SDStep, expert_mask, sd_arrays
 
@@ -128,10 +131,7 @@ class VerifiedStep:
 
 
 def _resolve(name: str | Path) -> Path:
-    path = shipped_model(str(name)) if str(name) in (SHIPPED_MODEL, DRAFT_MODEL) else Path(name)
-    if not (path / "config.json").is_file():
-        raise MoesimError(f"{name}: not a Hugging Face checkpoint (no config.json)")
-    return path
+    return checkpoint_folder(name)
 
 
 def _vocab(cfg: dict) -> int | None:
@@ -149,8 +149,6 @@ def load_predictor(draft_dir: Path, draft_hidden: int, spec: ModelSpec):
     size, target layers and experts), else None (the reason as the second value)."""
     if not (draft_dir / PREDICTOR_FILE).is_file():
         return None, f"{draft_dir.name} has no {PREDICTOR_FILE} (moesim train-expert-predictor)"
-    from moesim.executor.speculative import load_expert_predictor
-
     pred = load_expert_predictor(draft_dir)
     have = (pred.probes.in_features, pred.layers, pred.experts)
     want = (draft_hidden, spec.n_layers, spec.n_experts)
@@ -166,7 +164,7 @@ def load_predictor(draft_dir: Path, draft_hidden: int, spec: ModelSpec):
 
 
 def _check_cache(cache, family: str) -> None:
-    from transformers.cache_utils import DynamicLayer
+    from transformers.cache_utils import DynamicLayer  # optional and heavy (the record extra)
 
     layers = getattr(cache, "layers", None)
     if layers is None or any(type(lay) is not DynamicLayer for lay in layers):
@@ -220,7 +218,7 @@ class Pair:
     an expert predictor, the draft's final norm (the predictor's input)."""
 
     def __init__(self, target, draft, spec: ModelSpec, scale: float, predictor, names: tuple[str, str]) -> None:
-        from transformers.cache_utils import DynamicCache
+        from transformers.cache_utils import DynamicCache  # optional and heavy (the record extra)
 
         self.target, self.draft, self.spec, self.predictor, self.names = target, draft, spec, predictor, names
         self.t_dev = target.get_input_embeddings().weight.device  # device_map='auto': inputs go to the embedding
@@ -236,6 +234,8 @@ class Pair:
         self.hooks = []
         for j, m in enumerate(layers):
             def on_router(mod, args, out, j=j):
+                _, w, ids = _router_output(out)
+                out = (None, w.reshape(-1, w.shape[-1]), ids.reshape(-1, ids.shape[-1]))
                 w = out[1].float() / scale  # routed_scaling_factor divided out, as plain record does
                 order = w.argsort(dim=-1, descending=True, stable=True)
                 self.routed[j] = (out[2].gather(-1, order).cpu().numpy(), w.gather(-1, order).cpu().numpy())
@@ -458,9 +458,6 @@ def build_trace(spec: ModelSpec, prompt: torch.Tensor, steps: list[VerifiedStep]
 def record_speculative_trace(target_dir: str | Path, draft_dir: str | Path, out: str | Path, prompts: Any,
                              **kw: Any) -> Trace:
     """``moesim record TARGET --draft DRAFT``: :func:`record_speculative`, then write atomically."""
-    from moesim.outputs import check_output_file
-    from moesim.traces.format import write_trace
-
     check_output_file(out, (".npz",))  # before the models load, not after the run
     trace = record_speculative(target_dir, draft_dir, prompts, **kw)
     write_trace(trace, out)

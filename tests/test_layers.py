@@ -108,3 +108,56 @@ def test_cli_command_modules_stay_thin():
     for path in sorted((ROOT / "moesim" / "cli").glob("*.py")):
         n = len(path.read_text().splitlines())
         assert n < CLI_MODULE_MAX_LINES, f"{path.name}: {n} lines"
+
+
+def executor_import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Executor module -> the executor modules it imports (at the top or inside functions)."""
+    mods = {name: path for name, path in source_modules(root).items() if name.startswith("moesim.executor.")}
+    return {name: {t for t in imports(path) if t in mods and t != name} for name, path in mods.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import circle (as the path that closes it), by depth-first search."""
+    found, state = [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                found.append(path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+def test_the_executor_has_no_import_circle():
+    """No executor module imports one that imports it back, not even through a function-level
+    (lazy) import: a lazy import hides a circle, it does not remove it."""
+    assert cycles(executor_import_graph()) == []
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]  # the check sees one
+
+
+def test_executor_function_level_imports_only_keep_optional_dependencies_out():
+    """Inside a function, the executor imports only optional or heavy third-party packages
+    (transformers, matplotlib, pynvml), each saying so in a comment: its own modules and
+    moesim's come at the top, where a reader sees them."""
+    allowed = {"transformers", "matplotlib", "pynvml"}
+    bad = []
+    for path in sorted((ROOT / "executor").glob("*.py")):
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for sub in ast.walk(node):
+                if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                    name = sub.module if isinstance(sub, ast.ImportFrom) else sub.names[0].name
+                    top = (name or "").split(".")[0]
+                    commented = "#" in lines[sub.lineno - 1] or "#" in lines[sub.lineno - 2]
+                    if top not in allowed or not commented:
+                        bad.append(f"{path.name}:{sub.lineno} imports {name} inside {node.name}")
+    assert bad == []

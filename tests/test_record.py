@@ -1,6 +1,7 @@
-"""Recording routing from Hugging Face MoE checkpoints: tiny random checkpoints of seven
+"""Recording routing from Hugging Face MoE checkpoints: tiny random checkpoints of eight
 families written by transformers, recorded, checked against top-k computed here from
-router logits of an independent full-sequence pass, and replayed by the simulator."""
+router logits of an independent full-sequence pass, and replayed by the simulator; the
+folder layouts, prompts and routers a recorder meets in the wild."""
 
 import numpy as np
 import pytest
@@ -43,6 +44,11 @@ def _configs():
                                           routed_scaling_factor=2.5),
         "gpt_oss": t.GptOssConfig(**COMMON, num_local_experts=8, num_experts_per_tok=2, intermediate_size=16,
                                   head_dim=8),
+        # GLM-4.7-Flash: MLA, the DeepSeek-V3 router, dense layers named by mlp_layer_types.
+        "glm4_moe_lite": t.Glm4MoeLiteConfig(**{**COMMON, **MLA}, n_routed_experts=8, num_experts_per_tok=2,
+                                             moe_intermediate_size=16, intermediate_size=48, n_shared_experts=1,
+                                             q_lora_rank=16, n_group=2, topk_group=1, routed_scaling_factor=1.8,
+                                             mlp_layer_types=["dense", "sparse", "sparse"]),
     }
 
 
@@ -59,7 +65,7 @@ def _expected(name, cfg, logits, router):
     if name == "gpt_oss":
         v, i = logits.topk(k, -1)
         return i, v.softmax(-1)
-    if name == "deepseek_v3":
+    if name in ("deepseek_v3", "glm4_moe_lite"):
         s = logits.sigmoid()
         choice = s + router.e_score_correction_bias
         g = choice.view(-1, cfg.n_group, 8 // cfg.n_group).topk(2, -1).values.sum(-1)
@@ -153,3 +159,114 @@ def test_bad_inputs_are_one_line_errors(checkpoints, tmp_path, monkeypatch):
     with pytest.raises(MoesimError, match="needs ~.* GiB to load; host memory has") as e:
         rec.record(checkpoints["olmoe"], [[1, 2]], tokens=1)
     assert "\n" not in str(e.value)
+
+
+class ArgTopKRouter(torch.nn.Module):
+    """A router called as MiniMax-M2's and Afmoe's are: the hidden states as [B, T, H] and
+    the selection bias as a second argument, plus a keyword."""
+
+    def __init__(self, inner) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, hidden_states, bias, *, scale=1.0):
+        return self.inner(hidden_states.reshape(-1, hidden_states.shape[-1]) * scale + bias)
+
+
+class ArgBlock(torch.nn.Module):
+    def __init__(self, block) -> None:
+        super().__init__()
+        self.gate, self.experts = ArgTopKRouter(block.gate), block.experts
+        self.register_buffer("bias", torch.zeros(()))
+
+    def forward(self, h):
+        b, t, d = h.shape
+        _, w, ids = self.gate(h, self.bias, scale=1.0)
+        return self.experts(h.reshape(-1, d), ids, w).view(b, t, d)
+
+
+def test_routers_called_with_extra_arguments_record_the_same_routing_and_predictions(checkpoints, monkeypatch):
+    """The hook finds the hidden states however they are passed, and the predictions call
+    each router exactly as its block does (input rank, extra arguments)."""
+    prompts = [[1, 2, 3, 4]]
+    plain = rec.record(checkpoints["qwen3_moe"], prompts, tokens=3)
+    real_load = rec.load_model
+
+    def load_with_arg_routers(model_dir, device):
+        model = real_load(model_dir, device)
+        for layer in model.model.layers:
+            layer.mlp = ArgBlock(layer.mlp)
+        return model
+
+    monkeypatch.setattr(rec, "load_model", load_with_arg_routers)
+    hooked = rec.record(checkpoints["qwen3_moe"], prompts, tokens=3)
+    for name in ("true_ids", "pred_ids", "token_ids"):
+        np.testing.assert_array_equal(getattr(hooked, name), getattr(plain, name))
+    np.testing.assert_allclose(hooked.pred_gates, plain.pred_gates, atol=1e-6)
+    for name, recall in plain.header["metrics"]["predictors"].items():  # NaN where nothing is predicted
+        np.testing.assert_array_equal(hooked.header["metrics"]["predictors"][name], recall)
+
+
+def test_a_hugging_face_cache_folder_resolves_to_its_snapshot(checkpoints, tmp_path):
+    import shutil
+
+    from moesim.executor.loading import load_model
+
+    cache = tmp_path / "models--tiny-org--tiny-qwen3"
+    snap = cache / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(checkpoints["qwen3_moe"], snap)
+    (cache / "refs").mkdir()
+    t = rec.record(cache, [[1, 2, 3]], tokens=2)
+    assert t.header["recorded"]["model_source"] == str(snap)
+    np.testing.assert_array_equal(t.true_ids, rec.record(checkpoints["qwen3_moe"], [[1, 2, 3]], tokens=2).true_ids)
+    assert load_model(str(cache)).path == snap  # moesim profile --model reads the same folder
+    shutil.copytree(snap, cache / "snapshots" / "fedcba")  # two snapshots: the ref names one, or it is one line
+    with pytest.raises(MoesimError, match="2 snapshots"):
+        rec.record(cache, [[1]], tokens=1)
+    (cache / "refs" / "main").write_text(snap.name + "\n")
+    assert rec.checkpoint_folder(cache) == snap
+
+
+def test_a_config_without_weights_is_one_line_before_loading(checkpoints, tmp_path, monkeypatch):
+    import shutil
+
+    shutil.copy(checkpoints["olmoe"] / "config.json", tmp_path / "config.json")
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+
+    def no_load(*a, **k):
+        raise AssertionError("started loading the model")
+
+    monkeypatch.setattr(rec, "load_model", no_load)
+    with pytest.raises(MoesimError, match="a config.json but no weight files") as e:
+        rec.record(tmp_path, [[1, 2]], tokens=1)
+    assert "\n" not in str(e.value) and "index.json" in str(e.value)
+
+
+def test_cuda_recording_needs_accelerate(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real(name, *a))
+    with pytest.raises(MoesimError, match=r"needs accelerate.*moesim\[record\]"):
+        rec.check_record_device("cuda")
+    rec.check_record_device("cpu")
+
+
+def test_record_prompt_ids_on_the_command_line(checkpoints, tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "ids.npz"
+    r = subprocess.run([sys.executable, "-m", "moesim", "record", str(checkpoints["olmoe"]), "--prompt-ids", "5,6,7",
+                        "--prompt-ids", "1,2,3", "--tokens", "2", "--out", str(out)], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr
+    t = read_trace(out)
+    assert t.prompt_ids.tolist() == [[5, 6, 7], [1, 2, 3]] and t.header["recorded"]["prompts"] == "--prompt-ids"
+    for ids, says in (("5,x", "comma-separated token ids"), ("5,999", "outside the vocabulary")):
+        bad = subprocess.run([sys.executable, "-m", "moesim", "record", str(checkpoints["olmoe"]), "--prompt-ids", ids,
+                              "--tokens", "1", "--out", str(tmp_path / "no.npz")], capture_output=True, text=True,
+                             cwd=tmp_path, timeout=300)
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and says in bad.stderr, bad.stderr
+    assert not (tmp_path / "no.npz").exists()

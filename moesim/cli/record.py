@@ -17,10 +17,13 @@ from moesim.executor.defaults import RECORD_DRAFT as D  # torch-free: --help sho
 @keeps_finished_work
 def record(
     model_dir: Annotated[Path, typer.Argument(metavar="MODEL_DIR", help="A Hugging Face MoE checkpoint folder "
-                                                                         "(config.json + safetensors).")],
+                                                                         "(config.json + safetensors), or a Hugging "
+                                                                         "Face cache folder models--ORG--NAME.")],
     out_path: Annotated[Path, typer.Option("--out", help="Trace file to write (.npz).")] = Path("recorded.npz"),
     prompt: Annotated[list[str] | None, typer.Option(help="Prompt text (repeat for a batch).")] = None,
     prompts_file: Annotated[Path | None, typer.Option(help="A text file, one prompt per line.")] = None,
+    prompt_ids: Annotated[list[str] | None, typer.Option(help="Token ids instead of text, e.g. 1,2,3 (each in "
+                                                              "[0, vocab); repeat for a batch).")] = None,
     tokens: Annotated[int, typer.Option(help="Decode steps to record.")] = 64,
     batch: Annotated[int | None, typer.Option(help="Sequences decoded together (default: one per prompt).")] = None,
     temperature: Annotated[float, typer.Option(help="0 = greedy; else sampling temperature.")] = 0.0,
@@ -60,6 +63,12 @@ def record(
 
     prompts: object = list(prompt) if prompt else None
     source = "--prompt" if prompt else ""
+    if prompt_ids and (prompt or prompts_file is not None):
+        raise MoesimError("--prompt-ids and --prompt / --prompts-file: give one (token ids, or text)")
+    if prompt_ids:
+        from moesim.executor.loading import parse_prompt_ids
+
+        prompts, source = [parse_prompt_ids(text) for text in prompt_ids], "--prompt-ids"
     if prompts_file is not None:
         try:
             prompts = [line for line in prompts_file.read_text(encoding="utf-8").splitlines() if line.strip()]
