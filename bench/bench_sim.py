@@ -13,6 +13,10 @@ It measures, each as min / median / max over ``--repeat`` runs:
   without a cache and with an LRU and an LFU cache (targets < 10 s and < 30 s);
 - replay end to end: read the trace file, plan, time, summarise, four policies (< 20 s);
 - the 1,000-configuration sweep over a 1,000-token trace, plans included (< 3 s);
+- synthesis of a ``--synth-tokens`` (100,000) trace in memory, for Qwen3-30B-A3B and the
+  catalogue model with the most expert slots a token (< 3 s each; writing the file,
+  ``traces.format.write_trace``'s compression, is not included), and its routing
+  statistics without a profile (``moesim.sim.stats.routing_stats``: < 10 s);
 
 and the machine (CPU model, cores, Python and numpy versions). Every time is also given
 as a ratio to a fixed pure-Python reference loop timed in the same run, so runs on other
@@ -57,7 +61,7 @@ from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 MODEL = "qwen3-30b-a3b"
 POLICIES = ["on-demand", "prefetch-fom", "prefetch-spec", "oracle"]
 TARGETS_S = {"plan_no_cache": 10.0, "plan_lru": 30.0, "plan_lfu": 30.0, "replay": 20.0, "sweep_1000": 3.0,
-             "sweep_large": 300.0}
+             "sweep_large": 300.0, "synth": 3.0, "stats": 10.0}
 
 
 def reference_loop() -> None:
@@ -125,12 +129,15 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--jobs", type=int, default=0, help="sweep worker processes (0 = all cores)")
     ap.add_argument("--large", action="store_true", help="also time a ~100,000-configuration sweep")
+    ap.add_argument("--synth-tokens", type=int, default=100_000, help="trace length of the synth and stats cases")
+    ap.add_argument("--only-synth-stats", action="store_true", help="time the synth and stats cases alone")
     ap.add_argument("--quick", action="store_true", help="small sizes, one repeat: checks that the script runs")
     ap.add_argument("--out", type=Path, default=Path("bench/bench_sim.json"))
     ap.add_argument("--plot", type=Path, default=Path("bench/bench_sim.png"))
     args = ap.parse_args()
     if args.quick:
         args.tokens, args.replay_tokens, args.base_tokens, args.repeat = 100, 2000, 500, 1
+        args.synth_tokens = 2000
     jobs = args.jobs or os.cpu_count() or 1
     spec, hw = get_model(MODEL), get_profile("a6000")
     report: dict[str, Any] = {"machine": machine(), "model": MODEL, "synthetic_traces": True, "repeat": args.repeat,
@@ -140,6 +147,15 @@ def main() -> None:
     report["reference_loop"] = {**ref, "what": "pure-Python loop of 2,000,000 float multiply-adds"}
     print(f"machine: {report['machine']['cpu']}, {report['machine']['cores']} cores, Python "
           f"{report['machine']['python']}, numpy {report['machine']['numpy']}; reference loop {ref_s:.3f} s")
+
+    synth_and_stats(report, args, ref_s)
+    if args.only_synth_stats:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        from moesim.atomic import atomic_write_text
+
+        atomic_write_text(args.out, json.dumps(report, indent=2))
+        print(f"wrote {args.out}")
+        return
 
     # Engines ---------------------------------------------------------------------------
     trace = synthetic_trace(spec, SyntheticParams(tokens=args.tokens))
@@ -223,6 +239,34 @@ def main() -> None:
     atomic_write_text(args.out, json.dumps(report, indent=2))
     plot(series, args.plot, report["machine"])
     print(f"wrote {args.out} and {args.plot}")
+
+
+def synth_and_stats(report: dict[str, Any], args: argparse.Namespace, ref_s: float) -> None:
+    """The synth and stats cases: ``synthetic_trace`` of ``--synth-tokens`` steps in memory
+    for Qwen3-30B-A3B and the catalogue's model with the most expert slots a token, then
+    ``routing_stats`` (no profile) of the Qwen3 trace."""
+    from moesim.models import CATALOGUE
+    from moesim.sim.stats import routing_stats
+
+    tokens = args.synth_tokens
+    biggest = max(CATALOGUE.values(), key=lambda m: (m.n_moe_layers * m.top_k, m.n_experts)).name
+    report["synth"] = {}
+    for name in dict.fromkeys([MODEL, biggest]):
+        spec = get_model(name)
+        params = SyntheticParams(tokens=tokens)
+        t = timed(lambda s=spec, p=params: synthetic_trace(s, p), args.repeat)
+        slots = tokens * spec.n_moe_layers * spec.top_k
+        report["synth"][name] = {**rate_entry(t, slots, "expert_slots_per_s", ref_s, TARGETS_S["synth"]),
+                                 "tokens": tokens, "what": "synthetic_trace in memory (no file written)"}
+        print(f"synth {name}, {tokens} tokens ({slots / 1e6:.1f}M expert slots): {t['median_s']:.2f} s median "
+              f"({t['min_s']:.2f}-{t['max_s']:.2f}; target {TARGETS_S['synth']:g} s)")
+    trace = synthetic_trace(get_model(MODEL), SyntheticParams(tokens=tokens))
+    t = timed(lambda: routing_stats(trace), args.repeat)
+    accesses = trace.true_ids.size
+    report["stats"] = {**rate_entry(t, accesses, "accesses_per_s", ref_s, TARGETS_S["stats"]), "tokens": tokens,
+                       "model": MODEL, "what": "routing_stats at the default sizes, no profile (trace in memory)"}
+    print(f"stats {MODEL}, {tokens} tokens ({accesses / 1e6:.1f}M accesses): {t['median_s']:.2f} s median "
+          f"({t['min_s']:.2f}-{t['max_s']:.2f}; target {TARGETS_S['stats']:g} s)")
 
 
 def plot(series: dict[str, list], path: Path, mach: dict[str, Any]) -> None:
