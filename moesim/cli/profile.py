@@ -34,6 +34,8 @@ def profile(
     prompt: Annotated[str | None, typer.Option(help="Prompt text (byte-level models; default: a Python snippet); "
                                                     "other models get --prompt-len random ids.")] = None,
     prompt_len: Annotated[int, typer.Option(help="Prompt length for non-byte models.")] = 32,
+    prompt_ids: Annotated[str | None, typer.Option(help="Token ids instead of text, e.g. 1,2,3 (each in [0, vocab)); "
+                                                        "with --batch every row gets them.")] = None,
     cache_gib: Annotated[float, typer.Option(help="Cross-token expert cache, GiB.")] = 0.0,
     cache_experts: Annotated[int, typer.Option(help="The same cache in experts.")] = 0,
     eviction: Annotated[str, typer.Option(help="lru or lfu.")] = "lru",
@@ -54,6 +56,8 @@ def profile(
                                                          "as many as the --hw device memory holds).")] = None,
     prefetch_top: Annotated[int | None, typer.Option(help="prefetch-fom, oracle: prefetch only each sequence's M most "
                                                           "confident predicted experts.")] = None,
+    lookahead: Annotated[int, typer.Option(help="prefetch-fom, prefetch-spec, oracle: MoE layer m's router predicts "
+                                                "and prefetches MoE layer m+N (N from 1 to the MoE layers - 1).")] = 1,
     copy_queue: Annotated[str, typer.Option(help="Emulated link's queue: fifo, demand-first (demand copies overtake "
                                                  "queued prefetch copies) or cancel-unstarted (also drops a "
                                                  "prefetch's unneeded unstarted tail).")] = "fifo",
@@ -104,7 +108,8 @@ def profile(
     req = DecodeRequest(model, policy, predictor, device, hw_name, link_gbps, tokens, batch, prompt, prompt_len,
                         cache_gib, cache_experts, eviction, layers, dtype, temperature, seed, fidelity_tokens, threads,
                         host=host, cpu_layers=cpu_layers, placement_from=placement_from, gpu_experts=gpu_experts,
-                        expert_dtype=expert_dtype, prefetch_top=prefetch_top, copy_queue=copy_queue)
+                        expert_dtype=expert_dtype, prefetch_top=prefetch_top, copy_queue=copy_queue,
+                        lookahead=lookahead, prompt_ids=prompt_ids)
     with Progress(TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err,
                   transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("decode", total=tokens)
@@ -119,4 +124,5 @@ def profile(
               + (f", prediction recall@k {sum(recall) / len(recall):.3f}" if recall else "")
               + (f", fidelity: agreement {fid['next_token_agreement']:.3f}, KL {fid['mean_kl']:.2e}" if fid else "")
               + f"; link: {meta.hw_profile} at {meta.link_gbps:.3g} GB/s"
-              + (f", copy queue {copy_queue}" if copy_queue != "fifo" else ""))
+              + (f", copy queue {copy_queue}" if copy_queue != "fifo" else "")
+              + (f", lookahead {lookahead}" if lookahead != 1 else ""))
