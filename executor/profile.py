@@ -216,13 +216,12 @@ def build_trace(model: MoEModel, prompt: torch.Tensor, st: ProfileSettings, hw: 
                   "created": datetime.now(UTC).isoformat(timespec="seconds"), "copy_kinds": list(COPY_KINDS),
                   **({"routed_scaling_factor": scale} if scale != 1.0 else {})},
         metrics={**routing_metrics(true_ids, pred_ids), **(extra or {})},
+        lookahead=st.lookahead,  # pred_ids[:, m] was predicted at MoE layer m - lookahead (written when not 1)
     )
     if st.prefetch_top:  # the predictions stay whole; replays cut them as the run did (sim.prefetch_top)
         header["prefetch_top_m"] = st.prefetch_top
     if st.copy_queue != "fifo":  # replays time it with the same discipline (moesim.sim.validate)
         header["copy_queue"] = st.copy_queue
-    if st.lookahead != 1:  # pred_ids[:, m] was predicted at MoE layer m - lookahead (docs/trace-format.md)
-        header["lookahead"] = st.lookahead
     token_ids = torch.cat(out, 1).numpy().astype(np.int32) if out else np.zeros((b, 0), np.int32)
     return Trace(header, prompt.cpu().numpy().astype(np.int32), token_ids, true_ids,
                  (stack("true_gates") / scale).astype(np.float32), pred_ids,

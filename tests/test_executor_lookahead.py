@@ -68,7 +68,7 @@ def test_the_trace_records_n_and_each_prefetch_is_issued_n_layers_ahead(tiny, tm
     _, records, (st, prefill, out) = _run(model, dv, policy="prefetch-fom", predictor="stale", lookahead=2)
     back = read_trace(write_trace(build_trace(model, PROMPT, st, HW, prefill, records, out, "cpu", True, "t"),
                                   tmp_path / "la.npz"))
-    assert back.header["lookahead"] == 2
+    assert back.header["lookahead"] == 2 and back.meta.lookahead == 2
     tm = back.timings
     kinds, steps, issue = tm["copy_kind"], tm["copy_token"], tm["copy_issue_s"]
     moe = np.array([s.moe_layers.index(int(lay)) for lay in tm["copy_layer"]])
