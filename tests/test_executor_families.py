@@ -60,6 +60,23 @@ def test_the_family_is_read_as_transformers_builds_it(pair):
         assert cfg.rope_pairs == (name != "deepseek_v3_halves")
 
 
+def test_bf16_keeps_what_transformers_keeps_in_fp32(pair):
+    """DeepSeek and GLM keep their routers (and selection biases) in fp32, gpt-oss its norms."""
+    name, ref, ours, d = pair
+    bf = load_checkpoint(d, dtype=torch.bfloat16)
+    moe = bf.spec.moe_layers[0]
+    if name == "gpt_oss":
+        assert bf.layers[0].input_layernorm.weight.dtype == torch.float32 and bf.norm.weight.dtype == torch.float32
+    else:
+        assert bf.layers[moe].mlp.gate.weight.dtype == torch.float32
+        assert bf.layers[moe].mlp.gate.e_score_correction_bias.dtype == torch.float32
+    assert bf.layers[moe].self_attn.o_proj.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        want = ref(TOKENS).logits
+        got = bf(TOKENS, bf.new_cache(2, 10), 0).float()
+    assert torch.isfinite(got).all() and (got - want).abs().max() < 0.1 * want.abs().max()
+
+
 @pytest.mark.parametrize("policy, predictor", [
     ("all-resident", "stale"), ("on-demand", "quasi"), ("prefetch-fom", "stale"), ("prefetch-fom", "quasi"),
     ("oracle", "quasi"), ("prefetch-spec", "oracle"),

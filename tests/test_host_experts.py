@@ -155,3 +155,30 @@ def test_the_decoders_host_layer_gives_the_all_resident_logits(policy):
     else:  # the copied misses entered the device cache
         copied = [(spec.moe_layers.index(c.layer), c.expert) for r in got for c in r.copies]
         assert copied and any(key in dec.host_planner.cache for key in copied)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_one_mix_serves_dense_quantised_and_split_layers(rows):
+    """``mix_experts`` is the one gated sum: a subset and its complement add up to the whole
+    layer, and quantised experts go through the same function with their own forward."""
+    from moesim.executor.model import mix_experts
+
+    weights = _experts()[0]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, H, generator=g)
+    ids = np.array([[0, 3], [3, 5], [1, 0], [7, 3], [5, 6]])[:rows]
+    gates = torch.rand(rows, 2, generator=g)
+
+    def dense(w, xs):
+        return expert_forward(w, xs, H, INTER)
+
+    whole = mix_experts(x, ids, gates, weights, dense)
+    torch.testing.assert_close(whole, _reference(weights, x, ids, gates, set(range(E))), rtol=1e-5, atol=1e-6)
+    part = mix_experts(x, ids, gates, weights, dense, only={0, 5}) + mix_experts(x, ids, gates, weights, dense,
+                                                                                only={1, 3, 6, 7})
+    torch.testing.assert_close(part, whole, rtol=1e-5, atol=1e-6)
+    quant = [QuantExpert.from_flat(w, H, INTER, "int8") for w in weights]
+    got = mix_experts(x, ids, gates, quant, lambda q, xs: q.forward(xs))
+    want = sum(gates[:, c, None] * torch.stack([quant[e].forward(x[r:r + 1])[0] for r, e in enumerate(ids[:, c])])
+               for c in range(2))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
