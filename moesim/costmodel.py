@@ -49,6 +49,14 @@ from moesim.hardware import HardwareProfile, HostProfile
 from moesim.models import ModelSpec
 
 
+def with_launches(work, launches, overlap: bool):
+    """A block's seconds given its ``work`` (memory or math) and its kernels' ``launches``:
+    ``work + launches`` when the host launches them one after another between the
+    kernels (eager), ``max(work, launches)`` when the launches overlap the kernels'
+    execution (a replayed CUDA graph: each kernel then costs at least its launch)."""
+    return np.maximum(work, launches) if overlap else work + launches
+
+
 def device_expert_seconds(n: np.ndarray | float, assign: np.ndarray | float, per_expert: np.ndarray | float,
                           per_pair: np.ndarray | float) -> np.ndarray | float:
     """Seconds ``n`` experts serving ``assign`` token-expert pairs take on one processor
@@ -79,15 +87,18 @@ class ExpertTimes:
     roundtrip: float  # activations device -> host -> device (and the engine's CPU layer cost), once a layer
     copy: float  # one expert's host-to-device copy on the link
     gpu_layer: float = 0.0  # a fused engine's launches, once per layer with device experts
+    overlap: bool = False  # launches overlap the kernels (:func:`with_launches`)
 
     def gpu(self, n, assign):
-        """Device seconds (:func:`device_expert_seconds`, plus a fused engine's launches once
+        """Device seconds (:func:`device_expert_seconds`, with a fused engine's launches once
         a layer); works on scalars and arrays."""
-        t = device_expert_seconds(n, assign, self.gpu_mem + self.gpu_fixed, self.gpu_tok)
+        per = with_launches(self.gpu_mem, self.gpu_fixed, self.overlap)
+        t = device_expert_seconds(n, assign, per, self.gpu_tok)
         if not self.gpu_layer:
             return t
-        return t + (np.where(np.asarray(n) > 0, self.gpu_layer, 0.0) if isinstance(n, np.ndarray)
-                    else (self.gpu_layer if n else 0.0))
+        layer = (np.where(np.asarray(n) > 0, self.gpu_layer, 0.0) if isinstance(n, np.ndarray)
+                 else (self.gpu_layer if n else 0.0))
+        return with_launches(t, layer, self.overlap)
 
     def cpu(self, n, assign):
         """CPU seconds, 0 where no expert runs there; works on scalars and arrays."""
@@ -125,6 +136,7 @@ class CostModel:
             raise MoesimError("a deployment needs a GPU profile or a host profile")
         self.spec, self.gpu, self.host, self.shards, self.amx = spec, gpu, host, shards, amx
         self.engine = e = get_engine(engine)
+        self.overlap = bool(e.get("launch_overlap"))
         if gpu is not None:
             self.launch = gpu.launch if e.kernel_launch_us is None else e.kernel_launch_us * 1e-6
             self.layer_overhead = gpu.layer_overhead if e.layer_overhead_us is None else e.layer_overhead_us * 1e-6
@@ -182,9 +194,11 @@ class CostModel:
         return nbytes / (gpu.mem_bw * self.engine.weight_efficiency("gpu", dtype))
 
     def _device(self, nbytes, flops, dtype: str, kernels: float = 0.0, extra_mem=0.0):
-        """A block on the device: ``max(bytes / bandwidth + extra, FLOPs / rate) + kernels x launch``."""
+        """A block on the device: ``max(bytes / bandwidth + extra, FLOPs / rate)`` and its
+        kernels' launches (:func:`with_launches`: added, or overlapped under a graph)."""
         gpu = self._gpu()
-        return np.maximum(self._device_mem(nbytes, dtype) + extra_mem, flops / gpu.flops(dtype)) + kernels * self.launch
+        work = np.maximum(self._device_mem(nbytes, dtype) + extra_mem, flops / gpu.flops(dtype))
+        return with_launches(work, kernels * self.launch, self.overlap)
 
     def _host(self) -> HostProfile:
         if self.host is None:
@@ -278,7 +292,7 @@ class CostModel:
         (:func:`device_expert_seconds`; a fused engine adds its launches once a layer)."""
         t = device_expert_seconds(n, assign, self.expert_read(), self.expert_pair())
         if self.engine.fused_experts:
-            t = t + np.where(np.asarray(n) > 0, self.layer_expert_launches, 0.0)
+            t = with_launches(t, np.where(np.asarray(n) > 0, self.layer_expert_launches, 0.0), self.overlap)
         return t
 
     # -- routed experts on the CPU -------------------------------------------------------
@@ -305,14 +319,16 @@ class CostModel:
             cpu_tok=s.expert_flops(1) / self.cpu_rate(s.expert_dtype),
             cpu_fixed=self.cpu_dispatch, roundtrip=self.roundtrip(batch),
             copy=self.copy_expert() if gpu else np.inf, gpu_layer=self.layer_expert_launches if gpu else 0.0,
+            overlap=self.overlap,
         )
 
     # -- the link ------------------------------------------------------------------------
     def copy(self, nbytes, transfers: float = 1):
-        """``transfers`` host-to-device copies moving ``nbytes`` in all, from pinned memory:
-        each pays the transfer latency, the bytes share the link's bandwidth."""
+        """``transfers`` host-to-device copies moving ``nbytes`` in all: each pays the transfer
+        latency, the bytes share the link's bandwidth (pinned, times the engine's
+        ``link_efficiency``)."""
         gpu = self._gpu()
-        return transfers * gpu.transfer_latency + nbytes / gpu.link_bw
+        return transfers * gpu.transfer_latency + nbytes / (gpu.link_bw * self.engine.get("link_efficiency", 1.0))
 
     def copy_expert(self) -> float:
         """One routed expert's copy (one contiguous buffer): the link model's unit."""

@@ -30,10 +30,15 @@ ENGINE_FIGURES: dict[str, tuple[str, bool, bool, str]] = {
     "head_kernels": ("count", True, True, "GPU kernels of the final norm, LM head and sampling"),
     "predict_kernels": ("count", True, True, "GPU kernels of one next-layer expert prediction"),
     "kernel_launch_us": ("us", False, False, "cost of one GPU kernel (absent: the GPU profile's kernel_launch_us)"),
+    "launch_overlap": ("0/1", False, True, "1: launches overlap the kernels' execution (a replayed CUDA graph): a "
+                                          "block takes max(work, launches); 0: they add up (absent: 0)"),
     "layer_overhead_us": ("us", False, False, "fixed framework cost per layer on the GPU (absent: the GPU "
                                               "profile's layer_overhead_us)"),
     "kv_read_efficiency": ("fraction", False, False, "share of the device bandwidth attention reaches reading the "
                                                      "KV cache (absent: 1)"),
+    "link_efficiency": ("fraction", False, False, "share of the GPU profile's pinned host-to-device bandwidth the "
+                                                  "engine's expert copies reach (absent: 1; pageable or small copies "
+                                                  "reach less)"),
     "cpu_layer_overhead_us": ("us", False, False, "fixed cost per layer with work on the CPU: thread-pool "
                                                   "barriers and graph scheduling (absent: 0)"),
     "cpu_expert_dispatch_us": ("us", False, False, "CPU cost to start one expert (absent: the host profile's)"),
@@ -48,7 +53,8 @@ ENGINE_FIGURES: dict[str, tuple[str, bool, bool, str]] = {
 #: engine's kernels reach reading weights of a format (``default``, or a format name of
 #: ``moesim.models.DTYPES``).
 EFFICIENCY_TABLES = ("cpu_weight_efficiency", "gpu_weight_efficiency")
-ZERO_OK = {"fused_experts", "layer_overhead_us", "cpu_layer_overhead_us", "numa_efficiency", "pages_from_disk"}
+ZERO_OK = {"fused_experts", "layer_overhead_us", "cpu_layer_overhead_us", "numa_efficiency", "pages_from_disk",
+           "launch_overlap"}
 TOP_KEYS = {"name", "description", "runs_on", "figures", *EFFICIENCY_TABLES}
 RUNS_ON = ("gpu", "cpu")
 
@@ -145,7 +151,7 @@ def parse_engine(data: dict[str, Any], where: str) -> EngineProfile:
     if not isinstance(runs, list) or not runs or any(r not in RUNS_ON for r in runs):
         raise MoesimError(f"{where}: runs_on must be a non-empty list of {', '.join(RUNS_ON)}")
     figures = parse_figures(data["figures"], ENGINE_FIGURES, where, zero_ok=ZERO_OK)
-    for flag in ("fused_experts", "pages_from_disk"):
+    for flag in ("fused_experts", "pages_from_disk", "launch_overlap"):
         if flag in figures and figures[flag].value not in (0, 1):
             raise MoesimError(f"{where}: {flag} is 0 or 1, got {figures[flag].value:g}")
     tables = {t: _efficiency(data.get(t, {}), where, t) for t in EFFICIENCY_TABLES}

@@ -94,6 +94,25 @@ def hot_set(counts: np.ndarray, spec: ModelSpec, budget_bytes: int, source: str,
                      optimistic, keys)
 
 
+def hot_per_layer(counts: np.ndarray, spec: ModelSpec, per_layer: int, source: str, optimistic: bool) -> Placement:
+    """The ``per_layer`` most routed experts of EVERY MoE layer (KTransformers'
+    ``--kt-num-gpu-experts``: a count per layer, not one budget); ties to the lower index."""
+    m, e = spec.n_moe_layers, spec.n_experts
+    if counts.shape != (m, e):
+        raise MoesimError(f"calibration routing has {counts.shape[0]} MoE layers x {counts.shape[1]} experts; "
+                          f"{spec.name} has {m} x {e}")
+    if isinstance(per_layer, bool) or not isinstance(per_layer, int) or not 0 <= per_layer <= e:
+        raise MoesimError(f"--gpu-experts-per-layer {per_layer!r}: a count from 0 to {e} ({spec.name})")
+    order = np.argsort(-counts, axis=1, kind="stable")[:, :per_layer]  # stable: ties to the lower index
+    resident = np.zeros((m, e), bool)
+    np.put_along_axis(resident, order, True, axis=1)
+    hottest = sorted(((int(layer), int(x)) for layer, row in enumerate(order) for x in row),
+                     key=lambda k: (-counts[k], k))
+    what = f"{per_layer} hottest experts of each layer ({per_layer / e:.0%}) by {source}"
+    return Placement(resident, what + (" (optimistic: counted on the replayed trace)" if optimistic else ""),
+                     optimistic, tuple(hottest))
+
+
 def make_placement(policy: str | Policy, spec: ModelSpec, device_memory: float, *, batch: int = 1, context: int = 0,
                    cpu_layers_n: int | str = "auto", calibration: np.ndarray | None = None,
                    replay_ids: np.ndarray | None = None, calibrate_on_replay: bool = False) -> Placement | None:

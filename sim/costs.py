@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from moesim.costmodel import CostModel, device_expert_seconds
+from moesim.costmodel import CostModel, device_expert_seconds, with_launches
 from moesim.engines import DEFAULT_ENGINE
 from moesim.errors import MoesimError
 
@@ -32,13 +32,14 @@ class Costs:
     source: str
     expert_math_s: float = 0.0  # math time of one expert-token pair (roofline only; batch > 1)
     layer_fixed_s: float = 0.0  # a fused engine's launches, once per layer that runs experts
+    overlap: bool = False  # those launches overlap the kernels (moesim.costmodel.with_launches)
 
     def expert_compute(self, n_exec: np.ndarray, n_assign: np.ndarray) -> np.ndarray:
         """Time of a layer's routed experts: ``n_exec`` distinct experts serving ``n_assign``
         token-expert pairs (:func:`moesim.costmodel.device_expert_seconds`)."""
         g = device_expert_seconds(n_exec, n_assign, self.per_expert, self.expert_math_s)
         if self.layer_fixed_s:
-            g = g + np.where(n_exec > 0, self.layer_fixed_s, 0.0)
+            g = with_launches(g, np.where(n_exec > 0, self.layer_fixed_s, 0.0), self.overlap)
         return g
 
 
@@ -53,7 +54,7 @@ def roofline_costs(cm: CostModel, tokens: int, prompt_len: int, batch: int = 1) 
     m = spec.n_moe_layers
     return Costs(attn, np.full((tokens, m), cm.expert_read()), np.full(tokens, cm.head(batch)),
                  f"roofline ({cm.gpu.name}{'' if cm.engine.name == DEFAULT_ENGINE else ', ' + cm.engine.name})",
-                 cm.expert_pair(), cm.layer_expert_launches)
+                 cm.expert_pair(), cm.layer_expert_launches, cm.overlap)
 
 
 def measured_costs(timings: dict[str, np.ndarray], recorded_exec: np.ndarray) -> Costs:

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, err, out, table
+from moesim.cli.app import app, err, out, print_csv, print_json, table
 from moesim.cli.running import keeps_finished_work, progress_bar
 
 CASE_SHORT = {"same-policy": "same", "transfer from on-demand": "transfer"}
@@ -27,14 +27,34 @@ def validate(
                                               "copy queue (fifo, demand-first, cancel-unstarted; synthetic geometry).")] = True,
     repeats: Annotated[int, typer.Option(help="Rounds of every case (the policies interleaved in each); a case scores "
                                                "as the median over rounds, with its spread.")] = 3,
+    published: Annotated[bool, typer.Option("--published", help="Instead: predict the published measurements of "
+                                                                "real engines (hwprofiles/published) and score the "
+                                                                "fit and holdout halves.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="With --published: rows and summary as JSON.")] = False,
+    as_csv: Annotated[bool, typer.Option("--csv", help="With --published: every row as CSV.")] = False,
 ) -> None:
     """Run the validation suite: the simulator against the executor on this machine (CPU,
     emulated link): 2 models x 3 link bandwidths x 4 policies, same-policy replay and
     policy transfer (predicted from the on-demand trace alone), with an error table; then
     the CPU-compute policies and the copy queues (which wins, measured and predicted).
 
-    Example: `moesim validate --out validation-report` (long-running)
+    With `--published`, it instead predicts every published batch-1 decode measurement of
+    a real engine that moesim can express (llama.cpp, ik_llama.cpp, KTransformers, vLLM,
+    MoE-Infinity, mixtral-offloading; hwprofiles/published) and scores both halves: engine
+    figures are fitted on the fit half only (bench/fit_engines.py), the holdout half is the
+    claim. It takes seconds.
+
+    Examples: `moesim validate --out validation-report` (long-running), `moesim validate --published`,
+    `moesim validate --published --json`
     """
+    if published:
+        _published(as_json, as_csv)
+        return
+    if as_json or as_csv:
+        from moesim.errors import MoesimError
+
+        raise MoesimError("--json and --csv print the published suite (--published); the executor suite writes its "
+                          "tables to --out")
     from moesim.reports.validation import validation_suite
 
     with progress_bar("validating", "runs") as update:
@@ -72,3 +92,33 @@ def _verdict(w: dict) -> str:
     if w["runs"] < 2:
         return "one run: no spread to judge it by"
     return "clear" if w["clear"] else "inside the runs’ spread: a tie"
+
+
+def _published(as_json: bool, as_csv: bool) -> None:
+    from moesim.sim.published import TARGET_MEDIAN_LN, TARGET_WITHIN, excluded, run_published, summarise
+
+    rows = run_published()
+    summary = summarise(rows)
+    if as_json:
+        print_json({"summary": summary, "target": {"within_25": TARGET_WITHIN, "median_abs_ln": TARGET_MEDIAN_LN},
+                    "rows": rows, "excluded": excluded()})
+        return
+    if as_csv:
+        print_csv(rows)
+        return
+    for split in ("holdout", "fit"):
+        mine = [r for r in rows if r["split"] == split]
+        out.print(table(f"published measurements, {split} half: measured vs predicted decode tokens/s (synthetic "
+                        "traces; engine figures fitted on the fit half)",
+                        ("id", "engine", "model", "hw", "measured", "predicted", "ratio"),
+                        [[r["id"], r["engine"], f"{r['model']} {r['quant']}", r["hw"] + ("" if r["host"] == "-" else
+                                                                                       " + " + r["host"]),
+                          f"{r['measured_tps']:.3g}", f"{r['predicted_tps']:.3g}", f"{r['ratio']:.2f}"] for r in mine],
+                        "right"))
+    for split, s in summary.items():
+        out.print(f"[bold]{split}[/bold]: {s['entries']} entries, {s['within_25']:.0%} within +-25% "
+                  f"(target {TARGET_WITHIN:.0%}), median |ln(predicted / measured)| {s['median_abs_ln']:.3f} "
+                  f"(target <= {TARGET_MEDIAN_LN}), worst {s['worst_abs_ln']:.2f}, {s['optimistic']} optimistic"
+                  + ("" if split == "fit" else f": target {'met' if s['meets_target'] else 'NOT met'}"))
+    out.print(f"{len(excluded())} more measurements are not expressed (hwprofiles/published/settings.toml says why); "
+              "sources: hwprofiles/published/README.md")

@@ -1,0 +1,64 @@
+"""What a llama.cpp file type stores each tensor as, when only its name is known.
+
+A GGUF file says every tensor's type (``moesim.gguf_file`` reads it exactly); a user who
+only knows "Q4_K_M" gets the file llama-quantize would write. The rules are llama.cpp's
+own (``src/llama-quant.cpp``, ``llama_tensor_get_type_impl``): Q4_K_M stores the expert
+``gate``/``up`` matrices in Q4_K and ``ffn_down`` in Q6_K on the layers ``use_more_bits``
+picks (the first and last eighth, and every third one between), the LM head in Q6_K.
+Unsloth's dynamic quants (``UD-*``) keep attention and shared weights in more bits and
+differ per release; they are approximated by their base type, and a result says so.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from moesim.errors import MoesimError
+from moesim.models import ModelSpec, matrix_bytes
+
+
+def use_more_bits(i_layer: int, n_layers: int) -> bool:
+    """llama.cpp's rule for the layers whose ``ffn_down`` gets more bits."""
+    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
+
+
+#: file type -> (expert gate/up, expert down on use_more_bits layers, other down, dense, head, embedding)
+RECIPES: dict[str, tuple[str, str, str, str, str, str]] = {
+    "q4_k_m": ("q4_k", "q6_k", "q4_k", "q4_k", "q6_k", "q4_k"),
+    "q4_k_s": ("q4_k", "q4_k", "q4_k", "q4_k", "q6_k", "q4_k"),
+    "q5_k_m": ("q5_k", "q6_k", "q5_k", "q5_k", "q6_k", "q5_k"),
+    "q6_k": ("q6_k", "q6_k", "q6_k", "q6_k", "q6_k", "q6_k"),
+    "q8_0": ("q8_0", "q8_0", "q8_0", "q8_0", "q8_0", "q8_0"),
+    "q2_k": ("q2_k", "q3_k", "q3_k", "q4_k", "q6_k", "q2_k"),
+    "iq1_s": ("iq1_s", "iq2_xxs", "iq1_s", "q4_k", "q6_k", "q4_k"),
+    "iq3_xxs": ("iq3_xxs", "q4_k", "iq3_xxs", "q4_k", "q6_k", "iq3_xxs"),
+    "iq4_xs": ("iq4_xs", "iq4_xs", "iq4_xs", "iq4_xs", "q6_k", "iq4_xs"),
+}
+#: Names people write for them (Unsloth's dynamic quants: their base type).
+ALIASES = {"ud-q4_k_xl": "q4_k_m", "ud-iq1_s": "iq1_s", "ud-iq3_xxs": "iq3_xxs", "q2_k_xs": "q2_k",
+           "ud-q2_k_xl": "q2_k"}
+
+
+def apply_recipe(spec: ModelSpec, file_type: str) -> ModelSpec:
+    """``spec`` stored as llama-quantize's ``file_type`` (a name of :data:`RECIPES` or
+    :data:`ALIASES`): per-MoE-layer expert bytes, the dense, head and embedding formats."""
+    key = file_type.strip().lower()
+    key = ALIASES.get(key, key)
+    if key not in RECIPES:
+        raise MoesimError(f"unknown llama.cpp file type {file_type!r}; known: {', '.join([*RECIPES, *ALIASES])}")
+    gate_up, down_more, down, dense, head, embed = RECIPES[key]
+    h, i = spec.hidden, spec.expert_inter
+    try:
+        per_layer = []
+        for layer in spec.moe_layers:
+            d = down_more if use_more_bits(layer, spec.n_layers) else down
+            n = (2 if spec.expert_gated else 1) * matrix_bytes(i, h, gate_up) + matrix_bytes(h, i, d)
+            per_layer.append(n + (2 * (2 * i + h) if spec.expert_bias else 0))
+        out = replace(spec, expert_dtype=gate_up, dense_dtype=dense, head_dtype=head, embed_dtype=embed,
+                      expert_bytes_by_layer=tuple(per_layer))
+    except MoesimError as e:  # a dimension the block format cannot hold (gpt-oss's 2,880 in K-quants)
+        raise MoesimError(f"{spec.name} cannot be stored as {file_type}: {e}") from None
+    if not math.isfinite(out.expert_bytes):
+        raise MoesimError(f"{spec.name} as {file_type}: no expert size")
+    return out

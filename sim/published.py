@@ -1,0 +1,191 @@
+"""Published measurements of real engines, and what moesim predicts for each.
+
+``hwprofiles/published/measurements.toml`` holds batch-1 decode speeds that other people
+measured with llama.cpp, ik_llama.cpp, KTransformers, vLLM, MoE-Infinity and
+mixtral-offloading (engine, model, quantisation, hardware, placement, context, the quoted
+text and where it is); ``settings.toml`` expresses each one with moesim's own options,
+says what it had to assume, and assigns it to the ``fit`` or the ``holdout`` half by a
+rule fixed before any comparison. :func:`run_published` predicts every entry through the
+same path ``moesim replay`` takes (:func:`moesim.sim.static.simulate_static` for static
+layouts, :func:`moesim.sim.simulate.simulate` for the copy policies) on a **synthetic**
+trace of the model, and :func:`summarise` scores each half. Engine figures fitted to
+these data (``bench/fit_engines.py``) are fitted on the fit half only.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import tomllib
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import numpy as np
+
+from moesim.engines import EngineProfile, get_engine
+from moesim.errors import MoesimError
+from moesim.hardware import get_host, get_machine
+from moesim.memory import WORKSPACE_BYTES, device_bytes
+from moesim.models import DTYPES, ModelSpec, get_model
+from moesim.placement import hot_per_layer, routing_counts
+from moesim.policy import get_policy
+from moesim.quant_recipes import ALIASES, RECIPES, apply_recipe
+from moesim.sim.simulate import simulate
+from moesim.sim.static import simulate_static
+from moesim.traces.synthetic import SyntheticParams, synthetic_trace
+
+SPLITS = ("fit", "holdout")
+#: Decode steps of each entry's synthetic trace (its routing only shapes the hot-expert
+#: placements and caches; the rest of a static layout's step is the same every token).
+TOKENS = 8
+#: The accuracy target on the holdout half: this share of entries within +-25%, and the
+#: median |ln(predicted / measured)| at most this.
+TARGET_WITHIN = 0.8
+TARGET_MEDIAN_LN = 0.15
+WITHIN = 0.25
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One measurement and the moesim setting that expresses it."""
+
+    measurement: dict[str, Any]
+    setting: dict[str, Any]
+
+    @property
+    def id(self) -> str:
+        return self.setting["id"]
+
+    @property
+    def split(self) -> str:
+        return self.setting["split"]
+
+
+def _read(name: str) -> dict[str, Any]:
+    path = resources.files("moesim.hwprofiles").joinpath("published", name)
+    return tomllib.loads(path.read_text(encoding="utf-8"))
+
+
+@functools.lru_cache(maxsize=1)
+def entries() -> tuple[Entry, ...]:
+    """Every expressed measurement, in the settings file's order (ids checked against the
+    measurements, splits against :data:`SPLITS`)."""
+    measured = {m["id"]: m for m in _read("measurements.toml")["measurement"]}
+    out = []
+    for s in _read("settings.toml")["setting"]:
+        if s["id"] not in measured:
+            raise MoesimError(f"published settings: {s['id']!r} is no measurement of measurements.toml")
+        if s.get("split") not in SPLITS:
+            raise MoesimError(f"published settings: {s['id']!r} split must be one of {', '.join(SPLITS)}")
+        out.append(Entry(measured[s["id"]], s))
+    return tuple(out)
+
+
+def excluded() -> dict[str, str]:
+    """Measurements not expressed, with the reason."""
+    return dict(_read("settings.toml").get("excluded", {}))
+
+
+def _spec(s: dict[str, Any]) -> ModelSpec:
+    spec = get_model(s["model"])
+    q = s.get("quant")
+    if q is None:
+        return spec
+    if q in RECIPES or q in ALIASES:
+        return apply_recipe(spec, q)
+    if q in DTYPES:
+        return spec.with_expert_dtype(q)
+    raise MoesimError(f"published setting {s['id']}: unknown quant {q!r}")
+
+
+def _host(s: dict[str, Any]):
+    if "host" not in s:
+        return None
+    h = get_host(s["host"])
+    src = f"published measurement {s['id']}"
+    if "sockets" in s:
+        h = h.with_figure("sockets", s["sockets"], "measured", src)
+    if "ram_gb" in s:
+        h = h.with_figure("ram_gb", s["ram_gb"], "measured", src)
+    if "host_mem_bw_gbs" in s:
+        bw = float(s["host_mem_bw_gbs"])
+        if bw > h["mem_bw_peak_gbs"]:
+            h = h.with_figure("mem_bw_peak_gbs", bw, "measured", src)
+        h = h.with_figure("mem_bw_achievable_gbs", bw, "measured", src)
+    return h
+
+
+@functools.lru_cache(maxsize=64)
+def _trace(spec: ModelSpec, context: int, tokens: int, draw_seed: int | None):
+    """The entry's **synthetic** trace (memoised: a fit predicts each entry many times)."""
+    return synthetic_trace(spec, SyntheticParams(tokens=tokens, prompt_len=context, seed=0, draw_seed=draw_seed))
+
+
+def predict(entry: Entry, engines: dict[str, EngineProfile] | None = None) -> dict[str, Any]:
+    """The decode speed moesim predicts for ``entry`` (``engines`` replaces engine profiles
+    by name: a fit tries its candidate figures this way)."""
+    s = entry.setting
+    spec = _spec(s)
+    engine = (engines or {}).get(s["engine"]) or get_engine(s["engine"])
+    context = int(s.get("context", 1000)) + int(s.get("gen", 0)) // 2
+    trace = _trace(spec, context, TOKENS, None)
+    machine = get_machine(s["hw"])
+    host = _host(s)
+    pol = get_policy(s["policy"])
+    kw = dict(host=host, engine=engine, threads=s.get("threads"))
+    if pol.cpu or machine.n_gpus != 1:
+        placement = None
+        if "gpu_experts_per_layer" in s:  # KTransformers' per-layer GPU experts, from a calibration twin
+            twin = _trace(spec, context, 64, 1)
+            placement = hot_per_layer(routing_counts(twin.true_ids, spec.n_experts), spec,
+                                      int(s["gpu_experts_per_layer"]), "a calibration twin of the trace", False)
+        cpu_layers = spec.n_moe_layers if s.get("cpu_layers") == "all" else s.get("cpu_layers", "auto")
+        res = simulate_static(trace, machine, pol, cpu_layers=cpu_layers, gpu_layers=s.get("gpu_layers", "auto"),
+                              placement=placement, **kw)
+    else:
+        hw = machine.gpus[0]
+        cache = s.get("cache_experts", 0)
+        if s.get("cache_gib") == "fill":  # the device memory an engine leaves for its expert cache
+            free = 0.75 * hw["device_memory_gb"] * 1e9 - device_bytes(spec, pol, context=context) + WORKSPACE_BYTES
+            cache = max(0, int(free // spec.expert_bytes))
+        res = simulate(trace, hw, pol, cache_experts=cache, eviction=s.get("eviction", "lru"), sim="fast",
+                       engine=engine, host=host)
+    tpot = float(res.tpot.mean())
+    return {"predicted_tps": 1.0 / tpot, "result": res}
+
+
+def run_published(engines: dict[str, EngineProfile] | None = None, which: list[Entry] | None = None
+                  ) -> list[dict[str, Any]]:
+    """One row per expressed measurement: source, measured and predicted tokens/s, split."""
+    rows = []
+    for e in which if which is not None else entries():
+        m, s = e.measurement, e.setting
+        p = predict(e, engines)
+        measured = float(m["decode_tps"])
+        ratio = p["predicted_tps"] / measured
+        rows.append({
+            "id": e.id, "split": e.split, "engine": s["engine"], "model": s["model"], "quant": s.get("quant", "-"),
+            "hw": s["hw"], "host": s.get("host", "-"), "policy": s["policy"], "context": s.get("context", 1000),
+            "measured_tps": measured, "predicted_tps": p["predicted_tps"], "ratio": ratio,
+            "ln_error": math.log(ratio), "within_25": abs(ratio - 1) <= WITHIN,
+            "source": m["source_url"], "category": m.get("category", "-"), "assumed": s.get("assumed", ""),
+            "synthetic_trace": True,
+        })
+    return rows
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per split: entries, share within +-25%, median and worst |ln(predicted / measured)|,
+    how many predictions are optimistic, and whether the holdout target is met."""
+    out = {}
+    for split in SPLITS:
+        mine = [r for r in rows if r["split"] == split]
+        if not mine:
+            continue
+        ln = np.abs([r["ln_error"] for r in mine])
+        within = float(np.mean([r["within_25"] for r in mine]))
+        out[split] = {"entries": len(mine), "within_25": within, "median_abs_ln": float(np.median(ln)),
+                      "worst_abs_ln": float(ln.max()), "optimistic": int(sum(r["ratio"] > 1 for r in mine)),
+                      "meets_target": bool(within >= TARGET_WITHIN and np.median(ln) <= TARGET_MEDIAN_LN)}
+    return out
