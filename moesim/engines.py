@@ -55,7 +55,7 @@ ENGINE_FIGURES: dict[str, tuple[str, bool, bool, str]] = {
 EFFICIENCY_TABLES = ("cpu_weight_efficiency", "gpu_weight_efficiency")
 ZERO_OK = {"fused_experts", "layer_overhead_us", "cpu_layer_overhead_us", "numa_efficiency", "pages_from_disk",
            "launch_overlap"}
-TOP_KEYS = {"name", "description", "runs_on", "figures", *EFFICIENCY_TABLES}
+TOP_KEYS = {"name", "description", "runs_on", "policies", "figures", *EFFICIENCY_TABLES}
 RUNS_ON = ("gpu", "cpu")
 
 
@@ -67,6 +67,7 @@ class EngineProfile(_FigureLookup):
     description: str
     runs_on: tuple[str, ...]
     figures: dict[str, Figure]
+    policies: tuple[str, ...] = ()  # the moesim policies the engine runs (empty: every one)
     cpu_weight_efficiency: dict[str, Figure] = field(default_factory=dict)
     gpu_weight_efficiency: dict[str, Figure] = field(default_factory=dict)
     path: str = ""
@@ -103,6 +104,12 @@ class EngineProfile(_FigureLookup):
     @property
     def pages_from_disk(self) -> bool:
         return bool(self.get("pages_from_disk"))
+
+    def runs(self, policy: str) -> bool:
+        """Whether the engine runs ``policy`` (an engine that lists none runs every one)."""
+        from moesim.policy import get_policy  # policy imports the cost model, which imports this module
+
+        return not self.policies or get_policy(policy).name in self.policies
 
     def weight_efficiency(self, where: str, dtype: str) -> float:
         """Share of ``where``'s (``cpu`` or ``gpu``) bandwidth its kernels reach on ``dtype`` weights."""
@@ -155,7 +162,13 @@ def parse_engine(data: dict[str, Any], where: str) -> EngineProfile:
         if flag in figures and figures[flag].value not in (0, 1):
             raise MoesimError(f"{where}: {flag} is 0 or 1, got {figures[flag].value:g}")
     tables = {t: _efficiency(data.get(t, {}), where, t) for t in EFFICIENCY_TABLES}
-    return EngineProfile(str(data["name"]), str(data.get("description", "")), tuple(runs), figures, **tables,
+    pols = data.get("policies", [])
+    if not isinstance(pols, list) or not all(isinstance(p, str) for p in pols):
+        raise MoesimError(f"{where}: policies must be a list of policy names")
+    from moesim.policy import get_policy  # policy imports the cost model, which imports this module
+
+    pols = tuple(get_policy(p).name for p in pols)
+    return EngineProfile(str(data["name"]), str(data.get("description", "")), tuple(runs), figures, pols, **tables,
                          path=where)
 
 

@@ -47,6 +47,11 @@ class Layout:
     source: str = ""  # how it was chosen, for reports
     optimistic: bool = False  # placed from the replayed trace itself: an upper bound
 
+    @property
+    def layers_per_gpu(self) -> list[int]:
+        """Model layers each GPU holds (what llama.cpp's ``--tensor-split`` proportions say)."""
+        return [int((self.layer_device == g).sum()) for g in range(self.n_gpus)]
+
     def __post_init__(self) -> None:
         if self.split not in SPLITS:
             raise MoesimError(f"split {self.split!r}: one of {', '.join(SPLITS)}")
@@ -84,9 +89,19 @@ def layer_shares(n_layers: int, ratios: list[float]) -> np.ndarray:
     return np.minimum(np.searchsorted(bounds, (np.arange(n_layers) + 0.5) / n_layers), r.size - 1).astype(np.int64)
 
 
+def _balanced(weights: np.ndarray, capacities: list[float]) -> np.ndarray:
+    """GPU index of consecutive layers of ``weights`` bytes, cut so that each GPU's share of
+    the bytes follows its share of ``capacities`` (what llama.cpp's ``--fit`` and a hand-
+    tuned ``--tensor-split`` aim for)."""
+    cap = np.asarray(capacities, float)
+    bounds = np.cumsum(cap) / cap.sum() * weights.sum()
+    mid = np.cumsum(weights) - weights / 2  # each layer goes where its middle byte falls
+    return np.minimum(np.searchsorted(bounds, mid), cap.size - 1).astype(np.int64)
+
+
 def make_layout(spec: ModelSpec, n_gpus: int, *, gpu_layers: int | None = None, cpu_moe_layers: int = 0,
                 hot: np.ndarray | None = None, split: str = "layer", ratios: list[float] | None = None,
-                source: str = "", optimistic: bool = False) -> Layout:
+                source: str = "", optimistic: bool = False, capacities: list[float] | None = None) -> Layout:
     """A layout in the engines' own terms.
 
     ``gpu_layers`` (llama.cpp ``-ngl``; None: all) keeps the LAST that many model layers on
@@ -108,9 +123,19 @@ def make_layout(spec: ModelSpec, n_gpus: int, *, gpu_layers: int | None = None, 
         raise MoesimError(f"--cpu-layers {cpu_moe_layers}: a count of MoE layers from 0 to {M} ({spec.name})")
     layer_device = np.full(L, CPU, np.int64)
     if g:
-        shares = layer_shares(g, ratios or [1.0] * n_gpus) if split == "layer" else np.zeros(g, np.int64)
         if ratios is not None and len(ratios) != n_gpus:
             raise MoesimError(f"--tensor-split has {len(ratios)} shares for {n_gpus} GPUs")
+        if split != "layer":
+            shares = np.zeros(g, np.int64)
+        elif ratios is None and capacities is not None and n_gpus > 1:
+            moe_of = {layer: m for m, layer in enumerate(spec.moe_layers)}
+            weights = np.array([spec.layer_resident_bytes(layer) + (
+                spec.layer_expert_bytes if layer in moe_of and moe_of[layer] >= cpu_moe_layers else 0)
+                for layer in range(L - g, L)], float)
+            weights[-1] += spec.lm_head_bytes if g == L else 0.0
+            shares = _balanced(weights, capacities)
+        else:
+            shares = layer_shares(g, ratios or [1.0] * n_gpus)
         layer_device[L - g:] = shares
     moe = np.asarray(spec.moe_layers)
     expert_device = np.repeat(layer_device[moe][:, None], E, axis=1)

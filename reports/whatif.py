@@ -130,7 +130,7 @@ def write_whatif_report(rows: list[dict[str, Any]], winner: dict[str, Any] | Non
     models = sorted({t.model.name for t in sweep.traces.values()})
     what = (f"All figures simulated ({sweep.engine} engine) from {src} of {', '.join(models)}; "
             f"hardware figures from the profiles ({', '.join(h.name for h in sweep.hws)}); nothing here was measured")
-    answers = deployment_answer(rows, goal)
+    answers = deployment_answer(rows, goal, engine=sweep.engine)
     crosses = crossovers(rows)
     write_csv(rows, out / "whatif.csv")
     atomic_write_text(out / "whatif.json", json.dumps({"goal": goal, "best": winner, "notes": notes or [],

@@ -85,6 +85,7 @@ class FamilyBest:
     row: dict[str, Any] | None  # its best fitting configuration, None when none fits or it was not swept
     configurations: int  # rows of this family in the scenario
     fitting: int
+    invocation: Any = None  # the engine's arguments for it (moesim.engine_args.Invocation), if the engine is named
 
     @property
     def status(self) -> str:
@@ -200,10 +201,56 @@ def _in(rows: list[dict[str, Any]], model: str, hw: str, host: str, **fixed: Any
             and all(r[a] == v for a, v in fixed.items())]
 
 
+def _count(value: Any) -> int | None:
+    """A row's resolved count: ``12`` or ``"auto (12)"``."""
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.startswith("auto (") and value.endswith(")"):
+        return int(value[6:-1])
+    return None
+
+
+def row_layout(row: dict[str, Any]):
+    """(spec, :class:`moesim.layout.Layout`) a what-if row of a static layout ran: what an
+    engine's arguments spell. None for a row that copies experts (no engine argument
+    places a cache)."""
+    from moesim.hardware import get_machine
+    from moesim.layout import make_layout
+    from moesim.models import get_model
+
+    fam = row["family"]
+    spec = get_model(row["base_model"]).with_expert_dtype(row["expert_dtype"])
+    machine = get_machine(row["hw"])
+    g = machine.n_gpus
+    if fam == "all-resident":
+        return spec, make_layout(spec, g)
+    if fam == "cpu-static" and _count(row["cpu_layers"]) is not None:
+        return spec, make_layout(spec, g, cpu_moe_layers=_count(row["cpu_layers"]))
+    if fam == "gpu-layers" and _count(row["gpu_layers"]) is not None:
+        return spec, make_layout(spec, g, gpu_layers=_count(row["gpu_layers"]))
+    return None
+
+
+def invocation_of(row: dict[str, Any], engine: str):
+    """The ``engine``'s arguments for a row (None where it cannot spell the row)."""
+    from moesim.engine_args import invocation
+
+    found = row_layout(row)
+    if found is None:
+        return None
+    spec, layout = found
+    try:
+        return invocation(engine, spec, layout, threads=row.get("threads"),
+                          context=int(row["prompt_len"]) + int(row["tokens"]))
+    except MoesimError:
+        return None
+
+
 def deployment_answer(rows: list[dict[str, Any]], goal: str = "tpot",
-                      which: list[Scenario] | None = None) -> list[Answer]:
+                      which: list[Scenario] | None = None, engine: str | None = None) -> list[Answer]:
     """Per scenario (default: :func:`base_scenarios`), each family's best fitting
-    configuration for ``goal`` and the overall winner with the reason in words."""
+    configuration for ``goal`` and the overall winner with the reason in words; with
+    ``engine``, each best configuration's arguments for it (:mod:`moesim.engine_args`)."""
     if goal not in GOALS:
         raise MoesimError(f"unknown goal {goal!r}; known: {', '.join(GOALS)}")
     key, what = GOALS[goal]
@@ -213,7 +260,9 @@ def deployment_answer(rows: list[dict[str, Any]], goal: str = "tpot",
         fams = []
         for fam in (*families(), BOUND):
             mine = [r for r in here if r["family"] == fam]
-            fams.append(FamilyBest(fam, _best(mine, key), len(mine), sum(bool(r["fits"]) for r in mine)))
+            top = _best(mine, key)
+            inv = invocation_of(top, engine) if engine and top is not None and fam != BOUND else None
+            fams.append(FamilyBest(fam, top, len(mine), sum(bool(r["fits"]) for r in mine), inv))
         bound, fams = fams[-1], fams[:-1]
         ranked = [f.row for f in fams if f.row is not None]
         winner = min(ranked, key=lambda r: _rank(r, key)) if ranked else None
@@ -301,4 +350,14 @@ def format_answer(a: Answer, width: int = 80) -> str:
         lines.append(f"{f.family:<14} {conf[0]:<32} {r['tpot_ms']:>8.4g} {ttft:>9} {r['bound']:<11}".rstrip())
         lines += [f"{'':<14} {c}" for c in conf[1:]]
     lines += textwrap.wrap(("winner: " if a.winner else "") + a.reason, width)
+    for f in a.families:
+        if f.invocation is not None:
+            tps = f.row["tokens_per_s"]
+            lines.append(f"{f.family} with {f.invocation.engine} ({number(tps)} tokens/s predicted):")
+            lines.append(f"  {f.invocation.line()}")
+            if f.invocation.note:
+                lines += textwrap.wrap(f.invocation.note, width, initial_indent="  ", subsequent_indent="  ")
+            for name, text in f.invocation.files.items():
+                lines.append(f"  {name}:")
+                lines += [f"    {t}" for t in text.rstrip().splitlines()]
     return "\n".join(lines)

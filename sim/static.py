@@ -136,8 +136,8 @@ def _layout_for(pol, spec, machine, *, batch: int, context: int, cpu_layers, gpu
     def fits(lay: Layout) -> bool:
         return all(b <= m for b, m in zip(layout_bytes(spec, lay, batch, context).gpu, mem))
 
-    def make(**kw) -> Layout:
-        return make_layout(spec, g, split=split, ratios=ratios, **kw)
+    def make(**kw) -> Layout:  # several GPUs: layers cut by their bytes, as llama.cpp users tune --tensor-split
+        return make_layout(spec, g, split=split, ratios=ratios, capacities=mem, **kw)
 
     if g == 0:
         if pol.name != "all-resident":

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from moesim import budget
+from moesim.engines import get_engine
 from moesim.errors import MoesimError
 from moesim.hardware import get_machine
 from moesim.models import get_model
@@ -24,8 +25,8 @@ from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
 DEFAULT_MODELS = ("qwen3-30b-a3b",)
 DEFAULT_HWS = ("a6000", "h100-sxm", "gh200")
-DEFAULT_POLICIES = ("on-demand", "prefetch-fom", "prefetch-spec", "oracle", "all-resident", "cpu-static", "hot-experts",
-                    "cpu-on-miss")
+DEFAULT_POLICIES = ("on-demand", "prefetch-fom", "prefetch-spec", "oracle", "all-resident", "cpu-static", "gpu-layers",
+                    "hot-experts", "cpu-on-miss")
 DEFAULT_CACHE_GIB = (0.0, 8.0, 16.0)
 CALIBRATION_SEED_OFFSET = 1  # the synthetic calibration trace: the replayed one's seed + this
 
@@ -87,7 +88,7 @@ def unused_options(pols: list, hosts, cpu_layers, gpu_expert_gib, copy_queues, p
 
 
 def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] = DEFAULT_MODELS,
-           hws: tuple[str, ...] | list[str] = DEFAULT_HWS, policies: tuple[str, ...] | list[str] = DEFAULT_POLICIES,
+           hws: tuple[str, ...] | list[str] = DEFAULT_HWS, policies: tuple[str, ...] | list[str] | None = None,
            link_gbps: list[float] | None = None, cache_gib: tuple[float, ...] | list[float] = DEFAULT_CACHE_GIB,
            eviction: str = "lru", tokens: int = 256, prompt_len: int | list[int] = 128, batch: int | list[int] = 1,
            goal: str = "tpot", sim: str = "fast", jobs: int | None = None,
@@ -98,7 +99,7 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
            copy_queues: list[str] | None = None, prefetch_top: list[int] | None = None,
            placement_from: str | Path | None = None, calibrate_on_replay: bool = False,
            engine: str | None = None, threads: int | None = None, gpu_layers: list[int | str] | None = None,
-           lookaheads: list[int] | None = None) -> WhatIf:
+           lookaheads: list[int] | None = None, host_ram_gb: float | None = None) -> WhatIf:
     """Sweep models x hardware x policies x link bandwidth (None: each profile's own) x cache
     size, and the axes each policy family has: ``expert_dtypes`` (every policy), ``hosts``
     (CPU policies; None: each GPU profile's own), ``cpu_layers`` (cpu-static; None:
@@ -129,10 +130,22 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
         raise MoesimError(f"unknown goal {goal!r}; known: {', '.join(GOALS)}")
     batches = _positive_ints([batch] if isinstance(batch, int) else list(batch), "--batch")
     prompts = _positive_ints([prompt_len] if isinstance(prompt_len, int) else list(prompt_len), "--prompt-len")
+    eng = get_engine(engine)  # an unknown engine: one line, before any work
+    if policies is None:  # the policies the engine runs (moesim's own defaults for PyTorch eager)
+        policies = [p for p in DEFAULT_POLICIES if eng.runs(p)] or list(eng.policies)
     pols = [get_policy(p) for p in policies]  # names checked before any work
+    dropped = [p.name for p in pols if not eng.runs(p.name)]
+    if dropped and len(dropped) == len(pols):
+        raise MoesimError(f"{eng.name} runs none of {', '.join(dropped)}; it runs {', '.join(eng.policies)}")
+    pols = [p for p in pols if eng.runs(p.name)]
+    policies = [p.name for p in pols]
     if placement_from is not None and calibrate_on_replay:
         raise MoesimError("give a calibration trace (--placement-from) or --calibrate-on-replay, not both")
     notes: list[str] = unused_options(pols, hosts, cpu_layers, gpu_expert_gib, copy_queues, prefetch_top)
+    if dropped:
+        notes.append(f"{eng.name} does not run {', '.join(dropped)} (it runs {', '.join(eng.policies)}): left out")
+    if host_ram_gb is not None and not (isinstance(host_ram_gb, (int, float)) and 0 < host_ram_gb < 1e7):
+        raise MoesimError(f"--host-ram-gb {host_ram_gb!r}: the host's RAM in GB, a positive number")
     calibration: dict[str, Any] = {}
     calibration_source = "-"
     aheads = _positive_ints(list(lookaheads), "--lookahead") if lookaheads else [1]
@@ -209,7 +222,7 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
                   copy_queues=tuple(copy_queues) if copy_queues else ("fifo",),
                   prefetch_top=tuple(prefetch_top) if prefetch_top else (None,),
                   calibration=calibration or None, calibration_source=calibration_source,
-                  calibrate_on_replay=calibrate_on_replay, engine=engine, threads=threads,
+                  calibrate_on_replay=calibrate_on_replay, engine=engine, threads=threads, host_ram_gb=host_ram_gb,
                   gpu_layers=tuple(gpu_layers) if gpu_layers else ("auto",))
     runs = max(1, sweep.size // max(1, len(sweep.traces)))
     for t in traces.values():

@@ -184,6 +184,7 @@ class Sweep:
     engine: str | None = None  # the inference engine (moesim.engines); None: PyTorch eager
     threads: int | None = None  # its CPU threads; None: every core
     gpu_layers: tuple[int | str, ...] = ("auto",)  # gpu-layers
+    host_ram_gb: float | None = None  # the host's RAM (None: the host profile's, if it gives one)
 
     def __post_init__(self) -> None:
         from moesim.engines import get_engine
@@ -305,7 +306,7 @@ class Sweep:
         spec = {"hws": [[m.name, [{k: g[k] for k in sorted(g.figures)} for g in m.gpus]] for m in self.hws],
                 "policies": self.policies, "link_gbps": self.link_gbps, "cache_gib": self.cache_gib,
                 "eviction": self.eviction, "sim": self.sim, "engine": self.engine, "threads": self.threads,
-                "gpu_layers": self.gpu_layers, "timing": self.timing,
+                "gpu_layers": self.gpu_layers, "host_ram_gb": self.host_ram_gb, "timing": self.timing,
                 "expert_dtypes": self.expert_dtypes, "hosts": self.hosts, "cpu_layers": self.cpu_layers,
                 "gpu_expert_gib": self.gpu_expert_gib, "copy_queues": self.copy_queues,
                 "prefetch_top": self.prefetch_top, "calibration_source": self.calibration_source,
@@ -380,6 +381,16 @@ def _not_run(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str, mac
             "sim": sweep.sim, "group": index, "host": cfg.host or machine.host or "-", **_axes(sweep, cfg, trace, base)}
 
 
+def _host(sweep: Sweep, cfg: Config, machine: Machine):
+    """The group's host profile (its name, else the machine's own), with the sweep's RAM."""
+    from moesim.hardware import get_host
+
+    if cfg.host is None and not machine.gpus:
+        return None  # simulate_static says, in one line, that a machine without GPUs needs --host
+    host = get_host(cfg.host, machine.gpus[0] if machine.gpus else None)
+    return host.with_figure("ram_gb", sweep.host_ram_gb, "estimate", "--host-ram-gb") if sweep.host_ram_gb else host
+
+
 def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str) -> list[dict[str, Any]]:
     """The rows of a CPU-compute or static-layout group (:func:`moesim.sim.static.simulate_static`
     or :func:`moesim.sim.hybrid.simulate_hybrid`, the paths ``moesim replay`` takes), one per
@@ -391,8 +402,8 @@ def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str) ->
     for machine in sweep.hws:
         for g in sweep.link_gbps:
             h = machine if g is None else machine.with_figure("h2d_pinned_gbs", g)
-            kw = dict(host=cfg.host, calibration=None if optimistic else calib, calibrate_on_replay=optimistic,
-                      engine=sweep.engine, threads=sweep.threads)
+            kw = dict(host=_host(sweep, cfg, h), calibration=None if optimistic else calib,
+                      calibrate_on_replay=optimistic, engine=sweep.engine, threads=sweep.threads)
             try:
                 if _static(pol, h):
                     placement = _hot_placement(sweep, cfg, trace, base, h) if pol.cpu == "hot" else None

@@ -24,7 +24,8 @@ def whatif(
     model: Annotated[str, typer.Option(help="Comma-separated models (ignored with --trace: the trace's model).")] = "qwen3-30b-a3b",
     hw_names: Annotated[str, typer.Option("--hw", help="Comma-separated machines: a GPU profile or .toml path, "
                                                        "NxPROFILE or A+B for several GPUs, none for no GPU.")] = "a6000,h100-sxm,gh200",
-    policy: Annotated[str, typer.Option(help="Comma-separated policies.")] = ",".join(DEFAULT_POLICIES),
+    policy: Annotated[str | None, typer.Option(help="Comma-separated policies (default: "
+                                                    f"{','.join(DEFAULT_POLICIES)}; with --engine, those it runs).")] = None,
     link_gbps: Annotated[str | None, typer.Option(help="Comma-separated host-to-device GB/s (default: each profile's own).")] = None,
     cache_gib: Annotated[str, typer.Option(help="Comma-separated cross-token cache sizes, GiB.")] = "0,8,16",
     eviction: Annotated[str, typer.Option(help="Cache eviction: lru or lfu.")] = "lru",
@@ -55,6 +56,9 @@ def whatif(
                                                     ".toml (`moesim hw --engines`).")] = None,
     threads: Annotated[int | None, typer.Option(help="CPU threads the engine uses (default: every core of the "
                                                      "host).")] = None,
+    host_ram_gb: Annotated[float | None, typer.Option(help="The host's RAM, GB (default: the host profile's, if it "
+                                                           "gives one): weights beyond it page from disk or do not "
+                                                           "fit.")] = None,
     lookahead: Annotated[str | None, typer.Option(help="Prefetching: comma-separated MoE layers ahead the "
                                                        "predictions are made (an axis of the synthetic traces; "
                                                        "default 1).")] = None,
@@ -97,7 +101,8 @@ def whatif(
         check_output_dir(out_dir)
 
     with progress_bar("simulating", "configurations", disable=as_json or as_csv) as update:
-        res = run_whatif(trace_path, split(model, "--model"), split(hw_names, "--hw"), split(policy, "--policy"),
+        res = run_whatif(trace_path, split(model, "--model"), split(hw_names, "--hw"),
+                         split(policy, "--policy") if policy is not None else None,
                          floats(link_gbps, "--link-gbps") if link_gbps is not None else None, floats(cache_gib, "--cache-gib"),
                          eviction, tokens, ints(prompt_len, "--prompt-len"), ints(batch, "--batch"), goal, sim,
                          jobs or None, update, backend=backend, address=address, rows_csv=rows_csv,
@@ -109,9 +114,10 @@ def whatif(
                          prefetch_top=ints(prefetch_top, "--prefetch-top") if prefetch_top is not None else None,
                          placement_from=placement_from, calibrate_on_replay=calibrate_on_replay,
                          engine=engine, threads=threads, gpu_layers=auto_or(gpu_layers, "--gpu-layers", int),
+                         host_ram_gb=host_ram_gb,
                          lookaheads=ints(lookahead, "--lookahead") if lookahead is not None else None)
     rows, winner = res.rows, res.winner
-    answers = deployment_answer(rows, goal)
+    answers = deployment_answer(rows, goal, engine=engine)
     crosses = crossovers(rows)
     if as_json or as_csv:
         print_json({"goal": goal, "best": winner, "notes": res.notes, "deployment": [a.to_dict() for a in answers],

@@ -1,0 +1,137 @@
+"""The command-line arguments that run a deployment on the engine the user names.
+
+moesim's answer is a layout (:class:`moesim.layout.Layout`: which processor holds every
+layer and expert), a thread count and a context; each engine spells that its own way.
+One function per engine turns an answer into its arguments, so a new engine joins here:
+
+- llama.cpp / ik_llama.cpp (``llama-server``, ``llama-cli``): ``-ngl`` (the last N layers
+  on the GPUs, the head with them when N covers every layer), ``--n-cpu-moe N`` (the
+  expert tensors of the first N model layers stay on the CPU; ``--cpu-moe`` for all),
+  ``--tensor-split`` and ``--split-mode`` across GPUs, ``-t``, ``-c`` (llama.cpp's
+  ``common/arg.cpp`` defines them);
+- KTransformers: an optimize-rule YAML that keeps the chosen layers' experts on the CPU
+  (its ``optimize_rules`` format: a ``match`` regex on module names and a ``replace``
+  class) and ``--cpu_infer``, or ``--kt-num-gpu-experts`` for GPU experts per layer;
+- vLLM: ``--tensor-parallel-size``, ``--cpu-offload-gb``, ``--max-model-len``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from moesim.errors import MoesimError
+from moesim.layout import CPU, Layout
+from moesim.models import ModelSpec
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """An engine's command for one deployment: the arguments, and a file some engines need."""
+
+    engine: str
+    args: list[str]
+    files: dict[str, str]  # name -> text (KTransformers' optimize rule)
+    note: str = ""
+
+    def line(self) -> str:
+        return " ".join(a if " " not in a and "|" not in a else f"'{a}'" for a in self.args)
+
+
+def _ranges(layers: list[int]) -> str:
+    """``0|1|2`` alternation of layer indices for a regex."""
+    return "|".join(str(i) for i in layers)
+
+
+def llama_cpp(spec: ModelSpec, layout: Layout, *, threads: int | None = None, context: int | None = None,
+              model_path: str = "MODEL.gguf", ratios: list[float] | None = None, program: str = "llama-server",
+              **_: object) -> Invocation:
+    """llama.cpp's arguments for ``layout`` (see the module docstring)."""
+    if layout.n_resident and (layout.expert_device >= 0).any() and not _whole_layers(layout):
+        raise MoesimError("llama.cpp places experts a whole layer at a time (one tensor per layer): it cannot hold "
+                          "a per-expert hot set; use cpu-static or KTransformers")
+    L = spec.n_layers
+    g = layout.gpu_layers()
+    args = [program, "-m", model_path, "-ngl", str(99 if g == L else g)]
+    cpu_moe = layout.cpu_moe_layers()
+    gpu_moe = [m for m in range(spec.n_moe_layers) if layout.layer_device[spec.moe_layers[m]] != CPU]
+    on_cpu_of_gpu_layers = [m for m in gpu_moe if (layout.expert_device[m] == CPU).all()]
+    if on_cpu_of_gpu_layers:
+        n_model = spec.moe_layers[max(on_cpu_of_gpu_layers)] + 1  # --n-cpu-moe counts model layers from 0
+        args += ["--cpu-moe"] if cpu_moe == spec.n_moe_layers else ["--n-cpu-moe", str(n_model)]
+    if layout.n_gpus > 1:
+        if layout.split == "tensor":
+            args += ["--split-mode", "row"]
+        shares = ratios or layout.layers_per_gpu  # llama.cpp splits layers in these proportions
+        args += ["--tensor-split", ",".join(f"{r:g}" for r in shares)]
+    uses_cpu = (layout.layer_device == CPU).any() or (layout.expert_device == CPU).any()
+    if threads and uses_cpu:
+        args += ["-t", str(threads)]
+    if context:
+        args += ["-c", str(context)]
+    return Invocation("llama.cpp", args, {})
+
+
+def _whole_layers(layout: Layout) -> bool:
+    """Every MoE layer's experts are all on one processor (what llama.cpp can express)."""
+    return all(len(set(row.tolist())) == 1 for row in layout.expert_device)
+
+
+def ktransformers(spec: ModelSpec, layout: Layout, *, threads: int | None = None, context: int | None = None,
+                  model_path: str = "MODEL_DIR", gpu_experts_per_layer: int | None = None, **_: object) -> Invocation:
+    """KTransformers' command and optimize rule for ``layout``."""
+    if layout.n_gpus != 1:
+        raise MoesimError("the KTransformers arguments here cover one GPU")
+    cpu_layers = [spec.moe_layers[m] for m in range(spec.n_moe_layers) if (layout.expert_device[m] == CPU).any()]
+    args = ["python", "-m", "ktransformers.local_chat", "--model_path", model_path, "--gguf_path", "GGUF_DIR",
+            "--optimize_config_path", "moesim-rule.yaml"]
+    if threads:
+        args += ["--cpu_infer", str(threads + 1)]  # its convention: the cores used plus the main thread
+    if context:
+        args += ["--max_new_tokens", str(context)]
+    note = ""
+    if gpu_experts_per_layer is not None:
+        args += ["--kt-num-gpu-experts", str(gpu_experts_per_layer)]
+        note = "--kt-num-gpu-experts is KTransformers' SGLang integration's flag (kt-kernel); its GPU experts per layer"
+    rule = ("- match:\n"
+            f"    name: \"^model\\\\.layers\\\\.({_ranges(cpu_layers)})\\\\.mlp\\\\.experts$\"\n"
+            "  replace:\n"
+            "    class: ktransformers.operators.experts.KTransformersExperts\n"
+            "    kwargs:\n"
+            "      prefill_device: \"cuda\"\n"
+            "      prefill_op: \"KExpertsTorch\"\n"
+            "      generate_device: \"cpu\"\n"
+            "      generate_op: \"KExpertsCPU\"\n"
+            "      out_device: \"cuda\"\n"
+            "  recursive: False\n")
+    return Invocation("ktransformers", args, {"moesim-rule.yaml": rule}, note)
+
+
+def vllm(spec: ModelSpec, layout: Layout, *, context: int | None = None, model_path: str = "MODEL",
+         offload_gb: float | None = None, **_: object) -> Invocation:
+    """vLLM's arguments for ``layout`` (every weight on the GPUs, or ``offload_gb`` of them read over the link)."""
+    if (layout.layer_device == CPU).any() or (layout.expert_device == CPU).any():
+        raise MoesimError("vLLM computes every layer on the GPUs; it cannot run experts on the CPU")
+    args = ["vllm", "serve", model_path, "--tensor-parallel-size", str(layout.n_gpus)]
+    if offload_gb:
+        args += ["--cpu-offload-gb", f"{offload_gb:g}"]
+    if context:
+        args += ["--max-model-len", str(context)]
+    return Invocation("vllm", args, {})
+
+
+#: engine name -> the function that spells a deployment for it
+FORMATTERS: dict[str, Callable[..., Invocation]] = {
+    "llama.cpp": llama_cpp, "ik_llama.cpp": llama_cpp, "ktransformers": ktransformers, "vllm": vllm,
+}
+
+
+def invocation(engine: str, spec: ModelSpec, layout: Layout, **kw: object) -> Invocation | None:
+    """The engine's arguments for ``layout``, or None for an engine moesim cannot spell."""
+    f = FORMATTERS.get(engine)
+    if f is None:
+        return None
+    inv = f(spec, layout, **kw)
+    if engine == "ik_llama.cpp":
+        inv = Invocation("ik_llama.cpp", inv.args, inv.files, inv.note)
+    return inv
