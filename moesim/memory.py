@@ -31,16 +31,16 @@ def kv_bytes(spec: ModelSpec, batch: int, context: int) -> int:
 def device_bytes(spec: ModelSpec, policy: str | Policy, *, cache_experts: int = 0, resident_experts: int = 0,
                  batch: int = 1, context: int = 0, lookahead: int = 1, shards: int = 1) -> int:
     """Device bytes a configuration needs on each GPU (see the module docstring);
-    ``resident_experts`` is a static CPU placement's resident set, ``cache_experts`` a
-    cache's capacity, ``shards`` the GPUs that split weights and KV cache evenly (each keeps
+    ``resident_experts`` is a static CPU placement's resident set (or a copy policy's pinned
+    hot set), ``cache_experts`` a cache's total capacity, ``shards`` the GPUs that split weights and KV cache evenly (each keeps
     its own workspace)."""
     pol = get_policy(policy)
     if not pol.offload:
         experts = spec.n_moe_layers * spec.n_experts
     elif pol.cpu and pol.cpu != "miss":
         experts = resident_experts
-    else:
-        experts = expert_slots(spec, pol, cache_experts, lookahead)
+    else:  # slots, the cache, and a pinned hot set (resident_experts) when the copy policy has one
+        experts = expert_slots(spec, pol, cache_experts, lookahead) + resident_experts
     weights = spec.non_expert_bytes - spec.input_embedding_bytes  # the table stays in host memory
     split = weights + kv_bytes(spec, batch, context) + experts * spec.expert_bytes
     return -(-split // shards) + WORKSPACE_BYTES

@@ -192,6 +192,10 @@ class ExpertCache:
     def keys(self) -> list[Key]:
         return list(self._lru)
 
+    def room(self, layer: int | None = None) -> int:
+        """Keys it can still admit (``layer``: for a per-layer cache, that layer's)."""
+        return self.capacity - len(self._lru)
+
     def use(self, key: Key) -> None:
         """Record a use of a resident key, or admit it (evicting if full)."""
         if self.eviction == "lfu" and len(self._heap) > 4 * self.capacity + 64:
@@ -209,8 +213,8 @@ class ExpertCache:
         if self.eviction == "lfu":
             heapq.heappush(self._heap, (self._count[key], self._tick, key))
 
-    def evict_for(self, n_new: int, protect: set[Key]) -> list[Key]:
-        """Evict until ``n_new`` more keys fit; returns the evicted keys."""
+    def evict_for(self, n_new: int, protect: set[Key], layer: int | None = None) -> list[Key]:
+        """Evict until ``n_new`` more keys fit (``layer``: a per-layer cache's); returns the evicted keys."""
         evicted: list[Key] = []
         while len(self._lru) + n_new > self.capacity:
             victim = self._victim(protect)
@@ -241,6 +245,42 @@ class ExpertCache:
         return victim
 
 
+class LayerCaches:
+    """One :class:`ExpertCache` of ``capacity`` experts per MoE layer (mixtral-offloading's
+    per-layer LRU): a layer's keys only ever evict each other. The same interface as one
+    cache, so the planner and the executor use either."""
+
+    def __init__(self, capacity: int, eviction: str = "lru") -> None:
+        ExpertCache(capacity, eviction)  # the same checks
+        self.capacity, self.eviction = capacity, eviction
+        self._caches: dict[int, ExpertCache] = {}
+
+    def _of(self, layer: int) -> ExpertCache:
+        if layer not in self._caches:
+            self._caches[layer] = ExpertCache(self.capacity, self.eviction)
+        return self._caches[layer]
+
+    def __contains__(self, key: Key) -> bool:
+        return key[0] in self._caches and key in self._caches[key[0]]
+
+    def __len__(self) -> int:
+        return sum(len(c) for c in self._caches.values())
+
+    def keys(self) -> list[Key]:
+        return [k for layer in sorted(self._caches) for k in self._caches[layer].keys()]  # noqa: SIM118 (not a dict)
+
+    def use(self, key: Key) -> None:
+        self._of(key[0]).use(key)
+
+    def room(self, layer: int | None = None) -> int:
+        return self._of(layer).room() if layer is not None else self.capacity
+
+    def evict_for(self, n_new: int, protect: set[Key], layer: int | None = None) -> list[Key]:
+        if layer is None:
+            raise MoesimError("a per-layer cache evicts for one layer")
+        return self._of(layer).evict_for(n_new, protect)
+
+
 @dataclass(frozen=True)
 class LayerPlan:
     """What one layer does after its router: copy ``demand`` now, then run ``execute``."""
@@ -266,26 +306,41 @@ QUEUES = ("fifo", "demand-first", "cancel-unstarted")
 class Planner:
     """Online policy decisions for one decode stream (see the module docstring).
 
-    ``cache_experts`` > 0 adds a cross-token cache of that many experts; executed experts
-    enter it after their layer ran. Without a cache every layer copies every expert it
-    does not already hold in its slot sets. ``lookahead`` = N: the prefetch of MoE layer
-    ``l`` is issued at MoE layer ``l - N``'s router, from a prediction made there, so up to
-    N prefetches are in flight (:meth:`issue_layer`); the first N MoE layers load on demand.
+    ``cache_experts`` > 0 adds a cross-token cache of that many experts (``per_layer``: that
+    many in EACH MoE layer, :class:`LayerCaches`); executed experts enter it after their
+    layer ran. Without a cache every layer copies every expert it does not already hold in
+    its slot sets. ``pinned`` (layer, expert) keys stay on the device for good (a hot set
+    placed from a calibration trace): hits, never copied, never in the cache.
+    ``lookahead`` = N: the prefetch of MoE layer ``l`` is issued at MoE layer ``l - N``'s
+    router, from a prediction made there, so up to N prefetches are in flight
+    (:meth:`issue_layer`); the first N MoE layers load on demand.
     """
 
     def __init__(self, policy: Policy | str, cache_experts: int = 0, eviction: str = "lru",
-                 lookahead: int = 1) -> None:
+                 lookahead: int = 1, per_layer: bool = False, pinned: Iterable[Key] = ()) -> None:
         self.policy = get_policy(policy) if isinstance(policy, str) else policy
         if self.policy.cpu:  # planning it as a copy policy would be a silently wrong answer
             raise MoesimError(f"policy {self.policy.name!r} computes experts on the CPU: it is planned by "
                               "moesim.placement.HybridPlanner (moesim.sim.simulate / the executor's host experts)")
         self.lookahead = check_lookahead(lookahead)
-        self.cache = ExpertCache(cache_experts, eviction) if cache_experts > 0 else None
+        self.per_layer = per_layer
+        self.pinned = frozenset((int(a), int(b)) for a, b in pinned)
+        if self.pinned and not self.policy.offload:
+            raise MoesimError("a pinned hot set is for the policies that copy experts; all-resident holds them all")
+        if cache_experts > 0:
+            self.cache = LayerCaches(cache_experts, eviction) if per_layer else ExpertCache(cache_experts, eviction)
+        else:
+            self.cache = None
         self._slots: dict[int, dict[int, int]] = {}  # layer -> {expert prefetched into its slots: issue position}
         self._protect: set[Key] = set()
 
     def _cached(self, layer: int, expert: int) -> bool:
-        return self.cache is not None and (layer, expert) in self.cache
+        return (layer, expert) in self.pinned or (self.cache is not None and (layer, expert) in self.cache)
+
+    def holds(self, layer: int, expert: int) -> bool:
+        """Whether the device keeps (layer, expert) after its layer ran: cached or pinned
+        (the executor frees every other slot)."""
+        return self._cached(layer, expert)
 
     def issue_layer(self, layer: int) -> int | None:
         """The MoE layer at whose router ``layer``'s prefetch is issued, or None (no prefetch):
@@ -339,12 +394,13 @@ class Planner:
         self._protect = {k for k in self._protect if k[0] != layer}
         if self.cache is None:
             return [], []
-        new = [e for e in plan.execute if (layer, e) not in self.cache]
+        execute = [e for e in plan.execute if (layer, e) not in self.pinned]
+        new = [e for e in execute if (layer, e) not in self.cache]
         in_use = {(layer, e) for e in plan.execute}  # never evict what this layer just used
-        evicted = self.cache.evict_for(len(new), self._protect | in_use)
-        room = self.cache.capacity - len(self.cache)
+        evicted = self.cache.evict_for(len(new), self._protect | in_use, layer)
+        room = self.cache.room(layer)
         admitted = []
-        for e in plan.execute:
+        for e in execute:
             if (layer, e) in self.cache:
                 self.cache.use((layer, e))
             elif room > 0:
@@ -414,8 +470,12 @@ class Planner:
         keys = m * n_experts
         # A cache that holds every (layer, expert) never evicts: a larger one behaves the same
         # and must not size the heap (a 1e12 GiB what-if would allocate terabytes).
-        cap = min(self.cache.capacity, keys) if self.cache is not None else 0
-        resident, inuse, prot = (np.zeros(keys, np.bool_) for _ in range(3))
+        cap = min(self.cache.capacity, n_experts if self.per_layer else keys) if self.cache is not None else 0
+        resident, inuse, prot, pinned = (np.zeros(keys, np.bool_) for _ in range(4))
+        for layer, e in self.pinned:
+            if layer < m and e < n_experts:
+                pinned[layer * n_experts + e] = True
+        size_l = np.zeros(m, np.int64)
         count, last, pos = (np.zeros(keys, np.int64) for _ in range(3))
         heap = [np.zeros(max(4 * cap, keys) + 64 if cap else 1, np.int64) for _ in range(2)]  # priorities, keys
         state = np.zeros(5, np.int64)
@@ -426,7 +486,7 @@ class Planner:
             s1 = min(t, s0 + chunk)
             kern.plan_steps(tr[s0:s1], pr[s0:s1], counts[:, s0:s1], offload, offload and self.policy.prefetch,
                             self.policy.speculative, self.lookahead, cap, lfu, n_experts, state, resident, count,
-                            last, prot, inuse, pos, *heap)
+                            last, prot, inuse, pos, *heap, self.per_layer, size_l, pinned)
             if progress is not None:
                 progress(s1, t)
         return counts

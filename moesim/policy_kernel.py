@@ -38,12 +38,15 @@ TICK_MASK = (1 << TICK_BITS) - 1
 
 @njit(cache=True)
 def plan_steps(tr, pr, out, offload, prefetch, speculative, lookahead, cap, lfu, n_exp, state, resident, count, last,
-               prot, inuse, pos, hp, hk):
+               prot, inuse, pos, hp, hk, per_layer, size_l, pinned):
     """Decide steps ``tr.shape[0]`` of a trace; ``tr``/``pr`` are [steps, moe layers, batch*top_k]
     expert ids (-1 = none), ``out`` [7, steps, layers] receives (prefetch, demand, execute,
     assign, cache_hits, prefetch_hits, prefetch_need). Layer l's prefetch is issued at layer
     ``l - lookahead``'s router (``Planner.issue_layer``). ``state`` = [tick, heap size or queue
-    end, cache size, stamp, queue start] carries over between calls (chunks of one trace)."""
+    end, cache size, stamp, queue start] carries over between calls (chunks of one trace), as
+    ``size_l`` (each layer's cache size when ``per_layer``: a cache of ``cap`` experts per
+    layer, its victim found by a scan of the layer's keys). ``pinned`` keys are always on
+    the device (a hot set): hits, never copied, never cached or evicted."""
     steps, m, bk = tr.shape
     tick, hs, size, stamp, head = state[0], state[1], state[2], state[3], state[4]
     tu = np.empty(bk, np.int64)
@@ -148,7 +151,7 @@ def plan_steps(tr, pr, out, offload, prefetch, speculative, lookahead, cap, lfu,
                 if have_cur and slot[base + e] == cur_sid:
                     pf_hits += 1
                     need = max(need, slotpos[base + e] + 1)
-                elif resident[base + e]:
+                elif resident[base + e] or pinned[base + e]:
                     hits += 1
                 else:
                     demand += 1
@@ -169,6 +172,8 @@ def plan_steps(tr, pr, out, offload, prefetch, speculative, lookahead, cap, lfu,
                     nbase = nxt * n_exp
                     for j in range(nn):
                         e = pnext[j]
+                        if pinned[nbase + e]:
+                            continue  # on the device for good: nothing to copy or protect
                         if resident[nbase + e]:
                             prot[nbase + e] = True
                             protected[nxt, n_prot[nxt]] = nbase + e
@@ -187,8 +192,42 @@ def plan_steps(tr, pr, out, offload, prefetch, speculative, lookahead, cap, lfu,
                 for j in range(nx):
                     key = base + ex[j]
                     inuse[key] = True
-                    if not resident[key]:
+                    if not resident[key] and not pinned[key]:
                         new += 1
+                if per_layer:
+                    # One cache a layer: its least recently (LRU) or least often, then least
+                    # recently (LFU) used unprotected key, found by a scan of the layer.
+                    while size_l[layer] + new > cap:
+                        victim = -1
+                        best = np.int64(0)
+                        for e2 in range(n_exp):
+                            key = base + e2
+                            if resident[key] and not prot[key] and not inuse[key]:
+                                pri = (count[key] << TICK_BITS) | last[key] if lfu else last[key]
+                                if victim < 0 or pri < best:
+                                    best = pri
+                                    victim = key
+                        if victim < 0:
+                            break
+                        resident[victim] = False
+                        count[victim] = 0
+                        size_l[layer] -= 1
+                    room = cap - size_l[layer]
+                    for j in range(nx):
+                        key = base + ex[j]
+                        inuse[key] = False
+                        if pinned[key]:
+                            continue
+                        if resident[key] or room > 0:
+                            if not resident[key]:
+                                resident[key] = True
+                                count[key] = 0
+                                size_l[layer] += 1
+                                room -= 1
+                            tick += 1
+                            count[key] += 1
+                            last[key] = tick
+                    continue
                 while size + new > cap:
                     n_skip = 0
                     victim = -1
@@ -231,6 +270,8 @@ def plan_steps(tr, pr, out, offload, prefetch, speculative, lookahead, cap, lfu,
                 for j in range(nx):
                     key = base + ex[j]
                     inuse[key] = False
+                    if pinned[key]:
+                        continue
                     if resident[key] or room > 0:
                         admitted = not resident[key]
                         if admitted:

@@ -62,3 +62,21 @@ def apply_recipe(spec: ModelSpec, file_type: str) -> ModelSpec:
     if not math.isfinite(out.expert_bytes):
         raise MoesimError(f"{spec.name} as {file_type}: no expert size")
     return out
+
+
+def store_as(spec: ModelSpec, fmt: str) -> ModelSpec:
+    """``spec`` stored as ``fmt``: a llama.cpp file type (every tensor, :func:`apply_recipe`)
+    or a weight format of :data:`moesim.models.DTYPES` for the routed experts."""
+    key = fmt.strip().lower()
+    if key in RECIPES or key in ALIASES:
+        out = apply_recipe(spec, key)
+        return replace(out, name=f"{spec.name}@{key}")
+    return spec.with_expert_dtype(fmt)
+
+
+def is_format(fmt: str) -> bool:
+    """Whether ``fmt`` names a llama.cpp file type or a weight format moesim knows."""
+    from moesim.models import DTYPES
+
+    key = fmt.strip().lower()
+    return key in RECIPES or key in ALIASES or fmt in DTYPES

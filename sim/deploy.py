@@ -62,7 +62,9 @@ def _expert_bytes(row: dict[str, Any]) -> float:
     from moesim.models import get_model
 
     try:
-        return get_model(row["base_model"]).with_expert_dtype(row["expert_dtype"]).expert_bytes
+        from moesim.quant_recipes import store_as
+
+        return store_as(get_model(row["base_model"]), row["expert_dtype"]).expert_bytes
     except MoesimError:
         return float("nan")
 
@@ -217,9 +219,10 @@ def row_layout(row: dict[str, Any]):
     from moesim.hardware import get_machine
     from moesim.layout import make_layout
     from moesim.models import get_model
+    from moesim.quant_recipes import store_as
 
     fam = row["family"]
-    spec = get_model(row["base_model"]).with_expert_dtype(row["expert_dtype"])
+    spec = store_as(get_model(row["base_model"]), row["expert_dtype"])
     machine = get_machine(row["hw"])
     g = machine.n_gpus
     if fam == "all-resident":

@@ -25,7 +25,7 @@ class Plan:
     ``m - lookahead``'s router (:meth:`moesim.policy.Planner.issue_layer`)."""
 
     policy: Policy
-    cache_experts: int
+    cache_experts: int  # capacity: of the whole cache, or of each layer's (per_layer)
     eviction: str
     lookahead: int
     prefetch: np.ndarray
@@ -35,6 +35,9 @@ class Plan:
     cache_hits: np.ndarray
     prefetch_hits: np.ndarray
     prefetch_need: np.ndarray  # the prefetch's first copies the layer waits for (moesim.policy.LayerPlan)
+
+    per_layer: bool = False  # one cache of cache_experts per MoE layer
+    pinned: int = 0  # experts of a hot set pinned on the device (never copied)
 
     @property
     def loads(self) -> np.ndarray:
@@ -70,16 +73,18 @@ def plan_lookahead(trace: Trace, policy: Policy, lookahead: int | None) -> int:
 
 
 def build_plan(trace: Trace, policy: Policy | str, cache_experts: int = 0, eviction: str = "lru",
-               progress: Callable[[int, int], None] | None = None, lookahead: int | None = None) -> Plan:
+               progress: Callable[[int, int], None] | None = None, lookahead: int | None = None,
+               per_layer: bool = False, pinned: tuple = ()) -> Plan:
     """The plan of ``trace`` under ``policy``: :meth:`Planner.plan_trace`, the compiled batch
     form of the executor's per-layer calls (held identical to them by tests/test_policy.py).
     Memory: seven int32 counts per (step, MoE layer); ``progress(steps_done, steps)``;
-    ``lookahead`` None: the trace's (:func:`plan_lookahead`)."""
+    ``lookahead`` None: the trace's (:func:`plan_lookahead`); ``per_layer`` and ``pinned``
+    as :class:`moesim.policy.Planner` has them."""
     policy = get_policy(policy) if isinstance(policy, str) else policy
     n = plan_lookahead(trace, policy, lookahead)
-    planner = Planner(policy, cache_experts, eviction, n)
+    planner = Planner(policy, cache_experts, eviction, n, per_layer, pinned)
     counts = planner.plan_trace(trace.true_ids, trace.pred_ids, trace.model.n_experts, progress)
-    return Plan(policy, cache_experts, eviction, n, *counts)
+    return Plan(policy, cache_experts, eviction, n, *counts, per_layer=per_layer, pinned=len(planner.pinned))
 
 
 @dataclass

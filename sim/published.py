@@ -150,7 +150,7 @@ def predict(entry: Entry, engines: dict[str, EngineProfile] | None = None) -> di
             free = 0.75 * hw["device_memory_gb"] * 1e9 - device_bytes(spec, pol, context=context) + WORKSPACE_BYTES
             cache = max(0, int(free // spec.expert_bytes))
         res = simulate(trace, hw, pol, cache_experts=cache, eviction=s.get("eviction", "lru"), sim="fast",
-                       engine=engine, host=host)
+                       engine=engine, host=host, cache_per_layer=bool(s.get("cache_per_layer")))
     tpot = float(res.tpot.mean())
     return {"predicted_tps": 1.0 / tpot, "result": res}
 

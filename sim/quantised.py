@@ -1,4 +1,5 @@
-"""Replaying a trace as if its model's experts were stored in another format.
+"""Replaying a trace as if its model's experts were stored in another format (or the whole
+model as a llama.cpp file type such as Q4_K_M: ``moesim.quant_recipes``).
 
 ``--expert-dtype`` asks what a quantised deployment of the traced model would do: the
 same routing, experts of ``ModelSpec.with_expert_dtype`` size (so every copy, every read
@@ -13,12 +14,14 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 
+from moesim.quant_recipes import store_as
 from moesim.traces.format import Trace
 
 
 def with_expert_dtype(trace: Trace, dtype: str) -> Trace:
-    """``trace`` with its model's routed experts in ``dtype`` and no measured timings."""
-    spec = trace.model.with_expert_dtype(dtype)  # validates the format and the geometry
+    """``trace`` with its model's routed experts in ``dtype`` (or stored as the llama.cpp file
+    type ``dtype``) and no measured timings."""
+    spec = store_as(trace.model, dtype)  # validates the format and the geometry
     if spec is trace.model or spec.to_dict() == trace.header["model"]:
         return trace
     header = copy.deepcopy(trace.header)

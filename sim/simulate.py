@@ -140,6 +140,8 @@ def simulate(
     gpu_layers: int | str = "auto",
     split: str = "layer",
     ratios: list[float] | None = None,
+    cache_per_layer: bool = False,
+    gpu_expert_gib: float | None = None,
 ) -> SimResult:
     """Simulate ``trace`` under ``policy`` on ``hw``.
 
@@ -165,7 +167,10 @@ def simulate(
     ``calibrate_on_replay`` and ``amx``. ``lookahead``: how many MoE layers ahead a
     prefetch is issued (None: the trace's; :func:`moesim.sim.plan.plan_lookahead`).
     ``gpu_layers``, ``split`` and ``ratios``: the gpu-layers policy's count and how GPU
-    layers spread over several GPUs.
+    layers spread over several GPUs. ``cache_per_layer``: the cache size is each MoE layer's
+    (a cache per layer, as mixtral-offloading keeps). ``gpu_expert_gib``: GiB of the hottest
+    experts (counted on ``calibration``) kept on the GPU: hot-experts' budget, or a copy
+    policy's pinned hot set.
     """
     if engine in SIMS:  # callers that still name the simulator ``engine`` (before --sim existed)
         sim, engine = engine, None
@@ -196,12 +201,14 @@ def simulate(
     if static and timing == "measured" and (pol.cpu == "whole" or machine.n_gpus != 1):
         raise MoesimError(f"{pol.name} on {machine.name} is timed from the profiles only (--timing profile): a trace's "
                           "measured times belong to the one GPU that recorded it")
+    hot = _hot_set(trace, machine, pol, gpu_expert_gib, calibration, calibrate_on_replay)
     if static and timing != "measured":
         if copy_queue != "fifo":
             raise MoesimError(f"{pol.name} copies nothing; copy queues apply to the copy policies")
         return simulate_static(trace, machine, pol, host=host, engine=engine, threads=threads, cpu_layers=cpu_layers,
                                gpu_layers=gpu_layers, calibration=calibration, calibrate_on_replay=calibrate_on_replay,
-                               split=split, ratios=ratios, amx=amx, link_gbps=link_gbps)
+                               split=split, ratios=ratios, amx=amx, link_gbps=link_gbps,
+                               placement=hot if pol.cpu == "hot" else None)
     hw = machine.gpus[0]
     if pol.cpu:  # experts computed on the CPU: the hybrid step model (moesim.sim.hybrid)
         if timing == "measured" and not trace.measured:
@@ -212,17 +219,45 @@ def simulate(
         return simulate_hybrid(trace, hw, pol, host=host, cpu_layers=cpu_layers, calibration=calibration,
                                calibrate_on_replay=calibrate_on_replay, cache_experts=capacity, eviction=eviction,
                                sim=sim, engine=engine, link_gbps=link_gbps, amx=amx, record=record,
-                               timing="measured" if timing == "measured" else "profile", threads=threads)
+                               timing="measured" if timing == "measured" else "profile", threads=threads,
+                               placement=hot if pol.cpu == "hot" else None)
     spec = trace.model
     if link_gbps is not None:
         hw = hw.with_figure("h2d_pinned_gbs", link_gbps)
     capacity = cache_capacity(spec, cache_gib, cache_experts) if pol.offload else 0
-    plan = plan or build_plan(trace, pol, capacity, eviction, progress, lookahead)
+    pinned = hot.hottest if hot is not None and pol.offload else ()
+    plan = plan or build_plan(trace, pol, capacity, eviction, progress, lookahead, cache_per_layer, pinned)
     cm = CostModel(spec, hw, engine=engine)
     costs = costs or pick_costs(trace, cm, timing)
     (result,) = time_plan(trace, pol, plan, costs, [hw], sim=sim, engine=engine, copy_queue=copy_queue,
                           record=record, pred_recall=pred_recall, as_recorded=as_recorded)
     return result
+
+
+def _hot_set(trace: Trace, machine: Machine, pol: Policy, gpu_expert_gib: float | None,
+             calibration: np.ndarray | None, calibrate_on_replay: bool):
+    """The hottest experts within ``gpu_expert_gib`` of one GPU (None without a budget): a
+    copy policy's pinned set or hot-experts' placement, counted on the calibration routing
+    (or, marked optimistic, on the replayed trace itself)."""
+    from moesim.placement import expert_budget, hot_set, routing_counts
+
+    if gpu_expert_gib is None or (pol.cpu and pol.cpu != "hot") or not pol.offload:
+        return None
+    if not (isinstance(gpu_expert_gib, (int, float)) and 0 <= gpu_expert_gib < float("inf")):
+        raise MoesimError(f"--gpu-expert-gib {gpu_expert_gib!r}: GiB of experts kept on the GPU, >= 0")
+    if machine.n_gpus != 1:
+        raise MoesimError("--gpu-expert-gib places the hottest experts on one GPU")
+    spec = trace.model
+    if calibration is not None and calibrate_on_replay:
+        raise MoesimError("give a calibration trace or ask to calibrate on the replayed trace, not both")
+    if calibration is None and not calibrate_on_replay:
+        raise MoesimError("--gpu-expert-gib keeps the hottest experts: name the calibration trace that says which "
+                          "(--placement-from), or --calibrate-on-replay for an optimistic bound")
+    ids, source = (calibration, "a calibration trace") if calibration is not None else (trace.true_ids,
+                                                                                       "the replayed trace")
+    room = expert_budget(spec, machine.gpus[0]["device_memory_gb"] * 1e9, trace.batch, trace.prompt_len + trace.n_tokens)
+    return hot_set(routing_counts(ids, spec.n_experts), spec, min(room, int(gpu_expert_gib * 2**30)), source,
+                   calibration is None)
 
 
 def time_plan(trace: Trace, pol: Policy, plan: Plan, costs: Costs, profiles: list[HardwareProfile], *,
@@ -257,6 +292,11 @@ def time_plan(trace: Trace, pol: Policy, plan: Plan, costs: Costs, profiles: lis
             result.config["copy_queue"] = copy_queue
         if plan.lookahead != 1:
             result.config["lookahead"] = plan.lookahead
+        if plan.per_layer:
+            result.config["cache_per_layer"] = True
+            result.config["cache_experts"] = plan.cache_experts * spec.n_moe_layers  # the total held
+        if plan.pinned:
+            result.config["pinned_experts"] = plan.pinned
         results.append(result)
     return results
 

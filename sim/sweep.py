@@ -99,7 +99,8 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
            copy_queues: list[str] | None = None, prefetch_top: list[int] | None = None,
            placement_from: str | Path | None = None, calibrate_on_replay: bool = False,
            engine: str | None = None, threads: int | None = None, gpu_layers: list[int | str] | None = None,
-           lookaheads: list[int] | None = None, host_ram_gb: float | None = None) -> WhatIf:
+           lookaheads: list[int] | None = None, host_ram_gb: float | None = None,
+           cache_per_layer: bool = False) -> WhatIf:
     """Sweep models x hardware x policies x link bandwidth (None: each profile's own) x cache
     size, and the axes each policy family has: ``expert_dtypes`` (every policy), ``hosts``
     (CPU policies; None: each GPU profile's own), ``cpu_layers`` (cpu-static; None:
@@ -223,6 +224,7 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
                   prefetch_top=tuple(prefetch_top) if prefetch_top else (None,),
                   calibration=calibration or None, calibration_source=calibration_source,
                   calibrate_on_replay=calibrate_on_replay, engine=engine, threads=threads, host_ram_gb=host_ram_gb,
+                  cache_per_layer=cache_per_layer,
                   gpu_layers=tuple(gpu_layers) if gpu_layers else ("auto",))
     runs = max(1, sweep.size // max(1, len(sweep.traces)))
     for t in traces.values():

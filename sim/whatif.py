@@ -36,6 +36,7 @@ from moesim.errors import DoesNotFit, MoesimError
 from moesim.hardware import HardwareProfile, Machine, get_machine
 from moesim.models import ModelSpec
 from moesim.policy import POLICIES, get_policy
+from moesim.quant_recipes import is_format, store_as
 from moesim.sim.fastpath import run_fast_many
 from moesim.sim.hybrid import simulate_hybrid
 from moesim.sim.plan import build_plan
@@ -185,6 +186,7 @@ class Sweep:
     threads: int | None = None  # its CPU threads; None: every core
     gpu_layers: tuple[int | str, ...] = ("auto",)  # gpu-layers
     host_ram_gb: float | None = None  # the host's RAM (None: the host profile's, if it gives one)
+    cache_per_layer: bool = False  # each cache size is each MoE layer's (copy policies)
 
     def __post_init__(self) -> None:
         from moesim.engines import get_engine
@@ -202,8 +204,9 @@ class Sweep:
         if any(c < 0 for c in self.cache_gib):
             raise MoesimError("cache sizes must be >= 0 GiB")
         for d in self.expert_dtypes:
-            if d is not None and d not in DTYPES:
-                raise MoesimError(f"unknown expert dtype {d!r}; known: {', '.join(DTYPES)}")
+            if d is not None and not is_format(d):
+                raise MoesimError(f"unknown expert dtype {d!r}; known: {', '.join(DTYPES)}, or a llama.cpp file type "
+                                  "(q4_k_m, q8_0, ...)")
         for q in self.copy_queues:
             if q not in QUEUES:
                 raise MoesimError(f"unknown copy queue {q!r}; known: {', '.join(QUEUES)}")
@@ -222,7 +225,7 @@ class Sweep:
         for t in self.traces.values():
             for d in self.expert_dtypes:
                 if d is not None:
-                    t.model.with_expert_dtype(d)  # a format the model cannot store: one line, before any work
+                    store_as(t.model, d)  # a format the model cannot store: one line, before any work
             for n in self.cpu_layers:
                 if "cpu-static" in self.policies and n != "auto" and n > t.model.n_moe_layers:
                     raise MoesimError(f"--cpu-layers {n}: {t.model.name} has {t.model.n_moe_layers} MoE layers")
@@ -307,6 +310,7 @@ class Sweep:
                 "policies": self.policies, "link_gbps": self.link_gbps, "cache_gib": self.cache_gib,
                 "eviction": self.eviction, "sim": self.sim, "engine": self.engine, "threads": self.threads,
                 "gpu_layers": self.gpu_layers, "host_ram_gb": self.host_ram_gb, "timing": self.timing,
+                "cache_per_layer": self.cache_per_layer,
                 "expert_dtypes": self.expert_dtypes, "hosts": self.hosts, "cpu_layers": self.cpu_layers,
                 "gpu_expert_gib": self.gpu_expert_gib, "copy_queues": self.copy_queues,
                 "prefetch_top": self.prefetch_top, "calibration_source": self.calibration_source,
@@ -335,7 +339,7 @@ def _group_trace(sweep: Sweep, cfg: Config) -> Trace:
 
 
 def _axes(sweep: Sweep, cfg: Config, trace: Trace, base: str) -> dict[str, Any]:
-    return {"base_model": base, "expert_dtype": trace.model.expert_dtype, "family": family(cfg.policy),
+    return {"base_model": base, "expert_dtype": cfg.expert_dtype or trace.model.expert_dtype, "family": family(cfg.policy),
             "cpu_layers": cfg.cpu_layers, "gpu_expert_gib": cfg.gpu_expert_gib, "copy_queue": cfg.copy_queue,
             "prefetch_top": "-" if cfg.prefetch_top is None else cfg.prefetch_top, "batch": trace.batch,
             "prompt_len": trace.prompt_len, "gpu_layers": cfg.gpu_layers, "lookahead": trace.meta.lookahead}
@@ -453,9 +457,10 @@ def run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
             r["bound"] = bound_of(normalise(r))
         return [normalise(r) for r in rows]
     capacity = cache_capacity(spec, cfg.cache_gib) if pol.offload else 0
-    plan = build_plan(trace, pol, capacity, sweep.eviction)
+    plan = build_plan(trace, pol, capacity, sweep.eviction, per_layer=sweep.cache_per_layer)
     recall = sweep.recalls[cfg.trace] if cfg.prefetch_top is None else prediction_recall(trace)
-    need = device_bytes_needed(spec, cfg.policy, capacity, trace.batch, trace.prompt_len + trace.n_tokens,
+    held = capacity * spec.n_moe_layers if sweep.cache_per_layer else capacity
+    need = device_bytes_needed(spec, cfg.policy, held, trace.batch, trace.prompt_len + trace.n_tokens,
                                plan.lookahead)
     rows = []
     memo = sweep._costs_memo

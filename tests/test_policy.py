@@ -153,15 +153,32 @@ def _ids(r):
     return true.astype(np.int16), pred.astype(np.int16)
 
 
-@settings(max_examples=60, deadline=None)
-@given(routing, st.sampled_from([0, 1, 2, 3, 7, 1000]), st.sampled_from(EVICTIONS), st.sampled_from([1, 1, 2, 3]))
-def test_plan_trace_makes_the_per_layer_decisions(r, capacity, eviction, lookahead):
+@settings(max_examples=80, deadline=None)
+@given(routing, st.sampled_from([0, 1, 2, 3, 7, 1000]), st.sampled_from(EVICTIONS), st.sampled_from([1, 1, 2, 3]),
+       st.booleans(), st.integers(0, 3))
+def test_plan_trace_makes_the_per_layer_decisions(r, capacity, eviction, lookahead, per_layer, n_pinned):
+    """The compiled batch form makes exactly the per-layer methods' decisions: every policy,
+    both evictions, caches from none to the whole model (global or one per layer), a pinned
+    hot set, prefetches one or more layers ahead."""
     true, pred = _ids(r)
+    rng = np.random.default_rng(r["seed"])
+    pinned = {(int(rng.integers(r["layers"])), int(rng.integers(r["experts"]))) for _ in range(n_pinned)}
     for policy in (p for p in POLICIES if not POLICIES[p].cpu):  # CPU-compute policies: moesim.placement
-        stepwise = Planner(policy, capacity, eviction, lookahead).plan_trace_stepwise(true, pred)
-        batch = Planner(policy, capacity, eviction, lookahead).plan_trace(true, pred, r["experts"])
+        kw = dict(per_layer=per_layer, pinned=pinned if POLICIES[policy].offload else ())
+        stepwise = Planner(policy, capacity, eviction, lookahead, **kw).plan_trace_stepwise(true, pred)
+        batch = Planner(policy, capacity, eviction, lookahead, **kw).plan_trace(true, pred, r["experts"])
         np.testing.assert_array_equal(batch, stepwise, err_msg=f"{policy}, cache {capacity} {eviction}, "
-                                                               f"lookahead {lookahead}")
+                                                               f"lookahead {lookahead}, {kw}")
+
+
+def test_a_per_layer_cache_keeps_each_layers_experts_apart():
+    """mixtral-offloading's per-layer LRU: a cache of 1 expert per layer keeps one expert of
+    EVERY layer, where one global cache of the same total (2) keeps only the last two used."""
+    true = np.array([[[[0]], [[1]]], [[[0]], [[1]]]], np.int16)  # 2 tokens, 2 layers, top-1
+    per = dict(zip(Planner.COUNTS, Planner("on-demand", 1, per_layer=True).plan_trace_stepwise(true, true)))
+    assert per["cache_hits"][1].tolist() == [1, 1]  # the second token hits in both layers
+    pinned = dict(zip(Planner.COUNTS, Planner("on-demand", pinned={(0, 0)}).plan_trace_stepwise(true, true)))
+    assert pinned["demand"][:, 0].tolist() == [0, 0] and pinned["cache_hits"][:, 0].tolist() == [1, 1]
 
 
 def test_lookahead_prefetches_n_layers_ahead_and_keeps_every_prefetch_in_flight():

@@ -41,6 +41,12 @@ def replay(
     cache_gib: Annotated[float | None, typer.Option(help="Cross-token expert cache on the device, GiB (0 = none; "
                                                          "default: the cache the trace was recorded with).")] = None,
     cache_experts: Annotated[int | None, typer.Option(help="The same cache sized in experts instead.")] = None,
+    cache_per_layer: Annotated[bool, typer.Option("--cache-per-layer", help="The cache size is each MoE layer's: "
+                                                  "one cache per layer (mixtral-offloading), not one for all.")] = False,
+    gpu_expert_gib: Annotated[float | None, typer.Option(help="GiB of the hottest experts (by --placement-from, or "
+                                                              "--calibrate-on-replay) kept on the GPU: hot-experts' "
+                                                              "budget (default: all that fit), or a copy policy's "
+                                                              "pinned hot set.")] = None,
     eviction: Annotated[str | None, typer.Option(help="Cache eviction: lru or lfu (default: the recorded one, "
                                                       "else lru).")] = None,
     link_gbps: Annotated[float | None, typer.Option(help="Host-to-device GB/s (default: the link the trace "
@@ -136,7 +142,7 @@ def replay(
                          calibrate_on_replay=calibrate_on_replay, amx=amx, copy_queue=copy_queue, threads=threads,
                          gpu_layers=int(gpu_layers) if gpu_layers.isdigit() else gpu_layers, split=split_mode,
                          ratios=floats(tensor_split, "--tensor-split") if tensor_split is not None else None,
-                         lookahead=lookahead)
+                         lookahead=lookahead, cache_per_layer=cache_per_layer, gpu_expert_gib=gpu_expert_gib)
     rows = rep.rows
     if as_json or as_csv:
         print_json(rows) if as_json else print_csv(rows)

@@ -29,6 +29,8 @@ def whatif(
     link_gbps: Annotated[str | None, typer.Option(help="Comma-separated host-to-device GB/s (default: each profile's own).")] = None,
     cache_gib: Annotated[str, typer.Option(help="Comma-separated cross-token cache sizes, GiB.")] = "0,8,16",
     eviction: Annotated[str, typer.Option(help="Cache eviction: lru or lfu.")] = "lru",
+    cache_per_layer: Annotated[bool, typer.Option("--cache-per-layer", help="Copy policies: each --cache-gib is "
+                                                  "each MoE layer's cache (one per layer, as mixtral-offloading).")] = False,
     tokens: Annotated[int, typer.Option(help="Decode steps of the synthetic trace.")] = 256,
     prompt_len: Annotated[str, typer.Option(help="Comma-separated prompt lengths of the synthetic traces (an axis).")] = "128",
     batch: Annotated[str, typer.Option(help="Comma-separated batch sizes of the synthetic traces (an axis).")] = "1",
@@ -114,7 +116,7 @@ def whatif(
                          prefetch_top=ints(prefetch_top, "--prefetch-top") if prefetch_top is not None else None,
                          placement_from=placement_from, calibrate_on_replay=calibrate_on_replay,
                          engine=engine, threads=threads, gpu_layers=auto_or(gpu_layers, "--gpu-layers", int),
-                         host_ram_gb=host_ram_gb,
+                         host_ram_gb=host_ram_gb, cache_per_layer=cache_per_layer,
                          lookaheads=ints(lookahead, "--lookahead") if lookahead is not None else None)
     rows, winner = res.rows, res.winner
     answers = deployment_answer(rows, goal, engine=engine)
