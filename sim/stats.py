@@ -57,6 +57,7 @@ short recording stretches to any length or batch (``moesim synth --like``).
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -488,16 +489,20 @@ def _belady(ids, nu, n_exp, caps, hits):
 _KERNELS: dict[str, Any] = {}
 
 
+_KERNELS_LOCK = threading.Lock()
+
+
 def _kernel(name: str) -> Any:
     """The compiled form of one of the kernels above (compiled on first use, cached)."""
-    if not _KERNELS:
-        from numba import njit
+    with _KERNELS_LOCK:  # the passes start on several threads at once
+        if not _KERNELS:
+            from numba import njit
 
-        from moesim.jit import use_user_cache
+            from moesim.jit import use_user_cache
 
-        use_user_cache()
-        for fn in (_routing_pass, _lru_segments, _online, _next_uses, _belady):
-            _KERNELS[fn.__name__] = njit(cache=True, nogil=True)(fn)
+            use_user_cache()
+            for fn in (_routing_pass, _lru_segments, _online, _next_uses, _belady):
+                _KERNELS[fn.__name__] = njit(cache=True, nogil=True)(fn)
     return _KERNELS[name]
 
 
