@@ -1001,7 +1001,7 @@ CATALOGUE: dict[str, ModelSpec] = {
     ]
 }
 
-ALIASES = {"olmoe-1b-7b-0924": "olmoe-1b-7b", "qwen3-30b": "qwen3-30b-a3b", "qwen3.6-35b-a3b": "qwen3.5-35b-a3b",
+ALIASES = {"olmoe-1b-7b-0924": "olmoe-1b-7b", "qwen3-30b": "qwen3-30b-a3b",
            "kimi-k2-instruct": "kimi-k2", "llama-4-scout": "llama-4-scout-17b-16e",
            "llama-4-maverick": "llama-4-maverick-17b-128e", "phi-3.5-moe-instruct": "phi-3.5-moe"}
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from moesim.cli.app import strict_json
+from moesim.jsonout import strict_json
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = Path(__file__).parent / "data" / "configs"
