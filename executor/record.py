@@ -82,6 +82,7 @@ def checkpoint_folder(model_dir: str | Path) -> Path:
         path = resolve_snapshot(path)
     if not (path / "config.json").is_file():
         raise MoesimError(f"{path}: not a Hugging Face checkpoint (no config.json)")
+    read_config(path / "config.json")  # an unreadable config says so first
     if not weight_files(path):
         index = sorted(p.name for p in path.glob("*.index.json"))
         raise MoesimError(f"{path}: a config.json but no weight files ({', '.join(WEIGHT_SUFFIXES)})"
