@@ -13,11 +13,18 @@ Selection strategies under a verification budget ``gamma``:
   not yet in the step's expert buffer B (which starts with the root's predicted experts);
   score ``lagrangian`` = ``p - lam * delta`` or ``ratio`` = ``p / delta`` (a candidate that
   adds nothing scores above every one that does); take the best, add its experts to B.
+
+Greedy selection is a prefix rule: the nodes chosen at budget gamma are the first gamma of
+those chosen at any larger budget, so a what-if over several budgets selects once, at the
+largest. :func:`select_bits` is the same decision on expert bit masks (numpy), for trees of
+hundreds of candidates over a 94-layer model; a test holds it equal to :func:`select`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from moesim.errors import MoesimError
 
@@ -83,3 +90,62 @@ def accept(tree: Tree, chosen: list[int], target_next: list[int]) -> list[int]:
             return rows
         rows.append(row_of[child])
         node = child
+
+
+def pack_experts(ids: np.ndarray, n_experts: int) -> np.ndarray:
+    """Expert ids ``[..., k]`` (negative = padding) as bit masks ``[..., words]`` of uint64."""
+    ids = np.asarray(ids)
+    words = -(-n_experts // 64)
+    out = np.zeros((*ids.shape[:-1], words), np.uint64)
+    valid = ids >= 0
+    safe = np.where(valid, ids, 0).astype(np.int64)
+    bits = np.where(valid, np.left_shift(np.uint64(1), (safe % 64).astype(np.uint64)), np.uint64(0))
+    for w in range(words):
+        out[..., w] = np.bitwise_or.reduce(np.where(safe // 64 == w, bits, np.uint64(0)), axis=-1)
+    return out
+
+
+def _new_experts(node_bits: np.ndarray, buffer: np.ndarray) -> np.ndarray:
+    """Per node: its predicted experts not in ``buffer``, summed over layers (bit masks)."""
+    return np.bitwise_count(node_bits & ~buffer).sum(axis=(-2, -1), dtype=np.int64)
+
+
+def select_bits(parents, prob, gamma: int, strategy: str = "confidence", node_bits: np.ndarray | None = None,
+                root_bits: np.ndarray | None = None, kind: str = "ratio", lam: float = 0.1) -> list[int]:
+    """:func:`select` on bit masks: ``node_bits`` [nodes, layers, words] and ``root_bits``
+    [layers, words] from :func:`pack_experts` (None: no predictions, confidence order).
+    Same scores, same ties (the lowest index), same order."""
+    if strategy not in SELECTIONS:
+        raise MoesimError(f"unknown selection {strategy!r}; known: {', '.join(SELECTIONS)}")
+    if kind not in SCORES:
+        raise MoesimError(f"unknown score {kind!r}; known: {', '.join(SCORES)}")
+    parents = np.asarray(parents, np.int64)
+    prob = np.asarray(prob, np.float64)
+    n = len(parents)
+    kids: list[list[int]] = [[] for _ in range(n + 1)]  # kids[p + 1]: children of node p (-1: the root)
+    for i, p in enumerate(parents.tolist()):
+        kids[p + 1].append(i)
+    is_open = np.zeros(n, bool)
+    is_open[kids[0]] = True
+    eco = strategy == "ecospec" and node_bits is not None and root_bits is not None
+    if eco:
+        buffer = np.array(root_bits, np.uint64, copy=True)
+        cost = _new_experts(node_bits, buffer)
+    chosen: list[int] = []
+    while len(chosen) < gamma and is_open.any():
+        idx = np.flatnonzero(is_open)
+        if eco:
+            p, d = prob[idx], cost[idx]
+            s = p - lam * d if kind == "lagrangian" else np.where(d > 0, p / np.maximum(d, 1), 1e9 + p)
+        else:
+            s = prob[idx]
+        best = int(idx[np.flatnonzero(s == s.max())[0]])
+        if eco:
+            new = node_bits[best] & ~buffer
+            if new.any():
+                buffer |= new
+                cost -= np.bitwise_count(node_bits & new).sum(axis=(-2, -1), dtype=np.int64)
+        chosen.append(best)
+        is_open[best] = False
+        is_open[kids[best + 1]] = True
+    return chosen

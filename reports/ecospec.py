@@ -24,6 +24,7 @@ import numpy as np  # noqa: E402
 from moesim.atomic import atomic_write_text  # noqa: E402
 from moesim.models import get_model  # noqa: E402
 from moesim.reports.render import save_figure, write_csv, write_html  # noqa: E402
+from moesim.sim.deployment import get_deployment  # noqa: E402
 from moesim.sim.draft import DraftProfile  # noqa: E402
 from moesim.sim.ecospec import (  # noqa: E402
     DEFAULT_DRAFT,
@@ -33,7 +34,6 @@ from moesim.sim.ecospec import (  # noqa: E402
     ecospec_whatif,
     latency_fit,
 )
-from moesim.sim.deployment import get_deployment  # noqa: E402
 from moesim.traces.synthetic_speculative import SpecSynthParams, generate  # noqa: E402
 
 MODELS = ("qwen3-235b-a22b", "gpt-oss-120b", "deepseek-v3")

@@ -77,16 +77,23 @@ def parse_selections(text: str) -> tuple[Selection, ...]:
     return tuple(out)
 
 
-def selected_steps(synth: SynthSpec, gamma: int, sel: Selection) -> list[Step]:
-    """The drawn steps as ``sel`` at budget ``gamma`` verifies them (exact: every node's
-    true experts and acceptance are known). Gamma 0 is no speculation."""
-    from moesim.selection import select
-
+def selection_orders(synth: SynthSpec, gamma: int, sel: Selection) -> list[list[int]]:
+    """Per step, the nodes ``sel`` verifies at budget ``gamma`` in the order it chooses them.
+    Greedy selection is a prefix rule, so the first g of these are its choice at any g <= gamma."""
     spec = synth.spec
+    return [st.order(gamma, sel.strategy, sel.score, sel.lam(spec), spec.n_experts) for st in synth.steps]
+
+
+def selected_steps(synth: SynthSpec, gamma: int, sel: Selection, orders: list[list[int]] | None = None) -> list[Step]:
+    """The drawn steps as ``sel`` at budget ``gamma`` verifies them (exact: every node's
+    true experts and acceptance are known). Gamma 0 is no speculation. ``orders``: the
+    selection's orders at a budget >= gamma (:func:`selection_orders`), to select once."""
+    spec = synth.spec
+    if orders is None:
+        orders = selection_orders(synth, gamma, sel) if gamma else [[] for _ in synth.steps]
     out = []
-    for st in synth.steps:
-        root_pred = st.root_pred()
-        chosen = select(st.tree(), gamma, sel.strategy, root_pred, sel.score, sel.lam(spec)) if gamma else []
+    for st, order in zip(synth.steps, orders, strict=True):
+        chosen = order[:gamma]
         on, produced = set(chosen), 1
         for p in st.path:
             if p not in on:
@@ -117,14 +124,17 @@ def ecospec_whatif(model: str | ModelSpec, deployments: list[str | Deployment], 
     params = synth.params
     rows: list[dict[str, Any]] = []
     base_steps = selected_steps(synth, 0, Selection("confidence"))
-    cases = [(g, sel, selected_steps(synth, g, sel) if g else base_steps) for g in gammas for sel in selections]
+    top = max(gammas, default=0)
+    orders = {sel: selection_orders(synth, top, sel) for sel in selections} if top else {}
+    cases = [(g, sel, selected_steps(synth, g, sel, orders[sel]) if g else base_steps)
+             for g in gammas for sel in selections]
     for dep in deps:
         none = time_steps(spec, base_steps, dep, 0.0, context)
         rows.append(_row(spec, dep, params, "none", Selection("confidence"), 0, none, none["tpot_ms"], None, draft))
         conf_ms: dict[int, float] = {}
         for g, sel, steps in cases:
             d_s = draft.tree_seconds(dep.cost_model(spec), params.branch, params.depth,
-                                     sel.strategy == "ecospec") if g else 0.0
+                                     sel.strategy == "ecospec", params.expand) if g else 0.0
             r = time_steps(spec, steps, dep, d_s, context)
             if sel.strategy == "confidence":
                 conf_ms[g] = r["tpot_ms"]
@@ -152,9 +162,11 @@ def latency_fit(spec: ModelSpec, dep: str | Deployment, synth: SynthSpec, gammas
     bandwidth (:func:`moesim.sim.deployment.seconds_per_distinct_expert`)."""
     dep = get_deployment(dep)
     xs, ys = [], []
+    top = max(gammas, default=0)
+    orders = {sel: selection_orders(synth, top, sel) for sel in selections} if top else {}
     for g in gammas:
         for sel in selections:
-            r = time_steps(spec, selected_steps(synth, g, sel), dep, 0.0, context)
+            r = time_steps(spec, selected_steps(synth, g, sel, orders.get(sel)), dep, 0.0, context)
             xs.append(r["distinct"])
             ys.append(r["verify_s"])
     x, y = np.concatenate(xs), np.concatenate(ys)

@@ -29,7 +29,7 @@ import numpy as np
 from moesim import __version__
 from moesim.errors import MoesimError
 from moesim.models import ModelSpec
-from moesim.selection import SCORES, SELECTIONS, Tree, select
+from moesim.selection import SCORES, SELECTIONS, Tree, pack_experts, select, select_bits
 from moesim.traces.format import Trace
 from moesim.traces.header import make_header
 from moesim.traces.records import SDStep, sd_arrays, sd_steps
@@ -47,6 +47,11 @@ class SpecSynthParams:
     steps: int = 256  # verification steps to draw
     branch: int = 2  # children the draft proposes per node (top-branch of its distribution)
     depth: int = 4  # levels of the draft tree (tokens ahead of the root)
+    #: 0: a full tree (every node of a level has ``branch`` children). N > 0: a dynamic
+    #: tree as EAGLE-2 grows it (Li et al., "EAGLE-2: Faster Inference of Language Models
+    #: with Dynamic Draft Trees", arXiv:2406.16858): at each level only the N candidates of
+    #: highest cumulative draft probability get children.
+    expand: int = 0
     #: Per depth d = 1, 2, ...: the chance that the target's greedy token at depth d is one
     #: of the drafted children, given the path above was accepted (the last value repeats).
     accept: tuple[float, ...] = (0.75, 0.65, 0.6, 0.55)
@@ -69,8 +74,9 @@ class SpecSynthParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.branch < 1 or self.depth < 0 or self.prompt_len < 0:
-            raise MoesimError("synthetic speculative trace: steps >= 1, branch >= 1, depth >= 0, prompt_len >= 0")
+        if self.steps < 1 or self.branch < 1 or self.depth < 0 or self.prompt_len < 0 or self.expand < 0:
+            raise MoesimError("synthetic speculative trace: steps >= 1, branch >= 1, depth >= 0, expand >= 0, "
+                              "prompt_len >= 0")
         for name in ("parent_overlap", "sibling_overlap", "step_overlap", "recall"):
             if not 0 <= getattr(self, name) <= 1:
                 raise MoesimError(f"synthetic speculative trace: {name} must be in [0, 1]")
@@ -94,8 +100,18 @@ class SpecSynthParams:
         return rng.beta(c * mean, c * (1 - mean), n)
 
     @property
+    def level_sizes(self) -> list[int]:
+        """Candidates at depth 1 .. depth (a full tree: branch ** d; a dynamic one: the
+        ``expand`` best of the level above, ``branch`` children each)."""
+        sizes, n = [], 1
+        for _ in range(self.depth):
+            n = (min(n, self.expand) if self.expand else n) * self.branch
+            sizes.append(n)
+        return sizes
+
+    @property
     def nodes(self) -> int:
-        return sum(self.branch ** d for d in range(1, self.depth + 1))
+        return sum(self.level_sizes)
 
     def accept_at(self, d: int) -> float:
         return self.accept[min(d, len(self.accept)) - 1]
@@ -122,6 +138,7 @@ class SynthStep:
     true_ids: np.ndarray  # int16 [1 + nodes, moe_layers, k]
     pred_ids: np.ndarray  # int16 [1 + nodes, moe_layers, k]
     _tree: Tree | None = field(default=None, repr=False, compare=False)
+    _bits: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     def tree(self) -> Tree:
         """The candidate tree with predicted expert sets (built once; selection only reads it)."""
@@ -132,6 +149,20 @@ class SynthStep:
 
     def root_pred(self) -> list[set[int]]:
         return [set(r[r != PAD].tolist()) for r in self.pred_ids[0]]
+
+    def pred_bits(self, n_experts: int) -> np.ndarray:
+        """The predicted experts of every row as bit masks [1 + nodes, layers, words] (built
+        once), for :func:`moesim.selection.select_bits`."""
+        if self._bits is None:
+            self._bits = pack_experts(self.pred_ids, n_experts)
+        return self._bits
+
+    def order(self, gamma: int, strategy: str, score: str = "ratio", lam: float = 0.1, n_experts: int = 0) -> list[int]:
+        """The nodes a selection verifies at budget ``gamma``, in the order it chooses them
+        (the same decision as :func:`moesim.selection.select`, on bit masks)."""
+        bits = self.pred_bits(n_experts or int(self.pred_ids.max()) + 1) if strategy == "ecospec" else None
+        return select_bits(self.parents, self.prob, gamma, strategy, None if bits is None else bits[1:],
+                           None if bits is None else bits[0], score, lam)
 
 
 @dataclass
@@ -148,31 +179,51 @@ def _popularity(rng: np.random.Generator, m: int, e: int, skew: float) -> np.nda
     return logp - np.log(np.exp(logp).sum(1, keepdims=True))
 
 
+#: Added to the key of a forced expert: above every Gumbel key (float32 keeps it exact enough).
+_FORCE = np.float32(1e3)
+
+
+def _gumbel_keys(rng: np.random.Generator, logp: np.ndarray, n: int) -> np.ndarray:
+    """``logp`` plus independent Gumbel(0, 1) noise, [n, M, E] float32 (Gumbel = -log Exp(1))."""
+    keys = rng.standard_exponential(size=(n, *logp.shape), dtype=np.float32)
+    np.log(np.maximum(keys, np.float32(1e-30), out=keys), out=keys)  # a draw of exactly 0 would be log(0)
+    np.subtract(logp[None].astype(np.float32), keys, out=keys)
+    return keys
+
+
+def _top(keys: np.ndarray, k: int) -> np.ndarray:
+    """The k largest keys' indices per row and layer, largest first."""
+    e = keys.shape[-1]
+    idx = np.argpartition(keys, e - k, axis=-1)[..., e - k:]
+    order = np.argsort(-np.take_along_axis(keys, idx, -1), axis=-1)
+    return np.take_along_axis(idx, order, -1)
+
+
 def _route(rng: np.random.Generator, logp: np.ndarray, k: int, forced: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-    """Top-k per row and layer: Gumbel keys over the popularity, with each id of every
+    """Top-k per row and layer: Gumbel keys over the popularity (Gumbel-top-k draws k
+    experts without replacement in proportion to popularity), with each id of every
     (ids [n, M, k], per-row probability [n]) source forced in with that probability.
     -> int16 [n, M, k]."""
     n = forced[0][0].shape[0] if forced else 1
-    keys = logp[None] + rng.gumbel(size=(n, *logp.shape))
-    bump = np.zeros_like(keys)
-    for ids, p in forced:
-        hit = (rng.random(ids.shape) < np.asarray(p)[:, None, None]).astype(float)
-        np.put_along_axis(bump, ids.astype(np.int64), np.maximum(np.take_along_axis(bump, ids.astype(np.int64), -1),
-                                                                  hit * 1e6), axis=-1)
-    keys = keys + bump
-    idx = np.argpartition(-keys, k - 1, axis=-1)[..., :k]
-    order = np.argsort(-np.take_along_axis(keys, idx, -1), axis=-1)
-    return np.take_along_axis(idx, order, -1).astype(np.int16)
+    keys = _gumbel_keys(rng, logp, n)
+    if forced:
+        bump = np.zeros(keys.shape, bool)
+        for ids, p in forced:
+            hit = rng.random(ids.shape, dtype=np.float32) < np.asarray(p, np.float32)[:, None, None]
+            at = ids.astype(np.intp)
+            np.put_along_axis(bump, at, np.take_along_axis(bump, at, -1) | hit, axis=-1)
+        keys += bump * _FORCE
+    return _top(keys, k).astype(np.int16)
 
 
 def _predict(rng: np.random.Generator, logp: np.ndarray, true: np.ndarray, recall: float) -> np.ndarray:
     """k predicted experts per row and layer: each true one kept with ``recall``, the rest
     drawn from the popularity among experts that are not true."""
-    keys = logp[None] + rng.gumbel(size=(true.shape[0], *logp.shape))
-    kept = rng.random(true.shape) < recall
-    np.put_along_axis(keys, true.astype(np.int64), np.where(kept, np.inf, -np.inf), axis=-1)
-    k = true.shape[-1]
-    idx = np.argpartition(-keys, k - 1, axis=-1)[..., :k]
+    keys = _gumbel_keys(rng, logp, true.shape[0])
+    kept = rng.random(true.shape, dtype=np.float32) < recall
+    np.put_along_axis(keys, true.astype(np.intp), np.where(kept, np.float32(np.inf), np.float32(-np.inf)), axis=-1)
+    k, e = true.shape[-1], keys.shape[-1]
+    idx = np.argpartition(keys, e - k, axis=-1)[..., e - k:]
     return np.sort(idx, -1).astype(np.int16)
 
 
@@ -223,7 +274,10 @@ def generate(spec: ModelSpec, params: SpecSynthParams = SpecSynthParams()) -> Sy
                     prob.append(float(np.float32(base * cond[j, r])))  # as the trace stores it
                     rows.append(first[j] if r == 0 else level_rows[1][j, r - 1])
                     new_frontier.append(len(tokens) - 1)
-            frontier = new_frontier
+            if params.expand and len(new_frontier) > params.expand:  # a dynamic tree: grow the best only
+                frontier = sorted(sorted(new_frontier, key=lambda i: (-prob[i], i))[: params.expand])
+            else:
+                frontier = new_frontier
         true = np.stack(rows).astype(np.int16)
         pred = _predict(rng, logp, true, params.recall)
         # The target's greedy path: at each depth, one of the children with the depth's rate.
@@ -232,6 +286,8 @@ def generate(spec: ModelSpec, params: SpecSynthParams = SpecSynthParams()) -> Sy
             if rng.random() >= params.accept_at(d):
                 break
             children = [i for i, p in enumerate(parents) if p == node]
+            if not children:  # a dynamic tree did not grow this node: the target's token is not drafted
+                break
             node = children[int(rng.choice(b, p=share))]
             path.append(node)
         children = {tokens[i] for i, p in enumerate(parents) if p == node}
@@ -344,7 +400,7 @@ def recorded_views(trace: Trace) -> list[StepView]:
 def reselect(step: SynthStep, gamma: int, strategy: str, score: str = "ratio", lam: float = 0.1) -> tuple[list[int], int]:
     """(chosen nodes, tokens produced) of one synthetic step under a selection: the exact
     answer, since every node's truth is known."""
-    chosen = select(step.tree(), gamma, strategy, step.root_pred(), score, lam)
+    chosen = step.order(gamma, strategy, score, lam)
     on = set(chosen)
     produced = 1
     for p in step.path:
