@@ -69,9 +69,11 @@ class DraftProfile:
     def predictor_bytes(self, spec: ModelSpec) -> float:
         return 2.0 * spec.hidden * spec.n_moe_layers * spec.n_experts
 
-    def tree_seconds(self, cm: CostModel, branch: int, depth: int, uses_predictor: bool) -> float:
+    def tree_seconds(self, cm: CostModel, branch: int, depth: int, uses_predictor: bool, expand: int = 0) -> float:
         """Seconds to draft a full ``branch``-ary tree of ``depth`` levels (and predict its
-        experts when ``uses_predictor``) on ``cm``'s deployment (weights split over its shards)."""
+        experts when ``uses_predictor``) on ``cm``'s deployment (weights split over its shards).
+        ``expand`` > 0: a dynamic tree (EAGLE-2) whose forwards read only the ``expand``
+        nodes a level grows, or, for the expert predictor, every node of the level."""
         if self.kind in ("none", "recorded") or depth == 0:
             return 0.0
         spec, e = cm.spec, cm.engine
@@ -83,6 +85,8 @@ class DraftProfile:
         total = 0.0
         for level in range(depth + (1 if pred else 0)):
             rows = branch ** level  # the frontier this forward reads
+            if expand:
+                rows = min(rows, expand * branch if pred else expand)
             total += cm.draft_forward(w, params, rows, kernels, spec.dense_dtype)
             if pred:
                 total += cm.read(self.predictor_bytes(spec) / cm.shards)
