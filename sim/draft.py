@@ -2,7 +2,8 @@
 
 A tree of ``depth`` levels takes ``depth`` sequential draft forwards (level j reads the
 whole frontier in one pass), plus one more when the expert predictor needs the hidden
-state of the deepest nodes. At decode batch sizes every forward is bound by reading the
+state of the deepest nodes (an EAGLE head's extra forward reads its layer only: nothing
+is proposed from it, so not the LM head). At decode batch sizes every forward is bound by reading the
 draft's weights, so each is charged like the target's blocks (:mod:`moesim.sim.costs`):
 the larger of bytes / bandwidth and FLOPs / FLOP rate, plus kernel launches.
 
@@ -87,7 +88,13 @@ class DraftProfile:
             rows = branch ** level  # the frontier this forward reads
             if expand:
                 rows = min(rows, expand * branch if pred else expand)
-            total += cm.draft_forward(w, params, rows, kernels, spec.dense_dtype)
+            if level == depth and self.kind == "eagle":
+                # The extra forward only gives the deepest nodes' hidden states to the expert
+                # predictor: no token is proposed from it, so the LM head is not read.
+                w_l = w - spec.lm_head_bytes / cm.shards
+                total += cm.draft_forward(w_l, w_l / w * params, rows, kernels - e.head_kernels, spec.dense_dtype)
+            else:
+                total += cm.draft_forward(w, params, rows, kernels, spec.dense_dtype)
             if pred:
                 total += cm.read(self.predictor_bytes(spec) / cm.shards)
         return total
