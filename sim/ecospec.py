@@ -27,7 +27,7 @@ from moesim.models import ModelSpec, get_model
 from moesim.sim.deployment import Deployment, get_deployment, seconds_per_distinct_expert, time_steps
 from moesim.sim.draft import DraftProfile
 from moesim.sim.plan import Step
-from moesim.traces.synthetic_speculative import SpecSynthParams, SynthSpec, check_selection, generate
+from moesim.traces.synthetic_speculative import SpecSynthParams, SynthSpec, check_selection, count, generate
 
 
 @dataclass(frozen=True)
@@ -110,10 +110,13 @@ def selected_steps(synth: SynthSpec, gamma: int, sel: Selection, orders: list[li
 def ecospec_whatif(model: str | ModelSpec, deployments: list[str | Deployment], gammas: list[int],
                    selections: tuple[Selection, ...] = SELECTIONS_DEFAULT,
                    params: SpecSynthParams = DEFAULT_PARAMS, draft: DraftProfile = DEFAULT_DRAFT,
-                   context: int = 1024, synth: SynthSpec | None = None) -> list[dict[str, Any]]:
+                   context: int = 1024, synth: SynthSpec | None = None,
+                   sd_gamma: int | None = None) -> list[dict[str, Any]]:
     """One row per deployment x selection x gamma (and one no-speculation row per
     deployment): tokens a step, distinct experts a verification, verification and draft
-    latency, TPOT and the speed-ups. Deterministic for a seed; marked synthetic."""
+    latency, TPOT and the speed-ups against each baseline (:data:`BASELINES`; ``sd_gamma``
+    names the budget of the standard-speculative-decoding baseline, confidence-only, when it
+    is one of ``gammas``). Deterministic for a seed; marked synthetic."""
     spec = get_model(model) if isinstance(model, str) else model
     if any(g < 0 for g in gammas):
         raise MoesimError("gamma must be >= 0")
@@ -122,36 +125,59 @@ def ecospec_whatif(model: str | ModelSpec, deployments: list[str | Deployment], 
     deps = [get_deployment(d) for d in deployments]
     synth = synth or generate(spec, params)
     params = synth.params
-    rows: list[dict[str, Any]] = []
     base_steps = selected_steps(synth, 0, Selection("confidence"))
     top = max(gammas, default=0)
     orders = {sel: selection_orders(synth, top, sel) for sel in selections} if top else {}
-    cases = [(g, sel, selected_steps(synth, g, sel, orders[sel]) if g else base_steps)
-             for g in gammas for sel in selections]
-    for dep in deps:
+    found: dict[tuple[int, int], dict[str, Any]] = {}
+    for d, dep in enumerate(deps):
         none = time_steps(spec, base_steps, dep, 0.0, context)
-        rows.append(_row(spec, dep, params, "none", Selection("confidence"), 0, none, none["tpot_ms"], None, draft))
-        conf_ms: dict[int, float] = {}
-        for g, sel, steps in cases:
+        found[d, -1] = _row(spec, dep, params, "none", Selection("confidence"), 0, none, draft)
+    for c, (g, sel) in enumerate((g, sel) for g in gammas for sel in selections):
+        steps = selected_steps(synth, g, sel, orders[sel]) if g else base_steps  # one case's steps at a time
+        for d, dep in enumerate(deps):
             d_s = draft.tree_seconds(dep.cost_model(spec), params.branch, params.depth,
                                      sel.strategy == "ecospec", params.expand) if g else 0.0
-            r = time_steps(spec, steps, dep, d_s, context)
-            if sel.strategy == "confidence":
-                conf_ms[g] = r["tpot_ms"]
-            rows.append(_row(spec, dep, params, sel.label, sel, g, r, none["tpot_ms"], conf_ms.get(g), draft))
+            found[d, c] = _row(spec, dep, params, sel.label, sel, g, time_steps(spec, steps, dep, d_s, context), draft)
+    return add_speedups([found[key] for key in sorted(found)], sd_gamma)
+
+
+#: What a speed-up is measured against (every row has one column per baseline).
+BASELINES = {
+    "speedup_vs_none": "no speculation (one token a target pass)",
+    "speedup_vs_confidence": "confidence-only selection at the same gamma",
+    "speedup_vs_best_confidence": "confidence-only selection at its own best gamma (on the same tree)",
+    "speedup_vs_sd": "standard speculative decoding: confidence-only at the SD baseline's gamma (sd_gamma)",
+}
+
+
+def add_speedups(rows: list[dict[str, Any]], sd_gamma: int | None = None) -> list[dict[str, Any]]:
+    """Fill every row's speed-up columns (:data:`BASELINES`) from the rows of its model and
+    deployment; a baseline that is not among the rows gives NaN."""
+    nan = float("nan")
+    for key in dict.fromkeys((r["model"], r["deployment"]) for r in rows):
+        mine = [r for r in rows if (r["model"], r["deployment"]) == key]
+        none = next((r["tpot_ms"] for r in mine if r["gamma"] == 0), nan)
+        conf = {r["gamma"]: r["tpot_ms"] for r in mine if r["strategy"] == "confidence" and r["gamma"] > 0}
+        best = min(conf.values(), default=nan)
+        for r in mine:
+            t = r["tpot_ms"]
+            r["speedup_vs_none"] = none / t
+            r["speedup_vs_confidence"] = conf[r["gamma"]] / t if r["gamma"] in conf else nan
+            r["speedup_vs_best_confidence"] = best / t if r["gamma"] > 0 else nan
+            r["sd_gamma"] = sd_gamma if sd_gamma in conf else None
+            r["speedup_vs_sd"] = conf[sd_gamma] / t if sd_gamma in conf and r["gamma"] > 0 else nan
     return rows
 
 
-def _row(spec, dep, params, label, sel, gamma, r, none_ms, conf_ms, draft) -> dict[str, Any]:
+def _row(spec, dep, params, label, sel, gamma, r, draft) -> dict[str, Any]:
     return {
         "model": spec.name, "deployment": dep.name, "selection": label, "strategy": sel.strategy, "score": sel.score,
         "lambda": sel.lam(spec), "gamma": gamma, "branch": params.branch, "depth": params.depth,
-        "accept": ",".join(f"{a:g}" for a in params.accept), "draft": draft.label,
+        "expand": params.expand, "accept": ",".join(f"{a:g}" for a in params.accept), "draft": draft.label,
         "tokens_per_step": float(r["produced"].mean()), "rows_per_step": float(r["rows"].mean()),
         "distinct_experts_per_step": float(r["distinct"].mean()),
         "verify_ms": float(r["verify_s"].mean() * 1e3), "draft_ms": float(r["draft_s"].mean() * 1e3),
-        "tpot_ms": r["tpot_ms"], "speedup_vs_none": none_ms / r["tpot_ms"],
-        "speedup_vs_confidence": (conf_ms / r["tpot_ms"]) if conf_ms else float("nan"), "synthetic": True,
+        "tpot_ms": r["tpot_ms"], "synthetic": True,
     }
 
 
@@ -176,6 +202,57 @@ def latency_fit(spec: ModelSpec, dep: str | Deployment, synth: SynthSpec, gammas
     return {"model": spec.name, "deployment": dep.name, "x": x, "y": y, "slope_ms_per_expert": float(slope * 1e3),
             "intercept_ms": float(intercept * 1e3), "r2": float(r2),
             "analytic_ms_per_expert": seconds_per_distinct_expert(spec, dep) * 1e3}
+
+
+# What the what-if costs, per unit, on top of drawing the steps
+# (:func:`moesim.traces.synthetic_speculative.generate_cost`): central figures measured on a
+# shared 2-core Xeon (Python 3.11, numpy 2.4), so an estimate lands within 3x of the real
+# time on this kind of machine (tests/test_ecospec_scale.py holds it there).
+SELECT_S_PER_ITER = 1.5e-5  # one greedy choice (an open-set scan)
+SELECT_S_PER_WORD = 4e-9  # EcoSpec: one node x layer x 64-expert word of marginal-cost update per choice
+STEPS_S_PER_ROW_LAYER = 1.2e-6  # building a selected step's expert sets
+TIME_S_PER_LAYER = 4.5e-5  # timing one step on one deployment, per model layer (roofline, plan, fast path)
+WHATIF_FIXED_S = 1.0  # imports, the compiled fast path's load
+SET_BYTES_PER_ID = 72  # a Python int in a set
+
+
+def whatif_cost(spec: ModelSpec, n_deployments: int, gammas: list[int], selections: tuple[Selection, ...],
+                params: SpecSynthParams) -> tuple[float, float]:
+    """(seconds, peak bytes) of :func:`ecospec_whatif` for one model, before it runs: drawing
+    the steps, each selection once at the largest gamma, each (gamma, selection) case's
+    steps, and timing each case on each deployment."""
+    from moesim.traces.synthetic_speculative import generate_cost
+
+    seconds, peak = generate_cost(spec, params)
+    nodes, steps, m = params.nodes, params.steps, spec.n_moe_layers
+    top = min(max(gammas, default=0), nodes)
+    words = -(-spec.n_experts // 64)
+    for sel in selections if top else ():
+        per = SELECT_S_PER_ITER + (SELECT_S_PER_WORD * nodes * m * words if sel.strategy == "ecospec" else 0.0)
+        seconds += steps * top * per
+    widest = 0
+    for g in gammas:
+        rows = 1 + min(g, nodes)
+        widest = max(widest, rows)
+        seconds += len(selections) * steps * rows * m * STEPS_S_PER_ROW_LAYER
+    cases = 1 + len(gammas) * len(selections)
+    seconds += n_deployments * cases * steps * spec.n_layers * TIME_S_PER_LAYER
+    peak += steps * (1 + nodes) * m * words * 8  # the selections' bit masks, kept per step
+    peak += steps * m * widest * spec.top_k * SET_BYTES_PER_ID * 2  # one case's true and predicted sets
+    return seconds, peak
+
+
+def whatif_estimate(models: list[ModelSpec], n_deployments: int, gammas: list[int], selections: tuple[Selection, ...],
+                    params: SpecSynthParams, extra_runs: int = 0):
+    """A :class:`moesim.budget.Estimate` of the what-if over ``models`` (``extra_runs``: further
+    what-ifs of the same size, such as a report's latency fits and variants)."""
+    from moesim.budget import Estimate
+
+    costs = [whatif_cost(spec, n_deployments, gammas, selections, params) for spec in models]
+    seconds = WHATIF_FIXED_S + sum(c[0] for c in costs) * (1 + extra_runs)
+    return Estimate(f"the EcoSpec what-if: {len(models)} model(s) x {params.steps} steps x {len(gammas)} gamma(s) x "
+                    f"{len(selections)} selection(s) x {n_deployments} deployment(s), {count(params.nodes)} candidates "
+                    "a tree", max((c[1] for c in costs), default=0.0), seconds)
 
 
 def with_shape(params: SpecSynthParams, branch: int, depth: int) -> SpecSynthParams:

@@ -23,10 +23,11 @@ expert of the previous step's last accepted row with ``step_overlap``.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
 
 import numpy as np
 
-from moesim import __version__
+from moesim import __version__, budget
 from moesim.errors import MoesimError
 from moesim.models import ModelSpec
 from moesim.selection import SCORES, SELECTIONS, Tree, pack_experts, select, select_bits
@@ -38,6 +39,16 @@ from moesim.traces.sd_ids import PAD, ids_to_mask, mask_to_ids
 #: A written trace's sd_node_pred mask may not exceed this many bytes (write fewer steps,
 #: or keep the steps in memory: the what-if never needs the masks).
 MAX_MASK_BYTES = 256 << 20
+
+# What drawing and writing steps costs, per unit (measured on a shared 2-core Xeon, Python
+# 3.11, numpy 2.4, with moesim's own timing of generate(): central figures, so an estimate
+# lands within 3x of the real time on this kind of machine; tests/test_ecospec_scale.py).
+GEN_S_PER_KEY = 6.5e-8  # one Gumbel key: (1 + nodes) x MoE layers x experts, routing and prediction
+GEN_S_PER_ROW = 5e-6  # Python bookkeeping per node
+GEN_S_PER_STEP = 2.5e-3  # per step: Dirichlet draws, the path, per-level calls
+GEN_KEY_BYTES = 16  # transient bytes per key (float32 keys, int64 partition indices)
+WRITE_S_PER_MASK_BYTE = 6e-8  # expanding ids to the v2 mask and compressing it
+TO_TRACE_S_PER_ROW = 2e-5  # confidence order and records per node
 
 
 @dataclass(frozen=True)
@@ -54,20 +65,38 @@ class SpecSynthParams:
     expand: int = 0
     #: Per depth d = 1, 2, ...: the chance that the target's greedy token at depth d is one
     #: of the drafted children, given the path above was accepted (the last value repeats).
+    #: Acceptance, ranks, draft confidence and recall are assumptions, not fitted: the shipped
+    #: tiny draft agrees with its target 70-98% a depth, which says nothing of a large
+    #: model's draft.
     accept: tuple[float, ...] = (0.75, 0.65, 0.6, 0.55)
     #: Given acceptance, which child (by draft rank) the target's token is (normalised).
     rank_share: tuple[float, ...] = (0.85, 0.15)
     #: Mean conditional draft probability of the rank-r child (the draft's confidence).
     child_prob: tuple[float, ...] = (0.6, 0.15)
     prob_concentration: float = 8.0  # Dirichlet concentration: high = every node near the means
-    skew: float = 1.0  # Zipf exponent of expert popularity per layer (0 = uniform)
-    parent_overlap: float = 0.3  # chance each expert of the parent (previous position) recurs
-    sibling_overlap: float = 0.2  # chance each expert of the top-ranked sibling (same position) recurs
-    step_overlap: float = 0.3  # chance each expert of the last accepted row recurs in the next root
+    # Routing. The defaults are fitted (fit_params) to real trees: three recordings of the
+    # shipped moe-stdlib target and draft, every node of every tree verified, so every
+    # candidate's real routing is known (`python bench/bench_ecospec.py --calibrate` records
+    # them and prints each fit; docs/speculative.md, "Calibration"). Each default is the mean
+    # of the three fits, rounded; the range is the three fits'.
+    skew: float = 1.0  # Zipf exponent of expert popularity per layer (0 = uniform); only when load_ratio = 0
+    #: > 0: set the skew per model so that two unrelated tokens share ``load_ratio`` times the
+    #: experts uniform routing would give them (1 + CV^2 of the experts' load; 1 = perfectly
+    #: balanced), a property that carries across expert counts where a Zipf exponent does not.
+    #: Fitted: 1.4 (1.32-1.51), the recorded roots' overlap 8+ steps apart over k / n_experts.
+    load_ratio: float = 1.4
+    #: Chance each expert of the parent (previous position) is forced to recur: the lift of a
+    #: candidate's overlap with its parent over chance. Fitted: 0.07 (0.05-0.08).
+    parent_overlap: float = 0.07
+    #: Chance each expert of the top-ranked sibling (same position) recurs. Fitted: 0.22 (0.18-0.27).
+    sibling_overlap: float = 0.22
+    #: Chance each expert of the last accepted row recurs in the next root. Fitted: 0.25 (0.09-0.50).
+    step_overlap: float = 0.25
     #: How much the overlap rates vary between nodes: each node draws its own rates from a
     #: Beta with the means above and this concentration, the same rate in every layer (a
     #: candidate that continues its parent's word shares experts everywhere; one that jumps
     #: topic shares few). Low = nodes differ a lot (what EcoSpec exploits); high = all alike.
+    #: Fitted to the spread of the per-node parent overlap: 2.0 (1.2-2.5).
     overlap_concentration: float = 2.0
     recall: float = 0.7  # the expert predictor's recall@k per node and layer
     prompt_len: int = 128
@@ -88,9 +117,16 @@ class SpecSynthParams:
                 raise MoesimError(f"synthetic speculative trace: {name} must be non-negative, not all zero")
         if sum(self.child_prob[: self.branch]) >= 1:
             raise MoesimError("synthetic speculative trace: child_prob of the drafted children must sum below 1")
+        if self.load_ratio and self.load_ratio < 1:
+            raise MoesimError("synthetic speculative trace: load_ratio is >= 1 (1 = balanced load), or 0 to use skew")
         if self.skew < 0 or self.prob_concentration <= 0 or self.overlap_concentration <= 0:
             raise MoesimError("synthetic speculative trace: skew >= 0, prob_concentration and "
                               "overlap_concentration > 0")
+
+    def skew_for(self, spec: ModelSpec) -> float:
+        """The Zipf exponent this model's popularity gets: ``skew``, or the one that gives
+        ``load_ratio`` on its expert count and top-k (:func:`skew_for_load_ratio`)."""
+        return skew_for_load_ratio(spec.n_experts, spec.top_k, self.load_ratio) if self.load_ratio else self.skew
 
     def rates(self, rng: np.random.Generator, mean: float, n: int) -> np.ndarray:
         """Per-node overlap rates: Beta(mean, overlap_concentration), one per node."""
@@ -179,6 +215,37 @@ def _popularity(rng: np.random.Generator, m: int, e: int, skew: float) -> np.nda
     return logp - np.log(np.exp(logp).sum(1, keepdims=True))
 
 
+_LOAD_ROWS = 8192  # draws behind one load-ratio estimate (fixed seed: the same answer every run)
+
+
+def load_ratio_of_skew(n_experts: int, top_k: int, skew: float) -> float:
+    """E x sum(pi^2) / k^2 for the inclusion probabilities pi of top-k routing over a Zipf
+    (``skew``) popularity: how many times more experts two unrelated tokens share than
+    under uniform routing (1 + the squared coefficient of variation of the experts' load).
+    Estimated from a fixed-seed sample (unbiased pair count), so it is deterministic."""
+    rng = np.random.default_rng(12345)
+    logp = -skew * np.log(np.arange(1, n_experts + 1, dtype=float))
+    top = _top(_gumbel_keys(rng, (logp - np.log(np.exp(logp).sum()))[None], _LOAD_ROWS), top_k)
+    c = np.bincount(top.ravel(), minlength=n_experts).astype(float)
+    pairs = (c * (c - 1)).sum() / (_LOAD_ROWS * (_LOAD_ROWS - 1))
+    return float(n_experts * pairs / top_k**2)
+
+
+@lru_cache(maxsize=64)
+def skew_for_load_ratio(n_experts: int, top_k: int, ratio: float) -> float:
+    """The Zipf exponent whose load ratio (:func:`load_ratio_of_skew`) is ``ratio`` on this
+    expert count and top-k (bisection; 0 for a ratio at or below that of uniform routing)."""
+    if top_k >= n_experts or ratio <= load_ratio_of_skew(n_experts, top_k, 0.0):
+        return 0.0
+    lo, hi = 0.0, 4.0
+    if load_ratio_of_skew(n_experts, top_k, hi) < ratio:
+        return hi
+    for _ in range(16):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if load_ratio_of_skew(n_experts, top_k, mid) < ratio else (lo, mid)
+    return round((lo + hi) / 2, 4)
+
+
 #: Added to the key of a forced expert: above every Gumbel key (float32 keeps it exact enough).
 _FORCE = np.float32(1e3)
 
@@ -233,7 +300,7 @@ def generate(spec: ModelSpec, params: SpecSynthParams = SpecSynthParams()) -> Sy
     m, e, k, b = spec.n_moe_layers, spec.n_experts, spec.top_k, params.branch
     if b > spec.vocab - 1:
         raise MoesimError(f"branch {b} exceeds the vocabulary of {spec.name}")
-    logp = _popularity(rng, m, e, params.skew)
+    logp = _popularity(rng, m, e, params.skew_for(spec))
     drafted = params._per_rank(params.child_prob)
     drafted *= min(1.0, 0.99 / drafted.sum())  # the drafted children leave some mass to the rest
     mean = np.append(drafted, 1 - drafted.sum())
@@ -312,7 +379,7 @@ def to_trace(synth: SynthSpec) -> Trace:
     m, e, k = spec.n_moe_layers, spec.n_experts, spec.top_k
     s, n = len(steps), max(1, params.nodes)
     if s * n * m * e > MAX_MASK_BYTES:
-        raise MoesimError(f"a version-2 trace of {s} steps x {n} nodes for {spec.name} needs a "
+        raise MoesimError(f"a version-2 trace of {s} steps x {count(n)} nodes for {spec.name} needs a "
                           f"{s * n * m * e / 2**20:.0f} MiB expert mask; write fewer steps (the what-if does not "
                           "need the file)")
     encoded, accepted_rows, accepted_tokens = [], [], []
@@ -346,6 +413,45 @@ def to_trace(synth: SynthSpec) -> Trace:
     gates = np.full(true_ids.shape, 1.0 / k, np.float32)
     return Trace(header, prompt, np.array([accepted_tokens], np.int32), true_ids, gates,
                  np.full(true_ids.shape, -1, np.int16), np.zeros_like(gates), true_ids.copy(), timings)
+
+
+def generate_cost(spec: ModelSpec, params: SpecSynthParams) -> tuple[float, float]:
+    """(seconds, peak bytes) :func:`generate` needs for ``params`` on ``spec``, before it runs."""
+    rows = 1.0 + params.nodes
+    keys = rows * spec.n_moe_layers * spec.n_experts
+    seconds = params.steps * (keys * GEN_S_PER_KEY + rows * GEN_S_PER_ROW + GEN_S_PER_STEP)
+    kept = rows * (spec.n_moe_layers * spec.top_k * 2 * 2 + 120)  # true and predicted ids, tokens, parents, probs
+    return seconds, params.steps * kept + keys * GEN_KEY_BYTES
+
+
+def mask_bytes(spec: ModelSpec, params: SpecSynthParams) -> float:
+    """Bytes of the sd_node_pred mask a written version-2 trace needs."""
+    return float(params.steps) * max(1, params.nodes) * spec.n_moe_layers * spec.n_experts
+
+
+def synth_estimate(spec: ModelSpec, params: SpecSynthParams, write: bool = True, fit_rounds: int = 0,
+                   fit_spec: ModelSpec | None = None, fit_params_: SpecSynthParams | None = None):
+    """What ``moesim synth --speculative`` will take (a :class:`moesim.budget.Estimate`):
+    drawing ``params.steps`` trees, writing them, and with ``--like`` the fit's rounds."""
+    from moesim.budget import Estimate
+
+    seconds, peak = generate_cost(spec, params)
+    if write:
+        mask = mask_bytes(spec, params)
+        seconds += mask * WRITE_S_PER_MASK_BYTE + params.steps * (1 + params.nodes) * TO_TRACE_S_PER_ROW
+        peak += 2 * mask
+    if fit_rounds and fit_spec is not None and fit_params_ is not None:
+        f_s, f_b = generate_cost(fit_spec, fit_params_)
+        seconds += (fit_rounds + 1) * f_s * 1.5  # each round generates, then measures (statistics)
+        peak = max(peak, f_b)
+    shape = f"{params.branch}-ary, depth {params.depth}" + (f", the best {params.expand} grown" if params.expand else "")
+    return Estimate(f"{params.steps} synthetic verification steps of {spec.name} ({count(params.nodes)} candidates "
+                    f"a tree: {shape})", peak, seconds)
+
+
+def count(n: int) -> str:
+    """A count for a message: 1,110 or, past a billion, 1.11e+40."""
+    return f"{n:,}" if n < 10**9 else f"{float(n):.3g}"
 
 
 def synthetic_sd_trace(spec: ModelSpec, params: SpecSynthParams = SpecSynthParams()) -> Trace:
@@ -438,6 +544,7 @@ def statistics(views: list[StepView], depth: int, branch: int) -> dict[str, obje
     ranks = np.zeros(branch)
     cond: list[list[float]] = [[] for _ in range(branch)]
     parent_ov, sib_ov, step_ov, recall, distinct = [], [], [], [], []
+    by_rank: list[list[float]] = [[] for _ in range(branch)]
     prev_last = None
     for v in views:
         kids: dict[int, list[int]] = {}
@@ -465,6 +572,9 @@ def statistics(views: list[StepView], depth: int, branch: int) -> dict[str, obje
             node = hit
         for c in v.chosen:
             parent_ov.append(_overlap(v.true[c], v.true[v.parents[c]]))
+            rank = sorted(kids[v.parents[c]], key=lambda i: -v.prob[i]).index(c)
+            if rank < branch:
+                by_rank[rank].append(parent_ov[-1])
             sibs = [s for s in kids[v.parents[c]] if s in verified and s > c]
             sib_ov += [_overlap(v.true[c], v.true[s]) for s in sibs]
         for node_, ids in v.true.items():
@@ -476,6 +586,9 @@ def statistics(views: list[StepView], depth: int, branch: int) -> dict[str, obje
         distinct.append(sum(len(set(np.concatenate([ids[layer] for ids in v.true.values()]).tolist()) - {PAD})
                             for layer in range(v.true[-1].shape[0])))
     mean = (lambda x: float(np.mean(x)) if len(x) else float("nan"))  # noqa: E731
+    chance = chance_overlap(views)
+    lift = (lambda x: (x - chance) / (1 - chance) if x == x and chance == chance and chance < 1  # noqa: E731
+            else float("nan"))
     return {
         "steps": len(views),
         "tokens_per_step": mean([1 + len(v.accepted_path) for v in views]),
@@ -486,9 +599,57 @@ def statistics(views: list[StepView], depth: int, branch: int) -> dict[str, obje
         "rank_share": (ranks / ranks.sum()).tolist() if ranks.sum() else [1.0] + [0.0] * (branch - 1),
         "child_prob": [mean(c) for c in cond],
         "child_prob_var": [float(np.var(c)) if len(c) > 1 else float("nan") for c in cond],
-        "parent_overlap": mean(parent_ov), "parent_overlap_sd": float(np.std(parent_ov)) if parent_ov else float("nan"), "sibling_overlap": mean(sib_ov), "step_overlap": mean(step_ov),
+        "parent_overlap": mean(parent_ov), "parent_overlap_sd": float(np.std(parent_ov)) if parent_ov else float("nan"),
+        "sibling_overlap": mean(sib_ov), "step_overlap": mean(step_ov),
+        "parent_overlap_by_rank": [mean(x) for x in by_rank],
+        "chance_overlap": chance, "parent_lift": lift(mean(parent_ov)), "sibling_lift": lift(mean(sib_ov)),
+        "step_lift": lift(mean(step_ov)),
         "recall": mean(recall),
     }
+
+
+def expert_burden(views: list[StepView], gammas: list[int], n_experts: int, top_k: int) -> list[dict[str, float]]:
+    """Distinct experts per MoE layer a verification loads against the budget, when the
+    root and the ``gamma`` verified nodes of highest cumulative draft probability are
+    verified (confidence order; a view must have verified that many), and that count over
+    what independent uniform routing of as many rows gives (``n_experts (1 - (1 - k/E)^rows)``):
+    below 1, the rows share experts beyond chance (popularity and correlation)."""
+    out = []
+    for g in gammas:
+        per_layer = []
+        for v in views:
+            order = [c for c in select(Tree(v.tokens, v.parents, [float(x) for x in v.prob]), len(v.parents),
+                                       "confidence") if c in v.true][:g]
+            if len(order) < g:
+                continue
+            rows = np.stack([v.true[-1]] + [v.true[c] for c in order])  # [rows, M, k]
+            bits = np.bitwise_or.reduce(pack_experts(rows, n_experts), axis=0)  # [M, words]
+            per_layer.append(float(np.bitwise_count(bits).sum(-1).mean()))
+        if per_layer:
+            uniform = n_experts * (1 - (1 - top_k / n_experts) ** (g + 1))
+            d = float(np.mean(per_layer))
+            out.append({"gamma": g, "distinct_per_layer": d, "uniform_independent": uniform, "ratio": d / uniform,
+                        "steps": len(per_layer)})
+    return out
+
+
+def chance_overlap(views: list[StepView], gap: int = 8) -> float:
+    """Mean overlap (|a & b| / k, layer by layer) of the roots of steps at least ``gap``
+    apart: what two tokens with nothing in common but the model's expert popularity share.
+    Against ``k / n_experts`` (uniform routing) it is the load ratio, 1 + CV^2 of the
+    experts' load (:func:`load_ratio_of_skew`). Overlaps above it are lift."""
+    roots = [v.true[-1] for v in views]
+    if len(roots) <= gap:
+        return float("nan")
+    ids = np.stack(roots)  # [S, M, k]
+    k = ids.shape[-1]
+    bits = pack_experts(ids, int(ids.max()) + 1)
+    total, n = 0.0, 0
+    for i in range(len(roots) - gap):
+        shared = np.bitwise_count(bits[i + gap:] & bits[i]).sum(-1)  # [S', M]
+        total += float(shared.sum()) / k
+        n += shared.size
+    return total / n
 
 
 def _fit_skew(trace: Trace) -> float:
@@ -508,13 +669,16 @@ def _fit_skew(trace: Trace) -> float:
 def fit_params(trace: Trace, steps: int | None = None, seed: int = 0, rounds: int = 5) -> SpecSynthParams:
     """Parameters that reproduce a recorded speculative trace's acceptance and overlap
     statistics (``like=``). Acceptance, ranks, draft probabilities and recall are read off
-    directly; the overlap knobs, their spread across nodes and the popularity skew are
-    calibrated by a few fixed-point rounds (generate, select as the recording did, compare,
-    correct), since popularity alone already makes experts recur."""
+    directly; so is the popularity, as the load ratio (:func:`chance_overlap` of roots far
+    apart against uniform routing), which fixes the skew on any model. The three overlap
+    knobs and their spread across nodes are then calibrated by a few fixed-point rounds
+    (generate, select as the recording did, measure, correct), since popularity alone
+    already makes experts recur. Distinct experts per step is not fitted: it is the check."""
     sp = trace.header.get("speculative", {})
     depth, branch = int(sp.get("depth", 3)), int(sp.get("branch", 2))
     gamma, strategy = int(sp.get("gamma", 4)), sp.get("strategy", "confidence")
     score, lam = sp.get("score", "ratio"), float(sp.get("lambda", 0.1))
+    spec = trace.model
     target = statistics(recorded_views(trace), depth, branch)
     acc = [a if a == a else 0.5 for a in target["accept_by_depth"]]
     cp = [min(max(p, 1e-3), 0.99) if p == p else 0.1 for p in target["child_prob"]]
@@ -523,15 +687,17 @@ def fit_params(trace: Trace, steps: int | None = None, seed: int = 0, rounds: in
     m0, v0 = cp[0], target["child_prob_var"][0]
     conc = float(np.clip(m0 * (1 - m0) / v0 - 1, 0.5, 200)) if v0 == v0 and v0 > 0 else 8.0
     n_steps = steps or len(trace.timings["sd_accepted"])
+    chance = target["chance_overlap"]
+    load = float(chance * spec.n_experts / spec.top_k) if chance == chance else 0.0
     params = SpecSynthParams(
         steps=max(n_steps, 64), branch=branch, depth=depth, accept=tuple(acc), rank_share=tuple(target["rank_share"]),
-        child_prob=tuple(cp), prob_concentration=conc, skew=_fit_skew(trace),
+        child_prob=tuple(cp), prob_concentration=conc, skew=_fit_skew(trace), load_ratio=max(load, 1.0) if load else 0.0,
         parent_overlap=0.3, sibling_overlap=0.2, step_overlap=0.3,
         recall=float(np.clip(target["recall"], 0, 1)) if target["recall"] == target["recall"] else 0.7,
         prompt_len=trace.prompt_len, seed=seed + 1000)
     knobs = ("parent_overlap", "sibling_overlap", "step_overlap")
     for _ in range(rounds):
-        got = statistics(synthetic_views(generate(trace.model, params), gamma, strategy, score, lam), depth, branch)
+        got = statistics(synthetic_views(generate(spec, params), gamma, strategy, score, lam), depth, branch)
         upd = {}
         for kn in knobs:
             want, have = target[kn], got[kn]
@@ -541,9 +707,6 @@ def fit_params(trace: Trace, steps: int | None = None, seed: int = 0, rounds: in
         if want_sd == want_sd and have_sd == have_sd and want_sd > 0 and have_sd > 0:
             upd["overlap_concentration"] = float(np.clip(params.overlap_concentration * (have_sd / want_sd) ** 2,
                                                          0.1, 1000))
-        want_d, have_d = target["distinct_experts_per_step"], got["distinct_experts_per_step"]
-        if want_d > 0 and have_d > 0:  # more skew: popular experts recur, fewer distinct ones
-            upd["skew"] = float(np.clip(max(params.skew, 0.05) * (have_d / want_d) ** 4, 0, 3))
         params = replace(params, **upd)
     return replace(params, steps=n_steps, seed=seed)
 
@@ -570,12 +733,24 @@ def synth_speculative(model: str | ModelSpec, out, params: SpecSynthParams | Non
         rec = read_trace(like)
         if not rec.speculative:
             raise MoesimError(f"{like}: not a speculative-decoding trace (record one with moesim speculate)")
+        sp = rec.header.get("speculative", {})
+        shape = SpecSynthParams(steps=max(len(rec.timings["sd_accepted"]), 64), branch=int(sp.get("branch", 2)),
+                                depth=int(sp.get("depth", 3)))
+        est = synth_estimate(spec, replace(shape, steps=overrides.get("steps", shape.steps)), fit_rounds=5,
+                             fit_spec=rec.model, fit_params_=shape)
+        budget.check(replace(est, what=est.what + f", fitted to {like}"))
         params = fit_params(rec, steps=overrides.get("steps"), seed=overrides.get("seed", 0))
         fitted_from = str(like)
     unknown = set(overrides) - set(SpecSynthParams.__dataclass_fields__)
     if unknown:
         raise MoesimError(f"unknown synthetic speculative parameter(s): {', '.join(sorted(unknown))}")
     params = replace(params or SpecSynthParams(), **overrides)
+    budget.check(synth_estimate(spec, params))  # before drawing anything
+    if mask_bytes(spec, params) > MAX_MASK_BYTES:
+        raise MoesimError(f"a version-2 trace of {params.steps} steps x {count(params.nodes)} nodes for {spec.name} "
+                          f"needs a {mask_bytes(spec, params) / 2**20:,.0f} MiB expert mask (at most "
+                          f"{MAX_MASK_BYTES >> 20} MiB); write fewer steps or a smaller tree (the what-if, moesim "
+                          "ecospec, does not need the file)")
     synth = generate(spec, params)
     synth.fitted_from = fitted_from
     trace = to_trace(synth)
