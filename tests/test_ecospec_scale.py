@@ -296,3 +296,90 @@ def test_a_dynamic_tree_grows_only_its_best_nodes():
             assert st.parents[q] == node
             node = q
     assert SpecSynthParams(branch=10, depth=6).nodes == sum(10 ** d for d in range(1, 7))
+
+
+def test_the_load_ratio_and_the_lifts_carry_across_expert_counts():
+    """The calibrated knobs are scale-free: the same parameters give the same load ratio
+    (shared experts of unrelated tokens over uniform routing) and the same lift over chance
+    on 32 experts and on 128, while a fixed Zipf exponent does not."""
+    from moesim.traces.synthetic_speculative import load_ratio_of_skew, skew_for_load_ratio
+
+    p = SpecSynthParams(steps=40, branch=2, depth=3, load_ratio=1.4, parent_overlap=0.1, seed=3)
+    for name in ("tiny", "qwen3-235b-a22b"):
+        spec = get_model(name)
+        got = statistics(synthetic_views(generate(spec, p), 14, "confidence"), 3, 2)
+        assert got["chance_overlap"] * spec.n_experts / spec.top_k == pytest.approx(1.4, rel=0.2), name
+        assert abs(got["parent_lift"] - 0.1) < 0.05, (name, got["parent_lift"])
+    assert load_ratio_of_skew(128, 8, skew_for_load_ratio(128, 8, 1.4)) == pytest.approx(1.4, rel=0.01)
+    assert load_ratio_of_skew(128, 8, 1.0) > 3 * load_ratio_of_skew(32, 4, 1.0) / 2  # a Zipf exponent does not carry
+    with pytest.raises(MoesimError):
+        SpecSynthParams(load_ratio=0.5)
+
+
+def test_speedups_are_reported_against_every_baseline():
+    spec = get_model("gpt-oss-120b")
+    rows = ecospec_whatif(spec, ["8xh200-tp", "1xh200-offload"], [1, 4, 8], params=replace(SMALL, steps=6),
+                          sd_gamma=8)
+    assert [r["deployment"] for r in rows[:10]] == ["8xh200-tp"] * 10  # deployment-major, as before
+    for dep in ("8xh200-tp", "1xh200-offload"):
+        conf = [r for r in rows if r["deployment"] == dep and r["strategy"] == "confidence" and r["gamma"] > 0]
+        assert max(r["speedup_vs_best_confidence"] for r in conf) == pytest.approx(1.0)
+        sd = next(r for r in conf if r["gamma"] == 8)
+        assert sd["speedup_vs_sd"] == pytest.approx(1.0) and sd["speedup_vs_confidence"] == pytest.approx(1.0)
+        for r in rows:
+            if r["deployment"] == dep and r["gamma"] > 0:
+                assert r["speedup_vs_sd"] == pytest.approx(r["speedup_vs_none"] / sd["speedup_vs_none"])
+    assert all(r["speedup_vs_sd"] != r["speedup_vs_sd"] for r in ecospec_whatif(
+        spec, ["8xh200-tp"], [1, 4], params=replace(SMALL, steps=4), sd_gamma=60))  # not among the gammas: NaN
+
+
+def _cpu_seconds(fn, *args) -> float:
+    import time
+
+    t = time.process_time()
+    fn(*args)
+    return time.process_time() - t
+
+
+def test_estimates_are_within_3x_of_the_real_time(tmp_path):
+    """What `moesim synth --speculative` and `moesim ecospec` announce before they start is
+    within 3x of the work they then do (CPU seconds of the library call, so a busy machine
+    does not decide the test; the what-if's fixed start-up, imports, is not in a test's call)."""
+    from moesim.sim.ecospec import WHATIF_FIXED_S, parse_selections, whatif_estimate
+    from moesim.traces.synthetic_speculative import synth_estimate
+
+    cases = [("qwen3-235b-a22b", SpecSynthParams(steps=24, seed=1)),
+             ("tiny", SpecSynthParams(steps=24, branch=10, depth=3, seed=1)),
+             ("deepseek-v3", SpecSynthParams(steps=4, branch=10, depth=4, expand=10, seed=1))]
+    for name, p in cases:
+        est = synth_estimate(get_model(name), p)
+        real = _cpu_seconds(synth_speculative, name, tmp_path / f"{name}.npz", p)
+        assert real / 3 <= est.seconds <= 3 * real, (name, est.seconds, real)
+    sels = parse_selections("confidence,ecospec:lagrangian:1")
+    for name, deps, gammas, p in [("qwen3-235b-a22b", ["8xh200-tp", "1xh200-offload"], [1, 4, 8],
+                                   SpecSynthParams(steps=16, seed=1)),
+                                  ("gpt-oss-120b", ["8xh200-tp"], [4, 16, 60],
+                                   SpecSynthParams(steps=6, branch=10, depth=5, expand=10, seed=1))]:
+        est = whatif_estimate([get_model(name)], len(deps), gammas, sels, p).seconds - WHATIF_FIXED_S
+        real = _cpu_seconds(ecospec_whatif, name, deps, gammas, sels, p)
+        assert real / 3 <= est <= 3 * real, (name, est, real)
+
+
+def test_long_runs_are_refused_in_one_line_with_their_estimate(tmp_path):
+    """A tree of 10^40 candidates, or a what-if of a billion steps, is refused before any
+    work, in one line that gives the estimate."""
+    import time
+
+    def moesim(*args):
+        return subprocess.run([sys.executable, "-m", "moesim", *map(str, args)], capture_output=True, text=True,
+                              timeout=120, cwd=tmp_path)
+
+    t = time.time()
+    r = moesim("synth", "--speculative", "--model", "tiny", "--depth", 40, "--branch", 10, "--out", tmp_path / "x.npz")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert "1.11e+40 candidates" in r.stderr and "years" in r.stderr and "refusing" in r.stderr
+    r = moesim("ecospec", "--model", "deepseek-v3", "--steps", 10**9, "--gamma", "1,2,4,8,16",
+               "--deployment", "8xh200-tp,8xh200-ep,1xh200-offload")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert "the EcoSpec what-if" in r.stderr and "refusing" in r.stderr
+    assert time.time() - t < 60 and not (tmp_path / "x.npz").exists()

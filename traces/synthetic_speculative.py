@@ -30,7 +30,7 @@ import numpy as np
 from moesim import __version__, budget
 from moesim.errors import MoesimError
 from moesim.models import ModelSpec
-from moesim.selection import SCORES, SELECTIONS, Tree, pack_experts, select, select_bits
+from moesim.selection import SCORES, SELECTIONS, Tree, pack_experts, select_bits
 from moesim.traces.format import Trace
 from moesim.traces.header import make_header
 from moesim.traces.records import SDStep, sd_arrays, sd_steps
@@ -86,18 +86,18 @@ class SpecSynthParams:
     #: Fitted: 1.4 (1.32-1.51), the recorded roots' overlap 8+ steps apart over k / n_experts.
     load_ratio: float = 1.4
     #: Chance each expert of the parent (previous position) is forced to recur: the lift of a
-    #: candidate's overlap with its parent over chance. Fitted: 0.07 (0.05-0.08).
-    parent_overlap: float = 0.07
-    #: Chance each expert of the top-ranked sibling (same position) recurs. Fitted: 0.22 (0.18-0.27).
-    sibling_overlap: float = 0.22
-    #: Chance each expert of the last accepted row recurs in the next root. Fitted: 0.25 (0.09-0.50).
-    step_overlap: float = 0.25
+    #: candidate's overlap with its parent over chance. Fitted: 0.06 (0.05-0.07).
+    parent_overlap: float = 0.06
+    #: Chance each expert of the top-ranked sibling (same position) recurs. Fitted: 0.24 (0.19-0.29).
+    sibling_overlap: float = 0.24
+    #: Chance each expert of the last accepted row recurs in the next root. Fitted: 0.22 (0.08-0.45).
+    step_overlap: float = 0.22
     #: How much the overlap rates vary between nodes: each node draws its own rates from a
     #: Beta with the means above and this concentration, the same rate in every layer (a
     #: candidate that continues its parent's word shares experts everywhere; one that jumps
     #: topic shares few). Low = nodes differ a lot (what EcoSpec exploits); high = all alike.
-    #: Fitted to the spread of the per-node parent overlap: 2.0 (1.2-2.5).
-    overlap_concentration: float = 2.0
+    #: Fitted to the spread of the per-node parent overlap: 1.2 (0.8-1.5).
+    overlap_concentration: float = 1.2
     recall: float = 0.7  # the expert predictor's recall@k per node and layer
     prompt_len: int = 128
     seed: int = 0
@@ -386,7 +386,7 @@ def to_trace(synth: SynthSpec) -> Trace:
     for st in steps:
         c = len(st.tokens)
         prob = np.asarray(st.prob, np.float32)  # as stored: the file keeps float32 probabilities
-        order = select(Tree(st.tokens, st.parents, [float(p) for p in prob]), c, "confidence")
+        order = select_bits(st.parents, prob.astype(float), c, "confidence")  # = select(...) (tested), O(nodes)
         encoded.append(SDStep(tokens=list(st.tokens), parents=list(st.parents), prob=prob.tolist(), chosen=order,
                               accepted=1 + len(st.path), node_pred=ids_to_mask(st.pred_ids[1:], e),
                               root_pred=ids_to_mask(st.pred_ids[0], e),
@@ -618,8 +618,7 @@ def expert_burden(views: list[StepView], gammas: list[int], n_experts: int, top_
     for g in gammas:
         per_layer = []
         for v in views:
-            order = [c for c in select(Tree(v.tokens, v.parents, [float(x) for x in v.prob]), len(v.parents),
-                                       "confidence") if c in v.true][:g]
+            order = [c for c in select_bits(v.parents, v.prob, len(v.parents), "confidence") if c in v.true][:g]
             if len(order) < g:
                 continue
             rows = np.stack([v.true[-1]] + [v.true[c] for c in order])  # [rows, M, k]

@@ -41,8 +41,10 @@ def synth(
     depth: Annotated[int, typer.Option(help="--speculative: levels of the draft tree.")] = 4,
     accept: Annotated[str, typer.Option(help="--speculative: acceptance rate per depth (the last repeats).")] = "0.75,0.65,0.6,0.55",
     recall: Annotated[float, typer.Option(help="--speculative: the expert predictor's recall@k.")] = 0.7,
-    parent_overlap: Annotated[float, typer.Option(help="--speculative: chance a parent's expert recurs in its child.")] = 0.3,
-    sibling_overlap: Annotated[float, typer.Option(help="--speculative: chance a sibling's expert recurs.")] = 0.2,
+    parent_overlap: Annotated[float | None, typer.Option(help="--speculative: chance a parent's expert recurs in its "
+                                                              "child (default: the calibrated 0.06).")] = None,
+    sibling_overlap: Annotated[float | None, typer.Option(help="--speculative: chance a sibling's expert recurs "
+                                                               "(default: the calibrated 0.24).")] = None,
 ) -> None:
     """Write a **synthetic** routing trace (marked synthetic in its header).
 
@@ -81,10 +83,15 @@ def synth(
     if speculative:
         from moesim.traces.synthetic_speculative import synth_speculative
 
+        # Routing defaults are the calibrated ones (docs/speculative.md); --skew other than its
+        # default sets the Zipf exponent itself instead of the calibrated load ratio.
+        given = {k: v for k, v in (("parent_overlap", parent_overlap), ("sibling_overlap", sibling_overlap))
+                 if v is not None}
+        if skew != 1.0:
+            given |= {"skew": skew, "load_ratio": 0.0}
         trace, _ = synth_speculative(model, out_path, steps=tokens, branch=branch, depth=depth, seed=seed,
-                                     accept=tuple(floats(accept, "--accept")), recall=recall,
-                                     parent_overlap=parent_overlap, sibling_overlap=sibling_overlap,
-                                     prompt_len=prompt_len, skew=skew)
+                                     accept=tuple(floats(accept, "--accept")), recall=recall, prompt_len=prompt_len,
+                                     **given)
         err.print(f"wrote synthetic speculative trace {out_path} ({tokens} verification steps of {trace.model.name}, "
                   f"{trace.n_tokens} tokens accepted)")
         return
