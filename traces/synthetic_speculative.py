@@ -691,7 +691,7 @@ def fit_params(trace: Trace, steps: int | None = None, seed: int = 0, rounds: in
     params = SpecSynthParams(
         steps=max(n_steps, 64), branch=branch, depth=depth, accept=tuple(acc), rank_share=tuple(target["rank_share"]),
         child_prob=tuple(cp), prob_concentration=conc, skew=_fit_skew(trace), load_ratio=max(load, 1.0) if load else 0.0,
-        parent_overlap=0.3, sibling_overlap=0.2, step_overlap=0.3,
+        parent_overlap=0.3, sibling_overlap=0.2, step_overlap=0.3, overlap_concentration=2.0,  # fixed start
         recall=float(np.clip(target["recall"], 0, 1)) if target["recall"] == target["recall"] else 0.7,
         prompt_len=trace.prompt_len, seed=seed + 1000)
     knobs = ("parent_overlap", "sibling_overlap", "step_overlap")
