@@ -226,3 +226,187 @@ def test_every_shipped_trace_is_plausible():
     assert shipped
     for p in shipped[:: max(1, len(shipped) // 8)]:
         read_trace(p)
+
+
+# --------------------------------------------------------------------------------------
+# The stored layout: large members uncompressed, aligned and mapped on read
+# --------------------------------------------------------------------------------------
+
+
+def _stored_everywhere(monkeypatch):
+    """Every member counts as large: the tiny trace takes the path a 100k-token one does."""
+    from moesim.traces import format as fmt
+
+    monkeypatch.setattr(fmt, "STORE_MIN_BYTES", 0)
+
+
+def _mapped(a: np.ndarray) -> bool:
+    import mmap
+
+    while a is not None and not isinstance(a, mmap.mmap):
+        a = a.obj if isinstance(a, memoryview) else a.base
+    return a is not None
+
+
+def test_large_members_are_stored_aligned_and_read_by_numpy(tmp_path, tiny_trace, monkeypatch):
+    import zipfile
+
+    from moesim.traces.format import ALIGN
+
+    _stored_everywhere(monkeypatch)
+    path = write_trace(tiny_trace, tmp_path / "t.npz")
+    with zipfile.ZipFile(path) as z:
+        assert {i.compress_type for i in z.infolist()} == {zipfile.ZIP_STORED}
+    raw = path.read_bytes()
+    with zipfile.ZipFile(path) as z:  # each member's array data starts on an ALIGN boundary
+        for info in z.infolist():
+            name_len, extra_len = np.frombuffer(raw[info.header_offset + 26:info.header_offset + 30], "<u2")
+            start = info.header_offset + 30 + int(name_len) + int(extra_len)
+            header_len = int(np.frombuffer(raw[start + 8:start + 10], "<u2")[0])
+            assert (start + 10 + header_len) % ALIGN == 0, info.filename
+    with np.load(path, allow_pickle=False) as z:  # still a plain .npz to numpy
+        np.testing.assert_array_equal(z["true_ids"], tiny_trace.true_ids)
+        np.testing.assert_array_equal(z["pred_gates"], tiny_trace.pred_gates)
+
+
+def test_stored_round_trip_maps_the_routing_and_never_changes_the_file(tmp_path, tiny_trace, monkeypatch):
+    import hashlib
+
+    from moesim.traces.format import ROUTING
+
+    _stored_everywhere(monkeypatch)
+    path = write_trace(tiny_trace, tmp_path / "t.npz")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    back = read_trace(path)
+    assert back.header == tiny_trace.header
+    for k in (*ROUTING, "token_ids", "prompt_ids"):
+        np.testing.assert_array_equal(getattr(back, k), getattr(tiny_trace, k))
+        assert getattr(back, k).dtype == getattr(tiny_trace, k).dtype
+    assert all(_mapped(getattr(back, k)) for k in ROUTING)
+    assert back.true_ids.flags.writeable and back.true_ids.flags.aligned
+    back.true_ids[0, 0, 0, 0] += 1  # copy-on-write: the array changes, the file does not
+    back.true_gates[:] = 0
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == digest
+    again = read_trace(path)
+    np.testing.assert_array_equal(again.true_ids, tiny_trace.true_ids)
+    # A trace read from the file can be written over that same file (atomic rename).
+    write_trace(again.head(10), path)
+    assert read_trace(path).n_tokens == 10
+
+
+def test_small_traces_stay_compressed(tmp_path, tiny_trace):
+    import zipfile
+
+    path = write_trace(tiny_trace, tmp_path / "t.npz")
+    with zipfile.ZipFile(path) as z:
+        assert {i.compress_type for i in z.infolist()} == {zipfile.ZIP_DEFLATED}
+
+
+def test_old_compressed_and_numpy_written_traces_still_read(tmp_path, tiny_trace):
+    """Traces written before the stored layout (np.savez_compressed), and .npz files that
+    numpy's own np.savez wrote (stored, not aligned: copied instead of mapped)."""
+    arrays = {k: getattr(tiny_trace, k) for k in ("prompt_ids", "token_ids", "true_ids", "true_gates", "pred_ids",
+                                                   "pred_gates", "exec_ids")}
+    arrays["header"] = np.frombuffer(json.dumps(tiny_trace.header).encode(), np.uint8)
+    for save in (np.savez_compressed, np.savez):
+        path = tmp_path / f"{save.__name__}.npz"
+        save(path, **arrays)
+        back = read_trace(path)
+        for k, a in arrays.items():
+            if k != "header":
+                np.testing.assert_array_equal(getattr(back, k), a)
+
+
+def _member_span(path, name):
+    """(start of the array data, its length) of member ``name`` of a stored .npz."""
+    import zipfile
+
+    raw = path.read_bytes()
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo(f"{name}.npy")
+    name_len, extra_len = np.frombuffer(raw[info.header_offset + 26:info.header_offset + 30], "<u2")
+    start = info.header_offset + 30 + int(name_len) + int(extra_len)
+    header_len = int(np.frombuffer(raw[start + 8:start + 10], "<u2")[0])
+    return start + 10 + header_len, info.file_size - 10 - header_len
+
+
+@pytest.mark.parametrize("name", ["true_ids", "true_gates", "exec_ids", "token_ids"])
+def test_a_flipped_byte_in_stored_data_is_one_line(tmp_path, tiny_trace, monkeypatch, name):
+    """A stored array has no zlib stream to fail: its CRC-32 catches what its values do not
+    (a gate still in [0, 1], an id still in range)."""
+    _stored_everywhere(monkeypatch)
+    path = write_trace(tiny_trace, tmp_path / "t.npz")
+    start, n = _member_span(path, name)
+    raw = bytearray(path.read_bytes())
+    raw[start + n // 2] ^= 0x01
+    path.write_bytes(bytes(raw))
+    with pytest.raises(MoesimError, match="corrupt or truncated.*CRC") as e:
+        read_trace(path)
+    assert "\n" not in str(e.value)
+
+
+def test_hostile_stored_members_are_one_line(tmp_path, tiny_trace, monkeypatch):
+    import zipfile
+
+    _stored_everywhere(monkeypatch)
+    path = write_trace(tiny_trace, tmp_path / "t.npz")
+    raw = path.read_bytes()
+    cases = {"cut": raw[: len(raw) * 2 // 3]}
+    # A header that claims more rows than the member holds.
+    start, _ = _member_span(path, "true_ids")
+    head = raw[start - 128:start]
+    grown = bytes(raw).replace(b"(24, 4, 1, 2)", b"(99, 4, 1, 2)", 1)
+    assert grown != raw and head
+    cases["grown"] = grown
+    # An object array (a pickle) stored under a routing name, and a member named twice.
+    obj = tmp_path / "obj.npz"
+    with zipfile.ZipFile(obj, "w") as z, z.open("true_ids.npy", "w") as f:
+        np.lib.format.write_array(f, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    cases["object"] = obj.read_bytes()
+    twice = tmp_path / "twice.npz"
+    with zipfile.ZipFile(twice, "w") as z, pytest.warns(UserWarning, match="Duplicate name"):
+        for _ in range(2):
+            with z.open("true_ids.npy", "w") as f:
+                np.lib.format.write_array(f, tiny_trace.true_ids)
+    cases["twice"] = twice.read_bytes()
+    for label, data in cases.items():
+        p = tmp_path / f"{label}.npz"
+        p.write_bytes(data)
+        with pytest.raises(MoesimError, match="corrupt or truncated") as e:
+            read_trace(p)
+        assert "\n" not in str(e.value), label
+
+
+def test_stored_checks_give_the_same_errors(tmp_path, tiny_trace, monkeypatch):
+    """Range, repeat and finiteness checks read mapped arrays from the file: same messages."""
+    _stored_everywhere(monkeypatch)
+    for change, message in [({"true_ids": np.full((24, 4, 1, 2), 16, np.int16)}, "true_ids outside"),
+                            ({"true_ids": np.zeros((24, 4, 1, 2), np.int16)}, "repeats an expert"),
+                            ({"exec_ids": np.full((24, 4, 1, 2), -2, np.int16)}, "exec_ids outside"),
+                            ({"true_gates": np.full((24, 4, 1, 2), np.inf, np.float32)}, "true_gates must be finite")]:
+        t = tiny_trace.head(24)
+        for k, v in change.items():
+            setattr(t, k, v)
+        arrays = {k: getattr(t, k) for k in ("prompt_ids", "token_ids", "true_ids", "true_gates", "pred_ids",
+                                              "pred_gates", "exec_ids")}
+        arrays["header"] = np.frombuffer(json.dumps(t.header).encode(), np.uint8)
+        from moesim.traces.format import _write_npz
+
+        path = tmp_path / "bad.npz"
+        with open(path, "wb") as f:
+            _write_npz(f, arrays)
+        with pytest.raises(MoesimError, match=message) as e:
+            read_trace(path)
+        assert "\n" not in str(e.value)
+
+
+def test_row_repeats_are_found_at_any_width():
+    from moesim.traces.format import _has_repeat
+
+    rng = np.random.default_rng(0)
+    for k in (1, 2, 3, 8, 16, 17, 40):
+        rows = np.stack([rng.permutation(64)[:k] for _ in range(50)]).astype(np.int16)
+        assert not _has_repeat(rows)
+        if k > 1:
+            rows[17, k - 1] = rows[17, 0]
+            assert _has_repeat(rows)
