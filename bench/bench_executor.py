@@ -52,7 +52,7 @@ def main() -> None:
         measured = tm["tpot_s"][steps].mean()
         compute = (tm["attn_s"].sum(1) + tm["expert_s"].sum(1) + tm["other_s"])[steps].mean()
         copy = Link.from_profile(hw, model.spec).copy_time(len(tm["copy_bytes"]) / trace.n_tokens)
-        sim = simulate(trace, hw, policy, engine="fast", timing="measured")
+        sim = simulate(trace, hw, policy, sim="fast", timing="measured")
         pipeline = sim.tpot[steps].mean()
         ideal = compute + copy if policy == "on-demand" else pipeline
         print(f"{policy:9s} measured {measured * 1e3:7.2f} ms/token | compute {compute * 1e3:6.2f} + copy "

@@ -5,6 +5,11 @@ latency (a line fitted over transfer sizes), device-memory bandwidth, bf16 GEMM 
 GEMV rates, kernel-launch overhead, and NVML facts. CPU: matmul and memory figures, the
 per-op dispatch overhead, and what the emulated link can do (its fastest copy rate and
 the thread hand-off latency). Every figure is marked measured, with when and on what.
+
+On a CPU it also measures the machine as a *host* (:func:`measure_host`): the figures
+the CPU-compute policies and an all-CPU deployment (``--hw none``) are priced with
+(memory bandwidth with every core and with one, bf16 and int8 rates, RAM), written
+beside the device profile as ``NAME-host.toml`` for ``--host``.
 """
 
 from __future__ import annotations
@@ -21,16 +26,17 @@ import numpy as np
 import torch
 
 from moesim.atomic import atomic_write_text
+from moesim.executor.host_experts import HostExperts
 from moesim.executor.profile import check_device
 from moesim.executor.transport import EmulatedLink, Transfer
-from moesim.hardware import FIGURES, Figure, HardwareProfile, get_profile
+from moesim.hardware import FIGURES, HOST_FIGURES, Figure, HardwareProfile, HostProfile, get_host, get_profile
 from moesim.outputs import check_output_file
 from moesim.timing import best_time
 
 Step = Callable[[str], None]
 #: How many times :func:`measure` calls ``step`` on each kind of device (for a progress bar's
 #: time left; tests/test_hardware.py counts the CPU ones).
-MEASURE_STEPS = {"cpu": 5, "cuda": 6}
+MEASURE_STEPS = {"cpu": 6, "cuda": 6}
 
 
 def _tiny_ops(t: torch.Tensor, reps: int) -> Callable[[], None]:
@@ -221,6 +227,57 @@ def measure_cuda(device: torch.device, step: Step) -> tuple[dict[str, tuple[floa
     return figs, facts
 
 
+def _stream_read_gbs(threads: int, nbytes: int = 256 * 2**20) -> float:
+    """GB/s ``threads`` cores read from DRAM: an fp32 GEMV over ``nbytes`` of weights (far
+    larger than the caches), the access pattern of a decode step's weight reads."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rows = nbytes // 4 // 4096
+        w, x = torch.randn(rows, 4096), torch.randn(4096)
+        return w.numel() * 4 / best_time(lambda: w @ x) / 1e9
+    finally:
+        torch.set_num_threads(old)
+
+
+def measure_host(name: str, step: Step | None = None) -> HostProfile:
+    """This machine's CPU as a host profile (``hwprofiles/hosts`` format), every figure
+    measured: memory bandwidth with all cores and with one (an fp32 GEMV over 256 MiB),
+    the bf16 rate (a 1024^3 GEMM) and, as int8 dot products have no portable torch
+    kernel, the int8 rate taken as twice the bf16 one (marked so); the host pool's
+    per-expert dispatch and round trip from tiny jobs; RAM from the OS. Rates are what
+    the measured kernels reach, so ``compute_efficiency`` is 1."""
+    step = step or (lambda what: None)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    when = datetime.now(UTC).isoformat(timespec="seconds")
+    src = f"moesim profile --hardware on {socket.gethostname()} ({platform.processor() or platform.machine()}), {when}"
+    step("host memory bandwidth")
+    all_bw, one_bw = _stream_read_gbs(cores), _stream_read_gbs(1)
+    n = 1024
+    a, b = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
+    bf16 = 2 * n**3 / best_time(lambda: a @ b) / 1e12
+    tiny = [[torch.zeros(3 * 8 * 8) for _ in range(4)]]
+    ids, gates = np.array([[0, 1, 2, 3]]), torch.ones(1, 4)
+    with HostExperts(8, 8, weights=tiny, workers=1) as pool:
+        one = best_time(lambda: pool.submit(0, torch.zeros(1, 8), ids, gates, [0]).result())
+        four = best_time(lambda: pool.submit(0, torch.zeros(1, 8), ids, gates, [0, 1, 2, 3]).result())
+    figs = {
+        "cores": (cores, "CPU cores this process may run on (os.sched_getaffinity)"),
+        "mem_bw_peak_gbs": (max(all_bw, one_bw), "the higher of the two GEMV reads below (no datasheet peak here)"),
+        "mem_bw_achievable_gbs": (all_bw, f"fp32 GEMV over 256 MiB of weights on {cores} threads: bytes / time"),
+        "mem_bw_per_core_gbs": (one_bw, "the same GEMV on one thread"),
+        "bf16_tflops": (bf16, f"bf16 GEMM 1024^3 on {torch.get_num_threads()} threads"),
+        "int8_tops": (2 * bf16, "twice the measured bf16 rate (no portable int8 GEMM in torch to time)"),
+        "compute_efficiency": (1.0, "the rates above are measured, already achievable"),
+        "expert_dispatch_us": (max((four - one) / 3 * 1e6, 0.01), "host pool: extra time per expert of a 4-expert job"),
+        "activation_roundtrip_us": (max(one * 1e6, 0.01), "host pool: a 1-expert job's hand-off and return"),
+        "ram_gb": (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, "physical memory (sysconf)"),
+    }
+    figures = {k: Figure(int(v) if HOST_FIGURES[k][2] else round(float(v), 4), "measured", f"{src}: {how}")
+               for k, (v, how) in figs.items()}
+    return HostProfile(name, f"measured on {socket.gethostname()}: {cores} cores", figures)
+
+
 def measure(device: str, name: str | None, step: Step) -> HardwareProfile:
     dev = torch.device(device)
     figs, facts = measure_cuda(dev, step) if dev.type == "cuda" else measure_cpu(step)
@@ -256,4 +313,9 @@ def measure_to_file(device: str, name: str | None, out: Path | None, threads: in
     path = out or Path(f"{prof.name}.toml")
     atomic_write_text(path, f"# {prof.description}\n" + prof.to_toml())
     get_profile(str(path))
+    if device == "cpu":  # the same machine as a host, for --host (an all-CPU deployment, CPU experts)
+        host = measure_host(f"{prof.name}-host", step)
+        host_path = path.with_name(f"{path.stem}-host.toml")
+        atomic_write_text(host_path, f"# {host.description}\n" + host.to_toml())
+        get_host(str(host_path))
     return prof, path

@@ -354,7 +354,7 @@ def run_cpu_suite(out: Path, tokens: int = 16, gbps: float = 4.0, repeats: int =
                     "device_memory_gb", setup.device_memory_gb, "estimate", "the recorded run's placement")
                 pred = simulate_hybrid(base, base_hw, policy, host=hosts[fmt], cpu_layers=spec.n_moe_layers // 2,
                                        calibration=calibration, cache_experts=tr.meta.cache_experts,
-                                       engine="fast", timing="measured").tpot[1:]
+                                       sim="fast", timing="measured").tpot[1:]
                 stats_ = error_stats(tr.timings["tpot_s"][1:], pred[: tr.n_tokens - 1])
                 rows.append({**case, "case": "transfer from on-demand", **_short(stats_)})
     summary = summarise(rows, "CPU-compute policies, ")

@@ -126,7 +126,7 @@ def decode_estimate(spec: ModelSpec, tokens: int, batch: int, dtype_bytes: int, 
     experts cross the link (when offloaded) and every weight is read once."""
     scale = dtype_bytes / 2  # the catalogue's byte accounting is bf16
     context = prompt_len + tokens
-    kv = spec.kv_bytes_per_token_layer * spec.n_layers * float(batch) * context * scale
+    kv = float(spec.kv_cache_bytes(batch, context)) * scale
     per_seq = float(batch) * (spec.vocab * 4 * 2 + spec.hidden * 4 * 16  # logits, activations
                               + tokens * spec.n_moe_layers * spec.top_k * 16)  # routing records
     weights = (spec.non_expert_bytes + spec.all_expert_bytes) * scale

@@ -124,17 +124,21 @@ class CostModel:
     has them; ``threads`` the CPU threads the engine uses (default: every core of every
     socket); ``host_weights`` the weight bytes kept in host memory and ``host_other`` the
     rest of what host RAM must hold (a KV cache there): what paging is judged on, when the
-    host profile gives its RAM.
+    host profile gives its RAM. ``weights_over_link``: the device reads its weights from
+    host memory over the link as its kernels run (vLLM's ``--cpu-offload-gb``, zero-copy
+    pinned memory), its KV cache still from device memory.
     """
 
     def __init__(self, spec: ModelSpec, gpu: HardwareProfile | None, host: HostProfile | None = None,
                  engine: str | EngineProfile | None = None, *, shards: int = 1, amx: bool = True,
-                 threads: int | None = None, host_weights: float = 0.0, host_other: float = 0.0) -> None:
+                 threads: int | None = None, host_weights: float = 0.0, host_other: float = 0.0,
+                 weights_over_link: bool = False) -> None:
         if shards < 1:
             raise MoesimError(f"shards must be >= 1, got {shards}")
         if gpu is None and host is None:
             raise MoesimError("a deployment needs a GPU profile or a host profile")
         self.spec, self.gpu, self.host, self.shards, self.amx = spec, gpu, host, shards, amx
+        self.weights_over_link = weights_over_link
         self.engine = e = get_engine(engine)
         self.overlap = bool(e.get("launch_overlap"))
         if gpu is not None:
@@ -178,8 +182,6 @@ class CostModel:
         if not self.engine.pages_from_disk:
             raise DoesNotFit(f"does not fit: {need}; {self.engine.name} loads its weights into RAM (an engine that "
                               "memory-maps them, such as llama.cpp, pages them from disk instead)")
-        if "disk_read_gbs" not in self.host.figures:
-            raise MoesimError(f"{need}: the weights page from disk, but host {self.host.name} gives no disk_read_gbs")
         return 1.0 - cache / host_weights
 
     # -- the roofline: the one place bytes and rates become seconds ----------------------
@@ -189,8 +191,11 @@ class CostModel:
         return self.gpu
 
     def _device_mem(self, nbytes, dtype: str):
-        """Seconds the device takes to read ``nbytes`` of ``dtype`` weights."""
+        """Seconds the device takes to read ``nbytes`` of ``dtype`` weights (over the link when
+        they stay in host memory, ``weights_over_link``)."""
         gpu = self._gpu()
+        if self.weights_over_link:
+            return nbytes / (gpu.link_bw * self.engine.get("link_efficiency", 1.0))
         return nbytes / (gpu.mem_bw * self.engine.weight_efficiency("gpu", dtype))
 
     def _device(self, nbytes, flops, dtype: str, kernels: float = 0.0, extra_mem=0.0):
@@ -211,7 +216,7 @@ class CostModel:
         h = self._host()
         t = nbytes / (self.host_bw * self.engine.weight_efficiency("cpu", dtype))
         if self.page_miss:
-            t = t + nbytes * self.page_miss / (h["disk_read_gbs"] * 1e9)
+            t = t + nbytes * self.page_miss / h.disk_bw
         return t
 
     def cpu_rate(self, dtype: str) -> float:
@@ -239,9 +244,11 @@ class CostModel:
         s, sh = self.spec, self.shards
         seqs = rows if sequences is None else sequences
         ctx = np.asarray(context, float)
-        base = s.attention_flops(0)
-        attn_flops = base + (s.attention_flops(1) - base) * ctx  # affine in the context
-        kv = seqs * ctx * s.kv_bytes_per_token_layer
+        # The layer's own kind: a sliding or chunked layer reads only its window of the KV
+        # cache, a linear (state-space) layer its recurrent state instead (ModelSpec.kv_tokens).
+        attn_flops = np.asarray(s.layer_attention_flops(layer, ctx.astype(np.int64)), float)
+        kv = seqs * (np.asarray(s.kv_tokens(layer, ctx.astype(np.int64)), float) * s.kv_bytes_per_token(layer)
+                     + 2 * s.state_bytes(layer))  # a state is read and written back each token
         flops = rows * (attn_flops + s.dense_flops_per_token(layer))
         weights = s.layer_resident_bytes(layer)
         if self._on_cpu(on):
@@ -312,7 +319,7 @@ class CostModel:
         e = self.engine
         gpu = self.gpu is not None
         return ExpertTimes(
-            gpu_mem=float(self._device_mem(s.expert_bytes, s.expert_dtype)) if gpu else np.inf,
+            gpu_mem=float(self._device_mem(s.expert_bytes / self.shards, s.expert_dtype)) if gpu else np.inf,
             gpu_tok=self.expert_pair() if gpu else np.inf,
             gpu_fixed=(0.0 if e.fused_experts else e.expert_kernels * self.launch) if gpu else 0.0,
             cpu_mem=float(self._cpu_mem(s.expert_bytes, s.expert_dtype)),
@@ -348,9 +355,9 @@ class CostModel:
         to ``prompt_len / 2`` past tokens on average, reading ``expert_bytes`` of routed
         experts and multiplying ``pairs`` token-expert pairs, on the device (or ``on`` the CPU)."""
         s = self.spec
-        flops = tokens * (s.attention_flops(prompt_len // 2) + s.dense_flops_per_token(layer))
+        flops = tokens * (s.layer_attention_flops(layer, prompt_len // 2) + s.dense_flops_per_token(layer))
         flops += pairs * s.expert_flops(1)
-        mem = s.layer_resident_bytes(layer) + tokens * s.kv_bytes_per_token_layer + expert_bytes
+        mem = s.layer_resident_bytes(layer) + tokens * s.kv_bytes_per_token(layer) + expert_bytes
         if self._on_cpu(on):
             return float(self._cpu(mem, flops, s.dense_dtype))
         return float(self._device(mem, flops, s.dense_dtype, self.engine.attention_kernels))

@@ -17,6 +17,7 @@ One function per engine turns an answer into its arguments, so a new engine join
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,9 +57,13 @@ def llama_cpp(spec: ModelSpec, layout: Layout, *, threads: int | None = None, co
     cpu_moe = layout.cpu_moe_layers()
     gpu_moe = [m for m in range(spec.n_moe_layers) if layout.layer_device[spec.moe_layers[m]] != CPU]
     on_cpu_of_gpu_layers = [m for m in gpu_moe if (layout.expert_device[m] == CPU).all()]
+    note = ""
     if on_cpu_of_gpu_layers:
         n_model = spec.moe_layers[max(on_cpu_of_gpu_layers)] + 1  # --n-cpu-moe counts model layers from 0
         args += ["--cpu-moe"] if cpu_moe == spec.n_moe_layers else ["--n-cpu-moe", str(n_model)]
+        blocks = _ranges([spec.moe_layers[m] for m in on_cpu_of_gpu_layers])
+        note = (f"the same placement for builds without --n-cpu-moe: -ot 'blk\\.({blocks})\\.ffn_.*_exps\\.=CPU' "
+                "(the routed experts' tensors of those layers in host memory)")
     if layout.n_gpus > 1:
         if layout.split == "tensor":
             args += ["--split-mode", "row"]
@@ -69,7 +74,7 @@ def llama_cpp(spec: ModelSpec, layout: Layout, *, threads: int | None = None, co
         args += ["-t", str(threads)]
     if context:
         args += ["-c", str(context)]
-    return Invocation("llama.cpp", args, {})
+    return Invocation("llama.cpp", args, {}, note)
 
 
 def _whole_layers(layout: Layout) -> bool:
@@ -108,13 +113,16 @@ def ktransformers(spec: ModelSpec, layout: Layout, *, threads: int | None = None
 
 
 def vllm(spec: ModelSpec, layout: Layout, *, context: int | None = None, model_path: str = "MODEL",
-         offload_gb: float | None = None, **_: object) -> Invocation:
-    """vLLM's arguments for ``layout`` (every weight on the GPUs, or ``offload_gb`` of them read over the link)."""
+         **_: object) -> Invocation:
+    """vLLM's arguments for ``layout``: every layer on the GPUs, tensor-parallel, the streamed
+    layers' weights (:func:`moesim.layout.stream_layers`) as ``--cpu-offload-gb``, which
+    counts GiB per GPU (rounded up to a tenth, so every streamed layer is covered)."""
     if (layout.layer_device == CPU).any() or (layout.expert_device == CPU).any():
         raise MoesimError("vLLM computes every layer on the GPUs; it cannot run experts on the CPU")
     args = ["vllm", "serve", model_path, "--tensor-parallel-size", str(layout.n_gpus)]
-    if offload_gb:
-        args += ["--cpu-offload-gb", f"{offload_gb:g}"]
+    gib = layout.streamed_gib(spec) / max(layout.n_gpus, 1)
+    if gib > 0:
+        args += ["--cpu-offload-gb", f"{math.ceil(gib * 10) / 10:g}"]
     if context:
         args += ["--max-model-len", str(context)]
     return Invocation("vllm", args, {})

@@ -30,3 +30,8 @@ def duration_ms(ms: float) -> str:
     if not isinstance(ms, int | float) or not math.isfinite(ms):
         return str(ms)
     return f"{number(ms / 1e3)} s" if abs(ms) >= 1e3 else f"{number(ms)} ms"
+
+
+def link(gbps: float | None) -> str:
+    """``link 25 GB/s``, or ``no GPU link`` for a machine without a GPU (``--hw none``)."""
+    return "no GPU link" if gbps is None else f"link {gbps:g} GB/s"

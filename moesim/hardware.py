@@ -45,7 +45,17 @@ FIGURES: dict[str, tuple[str, bool, bool, str]] = {
     "copy_interference": ("fraction", False, False, "compute slowdown while host-to-device copies run (0 = none)"),
     "copy_interference_gbs": ("GB/s", False, False, "link rate at which copy_interference was measured"),
     "wait_wakeup_us": ("us", False, False, "delay from a copy landing to a compute stream that waited on it resuming"),
+    "peer_gbs": ("GB/s", False, False, "GPU-to-GPU bandwidth per direction, NVLink (absent: through the host's "
+                                       "PCIe, at h2d_pinned_gbs)"),
+    "collective_latency_us": ("us", False, False, "fixed cost of one small collective (all-reduce) between these "
+                                                  "GPUs (absent: PCIE_COLLECTIVE_US, or NVLINK_COLLECTIVE_US with "
+                                                  "peer_gbs)"),
 }
+#: Fixed cost of one small-message collective between GPUs (estimates: an NCCL all-reduce of
+#: a few KB takes tens of microseconds through the host's PCIe, about ten inside an NVLink
+#: node; NCCL's nccl-tests report latencies of this order for small messages).
+PCIE_COLLECTIVE_US = 20.0
+NVLINK_COLLECTIVE_US = 10.0
 TOP_KEYS = {"name", "description", "link", "host", "figures"}
 #: Figures older profiles carried that nothing modelled: loading one warns and drops it.
 #: Expert copies run on one stream, so one DMA engine serves them whatever the count;
@@ -76,8 +86,12 @@ HOST_FIGURES: dict[str, tuple[str, bool, bool, str]] = {
                                                   "socket's figure is reached with any thread count)"),
     "ram_gb": ("GB", False, False, "host memory capacity of the machine (absent: assumed large enough)"),
     "disk_read_gbs": ("GB/s", False, False, "random-read rate of the disk that holds the weights, at the size a "
-                                            "memory-mapped model faults in"),
+                                            "memory-mapped model faults in (absent: DEFAULT_DISK_READ_GBS)"),
 }
+#: The disk a memory-mapped model pages from, when the host profile does not say (estimate:
+#: a PCIe 4.0 NVMe SSD reads 5-7 GB/s sequentially and far less at 4 KB; page faults of a
+#: memory-mapped file with the kernel's readahead land between, taken here as 2 GB/s).
+DEFAULT_DISK_READ_GBS = 2.0
 HOST_TOP_KEYS = {"name", "description", "figures"}
 
 
@@ -123,6 +137,18 @@ class HardwareProfile(_FigureLookup):
         return self["transfer_latency_us"] * 1e-6
 
     @property
+    def peer_bw(self) -> float:
+        """GPU-to-GPU bytes/s per direction: NVLink where the profile gives it, else the
+        host's PCIe (a peer copy crosses the host link)."""
+        return self["peer_gbs"] * 1e9 if "peer_gbs" in self.figures else self.link_bw
+
+    @property
+    def collective_latency(self) -> float:
+        """Seconds of one small collective's fixed cost between GPUs of this kind."""
+        default = NVLINK_COLLECTIVE_US if "peer_gbs" in self.figures else PCIE_COLLECTIVE_US
+        return self.get("collective_latency_us", default) * 1e-6
+
+    @property
     def mem_bw(self) -> float:
         return self["mem_bw_achievable_gbs"] * 1e9
 
@@ -158,16 +184,18 @@ class HardwareProfile(_FigureLookup):
         return replace(self, figures=figs)
 
     def to_toml(self) -> str:
-        lines = [f"name = {_q(self.name)}", f"description = {_q(self.description)}",
-                 f"link = {_q(self.link)}", *([f"host = {_q(self.host)}"] if self.host else []), "", "[figures]"]
-        for key, f in self.figures.items():
-            v = int(f.value) if FIGURES[key][2] else f.value
-            lines.append(f"{key} = {{ value = {v}, kind = {_q(f.kind)}, source = {_q(f.source)} }}")
-        return "\n".join(lines) + "\n"
+        top = {"name": self.name, "description": self.description, "link": self.link}
+        return _dump_profile(top | ({"host": self.host} if self.host else {}), self.figures, FIGURES)
 
 
-def _q(s: str) -> str:
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+def _dump_profile(top: dict[str, str], figures: dict[str, Figure], table: dict) -> str:
+    """A profile as TOML, through tomli-w (a well-kept writer: quoting and escaping of any
+    source text, which a hand-written one gets wrong on control characters)."""
+    import tomli_w
+
+    figs = {k: {"value": int(f.value) if table[k][2] else f.value, "kind": f.kind, "source": f.source}
+            for k, f in figures.items()}
+    return tomli_w.dumps({**top, "figures": figs})
 
 
 #: Figures that may be exactly 0 (a cost that is absent, a switch that is off); every
@@ -357,6 +385,12 @@ class HostProfile(_FigureLookup):
         """Host memory of the machine, or None when the profile does not say."""
         return self["ram_gb"] * 1e9 if "ram_gb" in self.figures else None
 
+    @property
+    def disk_bw(self) -> float:
+        """Bytes/s a memory-mapped model pages in from disk (:data:`DEFAULT_DISK_READ_GBS`
+        when the profile does not say)."""
+        return self.get("disk_read_gbs", DEFAULT_DISK_READ_GBS) * 1e9
+
     def with_figure(self, key: str, value: float, kind: str = "estimate", source: str = "what-if") -> HostProfile:
         """A copy with one figure replaced (what-if sweeps over host bandwidth)."""
         if key not in HOST_FIGURES:
@@ -367,11 +401,7 @@ class HostProfile(_FigureLookup):
         return replace(self, figures=figs)
 
     def to_toml(self) -> str:
-        lines = [f"name = {_q(self.name)}", f"description = {_q(self.description)}", "", "[figures]"]
-        for key, f in self.figures.items():
-            v = int(f.value) if HOST_FIGURES[key][2] else f.value
-            lines.append(f"{key} = {{ value = {v}, kind = {_q(f.kind)}, source = {_q(f.source)} }}")
-        return "\n".join(lines) + "\n"
+        return _dump_profile({"name": self.name, "description": self.description}, self.figures, HOST_FIGURES)
 
 
 def parse_host(data: dict[str, Any], where: str) -> HostProfile:

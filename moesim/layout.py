@@ -14,7 +14,9 @@ arguments say, so every deployment people run is one:
 - the hottest experts on the GPU, the rest on the CPU (KTransformers' GPU experts, as a
   device budget or a count per layer);
 - the last N layers on the GPU(s) and the rest wholly on the CPU (llama.cpp ``-ngl N``,
-  Ollama), or no GPU at all.
+  Ollama), or no GPU at all;
+- the first layers' weights left in host memory and read by the GPU over the link every
+  step (vLLM ``--cpu-offload-gb``: ``streamed``).
 
 Data in, data out: the simulator times a layout (``moesim.sim.static``), the memory-fit
 test sizes it (:func:`moesim.memory.layout_bytes`), ``moesim plan`` prints the engine
@@ -46,6 +48,15 @@ class Layout:
     split: str = "layer"  # "tensor": every GPU layer is split over all the GPUs
     source: str = ""  # how it was chosen, for reports
     optimistic: bool = False  # placed from the replayed trace itself: an upper bound
+    # [n_layers] bool: a GPU layer whose weights stay in host memory, read over the link at
+    # every step (vLLM's --cpu-offload-gb); None: none is
+    streamed: np.ndarray | None = None
+
+    def streamed_gib(self, spec: ModelSpec) -> float:
+        """GiB of weights streamed over the link, on all GPUs together."""
+        if self.streamed is None:
+            return 0.0
+        return sum(layer_weight_bytes(spec, int(x)) for x in np.flatnonzero(self.streamed)) / 2**30
 
     @property
     def layers_per_gpu(self) -> list[int]:
@@ -146,3 +157,29 @@ def make_layout(spec: ModelSpec, n_gpus: int, *, gpu_layers: int | None = None, 
         expert_device = np.where(hot & (expert_device >= 0), expert_device, CPU)
     head = int(layer_device[-1]) if g == L else CPU
     return Layout(n_gpus, layer_device, expert_device, head, split, source, optimistic)
+
+
+def layer_weight_bytes(spec: ModelSpec, layer: int) -> int:
+    """Every weight byte of model layer ``layer``: attention, dense, router, all its experts."""
+    moe = {x: m for m, x in enumerate(spec.moe_layers)}
+    m = moe.get(layer)
+    return spec.layer_resident_bytes(layer) + (spec.n_experts * spec.moe_expert_bytes(m) if m is not None else 0)
+
+
+def stream_layers(spec: ModelSpec, layout: Layout, offload_gib: float) -> Layout:
+    """``layout`` with the first layers' weights left in host memory, read by their GPU over
+    the link at every step, until at least ``offload_gib`` GiB are, on all GPUs together
+    (vLLM's ``--cpu-offload-gb``, GiB per GPU, offloads parameters in module order; whole
+    layers here, so the figure is rounded up to a layer)."""
+    if not 0 <= offload_gib < float("inf"):
+        raise MoesimError(f"--offload-gib {offload_gib!r}: GiB of weights to keep in host memory, >= 0")
+    streamed = np.zeros(spec.n_layers, bool)
+    total = 0.0
+    for layer in range(spec.n_layers):
+        if total >= offload_gib * 2**30 or layout.layer_device[layer] == CPU:
+            break
+        streamed[layer] = True
+        total += layer_weight_bytes(spec, layer)
+    src = f"{layout.source}; the first {int(streamed.sum())} layers' weights ({total / 2**30:.1f} GiB) read over the link"
+    return Layout(layout.n_gpus, layout.layer_device, layout.expert_device, layout.head_device, layout.split, src,
+                  layout.optimistic, streamed)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from moesim.errors import DoesNotFit
 from moesim.models import ModelSpec
 from moesim.policy import Policy, expert_slots, get_policy
@@ -24,8 +26,9 @@ WORKSPACE_BYTES = 1 << 30
 
 
 def kv_bytes(spec: ModelSpec, batch: int, context: int) -> int:
-    """KV cache of ``batch`` sequences at ``context`` tokens."""
-    return batch * context * spec.n_layers * spec.kv_bytes_per_token_layer
+    """KV cache (and linear layers' state) of ``batch`` sequences at ``context`` tokens:
+    a sliding or chunked layer holds only its window (:meth:`ModelSpec.kv_cache_bytes`)."""
+    return spec.kv_cache_bytes(batch, context)
 
 
 def device_bytes(spec: ModelSpec, policy: str | Policy, *, cache_experts: int = 0, resident_experts: int = 0,
@@ -72,27 +75,34 @@ def layout_bytes(spec: ModelSpec, layout, batch: int = 1, context: int = 0) -> L
     :data:`WORKSPACE_BYTES`; the host the rest of the weights, the input embedding table
     (engines keep it there and read one row a token) and its layers' KV cache. Under
     ``split="tensor"`` every GPU holds an equal share of what the GPU layers hold, and a
-    workspace of its own."""
+    workspace of its own. A streamed layer (``layout.streamed``, vLLM's ``--cpu-offload-gb``)
+    keeps its weights in host memory and its KV cache on its GPU."""
     from moesim.layout import CPU
 
     g = max(layout.n_gpus, 0)
     gpu = [0] * g
     host, host_kv = spec.input_embedding_bytes, 0
-    kv_layer = batch * context * spec.kv_bytes_per_token_layer
     moe = {layer: m for m, layer in enumerate(spec.moe_layers)}
+    streamed = layout.streamed if layout.streamed is not None else np.zeros(spec.n_layers, bool)
     for layer in range(spec.n_layers):
         d = int(layout.layer_device[layer])
+        m = moe.get(layer)
+        kv_layer = batch * spec.layer_kv_bytes(layer, context)
+        if streamed[layer]:  # the weights in host memory, the KV cache on the GPU
+            host += spec.layer_resident_bytes(layer) + (spec.n_experts * spec.moe_expert_bytes(m) if m is not None else 0)
+            gpu[d] += kv_layer
+            continue
         if d == CPU:
             host += spec.layer_resident_bytes(layer)
             host_kv += kv_layer
         else:
             gpu[d] += spec.layer_resident_bytes(layer) + kv_layer
-        m = moe.get(layer)
         if m is not None:
             devs = layout.expert_device[m]
-            host += int((devs == CPU).sum()) * spec.expert_bytes
+            each = spec.moe_expert_bytes(m)  # a GGUF's layers may differ (Q4_K_M's Q6_K ffn_down)
+            host += int((devs == CPU).sum()) * each
             for i in range(g):
-                gpu[i] += int((devs == i).sum()) * spec.expert_bytes
+                gpu[i] += int((devs == i).sum()) * each
     if layout.head_device == CPU:
         host += spec.lm_head_bytes
     else:

@@ -658,13 +658,19 @@ class ModelSpec:
             return min(context, self.attention_chunk - 1)
         return self.kv_tokens(layer, context)
 
+    def layer_kv_bytes(self, layer: int, context: int) -> int:
+        """The KV cache (or a linear layer's state) layer ``layer`` holds for one sequence
+        over a run up to ``context`` tokens: what the memory fit places with the layer."""
+        if not self.layer_types:
+            return context * self.kv_bytes_per_token_layer
+        return self.kv_bytes_per_token(layer) * self._kv_tokens_held(layer, context) + self.state_bytes(layer)
+
     def kv_cache_bytes(self, batch: int, context: int) -> int:
         """KV cache plus linear-layer state for ``batch`` sequences of ``context`` tokens: what
         the memory fit needs (the most each layer holds up to that context)."""
         if not self.layer_types:
             return batch * context * self.n_layers * self.kv_bytes_per_token_layer
-        return batch * sum(self.kv_bytes_per_token(i) * self._kv_tokens_held(i, context) + self.state_bytes(i)
-                           for i in range(self.n_layers))
+        return batch * sum(self.layer_kv_bytes(i, context) for i in range(self.n_layers))
 
     @property
     def attention_weights(self) -> int:

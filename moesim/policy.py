@@ -47,7 +47,9 @@ class Policy:
     # "layers" = whole MoE layers on the CPU (llama.cpp --n-cpu-moe); "hot" = all but a
     # static hot set on the CPU (KTransformers); "miss" = a cache miss runs on the CPU or
     # is copied, whichever the cost model says ends first (Fiddler); "whole" = whole layers
-    # (attention and experts) on the CPU, the rest on the GPU (llama.cpp -ngl N). See
+    # (attention and experts) on the CPU, the rest on the GPU (llama.cpp -ngl N); "stream" =
+    # nothing runs on the CPU, but the first layers' weights stay in host memory and the GPU
+    # reads them over the link as it runs them (vLLM --cpu-offload-gb). See
     # moesim.placement and moesim.layout.
     cpu: str = ""
     aliases: tuple[str, ...] = ()  # other names get_policy accepts
@@ -59,7 +61,7 @@ _ALIASES: dict[str, str] = {}
 POLICIES: Mapping[str, Policy] = MappingProxyType(_REGISTRY)
 ALIASES: Mapping[str, str] = MappingProxyType(_ALIASES)
 EVICTIONS = ("lru", "lfu")
-CPU_MODES = ("", "layers", "hot", "miss", "whole")
+CPU_MODES = ("", "layers", "hot", "miss", "whole", "stream")
 
 
 def register(policy: Policy) -> Policy:
@@ -106,6 +108,9 @@ register(Policy(name="cpu-on-miss", cpu="miss", aliases=("fiddler",),
 register(Policy(name="gpu-layers", cpu="whole", aliases=("ngl",),
                 summary="the last N model layers wholly on the GPU(s), the rest (attention and experts) on the "
                         "CPU (llama.cpp -ngl N, Ollama; N given or the most that fit)"))
+register(Policy(name="weight-streaming", cpu="stream", aliases=("cpu-offload-gb",),
+                summary="every layer runs on the GPU(s); the first layers' weights, N GB, stay in host memory and "
+                        "are read over the link at every step (vLLM --cpu-offload-gb N; N given or the least that fits)"))
 register(Policy(name="oracle", prefetch=True, oracle=True,
                 summary="prefetch the true next-layer experts (a perfect predictor: the upper bound of prefetching)"))
 

@@ -35,7 +35,7 @@ def write_replay_report(trace: Trace, trace_path: Path, hw: HardwareProfile, res
     cfg = first.config
     recorded = simulate(trace.head(min(trace.n_tokens, max(step + 1, CHROME_STEPS))), hw, cfg["policy"],
                         cache_experts=cfg["cache_experts"], eviction=cfg["eviction"] if cfg["cache_experts"] else "lru",
-                        engine="simpy", link_gbps=cfg["link_gbps"], record=True)
+                        sim="simpy", link_gbps=cfg["link_gbps"], record=True)
     timeline_png(recorded.spans, step, out / "timeline.png",
                  f"step {step}, {cfg['policy']}: compute stream and copy engine (simulated)")
     chrome_trace(recorded.spans, out / "simulated.trace.json", f"moesim simulated: {cfg['policy']} on {hw.name}")

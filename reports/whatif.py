@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from moesim import fmt
 from moesim.atomic import atomic_write_text
 from moesim.fmt import duration_ms
 from moesim.policy import get_policy
@@ -46,7 +47,8 @@ def prompt_png(sweep: Sweep, winner: dict[str, Any], path: Path) -> Path:
         tpot, ttft = [], []
         for p in PROMPT_LENGTHS:
             tr = replace(base, header={**base.header, "prompt_len": p})
-            r = simulate(tr, hw, policy, cache_gib=winner["cache_gib"], link_gbps=winner["link_gbps"], engine="fast")
+            r = simulate(tr, hw, policy, cache_gib=winner["cache_gib"], link_gbps=winner["link_gbps"], sim="fast",
+                         engine=sweep.engine, cache_per_layer=sweep.cache_per_layer)
             tpot.append(r.tpot.mean() * 1e3)
             ttft.append(r.ttft * 1e3)
         a1.plot(PROMPT_LENGTHS, tpot, "o-", label=policy)
@@ -166,7 +168,7 @@ def write_whatif_report(rows: list[dict[str, Any]], winner: dict[str, Any] | Non
     if winner:
         sections.insert(0, {"heading": "Best configuration",
                             "text": f"For {GOALS[goal][1]}: {winner['model']} on {winner['hw']}, {winner['policy']}, "
-                                    f"link {winner['link_gbps']:g} GB/s, cache {winner['cache_gib']:g} GiB: "
+                                    f"{fmt.link(winner['link_gbps'])}, cache {winner['cache_gib']:g} GiB: "
                                     f"{duration_ms(winner['tpot_ms'])} per token, {duration_ms(winner['ttft_ms'])} to "
                                     "first token."})
     if shown:
@@ -180,11 +182,12 @@ def write_whatif_report(rows: list[dict[str, Any]], winner: dict[str, Any] | Non
                          "caption": f"{key} per cell, the best of the other settings; a gold star marks the best "
                                     f"configuration (oracle is a bound, never chosen). {what}."})
     copy_policies = [p for p in sweep.policies if not get_policy(p).cpu]
-    if winner and copy_policies and len({r["prompt_len"] for r in rows}) == 1:
+    one_gpu = winner and next(h for h in sweep.hws if h.name == winner["hw"]).n_gpus == 1  # copies go to one GPU
+    if one_gpu and copy_policies and len({r["prompt_len"] for r in rows}) == 1:
         prompt_png(sweep, winner, out / "prompt_length.png")
         sections.append({"heading": "TPOT and TTFT against prompt length", "image": out / "prompt_length.png",
-                         "caption": f"Simulated for every copy policy on {winner['hw']} (link {winner['link_gbps']:g} "
-                                    f"GB/s, cache {winner['cache_gib']:g} GiB) on the first 32 steps: attention reads a "
+                         "caption": f"Simulated for every copy policy on {winner['hw']} ({fmt.link(winner['link_gbps'])}"
+                                    f", cache {winner['cache_gib']:g} GiB) on the first 32 steps: attention reads a "
                                     f"KV cache that grows with the prompt; prefill copies whole layers. {what}."})
     sections.append({"heading": "All configurations",
                      "rows": sorted(rows, key=lambda r: (not r["fits"], r[key] if _number(r[key]) else float("inf"))),

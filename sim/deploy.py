@@ -20,6 +20,7 @@ import textwrap
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from moesim import fmt
 from moesim.errors import MoesimError
 from moesim.fmt import number
 from moesim.sim.whatif import BOUND, GOALS, families, simplicity
@@ -41,13 +42,15 @@ def configuration(row: dict[str, Any]) -> str:
         what = f"{row['cpu_layers']} MoE layers on CPU"
     elif fam == "gpu-layers":
         what = f"{row['gpu_layers']} layers on GPU, the rest on CPU"
+    elif fam == "weight-streaming":
+        what = f"{row['offload_gib']} GiB of weights read over the link"
     elif fam == "hot-experts":
         gib = row["resident_experts"] * _expert_bytes(row) / 2**30 if _ok(row["resident_experts"]) else None
         what = f"{row['resident_experts']} hot experts on GPU" + (f" ({gib:.3g} GiB)" if gib is not None else "")
     elif fam == "cpu-on-miss":
         what = f"cache {row['cache_gib']:g} GiB"
     elif fam == "all-resident":
-        what = "all experts on GPU"
+        what = "every layer on the CPU" if row["hw"] == "none" else "all experts on GPU"
     else:
         what = f"{row['policy']}, cache {row['cache_gib']:g} GiB"
         if row["copy_queue"] not in ("fifo", "-"):
@@ -203,12 +206,12 @@ def _in(rows: list[dict[str, Any]], model: str, hw: str, host: str, **fixed: Any
             and all(r[a] == v for a, v in fixed.items())]
 
 
-def _count(value: Any) -> int | None:
-    """A row's resolved count: ``12`` or ``"auto (12)"``."""
-    if isinstance(value, int):
-        return value
+def _count(value: Any, kind: type = int) -> Any:
+    """A row's resolved count: ``12`` or ``"auto (12)"`` (None: neither)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return kind(value)
     if isinstance(value, str) and value.startswith("auto (") and value.endswith(")"):
-        return int(value[6:-1])
+        return kind(value[6:-1])
     return None
 
 
@@ -217,7 +220,7 @@ def row_layout(row: dict[str, Any]):
     engine's arguments spell. None for a row that copies experts (no engine argument
     places a cache)."""
     from moesim.hardware import get_machine
-    from moesim.layout import make_layout
+    from moesim.layout import make_layout, stream_layers
     from moesim.models import get_model
     from moesim.quant_recipes import store_as
 
@@ -231,6 +234,8 @@ def row_layout(row: dict[str, Any]):
         return spec, make_layout(spec, g, cpu_moe_layers=_count(row["cpu_layers"]))
     if fam == "gpu-layers" and _count(row["gpu_layers"]) is not None:
         return spec, make_layout(spec, g, gpu_layers=_count(row["gpu_layers"]))
+    if fam == "weight-streaming" and _count(row["offload_gib"], float) is not None:
+        return spec, stream_layers(spec, make_layout(spec, g), _count(row["offload_gib"], float))
     return None
 
 
@@ -332,30 +337,37 @@ def describe_change(c: Crossover, ch: dict[str, Any]) -> str:
             f"{ch['from']} wins at {ch['after']:g}, {ch['to']} at {ch['by']:g}{near}")
 
 
-COLS = (("family", 14), ("configuration", 32), ("TPOT ms", 8), ("TTFT ms", 9), ("bound", 11))
+COLS = (("family", 16), ("configuration", 30), ("TPOT ms", 8), ("TTFT ms", 9), ("bound", 11))
 
 
 def format_answer(a: Answer, width: int = 80) -> str:
     """The answer as plain text no wider than ``width`` (80: a terminal): a line of
     scenario, a table of families (the configuration wraps), the winner and why."""
     host = "" if a.host == "-" else f" + {a.host}"
-    lines = textwrap.wrap(f"{a.model} on {a.hw}{host}, batch {a.batch}, prompt {a.prompt_len}, link "
-                          f"{a.link_gbps:g} GB/s (best by {a.goal}):", width)
+    lines = textwrap.wrap(f"{a.model} on {a.hw}{host}, batch {a.batch}, prompt {a.prompt_len}, "
+                          f"{fmt.link(a.link_gbps)} (best by {a.goal}):", width)
     cols = [(n, w) for n, w in COLS]
     lines.append(" ".join(f"{n:<{w}}" if i in (0, 1, 4) else f"{n:>{w}}" for i, (n, w) in enumerate(cols)).rstrip())
     for f in (*a.families, a.bound):
         r = f.row
         if r is None:
-            lines.append(f"{f.family:<14} {f.status}")
+            lines.append(f"{f.family:<{cols[0][1]}} {f.status}")
             continue
         conf = textwrap.wrap(configuration(r), cols[1][1]) or [""]
         ttft = f"{r['ttft_ms']:.4g}" if _ok(r["ttft_ms"]) else "-"
-        lines.append(f"{f.family:<14} {conf[0]:<32} {r['tpot_ms']:>8.4g} {ttft:>9} {r['bound']:<11}".rstrip())
-        lines += [f"{'':<14} {c}" for c in conf[1:]]
+        (_, fw), (_, cw) = cols[0], cols[1]
+        lines.append(f"{f.family:<{fw}} {conf[0]:<{cw}} {r['tpot_ms']:>8.4g} {ttft:>9} {r['bound']:<11}".rstrip())
+        lines += [f"{'':<{fw}} {c}" for c in conf[1:]]
     lines += textwrap.wrap(("winner: " if a.winner else "") + a.reason, width)
+    spelled: dict[tuple, str] = {}  # the same arguments (a cpu-static of 0 layers is all-resident) print once
     for f in a.families:
         if f.invocation is not None:
             tps = f.row["tokens_per_s"]
+            key = (f.invocation.engine, tuple(f.invocation.args), tuple(f.invocation.files.items()))
+            if key in spelled:
+                lines.append(f"{f.family} with {f.invocation.engine}: the same arguments as {spelled[key]}")
+                continue
+            spelled[key] = f.family
             lines.append(f"{f.family} with {f.invocation.engine} ({number(tps)} tokens/s predicted):")
             lines.append(f"  {f.invocation.line()}")
             if f.invocation.note:

@@ -54,8 +54,6 @@ from moesim.sim.plan import Step, plan_sets
 from moesim.sim.workload import Link, lay_out
 
 PARALLEL = ("single", "tp", "ep")
-NVLINK4_GBS = 450.0  # per GPU, per direction (900 GB/s bidirectional: NVIDIA H100 / H200 SXM datasheets)
-COLLECTIVE_LATENCY_US = 10.0  # estimate: one small-message collective inside an NVLink node
 
 
 @dataclass(frozen=True)
@@ -67,8 +65,10 @@ class Deployment:
     offload: bool = False  # experts in host memory (one GPU); misses cost a host-to-device copy
     policy: str = "on-demand"  # offloaded: on-demand or prefetch-fom (prefetch the predicted union)
     cache_experts: int = 0  # offloaded: experts the device keeps across steps
-    nvlink_gbs: float = NVLINK4_GBS
-    collective_latency_us: float = COLLECTIVE_LATENCY_US
+    # Between the GPUs: None takes the GPU profile's peer_gbs / collective_latency_us
+    # (NVLink on the SXM parts; moesim.hardware.HardwareProfile.peer_bw).
+    nvlink_gbs: float | None = None
+    collective_latency_us: float | None = None
     engine: str = DEFAULT_ENGINE  # the software (moesim.engines): resident serving deployments run vllm
 
     def __post_init__(self) -> None:
@@ -80,8 +80,20 @@ class Deployment:
             raise MoesimError(f"deployment {self.name}: offloading is modelled on one GPU only")
         if self.offload and get_policy(self.policy).name not in ("on-demand", "prefetch-fom"):
             raise MoesimError(f"deployment {self.name}: offloaded verification is exact: on-demand or prefetch-fom")
-        if self.nvlink_gbs <= 0 or self.collective_latency_us < 0:
+        if self.nvlink_gbs is not None and not self.nvlink_gbs > 0 or \
+                self.collective_latency_us is not None and not self.collective_latency_us >= 0:
             raise MoesimError(f"deployment {self.name}: nvlink_gbs > 0, collective latency >= 0")
+
+    @property
+    def peer_gbs(self) -> float:
+        """GB/s per direction between two of its GPUs."""
+        return self.nvlink_gbs if self.nvlink_gbs is not None else self.hw.peer_bw / 1e9
+
+    @property
+    def latency_us(self) -> float:
+        """Fixed cost of one of its collectives, microseconds."""
+        return self.collective_latency_us if self.collective_latency_us is not None \
+            else self.hw.collective_latency * 1e6
 
     @property
     def shards(self) -> int:
@@ -104,7 +116,7 @@ class Deployment:
             return f"1 x {self.gpu_name}, experts offloaded to host ({self.policy}, cache {self.cache_experts})"
         if self.parallel == "single":
             return f"1 x {self.gpu_name}, resident"
-        return f"{self.n_gpus} x {self.gpu_name}, {self.parallel.upper()}, NVLink {self.nvlink_gbs:g} GB/s"
+        return f"{self.n_gpus} x {self.gpu_name}, {self.parallel.upper()}, {self.peer_gbs:g} GB/s between GPUs"
 
 
 DEPLOYMENTS: dict[str, Deployment] = {d.name: d for d in [
@@ -171,12 +183,12 @@ def time_steps(spec: ModelSpec, steps: list[Step], dep: Deployment, draft_s: np.
     # Attention blocks (+ collectives) per model layer: the rows of one sequence share its KV cache.
     attn = np.stack([cm.attention(layer, ctx, rows=rows, sequences=1) for layer in range(n_layers)], axis=1)
     if dep.parallel != "single":
-        allreduce = cm.collective(rows * spec.hidden * 2, True, n, dep.nvlink_gbs, dep.collective_latency_us)
+        allreduce = cm.collective(rows * spec.hidden * 2, True, n, dep.peer_gbs, dep.latency_us)
         attn += allreduce[:, None]  # after attention
         after_ffn = np.tile(allreduce[:, None], (1, n_layers))
         if dep.parallel == "ep":
-            after_ffn[:, moe] = 2 * cm.collective(rows * spec.top_k * spec.hidden * 2, False, n, dep.nvlink_gbs,
-                                                  dep.collective_latency_us)[:, None]
+            after_ffn[:, moe] = 2 * cm.collective(rows * spec.top_k * spec.hidden * 2, False, n, dep.peer_gbs,
+                                                  dep.latency_us)[:, None]
         attn += after_ffn
 
     # Routed experts per MoE layer: who reads which, the cost model times it.

@@ -41,7 +41,7 @@ def fit_profile(trace: Trace, base: HardwareProfile, name: str | None = None) ->
     ctx0 = trace.prompt_len
     for t in range(trace.n_tokens):
         for layer in range(spec.n_layers):
-            nbytes = spec.layer_resident_bytes(layer) + spec.kv_bytes_per_token_layer * (ctx0 + t)
+            nbytes = spec.layer_resident_bytes(layer) + spec.kv_bytes_per_token(layer) * spec.kv_tokens(layer, ctx0 + t)
             rows.append((nbytes, eager.attention_kernels, 1.0))
             y.append(tm["attn_s"][t, layer])
     meta = trace.meta

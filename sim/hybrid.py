@@ -103,8 +103,6 @@ def simulate_hybrid(trace: Trace, hw: HardwareProfile, policy: str = "cpu-static
     (:func:`measured_work`; the fast path). A static placement timed by the cost model on
     the fast path is :func:`moesim.sim.static.simulate_static` (its one step model; the
     SimPy run here is its reference); ``engine`` and ``threads`` as there."""
-    if engine in ("simpy", "fast"):  # callers that still name the simulator ``engine`` (before --sim existed)
-        sim, engine = engine, None
     pol = get_policy(policy)
     if not pol.cpu:
         raise MoesimError(f"policy {pol.name!r} computes no experts on the CPU; use moesim.sim.simulate.simulate")

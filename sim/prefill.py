@@ -71,10 +71,12 @@ def prefill_time_hybrid(cm: CostModel, times: ExpertTimes, resident: np.ndarray 
     return total + cm.head(batch)
 
 
-def prefill_time_static(cms: list[CostModel], cpu_cm: CostModel, layout, prompt_len: int, batch: int = 1) -> float:
+def prefill_time_static(cms: list[CostModel], cpu_cm: CostModel, layout, prompt_len: int, batch: int = 1,
+                        stream_cms: list[CostModel] | None = None) -> float:
     """Time to first token of a static :class:`moesim.layout.Layout`: each layer on its
     processor; a GPU layer's CPU experts run on the CPU or are copied to it, whichever ends
-    first (as :func:`prefill_time_hybrid`); a CPU layer runs wholly on the CPU."""
+    first (as :func:`prefill_time_hybrid`); a CPU layer runs wholly on the CPU; a streamed
+    layer's weights cross the link once (``stream_cms``, as in decoding)."""
     from moesim.layout import CPU
 
     spec = cpu_cm.spec
@@ -91,7 +93,7 @@ def prefill_time_static(cms: list[CostModel], cpu_cm: CostModel, layout, prompt_
             exp = (spec.layer_expert_bytes, n * k) if m is not None else (0.0, 0.0)
             total += cpu_cm.prefill_layer(layer, n, prompt_len, *exp, on="cpu")
             continue
-        cm = cms[d]
+        cm = stream_cms[d] if layout.streamed is not None and layout.streamed[layer] else cms[d]
         if m is None:
             total += cm.prefill_layer(layer, n, prompt_len)
             continue

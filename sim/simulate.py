@@ -142,6 +142,7 @@ def simulate(
     ratios: list[float] | None = None,
     cache_per_layer: bool = False,
     gpu_expert_gib: float | None = None,
+    offload_gib: float | str = "auto",
 ) -> SimResult:
     """Simulate ``trace`` under ``policy`` on ``hw``.
 
@@ -170,10 +171,9 @@ def simulate(
     layers spread over several GPUs. ``cache_per_layer``: the cache size is each MoE layer's
     (a cache per layer, as mixtral-offloading keeps). ``gpu_expert_gib``: GiB of the hottest
     experts (counted on ``calibration``) kept on the GPU: hot-experts' budget, or a copy
-    policy's pinned hot set.
+    policy's pinned hot set. ``offload_gib``: weight-streaming's GiB of weights read over the
+    link (vLLM's ``--cpu-offload-gb``; auto: the least that fits).
     """
-    if engine in SIMS:  # callers that still name the simulator ``engine`` (before --sim existed)
-        sim, engine = engine, None
     if sim not in SIMS:
         raise MoesimError(f"unknown simulator {sim!r}; known: {', '.join(SIMS)}")
     pol = get_policy(policy)
@@ -197,8 +197,8 @@ def simulate(
     if machine.n_gpus != 1 and not static:
         where = "no GPU" if not machine.n_gpus else f"{machine.n_gpus} GPUs"
         raise MoesimError(f"{pol.name} copies experts to one GPU; on a machine with {where} only the static layouts "
-                          "apply (all-resident, cpu-static, hot-experts, gpu-layers)")
-    if static and timing == "measured" and (pol.cpu == "whole" or machine.n_gpus != 1):
+                          "apply (all-resident, cpu-static, hot-experts, gpu-layers, weight-streaming)")
+    if static and timing == "measured" and (pol.cpu in ("whole", "stream") or machine.n_gpus != 1):
         raise MoesimError(f"{pol.name} on {machine.name} is timed from the profiles only (--timing profile): a trace's "
                           "measured times belong to the one GPU that recorded it")
     hot = _hot_set(trace, machine, pol, gpu_expert_gib, calibration, calibrate_on_replay)
@@ -208,7 +208,7 @@ def simulate(
         return simulate_static(trace, machine, pol, host=host, engine=engine, threads=threads, cpu_layers=cpu_layers,
                                gpu_layers=gpu_layers, calibration=calibration, calibrate_on_replay=calibrate_on_replay,
                                split=split, ratios=ratios, amx=amx, link_gbps=link_gbps,
-                               placement=hot if pol.cpu == "hot" else None)
+                               placement=hot if pol.cpu == "hot" else None, offload_gib=offload_gib)
     hw = machine.gpus[0]
     if pol.cpu:  # experts computed on the CPU: the hybrid step model (moesim.sim.hybrid)
         if timing == "measured" and not trace.measured:
@@ -369,8 +369,7 @@ def simulate_policies(trace: Trace, hw: HardwareProfile, policies: list[str], *,
     if machine.n_gpus == 1 and costs is None:
         profile = machine.gpus[0]
         profile = profile.with_figure("h2d_pinned_gbs", link_gbps) if link_gbps is not None else profile
-        engine = kw.get("engine") if kw.get("engine") not in SIMS else None
-        costs = pick_costs(trace, CostModel(trace.model, profile, engine=engine), kw.get("timing", "auto"))
+        costs = pick_costs(trace, CostModel(trace.model, profile, engine=kw.get("engine")), kw.get("timing", "auto"))
     recall = prediction_recall(trace)
     results = []
     for i, p in enumerate(policies):

@@ -23,7 +23,7 @@ import numpy as np
 from moesim.costmodel import CostModel, device_expert_seconds
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile, HostProfile, Machine, get_host, get_machine
-from moesim.layout import CPU, Layout, make_layout
+from moesim.layout import CPU, Layout, layer_weight_bytes, make_layout, stream_layers
 from moesim.memory import layout_bytes
 from moesim.models import ModelSpec
 from moesim.policy import get_policy
@@ -33,10 +33,7 @@ from moesim.sim.prefill import prefill_time_static
 from moesim.traces.format import Trace
 
 #: The CPU-compute policies whose layouts are static (nothing copied): timed here.
-STATIC_CPU = ("layers", "hot", "whole")
-#: Fixed cost of one collective over PCIe between GPUs (estimate: a small-message NCCL
-#: all-reduce without NVLink takes tens of microseconds).
-PCIE_COLLECTIVE_US = 20.0
+STATIC_CPU = ("layers", "hot", "whole", "stream")
 
 
 @dataclass
@@ -48,6 +45,7 @@ class StaticRun:
     cpu_busy: np.ndarray  # CPU work per step (CPU layers, CPU experts with their round trips)
     cpu_wait: np.ndarray  # per step, how long GPU layers waited on their CPU experts
     transfer: np.ndarray  # per step, hidden states crossing between processors
+    streamed: np.ndarray  # per step, what reading streamed layers' weights over the link adds to the GPU's work
     n_gpu: np.ndarray  # [t, m] experts a GPU ran
     n_cpu: np.ndarray  # [t, m] experts the CPU ran
 
@@ -57,35 +55,47 @@ def _cm_for(cms: list[CostModel], cpu_cm: CostModel, d: int) -> CostModel:
 
 
 def time_static(spec: ModelSpec, layout: Layout, counts: np.ndarray, ctx: np.ndarray, batch: int,
-                cms: list[CostModel], cpu_cm: CostModel) -> StaticRun:
+                cms: list[CostModel], cpu_cm: CostModel, stream_cms: list[CostModel] | None = None) -> StaticRun:
     """Time every step of a static layout. ``counts[t, m, e]``: tokens routed to each
     expert; ``ctx[t]``: the context at each step; ``cms[g]`` the cost model of GPU g
     (with the host, for CPU experts and round trips), ``cpu_cm`` the one that prices CPU
-    layers (the first GPU's, or the host's alone on a machine without GPUs)."""
+    layers (the first GPU's, or the host's alone on a machine without GPUs);
+    ``stream_cms[g]`` GPU g's for the layers whose weights it reads over the link
+    (``layout.streamed``)."""
     T = counts.shape[0]
     moe_index = {layer: m for m, layer in enumerate(spec.moe_layers)}
+    streamed = layout.streamed if layout.streamed is not None else np.zeros(spec.n_layers, bool)
+    if streamed.any() and stream_cms is None:
+        raise MoesimError("a layout with streamed layers needs their cost models (stream_cms)")
     times = {d: _cm_for(cms, cpu_cm, d).expert_times(batch) for d in {*layout.layer_device.tolist(), CPU}
              if d != CPU or cpu_cm.host is not None}
+    stream_times = {d: stream_cms[d].expert_times(batch) for d in set(layout.layer_device[streamed].tolist())}
     total = np.zeros(T)
     device = np.zeros(T)
     cpu_busy = np.zeros(T)
     cpu_wait = np.zeros(T)
     transfer = np.zeros(T)
+    streamed_s = np.zeros(T)
     n_gpu = np.zeros(counts.shape[:2], np.int32)
     n_cpu = np.zeros(counts.shape[:2], np.int32)
     hidden_bytes = 2 * batch * spec.hidden
+    # Between GPUs the slowest pair sets the pace (a mixed machine's peers meet over PCIe).
+    peer_gbs = min((c.gpu.peer_bw for c in cms), default=0.0) / 1e9
+    peer_us = max((c.gpu.collective_latency for c in cms), default=0.0) * 1e6
     # The embedding row (a few KB read on the host) reaches the first layer's processor with
     # the step's tokens: not charged, as the input ids are not.
     prev = int(layout.layer_device[0])
     for layer in range(spec.n_layers):
         d = int(layout.layer_device[layer])
-        cm = _cm_for(cms, cpu_cm, d)
+        cm = stream_cms[d] if streamed[layer] else _cm_for(cms, cpu_cm, d)
         if d != prev:
             transfer += _crossing(cms, prev, d, hidden_bytes)
         prev = d
         attn = cm.attention(layer, ctx, rows=batch, on="cpu" if d == CPU else "gpu")
+        if streamed[layer]:
+            streamed_s += attn - cms[d].attention(layer, ctx, rows=batch, on="gpu")
         if layout.split == "tensor" and d != CPU and len(cms) > 1:
-            attn = attn + 2 * cm.collective(hidden_bytes, True, len(cms), cm.gpu.link_bw / 1e9, PCIE_COLLECTIVE_US)
+            attn = attn + 2 * cm.collective(hidden_bytes, True, len(cms), peer_gbs, peer_us)
         total += attn
         (cpu_busy if d == CPU else device).__iadd__(attn)
         m = moe_index.get(layer)
@@ -105,8 +115,11 @@ def time_static(spec: ModelSpec, layout: Layout, counts: np.ndarray, ctx: np.nda
         on_dev = layout.expert_device[m] == d
         nd, ad = (routed & on_dev).sum(-1), np.where(on_dev, c, 0).sum(-1)
         n_gpu[:, m] = nd
-        gpu = times[d].gpu(nd, ad)
-        cpu = times[d].cpu(nc, ac)
+        t = stream_times[d] if streamed[layer] else times[d]
+        gpu = t.gpu(nd, ad)
+        cpu = t.cpu(nc, ac)
+        if streamed[layer]:
+            streamed_s += gpu - times[d].gpu(nd, ad)
         total += np.maximum(gpu, cpu)  # the layer ends when the later of the two does
         device += gpu
         cpu_busy += cpu
@@ -117,18 +130,24 @@ def time_static(spec: ModelSpec, layout: Layout, counts: np.ndarray, ctx: np.nda
     h = _cm_for(cms, cpu_cm, head).head(batch, on="cpu" if head == CPU else "gpu")
     total += h + transfer
     (cpu_busy if head == CPU else device).__iadd__(h)
-    return StaticRun(total, device, cpu_busy, cpu_wait, transfer, n_gpu, n_cpu)
+    return StaticRun(total, device, cpu_busy, cpu_wait, transfer, streamed_s, n_gpu, n_cpu)
 
 
 def _crossing(cms: list[CostModel], a: int, b: int, nbytes: float) -> float:
-    """Seconds the hidden states take from processor ``a`` to ``b`` (a copy on the link of
-    the GPU involved; GPU to GPU through the host's PCIe, on the sender's link)."""
+    """Seconds the hidden states take from processor ``a`` to ``b``: a copy on the link of
+    the GPU involved; GPU to GPU over the slower GPU's peer link (NVLink where both
+    profiles give it, else the host's PCIe)."""
+    if a != CPU and b != CPU and cms:
+        ga, gb = cms[a].gpu, cms[b].gpu
+        nvlink = "peer_gbs" in ga.figures and "peer_gbs" in gb.figures
+        bw = min(ga.peer_bw, gb.peer_bw) if nvlink else min(ga.link_bw, gb.link_bw)
+        return max(ga.transfer_latency, gb.transfer_latency) + nbytes / bw
     gpu = a if a != CPU else b
     return float(cms[gpu].copy(nbytes)) if gpu != CPU and cms else 0.0
 
 
 def _layout_for(pol, spec, machine, *, batch: int, context: int, cpu_layers, gpu_layers, split: str,
-                ratios, hot_placement) -> Layout:
+                ratios, hot_placement, offload_gib="auto") -> Layout:
     """The layout ``pol`` gives on ``machine``, choosing ``auto`` counts to fit its GPUs."""
     g = machine.n_gpus
     mem = [x * 1e9 for x in machine.device_memory_gb()]
@@ -157,6 +176,13 @@ def _layout_for(pol, spec, machine, *, batch: int, context: int, cpu_layers, gpu
         auto = next((n for n in range(L, -1, -1) if fits(make(gpu_layers=n))), 0) if gpu_layers == "auto" else None
         n = gpu_layers if auto is None else auto
         return replace(make(gpu_layers=n), source=f"last {n} of {L} layers on {machine.name}, the rest on the CPU")
+    if pol.cpu == "stream":
+        lay = replace(make(), source=f"every layer on {machine.name}")
+        if offload_gib != "auto":
+            return stream_layers(spec, lay, offload_gib)
+        n = next((n for n in range(spec.n_layers + 1) if fits(stream_layers(spec, lay, _first_gib(spec, n)))),
+                 spec.n_layers)
+        return stream_layers(spec, lay, _first_gib(spec, n))
     if pol.cpu == "hot":
         if g != 1:
             raise MoesimError("hot-experts places experts on one GPU; give one GPU profile (or use cpu-static on several)")
@@ -164,17 +190,24 @@ def _layout_for(pol, spec, machine, *, batch: int, context: int, cpu_layers, gpu
     raise MoesimError(f"{pol.name} is not a static layout (it copies experts): one GPU, moesim.sim.simulate")
 
 
+def _first_gib(spec: ModelSpec, n: int) -> float:
+    """GiB of weights in the first ``n`` model layers (what ``--cpu-offload-gb`` streams)."""
+    return sum(layer_weight_bytes(spec, x) for x in range(n)) / 2**30
+
+
 def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, policy: str, *,
                     host: str | HostProfile | None = None, engine: str | None = None, threads: int | None = None,
                     cpu_layers: int | str = "auto", gpu_layers: int | str = "auto",
                     calibration: np.ndarray | None = None, calibrate_on_replay: bool = False, split: str = "layer",
                     ratios: list[float] | None = None, amx: bool = True, placement=None,
-                    link_gbps: float | None = None) -> HybridResult:
+                    link_gbps: float | None = None, offload_gib: float | str = "auto") -> HybridResult:
     """Simulate ``trace`` under a static layout (all-resident, cpu-static, hot-experts,
-    gpu-layers) on a machine of zero, one or several GPUs (:func:`moesim.hardware.get_machine`)
-    and ``host``, run by ``engine`` with ``threads`` CPU threads (:func:`time_static`).
-    ``split`` and ``ratios`` spread the GPU layers over several GPUs (llama.cpp's
-    ``--split-mode`` and ``--tensor-split``); ``placement`` replaces hot-experts' own."""
+    gpu-layers, weight-streaming) on a machine of zero, one or several GPUs
+    (:func:`moesim.hardware.get_machine`) and ``host``, run by ``engine`` with ``threads``
+    CPU threads (:func:`time_static`). ``split`` and ``ratios`` spread the GPU layers over
+    several GPUs (llama.cpp's ``--split-mode`` and ``--tensor-split``); ``placement``
+    replaces hot-experts' own; ``offload_gib`` is weight-streaming's GiB (vLLM's
+    ``--cpu-offload-gb``; auto: the least that fits)."""
     from moesim.placement import make_placement
 
     pol = get_policy(policy)
@@ -194,23 +227,27 @@ def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, poli
                                           context=context, calibration=calibration, replay_ids=trace.true_ids,
                                           calibrate_on_replay=calibrate_on_replay)
     layout = _layout_for(pol, spec, machine, batch=b, context=context, cpu_layers=cpu_layers, gpu_layers=gpu_layers,
-                         split=split, ratios=ratios, hot_placement=hot)
+                         split=split, ratios=ratios, hot_placement=hot, offload_gib=offload_gib)
     need = layout_bytes(spec, layout, b, context)
     kw = dict(engine=engine, amx=amx, threads=threads, host_weights=need.host_weights, host_other=need.host_kv)
     shards = g if split == "tensor" and g > 1 else 1
     cms = [CostModel(spec, gpu, host, shards=shards, **kw) for gpu in machine.gpus]
     cpu_cm = cms[0] if cms else CostModel(spec, None, host, **kw)
+    streams = None
+    if layout.streamed is not None and layout.streamed.any():
+        streams = [CostModel(spec, gpu, host, shards=shards, weights_over_link=True, **kw) for gpu in machine.gpus]
     ctx = trace.prompt_len + np.arange(T)
     counts = token_counts(trace.true_ids, spec.n_experts)
-    r = time_static(spec, layout, counts, ctx, b, cms, cpu_cm)
-    zeros = np.zeros(T)
+    r = time_static(spec, layout, counts, ctx, b, cms, cpu_cm, streams)
     zeros_m = np.zeros_like(r.n_gpu)
-    run = HybridRun(np.cumsum(r.tpot), zeros, zeros.copy(), r.cpu_wait, r.cpu_busy, r.n_gpu, r.n_cpu, zeros_m,
-                    r.n_gpu, device=r.device, transfer=r.transfer)
+    # Streamed weights cross the link inside the GPU's kernels: that part of its work is the
+    # link's (copy) and the GPU waits on it (stall); the rest is its own compute.
+    run = HybridRun(np.cumsum(r.tpot), r.streamed, r.streamed.copy(), r.cpu_wait, r.cpu_busy, r.n_gpu, r.n_cpu,
+                    zeros_m, r.n_gpu, device=r.device - r.streamed, transfer=r.transfer)
     n_exec = r.n_gpu + r.n_cpu
     plan = Plan(pol, 0, "lru", 1, zeros_m, zeros_m, n_exec, np.full_like(n_exec, b * spec.top_k), r.n_gpu, zeros_m,
                 zeros_m)
-    ttft = prefill_time_static(cms, cpu_cm, layout, trace.prompt_len, b)
+    ttft = prefill_time_static(cms, cpu_cm, layout, trace.prompt_len, b, streams)
     mem = machine.device_memory_gb()
     eng = cpu_cm.engine
     config = {
@@ -220,7 +257,7 @@ def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, poli
         "timing": f"roofline ({machine.name} + {host.name}, {eng.name}{'' if amx and host.has_amx else ', no AMX'})",
         "placement": layout.source, "optimistic_placement": layout.optimistic,
         "resident_experts": int((layout.expert_device >= 0).sum()), "gpu_layers": layout.gpu_layers(),
-        "cpu_layers": layout.cpu_moe_layers(), "expert_bytes": spec.expert_bytes, "synthetic_trace": trace.synthetic,
+        "cpu_layers": layout.cpu_moe_layers(), "offload_gib": layout.streamed_gib(spec), "expert_bytes": spec.expert_bytes, "synthetic_trace": trace.synthetic,
         "device_gb_needed": max(need.gpu, default=0) / 1e9, "host_gb_needed": (need.host_weights + need.host_kv) / 1e9,
         "fits": all(x <= m * 1e9 for x, m in zip(need.gpu, mem)),
         "page_miss": cpu_cm.page_miss if cpu_cm.host is not None else 0.0,

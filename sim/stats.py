@@ -778,7 +778,7 @@ def tpot_curve(trace: Trace, hw: HardwareProfile, sizes: Sequence[int], policy: 
     from moesim.sim.simulate import prediction_recall, simulate
 
     recall = prediction_recall(trace) if pred_recall is None else pred_recall
-    tpot = [simulate(trace, hw, policy, cache_experts=int(s), eviction=eviction, engine="fast",
+    tpot = [simulate(trace, hw, policy, cache_experts=int(s), eviction=eviction, sim="fast",
                      timing="profile", pred_recall=recall).summary()["tpot_ms"] for s in sizes]
     return {"policy": policy, "eviction": eviction, "hw": hw.name, "sizes": list(sizes), "tpot_ms": tpot,
             **knee(sizes, tpot)}

@@ -26,7 +26,7 @@ from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 DEFAULT_MODELS = ("qwen3-30b-a3b",)
 DEFAULT_HWS = ("a6000", "h100-sxm", "gh200")
 DEFAULT_POLICIES = ("on-demand", "prefetch-fom", "prefetch-spec", "oracle", "all-resident", "cpu-static", "gpu-layers",
-                    "hot-experts", "cpu-on-miss")
+                    "hot-experts", "cpu-on-miss", "weight-streaming")
 DEFAULT_CACHE_GIB = (0.0, 8.0, 16.0)
 CALIBRATION_SEED_OFFSET = 1  # the synthetic calibration trace: the replayed one's seed + this
 
@@ -73,11 +73,15 @@ def _positive_ints(values: list[int] | tuple[int, ...], what: str) -> list[int]:
     return list(values)
 
 
-def unused_options(pols: list, hosts, cpu_layers, gpu_expert_gib, copy_queues, prefetch_top) -> list[str]:
+def unused_options(pols: list, hosts, cpu_layers, gpu_expert_gib, copy_queues, prefetch_top, gpu_layers=None,
+                   offload_gib=None) -> list[str]:
     """A note for each option given that no swept policy uses (``--cpu-layers`` with no
     cpu-static, ...): the sweep is still valid, but the user should not believe the knob
-    was tried."""
+    was tried. ``auto`` is every count's default, so only other values are noted."""
     uses = [(hosts, "--host", "the CPU-compute policies", lambda p: bool(p.cpu)),
+            ([n for n in gpu_layers or () if n != "auto"], "--gpu-layers", "gpu-layers", lambda p: p.cpu == "whole"),
+            ([g for g in offload_gib or () if g != "auto"], "--offload-gib", "weight-streaming",
+             lambda p: p.cpu == "stream"),
             (cpu_layers, "--cpu-layers", "cpu-static", lambda p: p.cpu == "layers"),
             ([g for g in gpu_expert_gib or () if g != "auto"], "--gpu-expert-gib", "hot-experts", lambda p: p.cpu == "hot"),
             ([q for q in copy_queues or () if q != "fifo"], "--copy-queue", "the copy policies",
@@ -100,13 +104,14 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
            placement_from: str | Path | None = None, calibrate_on_replay: bool = False,
            engine: str | None = None, threads: int | None = None, gpu_layers: list[int | str] | None = None,
            lookaheads: list[int] | None = None, host_ram_gb: float | None = None,
-           cache_per_layer: bool = False) -> WhatIf:
+           cache_per_layer: bool = False, offload_gib: list[float | str] | None = None) -> WhatIf:
     """Sweep models x hardware x policies x link bandwidth (None: each profile's own) x cache
     size, and the axes each policy family has: ``expert_dtypes`` (every policy), ``hosts``
     (CPU policies; None: each GPU profile's own), ``cpu_layers`` (cpu-static; None:
     :func:`default_cpu_layers`), ``gpu_expert_gib`` (hot-experts; ``auto`` = all that fit),
     ``copy_queues`` and ``prefetch_top`` (the predicting copy policies), ``gpu_layers``
-    (gpu-layers; None: auto, the most that fit). ``batch``, ``prompt_len`` and
+    (gpu-layers; None: auto, the most that fit), ``offload_gib`` (weight-streaming; None:
+    auto, the least that fits). ``batch``, ``prompt_len`` and
     ``lookaheads`` (how many MoE layers ahead the predictions are made) are axes of the
     synthetic traces (a recorded trace has its own). ``hws`` are machines
     (:func:`moesim.hardware.get_machine`: ``a6000``, ``2xrtx5090``, ``none``); ``engine``
@@ -142,7 +147,8 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
     policies = [p.name for p in pols]
     if placement_from is not None and calibrate_on_replay:
         raise MoesimError("give a calibration trace (--placement-from) or --calibrate-on-replay, not both")
-    notes: list[str] = unused_options(pols, hosts, cpu_layers, gpu_expert_gib, copy_queues, prefetch_top)
+    notes: list[str] = unused_options(pols, hosts, cpu_layers, gpu_expert_gib, copy_queues, prefetch_top, gpu_layers,
+                                      offload_gib)
     if dropped:
         notes.append(f"{eng.name} does not run {', '.join(dropped)} (it runs {', '.join(eng.policies)}): left out")
     if host_ram_gb is not None and not (isinstance(host_ram_gb, (int, float)) and 0 < host_ram_gb < 1e7):
@@ -225,7 +231,8 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
                   calibration=calibration or None, calibration_source=calibration_source,
                   calibrate_on_replay=calibrate_on_replay, engine=engine, threads=threads, host_ram_gb=host_ram_gb,
                   cache_per_layer=cache_per_layer,
-                  gpu_layers=tuple(gpu_layers) if gpu_layers else ("auto",))
+                  gpu_layers=tuple(gpu_layers) if gpu_layers else ("auto",),
+                  offload_gib=tuple(offload_gib) if offload_gib else ("auto",))
     runs = max(1, sweep.size // max(1, len(sweep.traces)))
     for t in traces.values():
         budget.check(budget.replay_estimate(t.model, t.n_tokens, t.batch, runs, sim,

@@ -85,9 +85,10 @@ def recorded_cpu_setup(trace: Trace, hw: HardwareProfile) -> tuple[HardwareProfi
 
 
 def validate_trace(trace: Trace, hw: HardwareProfile | None = None, policy: str | None = None,
-                   engine: str = "simpy", skip: int = 1, **kw) -> tuple[dict[str, Any], SimResult]:
+                   sim: str = "simpy", skip: int = 1, **kw) -> tuple[dict[str, Any], SimResult]:
     """Replay a measured trace on the profile that recorded it (same policy unless
-    ``policy``) and compare per token. ``skip`` first steps are warm-up and not scored."""
+    ``policy``) on the ``sim`` simulator and compare per token. ``skip`` first steps are
+    warm-up and not scored."""
     if not trace.measured:
         raise MoesimError("the trace has no measured timings to validate against (record one with moesim profile)")
     meta = trace.meta
@@ -105,7 +106,7 @@ def validate_trace(trace: Trace, hw: HardwareProfile | None = None, policy: str 
         profile, more = recorded_cpu_setup(trace, profile)
         kw = {**more, **kw}
     kw.setdefault("as_recorded", policy == meta.replay_policy)  # the measured run's predictor time stays in
-    result = simulate(trace, profile, policy, engine=engine, timing="measured", **kw)
+    result = simulate(trace, profile, policy, sim=sim, timing="measured", **kw)
     skip = min(skip, trace.n_tokens - 1)
     stats_ = error_stats(trace.timings["tpot_s"][skip:], result.tpot[skip:])
     cfg = result.config

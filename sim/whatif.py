@@ -23,6 +23,7 @@ import functools
 import hashlib
 import itertools
 import json
+import math
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -70,13 +71,14 @@ class Config:
     copy_queue: str = "fifo"
     prefetch_top: int | None = None
     gpu_layers: int | str = "-"  # gpu-layers: a count of model layers on the GPU(s), or "auto" (all that fit)
+    offload_gib: float | str = "-"  # weight-streaming: GB of weights read over the link, or "auto" (the least that fits)
 
     def describe(self) -> str:
         parts = [f"trace {self.trace}", f"policy {self.policy}", f"cache {self.cache_gib:g} GiB"]
         for name, value, neutral in (("expert dtype", self.expert_dtype, None), ("host", self.host, None),
                                      ("cpu layers", self.cpu_layers, "-"), ("GPU expert GiB", self.gpu_expert_gib, "-"),
                                      ("copy queue", self.copy_queue, "fifo"), ("prefetch top", self.prefetch_top, None),
-                                     ("gpu layers", self.gpu_layers, "-")):
+                                     ("gpu layers", self.gpu_layers, "-"), ("offload GB", self.offload_gib, "-")):
             if value != neutral:
                 parts.append(f"{name} {value}")
         return ", ".join(parts)
@@ -89,7 +91,7 @@ Group = Config
 #: ``None`` (numbers, NaN too; an empty CSV cell, JSON null) or ``-`` (words).
 ROW_COLUMNS = (
     "model", "base_model", "expert_dtype", "hw", "host", "policy", "family", "link_gbps", "cache_gib", "cache_experts",
-    "eviction", "cpu_layers", "gpu_layers", "gpu_expert_gib", "resident_experts", "copy_queue", "prefetch_top",
+    "eviction", "cpu_layers", "gpu_layers", "offload_gib", "gpu_expert_gib", "resident_experts", "copy_queue", "prefetch_top",
     "lookahead", "batch", "prompt_len", "engine", "threads", "sim", "timing", "synthetic_trace", "placement", "optimistic_placement", "tokens", "tpot_ms",
     "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms", "tokens_per_s", "compute_ms", "copy_ms", "stall_ms", "cpu_ms",
     "cpu_wait_ms", "overlap_ms", "serial_bound_ms", "overlap_bound_ms", "max_prefetch_gain",
@@ -98,7 +100,8 @@ ROW_COLUMNS = (
     "note", "group",
 )
 _WORDS = {"model", "base_model", "expert_dtype", "hw", "host", "policy", "family", "eviction", "copy_queue", "engine",
-          "sim", "timing", "placement", "bound", "note", "cpu_layers", "gpu_layers", "gpu_expert_gib", "prefetch_top"}
+          "sim", "timing", "placement", "bound", "note", "cpu_layers", "gpu_layers", "offload_gib", "gpu_expert_gib",
+          "prefetch_top"}
 
 
 def family(policy: str) -> str:
@@ -117,13 +120,13 @@ def family(policy: str) -> str:
 #: then static placements (whole layers, expert layers, hot experts), then the dynamic
 #: ones. On a tie the simpler deployment is named (a cpu-static run with 0 layers on the
 #: CPU *is* all-resident). Derived from the registry, so a new policy joins by its kind.
-_KIND_RANK = {"whole": 1, "layers": 2, "hot": 3, "miss": 4}
+_KIND_RANK = {"whole": 1, "stream": 2, "layers": 3, "hot": 4, "miss": 5}
 
 
 def _rank_of(pol) -> int:
     if not pol.offload:
         return 0
-    return _KIND_RANK.get(pol.cpu, 5)
+    return _KIND_RANK.get(pol.cpu, 6)
 
 
 BOUND = "oracle (bound)"
@@ -185,6 +188,7 @@ class Sweep:
     engine: str | None = None  # the inference engine (moesim.engines); None: PyTorch eager
     threads: int | None = None  # its CPU threads; None: every core
     gpu_layers: tuple[int | str, ...] = ("auto",)  # gpu-layers
+    offload_gib: tuple[float | str, ...] = ("auto",)  # weight-streaming
     host_ram_gb: float | None = None  # the host's RAM (None: the host profile's, if it gives one)
     cache_per_layer: bool = False  # each cache size is each MoE layer's (copy policies)
 
@@ -219,6 +223,9 @@ class Sweep:
         for g in self.gpu_expert_gib:
             if g != "auto" and (isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g < float("inf")):
                 raise MoesimError(f"--gpu-expert-gib: 'auto' or a finite GiB >= 0, got {g!r}")
+        for g in self.offload_gib:
+            if g != "auto" and (isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g < float("inf")):
+                raise MoesimError(f"--offload-gib: 'auto' or a finite GB >= 0, got {g!r}")
         for m in self.prefetch_top:
             if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
                 raise MoesimError(f"--prefetch-top: a count of experts >= 1, got {m!r}")
@@ -262,6 +269,8 @@ class Sweep:
                 out += [Config(key, policy, 0.0, dtype, h, n) for h in self.hosts for n in self.cpu_layers]
             elif pol.cpu == "whole":
                 out += [Config(key, policy, 0.0, dtype, h, gpu_layers=n) for h in self.hosts for n in self.gpu_layers]
+            elif pol.cpu == "stream":
+                out += [Config(key, policy, 0.0, dtype, h, offload_gib=g) for h in self.hosts for g in self.offload_gib]
             elif pol.cpu == "hot":
                 out += [Config(key, policy, 0.0, dtype, h, gpu_expert_gib=g) for h in self.hosts
                         for g in self.gpu_expert_gib]
@@ -309,7 +318,7 @@ class Sweep:
         spec = {"hws": [[m.name, [{k: g[k] for k in sorted(g.figures)} for g in m.gpus]] for m in self.hws],
                 "policies": self.policies, "link_gbps": self.link_gbps, "cache_gib": self.cache_gib,
                 "eviction": self.eviction, "sim": self.sim, "engine": self.engine, "threads": self.threads,
-                "gpu_layers": self.gpu_layers, "host_ram_gb": self.host_ram_gb, "timing": self.timing,
+                "gpu_layers": self.gpu_layers, "offload_gib": self.offload_gib, "host_ram_gb": self.host_ram_gb, "timing": self.timing,
                 "cache_per_layer": self.cache_per_layer,
                 "expert_dtypes": self.expert_dtypes, "hosts": self.hosts, "cpu_layers": self.cpu_layers,
                 "gpu_expert_gib": self.gpu_expert_gib, "copy_queues": self.copy_queues,
@@ -342,7 +351,8 @@ def _axes(sweep: Sweep, cfg: Config, trace: Trace, base: str) -> dict[str, Any]:
     return {"base_model": base, "expert_dtype": cfg.expert_dtype or trace.model.expert_dtype, "family": family(cfg.policy),
             "cpu_layers": cfg.cpu_layers, "gpu_expert_gib": cfg.gpu_expert_gib, "copy_queue": cfg.copy_queue,
             "prefetch_top": "-" if cfg.prefetch_top is None else cfg.prefetch_top, "batch": trace.batch,
-            "prompt_len": trace.prompt_len, "gpu_layers": cfg.gpu_layers, "lookahead": trace.meta.lookahead}
+            "prompt_len": trace.prompt_len, "gpu_layers": cfg.gpu_layers, "offload_gib": cfg.offload_gib,
+            "lookahead": trace.meta.lookahead}
 
 
 def _hot_placement(sweep: Sweep, cfg: Config, trace: Trace, base: str, machine: Machine):
@@ -409,10 +419,15 @@ def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str) ->
             kw = dict(host=_host(sweep, cfg, h), calibration=None if optimistic else calib,
                       calibrate_on_replay=optimistic, engine=sweep.engine, threads=sweep.threads)
             try:
+                if h.n_gpus == 0 and pol.offload:
+                    rows.append(_not_run(sweep, index, cfg, trace, base, h, "without a GPU only all-resident applies "
+                                         "(every weight in host memory, computed on the CPU)"))
+                    continue
                 if _static(pol, h):
                     placement = _hot_placement(sweep, cfg, trace, base, h) if pol.cpu == "hot" else None
                     res = simulate_static(trace, h, pol, cpu_layers=cfg.cpu_layers if pol.cpu == "layers" else "auto",
                                           gpu_layers=cfg.gpu_layers if pol.cpu == "whole" else "auto",
+                                          offload_gib=cfg.offload_gib if pol.cpu == "stream" else "auto",
                                           placement=placement, **kw)
                 elif h.n_gpus != 1:
                     rows.append(_not_run(sweep, index, cfg, trace, base, h, f"{pol.name} runs on one GPU"))
@@ -433,6 +448,9 @@ def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str) ->
             if pol.cpu == "whole":
                 n = res.config["gpu_layers"]
                 row["gpu_layers"] = n if cfg.gpu_layers != "auto" else f"auto ({n})"
+            if pol.cpu == "stream":  # rounded down: stream_layers(spec, layout, it) streams the same layers again
+                gib = math.floor(res.config["offload_gib"] * 1e4) / 1e4
+                row["offload_gib"] = cfg.offload_gib if cfg.offload_gib != "auto" else f"auto ({gib:g})"
             row["cache_gib"] = cfg.cache_gib if capacity else 0.0
             row["device_gb_needed"] = res.config["device_gb_needed"]
             row["fits"] = res.config["fits"]

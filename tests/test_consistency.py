@@ -171,7 +171,8 @@ def test_validations_predictor_is_replays_number(trace, policy):
 
 
 @pytest.mark.parametrize("machine", ["none", "2xa6000", "a6000+rtx4090"])
-@pytest.mark.parametrize("policy", [p for p, pol in POLICIES.items() if pol.cpu in ("layers", "whole") or not pol.offload])
+@pytest.mark.parametrize("policy", [p for p, pol in POLICIES.items() if pol.cpu in ("layers", "whole", "stream")
+                                    or not pol.offload])
 def test_machines_of_several_gpus_or_none_get_one_number(trace, machine, policy):
     """A static layout on a machine of several GPUs, or none: replay and the sweep agree."""
     if machine == "none" and policy != "all-resident":

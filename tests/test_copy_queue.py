@@ -199,7 +199,7 @@ def test_a_replay_of_a_queued_run_times_it_with_the_recorded_queue(tiny, queue, 
     assert rows[0]["copy_queue"] == queue
     assert "copy_queue" not in replay(trace, policies=["prefetch-fom"], copy_queue="fifo").rows[0]
     with pytest.raises(MoesimError, match=f"recorded with copy queue '{queue}'.*(?i:simpy)"):
-        replay(trace, policies=["prefetch-fom"], engine="fast")
+        replay(trace, policies=["prefetch-fom"], sim="fast")
     from moesim.traces.format import write_trace
 
     write_trace(trace, tmp_path / "q.npz")  # the CLI's --validate: the recorded queue, or the one asked for

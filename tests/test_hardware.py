@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from moesim.errors import MoesimError
@@ -50,7 +52,7 @@ def _write(tmp_path, text):
     (lambda t: t.replace("compute_efficiency = { value = 0.6", "compute_efficiency = { value = 3"), "fraction"),
 ])
 def test_bad_profiles_get_one_line_errors(tmp_path, edit, message):
-    good = get_profile("a6000").to_toml()
+    good = Path(get_profile("a6000").path).read_text()  # the shipped file: one inline table a figure
     path = _write(tmp_path, edit(good))
     with pytest.raises(MoesimError, match=message) as e:
         load_profile(path)
@@ -106,14 +108,19 @@ def test_a_trace_given_as_a_profile_is_one_line(tmp_path, tiny_trace):
     assert "\n" not in str(e.value)
 
 
-def test_measuring_this_machine_reports_each_step_it_counts_on():
+def test_measuring_this_machine_reports_each_step_it_counts_on(tmp_path):
     """`moesim profile --hardware`'s progress bar divides by MEASURE_STEPS: a real CPU run
-    must call its step callback exactly that often, or the time left is wrong."""
+    must call its step callback exactly that often, or the time left is wrong. On a CPU it
+    writes the machine as a host too, which --host reads back."""
     torch = __import__("pytest").importorskip("torch")
-    from moesim.executor.hwbench import MEASURE_STEPS, measure
+    from moesim.executor.hwbench import MEASURE_STEPS, measure_to_file
+    from moesim.hardware import get_host
 
     torch.set_num_threads(1)
     steps: list[str] = []
-    prof = measure("cpu", "counted", steps.append)
+    prof, path = measure_to_file("cpu", "counted", tmp_path / "counted.toml", 1, steps.append)
     assert len(steps) == MEASURE_STEPS["cpu"], steps
     assert prof.name == "counted" and prof["h2d_pinned_gbs"] > 0
+    host = get_host(str(tmp_path / "counted-host.toml"))
+    assert host.cores >= 1 and 0 < host["mem_bw_per_core_gbs"] <= host["mem_bw_peak_gbs"]
+    assert all(f.kind == "measured" for f in host.figures.values())

@@ -29,7 +29,7 @@ def test_vllm_dump_drops_prefill_rows(tmp_path, recorded):
     assert back.prompt_len == 16 and back.n_tokens == 240 and not back.synthetic
     np.testing.assert_array_equal(back.token_ids[0], recorded.token_ids[0, 16:])
     assert "uniform 1/k" in back.header["recorded"]["how"] and (back.pred_ids == -1).all()
-    assert simulate(t, get_profile("a6000"), "on-demand", cache_experts=32, engine="fast").summary()["tpot_ms"] > 0
+    assert simulate(t, get_profile("a6000"), "on-demand", cache_experts=32, sim="fast").summary()["tpot_ms"] > 0
 
 
 @pytest.mark.parametrize("fmt, name, steps", [("npz", "routing-moe-stdlib.npz", 64),

@@ -90,7 +90,7 @@ def test_compiled_kernels_are_cached_outside_the_package(tmp_path):
     code = ("from moesim.models import get_model; from moesim.traces.synthetic import SyntheticParams, synthetic_trace; "
             "from moesim.sim.simulate import simulate; from moesim.hardware import get_profile; "
             "t = synthetic_trace(get_model('tiny'), SyntheticParams(tokens=4)); "
-            "simulate(t, get_profile('a6000'), 'prefetch-fom', engine='fast')")
+            "simulate(t, get_profile('a6000'), 'prefetch-fom', sim='fast')")
     env = {**os.environ, "MOESIM_CACHE_DIR": str(tmp_path / "cache")}
     env.pop("NUMBA_CACHE_DIR", None)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)

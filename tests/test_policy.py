@@ -11,9 +11,10 @@ from moesim.policy import EVICTIONS, POLICIES, ExpertCache, Planner, Policy, exp
 
 def test_policy_registry_and_aliases():
     assert set(POLICIES) == {"all-resident", "on-demand", "prefetch-spec", "prefetch-fom", "oracle",
-                             "cpu-static", "hot-experts", "cpu-on-miss", "gpu-layers"}
+                             "cpu-static", "hot-experts", "cpu-on-miss", "gpu-layers", "weight-streaming"}
     assert get_policy("prefetch").name == "prefetch-fom"
     assert get_policy("ngl").name == "gpu-layers"
+    assert get_policy("cpu-offload-gb").name == "weight-streaming"
     assert get_policy(" Resident ").name == "all-resident"
     with pytest.raises(MoesimError, match="unknown policy"):
         get_policy("yolo")

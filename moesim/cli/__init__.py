@@ -35,7 +35,7 @@ from moesim.errors import MoesimError
 __all__ = ["app", "main"]
 
 OPTIONAL = {"torch": "executor", "safetensors": "executor", "pynvml": "executor", "transformers": "record",
-            "ray": "distributed"}
+            "ray": "distributed", "gguf": "gguf"}
 CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
 
 

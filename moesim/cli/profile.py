@@ -97,6 +97,9 @@ def profile(
             prof, path = measure_to_file(device, name, out_path, threads, step)
         out.print(table(f"{prof.name} ({prof.link}), written to {path}", ("figure", "value", "unit", "how"),
                         [[k, f"{f.value:g}", FIGURES[k][0], f.source.split(": ", 1)[-1]] for k, f in prof.figures.items()]))
+        if device == "cpu":
+            host = path.with_name(f"{path.stem}-host.toml")
+            out.print(f"this machine as a host (for --host, e.g. --hw none --host {host}): {host}")
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 

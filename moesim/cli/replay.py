@@ -9,25 +9,14 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, err, floats, out, print_csv, print_json, results_table, split
+from moesim.cli.app import app, auto_or, err, floats, print_csv, print_json, split
+from moesim.cli.options import CachePerLayer, Engine, GpuLayers, Host, OffloadGib, Threads, one
 from moesim.cli.running import progress_bar
 from moesim.errors import MoesimError
 from moesim.hardware import DEFAULT_PROFILE
 
 REPLAY_POLICIES = "on-demand,prefetch-fom,prefetch-spec,oracle"
-SUMMARY_COLS = (("policy", "policy"), ("tpot_ms", "TPOT ms"), ("tpot_p99_ms", "p99 ms"), ("tokens_per_s", "tok/s"),
-                ("compute_ms", "compute ms"), ("copy_ms", "copy ms"), ("stall_ms", "stall ms"),
-                ("overlap_bound_ms", "overlap bound ms"), ("serial_bound_ms", "serial bound ms"),
-                ("experts_loaded_per_token", "loads/token"), ("gb_moved_per_token", "GB/token"),
-                ("cache_hit_rate", "cache hit"), ("prefetch_hit_rate", "prefetched"), ("pred_recall", "pred recall"),
-                ("ttft_ms", "TTFT ms"))
 SD = "Speculative traces, with --gamma: "
-
-
-def cache_text(row: dict, source: str) -> str:
-    if not row.get("cache_experts"):
-        return "no expert cache" + (" (as recorded)" if source.startswith("recorded") else "")
-    return f"{row['cache_experts']}-expert {row['eviction'].upper()} cache ({source})"
 
 
 @app.command()
@@ -41,8 +30,7 @@ def replay(
     cache_gib: Annotated[float | None, typer.Option(help="Cross-token expert cache on the device, GiB (0 = none; "
                                                          "default: the cache the trace was recorded with).")] = None,
     cache_experts: Annotated[int | None, typer.Option(help="The same cache sized in experts instead.")] = None,
-    cache_per_layer: Annotated[bool, typer.Option("--cache-per-layer", help="The cache size is each MoE layer's: "
-                                                  "one cache per layer (mixtral-offloading), not one for all.")] = False,
+    cache_per_layer: CachePerLayer = False,
     gpu_expert_gib: Annotated[float | None, typer.Option(help="GiB of the hottest experts (by --placement-from, or "
                                                               "--calibrate-on-replay) kept on the GPU: hot-experts' "
                                                               "budget (default: all that fit), or a copy policy's "
@@ -52,12 +40,10 @@ def replay(
     link_gbps: Annotated[float | None, typer.Option(help="Host-to-device GB/s (default: the link the trace "
                                                                       "recorded, on its own profile; else the profile's).")] = None,
     sim: Annotated[str, typer.Option(help="The simulator: simpy (the reference) or fast (the recurrence).")] = "simpy",
-    engine: Annotated[str | None, typer.Option(help="The inference engine whose figures time the work: llama.cpp, "
-                                                    "ik_llama.cpp, ktransformers, vllm, pytorch-eager (default) or a "
-                                                    ".toml (`moesim hw --engines`).")] = None,
-    threads: Annotated[int | None, typer.Option(help="CPU threads the engine uses (default: every core of the host).")] = None,
-    gpu_layers: Annotated[str, typer.Option(help="gpu-layers: model layers on the GPU(s) (llama.cpp -ngl), or auto "
-                                                 "(the most that fit).")] = "auto",
+    engine: Engine = None,
+    threads: Threads = None,
+    gpu_layers: GpuLayers = "auto",
+    offload_gib: OffloadGib = "auto",
     split_mode: Annotated[str, typer.Option("--split", help="Several GPUs: layer (whole layers per GPU, llama.cpp's "
                                                             "default) or tensor (every layer split over all).")] = "layer",
     tensor_split: Annotated[str | None, typer.Option(help="Several GPUs, layer split: comma-separated shares of the "
@@ -79,8 +65,7 @@ def replay(
     branch: Annotated[int | None, typer.Option(help=SD + "keep this many children a node.")] = None,
     acceptance: Annotated[float | None, typer.Option(help=SD + "expected acceptance = this x a node's draft "
                                                           "probability, instead of the recorded path.")] = None,
-    host: Annotated[str | None, typer.Option(help="CPU-compute policies: host profile name or .toml (default: the "
-                                                  "GPU profile's host; `moesim hw --hosts`).")] = None,
+    host: Host = None,
     cpu_layers: Annotated[str, typer.Option(help="cpu-static: MoE layers whose experts run on the CPU, or auto "
                                                  "(the fewest that fit device memory).")] = "auto",
     placement_from: Annotated[Path | None, typer.Option(help="hot-experts: calibration trace whose routing picks "
@@ -107,9 +92,8 @@ def replay(
 
     Example: `moesim replay run.npz --hw h100-sxm --policy on-demand,prefetch --cache-gib 8 --out run-report`
     """
-    from moesim.cli.replay_views import print_speculative, print_validation
+    from moesim.cli.replay_views import print_replay, print_speculative, print_validation
     from moesim.hardware import get_profile
-    from moesim.sim.analysis import why
     from moesim.sim.replay import replay as run_replay
     from moesim.traces.format import read_trace
 
@@ -141,25 +125,17 @@ def replay(
                          cpu_layers=int(cpu_layers) if cpu_layers.isdigit() else cpu_layers,
                          calibrate_on_replay=calibrate_on_replay, amx=amx, copy_queue=copy_queue, threads=threads,
                          gpu_layers=int(gpu_layers) if gpu_layers.isdigit() else gpu_layers, split=split_mode,
+                         offload_gib=one(auto_or(offload_gib, "--offload-gib", float), "--offload-gib"),
                          ratios=floats(tensor_split, "--tensor-split") if tensor_split is not None else None,
                          lookahead=lookahead, cache_per_layer=cache_per_layer, gpu_expert_gib=gpu_expert_gib)
     rows = rep.rows
     if as_json or as_csv:
         print_json(rows) if as_json else print_csv(rows)
     else:
-        src = ("measured run, synthetic routing" if trace.measured else "synthetic trace") if trace.synthetic else "trace"
-        link = (f"link {rows[0]['link_gbps']:g} GB/s ({rep.link_source})" if rows[0].get("link_gbps") is not None
-                else "no GPU link")
-        out.print(results_table(rows, f"{trace.model.name} on {rep.profile.name} ({rep.profile_source}), {link}, "
-                                      f"{cache_text(rows[0], rep.cache_source)}, "
-                                      f"{trace.n_tokens} steps ({src}; compute: "
-                                      f"{rows[0]['timing']}; simulator: {sim}"
-                                      + "".join(f"; copy queue {q}" for q in {r["copy_queue"] for r in rows if "copy_queue" in r}) + ")",
-                                SUMMARY_COLS))
-        for r in rows:
-            out.print(f"[bold]{r['policy']}[/bold]: {why(r)}")
+        print_replay(rep, trace, sim)
     if out_dir is not None:
         from moesim.reports.replay import write_replay_report
 
         page = write_replay_report(trace, trace_path, rep.profile, rep.results, out_dir, step)
         err.print(f"report: {page}")
+

@@ -1,11 +1,41 @@
-"""How ``moesim replay`` prints a speculative-decoding replay and a ``--validate`` comparison."""
+"""How ``moesim replay`` prints its table, a speculative-decoding replay and a ``--validate`` comparison."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from moesim.cli.app import err, out, print_csv, print_json, table
+from moesim.cli.app import err, out, print_csv, print_json, results_table, table
+
+SUMMARY_COLS = (("policy", "policy"), ("tpot_ms", "TPOT ms"), ("tpot_p99_ms", "p99 ms"), ("tokens_per_s", "tok/s"),
+                ("compute_ms", "compute ms"), ("copy_ms", "copy ms"), ("stall_ms", "stall ms"),
+                ("overlap_bound_ms", "overlap bound ms"), ("serial_bound_ms", "serial bound ms"),
+                ("experts_loaded_per_token", "loads/token"), ("gb_moved_per_token", "GB/token"),
+                ("cache_hit_rate", "cache hit"), ("prefetch_hit_rate", "prefetched"), ("pred_recall", "pred recall"),
+                ("ttft_ms", "TTFT ms"))
+
+
+def cache_text(row: dict, source: str) -> str:
+    if not row.get("cache_experts"):
+        return "no expert cache" + (" (as recorded)" if source.startswith("recorded") else "")
+    return f"{row['cache_experts']}-expert {row['eviction'].upper()} cache ({source})"
+
+
+def print_replay(rep, trace, sim: str) -> None:
+    """The replay's table, titled with the profile, link, cache, trace and compute source it
+    used, and one line per policy on what bounds it."""
+    from moesim.sim.analysis import why
+
+    rows = rep.rows
+    src = ("measured run, synthetic routing" if trace.measured else "synthetic trace") if trace.synthetic else "trace"
+    link = (f"link {rows[0]['link_gbps']:g} GB/s ({rep.link_source})" if rows[0].get("link_gbps") is not None
+            else "no GPU link")
+    queues = "".join(f"; copy queue {q}" for q in {r["copy_queue"] for r in rows if "copy_queue" in r})
+    out.print(results_table(rows, f"{trace.model.name} on {rep.profile.name} ({rep.profile_source}), {link}, "
+                                  f"{cache_text(rows[0], rep.cache_source)}, {trace.n_tokens} steps ({src}; compute: "
+                                  f"{rows[0]['timing']}; simulator: {sim}{queues})", SUMMARY_COLS))
+    for r in rows:
+        out.print(f"[bold]{r['policy']}[/bold]: {why(r)}")
 
 
 def signed_ms(x: float) -> str:
@@ -34,13 +64,13 @@ def print_speculative(res: dict[str, Any], trace_path: Path) -> None:
                      for r in rows], "right"))
 
 
-def print_validation(trace, trace_path: Path, hw_name: str | None, engine: str, as_json: bool,
+def print_validation(trace, trace_path: Path, hw_name: str | None, sim: str, as_json: bool,
                      out_dir: Path | None, as_csv: bool = False, copy_queue: str | None = None) -> None:
     from moesim.hardware import get_profile
     from moesim.sim.validate import recorded_profile, validate_trace
 
     hw_profile = get_profile(hw_name) if hw_name else None
-    s, result = validate_trace(trace, hw_profile, engine=engine, **({"copy_queue": copy_queue} if copy_queue else {}))
+    s, result = validate_trace(trace, hw_profile, sim=sim, **({"copy_queue": copy_queue} if copy_queue else {}))
     if as_json:
         print_json(s)
     elif as_csv:

@@ -7,15 +7,11 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, auto_or, err, floats, ints, out, print_csv, print_json, results_table, split
+from moesim.cli.app import app, auto_or, err, floats, ints, print_csv, print_json, split
+from moesim.cli.options import CachePerLayer, Engine, GpuLayers, Host, OffloadGib, Threads
 from moesim.cli.running import progress_bar
 from moesim.errors import MoesimError
 from moesim.sim.sweep import DEFAULT_POLICIES
-
-WHATIF_COLS = (("model", "model"), ("hw", "hw"), ("host", "host"), ("policy", "policy"), ("link_gbps", "link GB/s"),
-               ("cache_gib", "cache GiB"), ("fits", "fits"), ("tpot_ms", "TPOT ms"), ("tokens_per_s", "tok/s"),
-               ("compute_ms", "compute ms"), ("copy_ms", "copy ms"), ("stall_ms", "stall ms"),
-               ("gb_moved_per_token", "GB/token"), ("ttft_ms", "TTFT ms"), ("bound", "bound"), ("timing", "compute from"))
 
 
 @app.command()
@@ -29,19 +25,17 @@ def whatif(
     link_gbps: Annotated[str | None, typer.Option(help="Comma-separated host-to-device GB/s (default: each profile's own).")] = None,
     cache_gib: Annotated[str, typer.Option(help="Comma-separated cross-token cache sizes, GiB.")] = "0,8,16",
     eviction: Annotated[str, typer.Option(help="Cache eviction: lru or lfu.")] = "lru",
-    cache_per_layer: Annotated[bool, typer.Option("--cache-per-layer", help="Copy policies: each --cache-gib is "
-                                                  "each MoE layer's cache (one per layer, as mixtral-offloading).")] = False,
+    cache_per_layer: CachePerLayer = False,
     tokens: Annotated[int, typer.Option(help="Decode steps of the synthetic trace.")] = 256,
     prompt_len: Annotated[str, typer.Option(help="Comma-separated prompt lengths of the synthetic traces (an axis).")] = "128",
     batch: Annotated[str, typer.Option(help="Comma-separated batch sizes of the synthetic traces (an axis).")] = "1",
     expert_dtype: Annotated[str | None, typer.Option(help="Comma-separated expert formats (an axis): bf16, fp8-block128, int8, "
                                                           "int4-g128, q4_k, ... (default: the model's own).")] = None,
-    host: Annotated[str | None, typer.Option(help="CPU policies: comma-separated host profiles or .toml paths "
-                                                  "(default: each GPU profile's host).")] = None,
+    host: Host = None,
     cpu_layers: Annotated[str | None, typer.Option(help="cpu-static: comma-separated MoE-layer counts on the CPU or "
                                                         "auto (default: auto and 1/4, 1/2, all of them).")] = None,
-    gpu_layers: Annotated[str, typer.Option(help="gpu-layers: comma-separated counts of model layers on the GPU(s) "
-                                                 "(llama.cpp -ngl), or auto (the most that fit).")] = "auto",
+    gpu_layers: GpuLayers = "auto",
+    offload_gib: OffloadGib = "auto",
     gpu_expert_gib: Annotated[str, typer.Option(help="hot-experts: comma-separated GiB of experts kept on the GPU, "
                                                      "or auto (all that fit).")] = "auto",
     copy_queue: Annotated[str, typer.Option(help="Prefetching policies: comma-separated copy queues: fifo, "
@@ -53,11 +47,8 @@ def whatif(
     calibrate_on_replay: Annotated[bool, typer.Option("--calibrate-on-replay", help="hot-experts: place from the "
                                                       "swept trace itself (rows marked optimistic).")] = False,
     goal: Annotated[str, typer.Option(help="What 'best' means: tpot, p99, ttft or bytes.")] = "tpot",
-    engine: Annotated[str | None, typer.Option(help="The inference engine whose figures time the work: llama.cpp, "
-                                                    "ik_llama.cpp, ktransformers, vllm, pytorch-eager (default) or a "
-                                                    ".toml (`moesim hw --engines`).")] = None,
-    threads: Annotated[int | None, typer.Option(help="CPU threads the engine uses (default: every core of the "
-                                                     "host).")] = None,
+    engine: Engine = None,
+    threads: Threads = None,
     host_ram_gb: Annotated[float | None, typer.Option(help="The host's RAM, GB (default: the host profile's, if it "
                                                            "gives one): weights beyond it page from disk or do not "
                                                            "fit.")] = None,
@@ -89,11 +80,9 @@ def whatif(
     Example: `moesim whatif --model olmoe-1b-7b --hw a6000,gh200 --policy on-demand,prefetch,oracle,cpu-static
     --link-gbps 16,32 --cache-gib 0,1 --tokens 32 --jobs 1`
     """
-    from moesim.policy import get_policy
-    from moesim.sim.analysis import why
-    from moesim.sim.deploy import bound_words, crossovers, deployment_answer, describe_change, format_answer
+    from moesim.cli.whatif_views import print_whatif
+    from moesim.sim.deploy import crossovers, deployment_answer
     from moesim.sim.sweep import whatif as run_whatif
-    from moesim.sim.whatif import GOALS
 
     if top < 1:
         raise MoesimError(f"--top {top}: print at least one row")
@@ -117,6 +106,7 @@ def whatif(
                          placement_from=placement_from, calibrate_on_replay=calibrate_on_replay,
                          engine=engine, threads=threads, gpu_layers=auto_or(gpu_layers, "--gpu-layers", int),
                          host_ram_gb=host_ram_gb, cache_per_layer=cache_per_layer,
+                         offload_gib=auto_or(offload_gib, "--offload-gib", float),
                          lookaheads=ints(lookahead, "--lookahead") if lookahead is not None else None)
     rows, winner = res.rows, res.winner
     answers = deployment_answer(rows, goal, engine=engine)
@@ -125,35 +115,7 @@ def whatif(
         print_json({"goal": goal, "best": winner, "notes": res.notes, "deployment": [a.to_dict() for a in answers],
                     "crossovers": [c.__dict__ for c in crosses], "rows": rows}) if as_json else print_csv(rows)
     else:
-        out.print(results_table(res.ranked()[:top], f"what-if: {res.sweep.size} configurations, top "
-                                f"{min(top, len(rows))} by {goal} (oracle: a bound, never best)"
-                                f"{' (synthetic traces)' if res.synthetic else ''}",
-                                WHATIF_COLS))
-        for h in res.sweep.hws:
-            b = res.best_by_hw[h.name]
-            if b is not None:
-                out.print(f"on {h.name}: best is {b['policy']} (link {b['link_gbps']:g} GB/s, cache {b['cache_gib']:g} GiB)"
-                          f" at {b['tpot_ms']:.3g} ms/token; {bound_words(b)}")
-            else:
-                mem = "+".join(f"{g:g}" for g in h.device_memory_gb()) or "no"
-                out.print(f"on {h.name}: no configuration fits in {mem} GB of device memory")
-        for a in answers:
-            out.print()
-            out.print(format_answer(a), markup=False, highlight=False)
-        changes = [describe_change(c, ch) for c in crosses for ch in c.changes]
-        if changes:
-            out.print("\nwhere the winner changes:", markup=False)
-            for line in changes:
-                out.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
-        for note in res.notes:
-            out.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
-        if winner:
-            out.print(f"[bold green]best for {GOALS[goal][1]}:[/bold green] {winner['model']} on {winner['hw']}, "
-                      f"{winner['policy']}, link {winner['link_gbps']:g} GB/s, cache {winner['cache_gib']:g} GiB: "
-                      f"{winner['tpot_ms']:.3g} ms/token ({winner['tokens_per_s']:.3g} tok/s); compute: {winner['timing']}")
-            out.print(f"why: {bound_words(winner)}" if get_policy(winner["policy"]).cpu else f"why: {why(winner)}")
-        else:
-            out.print("[bold red]no configuration fits in device memory[/bold red]")
+        print_whatif(res, answers, crosses, goal, top)
     if out_dir is not None:
         from moesim.reports.whatif import write_whatif_report
 

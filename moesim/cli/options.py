@@ -1,0 +1,35 @@
+"""The deployment options ``moesim replay`` and ``moesim whatif`` share: one help text each.
+
+``whatif`` takes comma-separated lists where ``replay`` takes one value; the words say
+so once, here."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from moesim.errors import MoesimError
+
+ENGINES = "llama.cpp, ik_llama.cpp, ktransformers, vllm, moe-infinity, mixtral-offloading, pytorch-eager (default)"
+
+Engine = Annotated[str | None, typer.Option(help=f"The inference engine whose figures time the work: {ENGINES} or "
+                                                 "a .toml (`moesim hw --engines`).")]
+Threads = Annotated[int | None, typer.Option(help="CPU threads the engine uses (default: every core of the host).")]
+GpuLayers = Annotated[str, typer.Option(help="gpu-layers: model layers on the GPU(s) (llama.cpp -ngl), or auto (the "
+                                             "most that fit); whatif: comma-separated.")]
+OffloadGib = Annotated[str, typer.Option(help="weight-streaming: GiB of the first layers' weights kept in host memory "
+                                              "and read over the link every step (vLLM --cpu-offload-gb), or auto "
+                                              "(the least that fits); whatif: comma-separated.")]
+CachePerLayer = Annotated[bool, typer.Option("--cache-per-layer", help="Copy policies: the cache size is each MoE "
+                                             "layer's (one cache per layer, as mixtral-offloading), not one for all.")]
+Host = Annotated[str | None, typer.Option(help="CPU-compute policies and --hw none: host profile name or .toml "
+                                               "(default: the GPU profile's host; `moesim hw --hosts`); whatif: "
+                                               "comma-separated.")]
+
+
+def one(values: list, option: str):
+    """The one value of an option ``replay`` takes once (``whatif`` sweeps several)."""
+    if len(values) != 1:
+        raise MoesimError(f"{option}: one value (auto or a number); moesim whatif sweeps several")
+    return values[0]

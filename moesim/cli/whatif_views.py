@@ -1,0 +1,51 @@
+"""How ``moesim whatif`` prints its answer: the top rows, each machine's best, the
+deployment answer per scenario, where the winner changes, the notes and the best."""
+
+from __future__ import annotations
+
+from moesim import fmt
+from moesim.cli.app import out, results_table
+
+WHATIF_COLS = (("model", "model"), ("hw", "hw"), ("host", "host"), ("policy", "policy"), ("link_gbps", "link GB/s"),
+               ("cache_gib", "cache GiB"), ("fits", "fits"), ("tpot_ms", "TPOT ms"), ("tokens_per_s", "tok/s"),
+               ("compute_ms", "compute ms"), ("copy_ms", "copy ms"), ("stall_ms", "stall ms"),
+               ("gb_moved_per_token", "GB/token"), ("ttft_ms", "TTFT ms"), ("bound", "bound"), ("timing", "compute from"))
+
+
+def print_whatif(res, answers, crosses, goal: str, top: int) -> None:
+    from moesim.policy import get_policy
+    from moesim.sim.analysis import why
+    from moesim.sim.deploy import bound_words, describe_change, format_answer
+    from moesim.sim.whatif import GOALS
+
+    rows, winner = res.rows, res.winner
+    out.print(results_table(res.ranked()[:top], f"what-if: {res.sweep.size} configurations, top "
+                            f"{min(top, len(rows))} by {goal} (oracle: a bound, never best)"
+                            f"{' (synthetic traces)' if res.synthetic else ''}",
+                            WHATIF_COLS))
+    for h in res.sweep.hws:
+        b = res.best_by_hw[h.name]
+        if b is not None:
+            out.print(f"on {h.name}: best is {b['policy']} ({fmt.link(b['link_gbps'])}, cache {b['cache_gib']:g} GiB)"
+                      f" at {b['tpot_ms']:.3g} ms/token; {bound_words(b)}")
+        else:
+            mem = "+".join(f"{g:g}" for g in h.device_memory_gb()) or "no"
+            out.print(f"on {h.name}: no configuration fits in {mem} GB of device memory")
+    for a in answers:
+        out.print()
+        out.print(format_answer(a), markup=False, highlight=False)
+    changes = [describe_change(c, ch) for c in crosses for ch in c.changes]
+    if changes:
+        out.print("\nwhere the winner changes:", markup=False)
+        for line in changes:
+            out.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
+    for note in res.notes:
+        out.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+    if winner:
+        out.print(f"[bold green]best for {GOALS[goal][1]}:[/bold green] {winner['model']} on {winner['hw']}, "
+                  f"{winner['policy']}, {fmt.link(winner['link_gbps'])}, cache {winner['cache_gib']:g} GiB: "
+                  f"{winner['tpot_ms']:.3g} ms/token ({winner['tokens_per_s']:.3g} tok/s); compute: {winner['timing']}")
+        cpu = get_policy(winner["policy"]).cpu or winner["bound"] == "CPU compute"
+        out.print(f"why: {bound_words(winner)}" if cpu else f"why: {why(winner)}")
+    else:
+        out.print("[bold red]no configuration fits in device memory[/bold red]")
