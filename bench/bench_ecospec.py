@@ -28,11 +28,13 @@ from pathlib import Path
 
 import numpy as np
 
+from moesim import budget
 from moesim.atomic import atomic_write_text
+from moesim.budget import Estimate
 from moesim.models import get_model
 from moesim.reports.ecospec import DEPLOYMENTS, GAMMAS, MODELS, baseline_table, ecospec_report
 from moesim.sim.draft import DraftProfile
-from moesim.sim.ecospec import Selection, ecospec_whatif
+from moesim.sim.ecospec import Selection, ecospec_whatif, whatif_estimate
 from moesim.traces.synthetic_speculative import (
     SpecSynthParams,
     chance_overlap,
@@ -231,6 +233,10 @@ def findings(steps: int, seed: int, deployment: str = "8xh200-tp") -> list[dict]
         ("H: F with a well-aligned draft (acceptance 0.9 ... 0.75)",
          replace(eagle, accept=(0.9, 0.85, 0.8, 0.8, 0.75, 0.75)), EAGLE_GAMMAS, SD_GAMMA, None),
     ]
+    specs = [get_model(m) for m in MODELS]
+    est = [whatif_estimate(specs, 1, list(g), SELECTIONS, p) for _, p, g, _, _ in cases]
+    budget.check(Estimate(f"the findings: {len(cases)} cases x {len(MODELS)} models", max(e.bytes for e in est),
+                          sum(e.seconds for e in est)))
     out = []
     for label, params, gammas, sd, draft in cases:
         for model in MODELS:
