@@ -11,7 +11,7 @@ Run:
       small, one change at a time (printed too). Includes OUT/calibration.json when present.
   python bench/bench_ecospec.py --calibrate [--recordings DIR]
       records real trees of the shipped moe-stdlib target and draft (every node verified;
-      skipped when DIR already has them: about 4 minutes each here), fits the generator to
+      skipped when DIR already has them: 15 s to 4 minutes each here), fits the generator to
       each, and writes OUT/calibration.json: recorded against synthetic routing statistics
       (load ratio, lifts, the expert burden against the budget) before and after calibration.
 """
