@@ -36,7 +36,7 @@ TICK_BITS = 40  # a heap priority is (use count << TICK_BITS) | tick of last use
 TICK_MASK = (1 << TICK_BITS) - 1
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)  # nogil: callers may plan several policies on threads
 def plan_steps(tr, pr, out, offload, prefetch, speculative, lookahead, cap, lfu, n_exp, state, resident, count, last,
                prot, inuse, pos, hp, hk, per_layer, size_l, pinned):
     """Decide steps ``tr.shape[0]`` of a trace; ``tr``/``pr`` are [steps, moe layers, batch*top_k]
@@ -134,7 +134,7 @@ def plan_steps(tr, pr, out, offload, prefetch, speculative, lookahead, cap, lfu,
             stamp += 1
             nt = dedup(tr, s, layer, tu, stamp)
             n_pred = 0
-            if layer >= lookahead:
+            if speculative and have_cur and layer >= lookahead:  # only route() reads it, and only then
                 stamp += 1
                 n_pred = dedup(pr, s, layer, pcur, stamp)
             # route(): the speculative policy runs the prediction it prefetched.

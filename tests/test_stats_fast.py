@@ -174,6 +174,23 @@ groups_lists = st.lists(st.lists(st.integers(0, 9), min_size=0, max_size=5, uniq
 wide_lists = st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=6, unique=True), min_size=1, max_size=250)
 
 
+
+def skewed_stream(seed: int, n: int, keys: int, width: int, skew: float) -> list[list[int]]:
+    """``n`` groups of up to ``width`` distinct keys from a Zipf-like law over ``keys``."""
+    rng = np.random.default_rng(seed)
+    w = np.exp(-skew * np.log(np.arange(1, keys + 1)))
+    w /= w.sum()
+    return [rng.choice(keys, int(rng.integers(1, min(width, keys) + 1)), replace=False, p=w).tolist()
+            for _ in range(n)]
+
+
+# Long skewed streams: the cache kernel's queue of once-used keys fills and is compacted
+# many times, LFU keys climb into its heap and are evicted from it (once the queue holds
+# no live unprotected key), hot keys reach high counts.
+long_lists = st.builds(skewed_stream, seed=st.integers(0, 2**31), n=st.integers(200, 1500),
+                       keys=st.integers(5, 60), width=st.integers(1, 6), skew=st.sampled_from([0.0, 1.0, 2.0]))
+
+
 # ---------------------------------------------------------------------------------------
 # Properties
 # ---------------------------------------------------------------------------------------
@@ -185,6 +202,13 @@ def test_online_and_belady_equal_the_reference_on_random_streams(groups, capacit
     for ev in ("lru", "lfu"):
         assert stats.online_hits(groups, capacity, ev) == reference_online_hits(groups, capacity, ev), ev
     assert stats.belady_hits(groups, capacity) == reference_belady_hits(groups, capacity)
+
+
+@settings(max_examples=40, deadline=None)
+@given(groups=long_lists, capacity=st.integers(1, 64))
+def test_online_equals_the_reference_on_long_skewed_streams(groups, capacity):
+    for ev in ("lru", "lfu"):
+        assert stats.online_hits(groups, capacity, ev) == reference_online_hits(groups, capacity, ev), ev
 
 
 @settings(max_examples=80, deadline=None)
