@@ -3,12 +3,12 @@
 The executor half of the CPU-compute policies (``cpu-static``, ``hot-experts``,
 ``cpu-on-miss``; docs/policies.md). The layer itself is split in ONE place, the runtime's
 ``OffloadedDecoder._host_layer``: after a layer's router it splits the routed experts
-(``moesim.placement.HybridPlanner``), hands the CPU's share to :meth:`HostExperts.submit`
+(``moesim.placement.HostPlanner``), hands the CPU's share to :meth:`HostExperts.submit`
 and goes on issuing the device's experts; the job copies the rows' hidden states to the
 host, a thread pool multiplies each expert from its host buffer (torch releases the GIL
 inside its kernels, so the device stream's Python thread is not blocked), and
 :meth:`HostJob.result` returns the gated partial output on the device for the runtime
-to add. The layer ends when both are done, as the step model (``moesim.sim.hybrid``)
+to add. The layer ends when both are done, as the step model (``moesim.sim.cpu_compute``)
 says.
 
 Weights are the runtime's host buffers (flat ``[gate; up; down]``, as

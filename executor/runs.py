@@ -210,7 +210,7 @@ def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], 
     calibration, n_cpu = check_cpu_options(req, _request_spec(req))
     if req.prefetch_top is not None:  # before the model loads: the decoder checks the same
         k = _request_spec(req).top_k
-        if not pol.prefetch or pol.speculative:
+        if not pol.prefetch or pol.executes_predicted:
             raise MoesimError(f"--prefetch-top applies to prefetch-fom and oracle (it cuts what is copied ahead), "
                               f"not {pol.name}")
         if not 1 <= req.prefetch_top <= k:
@@ -240,7 +240,7 @@ def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], 
     with stop_on_interrupt():  # from here on, Ctrl-C keeps and writes the finished steps
         prefill_s, records, produced = generate(m, ids, st, hw_profile, dv, progress=progress, estimator=est)
         extra = {}
-        if pol.speculative and req.fidelity_tokens > 0 and len(records) == req.tokens and not stop_requested():
+        if pol.executes_predicted and req.fidelity_tokens > 0 and len(records) == req.tokens and not stop_requested():
             text = eval_text(m.spec.vocab, req.fidelity_tokens + 1, req.seed)
             fid = fidelity(m, st, hw_profile, dv, text, est)
             if fid is not None:
@@ -286,7 +286,7 @@ def record_speculative(req: SpeculateRequest, out: Path,
     ``progress(tokens done, tokens asked)`` after each verification step."""
     check_output_file(out)
     pol = get_policy(req.policy)
-    if pol.speculative or pol.oracle or pol.cpu:
+    if pol.executes_predicted or pol.oracle or pol.cpu:
         raise MoesimError("speculative decoding verifies exactly on the copy engine: use all-resident, on-demand "
                           "or prefetch-fom")
     st = SDSettings(req.gamma, req.branch, req.depth, req.selection, req.score, req.lam, req.tokens)

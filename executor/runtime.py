@@ -56,7 +56,7 @@ from moesim.executor.model import Hooks, MoEModel, TreeMask, expert_fn_for, mix_
 from moesim.executor.quant_experts import quantize_experts
 from moesim.executor.transport import CudaTransport, EmulatedLink, QueuedEmulatedLink, Transfer
 from moesim.hardware import HostProfile, builtin_hosts, get_host
-from moesim.placement import WORKSPACE_BYTES, HybridPlanner, Placement, expert_times, kv_bytes, make_placement
+from moesim.placement import WORKSPACE_BYTES, HostPlanner, Placement, expert_times, kv_bytes, make_placement
 from moesim.placement import cpu_layers as resolve_cpu_layers
 from moesim.policy import QUEUES, ExpertTimes, Planner, check_lookahead, cpu_or_copy, expert_slots, get_policy
 
@@ -141,7 +141,7 @@ def host_setup(spec, policy: str, hw, host=None, *, batch: int = 1, context: int
                workers: int | None = None) -> HostSetup:
     """The placement (``moesim.placement.make_placement``, device memory from ``hw``) and the
     roofline expert times (``moesim.placement.expert_times`` on ``hw``'s link and ``host``)
-    exactly as ``moesim.sim.hybrid.simulate_hybrid`` builds them, so the executor and the
+    exactly as ``moesim.sim.cpu_compute.simulate_cpu_compute`` builds them, so the executor and the
     simulator start from the same placement and decide cpu-on-miss with the same figures.
 
     ``gpu_experts`` (KTransformers' ``--kt-num-gpu-experts``) sizes the device memory so
@@ -227,9 +227,9 @@ class OffloadedDecoder:
         self._unsettled: list[tuple[StepRecord, Transfer, float]] = []  # copies still queued at their step's end
         if prefetch_top is not None:
             k = s.top_k
-            if not self.policy.prefetch or self.policy.speculative:
+            if not self.policy.prefetch or self.policy.executes_predicted:
                 raise MoesimError(f"--prefetch-top applies to prefetch-fom and oracle (it cuts what is copied ahead; "
-                                  f"{self.policy.name} {'executes the predicted experts' if self.policy.speculative else 'prefetches nothing'})")
+                                  f"{self.policy.name} {'executes the predicted experts' if self.policy.executes_predicted else 'prefetches nothing'})")
             if isinstance(prefetch_top, bool) or not 1 <= prefetch_top <= k:
                 raise MoesimError(f"--prefetch-top must be an integer from 1 to top_k ({k}), got {prefetch_top!r}")
         self.prefetch_top = prefetch_top  # prefetch only each sequence's first m predicted experts (most confident)
@@ -262,7 +262,7 @@ class OffloadedDecoder:
             if host_setup is None:
                 raise MoesimError(f"{self.policy.name} needs its placement and expert times (runtime.host_setup)")
             self.planner = None
-            self.host_planner = HybridPlanner(self.policy, s, host_setup.placement, cache_experts, eviction)
+            self.host_planner = HostPlanner(self.policy, s, host_setup.placement, cache_experts, eviction)
             self.host_pool = self.store.host_pool(host_setup.workers)
             self._link_free = 0.0  # perf_counter() seconds when the link has copied everything issued
         else:
@@ -503,7 +503,7 @@ class OffloadedDecoder:
         t1 = tm.mark()
         self.transport.wait(pending + demand)  # fifo; a queued link: the needed prefix (_plan_copies)
         t2 = tm.mark()
-        spec_exec = self.policy.speculative and here is not None and st.predicted is None  # speculative execution
+        spec_exec = self.policy.executes_predicted and here is not None and st.predicted is None  # speculative execution
         run_ids, run_gates = (here_host, here[1]) if spec_exec else (true_host, gates)
         st.rec.exec_ids[m] = run_ids
         y = self.store.mix(x, run_ids, run_gates, self._weights(m))  # [rows, hidden]
@@ -519,7 +519,7 @@ class OffloadedDecoder:
         """The expert hook under a CPU-compute policy (MoE layer of model layer ``layer``): the
         one place where a layer is split between the device and the host CPU.
 
-        Route; one host sync for the ids; the shared :class:`~moesim.placement.HybridPlanner`
+        Route; one host sync for the ids; the shared :class:`~moesim.placement.HostPlanner`
         splits the routed experts into those the device holds and misses; cpu-on-miss asks
         :func:`~moesim.policy.cpu_or_copy` (with this decoder's link queue) how many misses
         to copy, heaviest first, as the simulator does; the CPU's share is submitted to the
@@ -538,7 +538,7 @@ class OffloadedDecoder:
         count: dict[int, int] = {}
         for e in ids_host.reshape(-1).tolist():
             count[e] = count.get(e, 0) + 1
-        routed = sorted(count, key=lambda e: (-count[e], e))  # heaviest first, as moesim.sim.hybrid.routed_sets
+        routed = sorted(count, key=lambda e: (-count[e], e))  # heaviest first, as moesim.sim.cpu_compute.routed_sets
         hits, misses = self.host_planner.split(m, routed)
         copied: list[int] = []
         demand: list[Transfer] = []

@@ -37,7 +37,7 @@ from moesim.executor.steady import SteadyMachine
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, HostProfile, get_host, get_profile
 from moesim.models import Attention, ModelSpec
 from moesim.policy import get_policy
-from moesim.sim.hybrid import simulate_hybrid
+from moesim.sim.cpu_compute import simulate_cpu_compute
 from moesim.sim.simulate import simulate
 from moesim.sim.validate import error_stats, recorded_profile, validate_trace
 from moesim.sim.workload import Link
@@ -352,7 +352,7 @@ def run_cpu_suite(out: Path, tokens: int = 16, gbps: float = 4.0, repeats: int =
                 base = bases[fmt]
                 base_hw = recorded_profile(base, machine_hw).with_figure(
                     "device_memory_gb", setup.device_memory_gb, "estimate", "the recorded run's placement")
-                pred = simulate_hybrid(base, base_hw, policy, host=hosts[fmt], cpu_layers=spec.n_moe_layers // 2,
+                pred = simulate_cpu_compute(base, base_hw, policy, host=hosts[fmt], cpu_layers=spec.n_moe_layers // 2,
                                        calibration=calibration, cache_experts=tr.meta.cache_experts,
                                        sim="fast", timing="measured").tpot[1:]
                 stats_ = error_stats(tr.timings["tpot_s"][1:], pred[: tr.n_tokens - 1])

@@ -22,15 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from moesim.errors import MoesimError
-from moesim.models import HF_DTYPES, ModelSpec
+from moesim.models import DTYPES, HF_DTYPES, ModelSpec
 
 #: quantization_config methods moesim sizes (others are refused in one line).
 QUANT_METHODS = ("fp8", "fbgemm_fp8", "mxfp4", "gptq", "awq", "compressed-tensors", "bitsandbytes", "mlx", "modelopt")
 
 
 def _repack(bits: Any, group: Any, kind: str, path: Path, method: str) -> str:
-    from moesim.models import DTYPES
-
     if group in (-1, None, 0):
         raise MoesimError(f"{path}: {method} without groups (group_size {group}) is not sized; group-wise only")
     name = f"int{bits}-g{group}-{kind}"

@@ -20,6 +20,7 @@ from typing import Any
 
 from moesim.errors import MoesimError
 from moesim.hardware import Figure, _FigureLookup, parse_figures, read_toml
+from moesim.models import DTYPES
 
 #: Figure name -> (unit, required, whether an integer, description).
 ENGINE_FIGURES: dict[str, tuple[str, bool, bool, str]] = {
@@ -138,8 +139,6 @@ class EngineProfile(_FigureLookup):
 
 
 def _efficiency(raw: Any, where: str, table: str) -> dict[str, Figure]:
-    from moesim.models import DTYPES
-
     if not isinstance(raw, dict):
         raise MoesimError(f"{where}: [{table}] must be a table")
     known = {k: ("fraction", False, False, "") for k in ("default", *DTYPES)}

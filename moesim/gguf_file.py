@@ -19,8 +19,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from moesim.artefacts import apply_tensor_bytes
 from moesim.errors import MoesimError
-from moesim.models import Attention, LinearAttention, ModelSpec
+from moesim.models import DTYPES, Attention, LinearAttention, ModelSpec
 
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 #: GGUF architectures whose attention is MLA (DeepSeek-V2/V3, Kimi-K2, GLM-4.7-Flash).
@@ -73,8 +74,6 @@ def metadata(reader) -> dict[str, Any]:
 
 
 def _dtype(type_name: str) -> str:
-    from moesim.models import DTYPES
-
     d = GGML_TO_DTYPE.get(type_name, type_name.lower())
     if d not in DTYPES:
         raise MoesimError(f"ggml type {type_name} is not sized by moesim")
@@ -200,7 +199,6 @@ def spec_from_metadata(meta: dict[str, Any], tensors: dict[str, tuple[str, int, 
         # not a multiple of 256 in a fallback type, so the formula's checks do not apply).
         expert_bytes_by_layer=(1,) * (n_layers - len(dense)),
     )
-    from moesim.artefacts import apply_tensor_bytes
 
     sizes = {name: b for name, (_, b, _) in tensors.items()}
     exact = apply_tensor_bytes(spec, sizes, where, expert_marks=("_exps.",), embed_names=("token_embd",),

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from moesim.errors import MoesimError
+from moesim.models import INTEGER_DTYPES  # models imports nothing from here; keep it that way
 
 LINK_KINDS = ("pcie3", "pcie4", "pcie5", "nvlink-c2c", "emulated")
 FIGURE_KINDS = ("datasheet", "measured", "estimate", "fitted")
@@ -348,8 +349,6 @@ class HostProfile(_FigureLookup):
         uses the matrix units where the part has them (KTransformers' AMX kernels);
         ``amx=False`` is the vector-only rate (AVX-512 / AVX2 kernels).
         """
-        from moesim.models import INTEGER_DTYPES  # models imports nothing from here; keep it that way
-
         integer = dtype in INTEGER_DTYPES
         if amx and self.has_amx:
             peak = self["amx_int8_tops"] if integer else self["amx_bf16_tflops"]

@@ -25,6 +25,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from moesim.artefacts import exact_bytes, formats_from_config
 from moesim.errors import MoesimError
 from moesim.models import HF_FAMILIES, Attention, LinearAttention, ModelSpec, _int, read_config
 
@@ -304,8 +305,6 @@ def _name(raw: dict[str, Any], path: Path, mtype: str) -> str:
 
 def hand_spec(raw: dict[str, Any], path: Path) -> ModelSpec:
     """The spec from the raw JSON alone (no transformers)."""
-    from moesim.artefacts import formats_from_config
-
     cfg, _ = split_config(raw)
     mtype = family_of(raw)
     if cfg.get("model_type") in HAND_FAMILIES:
@@ -412,8 +411,6 @@ def moe_blocks(model, n_layers: int) -> dict[int, Any]:
 
 def transformers_spec(path: Path, raw: dict[str, Any]) -> ModelSpec | None:
     """The spec through transformers; None when transformers does not know the family."""
-    from moesim.artefacts import formats_from_config
-
     cfg = load_config(path, raw)
     if cfg is None:
         return None
@@ -480,6 +477,5 @@ def spec_from_config(path: str | Path) -> ModelSpec:
                                   f"({type(e).__name__}: {msg[:160]})") from None
     if spec is None:
         spec = hand_spec(raw, path)
-    from moesim.artefacts import exact_bytes
 
     return exact_bytes(spec, path.parent)

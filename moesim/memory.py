@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moesim.errors import DoesNotFit
+from moesim.layout import CPU
 from moesim.models import ModelSpec
 from moesim.policy import Policy, expert_slots, get_policy
 
@@ -77,8 +78,6 @@ def layout_bytes(spec: ModelSpec, layout, batch: int = 1, context: int = 0) -> L
     ``split="tensor"`` every GPU holds an equal share of what the GPU layers hold, and a
     workspace of its own. A streamed layer (``layout.streamed``, vLLM's ``--cpu-offload-gb``)
     keeps its weights in host memory and its KV cache on its GPU."""
-    from moesim.layout import CPU
-
     g = max(layout.n_gpus, 0)
     gpu = [0] * g
     host, host_kv = spec.input_embedding_bytes, 0

@@ -1039,7 +1039,7 @@ def get_model(name_or_path: str) -> ModelSpec:
         cfg = p / "config.json" if p.is_dir() else p
         gguf = sorted(p.glob("*.gguf")) if p.is_dir() else [p] if p.suffix == ".gguf" else []
         if gguf and not (p / "config.json").is_file():
-            from moesim.gguf_file import spec_from_gguf
+            from moesim.gguf_file import spec_from_gguf  # it builds ModelSpecs: importing it at the top is a circle
 
             spec = spec_from_gguf(gguf[0])
             if key in CATALOGUE:
@@ -1127,7 +1127,7 @@ def from_hf_config(path: str | Path) -> ModelSpec:
     unknown family, a non-integer size, zero KV heads or an unknown dtype is a one-line
     error, never a silently wrong byte count.
     """
-    from moesim.hf_config import spec_from_config
+    from moesim.hf_config import spec_from_config  # it builds ModelSpecs: importing it at the top is a circle
 
     return spec_from_config(path)
 

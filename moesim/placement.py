@@ -16,7 +16,7 @@ Three deployed designs, one registry policy each (``moesim.policy``):
   or is copied, whichever :func:`moesim.policy.cpu_or_copy` says ends first.
 
 Data in, data out: no timing here. The simulator and the executor drive the same
-:class:`HybridPlanner`.
+:class:`HostPlanner`.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def make_placement(policy: str | Policy, spec: ModelSpec, device_memory: float, 
                    source, optimistic)
 
 
-class HybridPlanner:
+class HostPlanner:
     """Per-layer split of the routed experts into those the device runs and the misses.
 
     Static policies (``layers``, ``hot``) hold a fixed resident set and every miss runs on

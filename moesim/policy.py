@@ -39,7 +39,9 @@ class Policy:
     name: str
     summary: str
     prefetch: bool = False  # copies a predicted set one layer ahead
-    speculative: bool = False  # executes the predicted experts instead of the true ones
+    # Runs the predicted experts instead of the true ones (speculative *execution*; the word
+    # "speculative" alone means speculative decoding in this codebase).
+    executes_predicted: bool = False
     oracle: bool = False  # the prediction is the true next-layer set (an upper bound)
     offload: bool = True  # experts live in host memory (False: all resident on the device)
     exact: bool = True  # outputs equal the all-resident model's
@@ -72,14 +74,14 @@ def register(policy: Policy) -> Policy:
             raise MoesimError(f"policy name {n!r} must be non-empty lower-case without spaces around it")
         if n in _REGISTRY or n in _ALIASES:
             raise MoesimError(f"policy name {n!r} is already registered")
-    if policy.speculative and not policy.prefetch:
+    if policy.executes_predicted and not policy.prefetch:
         raise MoesimError(f"policy {policy.name!r}: speculative execution runs the prefetched set; needs prefetch")
     if policy.cpu not in CPU_MODES:
         raise MoesimError(f"policy {policy.name!r}: cpu mode {policy.cpu!r} not one of {', '.join(map(repr, CPU_MODES))}")
     if policy.cpu and (policy.prefetch or not policy.offload):
         raise MoesimError(f"policy {policy.name!r}: a CPU-compute policy offloads experts and does not prefetch "
                           "(docs/policies.md says why)")
-    if policy.exact and policy.speculative:
+    if policy.exact and policy.executes_predicted:
         raise MoesimError(f"policy {policy.name!r}: speculative execution changes outputs; cannot be exact")
     _REGISTRY[policy.name] = policy
     _ALIASES.update({a: policy.name for a in policy.aliases})
@@ -90,7 +92,7 @@ register(Policy(name="all-resident", offload=False, aliases=("resident",),
                 summary="every expert on the device; no copies (the reference without offloading)"))
 register(Policy(name="on-demand", aliases=("ondemand",),
                 summary="after each router, copy the missing top-k experts and wait for them"))
-register(Policy(name="prefetch-spec", prefetch=True, speculative=True, exact=False,
+register(Policy(name="prefetch-spec", prefetch=True, executes_predicted=True, exact=False,
                 summary="copy the predicted next-layer experts ahead and execute them (speculative "
                         "execution: no miss penalty, outputs may change)"))
 register(Policy(name="prefetch-fom", prefetch=True, aliases=("prefetch",),
@@ -326,7 +328,7 @@ class Planner:
         self.policy = get_policy(policy) if isinstance(policy, str) else policy
         if self.policy.cpu:  # planning it as a copy policy would be a silently wrong answer
             raise MoesimError(f"policy {self.policy.name!r} computes experts on the CPU: it is planned by "
-                              "moesim.placement.HybridPlanner (moesim.sim.simulate / the executor's host experts)")
+                              "moesim.placement.HostPlanner (moesim.sim.simulate / the executor's host experts)")
         self.lookahead = check_lookahead(lookahead)
         self.per_layer = per_layer
         self.pinned = frozenset((int(a), int(b)) for a, b in pinned)
@@ -377,7 +379,7 @@ class Planner:
         """At ``layer``'s router: what to copy on demand and what to execute."""
         true = list(dict.fromkeys(true))
         slots = self._slots.get(layer, {})
-        if self.policy.speculative and predicted is not None and layer in self._slots:
+        if self.policy.executes_predicted and predicted is not None and layer in self._slots:
             execute = list(dict.fromkeys(predicted))
         else:
             execute = true
@@ -464,7 +466,7 @@ class Planner:
         between chunks. The planner's own cache object is not updated (the kernel keeps the
         cache in arrays); use a fresh Planner per trace."""
         self._check_fresh(true_ids, pred_ids)
-        from moesim import policy_kernel as kern
+        from moesim import policy_kernel as kern  # numba: compiled on first use, not at import
 
         t, m, b, k = true_ids.shape
         if true_ids.size and (true_ids.max() >= n_experts or pred_ids.max() >= n_experts):
@@ -490,7 +492,7 @@ class Planner:
         for s0 in range(0, t, chunk):
             s1 = min(t, s0 + chunk)
             kern.plan_steps(tr[s0:s1], pr[s0:s1], counts[:, s0:s1], offload, offload and self.policy.prefetch,
-                            self.policy.speculative, self.lookahead, cap, lfu, n_experts, state, resident, count,
+                            self.policy.executes_predicted, self.lookahead, cap, lfu, n_experts, state, resident, count,
                             last, prot, inuse, pos, *heap, self.per_layer, size_l, pinned)
             if progress is not None:
                 progress(s1, t)

@@ -15,7 +15,7 @@ import math
 from dataclasses import replace
 
 from moesim.errors import MoesimError
-from moesim.models import ModelSpec, matrix_bytes
+from moesim.models import DTYPES, ModelSpec, matrix_bytes
 
 
 def use_more_bits(i_layer: int, n_layers: int) -> bool:
@@ -76,7 +76,5 @@ def store_as(spec: ModelSpec, fmt: str) -> ModelSpec:
 
 def is_format(fmt: str) -> bool:
     """Whether ``fmt`` names a llama.cpp file type or a weight format moesim knows."""
-    from moesim.models import DTYPES
-
     key = fmt.strip().lower()
     return key in RECIPES or key in ALIASES or fmt in DTYPES

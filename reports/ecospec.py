@@ -17,6 +17,8 @@ from typing import Any
 
 import matplotlib
 
+from moesim.outputs import check_output_dir
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
@@ -147,8 +149,6 @@ def ecospec_report(out: Path, models: tuple[str, ...] = MODELS, deployments: tup
     (label, params, gammas, SD-baseline gamma) tree settings run on every deployment, such as
     an EAGLE-sized dynamic tree; the first tree is always ``params`` over ``gammas``
     ("default"). Refused up front when this machine cannot do it (:mod:`moesim.budget`)."""
-    from moesim.outputs import check_output_dir
-
     out = check_output_dir(out)  # before the sweep, not after
     trees = (("default", params, tuple(gammas), None), *trees)
     specs = [get_model(m) for m in models]

@@ -17,6 +17,8 @@ from typing import Any
 
 import matplotlib
 
+from moesim.fmt import duration_ms, number
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -93,8 +95,6 @@ def heatmap_png(rows: Sequence[dict[str, Any]], path: Path, title: str, value: s
                 best: dict[str, Any] | None = None) -> Path:
     """``value`` over link bandwidth x cache size, one panel per (hardware, policy); the best
     configuration's cell is framed and starred, its value in its panel's title."""
-    from moesim.fmt import number
-
     panels = sorted({(r["hw"], r["policy"]) for r in rows})[:16]
     ncol = min(4, len(panels))
     nrow = -(-len(panels) // ncol)
@@ -182,8 +182,6 @@ LABELS = {
 def cell_text(key: str, v: Any) -> str:
     """A table cell: durations (``*_ms``) in ms or s with the unit, rates as percentages,
     other numbers without exponents (moesim.fmt)."""
-    from moesim.fmt import duration_ms, number
-
     if isinstance(v, bool) or not isinstance(v, int | float):
         return html.escape(str(v))
     if key.endswith("_ms"):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from moesim.atomic import atomic_write_text
 from moesim.hardware import HardwareProfile
+from moesim.policy import get_policy
 from moesim.reports.render import breakdown_png, chrome_trace, timeline_png, write_csv, write_html
 from moesim.sim.simulate import SimResult, simulate
 from moesim.traces.format import Trace
@@ -29,7 +30,6 @@ def write_replay_report(trace: Trace, trace_path: Path, hw: HardwareProfile, res
 
     # The timeline comes from the SimPy reference with every interval recorded; it shows the
     # first policy that offloads (an all-resident timeline has no copies to look at).
-    from moesim.policy import get_policy
 
     first = next((r for r in results if get_policy(r.config["policy"]).offload), results[0])
     cfg = first.config

@@ -17,7 +17,11 @@ from typing import Any
 import numpy as np
 
 from moesim.atomic import atomic_write_text
+from moesim.hardware import get_profile
+from moesim.outputs import check_output_dir
 from moesim.reports.render import COLORS, plt, save_figure, write_html
+from moesim.sim.stats import routing_stats
+from moesim.traces.format import read_trace
 
 
 def _nan_to_none(x: Any) -> Any:
@@ -155,13 +159,7 @@ def stats_report(trace_path: str | Path, out: str | Path | None = None, hw: str 
                  sizes: list[int] | None = None, policy: str = "on-demand") -> dict[str, Any]:
     """``moesim stats``: read a trace, compute :func:`moesim.sim.stats.routing_stats`
     (TPOT against cache size when ``hw`` names a profile), write the report to ``out``."""
-    from moesim.hardware import get_profile
-    from moesim.sim.stats import routing_stats
-    from moesim.traces.format import read_trace
-
     if out is not None:
-        from moesim.outputs import check_output_dir
-
         check_output_dir(out)
     trace = read_trace(trace_path)
     profile = get_profile(hw) if hw else None

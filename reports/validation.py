@@ -10,6 +10,13 @@ from typing import Any
 
 import matplotlib
 
+from moesim import budget
+from moesim.errors import MoesimError
+from moesim.models import get_model
+from moesim.outputs import check_output_dir
+from moesim.policy import QUEUES
+from moesim.sim.validate import recorded_profile
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
@@ -270,10 +277,8 @@ def write_suite_report(rows: list[dict[str, Any]], traces: dict[str, Trace], sum
 def _check_budget(tokens: int, repeats: int, model: str | None) -> None:
     """Refuse, before any run, a suite that cannot fit in memory or would take more than a
     day (``moesim.budget``): the largest run's memory, and every run's time added up."""
-    from moesim import budget
-    from moesim.executor.loading import shipped_model
+    from moesim.executor.loading import shipped_model  # the executor needs torch: only the suite imports it
     from moesim.executor.validation import POLICIES, PROMPT, SYNTHETIC_SPEC, suite_models
-    from moesim.models import get_model
 
     peak, seconds = 0.0, 0.0
     for name, _, links, scale in suite_models(shipped_model()):
@@ -299,20 +304,16 @@ def validation_suite(out: Path, tokens: int = 32, model: str | None = None, repe
     (``moesim.executor.validation_queues``, on the synthetic geometry too) last unless
     ``copy_queues`` is False or ``model`` names the learned model. Lives in the reports layer because it joins the executor's runs with
     the simulator's replays."""
-    from moesim.errors import MoesimError
-    from moesim.executor.loading import shipped_model
+    from moesim.executor.loading import shipped_model  # the executor needs torch: only the suite imports it
     from moesim.executor.validation import CPU_CASES, SYNTHETIC_SPEC, machine, run_cpu_suite, run_suite
-    from moesim.sim.validate import recorded_profile
 
     if tokens < 3 or repeats < 1:
         raise MoesimError("--tokens must be >= 3 (the first step is warm-up) and --repeats >= 1")
     _check_budget(tokens, repeats, model)
-    from moesim.outputs import check_output_dir
 
     check_output_dir(out)
     from moesim.executor.interrupt import stop_on_interrupt, stop_requested
     from moesim.executor.validation_queues import QUEUE_LINKS, QUEUE_PREDICTORS, run_queue_suite
-    from moesim.policy import QUEUES
 
     cpu_policies = cpu_policies and model in (None, SYNTHETIC_SPEC.name)
     copy_queues = copy_queues and model in (None, SYNTHETIC_SPEC.name)

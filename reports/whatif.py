@@ -12,7 +12,9 @@ from moesim import fmt
 from moesim.atomic import atomic_write_text
 from moesim.fmt import duration_ms
 from moesim.policy import get_policy
-from moesim.reports.render import breakdown_png, heatmap_png, write_csv, write_html
+from moesim.reports.render import breakdown_png, heatmap_png, save_figure, write_csv, write_html
+from moesim.sim.deploy import AXES, crossovers, deployment_answer, describe_change, format_answer
+from moesim.sim.simulate import simulate
 from moesim.sim.whatif import GOALS, Sweep
 
 COLS = ["model", "hw", "host", "policy", "family", "expert_dtype", "batch", "prompt_len", "link_gbps", "cache_gib",
@@ -35,9 +37,6 @@ def prompt_png(sweep: Sweep, winner: dict[str, Any], path: Path) -> Path:
     link and cache (a quick look when the sweep itself has one prompt length)."""
     import matplotlib.pyplot as plt
 
-    from moesim.policy import get_policy
-    from moesim.reports.render import save_figure
-    from moesim.sim.simulate import simulate
 
     hw = next(h for h in sweep.hws if h.name == winner["hw"])
     trace = next(t for t in sweep.traces.values() if t.model.name == winner["base_model"])
@@ -69,8 +68,6 @@ def crossover_png(crosses: list, path: Path) -> Path:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter
 
-    from moesim.reports.render import save_figure
-    from moesim.sim.deploy import AXES
 
     ncol = min(3, len(crosses))
     nrow = -(-len(crosses) // ncol)
@@ -123,8 +120,6 @@ def _best_per(rows: list[dict[str, Any]], key: str, by: tuple[str, ...]) -> list
 
 def write_whatif_report(rows: list[dict[str, Any]], winner: dict[str, Any] | None, goal: str, sweep: Sweep,
                         out: Path, notes: list[str] | None = None) -> Path:
-    from moesim.sim.deploy import crossovers, deployment_answer, describe_change, format_answer
-
     out = Path(out)
     key = GOALS[goal][0]
     synthetic = any(t.synthetic for t in sweep.traces.values())

@@ -1,7 +1,7 @@
 """The data the CPU-compute step models share: their work, one run's per-step results, and
 the result a summary is read from. The SimPy reference (``moesim.sim.engine``), the fast
 recurrence (``moesim.sim.fastpath_cpu``), the static layouts (``moesim.sim.static``) and
-the front door (``moesim.sim.hybrid``) all import these; none imports another's engine.
+the front door (``moesim.sim.cpu_compute``) all import these; none imports another's engine.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # annotations only
 
 
 @dataclass(frozen=True)
-class HybridWork:
+class CpuWork:
     """Per step and model layer: attention time; per MoE layer: the routed experts with
     their token counts, heaviest first (ties by expert id)."""
 
@@ -37,7 +37,7 @@ class HybridWork:
 
 
 @dataclass
-class HybridRun:
+class CpuRun:
     """Per-step results of one engine run, and per (step, MoE layer) counts."""
 
     ends: np.ndarray
@@ -82,12 +82,12 @@ def token_counts(ids: np.ndarray, n_experts: int) -> np.ndarray:
 
 
 @dataclass
-class HybridResult:
+class CpuResult:
     """A CPU-compute policy's simulated run: per-step times and the summary reports read."""
 
     config: dict[str, Any]
     tpot: np.ndarray
-    run: HybridRun
+    run: CpuRun
     plan: Plan
     ttft: float
     placement: Placement | Layout | None

@@ -2,10 +2,11 @@
 best configuration, what bounds it, the overall winner and why, and the crossover points
 (batch size, prompt length, link bandwidth) where the winner changes.
 
-Families (docs/policies.md; from the policy registry, :func:`moesim.sim.whatif.families`):
+Families (docs/policies.md; from the policy registry, :func:`moesim.sim.whatif.policy_families`):
 ``prefetching`` (on-demand, prefetch-fom, prefetch-spec with their cache, copy queue and
 top-m), ``cpu-static`` (llama.cpp ``--n-cpu-moe``), ``gpu-layers`` (llama.cpp ``-ngl``),
-``hot-experts`` (KTransformers), ``cpu-on-miss`` (Fiddler) and ``all-resident``; the
+``weight-streaming`` (vLLM ``--cpu-offload-gb``), ``hot-experts`` (KTransformers),
+``cpu-on-miss`` (Fiddler) and ``all-resident``; the
 oracle is shown as the prefetching family's bound and never wins. A configuration that
 does not fit in device memory is never a family's best.
 
@@ -21,9 +22,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from moesim import fmt
+from moesim.engine_args import invocation
 from moesim.errors import MoesimError
 from moesim.fmt import number
-from moesim.sim.whatif import BOUND, GOALS, families, simplicity
+from moesim.hardware import get_machine
+from moesim.layout import make_layout, stream_layers
+from moesim.models import get_model
+from moesim.quant_recipes import store_as
+from moesim.sim.whatif import BOUND, GOALS, policy_families, simplicity
 
 # The families and their tie order come from the policy registry (moesim.sim.whatif).
 AXES = {"batch": "batch size", "prompt_len": "prompt length, tokens", "link_gbps": "link, GB/s"}
@@ -62,11 +68,7 @@ def configuration(row: dict[str, Any]) -> str:
 
 def _expert_bytes(row: dict[str, Any]) -> float:
     """Bytes of one expert in the row's format (hot-experts' budget in GiB, for the table)."""
-    from moesim.models import get_model
-
     try:
-        from moesim.quant_recipes import store_as
-
         return store_as(get_model(row["base_model"]), row["expert_dtype"]).expert_bytes
     except MoesimError:
         return float("nan")
@@ -219,11 +221,6 @@ def row_layout(row: dict[str, Any]):
     """(spec, :class:`moesim.layout.Layout`) a what-if row of a static layout ran: what an
     engine's arguments spell. None for a row that copies experts (no engine argument
     places a cache)."""
-    from moesim.hardware import get_machine
-    from moesim.layout import make_layout, stream_layers
-    from moesim.models import get_model
-    from moesim.quant_recipes import store_as
-
     fam = row["family"]
     spec = store_as(get_model(row["base_model"]), row["expert_dtype"])
     machine = get_machine(row["hw"])
@@ -241,8 +238,6 @@ def row_layout(row: dict[str, Any]):
 
 def invocation_of(row: dict[str, Any], engine: str):
     """The ``engine``'s arguments for a row (None where it cannot spell the row)."""
-    from moesim.engine_args import invocation
-
     found = row_layout(row)
     if found is None:
         return None
@@ -266,7 +261,7 @@ def deployment_answer(rows: list[dict[str, Any]], goal: str = "tpot",
     for model, hw, host, batch, prompt, link in (base_scenarios(rows) if which is None else which):
         here = _in(rows, model, hw, host, batch=batch, prompt_len=prompt, link_gbps=link)
         fams = []
-        for fam in (*families(), BOUND):
+        for fam in (*policy_families(), BOUND):
             mine = [r for r in here if r["family"] == fam]
             top = _best(mine, key)
             inv = invocation_of(top, engine) if engine and top is not None and fam != BOUND else None
@@ -300,7 +295,7 @@ def crossovers(rows: list[dict[str, Any]], metrics: dict[str, tuple[str, ...]] |
             line = [r for r in mine if all(r[a] == v for a, v in fixed.items())]
             for key in keys:
                 curves: dict[str, list[float | None]] = {}
-                for fam in (*families(), BOUND):
+                for fam in (*policy_families(), BOUND):
                     pts = [_best([r for r in line if r["family"] == fam and r[axis] == x], key) for x in xs]
                     if any(p is not None for p in pts):
                         curves[fam] = [p[key] if p is not None else None for p in pts]

@@ -22,12 +22,20 @@ from typing import Any
 
 import numpy as np
 
+from moesim.budget import Estimate
 from moesim.errors import MoesimError
 from moesim.models import ModelSpec, get_model
 from moesim.sim.deployment import Deployment, get_deployment, seconds_per_distinct_expert, time_steps
 from moesim.sim.draft import DraftProfile
 from moesim.sim.plan import Step
-from moesim.traces.synthetic_speculative import SpecSynthParams, SynthSpec, check_selection, count, generate
+from moesim.traces.synthetic_speculative import (
+    SpecSynthParams,
+    SynthSpec,
+    check_selection,
+    count,
+    generate,
+    generate_cost,
+)
 
 
 @dataclass(frozen=True)
@@ -221,8 +229,6 @@ def whatif_cost(spec: ModelSpec, n_deployments: int, gammas: list[int], selectio
     """(seconds, peak bytes) of :func:`ecospec_whatif` for one model, before it runs: drawing
     the steps, each selection once at the largest gamma, each (gamma, selection) case's
     steps, and timing each case on each deployment."""
-    from moesim.traces.synthetic_speculative import generate_cost
-
     seconds, peak = generate_cost(spec, params)
     nodes, steps, m = params.nodes, params.steps, spec.n_moe_layers
     top = min(max(gammas, default=0), nodes)
@@ -246,8 +252,6 @@ def whatif_estimate(models: list[ModelSpec], n_deployments: int, gammas: list[in
                     params: SpecSynthParams, extra_runs: int = 0):
     """A :class:`moesim.budget.Estimate` of the what-if over ``models`` (``extra_runs``: further
     what-ifs of the same size, such as a report's latency fits and variants)."""
-    from moesim.budget import Estimate
-
     costs = [whatif_cost(spec, n_deployments, gammas, selections, params) for spec in models]
     seconds = WHATIF_FIXED_S + sum(c[0] for c in costs) * (1 + extra_runs)
     return Estimate(f"the EcoSpec what-if: {len(models)} model(s) x {params.steps} steps x {len(gammas)} gamma(s) x "

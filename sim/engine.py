@@ -13,8 +13,8 @@ in flight (``moesim.policy.expert_slots``), and a prefetch is issued after a rou
 runs after the previous layer's experts finished with the slot set it reuses. The model can record every interval it simulates (``record=True``)
 for timelines and Chrome traces.
 
-Two more references live here: :func:`run_simpy_hybrid`, the CPU-compute policies' step
-model (device stream, copy engine and CPU; see ``moesim.sim.hybrid``), and
+Two more references live here: :func:`run_simpy_cpu`, the CPU-compute policies' step
+model (device stream, copy engine and CPU; see ``moesim.sim.cpu_compute``), and
 :func:`run_simpy_queued`, the copy-queue disciplines that serve demand before prefetch.
 """
 
@@ -27,7 +27,7 @@ import numpy as np
 import simpy
 
 from moesim.policy import QUEUES, cpu_or_copy
-from moesim.sim.cpu_run import HybridRun
+from moesim.sim.cpu_run import CpuRun
 from moesim.sim.workload import Link, Workload
 
 
@@ -156,12 +156,12 @@ def run_simpy(w: Workload, link: Link, record: bool = False) -> tuple[np.ndarray
 
 
 # ---------------------------------------------------------------------------------------
-# CPU-compute policies (cpu-static, hot-experts, cpu-on-miss): see moesim.sim.hybrid
+# CPU-compute policies (cpu-static, hot-experts, cpu-on-miss): see moesim.sim.cpu_compute
 # ---------------------------------------------------------------------------------------
 
 
-def run_simpy_hybrid(w, planner, link: Link, record: bool = False):
-    """Reference run of a :class:`moesim.sim.hybrid.HybridWork`: the device stream, the copy
+def run_simpy_cpu(w, planner, link: Link, record: bool = False):
+    """Reference run of a :class:`moesim.sim.cpu_compute.CpuWork`: the device stream, the copy
     engine and the CPU as SimPy entities. At each MoE layer's router the stream asks the
     planner for the device/CPU split (and, under cpu-on-miss, :func:`moesim.policy.cpu_or_copy`
     how many misses to copy, given the copy engine's queue), starts the CPU job, waits for
@@ -230,7 +230,7 @@ def run_simpy_hybrid(w, planner, link: Link, record: bool = False):
             ends[step] = env.now
 
     env.run(env.process(stream()))
-    return HybridRun(ends, copy_s, stall_s, wait_s, busy_s, n_gpu, n_cpu, n_copied, n_hits, spans or [])
+    return CpuRun(ends, copy_s, stall_s, wait_s, busy_s, n_gpu, n_cpu, n_copied, n_hits, spans or [])
 
 
 # ---------------------------------------------------------------------------------------

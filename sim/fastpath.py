@@ -34,7 +34,7 @@ def run_fast(w: Workload, link: Link) -> tuple[np.ndarray, np.ndarray, np.ndarra
 
 def run_fast_many(w: Workload, links: Sequence[Link]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`run_fast` for several links over one workload: arrays [link, step]."""
-    from moesim.sim import fastpath_kernel as kern
+    from moesim.sim import fastpath_kernel as kern  # numba: compiled on first use, not at import
 
     per = np.array([k.per_expert for k in links], float)
     slow = np.array([1.0 + k.interference for k in links], float)

@@ -1,4 +1,4 @@
-"""The fast path of the CPU-compute policies: :mod:`moesim.sim.hybrid`'s step model as a
+"""The fast path of the CPU-compute policies: :mod:`moesim.sim.cpu_compute`'s step model as a
 per-layer recurrence, no event queue. Static placements timed by the cost model copy
 nothing, so their layers are independent: ``moesim.sim.static`` prices them all at once
 from token counts; the recurrence here serves cpu-on-miss and measured timings.
@@ -6,20 +6,20 @@ from token counts; the recurrence here serves cpu-on-miss and measured timings.
 Two clocks: ``t``, when the device stream is next free, and ``link_free``, when the copy
 engine is next free. The CPU needs no clock of its own: a layer waits for its CPU work,
 so the CPU is idle whenever a router runs. A property test holds this to the SimPy
-reference (``sim.engine.run_simpy_hybrid``) decision for decision.
+reference (``sim.engine.run_simpy_cpu``) decision for decision.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from moesim.placement import HybridPlanner
+from moesim.placement import HostPlanner
 from moesim.policy import cpu_or_copy
-from moesim.sim.cpu_run import HybridRun
+from moesim.sim.cpu_run import CpuRun
 
 
-def run_fast_hybrid(w, planner: HybridPlanner):
-    """Simulate every step of ``w`` (a :class:`moesim.sim.hybrid.HybridWork`)."""
+def run_fast_cpu(w, planner: HostPlanner):
+    """Simulate every step of ``w`` (a :class:`moesim.sim.cpu_compute.CpuWork`)."""
     times, per = w.times, w.times.copy
     n_t, n_layers = w.attn.shape
     m_of = {layer: i for i, layer in enumerate(w.moe)}
@@ -57,7 +57,7 @@ def run_fast_hybrid(w, planner: HybridPlanner):
             n_copied[step, m], n_hits[step, m] = c, len(hits)
         t += other
         ends[step] = t
-    return HybridRun(ends, copy_s, stall_s, wait_s, busy_s, n_gpu, n_cpu, n_copied, n_hits)
+    return CpuRun(ends, copy_s, stall_s, wait_s, busy_s, n_gpu, n_cpu, n_copied, n_hits)
 
 
 def _measured(per, step: int, m: int, n: int, roofline: float) -> float:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from moesim.costmodel import CostModel, ExpertTimes
+from moesim.layout import CPU
 
 
 def prefill_time(cm: CostModel, prompt_len: int, offload: bool, batch: int = 1) -> float:
@@ -38,7 +39,7 @@ def prefill_time(cm: CostModel, prompt_len: int, offload: bool, batch: int = 1) 
     return compute_end + cm.head(batch)
 
 
-def prefill_time_hybrid(cm: CostModel, times: ExpertTimes, resident: np.ndarray | None, prompt_len: int,
+def prefill_time_cpu_compute(cm: CostModel, times: ExpertTimes, resident: np.ndarray | None, prompt_len: int,
                         batch: int = 1) -> float:
     """Time to first token when some experts live on the CPU (``resident[m, e]``: on the
     device). Tokens are assumed spread evenly over a layer's experts; the device runs
@@ -75,10 +76,8 @@ def prefill_time_static(cms: list[CostModel], cpu_cm: CostModel, layout, prompt_
                         stream_cms: list[CostModel] | None = None) -> float:
     """Time to first token of a static :class:`moesim.layout.Layout`: each layer on its
     processor; a GPU layer's CPU experts run on the CPU or are copied to it, whichever ends
-    first (as :func:`prefill_time_hybrid`); a CPU layer runs wholly on the CPU; a streamed
+    first (as :func:`prefill_time_cpu_compute`); a CPU layer runs wholly on the CPU; a streamed
     layer's weights cross the link once (``stream_cms``, as in decoding)."""
-    from moesim.layout import CPU
-
     spec = cpu_cm.spec
     n = batch * prompt_len
     if n == 0:

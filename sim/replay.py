@@ -23,7 +23,7 @@ from moesim import budget
 from moesim.errors import MoesimError
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, Machine, get_machine, get_profile
 from moesim.models import ModelSpec, get_model
-from moesim.sim.hybrid import load_calibration, separate_calibration
+from moesim.sim.cpu_compute import load_calibration, separate_calibration
 from moesim.sim.prefetch_top import keep_top_predictions
 from moesim.sim.quantised import with_expert_dtype
 from moesim.sim.simulate import SimResult, simulate_policies

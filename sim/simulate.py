@@ -13,11 +13,12 @@ from moesim.engines import DEFAULT_ENGINE
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile, Machine, get_machine
 from moesim.models import ModelSpec, cache_capacity  # noqa: F401 (cache_capacity: defined with the byte accounting)
+from moesim.placement import expert_budget, hot_set, routing_counts
 from moesim.policy import EVICTIONS, QUEUES, Policy, get_policy
 from moesim.sim.costs import Costs, charge_prediction, measured_costs, roofline_costs
+from moesim.sim.cpu_compute import simulate_cpu_compute
 from moesim.sim.engine import Span, run_simpy, run_simpy_queued
 from moesim.sim.fastpath import run_fast_many
-from moesim.sim.hybrid import simulate_hybrid
 from moesim.sim.plan import Plan, build_plan
 from moesim.sim.prefill import prefill_time
 from moesim.sim.static import STATIC_CPU, simulate_static
@@ -163,7 +164,7 @@ def simulate(
     ``copy_queue`` picks a copy-queue discipline (SimPy only); None: the trace's own
     (``moesim profile --copy-queue`` records it), else FIFO, and FIFO for the CPU-compute
     policies, which copy at most their misses. The CPU-compute policies
-    (docs/policies.md) go to :func:`moesim.sim.hybrid.simulate_hybrid` with ``host`` (name,
+    (docs/policies.md) go to :func:`moesim.sim.cpu_compute.simulate_cpu_compute` with ``host`` (name,
     path or profile; default: the GPU profile's), ``cpu_layers``, ``calibration`` routing,
     ``calibrate_on_replay`` and ``amx``. ``lookahead``: how many MoE layers ahead a
     prefetch is issued (None: the trace's; :func:`moesim.sim.plan.plan_lookahead`).
@@ -210,13 +211,13 @@ def simulate(
                                split=split, ratios=ratios, amx=amx, link_gbps=link_gbps,
                                placement=hot if pol.cpu == "hot" else None, offload_gib=offload_gib)
     hw = machine.gpus[0]
-    if pol.cpu:  # experts computed on the CPU: the hybrid step model (moesim.sim.hybrid)
+    if pol.cpu:  # experts computed on the CPU: the CPU-compute step model (moesim.sim.cpu_compute)
         if timing == "measured" and not trace.measured:
             raise MoesimError("the trace has no measured timings (--timing profile)")
         if copy_queue != "fifo":
             raise MoesimError(f"{pol.name} copies at most its misses; copy queues apply to the copy policies")
         capacity = cache_capacity(trace.model, cache_gib, cache_experts)
-        return simulate_hybrid(trace, hw, pol, host=host, cpu_layers=cpu_layers, calibration=calibration,
+        return simulate_cpu_compute(trace, hw, pol, host=host, cpu_layers=cpu_layers, calibration=calibration,
                                calibrate_on_replay=calibrate_on_replay, cache_experts=capacity, eviction=eviction,
                                sim=sim, engine=engine, link_gbps=link_gbps, amx=amx, record=record,
                                timing="measured" if timing == "measured" else "profile", threads=threads,
@@ -239,8 +240,6 @@ def _hot_set(trace: Trace, machine: Machine, pol: Policy, gpu_expert_gib: float 
     """The hottest experts within ``gpu_expert_gib`` of one GPU (None without a budget): a
     copy policy's pinned set or hot-experts' placement, counted on the calibration routing
     (or, marked optimistic, on the replayed trace itself)."""
-    from moesim.placement import expert_budget, hot_set, routing_counts
-
     if gpu_expert_gib is None or (pol.cpu and pol.cpu != "hot") or not pol.offload:
         return None
     if not (isinstance(gpu_expert_gib, (int, float)) and 0 <= gpu_expert_gib < float("inf")):

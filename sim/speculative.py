@@ -22,12 +22,13 @@ import numpy as np
 
 from moesim.costmodel import CostModel
 from moesim.errors import MoesimError
-from moesim.hardware import HardwareProfile
+from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, get_profile
 from moesim.policy import get_policy
 from moesim.selection import Tree, select
 from moesim.sim.deployment import Deployment, time_steps
 from moesim.sim.fastpath import run_fast
 from moesim.sim.plan import Step, plan_sets  # noqa: F401 (Step: the verification step, re-exported)
+from moesim.sim.validate import recorded_profile
 from moesim.sim.workload import Link, lay_out
 from moesim.traces.format import Trace
 from moesim.traces.records import NOT_CHOSEN, PAD_EXPERT, ROOT_PARENT, SDStep, sd_steps
@@ -133,7 +134,7 @@ def simulate_steps(trace: Trace, steps: list[Step], hw: HardwareProfile, policy:
     one-GPU deployment of :func:`moesim.sim.deployment.time_steps`)."""
     spec = trace.model
     pol = get_policy(policy)
-    if pol.speculative or pol.oracle:
+    if pol.executes_predicted or pol.oracle:
         raise MoesimError("speculative decoding verifies exactly: all-resident, on-demand or prefetch-fom")
     if link_gbps is not None:
         hw = hw.with_figure("h2d_pinned_gbs", link_gbps)
@@ -230,9 +231,6 @@ def speculative_whatif(trace: Trace, hw: HardwareProfile | None = None, policies
     ``auto`` is measured when the trace holds measured times, else profile. Returns
     ``measured`` and ``error`` (of the first policy as recorded; None without measured
     times) and ``rows`` (each with its ``case``)."""
-    from moesim.hardware import DEFAULT_PROFILE, get_profile
-    from moesim.sim.validate import recorded_profile
-
     if timing == "auto":
         timing = "measured" if sd_measured(trace) else "profile"
     if hw is None and not trace.meta.hw_profile:

@@ -26,8 +26,9 @@ from moesim.hardware import HardwareProfile, HostProfile, Machine, get_host, get
 from moesim.layout import CPU, Layout, layer_weight_bytes, make_layout, stream_layers
 from moesim.memory import layout_bytes
 from moesim.models import ModelSpec
+from moesim.placement import make_placement
 from moesim.policy import get_policy
-from moesim.sim.cpu_run import HybridResult, HybridRun, token_counts
+from moesim.sim.cpu_run import CpuResult, CpuRun, token_counts
 from moesim.sim.plan import Plan
 from moesim.sim.prefill import prefill_time_static
 from moesim.traces.format import Trace
@@ -200,7 +201,7 @@ def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, poli
                     cpu_layers: int | str = "auto", gpu_layers: int | str = "auto",
                     calibration: np.ndarray | None = None, calibrate_on_replay: bool = False, split: str = "layer",
                     ratios: list[float] | None = None, amx: bool = True, placement=None,
-                    link_gbps: float | None = None, offload_gib: float | str = "auto") -> HybridResult:
+                    link_gbps: float | None = None, offload_gib: float | str = "auto") -> CpuResult:
     """Simulate ``trace`` under a static layout (all-resident, cpu-static, hot-experts,
     gpu-layers, weight-streaming) on a machine of zero, one or several GPUs
     (:func:`moesim.hardware.get_machine`) and ``host``, run by ``engine`` with ``threads``
@@ -208,8 +209,6 @@ def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, poli
     several GPUs (llama.cpp's ``--split-mode`` and ``--tensor-split``); ``placement``
     replaces hot-experts' own; ``offload_gib`` is weight-streaming's GiB (vLLM's
     ``--cpu-offload-gb``; auto: the least that fits)."""
-    from moesim.placement import make_placement
-
     pol = get_policy(policy)
     machine = get_machine(machine)
     if link_gbps is not None:
@@ -242,7 +241,7 @@ def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, poli
     zeros_m = np.zeros_like(r.n_gpu)
     # Streamed weights cross the link inside the GPU's kernels: that part of its work is the
     # link's (copy) and the GPU waits on it (stall); the rest is its own compute.
-    run = HybridRun(np.cumsum(r.tpot), r.streamed, r.streamed.copy(), r.cpu_wait, r.cpu_busy, r.n_gpu, r.n_cpu,
+    run = CpuRun(np.cumsum(r.tpot), r.streamed, r.streamed.copy(), r.cpu_wait, r.cpu_busy, r.n_gpu, r.n_cpu,
                     zeros_m, r.n_gpu, device=r.device - r.streamed, transfer=r.transfer)
     n_exec = r.n_gpu + r.n_cpu
     plan = Plan(pol, 0, "lru", 1, zeros_m, zeros_m, n_exec, np.full_like(n_exec, b * spec.top_k), r.n_gpu, zeros_m,
@@ -262,4 +261,4 @@ def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, poli
         "fits": all(x <= m * 1e9 for x, m in zip(need.gpu, mem)),
         "page_miss": cpu_cm.page_miss if cpu_cm.host is not None else 0.0,
     }
-    return HybridResult(config, r.tpot, run, plan, ttft, layout)
+    return CpuResult(config, r.tpot, run, plan, ttft, layout)

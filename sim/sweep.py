@@ -15,10 +15,10 @@ from typing import Any
 from moesim import budget
 from moesim.engines import get_engine
 from moesim.errors import MoesimError
-from moesim.hardware import get_machine
+from moesim.hardware import get_host, get_machine
 from moesim.models import get_model
-from moesim.policy import check_lookahead
-from moesim.sim.hybrid import load_calibration, separate_calibration
+from moesim.policy import check_lookahead, get_policy
+from moesim.sim.cpu_compute import load_calibration, separate_calibration
 from moesim.sim.whatif import GOALS, Sweep, best, run_sweep
 from moesim.traces.format import read_trace
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
@@ -127,9 +127,6 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
     ``rows_csv``: stream every row to this CSV as its group finishes, and resume an
     interrupted sweep from it (the same sweep run again skips the finished groups).
     """
-    from moesim.hardware import get_host
-    from moesim.policy import get_policy
-
     if jobs is not None and jobs < 0:
         raise MoesimError(f"--jobs {jobs}: a number of worker processes (0 = all cores)")
     if goal not in GOALS:

@@ -16,7 +16,8 @@ from scipy import stats
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile, get_profile
 from moesim.policy import POLICIES
-from moesim.sim.hybrid import load_calibration
+from moesim.sim.cpu_compute import load_calibration
+from moesim.sim.prefetch_top import keep_top_predictions
 from moesim.sim.simulate import SimResult, simulate
 from moesim.traces.format import Trace
 
@@ -94,7 +95,6 @@ def validate_trace(trace: Trace, hw: HardwareProfile | None = None, policy: str 
     meta = trace.meta
     policy = policy or meta.replay_policy
     if trace.header.get("prefetch_top_m"):  # the run prefetched only its top-m predictions
-        from moesim.sim.prefetch_top import keep_top_predictions
 
         trace = keep_top_predictions(trace, int(trace.header["prefetch_top_m"]))
     kw.setdefault("cache_experts", meta.cache_experts)

@@ -33,18 +33,22 @@ from typing import Any
 
 from moesim.atomic import atomic_write_text
 from moesim.costmodel import CostModel
+from moesim.engines import get_engine
 from moesim.errors import DoesNotFit, MoesimError
-from moesim.hardware import HardwareProfile, Machine, get_machine
-from moesim.models import ModelSpec
-from moesim.policy import POLICIES, get_policy
+from moesim.hardware import HardwareProfile, Machine, get_host, get_machine
+from moesim.memory import device_bytes
+from moesim.models import DTYPES, ModelSpec
+from moesim.placement import expert_budget, hot_set, routing_counts
+from moesim.policy import POLICIES, QUEUES, Planner, get_policy
 from moesim.quant_recipes import is_format, store_as
+from moesim.sim.cpu_compute import simulate_cpu_compute
 from moesim.sim.fastpath import run_fast_many
-from moesim.sim.hybrid import simulate_hybrid
 from moesim.sim.plan import build_plan
 from moesim.sim.prefetch_top import keep_top_predictions
 from moesim.sim.quantised import with_expert_dtype
 from moesim.sim.simulate import cache_capacity, pick_costs, prediction_recall, time_plan
 from moesim.sim.static import STATIC_CPU, simulate_static
+from moesim.sim.workload import Link, Workload
 from moesim.traces.format import Trace
 
 GOALS = {
@@ -104,7 +108,7 @@ _WORDS = {"model", "base_model", "expert_dtype", "hw", "host", "policy", "family
           "prefetch_top"}
 
 
-def family(policy: str) -> str:
+def policy_family(policy: str) -> str:
     """The deployment family a policy belongs to (docs/policies.md): the copy policies are
     one family, ``prefetching``, with the oracle as its bound; each CPU policy and
     all-resident are their own."""
@@ -132,16 +136,16 @@ def _rank_of(pol) -> int:
 BOUND = "oracle (bound)"
 
 
-def families() -> tuple[str, ...]:
+def policy_families() -> tuple[str, ...]:
     """Every registered family but the oracle's bound, simplest first (read from the registry
     each time, so a policy registered later joins the deployment answer)."""
-    fams = dict.fromkeys(family(p) for p, pol in POLICIES.items() if not pol.oracle)
-    return tuple(sorted(fams, key=lambda f: min(_rank_of(POLICIES[p]) for p in POLICIES if family(p) == f)))
+    fams = dict.fromkeys(policy_family(p) for p, pol in POLICIES.items() if not pol.oracle)
+    return tuple(sorted(fams, key=lambda f: min(_rank_of(POLICIES[p]) for p in POLICIES if policy_family(p) == f)))
 
 
 def simplicity(fam: str) -> int:
     """Where ``fam`` stands in :func:`families` (simplest first); an unknown family last."""
-    fams = families()
+    fams = policy_families()
     return fams.index(fam) if fam in fams else len(fams)
 
 
@@ -193,10 +197,6 @@ class Sweep:
     cache_per_layer: bool = False  # each cache size is each MoE layer's (copy policies)
 
     def __post_init__(self) -> None:
-        from moesim.engines import get_engine
-        from moesim.models import DTYPES
-        from moesim.policy import QUEUES
-
         object.__setattr__(self, "hws", [get_machine(h) for h in self.hws])  # rows name machines
         if self.sim not in ("simpy", "fast"):
             raise MoesimError(f"unknown simulator {self.sim!r}; known: simpy, fast")
@@ -331,8 +331,6 @@ class Sweep:
 def device_bytes_needed(spec: ModelSpec, policy: str, cache_experts: int, batch: int, context: int,
                         lookahead: int = 1) -> int:
     """Device memory a copy-policy configuration needs (:func:`moesim.memory.device_bytes`)."""
-    from moesim.memory import device_bytes
-
     return device_bytes(spec, policy, cache_experts=cache_experts, batch=batch, context=context, lookahead=lookahead)
 
 
@@ -348,7 +346,7 @@ def _group_trace(sweep: Sweep, cfg: Config) -> Trace:
 
 
 def _axes(sweep: Sweep, cfg: Config, trace: Trace, base: str) -> dict[str, Any]:
-    return {"base_model": base, "expert_dtype": cfg.expert_dtype or trace.model.expert_dtype, "family": family(cfg.policy),
+    return {"base_model": base, "expert_dtype": cfg.expert_dtype or trace.model.expert_dtype, "family": policy_family(cfg.policy),
             "cpu_layers": cfg.cpu_layers, "gpu_expert_gib": cfg.gpu_expert_gib, "copy_queue": cfg.copy_queue,
             "prefetch_top": "-" if cfg.prefetch_top is None else cfg.prefetch_top, "batch": trace.batch,
             "prompt_len": trace.prompt_len, "gpu_layers": cfg.gpu_layers, "offload_gib": cfg.offload_gib,
@@ -358,14 +356,12 @@ def _axes(sweep: Sweep, cfg: Config, trace: Trace, base: str) -> dict[str, Any]:
 def _hot_placement(sweep: Sweep, cfg: Config, trace: Trace, base: str, machine: Machine):
     """hot-experts' placement at the group's GPU expert budget (None: the policy's own
     choice, all that fit), from the sweep's calibration routing."""
-    from moesim.placement import expert_budget, hot_set, routing_counts
-
     if cfg.gpu_expert_gib == "auto":
         return None
     spec = trace.model
     calib, source, optimistic = _calibration(sweep, base, trace)
     if calib is None:
-        return None  # simulate_hybrid explains what is missing
+        return None  # simulate_cpu_compute explains what is missing
     if machine.n_gpus != 1:
         return None  # simulate_static refuses hot-experts on other than one GPU, in one line
     room = expert_budget(spec, machine.gpus[0]["device_memory_gb"] * 1e9, trace.batch, trace.prompt_len + trace.n_tokens)
@@ -397,8 +393,6 @@ def _not_run(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str, mac
 
 def _host(sweep: Sweep, cfg: Config, machine: Machine):
     """The group's host profile (its name, else the machine's own), with the sweep's RAM."""
-    from moesim.hardware import get_host
-
     if cfg.host is None and not machine.gpus:
         return None  # simulate_static says, in one line, that a machine without GPUs needs --host
     host = get_host(cfg.host, machine.gpus[0] if machine.gpus else None)
@@ -407,7 +401,7 @@ def _host(sweep: Sweep, cfg: Config, machine: Machine):
 
 def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str) -> list[dict[str, Any]]:
     """The rows of a CPU-compute or static-layout group (:func:`moesim.sim.static.simulate_static`
-    or :func:`moesim.sim.hybrid.simulate_hybrid`, the paths ``moesim replay`` takes), one per
+    or :func:`moesim.sim.cpu_compute.simulate_cpu_compute`, the paths ``moesim replay`` takes), one per
     machine and link."""
     pol = get_policy(cfg.policy)
     capacity = cache_capacity(trace.model, cfg.cache_gib) if pol.cpu == "miss" else 0
@@ -433,7 +427,7 @@ def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str) ->
                     rows.append(_not_run(sweep, index, cfg, trace, base, h, f"{pol.name} runs on one GPU"))
                     continue
                 else:
-                    res = simulate_hybrid(trace, h.gpus[0], pol, cache_experts=capacity, eviction=sweep.eviction,
+                    res = simulate_cpu_compute(trace, h.gpus[0], pol, cache_experts=capacity, eviction=sweep.eviction,
                                           sim=sweep.sim, **kw)
             except DoesNotFit as e:
                 # Nothing of this model fits this machine: a row that says so, never a best.
@@ -537,8 +531,6 @@ def _warm_kernels() -> None:
     workers, so each worker inherits them instead of loading them again."""
     import numpy as np
 
-    from moesim.policy import Planner
-    from moesim.sim.workload import Link, Workload
 
     ids = np.zeros((1, 1, 1, 1), np.int16)
     Planner("on-demand", 1).plan_trace(ids, ids, 1)

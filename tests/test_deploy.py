@@ -18,8 +18,8 @@ from moesim.hardware import builtin_hosts, builtin_profiles, get_host, get_profi
 from moesim.models import GGML_BLOCKS, get_model, matrix_bytes
 from moesim.placement import WORKSPACE_BYTES, cpu_layers, expert_budget, expert_times, make_placement, routing_counts
 from moesim.policy import POLICIES, ExpertTimes, Policy, cpu_or_copy, get_policy, register
-from moesim.sim.hybrid import simulate_hybrid
-from moesim.sim.prefill import prefill_time, prefill_time_hybrid
+from moesim.sim.cpu_compute import simulate_cpu_compute
+from moesim.sim.prefill import prefill_time, prefill_time_cpu_compute
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
 # -- quantised expert formats ------------------------------------------------------------
@@ -197,8 +197,8 @@ def test_fast_path_equals_simpy(policy, batch, seed, link, host_bw, cache, evict
     host = get_host("ryzen-7950x").with_figure("mem_bw_achievable_gbs", host_bw)
     kw = dict(host=host, link_gbps=link, cpu_layers=n_cpu, calibration=cal, eviction=eviction,
               cache_experts=cache if policy == "cpu-on-miss" else 0)
-    a = simulate_hybrid(trace, hw, policy, sim="simpy", **kw)
-    b = simulate_hybrid(trace, hw, policy, sim="fast", **kw)
+    a = simulate_cpu_compute(trace, hw, policy, sim="simpy", **kw)
+    b = simulate_cpu_compute(trace, hw, policy, sim="fast", **kw)
     np.testing.assert_allclose(a.tpot, b.tpot, rtol=1e-12, atol=1e-15)
     for name in ("n_gpu", "n_cpu", "n_copied", "n_hits"):
         np.testing.assert_array_equal(getattr(a.run, name), getattr(b.run, name))
@@ -209,10 +209,10 @@ def test_fast_path_equals_simpy(policy, batch, seed, link, host_bw, cache, evict
 
 def test_static_layers_put_exactly_those_layers_on_the_cpu(tiny_trace):
     hw = get_profile("a6000")
-    r = simulate_hybrid(tiny_trace, hw, "cpu-static", cpu_layers=2, sim="fast")
+    r = simulate_cpu_compute(tiny_trace, hw, "cpu-static", cpu_layers=2, sim="fast")
     assert (r.run.n_cpu[:, :2] > 0).all() and (r.run.n_gpu[:, :2] == 0).all()
     assert (r.run.n_cpu[:, 2:] == 0).all() and r.run.copy.sum() == 0
-    none = simulate_hybrid(tiny_trace, hw, "cpu-static", cpu_layers=0, sim="fast")
+    none = simulate_cpu_compute(tiny_trace, hw, "cpu-static", cpu_layers=0, sim="fast")
     assert none.run.cpu_busy.sum() == 0 and none.tpot.mean() < r.tpot.mean()
 
 
@@ -223,7 +223,7 @@ def test_cpu_time_grows_with_batch_once_compute_bound():
     per_expert = []
     for batch in (1, 2048):
         tr = synthetic_trace(spec, SyntheticParams(tokens=3, prompt_len=8, batch=batch, seed=1))
-        r = simulate_hybrid(tr, hw, "cpu-static", host=host, cpu_layers=4, sim="fast")
+        r = simulate_cpu_compute(tr, hw, "cpu-static", host=host, cpu_layers=4, sim="fast")
         per_expert.append(r.run.cpu_busy.sum() / r.run.n_cpu.sum())
     assert per_expert[1] > 2 * per_expert[0]  # math, not the weight read, dominates at 128 tokens an expert
 
@@ -237,9 +237,9 @@ def test_prefill_picks_cpu_for_short_prompts_and_copies_for_long_ones():
     resident = np.zeros((spec.n_moe_layers, spec.n_experts), bool)
     picks = []
     for prompt in (1, 8192):
-        both = prefill_time_hybrid(CostModel(spec, hw, host), times, resident, prompt)
-        cpu = prefill_time_hybrid(CostModel(spec, hw, host), never_copy, resident, prompt)
-        copy = prefill_time_hybrid(CostModel(spec, hw, host), never_cpu, resident, prompt)
+        both = prefill_time_cpu_compute(CostModel(spec, hw, host), times, resident, prompt)
+        cpu = prefill_time_cpu_compute(CostModel(spec, hw, host), never_copy, resident, prompt)
+        copy = prefill_time_cpu_compute(CostModel(spec, hw, host), never_cpu, resident, prompt)
         assert both == pytest.approx(min(cpu, copy), rel=1e-12)
         picks.append("cpu" if cpu < copy else "copy")
     assert picks == ["cpu", "copy"]
@@ -248,11 +248,11 @@ def test_prefill_picks_cpu_for_short_prompts_and_copies_for_long_ones():
 def test_cpu_on_miss_needs_a_cache_and_optimistic_is_marked(tiny_trace):
     hw = get_profile("a6000")
     with pytest.raises(MoesimError, match="cache"):
-        simulate_hybrid(tiny_trace, hw, "cpu-on-miss")
-    r = simulate_hybrid(tiny_trace, hw, "hot-experts", calibrate_on_replay=True, sim="fast").summary()
+        simulate_cpu_compute(tiny_trace, hw, "cpu-on-miss")
+    r = simulate_cpu_compute(tiny_trace, hw, "hot-experts", calibrate_on_replay=True, sim="fast").summary()
     assert r["optimistic_placement"] is True and r["synthetic_trace"] is True
     with pytest.raises(MoesimError, match="computes no experts on the CPU"):
-        simulate_hybrid(tiny_trace, hw, "on-demand")
+        simulate_cpu_compute(tiny_trace, hw, "on-demand")
 
 
 def test_no_warnings_from_shipped_profiles():
@@ -344,13 +344,13 @@ def test_queues_other_than_fifo_need_simpy(tiny_trace):
 def test_memory_check_and_calibration_file(tmp_path, tiny_trace):
     from moesim.memory import device_bytes
     from moesim.policy import expert_slots
-    from moesim.sim.hybrid import load_calibration
+    from moesim.sim.cpu_compute import load_calibration
     from moesim.traces.format import write_trace
 
     spec = tiny_trace.model
     assert expert_slots(spec, "cpu-static") == 0 and expert_slots(spec, "cpu-on-miss", 5) == spec.n_experts + 5
     hw = get_profile("a6000")
-    r = simulate_hybrid(tiny_trace, hw, "cpu-static", cpu_layers=1, sim="fast")
+    r = simulate_cpu_compute(tiny_trace, hw, "cpu-static", cpu_layers=1, sim="fast")
     assert r.config["device_gb_needed"] * 1e9 == device_bytes(spec, "cpu-static", resident_experts=r.placement.n_resident,
                                                                context=tiny_trace.prompt_len + tiny_trace.n_tokens)
     assert r.placement.n_resident == 3 * spec.n_experts and r.config["fits"]
@@ -361,14 +361,14 @@ def test_memory_check_and_calibration_file(tmp_path, tiny_trace):
 
 
 def test_a_warm_cpu_on_miss_cache_starts_with_the_hottest():
-    from moesim.placement import HybridPlanner, hot_set
+    from moesim.placement import HostPlanner, hot_set
 
     spec = get_model("tiny")
     counts = np.zeros((spec.n_moe_layers, spec.n_experts), np.int64)
     counts[2, 5], counts[0, 1], counts[3, 0] = 9, 7, 5
     p = hot_set(counts, spec, 3 * spec.expert_bytes, "hand counts", False)
     assert p.hottest == ((2, 5), (0, 1), (3, 0))
-    planner = HybridPlanner("cpu-on-miss", spec, p, cache_experts=2)
+    planner = HostPlanner("cpu-on-miss", spec, p, cache_experts=2)
     assert set(planner.cache.keys()) == {(2, 5), (0, 1)}
     assert planner.split(2, [5, 6]) == ([5], [6])
 
@@ -379,7 +379,7 @@ def test_no_cpu_layers_is_the_all_resident_model(batch):
 
     trace = synthetic_trace(get_model("tiny"), SyntheticParams(tokens=6, prompt_len=4, batch=batch, seed=2))
     hw = get_profile("h100-sxm")
-    hybrid = simulate_hybrid(trace, hw, "cpu-static", cpu_layers=0, sim="fast")
+    hybrid = simulate_cpu_compute(trace, hw, "cpu-static", cpu_layers=0, sim="fast")
     resident = simulate(trace, hw, "all-resident", sim="fast")
     np.testing.assert_allclose(hybrid.tpot, resident.tpot, rtol=1e-12)
 
@@ -389,7 +389,7 @@ def test_simulate_is_the_one_front_door_for_cpu_policies(tiny_trace):
 
     hw = get_profile("a6000")
     via = simulate(tiny_trace, hw, "hot-experts", host="xeon-8480", calibration=tiny_trace.true_ids, sim="fast")
-    direct = simulate_hybrid(tiny_trace, hw, "hot-experts", host="xeon-8480", calibration=tiny_trace.true_ids,
+    direct = simulate_cpu_compute(tiny_trace, hw, "hot-experts", host="xeon-8480", calibration=tiny_trace.true_ids,
                              sim="fast")
     np.testing.assert_array_equal(via.tpot, direct.tpot)
     assert via.config["host"] == "xeon-8480"
@@ -449,7 +449,7 @@ def test_prefill_with_nothing_on_the_cpu_is_the_resident_prefill():
     times = cm.expert_times()
     resident = np.ones((spec.n_moe_layers, spec.n_experts), bool)
     for prompt in (16, 2048):
-        assert prefill_time_hybrid(cm, times, resident, prompt) == pytest.approx(
+        assert prefill_time_cpu_compute(cm, times, resident, prompt) == pytest.approx(
             prefill_time(cm, prompt, offload=False), rel=1e-12)
 
 
@@ -458,7 +458,7 @@ def test_the_copy_planner_refuses_cpu_policies(tiny_trace):
     from moesim.sim.plan import build_plan
 
     for name in ("cpu-static", "hot-experts", "cpu-on-miss"):
-        with pytest.raises(MoesimError, match="HybridPlanner"):
+        with pytest.raises(MoesimError, match="HostPlanner"):
             Planner(name)
     with pytest.raises(MoesimError, match="computes experts on the CPU"):
         build_plan(tiny_trace, "cpu-static")

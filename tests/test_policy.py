@@ -39,7 +39,7 @@ def test_a_new_policy_joins_in_one_place(scratch_registry):
     with pytest.raises(MoesimError, match="already registered"):
         register(Policy(name="other", aliases=("hot",), summary="clashes with an alias"))
     with pytest.raises(MoesimError, match="cannot be exact"):
-        register(Policy(name="bad", prefetch=True, speculative=True, summary="speculative but exact"))
+        register(Policy(name="bad", prefetch=True, executes_predicted=True, summary="speculative but exact"))
     with pytest.raises(TypeError):
         POLICIES["sneaky"] = POLICIES["oracle"]  # a read-only view: registering is the only way in
 

@@ -274,3 +274,13 @@ def test_routing_stats_equals_the_reference_on_a_synthetic_trace():
     assert res["adjacent_layer_overlap"]["per_layer"] == reference_adjacent_layer_overlap(trace)["per_layer"]
     assert res["predictor_recall"]["main"] == pytest.approx(
         recall_per_layer(trace.true_ids, trace.pred_ids).tolist(), nan_ok=True, rel=0, abs=0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(trace=traces)
+def test_recall_counts_give_the_simulators_prediction_recall(trace):
+    from moesim.sim.simulate import prediction_recall
+
+    hits, rows = stats.recall_counts(trace.true_ids, trace.pred_ids, trace.model.n_experts)
+    ref = prediction_recall(trace)
+    assert (rows == 0 and np.isnan(ref)) or hits / trace.true_ids.shape[-1] / rows == pytest.approx(ref, rel=1e-12)

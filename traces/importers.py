@@ -44,6 +44,7 @@ import numpy as np
 from moesim import __version__
 from moesim.errors import MoesimError
 from moesim.models import ModelSpec, get_model
+from moesim.outputs import check_output_file
 from moesim.traces.format import Trace, write_trace
 from moesim.traces.header import make_header
 
@@ -65,8 +66,6 @@ def import_routing(fmt: str, path: str | Path, model: str | ModelSpec, out: str 
         raise MoesimError(f"prompt_tokens must be a whole number >= 1 (got {prompt_tokens!r})")
     spec = model if isinstance(model, ModelSpec) else get_model(model)
     if out is not None:
-        from moesim.outputs import check_output_file
-
         check_output_file(out, (".npz",))
     where = path.name
     if fmt in ("vllm", "sglang"):

@@ -448,7 +448,7 @@ def _kernel():
     if _KERNEL is None:
         from numba import njit
 
-        from moesim.jit import use_user_cache
+        from moesim.jit import use_user_cache  # numba: compiled on first use, not at import
 
         use_user_cache()
         _KERNEL = njit(cache=True)(_draw_rows)

@@ -28,10 +28,11 @@ from functools import lru_cache
 import numpy as np
 
 from moesim import __version__, budget
+from moesim.budget import Estimate
 from moesim.errors import MoesimError
-from moesim.models import ModelSpec
+from moesim.models import ModelSpec, get_model
 from moesim.selection import SCORES, SELECTIONS, Tree, pack_experts, select_bits
-from moesim.traces.format import Trace
+from moesim.traces.format import Trace, read_trace, write_trace
 from moesim.traces.header import make_header
 from moesim.traces.records import SDStep, sd_arrays, sd_steps
 from moesim.traces.sd_ids import PAD, ids_to_mask, mask_to_ids
@@ -433,8 +434,6 @@ def synth_estimate(spec: ModelSpec, params: SpecSynthParams, write: bool = True,
                    fit_spec: ModelSpec | None = None, fit_params_: SpecSynthParams | None = None):
     """What ``moesim synth --speculative`` will take (a :class:`moesim.budget.Estimate`):
     drawing ``params.steps`` trees, writing them, and with ``--like`` the fit's rounds."""
-    from moesim.budget import Estimate
-
     seconds, peak = generate_cost(spec, params)
     if write:
         mask = mask_bytes(spec, params)
@@ -723,9 +722,6 @@ def synth_speculative(model: str | ModelSpec, out, params: SpecSynthParams | Non
     the defaults), or fitted to the recorded speculative trace at ``like``, then
     ``overrides`` (any :class:`SpecSynthParams` field), drawn for ``model`` and written
     atomically to ``out``. Returns the trace and the parameters used."""
-    from moesim.models import get_model
-    from moesim.traces.format import read_trace, write_trace
-
     spec = get_model(model) if isinstance(model, str) else model
     fitted_from = ""
     if like is not None:

@@ -1,6 +1,13 @@
 """The ``moesim`` command line: one thin module per command (see moesim/cli/app.py).
 
 Every user error ends as one line on stderr and exit code 2 (see :func:`main`).
+
+Each command imports the library it calls inside its function, not at the top of its
+module: all command modules are imported to build the app, so a top-level import would
+make ``moesim --help`` (and every command) pay for every other command's libraries, and
+a simulator command would import torch. These are the only function-level imports of
+moesim's own modules besides the numba kernels (compiled on first use), the executor
+behind torch, and two circles that say so where they are.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The step model of the CPU-compute policies (cpu-static, hot-experts, cpu-on-miss).
 
 At MoE layer l of a decode step the device has just run attention and the router. The
-routed experts split (:class:`moesim.placement.HybridPlanner`) into those the device
+routed experts split (:class:`moesim.placement.HostPlanner`) into those the device
 holds and misses; under cpu-on-miss :func:`moesim.policy.cpu_or_copy` sends some misses
 over the link, the others (all of them under the static policies) run on the CPU. Device
 and CPU work concurrently; the layer ends when the later finishes:
@@ -11,8 +11,8 @@ and CPU work concurrently; the layer ends when the later finishes:
 
 with ``n`` experts serving ``a`` token-expert pairs (:class:`moesim.policy.ExpertTimes`):
 CPU time grows with batch and prompt length once the math outweighs reading the weights.
-The SimPy reference (``sim.engine.run_simpy_hybrid``) and the fast recurrence
-(``sim.fastpath_cpu.run_fast_hybrid``) take the same :class:`HybridWork` and drive the
+The SimPy reference (``sim.engine.run_simpy_cpu``) and the fast recurrence
+(``sim.fastpath_cpu.run_fast_cpu``) take the same :class:`CpuWork` and drive the
 same planner, so they must agree (a property test holds them to it).
 
 Not modelled here: copy/compute interference and the wake-up delay (only cpu-on-miss
@@ -29,14 +29,14 @@ from moesim.costmodel import CostModel, ExpertTimes
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile, HostProfile, get_host
 from moesim.memory import device_bytes
-from moesim.placement import HybridPlanner, Placement, make_placement
+from moesim.placement import HostPlanner, Placement, make_placement
 from moesim.policy import EVICTIONS, get_policy
 from moesim.sim.costs import roofline_costs
-from moesim.sim.cpu_run import HybridResult, HybridWork, routed_sets, token_counts  # noqa: F401 (re-exported)
-from moesim.sim.engine import run_simpy_hybrid
-from moesim.sim.fastpath_cpu import run_fast_hybrid
+from moesim.sim.cpu_run import CpuResult, CpuWork, routed_sets, token_counts  # noqa: F401 (re-exported)
+from moesim.sim.engine import run_simpy_cpu
+from moesim.sim.fastpath_cpu import run_fast_cpu
 from moesim.sim.plan import Plan
-from moesim.sim.prefill import prefill_time_hybrid
+from moesim.sim.prefill import prefill_time_cpu_compute
 from moesim.sim.static import STATIC_CPU, simulate_static
 from moesim.sim.workload import Link
 from moesim.traces.format import Trace, load_calibration, read_trace  # noqa: F401 (load_calibration re-exported)
@@ -53,14 +53,14 @@ def separate_calibration(calibration: np.ndarray, trace: Trace, path: object) ->
     return calibration
 
 
-def build_work(trace: Trace, cm: CostModel, times: ExpertTimes) -> HybridWork:
+def build_work(trace: Trace, cm: CostModel, times: ExpertTimes) -> CpuWork:
     spec = trace.model
     costs = roofline_costs(cm, trace.n_tokens, trace.prompt_len, trace.batch)
-    return HybridWork(costs.attn, costs.other, spec.moe_layers, routed_sets(trace.true_ids), times,
+    return CpuWork(costs.attn, costs.other, spec.moe_layers, routed_sets(trace.true_ids), times,
                       token_counts(trace.true_ids, spec.n_experts))
 
 
-def measured_work(trace: Trace, times: ExpertTimes) -> HybridWork:
+def measured_work(trace: Trace, times: ExpertTimes) -> CpuWork:
     """The step model's inputs from an executor trace's measured times: attention (less
     the recording's prediction, which these policies do not run) and the rest per step as
     recorded, and per (step, MoE layer) the recorded device seconds per
@@ -85,16 +85,16 @@ def measured_work(trace: Trace, times: ExpertTimes) -> HybridWork:
     attn = tm["attn_s"].astype(float)
     if "predict_s" in tm:  # a copy policy's recording predicted inside attn_s; these policies predict nothing
         attn = np.maximum(attn - tm["predict_s"], 0.0)
-    return HybridWork(attn, tm["other_s"].astype(float), spec.moe_layers,
+    return CpuWork(attn, tm["other_s"].astype(float), spec.moe_layers,
                       routed_sets(trace.true_ids), times, None, dev_per, cpu_per)
 
 
-def simulate_hybrid(trace: Trace, hw: HardwareProfile, policy: str = "cpu-static", *, host: str | HostProfile | None = None,
+def simulate_cpu_compute(trace: Trace, hw: HardwareProfile, policy: str = "cpu-static", *, host: str | HostProfile | None = None,
                     cpu_layers: int | str = "auto", calibration: np.ndarray | None = None,
                     calibrate_on_replay: bool = False, cache_experts: int = 0, eviction: str = "lru",
                     sim: str = "simpy", link_gbps: float | None = None, amx: bool = True,
                     record: bool = False, placement: Placement | None = None,
-                    timing: str = "profile", engine: str | None = None, threads: int | None = None) -> HybridResult:
+                    timing: str = "profile", engine: str | None = None, threads: int | None = None) -> CpuResult:
     """Simulate ``trace`` under a CPU-compute policy on GPU ``hw`` and ``host`` (default:
     the GPU profile's host). ``calibration`` is the ``[t, m, b, k]`` routing of a separate
     calibration trace (hot-experts; warms cpu-on-miss's cache). ``placement`` replaces the
@@ -130,10 +130,10 @@ def simulate_hybrid(trace: Trace, hw: HardwareProfile, policy: str = "cpu-static
     if timing not in ("profile", "measured"):
         raise MoesimError(f"unknown timing {timing!r} for {pol.name}; known: profile, measured")
     work = measured_work(trace, times) if timing == "measured" else build_work(trace, cm, times)
-    planner = HybridPlanner(pol, spec, placement, cache_experts, eviction)
+    planner = HostPlanner(pol, spec, placement, cache_experts, eviction)
     if timing == "measured":
         sim = "fast"  # per-(step, layer) measured times: the recurrence reads them
-    run = run_simpy_hybrid(work, planner, link, record) if sim == "simpy" else run_fast_hybrid(work, planner)
+    run = run_simpy_cpu(work, planner, link, record) if sim == "simpy" else run_fast_cpu(work, planner)
     tpot = np.diff(run.ends, prepend=0.0)
     b, k = trace.batch, spec.top_k
     n_exec = run.n_gpu + run.n_cpu
@@ -141,7 +141,7 @@ def simulate_hybrid(trace: Trace, hw: HardwareProfile, policy: str = "cpu-static
     plan = Plan(pol, cache_experts, eviction, 1, zeros, run.n_copied, n_exec, np.full_like(n_exec, b * k), run.n_hits,
                 zeros, zeros)
     resident = placement.resident if placement is not None else None
-    ttft = prefill_time_hybrid(cm, times, resident, trace.prompt_len, b)
+    ttft = prefill_time_cpu_compute(cm, times, resident, trace.prompt_len, b)
     config = {
         "model": spec.name, "hw": hw.name, "host": host.name, "policy": pol.name, "cache_experts": cache_experts,
         "eviction": eviction if cache_experts else "-", "link_gbps": hw["h2d_pinned_gbs"], "batch": b,
@@ -157,4 +157,4 @@ def simulate_hybrid(trace: Trace, hw: HardwareProfile, policy: str = "cpu-static
                         resident_experts=placement.n_resident if placement is not None else 0)
     config["device_gb_needed"] = need / 1e9
     config["fits"] = need <= hw["device_memory_gb"] * 1e9
-    return HybridResult(config, tpot, run, plan, ttft, placement)
+    return CpuResult(config, tpot, run, plan, ttft, placement)

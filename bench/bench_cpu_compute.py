@@ -1,7 +1,7 @@
 """Speed of the CPU-compute policies' step model on this machine: layer-steps per second of
 the SimPy reference and the fast recurrence (sim/fastpath_cpu.py), per policy.
 
-Run: python bench/bench_hybrid.py [--tokens 500]
+Run: python bench/bench_cpu_compute.py [--tokens 500]
 Prints rates, never asserts: speed is measured, not tested. The trace is synthetic.
 """
 
@@ -13,10 +13,10 @@ import platform
 
 from moesim.hardware import get_host, get_profile
 from moesim.models import get_model
-from moesim.placement import HybridPlanner, make_placement
-from moesim.sim.engine import run_simpy_hybrid
-from moesim.sim.fastpath_cpu import run_fast_hybrid
-from moesim.sim.hybrid import build_work, expert_times
+from moesim.placement import HostPlanner, make_placement
+from moesim.sim.cpu_compute import build_work, expert_times
+from moesim.sim.engine import run_simpy_cpu
+from moesim.sim.fastpath_cpu import run_fast_cpu
 from moesim.sim.workload import Link
 from moesim.timing import best_time
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
@@ -40,10 +40,10 @@ def main() -> None:
         placement = make_placement(policy, spec, hw["device_memory_gb"] * 1e9, context=context, calibration=calib)
 
         def planner(p=policy, pl=placement, c=cache):
-            return HybridPlanner(p, spec, pl, c)
+            return HostPlanner(p, spec, pl, c)
 
-        simpy_s = best_time(lambda: run_simpy_hybrid(work, planner(), link), 1, warmup=False)
-        fast_s = best_time(lambda: run_fast_hybrid(work, planner()), 3, warmup=False)
+        simpy_s = best_time(lambda: run_simpy_cpu(work, planner(), link), 1, warmup=False)
+        fast_s = best_time(lambda: run_fast_cpu(work, planner()), 3, warmup=False)
         print(f"{policy:12s} simpy {steps / simpy_s:12,.0f} layer-steps/s   fast {steps / fast_s:12,.0f} layer-steps/s"
               f"   ({simpy_s / fast_s:.1f}x)")
 
