@@ -11,6 +11,7 @@ import argparse
 import os
 import platform
 
+from moesim.costmodel import CostModel
 from moesim.hardware import get_host, get_profile
 from moesim.models import get_model
 from moesim.placement import HostPlanner, make_placement
@@ -33,7 +34,7 @@ def main() -> None:
     steps = args.tokens * spec.n_layers
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; synthetic "
           f"{spec.name} trace, {args.tokens} tokens x {spec.n_layers} layers = {steps} layer-steps; {hw.name} + {host.name}")
-    link = Link.from_profile(hw, spec)
+    link = Link.of(CostModel(spec, hw))
     work = build_work(trace, hw, expert_times(spec, hw, host))
     context = trace.prompt_len + trace.n_tokens
     for policy, cache in (("cpu-static", 0), ("hot-experts", 0), ("cpu-on-miss", 1024)):

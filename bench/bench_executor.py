@@ -19,6 +19,7 @@ import argparse
 import numpy as np
 import torch
 
+from moesim.costmodel import CostModel
 from moesim.executor.model import ExecConfig, random_model
 from moesim.executor.profile import ProfileSettings, build_trace, generate
 from moesim.hardware import get_profile
@@ -51,7 +52,7 @@ def main() -> None:
         steps = slice(1, None)  # the first step still warms caches
         measured = tm["tpot_s"][steps].mean()
         compute = (tm["attn_s"].sum(1) + tm["expert_s"].sum(1) + tm["other_s"])[steps].mean()
-        copy = Link.from_profile(hw, model.spec).copy_time(len(tm["copy_bytes"]) / trace.n_tokens)
+        copy = Link.of(CostModel(model.spec, hw)).copy_time(len(tm["copy_bytes"]) / trace.n_tokens)
         sim = simulate(trace, hw, policy, sim="fast", timing="measured")
         pipeline = sim.tpot[steps].mean()
         ideal = compute + copy if policy == "on-demand" else pipeline

@@ -56,7 +56,8 @@ from moesim.executor.model import Hooks, MoEModel, TreeMask, expert_fn_for, mix_
 from moesim.executor.quant_experts import quantize_experts
 from moesim.executor.transport import CudaTransport, EmulatedLink, QueuedEmulatedLink, Transfer
 from moesim.hardware import HostProfile, builtin_hosts, get_host
-from moesim.placement import WORKSPACE_BYTES, HostPlanner, Placement, expert_times, kv_bytes, make_placement
+from moesim.memory import device_bytes
+from moesim.placement import HostPlanner, Placement, expert_times, make_placement
 from moesim.placement import cpu_layers as resolve_cpu_layers
 from moesim.policy import QUEUES, ExpertTimes, Planner, check_lookahead, cpu_or_copy, expert_slots, get_policy
 
@@ -155,7 +156,7 @@ def host_setup(spec, policy: str, hw, host=None, *, batch: int = 1, context: int
     if gpu_experts is not None:
         if gpu_experts < 0:
             raise MoesimError(f"--gpu-experts must be >= 0, got {gpu_experts}")
-        mem = spec.non_expert_bytes + kv_bytes(spec, batch, context) + WORKSPACE_BYTES + gpu_experts * spec.expert_bytes
+        mem = device_bytes(spec, pol, resident_experts=gpu_experts, batch=batch, context=context)  # the one fit
     placement = make_placement(pol, spec, mem, batch=batch, context=context, cpu_layers_n=cpu_layers,
                                calibration=calibration)
     n_cpu = resolve_cpu_layers(spec, cpu_layers, mem, batch, context) if pol.cpu == "layers" else None

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from moesim.costmodel import CostModel
 from moesim.executor.host_experts import HostExperts
 from moesim.executor.hwbench import cpu_interference, cpu_wakeup
 from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
@@ -208,7 +209,7 @@ def _case_row(name: str, gbps: float, policy: str, case: str, scored: list[tuple
     stats_, tr = scored[(len(scored) - 1) // 2]
     tm = tr.timings
     measured = {"measured_compute_ms": float((tm["attn_s"].sum(1) + tm["expert_s"].sum(1) + tm["other_s"])[1:].mean() * 1e3),
-                "measured_copy_ms": float(Link.from_profile(hw, model.spec).copy_time(len(tm["copy_bytes"])
+                "measured_copy_ms": float(Link.of(CostModel(model.spec, hw)).copy_time(len(tm["copy_bytes"])
                                                                                       / tr.n_tokens) * 1e3)}
     return {"model": name, "link_gbps": gbps, "policy": policy, "case": case, **measured, **_short(stats_),
             "runs": len(scored), "error_min": scored[0][0]["error"], "error_max": scored[-1][0]["error"]}
