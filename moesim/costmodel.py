@@ -14,15 +14,16 @@ piece                  method
 =====================  ==========================================================
 attention block        :meth:`CostModel.attention` (attention at a context, router,
                        dense FFN or shared experts, per-layer overhead)
-routed experts         :meth:`CostModel.experts_device`, :meth:`CostModel.experts_cpu`
-                       (by weight format; :meth:`CostModel.expert_times` bundles
-                       the figures the CPU policies decide with)
+routed experts         :meth:`CostModel.experts_device` on the GPU;
+                       :meth:`CostModel.expert_times` one expert on the GPU and on the
+                       CPU by weight format (what the CPU policies time and decide with)
 LM head                :meth:`CostModel.head`
 next-layer prediction  :meth:`CostModel.prediction`
 a copy of N bytes      :meth:`CostModel.copy`, :meth:`CostModel.copy_expert`
 a layer's prefill      :meth:`CostModel.prefill_layer`
 a draft forward        :meth:`CostModel.draft_forward`
 a collective           :meth:`CostModel.collective`
+GPU to GPU             :meth:`CostModel.peer_copy`
 =====================  ==========================================================
 
 Every block on a processor is a roofline: the larger of its memory time (bytes / the
@@ -342,6 +343,15 @@ class CostModel:
         return float(self.copy(self.spec.expert_bytes))
 
     # -- several devices -----------------------------------------------------------------
+    def peer_copy(self, nbytes, other: HardwareProfile) -> float:
+        """``nbytes`` from this GPU to ``other`` (the hidden states between two GPUs' layers):
+        over NVLink where both profiles give ``peer_gbs``, else through the host's PCIe at
+        the slower link; the larger transfer latency of the two."""
+        me = self._gpu()
+        nvlink = "peer_gbs" in me.figures and "peer_gbs" in other.figures
+        bw = min(me.peer_bw, other.peer_bw) if nvlink else min(me.link_bw, other.link_bw)
+        return max(me.transfer_latency, other.transfer_latency) + nbytes / bw
+
     def collective(self, nbytes, allreduce: bool, n_gpus: int, link_gbs: float, latency_us: float):
         """A ring all-reduce (``2 (n-1)/n`` of the bytes cross each link) or an all-to-all
         (``(n-1)/n``) of ``nbytes`` over ``n_gpus`` devices joined by ``link_gbs`` GB/s."""

@@ -139,10 +139,7 @@ def _crossing(cms: list[CostModel], a: int, b: int, nbytes: float) -> float:
     the GPU involved; GPU to GPU over the slower GPU's peer link (NVLink where both
     profiles give it, else the host's PCIe)."""
     if a != CPU and b != CPU and cms:
-        ga, gb = cms[a].gpu, cms[b].gpu
-        nvlink = "peer_gbs" in ga.figures and "peer_gbs" in gb.figures
-        bw = min(ga.peer_bw, gb.peer_bw) if nvlink else min(ga.link_bw, gb.link_bw)
-        return max(ga.transfer_latency, gb.transfer_latency) + nbytes / bw
+        return cms[a].peer_copy(nbytes, cms[b].gpu)
     gpu = a if a != CPU else b
     return float(cms[gpu].copy(nbytes)) if gpu != CPU and cms else 0.0
 
