@@ -153,8 +153,9 @@ def simulate_cpu_compute(trace: Trace, hw: HardwareProfile, policy: str = "cpu-s
         "resident_experts": placement.n_resident if placement is not None else 0,
         "expert_bytes": spec.expert_bytes, "synthetic_trace": trace.synthetic,
     }
-    need = device_bytes(spec, pol, cache_experts=cache_experts, batch=b, context=context,
-                        resident_experts=placement.n_resident if placement is not None else 0)
+    # cpu-on-miss's placement only warms its cache (inside cache_experts); the static ones hold theirs
+    held = placement.n_resident if placement is not None and pol.cpu != "miss" else 0
+    need = device_bytes(spec, pol, cache_experts=cache_experts, batch=b, context=context, resident_experts=held)
     config["device_gb_needed"] = need / 1e9
     config["fits"] = need <= hw["device_memory_gb"] * 1e9
     return CpuResult(config, tpot, run, plan, ttft, placement)

@@ -200,3 +200,15 @@ def test_every_layout_refuses_what_does_not_fit(trace):
         simulate(trace, "a6000", "weight-streaming", offload_gib=-1.0)
     assert not simulate(trace, "rtx4090", "weight-streaming", offload_gib=1.0).config["fits"]
     assert (make_layout(trace.model, 0).layer_device == CPU).all()
+
+
+def test_a_warm_cache_needs_no_more_memory_than_a_cold_one(trace):
+    """cpu-on-miss warms its cache with a calibration's hot set: the warm experts are the
+    cache's, so the memory fit is the cold cache's (it once added the whole hot set)."""
+    calib = synthetic_trace(trace.model, SyntheticParams(tokens=8, prompt_len=64, seed=3, draw_seed=9)).true_ids
+    kw = dict(cache_gib=4.0, host="ryzen-7950x")
+    cold = simulate(trace, "a6000", "cpu-on-miss", **kw)
+    warm = simulate(trace, "a6000", "cpu-on-miss", calibration=calib, **kw)
+    assert warm.config["resident_experts"] > 0
+    assert warm.config["device_gb_needed"] == cold.config["device_gb_needed"]
+    assert warm.config["fits"]
