@@ -151,6 +151,24 @@ def machine() -> dict[str, Any]:
             "numba": numba.__version__, "platform": platform.platform()}
 
 
+def busy_cpu_s() -> float | None:
+    """CPU seconds the whole machine has been busy (all processes; /proc/stat), or None."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return None
+
+
+def own_cpu_s() -> float:
+    """CPU seconds this process and its finished children used."""
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def load_average() -> list[float]:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -200,6 +218,7 @@ def main() -> None:
     report: dict[str, Any] = {"machine": machine(), "load_average_start": load_average(), "model": MODEL,
                               "synthetic_traces": True, "repeat": args.repeat, "jobs": jobs,
                               "command": "python bench/bench_sim.py " + " ".join(sys.argv[1:])}
+    wall0, busy0, own0 = time.perf_counter(), busy_cpu_s(), own_cpu_s()
     ref = timed(reference_loop, max(3, args.repeat))
     ref_s = ref["min_s"]
     report["reference_loop"] = {**ref, "what": "pure-Python loop of 2,000,000 float multiply-adds"}
@@ -213,6 +232,14 @@ def main() -> None:
             engines_and_planning(report, args, ref_s, long_trace, spec, hw)
             series = sweeps(report, args, ref_s, spec, jobs)
     report["load_average_end"] = load_average()
+    busy1, wall = busy_cpu_s(), time.perf_counter() - wall0
+    if busy0 is not None and busy1 is not None:
+        # The load that was not this benchmark's: what other processes kept busy, in cores,
+        # averaged over the run (0 on an idle machine; the load average counts this run too).
+        report["others_cores_busy"] = round(max(0.0, (busy1 - busy0) - (own_cpu_s() - own0)) / wall, 3)
+    report["wall_s"] = round(wall, 1)
+    print(f"load average at the end {report['load_average_end']}; other processes kept "
+          f"{report.get('others_cores_busy', float('nan')):.2f} cores busy on average during the run")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     from moesim.atomic import atomic_write_text
 

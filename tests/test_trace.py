@@ -369,6 +369,11 @@ def test_hostile_stored_members_are_one_line(tmp_path, tiny_trace, monkeypatch):
             with z.open("true_ids.npy", "w") as f:
                 np.lib.format.write_array(f, tiny_trace.true_ids)
     cases["twice"] = twice.read_bytes()
+    # A member flagged encrypted (zipfile: "password required"), in the default layout.
+    small = bytearray(write_trace(tiny_trace.head(3), tmp_path / "small.npz").read_bytes())
+    central = small.index(b"PK\x01\x02")
+    small[central + 8] |= 1
+    cases["encrypted"] = bytes(small)
     for label, data in cases.items():
         p = tmp_path / f"{label}.npz"
         p.write_bytes(data)

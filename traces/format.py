@@ -220,8 +220,10 @@ def read_trace(path: str | Path) -> Trace:
         raise MoesimError(f"cannot read trace {where}: {e.strerror or e}") from None
 
 
+#: What reading a hostile or damaged archive raises (RuntimeError: zipfile's "encrypted,
+#: password required"; NotImplementedError: an unknown compression method).
 _CORRUPT = (zipfile.BadZipFile, EOFError, ValueError, zlib.error, struct.error, TypeError, OverflowError,
-            SyntaxError, KeyError, NotImplementedError, UnicodeDecodeError, MemoryError)
+            SyntaxError, KeyError, NotImplementedError, RuntimeError, UnicodeDecodeError, MemoryError)
 
 
 def _corrupt(where: str, e: BaseException) -> MoesimError:
