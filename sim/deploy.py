@@ -49,7 +49,11 @@ def configuration(row: dict[str, Any]) -> str:
     elif fam == "gpu-layers":
         what = f"{row['gpu_layers']} layers on GPU, the rest on CPU"
     elif fam == "weight-streaming":
-        what = f"{row['offload_gib']} GiB of weights read over the link"
+        gib = _count(row["offload_gib"], float)
+        shown = row["offload_gib"] if gib is None else f"{gib:.1f}"
+        if isinstance(row["offload_gib"], str) and row["offload_gib"].startswith("auto"):
+            shown = f"auto ({shown})"
+        what = f"{shown} GiB of weights read over the link"
     elif fam == "hot-experts":
         gib = row["resident_experts"] * _expert_bytes(row) / 2**30 if _ok(row["resident_experts"]) else None
         what = f"{row['resident_experts']} hot experts on GPU" + (f" ({gib:.3g} GiB)" if gib is not None else "")
