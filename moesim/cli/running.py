@@ -3,6 +3,7 @@ and Ctrl-C that keeps finished work."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -44,3 +45,13 @@ def keeps_finished_work(command: Callable) -> Callable:
             return command(*args, **kwargs)
 
     return wrapper
+
+
+def need_executor() -> None:
+    """Refuse a command that runs the executor before any work when torch or safetensors is
+    missing: the ModuleNotFoundError becomes main()'s one line naming the extra. Checked by
+    name, not by importing what needs them: a half-importable torch makes other libraries
+    (scipy's array-API checks) fail with unrelated errors first."""
+    for name in ("torch", "safetensors"):
+        if importlib.util.find_spec(name) is None:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, err, out, print_csv, print_json, table
-from moesim.cli.running import keeps_finished_work, progress_bar
+from moesim.cli.running import keeps_finished_work, need_executor, progress_bar
 
 CASE_SHORT = {"same-policy": "same", "transfer from on-demand": "transfer"}
 
@@ -55,6 +55,7 @@ def validate(
 
         raise MoesimError("--json and --csv print the published suite (--published); the executor suite writes its "
                           "tables to --out")
+    need_executor()
     from moesim.reports.validation import validation_suite
 
     with progress_bar("validating", "runs") as update:
