@@ -212,13 +212,18 @@ def find_moe_layers(model: torch.nn.Module) -> list[MoeLayer]:
     """Per decoder layer with a router module (a child returning (logits, weights, ids))."""
     out = []
     for i, layer in enumerate(_decoder_layers(model)):
-        block = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
+        # The MoE block's attribute: mlp (most), block_sparse_moe (Mixtral-style), feed_forward
+        # (Llama-4, Jamba).
+        block = next((b for n in ("mlp", "block_sparse_moe", "feed_forward") if (b := getattr(layer, n, None))), None)
         if block is None:
             continue
         router = next((getattr(block, n) for n in ("gate", "router") if hasattr(block, n)), None)
-        if router is None or not hasattr(block, "experts") or not type(router).__name__.lower().endswith("router"):
-            continue  # a dense MLP (its ``gate_proj`` is not a router)
-        norm = getattr(layer, "post_attention_layernorm", None)
+        kind = type(router).__name__.lower()
+        if router is None or not hasattr(block, "experts") or not kind.endswith(("router", "gate")) \
+                or type(router) is torch.nn.Linear:
+            continue  # a dense MLP (its ``gate_proj`` is not a router), or a bare linear gate
+        # The norm before the MoE block (Jamba names it pre_ff_layernorm).
+        norm = getattr(layer, "post_attention_layernorm", None) or getattr(layer, "pre_ff_layernorm", None)
         if norm is None:
             raise MoesimError(f"{type(layer).__name__}: no post_attention_layernorm; cannot record predictors")
         out.append(MoeLayer(i, block, router, norm))
@@ -239,15 +244,21 @@ def _route(router: torch.nn.Module, x: torch.Tensor, scale: float,
     """(ids, gates) [N, k] from the router module called as its block calls it (``call``),
     largest gate first, gates / ``scale``."""
     call = call or RouterCall()
-    _, w, ids = _router_output(router(x.view(1, *x.shape) if call.ndim == 3 else x, *call.args, **call.kwargs))
+    _, w, ids = _router_output(router(x.view(1, *x.shape) if call.ndim == 3 else x, *call.args, **call.kwargs), router)
     w = w.float().reshape(-1, w.shape[-1]) / scale
     ids = ids.reshape(-1, ids.shape[-1])
     order = w.argsort(dim=-1, descending=True, stable=True)
     return ids.gather(-1, order), w.gather(-1, order)
 
 
-def _router_output(out) -> tuple:
-    """A router's ``(logits, weights, ids)`` (transformers 5.x MoE routers), checked."""
+def _router_output(out, router: torch.nn.Module | None = None) -> tuple:
+    """A router's ``(logits, weights, ids)``, checked: transformers 5.x MoE routers return
+    that triple; Llama-4's returns ``(scores, logits)`` with every expert's score (0 where
+    it is not routed), so its top-``router.top_k`` are read off the scores."""
+    if isinstance(out, (tuple, list)) and len(out) == 2 and getattr(router, "top_k", None):
+        scores, logits = out
+        w, ids = scores.reshape(-1, scores.shape[-1]).topk(int(router.top_k), dim=-1)
+        return logits, w, ids
     if not isinstance(out, (tuple, list)) or len(out) < 3:
         raise MoesimError(f"a router returned {type(out).__name__}, not (logits, weights, ids): not recordable")
     return out[0], out[1], out[2]
@@ -364,7 +375,7 @@ def record(model_dir: str | Path, prompts: Any, tokens: int = 64, device: str = 
                 x, call = _router_input(args, kwargs)
                 m.call = m.call or call
                 x = x.reshape(-1, x.shape[-1])
-                _, w, ids = _router_output(out)
+                _, w, ids = _router_output(out, mod)
                 w = w.float().reshape(-1, w.shape[-1]) / scale
                 order = w.argsort(dim=-1, descending=True, stable=True)
                 m.ids.append(ids.reshape(-1, ids.shape[-1]).gather(-1, order).cpu().numpy())
@@ -464,11 +475,23 @@ def default_vectors(layers: list[MoeLayer], spec: ModelSpec) -> list[torch.Tenso
         counts = torch.zeros(spec.n_experts)
         one = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
         for s in range(ids.shape[1]):
-            y = m.block.experts(x, ids[:, s:s + 1], one).float().cpu()
+            y = _expert_outputs(m.block.experts, x, ids[:, s:s + 1], one).float().cpu()
             sums.index_add_(0, ids[:, s].cpu(), y)
             counts.index_add_(0, ids[:, s].cpu(), torch.ones(ids.shape[0]))
         out.append(sums / counts.clamp(min=1)[:, None])
     return out
+
+
+def _expert_outputs(experts: torch.nn.Module, x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    """Each token's output of its expert ``ids[:, 0]`` [N, H], by the block's own expert
+    module: transformers 5.x experts take ``(x, ids, gates)``; Llama-4's take every
+    expert's copy of the tokens at once (``[E * N, H]`` in, the same out), so each token's
+    row is read from its expert's block."""
+    if len(inspect.signature(experts.forward).parameters) >= 3:
+        return experts(x, ids, gates)
+    n_exp = experts.num_experts
+    y = experts(x.repeat(n_exp, 1)).view(n_exp, x.shape[0], -1)  # [E, N, H]
+    return y[ids[:, 0], torch.arange(x.shape[0], device=x.device)] * gates
 
 
 def predictions(layers: list[MoeLayer], spec: ModelSpec, scale: float) -> dict[str, tuple[np.ndarray, np.ndarray]]:

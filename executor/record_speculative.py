@@ -234,7 +234,7 @@ class Pair:
         self.hooks = []
         for j, m in enumerate(layers):
             def on_router(mod, args, out, j=j):
-                _, w, ids = _router_output(out)
+                _, w, ids = _router_output(out, mod)
                 out = (None, w.reshape(-1, w.shape[-1]), ids.reshape(-1, ids.shape[-1]))
                 w = out[1].float() / scale  # routed_scaling_factor divided out, as plain record does
                 order = w.argsort(dim=-1, descending=True, stable=True)

@@ -122,12 +122,7 @@ def test_modelled_features_of_the_2026_families():
 # Tiny random checkpoints of every family transformers has
 # --------------------------------------------------------------------------------------
 
-RECORD_XFAIL = {
-    # executor/record.py finds routers under layer.mlp / layer.block_sparse_moe named *Router only.
-    "llama4_text": "executor/record.py looks for the MoE block under mlp/block_sparse_moe; Llama-4's is feed_forward",
-    "jamba": "executor/record.py looks for the MoE block under mlp/block_sparse_moe; Jamba's is feed_forward",
-    "hunyuan_v1_moe": "executor/record.py wants a router class named *Router; HunYuan's is HunYuanMoEV1Gate",
-}
+RECORD_XFAIL: dict[str, str] = {}  # families read but not recordable (executor/record.py): none left
 #: Families moesim refuses, in one line that names what is missing.
 REFUSED = {
     "bailing_hybrid": "linear layers need a LinearAttention of a known kind",
