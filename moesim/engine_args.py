@@ -8,7 +8,9 @@ One function per engine turns an answer into its arguments, so a new engine join
   on the GPUs, the head with them when N covers every layer), ``--n-cpu-moe N`` (the
   expert tensors of the first N model layers stay on the CPU; ``--cpu-moe`` for all),
   ``--tensor-split`` and ``--split-mode`` across GPUs, ``-t``, ``-c`` (llama.cpp's
-  ``common/arg.cpp`` defines them);
+  ``common/arg.cpp`` defines them); ``program="llama-bench"`` spells the same deployment
+  for ``llama-bench`` (:func:`llama_bench_args`: its own spellings of the few flags that
+  differ);
 - KTransformers: an optimize-rule YAML that keeps the chosen layers' experts on the CPU
   (its ``optimize_rules`` format: a ``match`` regex on module names and a ``replace``
   class) and ``--cpu_infer``, or ``--kt-num-gpu-experts`` for GPU experts per layer;
@@ -61,8 +63,7 @@ def llama_cpp(spec: ModelSpec, layout: Layout, *, threads: int | None = None, co
     if on_cpu_of_gpu_layers:
         n_model = spec.moe_layers[max(on_cpu_of_gpu_layers)] + 1  # --n-cpu-moe counts model layers from 0
         args += ["--cpu-moe"] if cpu_moe == spec.n_moe_layers else ["--n-cpu-moe", str(n_model)]
-        blocks = _ranges([spec.moe_layers[m] for m in on_cpu_of_gpu_layers])
-        note = (f"the same placement for builds without --n-cpu-moe: -ot 'blk\\.({blocks})\\.ffn_.*_exps\\.=CPU' "
+        note = (f"the same placement for builds without --n-cpu-moe: -ot '{cpu_moe_override(spec, layout)}' "
                 "(the routed experts' tensors of those layers in host memory)")
     if layout.n_gpus > 1:
         if layout.split == "tensor":
@@ -74,7 +75,54 @@ def llama_cpp(spec: ModelSpec, layout: Layout, *, threads: int | None = None, co
         args += ["-t", str(threads)]
     if context:
         args += ["-c", str(context)]
+    if program == "llama-bench":
+        args, dropped = llama_bench_args(args, spec.n_layers)
+        note = "; ".join(x for x in (note, *dropped) if x)
     return Invocation("llama.cpp", args, {}, note)
+
+
+def cpu_moe_override(spec: ModelSpec, layout: Layout) -> str | None:
+    """The ``-ot`` value that keeps on the CPU the routed experts ``--n-cpu-moe`` would
+    (the expert tensors of the GPU layers whose experts are all on the CPU), or None."""
+    layers = [spec.moe_layers[m] for m in range(spec.n_moe_layers)
+              if layout.layer_device[spec.moe_layers[m]] != CPU and (layout.expert_device[m] == CPU).all()]
+    return f"blk\\.({_ranges(layers)})\\.ffn_.*_exps\\.=CPU" if layers else None
+
+
+def llama_bench_args(args: list[str], n_layers: int) -> tuple[list[str], list[str]]:
+    """``llama-server`` / ``llama-cli`` arguments as ``llama-bench`` spells them, and what
+    had to be left out. llama-bench (tools/llama-bench/llama-bench.cpp) reads a comma as a
+    list of *test values*, so: ``--tensor-split 3,1`` becomes ``-ts 3/1`` (its device
+    separator), several ``-ot`` overrides joined by ``,`` are joined by ``;``; it has no
+    ``--cpu-moe``, which becomes ``--n-cpu-moe <every layer>``; ``--split-mode`` is ``-sm``;
+    it has no ``-c`` (each test's context is its ``-p``, ``-n`` and ``-d``), which is left
+    out. ``-m``, ``-ngl``, ``--n-cpu-moe``, ``-t`` and ``-fa`` are spelled alike."""
+    if not args:
+        return [], []
+    out = ["llama-bench" if args[0].startswith("llama-") else args[0]]
+    dropped: list[str] = []
+    i = 1
+    while i < len(args):
+        a = args[i]
+        if a in ("--cpu-moe", "-cmoe"):  # the one switch llama_cpp() prints; every other flag has a value
+            out += ["--n-cpu-moe", str(n_layers)]
+            i += 1
+            continue
+        if i + 1 >= len(args):
+            raise MoesimError(f"llama.cpp argument {a} has no value")
+        val = args[i + 1]
+        if a in ("-c", "--ctx-size"):
+            dropped.append(f"{a} {val} left out: llama-bench has no context flag (a test's context is -p + -n + -d)")
+        elif a in ("--tensor-split", "-ts"):
+            out += ["-ts", val.replace(",", "/")]
+        elif a in ("--split-mode", "-sm"):
+            out += ["-sm", val]
+        elif a in ("-ot", "--override-tensor"):
+            out += ["-ot", val.replace(",", ";")]
+        else:
+            out += [a, val]
+        i += 2
+    return out, dropped
 
 
 def _whole_layers(layout: Layout) -> bool:
