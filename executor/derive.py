@@ -24,6 +24,7 @@ from moesim.executor.estimator import train_estimator
 from moesim.executor.loading import check_derived_out, checkpoint_dir, derived_checkpoint
 from moesim.executor.model import load_checkpoint
 from moesim.executor.speculative import train_expert_predictor
+from moesim.inputs import TEXT_CAP, read_bytes
 
 
 def default_out(source: Path, suffix: str) -> Path:
@@ -40,15 +41,12 @@ def calibrate_checkpoint(model: str, out: Path | None = None, text: Path | None 
     path = checkpoint_dir(model)
     out = out or default_out(path, "calibrated")
     check_derived_out(path, out, force)
+    if text is not None:  # before the checkpoint loads: a device, a folder, a silent FIFO is one line (moesim.inputs)
+        data, what = read_bytes(text, "calibration text", TEXT_CAP), str(text)
     m = load_checkpoint(path)
     if m.spec.vocab != 256:
         raise MoesimError("calibrate reads text as bytes: it needs a byte-level (256-token) model")
-    if text is not None:
-        try:
-            data, what = text.read_bytes(), str(text)
-        except OSError as e:
-            raise MoesimError(f"cannot read {text}: {e.strerror}") from None
-    else:
+    if text is None:
         data, _, desc = splits()
         what = describe_training_split(desc)
     ids = torch.tensor(list(data[:tokens]), dtype=torch.long)

@@ -24,6 +24,7 @@ from moesim.executor.estimator import load_estimator
 from moesim.executor.families import hf_spec
 from moesim.executor.model import ExecConfig, MoEModel, load_checkpoint, random_model
 from moesim.executor.runtime import predictor_inputs
+from moesim.inputs import check_name
 from moesim.models import CATALOGUE, ModelSpec, get_model
 from moesim.outputs import check_output_dir
 from moesim.policy import get_policy
@@ -54,7 +55,7 @@ def refuse_shipped(path: str | Path, force: bool) -> None:
 def checkpoint_dir(name: str | Path) -> Path:
     """A shipped checkpoint's name, or a checkpoint directory (a Hugging Face cache folder
     ``models--ORG--NAME`` resolves to its one snapshot, :func:`resolve_snapshot`)."""
-    path = shipped_model(str(name)) if str(name) in (SHIPPED_MODEL, DRAFT_MODEL) else Path(name)
+    path = shipped_model(str(name)) if str(name) in (SHIPPED_MODEL, DRAFT_MODEL) else check_name(Path(name), "checkpoint")
     if not path.is_dir():
         raise MoesimError(f"{name} is not a checkpoint directory")
     return resolve_snapshot(path)

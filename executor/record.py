@@ -35,7 +35,9 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import inspect
+import json
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -46,12 +48,15 @@ import numpy as np
 import torch
 
 from moesim import __version__, budget
+from moesim.artefacts import safetensors_header
 from moesim.errors import MoesimError
 from moesim.executor.defaults import DRAFT_MODEL, SHIPPED_MODEL
 from moesim.executor.families import FAMILIES
 from moesim.executor.interrupt import stop_on_interrupt, stop_requested
 from moesim.executor.loading import resolve_snapshot, shipped_model
 from moesim.executor.profile import DEFAULT_PROMPT
+from moesim.hf_config import EXPERT_KEYS, split_config
+from moesim.inputs import JSON_CAP, check_input, check_name, kind_of, read_bytes
 from moesim.models import ModelSpec, from_hf_config, read_config
 from moesim.outputs import check_output_file
 from moesim.traces.format import Trace, write_trace
@@ -77,18 +82,101 @@ def checkpoint_folder(model_dir: str | Path) -> Path:
     """A checkpoint folder to record from: a shipped checkpoint's name, a folder, or a
     Hugging Face cache folder (``models--ORG--NAME``: its one snapshot). One line, before
     anything loads, for a folder with no config.json or with a config.json and no weights."""
-    path = shipped_model(str(model_dir)) if str(model_dir) in (SHIPPED_MODEL, DRAFT_MODEL) else Path(model_dir)
-    if path.is_dir():
-        path = resolve_snapshot(path)
-    if not (path / "config.json").is_file():
+    shipped = str(model_dir) in (SHIPPED_MODEL, DRAFT_MODEL)
+    path = shipped_model(str(model_dir)) if shipped else check_name(Path(model_dir), "model folder")
+    kind = kind_of(path)
+    if kind == "missing":
+        raise MoesimError(f"model folder {path} does not exist")
+    if kind != "folder":
+        raise MoesimError(f"{path}: not a Hugging Face checkpoint (a {kind}; record reads a folder: config.json "
+                          "and its weights)")
+    path = resolve_snapshot(path)
+    if kind_of(path / "config.json") == "missing":
         raise MoesimError(f"{path}: not a Hugging Face checkpoint (no config.json)")
-    read_config(path / "config.json")  # an unreadable config says so first
+    cfg = read_config(path / "config.json")  # an unreadable config says so first
     if not weight_files(path):
         index = sorted(p.name for p in path.glob("*.index.json"))
         raise MoesimError(f"{path}: a config.json but no weight files ({', '.join(WEIGHT_SUFFIXES)})"
                           + (f"; {index[0]} names shards that are not there" if index else "")
                           + ": download the weights first")
+    check_weights(path, cfg)
     return path
+
+
+#: The weight files transformers' from_pretrained loads (a single file, or an index naming shards).
+LOADED = ("model.safetensors", "pytorch_model.bin")
+_LAYER_OF = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_EXPERT_OF = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:[a-z_]+\.)?experts\.(\d+)\.")
+
+
+def loaded_weights(path: Path) -> list[Path]:
+    """The files from_pretrained will load, each a regular file: one line, before loading,
+    for weights it would not find (``estimator.safetensors`` alone; an index whose shards
+    are missing)."""
+    for base in LOADED:
+        index = path / f"{base}.index.json"
+        if kind_of(index) != "missing":
+            try:
+                shards = json.loads(read_bytes(index, "weight index", JSON_CAP).decode("utf-8"))["weight_map"]
+                names = sorted({str(n) for n in shards.values()})
+            except (ValueError, KeyError, TypeError, AttributeError):
+                raise MoesimError(f"{index}: not a weight index (JSON with a weight_map of tensor -> file)") from None
+            if not names or any("/" in n or n in ("", ".", "..") for n in names):
+                raise MoesimError(f"{index}: its weight_map names {names[:1] or 'no file'}: not shard files of "
+                                  "this folder")
+            missing = [n for n in names if kind_of(path / n) == "missing"]
+            if missing:
+                raise MoesimError(f"{path}: {index.name} names {len(names)} shard(s); {len(missing)} not there "
+                                  f"({missing[0]}): download the weights first")
+            files = [path / n for n in names]
+            break
+        if kind_of(path / base) != "missing":
+            files = [path / base]
+            break
+    else:
+        have = ", ".join(p.name for p in weight_files(path)[:3])
+        raise MoesimError(f"{path}: weight files ({have}) but none that transformers loads ({' or '.join(LOADED)}, "
+                          "or its .index.json with the shards): download the model's weights")
+    for f in files:
+        if check_input(f, "weight file") != "file":
+            raise MoesimError(f"weight file {f} is a pipe: weights are mapped from a file; give a file")
+    return files
+
+
+def check_weights(path: Path, raw: dict) -> None:
+    """The weights transformers will load are there and, where their safetensors headers say
+    (no tensor is read), agree with config.json: the embedding is [vocab, hidden], and every
+    layer and routed expert the config names has weights (transformers would refuse a wrong
+    shape only after loading began, and fill a missing layer with random numbers)."""
+    files = loaded_weights(path)
+    if any(f.suffix != ".safetensors" for f in files):
+        return
+    shapes = {}
+    for f in files:
+        shapes.update({name: (t.get("dtype"), t.get("shape")) for name, t in safetensors_header(f).items()
+                       if isinstance(t, dict)})
+    cfg, _ = split_config(raw)
+    vocab, hidden, layers = cfg.get("vocab_size"), cfg.get("hidden_size"), cfg.get("num_hidden_layers")
+    experts = next((cfg[k] for k in EXPERT_KEYS if cfg.get(k) is not None), None)
+    embed = next((n for n in shapes if n.endswith("embed_tokens.weight")), None)
+    if embed and shapes[embed][0] in ("F32", "F16", "BF16") and all(isinstance(v, int) for v in (vocab, hidden)) \
+            and shapes[embed][1] != [vocab, hidden]:
+        raise MoesimError(f"{path}: {embed} is {shapes[embed][1]} in the weights; config.json says [vocab_size, "
+                          f"hidden_size] = [{vocab}, {hidden}]: the weights are of another model (or the config "
+                          "was edited)")
+    found = {int(m[1]) for n in shapes if (m := _LAYER_OF.search(n))}
+    if found and isinstance(layers, int) and not isinstance(layers, bool) and max(found) + 1 < layers:
+        raise MoesimError(f"{path}: the weights hold {max(found) + 1} layer(s); config.json says num_hidden_layers = "
+                          f"{layers}")
+    per: dict[int, set[int]] = {}
+    for n in shapes:
+        if m := _EXPERT_OF.search(n):
+            per.setdefault(int(m[1]), set()).add(int(m[2]))
+    if isinstance(experts, int) and not isinstance(experts, bool):
+        short = next(((layer, len(e)) for layer, e in sorted(per.items()) if len(e) < experts), None)
+        if short:
+            raise MoesimError(f"{path}: layer {short[0]} holds weights for {short[1]} routed expert(s); config.json "
+                              f"says {experts}")
 
 
 def check_record_device(device: str) -> None:

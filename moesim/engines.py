@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from moesim.errors import MoesimError
-from moesim.hardware import Figure, _FigureLookup, parse_figures, read_toml
+from moesim.hardware import Figure, _FigureLookup, given_path, parse_figures, read_toml
 from moesim.models import DTYPES
 
 #: Figure name -> (unit, required, whether an integer, description).
@@ -199,9 +199,7 @@ def get_engine(name_or_path: str | EngineProfile | None = None) -> EngineProfile
     builtin = builtin_engines()
     if name.lower() in builtin:
         return _builtin(name.lower())
-    p = Path(name)
-    if p.suffix == ".toml" or p.exists():
-        if not p.exists():
-            raise MoesimError(f"engine profile file {p} does not exist")
+    p = given_path(name, "engine profile")
+    if p is not None:
         return load_engine(p)
     raise MoesimError(f"unknown engine {name!r}; built-in: {', '.join(builtin)} (or a .toml path)")

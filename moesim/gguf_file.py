@@ -21,6 +21,7 @@ from typing import Any
 
 from moesim.artefacts import apply_tensor_bytes
 from moesim.errors import MoesimError
+from moesim.inputs import check_name, kind_of, original_names, readable_path
 from moesim.models import DTYPES, Attention, LinearAttention, ModelSpec
 
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -45,19 +46,23 @@ def parts_of(path: Path) -> list[Path]:
         return [path]
     count = int(m["count"])
     files = [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
-    missing = [f.name for f in files if not f.is_file()]
+    missing = [f.name for f in files if kind_of(f) == "missing"]
     if missing:
         raise MoesimError(f"{path}: split GGUF part {missing[0]} is missing ({len(missing)} of {count} parts)")
     return files
 
 
 def _reader(path: Path):
+    """gguf-py's reader (it maps the file): a pipe's bytes are spooled to a file first; a
+    device, a socket or a silent named pipe is one line (moesim.inputs)."""
     gguf = _gguf()
+    where, path = path, readable_path(path, "GGUF file")
     try:
         return gguf.GGUFReader(str(path), "r")
-    except (ValueError, OSError, IndexError, KeyError) as e:
-        raise MoesimError(f"{path}: not a readable GGUF file ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})"
-                          ) from None
+    except (ValueError, OSError, IndexError, KeyError, TypeError, OverflowError, EOFError, UnicodeDecodeError,
+            MemoryError) as e:
+        raise MoesimError(f"{where}: not a readable GGUF file "
+                          f"({original_names(str(e)).splitlines()[0][:120] if str(e) else type(e).__name__})") from None
 
 
 def _value(field) -> Any:
@@ -83,9 +88,11 @@ def _dtype(type_name: str) -> str:
 def spec_from_gguf(path: str | Path) -> ModelSpec:
     """A spec for the model in a GGUF file (or the first part of a split one): geometry
     from its metadata, the routed experts' and every layer's bytes from its tensors."""
-    path = Path(path)
-    if not path.is_file():
+    path = check_name(Path(path), "GGUF file")
+    if kind_of(path) == "missing":
         raise MoesimError(f"GGUF file {path} does not exist")
+    if kind_of(path) == "folder":
+        raise MoesimError(f"GGUF file {path} is a folder, not a file")
     files = parts_of(path)
     readers = [_reader(f) for f in files]
     meta = metadata(readers[0])

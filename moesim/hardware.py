@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from moesim.errors import MoesimError
+from moesim.inputs import TOML_CAP, check_name, kind_of, read_text
 from moesim.models import INTEGER_DTYPES  # models imports nothing from here; keep it that way
 
 LINK_KINDS = ("pcie3", "pcie4", "pcie5", "nvlink-c2c", "emulated")
@@ -268,20 +269,28 @@ def parse_profile(data: dict[str, Any], where: str) -> HardwareProfile:
 
 
 def read_toml(path: Path, what: str) -> dict[str, Any]:
-    if path.is_dir():
+    """A profile TOML (:mod:`moesim.inputs`: a device, socket, silent named pipe, a name too
+    long or a file over TOML_CAP is one line before a byte is read; a pipe is read)."""
+    check_name(path, what)
+    if kind_of(path) == "folder":
         raise MoesimError(f"{what} {path} is a directory, not a .toml file")
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except OSError as e:
-        raise MoesimError(f"cannot read {what} {path}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise MoesimError(f"{path}: not a {what} (not UTF-8 text; a TOML file is expected)") from None
-    if "\x00" in text:
-        raise MoesimError(f"{path}: not a {what} (binary data; a TOML file is expected)")
+    text = read_text(path, what, TOML_CAP, expected="a TOML file")
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise MoesimError(f"{path}: not valid TOML ({e})") from None
+
+
+def given_path(name_or_path: str, what: str) -> Path | None:
+    """``name_or_path`` as a path when something is there (a file, a folder, a pipe, a
+    device: the reader says which it will not read), None for a name; a .toml that is not
+    there, or a name longer than the file system allows, is one line."""
+    p = check_name(Path(name_or_path), what)
+    if kind_of(p) == "missing":
+        if p.suffix == ".toml":
+            raise MoesimError(f"{what} file {p} does not exist")
+        return None
+    return p
 
 
 def load_profile(path: str | Path) -> HardwareProfile:
@@ -302,10 +311,8 @@ def get_profile(name_or_path: str) -> HardwareProfile:
     builtin = builtin_profiles()
     if name_or_path.lower() in builtin:
         return load_profile(builtin[name_or_path.lower()])
-    p = Path(name_or_path)
-    if p.suffix == ".toml" or p.exists():
-        if not p.exists():
-            raise MoesimError(f"hardware profile file {p} does not exist")
+    p = given_path(name_or_path, "hardware profile")
+    if p is not None:
         return load_profile(p)
     if name_or_path.lower() in builtin_hosts():
         raise MoesimError(f"{name_or_path!r} is a host (CPU) profile, not a GPU one: `moesim hw {name_or_path} --hosts` "
@@ -441,10 +448,8 @@ def get_host(name_or_path: str | None = None, gpu: HardwareProfile | None = None
     builtin = builtin_hosts()
     if name_or_path.lower() in builtin:
         return load_host(builtin[name_or_path.lower()])
-    p = Path(name_or_path)
-    if p.suffix == ".toml" or p.exists():
-        if not p.exists():
-            raise MoesimError(f"host profile file {p} does not exist")
+    p = given_path(name_or_path, "host profile")
+    if p is not None:
         return load_host(p)
     raise MoesimError(f"unknown host profile {name_or_path!r}; built-in: {', '.join(builtin)} (or a .toml path)")
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from moesim.artefacts import exact_bytes, formats_from_config
 from moesim.errors import MoesimError
+from moesim.inputs import kind_of
 from moesim.models import HF_FAMILIES, Attention, LinearAttention, ModelSpec, _int, read_config
 
 #: Families whose keys the hand parser knows (model_type values, after an ``architectures``
@@ -356,7 +357,7 @@ def load_config(path: Path, raw: dict[str, Any]):
     mtype = raw.get("model_type")
     with _quiet():
         if mtype in CONFIG_MAPPING:
-            if path.name == "config.json":
+            if path.name == "config.json" and kind_of(path) == "file":  # a pipe was read once: its bytes are raw
                 return AutoConfig.from_pretrained(str(path.parent), trust_remote_code=False, local_files_only=True)
             return CONFIG_MAPPING[mtype].from_dict(raw)
         fam = family_of(raw)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from moesim.errors import MoesimError
+from moesim.inputs import JSON_CAP, check_input, check_name, kind_of, read_bytes
 
 # ---------------------------------------------------------------------------------------
 # Weight formats
@@ -1034,11 +1035,14 @@ def get_model(name_or_path: str) -> ModelSpec:
     rather than a silent fallback to the catalogue.
     """
     key = ALIASES.get(name_or_path.lower(), name_or_path.lower())
-    p = Path(name_or_path)
-    if p.exists():
-        cfg = p / "config.json" if p.is_dir() else p
-        gguf = sorted(p.glob("*.gguf")) if p.is_dir() else [p] if p.suffix == ".gguf" else []
-        if gguf and not (p / "config.json").is_file():
+    p = check_name(Path(name_or_path), "model")
+    kind = kind_of(p)
+    if kind != "missing":
+        if kind != "folder":
+            check_input(p, "model config")  # a device or socket: one line, never read
+        cfg = p / "config.json" if kind == "folder" else p
+        gguf = sorted(p.glob("*.gguf")) if kind == "folder" else [p] if p.suffix == ".gguf" else []
+        if gguf and kind_of(p / "config.json") == "missing":
             from moesim.gguf_file import spec_from_gguf  # it builds ModelSpecs: importing it at the top is a circle
 
             spec = spec_from_gguf(gguf[0])
@@ -1046,7 +1050,7 @@ def get_model(name_or_path: str) -> ModelSpec:
                 warnings.warn(f"{name_or_path!r} is both a local path and the catalogue model {key!r}; "
                               f"using the local {gguf[0]}", UserWarning, stacklevel=2)
             return spec
-        if not cfg.is_file():
+        if kind_of(cfg) == "missing":
             also = f" (also the catalogue model {key!r}: pass it from another directory)" if key in CATALOGUE else ""
             raise MoesimError(f"model directory {p} has no config.json{also}")
         spec = from_hf_config(cfg)
@@ -1104,9 +1108,7 @@ def read_config(path: str | Path) -> dict:
     one clear error (every reader of a checkpoint's config goes through here)."""
     path = Path(path)
     try:
-        cfg = json.loads(path.read_bytes().decode("utf-8"))
-    except OSError as e:
-        raise MoesimError(f"cannot read {path}: {e.strerror or e}") from None
+        cfg = json.loads(read_bytes(path, "model config", JSON_CAP).decode("utf-8"))
     except UnicodeDecodeError:
         raise MoesimError(f"cannot read {path}: not UTF-8 text (a config.json is expected)") from None
     except json.JSONDecodeError as e:

@@ -30,6 +30,7 @@ from numpy.lib import format as npformat
 
 from moesim.atomic import atomic_write
 from moesim.errors import MoesimError
+from moesim.inputs import kind_of, original_names, readable_path
 from moesim.models import ModelSpec
 from moesim.traces.header import FORMAT, READABLE, VERSION, TraceMeta
 from moesim.traces.records import COPY_FIELDS, COPY_KINDS
@@ -199,11 +200,18 @@ def read_trace(path: str | Path) -> Trace:
     and writing into one never changes the file. The checks read such arrays through a
     small buffer (with their CRC-32), not through the map. Deflated members (every trace
     written before version 2's stored layout, and small arrays) are decompressed."""
-    path = Path(path)
     where = str(path)
-    if path.is_dir():
+    try:
+        return _read_trace(readable_path(path, "trace"), where)  # a pipe's bytes are spooled to a file first
+    except MoesimError as e:
+        raise MoesimError(original_names(str(e))) from None
+
+
+def _read_trace(path: Path, where: str) -> Trace:
+    kind = kind_of(path)
+    if kind == "folder":
         raise MoesimError(f"trace {where} is a folder, not a trace file (.npz)")
-    if not path.exists():
+    if kind == "missing":
         raise MoesimError(f"trace {where} does not exist")
     try:
         with open(path, "rb") as f:

@@ -43,6 +43,7 @@ import numpy as np
 
 from moesim import __version__
 from moesim.errors import MoesimError
+from moesim.inputs import check_name, kind_of, original_names, read_bytes, readable_path
 from moesim.models import ModelSpec, get_model
 from moesim.outputs import check_output_file
 from moesim.traces.format import Trace, write_trace
@@ -58,23 +59,29 @@ def import_routing(fmt: str, path: str | Path, model: str | ModelSpec, out: str 
     of a plain ``.npy`` vLLM dump (a ``.npz`` or JSON carries its own). Returns the trace."""
     if fmt not in FORMATS:
         raise MoesimError(f"unknown routing format {fmt!r}; known: {', '.join(FORMATS)}")
-    path = Path(path)
-    if not path.is_file():
-        raise MoesimError(f"routing dump {path} does not exist")
+    given = Path(path)
+    if kind_of(check_name(given, "routing dump")) == "missing":
+        raise MoesimError(f"routing dump {given} does not exist")
     if prompt_tokens is not None and (isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int)
                                       or prompt_tokens < 1):
         raise MoesimError(f"prompt_tokens must be a whole number >= 1 (got {prompt_tokens!r})")
     spec = model if isinstance(model, ModelSpec) else get_model(model)
     if out is not None:
         check_output_file(out, (".npz",))
-    where = path.name
-    if fmt in ("vllm", "sglang"):
-        ids, gates, tokens, prompt_len = _read_vllm(path, where, spec, prompt_tokens, fmt)
-    elif fmt == "jsonl":
-        ids, gates, tokens, prompt_len = _read_jsonl(path, spec, where)
-    else:
-        ids, gates, tokens, prompt_len = _read_npz(path, where)
-    trace = _build(spec, ids, gates, tokens, prompt_len, fmt, path, where)
+    where = given.name
+    try:  # a pipe (<(curl ...), a FIFO) is spooled to a file; a device, a folder, a file past memory: one line
+        path = readable_path(given, "routing dump", _dump_cap())
+        if kind_of(path) == "folder":
+            raise MoesimError(f"routing dump {given} is a folder, not a file")
+        if fmt in ("vllm", "sglang"):
+            ids, gates, tokens, prompt_len = _read_vllm(path, where, spec, prompt_tokens, fmt, given.suffix)
+        elif fmt == "jsonl":
+            ids, gates, tokens, prompt_len = _read_jsonl(path, spec, where)
+        else:
+            ids, gates, tokens, prompt_len = _read_npz(path, where)
+    except MoesimError as e:
+        raise MoesimError(original_names(str(e))) from None
+    trace = _build(spec, ids, gates, tokens, prompt_len, fmt, given, where)
     if out is not None:
         write_trace(trace, out)
     return trace
@@ -83,6 +90,23 @@ def import_routing(fmt: str, path: str | Path, model: str | ModelSpec, out: str 
 # --------------------------------------------------------------------------------------
 # Readers: each returns ids [T, M, B, k], gates or None, token ids [B, T] or None, prompt length
 # --------------------------------------------------------------------------------------
+
+
+def _dump_cap() -> float:
+    """The largest routing dump read: half of the memory this process can still allocate."""
+    from moesim.budget import available_memory
+
+    return available_memory() / 2
+
+
+def _text(path: Path, where: str, expected: str) -> str:
+    """A JSON or JSON-lines dump as text; its Python objects take ~10x its bytes, so a text
+    dump is refused past a tenth of the memory left (before it is read)."""
+    data = read_bytes(path, "routing dump", _dump_cap() / 5)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise MoesimError(f"{where}: not UTF-8 text ({expected} is expected)") from None
 
 
 def _load_npz(path: Path, where: str) -> dict[str, np.ndarray]:
@@ -134,8 +158,8 @@ def _b64_array(s, where: str, what: str, spec: ModelSpec) -> np.ndarray:
 def _read_vllm_json(path: Path, where: str, spec: ModelSpec, fmt: str):
     """The OpenAI-compatible server's completion response (vLLM) or /generate's (SGLang)."""
     try:
-        d = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_no_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
+        d = json.loads(_text(path, where, "a JSON response"), parse_constant=_no_constant)
+    except (json.JSONDecodeError, ValueError, RecursionError) as e:
         raise MoesimError(f"{where}: not a JSON response ({str(e)[:80]})") from None
     items = d if isinstance(d, list) else [d]
     arrays, prompts, tokens = [], [], []
@@ -181,16 +205,26 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
-def _read_vllm(path: Path, where: str, spec: ModelSpec, prompt_tokens: int | None, fmt: str = "vllm"):
+def _sniff(path: Path, suffix: str) -> str:
+    """The kind of a vLLM dump: its suffix, or (a pipe's /dev/fd/N has none) its first bytes."""
+    if suffix in (".json", ".npy", ".npz"):
+        return suffix
+    with open(path, "rb") as f:
+        head = f.read(8).lstrip()
+    return ".npy" if head.startswith(b"\x93NUMPY") else ".npz" if head.startswith(b"PK") else ".json"
+
+
+def _read_vllm(path: Path, where: str, spec: ModelSpec, prompt_tokens: int | None, fmt: str = "vllm",
+               suffix: str | None = None):
     gates = tokens = None
-    if path.suffix == ".json" or fmt == "sglang":
+    kind = _sniff(path, path.suffix if suffix is None else suffix)
+    if kind == ".json" or fmt == "sglang":
         r, p, tokens, gates = _read_vllm_json(path, where, spec, fmt)
-    elif path.suffix == ".npy":
+    elif kind == ".npy":
         if prompt_tokens is None:
             raise MoesimError(f"{where}: a plain .npy of routed experts does not say how long the prompt was: "
                               "give --prompt-tokens (or save a .npz with prompt_tokens)")
-        with open(path, "rb") as f:
-            r = _npy_bytes(f.read(), where, "the file")
+        r = _npy_bytes(read_bytes(path, "routing dump", _dump_cap()), where, "the file")
         p = prompt_tokens
     else:
         d = _load_npz(path, where)
@@ -253,10 +287,7 @@ def _read_npz(path: Path, where: str):
 def _read_jsonl(path: Path, spec: ModelSpec, where: str):
     moe_index = {layer: j for j, layer in enumerate(spec.moe_layers)}
     rows = []
-    try:
-        lines = path.read_bytes().decode("utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise MoesimError(f"{where}: not UTF-8 text (a JSON-lines file is expected)") from None
+    lines = _text(path, where, "a JSON-lines file").splitlines()
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -270,12 +301,17 @@ def _read_jsonl(path: Path, spec: ModelSpec, where: str):
             if not isinstance(experts, list) or not experts:
                 raise TypeError("experts must be a non-empty list")
             experts = [_whole(e, "an expert id", f"{where}:{n}") for e in experts]
+            bad = next((e for e in experts if not 0 <= e < spec.n_experts), None)
+            if bad is not None:
+                raise MoesimError(f"{where}:{n}: expert id {bad} outside [0, {spec.n_experts}) of {spec.name}")
             g = r.get("gates")
             if g is not None and (not isinstance(g, list) or any(
                     isinstance(x, bool) or not isinstance(x, int | float) for x in g)):
                 raise TypeError("gates must be a list of numbers")
+            if g is not None and not all(0 <= x <= 1 + 1e-5 for x in g):  # NaN and inf fail too
+                raise MoesimError(f"{where}:{n}: gates must be finite and in [0, 1], got {g[:4]}")
             rows.append((seq, tok, layer, experts, g))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError, RecursionError) as e:
             raise MoesimError(f"{where}:{n}: not a routing record "
                               f'{{"token", "layer", "experts"[, "gates", "seq"]}} ({e})') from None
     if not rows:
@@ -284,6 +320,12 @@ def _read_jsonl(path: Path, spec: ModelSpec, where: str):
     b = max(r[0] for r in rows) + 1
     t = max(r[1] for r in rows) + 1
     m = spec.n_moe_layers
+    if min(r[0] for r in rows) < 0 or min(r[1] for r in rows) < 0:
+        r = next(r for r in rows if r[0] < 0 or r[1] < 0)
+        raise MoesimError(f"{where}: negative token or seq index ({r[1]}, {r[0]})")
+    if t * m * b > max(len(rows), 2**20):  # every (token, MoE layer, seq) needs a record: say so before allocating
+        raise MoesimError(f"{where}: token indices reach {t - 1} and seq indices {b - 1}: {t} x {m} MoE layers x {b} "
+                          f"= {t * m * b} (token, layer, seq) rows, but the file holds {len(rows)} record(s)")
     ids = np.full((t, m, b, k), -1, np.int64)
     gates = np.zeros((t, m, b, k), np.float32) if rows[0][4] is not None else None
     for seq, tok, layer, experts, g in rows:

@@ -13,7 +13,26 @@ from moesim.errors import MoesimError
 
 ENGINES = "llama.cpp, ik_llama.cpp, ktransformers, vllm, moe-infinity, mixtral-offloading, pytorch-eager (default)"
 
-Engine = Annotated[str | None, typer.Option(help=f"The inference engine whose figures time the work: {ENGINES} or "
+
+
+def _profile_files(what: str):
+    """A callback: every item of the option that names a file is looked at (not read) as the
+    reader will (moesim.inputs): a device, socket or folder, or a name too long, is one line
+    at once, even where the run would not read it (``--host`` under a GPU-only policy)."""
+    def check(value: str | None) -> str | None:
+        if value:
+            from moesim.hardware import given_path
+            from moesim.inputs import TOML_CAP, check_input
+
+            for item in value.split(","):
+                p = given_path(item.strip(), what) if item.strip() else None
+                if p is not None and not p.is_dir():
+                    check_input(p, what, TOML_CAP)
+        return value
+    return check
+
+
+Engine = Annotated[str | None, typer.Option(callback=_profile_files("engine profile"), help=f"The inference engine whose figures time the work: {ENGINES} or "
                                                  "a .toml (`moesim hw --engines`).")]
 Threads = Annotated[int | None, typer.Option(help="CPU threads the engine uses (default: every core of the host).")]
 GpuLayers = Annotated[str, typer.Option(help="gpu-layers: model layers on the GPU(s) (llama.cpp -ngl), or auto (the "
@@ -23,7 +42,7 @@ OffloadGib = Annotated[str, typer.Option(help="weight-streaming: GiB of the firs
                                               "(the least that fits); whatif: comma-separated.")]
 CachePerLayer = Annotated[bool, typer.Option("--cache-per-layer", help="Copy policies: the cache size is each MoE "
                                              "layer's (one cache per layer, as mixtral-offloading), not one for all.")]
-Host = Annotated[str | None, typer.Option(help="CPU-compute policies and --hw none: host profile name or .toml "
+Host = Annotated[str | None, typer.Option(callback=_profile_files("host profile"), help="CPU-compute policies and --hw none: host profile name or .toml "
                                                "(default: the GPU profile's host; `moesim hw --hosts`); whatif: "
                                                "comma-separated.")]
 

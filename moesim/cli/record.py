@@ -70,10 +70,12 @@ def record(
 
         prompts, source = [parse_prompt_ids(text) for text in prompt_ids], "--prompt-ids"
     if prompts_file is not None:
-        try:
-            prompts = [line for line in prompts_file.read_text(encoding="utf-8").splitlines() if line.strip()]
-        except (OSError, UnicodeDecodeError) as e:
-            raise MoesimError(f"cannot read prompts from {prompts_file}: {e}") from None
+        from moesim.inputs import read_text  # a device, a silent FIFO, a folder, not UTF-8: one line, unread
+
+        prompts = [line for line in read_text(prompts_file, "prompts file", expected="text, one prompt a line")
+                   .splitlines() if line.strip()]
+        if not prompts:
+            raise MoesimError(f"prompts file {prompts_file} holds no prompt (one a line)")
         source = str(prompts_file)
     tree = {"depth": tree_depth, "branch": tree_branch, "budget": budget, "selection": selection, "score": score,
             "lam": lam}

@@ -1,0 +1,402 @@
+"""Every input file is looked at before it is read (moesim.inputs, issue 24): the readers
+themselves on real files, devices, sockets, FIFOs and pipes, and the real CLI in
+subprocesses where the path matters (a FIFO's writer runs in a thread with a deadline, so
+no test can hang the suite)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moesim import inputs
+from moesim.errors import MoesimError
+from moesim.inputs import check_input, check_name, kind_of, original_names, read_bytes, read_text, readable_path
+from moesim.models import get_model
+from moesim.traces.format import read_trace, write_trace
+from moesim.traces.synthetic import SyntheticParams, synthetic_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "executor" / "checkpoints" / "moe-stdlib"
+LONG = "n" * 300  # longer than any file system's NAME_MAX (255)
+
+
+def moesim(*args, cwd, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg", "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "moesim", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=timeout, **kw)
+
+
+def one_line(r: subprocess.CompletedProcess, *words: str) -> str:
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2, r.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
+def feed(fifo: Path, data: bytes, deadline: float = 30.0) -> threading.Thread:
+    """Write ``data`` into ``fifo`` once a reader opens it (never blocking past ``deadline``)."""
+    def run():
+        end = time.time() + deadline
+        while time.time() < end:
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO until a reader has it open
+            except OSError:
+                time.sleep(0.02)
+                continue
+            os.set_blocking(fd, True)
+            try:
+                os.write(fd, data)
+            except BrokenPipeError:
+                pass
+            finally:
+                os.close(fd)
+            return
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    d = tmp_path_factory.mktemp("inputs")
+    write_trace(synthetic_trace(get_model("tiny"), SyntheticParams(tokens=6, prompt_len=4)), d / "t.npz")
+    shutil.copy(ROOT / "hwprofiles" / "a6000.toml", d / "a6000.toml")
+    return d
+
+
+@pytest.fixture
+def quick(monkeypatch):
+    monkeypatch.setattr(inputs, "PIPE_WAIT_S", 0.2)
+
+
+# -------------------------------------------------------------------------------------
+# The readers
+# -------------------------------------------------------------------------------------
+
+def test_kinds(tmp_path):
+    (tmp_path / "f").write_text("x")
+    os.mkfifo(tmp_path / "p")
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.bind(str(tmp_path / "s"))
+        kinds = {n: kind_of(tmp_path / n) for n in ("f", "p", "s", "missing")}
+    finally:
+        s.close()
+    assert kinds == {"f": "file", "p": "pipe", "s": "socket", "missing": "missing"}
+    assert kind_of(tmp_path) == "folder" and kind_of("/dev/null") == "device"
+    assert kind_of(tmp_path / "f" / "under-a-file") == "missing" and kind_of(tmp_path / LONG) == "missing"
+
+
+def test_refusals_before_reading(tmp_path):
+    (tmp_path / "big").write_bytes(b"x" * 2000)
+    for path, words in ((tmp_path / "missing", "does not exist"), (tmp_path, "is a folder"),
+                        ("/dev/zero", "is a device, not a regular file"), (tmp_path / "big", "at most 1000 bytes"),
+                        (tmp_path / LONG, "300 bytes"), ("x/" * 2100, "paths are shorter than")):
+        with pytest.raises(MoesimError, match=words) as e:
+            check_input(path, "thing", cap=1000)
+        assert "\n" not in str(e.value)
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.bind(str(tmp_path / "sock"))
+        with pytest.raises(MoesimError, match="is a socket"):
+            read_bytes(tmp_path / "sock", "thing", 1000)
+    finally:
+        s.close()
+    assert check_name(tmp_path / "short", "thing") == tmp_path / "short"
+
+
+def test_a_silent_fifo_is_refused_without_blocking(tmp_path, quick):
+    os.mkfifo(tmp_path / "f.toml")
+    t0 = time.time()
+    with pytest.raises(MoesimError, match=r"named pipe \(FIFO\) nothing was written to"):
+        read_bytes(tmp_path / "f.toml", "profile", 1000)
+    assert time.time() - t0 < 5
+    with pytest.raises(MoesimError, match="named pipe"):
+        readable_path(tmp_path / "f.toml", "profile")
+
+
+def test_a_fed_fifo_and_an_anonymous_pipe_are_read(tmp_path, quick):
+    fifo = tmp_path / "f.txt"
+    os.mkfifo(fifo)
+    t = feed(fifo, b"hello\n")
+    assert read_text(fifo, "text") == "hello\n"
+    t.join(5)
+    r, w = os.pipe()
+    os.write(w, b"\xef\xbb\xbfpiped")
+    os.close(w)
+    try:
+        assert read_text(f"/dev/fd/{r}", "text") == "piped"  # a BOM is dropped
+    finally:
+        os.close(r)
+
+
+def test_a_pipe_past_its_cap_is_refused(tmp_path, quick):
+    fifo = tmp_path / "f"
+    os.mkfifo(fifo)
+    feed(fifo, b"x" * 5000)
+    with pytest.raises(MoesimError, match="a pipe that sent more than"):
+        read_bytes(fifo, "thing", 1000)
+
+
+def test_text_that_is_not_utf8_says_so(tmp_path):
+    (tmp_path / "u16").write_bytes("name".encode("utf-16"))
+    (tmp_path / "nul").write_bytes(b"a\x00b")
+    with pytest.raises(MoesimError, match="looks like UTF-16"):
+        read_text(tmp_path / "u16", "profile")
+    with pytest.raises(MoesimError, match="binary data"):
+        read_text(tmp_path / "nul", "profile")
+
+
+def test_a_spooled_pipe_is_named_as_the_user_named_it(tmp_path, work, quick):
+    fifo = tmp_path / "trace.npz"
+    os.mkfifo(fifo)
+    feed(fifo, (work / "t.npz").read_bytes())
+    spooled = readable_path(fifo, "trace")
+    assert spooled != fifo and spooled.is_file() and spooled.suffix == ".npz"
+    assert readable_path(fifo, "trace") == spooled  # read once; a second reader gets the same bytes
+    assert original_names(f"cannot read {spooled}") == f"cannot read {fifo}"
+    assert readable_path(tmp_path / "nothing", "trace") == tmp_path / "nothing"  # the reader says it is missing
+
+
+def test_read_trace_from_a_fifo_and_a_broken_pipe(tmp_path, work, quick):
+    fifo = tmp_path / "t.npz"
+    os.mkfifo(fifo)
+    feed(fifo, (work / "t.npz").read_bytes())
+    assert read_trace(fifo).n_tokens == 6
+    half = tmp_path / "half.npz"
+    os.mkfifo(half)
+    feed(half, (work / "t.npz").read_bytes()[:500])
+    with pytest.raises(MoesimError) as e:
+        read_trace(half)
+    assert str(half) in str(e.value) and "moesim-pipe" not in str(e.value)
+
+
+# -------------------------------------------------------------------------------------
+# Profiles, configs, GGUF, routing dumps (in-process)
+# -------------------------------------------------------------------------------------
+
+def test_profiles_refuse_devices_and_read_pipes(work, tmp_path, quick):
+    from moesim.engines import get_engine
+    from moesim.hardware import get_host, get_profile
+
+    for get, what in ((get_profile, "hardware profile"), (get_host, "host profile"), (get_engine, "engine profile")):
+        with pytest.raises(MoesimError, match=f"{what} /dev/zero is a device"):
+            get("/dev/zero")
+        with pytest.raises(MoesimError, match="300 bytes"):
+            get(LONG)
+    fifo = tmp_path / "p.toml"
+    os.mkfifo(fifo)
+    feed(fifo, (work / "a6000.toml").read_bytes())
+    assert get_profile(str(fifo)).name == get_profile("a6000").name
+    with pytest.raises(MoesimError, match="named pipe"):
+        get_profile(str(fifo))  # nobody writes a second time
+
+
+def test_a_huge_profile_is_refused_unread(tmp_path):
+    from moesim.hardware import get_profile
+
+    big = tmp_path / "big.toml"
+    with open(big, "wb") as f:
+        f.truncate(inputs.TOML_CAP + 1)  # sparse: nothing is written, nothing may be read
+    with pytest.raises(MoesimError, match="at most 4 MiB"):
+        get_profile(str(big))
+
+
+def test_model_config_through_a_fifo_folder_and_device(tmp_path, quick):
+    from moesim.models import get_model
+
+    with pytest.raises(MoesimError, match="model config /dev/zero is a device"):
+        get_model("/dev/zero")
+    with pytest.raises(MoesimError, match="300 bytes"):
+        get_model(LONG)
+    d = tmp_path / "m"
+    d.mkdir()
+    os.mkfifo(d / "config.json")
+    with pytest.raises(MoesimError, match="named pipe"):
+        get_model(str(d))
+    feed(d / "config.json", (SHIPPED / "config.json").read_bytes())
+    assert get_model(str(d)).n_experts == 32
+
+
+def test_gguf_through_a_pipe_is_the_file(tmp_path, quick):
+    pytest.importorskip("gguf")
+    sys.path.insert(0, str(ROOT / "tests"))
+    from gguf_files import qwen3moe_gguf
+
+    from moesim.gguf_file import spec_from_gguf
+
+    (path,) = qwen3moe_gguf(tmp_path / "m.gguf")
+    fifo = tmp_path / "piped.gguf"
+    os.mkfifo(fifo)
+    feed(fifo, path.read_bytes())
+    piped = spec_from_gguf(fifo)
+    assert piped.source == str(fifo)  # the user's name, not the spooled file's
+    assert replace(piped, source=str(path)) == spec_from_gguf(path)
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF" + b"\xff" * 60)
+    with pytest.raises(MoesimError, match="junk.gguf: not a readable GGUF file"):
+        spec_from_gguf(tmp_path / "junk.gguf")
+    with pytest.raises(MoesimError, match="is a device"):
+        spec_from_gguf("/dev/null")
+
+
+@pytest.mark.parametrize("experts, words", [
+    ("[NaN, 1]", "NaN is not JSON"), ("[true, 1]", "whole number, got True"), ('["a", 1]', "got 'a'"),
+    ("[1.5, 1]", "got 1.5"), ("[99999999999999999999, 1]", "outside [0, 16)"), ("[-1, 1]", "outside [0, 16)"),
+    ("[[0], 1]", "got [0]"), ("7", "non-empty list"),
+])
+def test_hostile_jsonl_values_are_one_line(tmp_path, experts, words):
+    from moesim.traces.importers import import_routing
+
+    p = tmp_path / "d.jsonl"
+    p.write_text(f'{{"token": 0, "layer": 0, "experts": {experts}}}\n')
+    with pytest.raises(MoesimError, match=re.escape(words)) as e:
+        import_routing("jsonl", p, "tiny")
+    assert "\n" not in str(e.value)
+
+
+def test_a_huge_token_index_is_refused_before_allocating(tmp_path):
+    from moesim.traces.importers import import_routing
+
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"token": 99999999999, "layer": 0, "experts": [0, 1]}\n')
+    with pytest.raises(MoesimError, match="holds 1 record"):
+        import_routing("jsonl", p, "tiny")
+    p.write_text('{"token": 0, "layer": 0, "experts": [0, 1], "gates": [1e400, 0.5]}\n')
+    with pytest.raises(MoesimError, match="finite and in"):
+        import_routing("jsonl", p, "tiny")
+
+
+def test_routing_dumps_through_pipes(tmp_path, quick):
+    from moesim.traces.importers import import_routing
+
+    ex = ROOT / "traces" / "examples"
+    want = import_routing("vllm", ex / "vllm-synthetic-deepseek-v2-lite.json", "deepseek-v2-lite")
+    for name in ("vllm-synthetic-deepseek-v2-lite.json", "vllm-synthetic-deepseek-v2-lite.npz"):
+        r, w = os.pipe()  # /dev/fd/N has no suffix: the dump's first bytes say what it is
+        threading.Thread(target=lambda w=w, name=name: (os.write(w, (ex / name).read_bytes()), os.close(w)),
+                         daemon=True).start()
+        try:
+            got = import_routing("vllm", f"/dev/fd/{r}", "deepseek-v2-lite")
+        finally:
+            os.close(r)
+        np.testing.assert_array_equal(got.true_ids, want.true_ids)
+    for path, words in (("/dev/zero", "is a device"), (tmp_path, "is a folder"), (tmp_path / "no", "does not exist")):
+        with pytest.raises(MoesimError, match=words):
+            import_routing("npz", path, "tiny")
+
+
+def test_record_weights_are_checked_before_loading(tmp_path):
+    pytest.importorskip("torch")
+    from moesim.executor.record import checkpoint_folder
+
+    cfg = json.loads((SHIPPED / "config.json").read_text())
+    cases = {
+        "only-other-safetensors": ({}, {"estimator.safetensors": SHIPPED / "estimator.safetensors"},
+                                   "none that transformers loads"),
+        "other-hidden": ({"hidden_size": 256}, {"model.safetensors": SHIPPED / "model.safetensors"},
+                         "embed_tokens.weight is [256, 128]"),
+        "more-layers": ({"num_hidden_layers": 6}, {"model.safetensors": SHIPPED / "model.safetensors"},
+                        "hold 4 layer(s)"),
+        "more-experts": ({"num_experts": 64}, {"model.safetensors": SHIPPED / "model.safetensors"},
+                         "32 routed expert(s); config.json says 64"),
+    }
+    for name, (change, files, words) in cases.items():
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**cfg, **change}))
+        for target, source in files.items():
+            (d / target).symlink_to(source)
+        with pytest.raises(MoesimError, match=re.escape(words)):
+            checkpoint_folder(d)
+    d = tmp_path / "sharded"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "model-00001-of-00002.safetensors").symlink_to(SHIPPED / "model.safetensors")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(MoesimError, match=r"names 2 shard\(s\); 1 not there \(model-00002-of-00002"):
+        checkpoint_folder(d)
+    assert checkpoint_folder(SHIPPED) == SHIPPED
+
+
+# -------------------------------------------------------------------------------------
+# The real CLI
+# -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("option", ["--hw", "--host", "--engine"])
+def test_replay_refuses_a_device_profile_at_once(work, option):
+    t0 = time.time()
+    r = moesim("replay", "t.npz", option, "/dev/zero", cwd=work, timeout=60)
+    one_line(r, "/dev/zero is a device, not a regular file")
+    assert time.time() - t0 < 30
+
+
+def test_stats_on_a_silent_fifo_is_refused_not_missing(work, tmp_path):
+    os.mkfifo(tmp_path / "f.npz")
+    line = one_line(moesim("stats", "f.npz", cwd=tmp_path, timeout=60), "named pipe (FIFO)")
+    assert "does not exist" not in line
+
+
+def test_stats_reads_a_fed_fifo_and_process_substitution(work, tmp_path):
+    fifo = tmp_path / "f.npz"
+    os.mkfifo(fifo)
+    feed(fifo, (work / "t.npz").read_bytes(), deadline=60)
+    r = moesim("stats", "f.npz", "--json", cwd=tmp_path, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)
+    rd, wr = os.pipe()  # what bash's <(cat t.npz) hands the command: /dev/fd/N, a pipe
+    threading.Thread(target=lambda: (os.write(wr, (work / "t.npz").read_bytes()), os.close(wr)), daemon=True).start()
+    try:
+        r = moesim("stats", f"/dev/fd/{rd}", "--json", cwd=tmp_path, timeout=60, pass_fds=(rd,))
+    finally:
+        os.close(rd)
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_spooled_trace_error_names_the_users_path(tmp_path):
+    fifo = tmp_path / "bad.npz"
+    os.mkfifo(fifo)
+    feed(fifo, b"PK\x03\x04" + b"\0" * 100, deadline=60)
+    line = one_line(moesim("stats", "bad.npz", cwd=tmp_path, timeout=60), "bad.npz")
+    assert "moesim-pipe" not in line
+
+
+@pytest.mark.parametrize("args", [
+    ["stats", LONG + ".npz"], ["replay", "t.npz", "--hw", LONG + ".toml"], ["models", LONG],
+    ["import", "jsonl", LONG + ".jsonl", "--model", "tiny"], ["synth", "--model", LONG, "--tokens", "2"],
+])
+def test_a_name_too_long_is_one_line(work, args):
+    one_line(moesim(*args, cwd=work, timeout=60), "bytes; this file system allows")
+
+
+def test_import_of_a_plain_npy_and_hostile_jsonl_is_one_line(tmp_path):
+    np.save(tmp_path / "r.npy", np.zeros((5, 27, 6), np.uint8))
+    one_line(moesim("import", "vllm", "r.npy", "--model", "deepseek-v2-lite", cwd=tmp_path), "--prompt-tokens")
+    (tmp_path / "d.jsonl").write_text('{"token": 0, "layer": 0, "experts": [NaN, 1]}\n')
+    one_line(moesim("import", "jsonl", "d.jsonl", "--model", "tiny", cwd=tmp_path), "d.jsonl:1", "NaN")
+    (tmp_path / "big.jsonl").write_text('{"token": 0, "layer": 0, "experts": [99999999999999999999, 1]}\n')
+    one_line(moesim("import", "jsonl", "big.jsonl", "--model", "tiny", cwd=tmp_path), "outside [0, 16)")
+
+
+def test_record_prompts_file_is_checked(tmp_path):
+    pytest.importorskip("torch")
+    os.mkfifo(tmp_path / "p.txt")
+    one_line(moesim("record", "moe-stdlib", "--prompts-file", "p.txt", "--tokens", "1", cwd=tmp_path), "named pipe")
+    one_line(moesim("record", "moe-stdlib", "--prompts-file", "/dev/zero", "--tokens", "1", cwd=tmp_path),
+             "is a device")
+    (tmp_path / "e.txt").write_text("\n\n")
+    one_line(moesim("record", "moe-stdlib", "--prompts-file", "e.txt", "--tokens", "1", cwd=tmp_path), "no prompt")
