@@ -7,6 +7,7 @@ memory and is never the oracle (:func:`moesim.sim.whatif.best`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +74,55 @@ def _positive_ints(values: list[int] | tuple[int, ...], what: str) -> list[int]:
     return list(values)
 
 
+MAX_JOBS_PER_CORE = 4  # more worker processes than this per core only share the cores (and memory)
+
+
+def check_values(*, eviction: str, sim: str, backend: str, link_gbps, cache_gib, copy_queues, expert_dtypes,
+                 threads, jobs, lookaheads) -> None:
+    """Every value the CLI can check, checked in one line before any work (a bad one found
+    per configuration group would end, after the work, in "2 of 4 groups failed")."""
+    import math
+
+    from moesim.policy import EVICTIONS, QUEUES
+    from moesim.quant_recipes import is_format
+    from moesim.sim.whatif import BACKENDS
+
+    if eviction not in EVICTIONS:
+        raise MoesimError(f"--eviction {eviction!r}: known: {', '.join(EVICTIONS)} (lower case)")
+    if sim not in ("fast", "simpy"):
+        raise MoesimError(f"--sim {sim!r}: known: fast, simpy")
+    if backend not in BACKENDS:
+        raise MoesimError(f"--backend {backend!r}: known: {', '.join(BACKENDS)}")
+    for g in link_gbps or ():
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not (0 < g < math.inf):
+            raise MoesimError(f"--link-gbps {g!r}: a bandwidth in GB/s, positive and finite")
+    for c in cache_gib or ():
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not (0 <= c < math.inf):
+            raise MoesimError(f"--cache-gib {c!r}: a cache size in GiB, >= 0 and finite")
+    for q in copy_queues or ():
+        if q not in QUEUES:
+            raise MoesimError(f"--copy-queue {q!r}: known: {', '.join(QUEUES)}")
+    for d in expert_dtypes or ():
+        if not is_format(d):
+            raise MoesimError(f"--expert-dtype {d!r}: not a format moesim knows (`moesim models --help` lists them: "
+                              "bf16, fp8-block128, int8, int4-g128, q4_k, q8_0, ...)")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise MoesimError(f"--threads {threads!r}: a count of CPU threads >= 1")
+    cores = os.cpu_count() or 1
+    if jobs is not None and jobs > MAX_JOBS_PER_CORE * cores:
+        raise MoesimError(f"--jobs {jobs}: this machine has {cores} cores; at most {MAX_JOBS_PER_CORE * cores} worker "
+                          "processes (0 = one per core)")
+    _positive_ints(list(lookaheads or ()), "--lookahead")
+
+
+def check_threads(threads: int | None, hosts) -> None:
+    """``--threads`` against every host the sweep may run on (a count above 4x its cores is a typo)."""
+    for h in hosts:
+        total = h.cores * h.sockets
+        if threads is not None and threads > 4 * total:
+            raise MoesimError(f"--threads {threads}: a count from 1 to {4 * total} ({h.name} has {total} cores)")
+
+
 def unused_options(pols: list, hosts, cpu_layers, gpu_expert_gib, copy_queues, prefetch_top, gpu_layers=None,
                    offload_gib=None) -> list[str]:
     """A note for each option given that no swept policy uses (``--cpu-layers`` with no
@@ -133,6 +183,9 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
         raise MoesimError(f"unknown goal {goal!r}; known: {', '.join(GOALS)}")
     batches = _positive_ints([batch] if isinstance(batch, int) else list(batch), "--batch")
     prompts = _positive_ints([prompt_len] if isinstance(prompt_len, int) else list(prompt_len), "--prompt-len")
+    check_values(eviction=eviction, sim=sim, backend=backend, link_gbps=link_gbps, cache_gib=cache_gib,
+                 copy_queues=copy_queues, expert_dtypes=expert_dtypes, threads=threads, jobs=jobs,
+                 lookaheads=lookaheads)
     eng = get_engine(engine)  # an unknown engine: one line, before any work
     if policies is None:  # the policies the engine runs (moesim's own defaults for PyTorch eager)
         policies = [p for p in DEFAULT_POLICIES if eng.runs(p)] or list(eng.policies)
@@ -213,8 +266,11 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
     host_names = tuple(hosts) if hosts else (None,)
     profiles = [get_machine(h) for h in hws]
     check_unique_names(hws, profiles)
-    for h in host_names:
-        get_host(h) if h else None
+    used_hosts = [get_host(h) for h in host_names if h]
+    used_hosts += [get_host(None, m.gpus[0]) for m in profiles if not hosts and m.gpus and m.gpus[0].host]
+    check_threads(threads, used_hosts)
+    if address is not None and backend != "ray":
+        notes.append("--address was given, but the backend is local: it changed nothing")
     if any(p.cpu for p in pols) and not hosts or any(m.n_gpus == 0 for m in profiles) and not hosts:
         for prof in profiles:
             get_host(None, prof.gpus[0] if prof.gpus else None)  # a machine without a host: one line, first

@@ -25,6 +25,7 @@ import itertools
 import json
 import math
 import os
+import signal
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
@@ -517,7 +518,12 @@ _WORKER_SWEEP: Sweep | None = None
 
 
 def _init_worker(sweep: Sweep) -> None:
+    """A worker leaves interrupts to the parent: it ignores SIGINT (a terminal's Ctrl-C
+    reaches the whole process group) and dies on SIGTERM (how the parent stops it)."""
     global _WORKER_SWEEP
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked by the parent while it forked
     _WORKER_SWEEP = sweep
 
 
@@ -547,17 +553,57 @@ def _local(sweep: Sweep, todo: list[int], jobs: int) -> Iterator[Outcome]:
                 yield i, e
         return
     _warm_kernels()
-    pool = ProcessPoolExecutor(jobs, initializer=_init_worker, initargs=(sweep,))
+    # Workers are forked with SIGINT and SIGTERM blocked, so none runs the parent's handlers
+    # before its initializer ignores them; the parent's own arrive when it unblocks them.
+    pool, finished = None, False
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     try:
-        pending = {pool.submit(_worker, i): i for i in todo}
+        try:
+            pool = ProcessPoolExecutor(jobs, initializer=_init_worker, initargs=(sweep,))
+            pending = {pool.submit(_worker, i): i for i in todo}
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
         while pending:
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
             for fut in done:
                 i = pending.pop(fut)
                 exc = fut.exception()
                 yield i, exc if exc is not None else fut.result()
-    finally:  # interrupted (Ctrl-C, an error in the caller): drop queued groups, finish running ones
-        pool.shutdown(wait=True, cancel_futures=True)
+        finished = True
+    finally:
+        if pool is None:
+            pass
+        elif finished:
+            pool.shutdown(wait=True)
+        else:  # interrupted (Ctrl-C, SIGTERM, an error in the caller): stop the workers, wait for none
+            stop_pool(pool)
+
+
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+def stop_pool(pool: ProcessPoolExecutor) -> None:
+    """End ``pool`` now: queued work cancelled, running workers terminated (their groups
+    are lost; finished ones were already streamed). Further SIGINT/SIGTERM are ignored
+    while it does (a second Ctrl-C must not cut the cleanup short), then restored."""
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in _STOP_SIGNALS}
+    try:
+        procs = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(1)
+        manager = getattr(pool, "_executor_manager_thread", None)
+        if manager is not None:  # else the interpreter's exit joins it, where a signal is a traceback
+            manager.join(5)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def _ray(sweep: Sweep, todo: list[int], address: str | None) -> Iterator[Outcome]:
@@ -708,17 +754,20 @@ def run_sweep(sweep: Sweep, jobs: int | None = None, progress: Callable[[int, in
     else:
         outcomes = _local(sweep, todo, max(1, min(jobs or os.cpu_count() or 1, len(todo) or 1)))
     failures: list[tuple[Group, str]] = []
-    for i, rows in outcomes:
-        if isinstance(rows, BaseException):
-            failures.append((groups[i], f"{type(rows).__name__}: {rows}"))
-            continue
-        if out is not None:
-            _write_rows(out, rows)
-        if keep_rows:
-            results[i] = rows
-        done += len(rows)
-        if progress:
-            progress(done, total)
+    try:
+        for i, rows in outcomes:
+            if isinstance(rows, BaseException):
+                failures.append((groups[i], f"{type(rows).__name__}: {rows}"))
+                continue
+            if out is not None:
+                _write_rows(out, rows)
+            if keep_rows:
+                results[i] = rows
+            done += len(rows)
+            if progress:
+                progress(done, total)
+    finally:  # now, not when the traceback is freed: an interrupt stops the workers before the CLI exits
+        outcomes.close()
     ordered = [r for i in sorted(results) for r in results[i]]
     if failures:
         cfg, why = failures[0]

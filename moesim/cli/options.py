@@ -5,6 +5,9 @@ so once, here."""
 
 from __future__ import annotations
 
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated
 
 import typer
@@ -52,3 +55,16 @@ def one(values: list, option: str):
     if len(values) != 1:
         raise MoesimError(f"{option}: one value (auto or a number); moesim whatif sweeps several")
     return values[0]
+
+
+@contextmanager
+def ends_on_interrupt() -> Iterator[None]:
+    """The first Ctrl-C or SIGTERM ends the run (the library stops its workers on the way
+    out); from then on further ones are ignored, so a second one 0.3 s later cannot cut
+    the exit short (interpreter shutdown takes a moment) and end it in a traceback."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
+        raise

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, auto_or, err, floats, ints, print_csv, print_json, split
-from moesim.cli.options import CachePerLayer, Engine, GpuLayers, Host, OffloadGib, Threads
+from moesim.cli.options import CachePerLayer, Engine, GpuLayers, Host, OffloadGib, Threads, ends_on_interrupt
 from moesim.cli.running import progress_bar
 from moesim.errors import MoesimError
 from moesim.sim.sweep import DEFAULT_POLICIES
@@ -91,7 +91,7 @@ def whatif(
 
         check_output_dir(out_dir)
 
-    with progress_bar("simulating", "configurations", disable=as_json or as_csv) as update:
+    with progress_bar("simulating", "configurations", disable=as_json or as_csv) as update, ends_on_interrupt():
         res = run_whatif(trace_path, split(model, "--model"), split(hw_names, "--hw"),
                          split(policy, "--policy") if policy is not None else None,
                          floats(link_gbps, "--link-gbps") if link_gbps is not None else None, floats(cache_gib, "--cache-gib"),
