@@ -53,3 +53,30 @@ def test_override_pattern_names_the_n_cpu_moe_layers():
     assert not re.search(name, "blk.0.attn_q.weight")
     assert cpu_moe_override(spec, make_layout(spec, 1)) is None
     assert pattern in invocation("llama.cpp", spec, layout).note
+
+
+def _bench_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_llamacpp.py"
+    spec = importlib.util.spec_from_file_location("bench_llamacpp", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_parses_a_llama_bench_row_and_strips_the_model():
+    bl = _bench_module()
+    res = {"rows": [{"threads": 2, "depth": 1024, "n_gen": 32, "tps_mean": 50.0, "tps_std": 2.0, "runs": 3,
+                     "samples_tps": [48.0, 50.0, 53.0]}], "others_cpu_frac": 0.01, "loadavg_1m": [0.2, 0.4]}
+    model = {"name": "m-2L-q4_k_m", "path": "/x/m-2L-q4_k_m.gguf", "layers": 2, "format": "q4_k_m"}
+    row = bl.bench_row(model, res)
+    assert (row["file"], row["measured_tok_s"], row["measured_min"], row["measured_max"]) == \
+        ("m-2L-q4_k_m.gguf", 50.0, 48.0, 53.0)
+    assert row["contended"] is False  # 1% of the CPUs besides its 2 threads, spread 4%
+    assert bl._strip_model(["llama-bench", "-m", "f.gguf", "-ngl", "0", "-t", "2"]) == ["-ngl", "0", "-t", "2"]
+    spec = get_model(MODEL)
+    for _, layout in bl.engine_arg_deployments(spec):
+        args = invocation("llama.cpp", spec, layout, threads=2, context=4096, program="llama-bench").args
+        assert not any("," in a for a in args) and "-c" not in args
