@@ -1,7 +1,9 @@
 """Atomic file writes: write to a temporary file beside the target, then rename.
 
 An interrupted run therefore leaves either the old file or the new one, never half of one.
-The temporary file carries the writer's process id (``.NAME.PID.XXXX.tmp``): an exception,
+The temporary file carries the writer's process id (``.NAME.PID.XXXX.tmp``; NAME cut and
+hashed, ``.NAM~HASH.PID.XXXX.tmp``, where the whole would not fit the file system's name
+limit while the final name does): an exception,
 Ctrl-C or SIGTERM (the CLI turns it into an exit) removes it on the way out, and one left by
 a process that was killed outright (SIGKILL, power loss) is removed by the next write to
 the same target once that process no longer exists.
@@ -9,13 +11,76 @@ the same target once that process no longer exists.
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO
 
 from moesim.errors import MoesimError
+
+NAME_MAX = 255  # bytes in one file name, where the file system does not say
+_PID_ROOM = 10  # digits a process id may take in a temporary name (Linux: at most 7)
+_TMP_EXTRA = 1 + 1 + _PID_ROOM + 1 + 8 + 4  # ".", ".", pid, ".", mkstemp's 8 letters, ".tmp"
+
+
+def name_max(folder: str | os.PathLike) -> int:
+    """The longest file name (bytes) the file system under ``folder`` (or its nearest
+    existing ancestor) takes."""
+    p = Path(folder)
+    while True:
+        try:
+            if p.is_dir():
+                return int(os.pathconf(p, "PC_NAME_MAX"))
+        except (OSError, ValueError):
+            pass
+        if p.parent == p:
+            return NAME_MAX
+        p = p.parent
+
+
+def check_name(path: str | os.PathLike, what: str = "cannot write") -> None:
+    """One line for a path with a component longer than the file system allows (the
+    ``OSError: File name too long`` a ``stat`` of it would raise)."""
+    path = Path(path)
+    limit = name_max(path.parent if str(path.parent) else ".")
+    for part in path.parts:
+        n = len(os.fsencode(part))
+        if n > limit:
+            shown = part if len(part) <= 40 else f"{part[:20]}...{part[-12:]}"
+            raise MoesimError(f"{what} {shown}: a name of {n} bytes; this file system allows at most {limit}")
+    if len(os.fsencode(str(path))) >= 4096:
+        raise MoesimError(f"{what} {str(path)[:40]}...: a path of {len(os.fsencode(str(path)))} bytes; at most 4095")
+
+
+def _short(name: str, room: int) -> str:
+    """``name`` cut to fit ``room`` bytes with a hash of the whole (so two long names that
+    share a beginning still differ)."""
+    digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:12]
+    keep = os.fsencode(name)[: max(0, room - 13)].decode(errors="ignore")
+    return f"{keep}~{digest}"
+
+
+def sidecar(path: str | os.PathLike, suffix: str) -> Path:
+    """The file beside ``path`` named ``NAME + suffix`` (a manifest, a lock), or a shortened
+    form of it when that name would not fit where ``NAME`` does."""
+    path = Path(path)
+    limit = name_max(path.parent)
+    if len(os.fsencode(path.name + suffix)) <= limit:
+        return path.with_name(path.name + suffix)
+    return path.with_name(_short(path.name, limit - len(os.fsencode(suffix))) + suffix)
+
+
+def _tmp_stem(path: Path) -> str:
+    """What the temporary names beside ``path`` start with: its name, or a shortened form
+    when the temporary name would not fit (the final name does)."""
+    limit = name_max(path.parent)
+    if len(os.fsencode(path.name)) + _TMP_EXTRA <= limit:
+        return path.name
+    return _short(path.name, limit - _TMP_EXTRA)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -34,8 +99,9 @@ def clean_stale_tmp(path: str | os.PathLike) -> list[Path]:
     removed = []
     if not path.parent.is_dir():
         return removed
-    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
-        parts = tmp.name[len(path.name) + 2:].split(".")
+    stem = _tmp_stem(path)
+    for tmp in path.parent.glob(f".{glob.escape(stem)}.*.tmp"):
+        parts = tmp.name[len(stem) + 2:].split(".")
         if len(parts) >= 3 and parts[0].isdigit() and not _pid_alive(int(parts[0])):
             try:
                 tmp.unlink()
@@ -52,6 +118,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     one-line :class:`MoesimError`; commands check their outputs before working
     (:mod:`moesim.outputs`), this is the backstop."""
     path = Path(path)
+    check_name(path)
     if path.is_dir():
         raise MoesimError(f"cannot write {path}: it is a folder")
     if path.exists() and not path.is_file():  # the rename would replace a device or pipe node
@@ -59,7 +126,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         clean_stale_tmp(path)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".{_tmp_stem(path)}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
     except (FileExistsError, NotADirectoryError):
         raise MoesimError(f"cannot write {path}: a file is in the way of its folder") from None
     except OSError as e:
@@ -82,3 +149,62 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write(path, lambda f: f.write(text.encode()))
+
+
+_held: dict[str, int] = {}  # lock files this process holds -> how many nested holds
+
+
+@contextmanager
+def exclusive(path: str | os.PathLike, what: str = "--out") -> Iterator[None]:
+    """Hold ``path``'s lock (``fcntl.flock`` on ``NAME.lock`` beside it) while within: a
+    second run on the same output is refused in one line instead of interleaving its rows
+    with the first's. The kernel drops the lock when its holder dies (even by SIGKILL), so
+    a stale lock file never blocks; the file is removed on the way out. Nested holds by
+    this process are allowed (a command and the library it calls)."""
+    import fcntl
+
+    lock = sidecar(path, ".lock")
+    key = str(lock.resolve())
+    if _held.get(key):
+        _held[key] += 1
+        try:
+            yield
+        finally:
+            _held[key] -= 1
+        return
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MoesimError(f"{what} {path}: cannot create its folder: {e.strerror or e}") from None
+    for _ in range(20):  # the file was unlinked by a holder finishing just as we opened it: again
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise MoesimError(f"{what} {path}: cannot create its lock file {lock.name}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip()
+            os.close(fd)
+            raise MoesimError(f"{what} {path} is in use by another moesim run"
+                              + (f" (process {holder})" if holder.isdigit() else "")
+                              + ": wait for it to finish, or choose another path") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    else:
+        raise MoesimError(f"{what} {path}: could not take its lock {lock.name}")
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    _held[key] = 1
+    try:
+        yield
+    finally:
+        del _held[key]
+        with suppress(OSError):
+            lock.unlink()  # while still holding it: a waiter that opened it sees another inode and retries
+        os.close(fd)

@@ -19,6 +19,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from moesim.atomic import check_name
 from moesim.errors import MoesimError
 
 
@@ -54,6 +55,7 @@ def check_output_file(path: str | os.PathLike, suffixes: Iterable[str] = (), wha
     """Check that a file can be (over)written at ``path`` (with one of ``suffixes``, if
     given) and return it as a Path. Creates nothing."""
     path = Path(path)
+    check_name(path, what)
     suffixes = tuple(suffixes)
     if path.is_dir():
         raise MoesimError(f"{what} {path} is a folder; a file is expected"
@@ -72,6 +74,7 @@ def check_output_file(path: str | os.PathLike, suffixes: Iterable[str] = (), wha
 def check_output_dir(path: str | os.PathLike, what: str = "--out") -> Path:
     """Check that ``path`` is, or can become, a folder we can write in. Creates nothing."""
     path = Path(path)
+    check_name(path, what)
     if path.exists() and not path.is_dir():
         raise MoesimError(f"{what} {path} is a file; a folder is expected")
     folder = path if path.is_dir() else _check_ancestors(path, what)

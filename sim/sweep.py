@@ -181,11 +181,27 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
         raise MoesimError(f"--jobs {jobs}: a number of worker processes (0 = all cores)")
     if goal not in GOALS:
         raise MoesimError(f"unknown goal {goal!r}; known: {', '.join(GOALS)}")
-    batches = _positive_ints([batch] if isinstance(batch, int) else list(batch), "--batch")
-    prompts = _positive_ints([prompt_len] if isinstance(prompt_len, int) else list(prompt_len), "--prompt-len")
+    _positive_ints([batch] if isinstance(batch, int) else list(batch), "--batch")
+    _positive_ints([prompt_len] if isinstance(prompt_len, int) else list(prompt_len), "--prompt-len")
     check_values(eviction=eviction, sim=sim, backend=backend, link_gbps=link_gbps, cache_gib=cache_gib,
                  copy_queues=copy_queues, expert_dtypes=expert_dtypes, threads=threads, jobs=jobs,
                  lookaheads=lookaheads)
+    if rows_csv is None:
+        return _whatif(**locals())
+    from moesim.atomic import exclusive
+    from moesim.sim.sweep_rows import check_rows_path
+
+    check_rows_path(Path(rows_csv))
+    with exclusive(rows_csv, "--rows"):  # a second identical sweep on these rows: one line, before any work
+        return _whatif(**locals())
+
+
+def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens, prompt_len, batch, goal, sim, jobs,
+            progress, backend, address, rows_csv, expert_dtypes, hosts, cpu_layers, gpu_expert_gib, copy_queues,
+            prefetch_top, placement_from, calibrate_on_replay, engine, threads, gpu_layers, lookaheads, host_ram_gb,
+            cache_per_layer, offload_gib, **_: Any) -> WhatIf:
+    batches = _positive_ints([batch] if isinstance(batch, int) else list(batch), "--batch")
+    prompts = _positive_ints([prompt_len] if isinstance(prompt_len, int) else list(prompt_len), "--prompt-len")
     eng = get_engine(engine)  # an unknown engine: one line, before any work
     if policies is None:  # the policies the engine runs (moesim's own defaults for PyTorch eager)
         policies = [p for p in DEFAULT_POLICIES if eng.runs(p)] or list(eng.policies)
@@ -290,7 +306,7 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
     for t in traces.values():
         budget.check(budget.replay_estimate(t.model, t.n_tokens, t.batch, runs, sim,
                                             f"{runs} simulations of {t.n_tokens} steps of {t.model.name}"))
-    rows = run_sweep(sweep, jobs, progress, backend=backend, address=address, out=rows_csv)
+    rows = run_sweep(sweep, jobs, progress, backend=backend, address=address, out=rows_csv, notes=notes)
     by_hw = {h.name: best([r for r in rows if r["hw"] == h.name], goal) for h in sweep.hws}
     if any(t.synthetic for t in traces.values()):
         notes.insert(0, "synthetic traces: routing and predictions are generated, not recorded")

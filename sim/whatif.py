@@ -18,7 +18,6 @@ Groups are the unit of parallel work, of streaming and of resuming:
 
 from __future__ import annotations
 
-import csv
 import functools
 import hashlib
 import itertools
@@ -32,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moesim.atomic import atomic_write_text
+from moesim.atomic import exclusive
 from moesim.costmodel import CostModel
 from moesim.engines import get_engine
 from moesim.errors import DoesNotFit, MoesimError
@@ -49,6 +48,7 @@ from moesim.sim.prefetch_top import keep_top_predictions
 from moesim.sim.quantised import with_expert_dtype
 from moesim.sim.simulate import cache_capacity, pick_costs, prediction_recall, time_plan
 from moesim.sim.static import STATIC_CPU, simulate_static
+from moesim.sim.sweep_rows import parse, resume, write_rows
 from moesim.sim.workload import Link, Workload
 from moesim.traces.format import Trace
 
@@ -638,79 +638,11 @@ def _ray(sweep: Sweep, todo: list[int], address: str | None) -> Iterator[Outcome
 # --------------------------------------------------------------------------------------
 
 
-def _parse(value: str) -> Any:
-    """A CSV cell back to the type the row had (the writer writes repr-exact floats)."""
-    if value in ("True", "False"):
-        return value == "True"
-    if value == "":
-        return None  # a figure the row's policy does not have
-    for kind in (int, float):
-        try:
-            return kind(value)
-        except ValueError:
-            pass
-    return value
+_parse = parse  # the names this module had; sim/sweep_rows.py holds the rows file now
 
 
-def _resume(sweep: Sweep, out: Path) -> dict[int, list[dict[str, Any]]]:
-    """Finished groups of an earlier run of the same sweep in ``out`` (incomplete groups
-    and a torn last line are dropped, and the file rewritten without them)."""
-    manifest = out.with_name(out.name + ".sweep.json")
-    fingerprint = sweep.fingerprint()
-    if out.exists():
-        if not manifest.exists():
-            raise MoesimError(f"{out} exists and is not a resumable sweep output; choose another path or remove it")
-        try:
-            old = json.loads(manifest.read_text()).get("fingerprint")
-        except (OSError, json.JSONDecodeError, AttributeError):
-            old = None
-        if old != fingerprint:
-            raise MoesimError(f"{out} holds a different sweep (other traces, hardware or settings); "
-                              "choose another path or remove it to start over")
-    atomic_write_text(manifest, json.dumps({"fingerprint": fingerprint, "groups": len(sweep.groups()),
-                                            "rows_per_group": sweep.group_size}))
-    if not out.exists():
-        return {}
-    finished: dict[int, list[dict[str, Any]]] = {}
-    with out.open(newline="") as f:
-        text = f.read()
-    lines = text.splitlines(keepends=True)
-    if lines and not lines[-1].endswith("\n"):
-        lines = lines[:-1]  # torn by the interruption
-    reader = csv.DictReader(lines)
-    for rec in reader:
-        if None in rec or None in rec.values():
-            continue  # a short or long line
-        row = {k: _parse(v) for k, v in rec.items()}
-        finished.setdefault(row["group"], []).append(row)
-    finished = {g: rows for g, rows in finished.items() if len(rows) == sweep.group_size}
-    body = [r for g in sorted(finished) for r in finished[g]]
-    _write_rows(out, body, fresh=True)
-    return finished
-
-
-def _write_rows(out: Path, rows: list[dict[str, Any]], fresh: bool = False) -> None:
-    """Append ``rows`` to ``out`` and flush them to disk (``fresh``: atomically replace it)."""
-    if fresh:
-        if not rows:
-            out.unlink(missing_ok=True)
-            return
-        import io
-
-        buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
-        w.writeheader()
-        w.writerows(rows)
-        atomic_write_text(out, buf.getvalue())
-        return
-    new = not out.exists()
-    with out.open("a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]), lineterminator="\n")
-        if new:
-            w.writeheader()
-        w.writerows(rows)
-        f.flush()
-        os.fsync(f.fileno())
+def _resume(sweep: Sweep, out: Path, notes: list[str] | None = None) -> dict[int, list[dict[str, Any]]]:
+    return resume(sweep, out, notes)
 
 
 class SweepError(MoesimError):
@@ -724,7 +656,7 @@ class SweepError(MoesimError):
 
 def run_sweep(sweep: Sweep, jobs: int | None = None, progress: Callable[[int, int], None] | None = None, *,
               backend: str = "local", address: str | None = None, out: str | Path | None = None,
-              keep_rows: bool = True) -> list[dict[str, Any]]:
+              keep_rows: bool = True, notes: list[str] | None = None) -> list[dict[str, Any]]:
     """All rows of the sweep, in group order (rows of a group: profile, then link).
 
     ``progress(configurations_done, configurations)`` after each group (resumed groups
@@ -740,10 +672,19 @@ def run_sweep(sweep: Sweep, jobs: int | None = None, progress: Callable[[int, in
             import ray  # noqa: F401
         except ImportError:
             raise MoesimError(f"backend ray needs Ray: {RAY_HINT}") from None
-    groups = sweep.groups()
     sweep.recalls  # noqa: B018 - computed once here, shipped with the sweep to every worker
     out = Path(out) if out is not None else None
-    finished = _resume(sweep, out) if out is not None else {}
+    if out is None:
+        return _run_sweep(sweep, jobs, progress, backend, address, None, keep_rows, notes)
+    with exclusive(out, "--rows"):  # a second run on the same rows is refused, not interleaved
+        return _run_sweep(sweep, jobs, progress, backend, address, out, keep_rows, notes)
+
+
+def _run_sweep(sweep: Sweep, jobs, progress, backend: str, address, out: Path | None, keep_rows: bool,
+               notes: list[str] | None) -> list[dict[str, Any]]:
+    groups = sweep.groups()
+    finished = resume(sweep, out, notes) if out is not None else {}
+    fingerprint = sweep.fingerprint() if out is not None else ""
     results: dict[int, list[dict[str, Any]]] = finished if keep_rows else {}
     todo = [i for i in range(len(groups)) if i not in finished]
     total, done = sweep.size, len(finished) * sweep.group_size
@@ -760,7 +701,7 @@ def run_sweep(sweep: Sweep, jobs: int | None = None, progress: Callable[[int, in
                 failures.append((groups[i], f"{type(rows).__name__}: {rows}"))
                 continue
             if out is not None:
-                _write_rows(out, rows)
+                write_rows(out, rows, fingerprint)
             if keep_rows:
                 results[i] = rows
             done += len(rows)

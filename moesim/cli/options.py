@@ -68,3 +68,12 @@ def ends_on_interrupt() -> Iterator[None]:
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, signal.SIG_IGN)
         raise
+
+
+def holding(path, what: str):
+    """``path``'s lock while within (:func:`moesim.atomic.exclusive`); nothing for None."""
+    from contextlib import nullcontext
+
+    from moesim.atomic import exclusive
+
+    return nullcontext() if path is None else exclusive(path, what)

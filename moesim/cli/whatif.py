@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, auto_or, err, floats, ints, print_csv, print_json, split
-from moesim.cli.options import CachePerLayer, Engine, GpuLayers, Host, OffloadGib, Threads, ends_on_interrupt
+from moesim.cli.app import app, auto_or, floats, ints, split
+from moesim.cli.options import CachePerLayer, Engine, GpuLayers, Host, OffloadGib, Threads, ends_on_interrupt, holding
 from moesim.cli.running import progress_bar
 from moesim.errors import MoesimError
 from moesim.sim.sweep import DEFAULT_POLICIES
@@ -80,8 +80,7 @@ def whatif(
     Example: `moesim whatif --model olmoe-1b-7b --hw a6000,gh200 --policy on-demand,prefetch,oracle,cpu-static
     --link-gbps 16,32 --cache-gib 0,1 --tokens 32 --jobs 1`
     """
-    from moesim.cli.whatif_views import print_whatif
-    from moesim.sim.deploy import crossovers, deployment_answer
+    from moesim.cli.whatif_views import show_whatif
     from moesim.sim.sweep import whatif as run_whatif
 
     if top < 1:
@@ -91,33 +90,22 @@ def whatif(
 
         check_output_dir(out_dir)
 
-    with progress_bar("simulating", "configurations", disable=as_json or as_csv) as update, ends_on_interrupt():
-        res = run_whatif(trace_path, split(model, "--model"), split(hw_names, "--hw"),
-                         split(policy, "--policy") if policy is not None else None,
-                         floats(link_gbps, "--link-gbps") if link_gbps is not None else None, floats(cache_gib, "--cache-gib"),
-                         eviction, tokens, ints(prompt_len, "--prompt-len"), ints(batch, "--batch"), goal, sim,
-                         jobs or None, update, backend=backend, address=address, rows_csv=rows_csv,
-                         expert_dtypes=split(expert_dtype, "--expert-dtype") if expert_dtype is not None else None,
-                         hosts=split(host, "--host") if host is not None else None,
-                         cpu_layers=auto_or(cpu_layers, "--cpu-layers", int) if cpu_layers is not None else None,
-                         gpu_expert_gib=auto_or(gpu_expert_gib, "--gpu-expert-gib", float),
-                         copy_queues=split(copy_queue, "--copy-queue"),
-                         prefetch_top=ints(prefetch_top, "--prefetch-top") if prefetch_top is not None else None,
-                         placement_from=placement_from, calibrate_on_replay=calibrate_on_replay,
-                         engine=engine, threads=threads, gpu_layers=auto_or(gpu_layers, "--gpu-layers", int),
-                         host_ram_gb=host_ram_gb, cache_per_layer=cache_per_layer,
-                         offload_gib=auto_or(offload_gib, "--offload-gib", float),
-                         lookaheads=ints(lookahead, "--lookahead") if lookahead is not None else None)
-    rows, winner = res.rows, res.winner
-    answers = deployment_answer(rows, goal, engine=engine)
-    crosses = crossovers(rows)
-    if as_json or as_csv:
-        print_json({"goal": goal, "best": winner, "notes": res.notes, "deployment": [a.to_dict() for a in answers],
-                    "crossovers": [c.__dict__ for c in crosses], "rows": rows}) if as_json else print_csv(rows)
-    else:
-        print_whatif(res, answers, crosses, goal, top)
-    if out_dir is not None:
-        from moesim.reports.whatif import write_whatif_report
-
-        page = write_whatif_report(rows, winner, goal, res.sweep, out_dir, res.notes)
-        err.print(f"report: {page}")
+    with holding(out_dir, "--out"):  # two runs on one report folder: the second refused in one line
+        with progress_bar("simulating", "configurations", disable=as_json or as_csv) as update, ends_on_interrupt():
+            res = run_whatif(trace_path, split(model, "--model"), split(hw_names, "--hw"),
+                             split(policy, "--policy") if policy is not None else None,
+                             floats(link_gbps, "--link-gbps") if link_gbps is not None else None, floats(cache_gib, "--cache-gib"),
+                             eviction, tokens, ints(prompt_len, "--prompt-len"), ints(batch, "--batch"), goal, sim,
+                             jobs or None, update, backend=backend, address=address, rows_csv=rows_csv,
+                             expert_dtypes=split(expert_dtype, "--expert-dtype") if expert_dtype is not None else None,
+                             hosts=split(host, "--host") if host is not None else None,
+                             cpu_layers=auto_or(cpu_layers, "--cpu-layers", int) if cpu_layers is not None else None,
+                             gpu_expert_gib=auto_or(gpu_expert_gib, "--gpu-expert-gib", float),
+                             copy_queues=split(copy_queue, "--copy-queue"),
+                             prefetch_top=ints(prefetch_top, "--prefetch-top") if prefetch_top is not None else None,
+                             placement_from=placement_from, calibrate_on_replay=calibrate_on_replay,
+                             engine=engine, threads=threads, gpu_layers=auto_or(gpu_layers, "--gpu-layers", int),
+                             host_ram_gb=host_ram_gb, cache_per_layer=cache_per_layer,
+                             offload_gib=auto_or(offload_gib, "--offload-gib", float),
+                             lookaheads=ints(lookahead, "--lookahead") if lookahead is not None else None)
+        show_whatif(res, goal, engine, top, as_json, as_csv, out_dir)

@@ -4,7 +4,7 @@ deployment answer per scenario, where the winner changes, the notes and the best
 from __future__ import annotations
 
 from moesim import fmt
-from moesim.cli.app import out, results_table
+from moesim.cli.app import err, out, print_csv, print_json, results_table
 
 WHATIF_COLS = (("model", "model"), ("hw", "hw"), ("host", "host"), ("policy", "policy"), ("link_gbps", "link GB/s"),
                ("cache_gib", "cache GiB"), ("fits", "fits"), ("tpot_ms", "TPOT ms"), ("tokens_per_s", "tok/s"),
@@ -49,3 +49,22 @@ def print_whatif(res, answers, crosses, goal: str, top: int) -> None:
         out.print(f"why: {bound_words(winner)}" if cpu else f"why: {why(winner)}")
     else:
         out.print("[bold red]no configuration fits in device memory[/bold red]")
+
+
+def show_whatif(res, goal: str, engine: str | None, top: int, as_json: bool, as_csv: bool, out_dir) -> None:
+    """The answer as JSON, CSV or text, then the report folder (``out_dir``, unless None)."""
+    from moesim.sim.deploy import crossovers, deployment_answer
+
+    rows, winner = res.rows, res.winner
+    answers = deployment_answer(rows, goal, engine=engine)
+    crosses = crossovers(rows)
+    if as_json or as_csv:
+        print_json({"goal": goal, "best": winner, "notes": res.notes, "deployment": [a.to_dict() for a in answers],
+                    "crossovers": [c.__dict__ for c in crosses], "rows": rows}) if as_json else print_csv(rows)
+    else:
+        print_whatif(res, answers, crosses, goal, top)
+    if out_dir is not None:
+        from moesim.reports.whatif import write_whatif_report
+
+        page = write_whatif_report(rows, winner, goal, res.sweep, out_dir, res.notes)
+        err.print(f"report: {page}", soft_wrap=True)
