@@ -131,7 +131,7 @@ def load_model(model: str, layers: int | None = None, dtype: str = "fp32", devic
         raise MoesimError(f"unknown dtype {dtype!r}; use fp32 or bf16")
     dev = torch.device(device)
     pin = dev.type == "cuda"
-    path = shipped_model(model) if model in (SHIPPED_MODEL, DRAFT_MODEL) else Path(model)
+    path = shipped_model(model) if model in (SHIPPED_MODEL, DRAFT_MODEL) else check_name(Path(model), "model")
     if path.is_dir():
         path = resolve_snapshot(path)
         m = load_checkpoint(path, dt, pin=pin).to(dev)
@@ -150,7 +150,7 @@ def load_model(model: str, layers: int | None = None, dtype: str = "fp32", devic
 def model_spec(model: str, layers: int | None = None) -> ModelSpec:
     """The spec :func:`load_model` will run, without loading weights (a checkpoint folder's
     as its family adapter reads it, a shipped checkpoint's, or a catalogue geometry's)."""
-    path = shipped_model(model) if model in (SHIPPED_MODEL, DRAFT_MODEL) else Path(model)
+    path = shipped_model(model) if model in (SHIPPED_MODEL, DRAFT_MODEL) else check_name(Path(model), "model")
     spec = hf_spec(resolve_snapshot(path))[0] if path.is_dir() else get_model(str(model))
     return spec.with_layers(layers) if layers is not None else spec
 

@@ -113,8 +113,11 @@ def loaded_weights(path: Path) -> list[Path]:
     """The files from_pretrained will load, each a regular file: one line, before loading,
     for weights it would not find (``estimator.safetensors`` alone; an index whose shards
     are missing)."""
-    for base in LOADED:
+    for base in LOADED:  # from_pretrained's order: the single file, then its index
         index = path / f"{base}.index.json"
+        if kind_of(path / base) != "missing":
+            files = [path / base]
+            break
         if kind_of(index) != "missing":
             try:
                 shards = json.loads(read_bytes(index, "weight index", JSON_CAP).decode("utf-8"))["weight_map"]
@@ -129,9 +132,6 @@ def loaded_weights(path: Path) -> list[Path]:
                 raise MoesimError(f"{path}: {index.name} names {len(names)} shard(s); {len(missing)} not there "
                                   f"({missing[0]}): download the weights first")
             files = [path / n for n in names]
-            break
-        if kind_of(path / base) != "missing":
-            files = [path / base]
             break
     else:
         have = ", ".join(p.name for p in weight_files(path)[:3])
