@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from moesim.errors import MoesimError
+from moesim.inputs import JSON_CAP, check_input, read_bytes
 from moesim.models import DTYPES, HF_DTYPES, ModelSpec
 
 #: quantization_config methods moesim sizes (others are refused in one line).
@@ -154,7 +155,10 @@ _SKIP = ("vision", "visual", "multi_modal_projector", "audio", "mm_projector", "
 
 def safetensors_header(path: Path) -> dict[str, Any]:
     """The JSON header of a ``.safetensors`` file (8-byte little-endian length, then JSON);
-    no tensor data is read."""
+    no tensor data is read. A device, socket or pipe is one line, never opened (a FIFO
+    named model.safetensors would block the open)."""
+    if check_input(path, "safetensors file") != "file":
+        raise MoesimError(f"safetensors file {path} is a pipe, not a regular file: weights are read from files")
     try:
         with open(path, "rb") as f:
             head = f.read(8)
@@ -180,8 +184,8 @@ def tensor_bytes(folder: Path) -> dict[str, int] | None:
     index = folder / "model.safetensors.index.json"
     if index.is_file():  # a sharded checkpoint names its files; other .safetensors beside it are not the model
         try:
-            names = set(json.loads(index.read_text()).get("weight_map", {}).values())
-        except (OSError, ValueError, AttributeError):
+            names = set(json.loads(read_bytes(index, "safetensors index", JSON_CAP)).get("weight_map", {}).values())
+        except (ValueError, AttributeError, TypeError):
             raise MoesimError(f"{index}: not a safetensors index (weight_map)") from None
         files = sorted(folder / n for n in names)
     else:

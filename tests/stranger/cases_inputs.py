@@ -233,6 +233,10 @@ def input_cases() -> list[Case]:
                    checkpoint("ck", {"x": 1}, {"model-1.safetensors": "model.safetensors"}, index={"weight_map": {}}),
                    both(checkpoint("ck"), fifo("ck/model.safetensors"))):
         add(mi, ["record", "ck", "--tokens", "1", "--out", "r.npz"], before, timeout=120)
+    add(mi, ["models", "ck"], both(checkpoint("ck"), fifo("ck/model.safetensors")))  # would block the header's open
+    add(mi, ["models", "ck"], both(checkpoint("ck"), lambda d: (d / "ck" / "model.safetensors").symlink_to("/dev/zero")))
+    add(mi, ["models", "ck"], checkpoint("ck", files={"model-1.safetensors": "model.safetensors"},
+                                         index={"weight_map": 5}))
     add(mi, ["record", "/dev/zero", "--tokens", "1"], timeout=120)
     add(mi, ["record", "afile", "--tokens", "1"], timeout=120)
     add(mi, ["record", "missing-folder", "--tokens", "1"], timeout=120)
