@@ -33,6 +33,16 @@ TRACE_BYTES_PER_CELL = 8  # true ids (int16), gates (float32), predicted ids (in
 SYNTH_S_PER_CELL = 5e-6
 SIMPY_S_PER_STEP_LAYER = 5e-4
 FAST_S_PER_STEP_LAYER = 2e-5
+# A sweep's rows (moesim whatif), measured: one row (a profile and link of a group) costs
+# about this per decode step x MoE layer x sequence, plus a fixed cost per group (its plan
+# and compute times). From SimPy and fast sweeps of OLMoE and Qwen3-30B-A3B at 32 and 128
+# steps on a shared 2-core machine (3.4e-5 to 7e-5 s with two other processes busy, half
+# that idle; fast 5e-6 to 3e-5, the short traces dominated by the group's fixed cost): the
+# middle, so the estimate is within 3x idle or loaded. The 5e-4 above once timed sweeps too
+# and said 30.7 min for a sweep that took 24 s.
+SWEEP_SIMPY_S_PER_ROW_CELL = 2.5e-5
+SWEEP_FAST_S_PER_ROW_CELL = 4e-6
+SWEEP_S_PER_GROUP = 0.03
 HOST_COPY_GBS = 2.0  # a CPU executor's expert compute and weight reads, conservatively
 WARN_S = 600.0  # announce runs longer than this
 REFUSE_S = 24 * 3600.0  # refuse runs longer than a day: almost always a typo
@@ -116,6 +126,21 @@ def replay_estimate(spec: ModelSpec, tokens: int, batch: int, runs: int = 1, eng
     return Estimate(what or f"{runs} simulation(s) of {tokens} steps of {spec.name} ({engine} engine)",
                     cells * (TRACE_BYTES_PER_CELL + REPLAY_BYTES_PER_CELL),
                     runs * float(tokens) * spec.n_moe_layers * max(1, batch) * per)
+
+
+def sweep_estimate(shapes: list[tuple[ModelSpec, int, int]], groups_per_trace: int, rows_per_group: int,
+                   engine: str = "fast", workers: int = 1) -> Estimate:
+    """A sweep (``moesim whatif``): ``shapes`` = (model, steps, batch) of each trace, each
+    timed in ``groups_per_trace`` groups of ``rows_per_group`` rows, on ``workers`` processes.
+    Memory: every trace and one group's replay at a time per worker."""
+    per = SWEEP_SIMPY_S_PER_ROW_CELL if engine == "simpy" else SWEEP_FAST_S_PER_ROW_CELL
+    cells = sum(float(t) * spec.n_moe_layers * max(1, b) for spec, t, b in shapes)
+    seconds = (cells * per * rows_per_group + SWEEP_S_PER_GROUP * len(shapes)) * groups_per_trace / max(1, workers)
+    peak = max((_cells(spec, t, b) for spec, t, b in shapes), default=0.0)
+    memory = sum(_cells(spec, t, b) for spec, t, b in shapes) * TRACE_BYTES_PER_CELL
+    n = groups_per_trace * rows_per_group * len(shapes)
+    return Estimate(f"{n} configurations ({engine} simulator, {workers} worker(s))",
+                    memory + peak * REPLAY_BYTES_PER_CELL * max(1, workers), seconds)
 
 
 def decode_estimate(spec: ModelSpec, tokens: int, batch: int, dtype_bytes: int, link_gbps: float,

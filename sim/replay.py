@@ -62,6 +62,7 @@ class Replay:
     results: list[SimResult]
     link_source: str = "the profile's"  # given / recorded in the trace / the profile's
     cache_source: str = "given"  # given / recorded in the trace
+    step: int = 1  # the decode step the report's timeline shows
 
     @property
     def rows(self) -> list[dict[str, Any]]:
@@ -84,7 +85,7 @@ def replay_link(trace: Trace, profile: HardwareProfile, profile_source: str,
 
 
 def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str] | tuple[str, ...] = DEFAULT_POLICIES,
-           *, model: str | None = None, step: int = 1, where: str | Path | None = None,
+           *, model: str | None = None, step: int | None = None, where: str | Path | None = None,
            progress: Callable[[int, int], None] | None = None, expert_dtype: str | None = None,
            prefetch_top: int | None = None, placement_from: str | Path | None = None, **kw: Any) -> Replay:
     """Simulate a (non-speculative) trace under each policy; ``kw`` goes to
@@ -103,8 +104,12 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
     if model is not None:
         check_trace_model(trace, model, where)
     profile, source = trace_profile(trace, hw)
-    if not 0 <= step < trace.n_tokens:
-        raise MoesimError(f"--step {step} outside the trace's {trace.n_tokens} steps")
+    if step is None:
+        step = min(1, trace.n_tokens - 1)  # the report's timeline: the second step (the first warms the cache)
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < trace.n_tokens:
+        last = trace.n_tokens - 1
+        raise MoesimError(f"--step {step}: the trace has {trace.n_tokens} decode step(s), numbered from 0: give "
+                          + ("0" if last == 0 else f"0 to {last}"))
     budget.check(budget.replay_estimate(trace.model, trace.n_tokens, trace.batch, len(policies),
                                         kw.get("sim", "simpy")))
     profile, link_source = replay_link(trace, profile, source, kw.pop("link_gbps", None))
@@ -120,7 +125,7 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
     kw, cache_source = recorded_cache(trace, kw)
     kw.setdefault("copy_queue", None)  # None: as recorded (moesim profile --copy-queue), else FIFO
     return Replay(trace, profile, source, simulate_policies(trace, profile, list(policies), progress=progress, **kw),
-                  link_source, cache_source)
+                  link_source, cache_source, step)
 
 
 def recorded_cache(trace: Trace, kw: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -138,3 +143,20 @@ def recorded_cache(trace: Trace, kw: dict[str, Any]) -> tuple[dict[str, Any], st
     kw["cache_gib"] = kw.get("cache_gib") or 0.0
     kw["cache_experts"] = kw.get("cache_experts") or 0
     return kw, source
+
+
+def unused_notes(policies, hw: str | None, *, host=None, cpu_layers="auto", gpu_expert_gib=None, copy_queue=None,
+                 prefetch_top=None, gpu_layers="auto", offload_gib="auto", placement_from=None, amx=True,
+                 calibrate_on_replay=False) -> str | None:
+    """One line naming every option given that none of the replayed policies uses
+    (:func:`moesim.sim.sweep.unused_options`, the definition whatif uses), or None."""
+    from moesim.policy import get_policy
+    from moesim.sim.sweep import unused_options
+
+    no_gpu = hw is not None and get_machine(hw).n_gpus == 0
+    notes = unused_options([get_policy(p) for p in policies], [host] if host else None, [cpu_layers],
+                           [gpu_expert_gib] if gpu_expert_gib is not None else None, [copy_queue],
+                           [prefetch_top] if prefetch_top is not None else None, [gpu_layers], [offload_gib],
+                           placement_from=placement_from, amx=amx, calibrate_on_replay=calibrate_on_replay,
+                           pinned_hot_set=True, no_gpu=no_gpu, verb="replayed")
+    return "; ".join(notes) if notes else None

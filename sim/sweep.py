@@ -124,20 +124,32 @@ def check_threads(threads: int | None, hosts) -> None:
 
 
 def unused_options(pols: list, hosts, cpu_layers, gpu_expert_gib, copy_queues, prefetch_top, gpu_layers=None,
-                   offload_gib=None) -> list[str]:
-    """A note for each option given that no swept policy uses (``--cpu-layers`` with no
-    cpu-static, ...): the sweep is still valid, but the user should not believe the knob
-    was tried. ``auto`` is every count's default, so only other values are noted."""
-    uses = [(hosts, "--host", "the CPU-compute policies", lambda p: bool(p.cpu)),
+                   offload_gib=None, *, placement_from=None, amx: bool = True, calibrate_on_replay: bool = False,
+                   pinned_hot_set: bool = False, no_gpu: bool = False, verb: str = "swept") -> list[str]:
+    """A note for each option given that no policy of the run uses (``--cpu-layers`` with no
+    cpu-static, ...): the run is still valid, but the user should not believe the knob was
+    tried. ``auto`` is every count's default, so only other values are noted. One
+    definition for every command (whatif sweeps lists, replay takes one value each):
+    ``pinned_hot_set``: ``--gpu-expert-gib`` also pins a copy policy's hot set (replay);
+    ``no_gpu``: the machine has no GPU, where ``--host`` always applies."""
+    hot = lambda p: p.cpu in ("hot", "miss")  # noqa: E731
+    uses = [(hosts, "--host", "the CPU-compute policies", lambda p: bool(p.cpu) or no_gpu),
             ([n for n in gpu_layers or () if n != "auto"], "--gpu-layers", "gpu-layers", lambda p: p.cpu == "whole"),
             ([g for g in offload_gib or () if g != "auto"], "--offload-gib", "weight-streaming",
              lambda p: p.cpu == "stream"),
-            (cpu_layers, "--cpu-layers", "cpu-static", lambda p: p.cpu == "layers"),
-            ([g for g in gpu_expert_gib or () if g != "auto"], "--gpu-expert-gib", "hot-experts", lambda p: p.cpu == "hot"),
-            ([q for q in copy_queues or () if q != "fifo"], "--copy-queue", "the copy policies",
+            ([n for n in cpu_layers or () if n != "auto"], "--cpu-layers", "cpu-static", lambda p: p.cpu == "layers"),
+            ([g for g in gpu_expert_gib or () if g != "auto"], "--gpu-expert-gib",
+             "hot-experts and the copy policies" if pinned_hot_set else "hot-experts",
+             lambda p: p.cpu == "hot" or (pinned_hot_set and p.offload and not p.cpu)),
+            ([q for q in copy_queues or () if q not in ("fifo", None)], "--copy-queue", "the copy policies",
              lambda p: p.offload and not p.cpu),
-            (prefetch_top, "--prefetch-top", "the prefetching policies", lambda p: p.prefetch)]
-    return [f"{name} was given, but none of the swept policies uses it (only {who}): it changed nothing"
+            (prefetch_top, "--prefetch-top", "the prefetching policies", lambda p: p.prefetch),
+            ([placement_from] if placement_from is not None else [], "--placement-from", "hot-experts and cpu-on-miss",
+             hot),
+            ([True] if calibrate_on_replay else [], "--calibrate-on-replay", "hot-experts and cpu-on-miss", hot),
+            ([True] if not amx else [], "--no-amx", "the CPU-compute policies", lambda p: bool(p.cpu) or no_gpu)]
+    return [f"{name} was given, but none of the {verb} policies "
+            f"uses it (only {who}): it changed nothing"
             for given, name, who, applies in uses if given and not any(applies(p) for p in pols)]
 
 
@@ -302,10 +314,10 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
                   cache_per_layer=cache_per_layer,
                   gpu_layers=tuple(gpu_layers) if gpu_layers else ("auto",),
                   offload_gib=tuple(offload_gib) if offload_gib else ("auto",))
-    runs = max(1, sweep.size // max(1, len(sweep.traces)))
-    for t in traces.values():
-        budget.check(budget.replay_estimate(t.model, t.n_tokens, t.batch, runs, sim,
-                                            f"{runs} simulations of {t.n_tokens} steps of {t.model.name}"))
+    n_groups = len(sweep.groups())
+    workers = 1 if backend != "local" else max(1, min(jobs or os.cpu_count() or 1, n_groups))
+    budget.check(budget.sweep_estimate([(t.model, t.n_tokens, t.batch) for t in traces.values()],
+                                       max(1, n_groups // max(1, len(traces))), sweep.group_size, sim, workers))
     rows = run_sweep(sweep, jobs, progress, backend=backend, address=address, out=rows_csv, notes=notes)
     by_hw = {h.name: best([r for r in rows if r["hw"] == h.name], goal) for h in sweep.hws}
     if any(t.synthetic for t in traces.values()):

@@ -53,7 +53,8 @@ def replay(
     timing: Annotated[str, typer.Option(help="Compute times: auto (measured if the trace has them for this hw), "
                                               "profile (roofline) or measured.")] = "auto",
     model: Annotated[str | None, typer.Option(help="Check the trace against this model (errors on mismatch).")] = None,
-    step: Annotated[int, typer.Option(help="Which decode step the report's timeline shows.")] = 1,
+    step: Annotated[int | None, typer.Option(help="Which decode step the report's timeline shows (from 0; "
+                                                  "default 1, or 0 on a one-step trace).")] = None,
     validate: Annotated[bool, typer.Option("--validate", help="Compare with the trace's measured TPOT: replay its recorded "
                                                               "policy on its recorded profile and link, with its measured compute.")] = False,
     gamma: Annotated[str | None, typer.Option(help="Speculative traces: what-if over these verification budgets "
@@ -95,6 +96,7 @@ def replay(
     from moesim.cli.replay_views import print_replay, print_speculative, print_validation
     from moesim.hardware import get_profile
     from moesim.sim.replay import replay as run_replay
+    from moesim.sim.replay import unused_notes
     from moesim.traces.format import read_trace
 
     if out_dir is not None:
@@ -128,6 +130,10 @@ def replay(
                          offload_gib=one(auto_or(offload_gib, "--offload-gib", float), "--offload-gib"),
                          ratios=floats(tensor_split, "--tensor-split") if tensor_split is not None else None,
                          lookahead=lookahead, cache_per_layer=cache_per_layer, gpu_expert_gib=gpu_expert_gib)
+    note = unused_notes(split(policy, "--policy"), hw_name, host=host, cpu_layers=cpu_layers, copy_queue=copy_queue,
+                        gpu_expert_gib=gpu_expert_gib, prefetch_top=prefetch_top, gpu_layers=gpu_layers,
+                        offload_gib=offload_gib, placement_from=placement_from, amx=amx,
+                        calibrate_on_replay=calibrate_on_replay)
     rows = rep.rows
     if as_json or as_csv:
         print_json(rows) if as_json else print_csv(rows)
@@ -136,6 +142,8 @@ def replay(
     if out_dir is not None:
         from moesim.reports.replay import write_replay_report
 
-        page = write_replay_report(trace, trace_path, rep.profile, rep.results, out_dir, step)
+        page = write_replay_report(trace, trace_path, rep.profile, rep.results, out_dir, rep.step)
         err.print(f"report: {page}")
+    if note:
+        err.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
 

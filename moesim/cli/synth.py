@@ -61,6 +61,15 @@ def synth(
     `moesim synth --model olmoe-1b-7b --tokens 64 --lookahead 2 --out ahead.npz`,
     `moesim synth --speculative --model qwen3-235b-a22b --tokens 16 --out sd.npz`.
     """
+    spec_only = {"--branch": branch != 2, "--depth": depth != 4, "--accept": accept != "0.75,0.65,0.6,0.55",
+                 "--recall": recall != 0.7, "--parent-overlap": parent_overlap is not None,
+                 "--sibling-overlap": sibling_overlap is not None}
+    plain_only = {"--batch": batch != 1, "--reuse": reuse != 0.3, "--hit-rate": hit_rate != 0.85,
+                  "--early-hit-rate": early_hit_rate != 0.5, "--early-layers": early_layers != 2}
+    unused = [k for k, v in (plain_only if speculative else spec_only).items() if v]
+    if unused:
+        err.print(f"note: {', '.join(unused)} {'apply' if len(unused) > 1 else 'applies'} to "
+                  f"{'plain' if speculative else '--speculative'} synthetic traces: changed nothing", markup=False)
     if speculative and (lookahead is not None or draw_seed is not None):
         raise MoesimError("--lookahead and --draw-seed apply to plain synthetic traces, not to --speculative")
     if like is not None and draw_seed is not None:
