@@ -16,6 +16,8 @@ The life of one MoE layer ``l`` of one decode step, as both sides drive it:
 from __future__ import annotations
 
 import heapq
+import os
+import queue
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -465,6 +467,14 @@ class Planner:
         results (property-tested), ~1,000x faster. ``progress(steps_done, steps)`` is called
         between chunks. The planner's own cache object is not updated (the kernel keeps the
         cache in arrays); use a fresh Planner per trace."""
+        return np.stack(self.plan_rows(true_ids, pred_ids, n_experts, progress))
+
+    def plan_rows(self, true_ids: np.ndarray, pred_ids: np.ndarray, n_experts: int,
+                  progress: Callable[[int, int], None] | None = None) -> list[np.ndarray]:
+        """:meth:`plan_trace`'s counts as one [step, MoE layer] array per row of :attr:`COUNTS`,
+        a row that holds one value everywhere (a policy's zeros, top-k executed at batch 1)
+        being a read-only broadcast of it: what :func:`moesim.sim.plan.build_plan` keeps
+        (a 100,000-token Qwen3-30B-A3B plan: 134 MB as one array, 19 MB a row)."""
         self._check_fresh(true_ids, pred_ids)
         from moesim import policy_kernel as kern  # numba: compiled on first use, not at import
 
@@ -473,7 +483,6 @@ class Planner:
             raise MoesimError(f"routing ids must be < n_experts ({n_experts})")
         tr = np.ascontiguousarray(true_ids.reshape(t, m, b * k))
         pr = tr if self.policy.oracle else np.ascontiguousarray(pred_ids.reshape(t, m, b * k))
-        counts = np.zeros((len(self.COUNTS), t, m), np.int32)
         keys = m * n_experts
         # A cache that holds every (layer, expert) never evicts: a larger one behaves the same
         # and must not size the heap (a 1e12 GiB what-if would allocate terabytes).
@@ -488,15 +497,89 @@ class Planner:
         state = np.zeros(5, np.int64)
         lfu = self.cache is not None and self.cache.eviction == "lfu"
         offload = self.policy.offload
-        chunk = max(1, 2_000_000 // max(1, m * b * k))  # steps per call: progress ~ every 0.1 s
-        for s0 in range(0, t, chunk):
-            s1 = min(t, s0 + chunk)
-            kern.plan_steps(tr[s0:s1], pr[s0:s1], counts[:, s0:s1], offload, offload and self.policy.prefetch,
+        chunk = max(1, PLAN_CHUNK // max(1, m * b * k))  # steps per call: progress ~ every 0.1 s
+        rows = _Rows(len(self.COUNTS), t, m)
+
+        # Each call decides into a scratch block, copied into the rows in step order; the blocks
+        # are reused (fresh ones a call leave freed memory the allocator keeps, ~50 MB a plan).
+        free: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+
+        def run(s0: int, s1: int, state: np.ndarray) -> tuple[int, int, np.ndarray]:
+            try:
+                buf = free.get_nowait()
+            except queue.Empty:
+                buf = np.empty((len(self.COUNTS), min(chunk, t), m), np.int32)
+            out = buf[:, : s1 - s0]
+            out[...] = 0
+            kern.plan_steps(tr[s0:s1], pr[s0:s1], out, offload, offload and self.policy.prefetch,
                             self.policy.executes_predicted, self.lookahead, cap, lfu, n_experts, state, resident, count,
                             last, prot, inuse, pos, *heap, self.per_layer, size_l, pinned)
+            return s0, s1, buf
+
+        spans = [(s0, min(t, s0 + chunk)) for s0 in range(0, t, chunk)]
+        workers = min(len(spans), _plan_threads())
+        if cap == 0 and workers > 1:
+            # Without a cache no decision outlives its step (the slots are the step's; nothing
+            # is resident, so nothing is protected or evicted): chunks of steps are independent
+            # and run on threads (the kernel releases the GIL), each from a fresh state. Same
+            # counts as one pass (tests/test_speed_plan.py).
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(workers) as pool:
+                for s0, s1, buf in pool.map(lambda sp: run(*sp, np.zeros(5, np.int64)), spans):  # in step order
+                    rows.put(s0, s1, buf[:, : s1 - s0])
+                    free.put(buf)
+                    if progress is not None:
+                        progress(s1, t)
+            return rows.rows()
+        for s0, s1 in spans:
+            s0, s1, buf = run(s0, s1, state)
+            rows.put(s0, s1, buf[:, : s1 - s0])
+            free.put(buf)
             if progress is not None:
                 progress(s1, t)
-        return counts
+        return rows.rows()
+
+
+class _Rows:
+    """[step, layer] rows filled a chunk of steps at a time, in step order; a row stays one
+    number (no array) for as long as every chunk holds only that number."""
+
+    def __init__(self, n: int, t: int, m: int) -> None:
+        self.shape = (t, m)
+        self.value: list[int | None] = [None] * n
+        self.full: list[np.ndarray | None] = [None] * n
+
+    def put(self, s0: int, s1: int, out: np.ndarray) -> None:
+        for i, block in enumerate(out):
+            if self.full[i] is None:
+                if not block.size:
+                    continue
+                lo, hi = int(block.min()), int(block.max())
+                if lo == hi and self.value[i] in (None, lo):
+                    self.value[i] = lo
+                    continue
+                self.full[i] = np.empty(self.shape, np.int32)
+                self.full[i][:s0] = self.value[i] or 0
+            self.full[i][s0:s1] = block
+
+    def rows(self) -> list[np.ndarray]:
+        return [f if f is not None else np.broadcast_to(np.int32(v or 0), self.shape)
+                for f, v in zip(self.full, self.value)]
+
+
+#: Expert slots (steps x MoE layers x batch x top-k) :meth:`Planner.plan_trace` decides per
+#: kernel call: progress is reported between calls, and without a cache calls run on threads.
+PLAN_CHUNK = 2_000_000
+
+
+def _plan_threads() -> int:
+    """Threads :meth:`Planner.plan_trace` may use: the CPUs this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
 
 # ---------------------------------------------------------------------------------------
 # CPU or copy: the one decision of cpu-on-miss, shared by the simulator and the executor

@@ -77,13 +77,14 @@ def build_plan(trace: Trace, policy: Policy | str, cache_experts: int = 0, evict
                per_layer: bool = False, pinned: tuple = ()) -> Plan:
     """The plan of ``trace`` under ``policy``: :meth:`Planner.plan_trace`, the compiled batch
     form of the executor's per-layer calls (held identical to them by tests/test_policy.py).
-    Memory: seven int32 counts per (step, MoE layer); ``progress(steps_done, steps)``;
+    Memory: up to seven int32 counts per (step, MoE layer), a count that is one number
+    everywhere a read-only broadcast of it (:meth:`Planner.plan_rows`); ``progress(steps_done, steps)``;
     ``lookahead`` None: the trace's (:func:`plan_lookahead`); ``per_layer`` and ``pinned``
     as :class:`moesim.policy.Planner` has them."""
     policy = get_policy(policy) if isinstance(policy, str) else policy
     n = plan_lookahead(trace, policy, lookahead)
     planner = Planner(policy, cache_experts, eviction, n, per_layer, pinned)
-    counts = planner.plan_trace(trace.true_ids, trace.pred_ids, trace.model.n_experts, progress)
+    counts = planner.plan_rows(trace.true_ids, trace.pred_ids, trace.model.n_experts, progress)  # constant rows: views
     return Plan(policy, cache_experts, eviction, n, *counts, per_layer=per_layer, pinned=len(planner.pinned))
 
 

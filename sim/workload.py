@@ -118,19 +118,28 @@ def lay_out(spec, plan: Plan, attn: np.ndarray, experts_moe: np.ndarray, other: 
     given: ``attn`` [t, n_layers], ``experts_moe`` [t, moe layers] and ``other`` [t]."""
     t, n_layers = attn.shape
     moe = list(spec.moe_layers)
-    experts = np.zeros((t, n_layers))
-    demand = np.zeros((t, n_layers), np.int32)
-    prefetch = np.zeros((t, n_layers), np.int32)
-    need = np.zeros((t, n_layers), np.int32)
-    experts[:, moe] = experts_moe
-    demand[:, moe] = plan.demand
     pol, n = plan.policy, plan.lookahead
+    prefetch = np.zeros((t, n_layers), np.int32)
+    if moe == list(range(n_layers)):  # every layer routed: the plan's arrays are the layers' (no copy)
+        experts = np.ascontiguousarray(experts_moe, float)
+        demand, need = (np.ascontiguousarray(a, np.int32) for a in (plan.demand, plan.prefetch_need))
+        if n < n_layers:
+            prefetch[:, :n_layers - n] = plan.prefetch[:, n:]
+    else:
+        # A run of consecutive MoE layers (dense layers first, as DeepSeek's) is one slice, not a
+        # column list (which numpy copies through an index map).
+        cols = slice(moe[0], moe[-1] + 1) if moe and moe == list(range(moe[0], moe[-1] + 1)) else moe
+        experts = np.zeros((t, n_layers))
+        demand = np.zeros((t, n_layers), np.int32)
+        need = np.zeros((t, n_layers), np.int32)
+        experts[:, cols] = experts_moe
+        demand[:, cols] = plan.demand
+        for m in range(n, len(moe)):
+            prefetch[:, moe[m - n]] = plan.prefetch[:, m]
+        need[:, cols] = plan.prefetch_need
     target = np.full(n_layers, -1, np.int64)
     pairs = prefetch_pairs(spec.moe_layers, n, pol.offload and pol.prefetch)
     target[:pairs.size] = pairs
-    for m in range(n, len(moe)):
-        prefetch[:, moe[m - n]] = plan.prefetch[:, m]
-    need[:, moe] = plan.prefetch_need
     return Workload(attn=attn, experts=experts, demand=demand, prefetch=prefetch, target=target, need=need,
                     other=other, compute_source=source)
 

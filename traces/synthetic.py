@@ -50,6 +50,7 @@ top level when it is not 1); no timing is recorded.
 from __future__ import annotations
 
 import numbers
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -219,8 +220,9 @@ def _ziggurat() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return kn, wn, fn
 
 
-def _draw_rows(true, gates, pred, t0, t1, p, start, words, reuse, hit, look, st_route, st_gate, st_pred, kn, wn, fn):
-    """Draw steps [t0, t1) of ``true``/``gates``/``pred`` [steps, layers, batch, k] in place
+def _draw_rows(true, gates, pred, t0, t1, l0, l1, p, start, words, reuse, hit, look, st_route, st_gate, st_pred, kn,
+               wn, fn):
+    """Draw steps [t0, t1) of MoE layers [l0, l1) of ``true``/``gates``/``pred`` [steps, layers, batch, k] in place
     (the module docstring says what is drawn). ``p`` [layers, E] is the popularity,
     ``start`` its exclusive cumulative sum, ``words`` the packed alias tables
     (:func:`_alias_words`), ``reuse``/``hit`` the per-layer rates (``hit`` already at the
@@ -234,7 +236,7 @@ def _draw_rows(true, gates, pred, t0, t1, p, start, words, reuse, hit, look, st_
     for the same reason (numpy's Generator called from numba cost ~8 ns a number there,
     xoshiro256+ ~1 ns), and the alias draw is branch-free (one packed word a column:
     9 ns a slot against 21 ns with a branch, measured)."""
-    m, b, k = true.shape[1], true.shape[2], true.shape[3]
+    b, k = true.shape[2], true.shape[3]
     e = p.shape[1]
     ue = np.uint64(e)
     lo32 = np.uint64(0xFFFFFFFF)
@@ -382,7 +384,7 @@ def _draw_rows(true, gates, pred, t0, t1, p, start, words, reuse, hit, look, st_
 
     stamp = 0
     for t in range(t0, t1):
-        for ly in range(m):
+        for ly in range(l0, l1):
             a0, a1, a2, a3 = st_route[ly, 0], st_route[ly, 1], st_route[ly, 2], st_route[ly, 3]
             g0, g1, g2, g3 = st_gate[ly, 0], st_gate[ly, 1], st_gate[ly, 2], st_gate[ly, 3]
             q0, q1, q2, q3 = st_pred[ly, 0], st_pred[ly, 1], st_pred[ly, 2], st_pred[ly, 3]
@@ -451,8 +453,26 @@ def _kernel():
         from moesim.jit import use_user_cache  # numba: compiled on first use, not at import
 
         use_user_cache()
-        _KERNEL = njit(cache=True)(_draw_rows)
+        _KERNEL = njit(cache=True, nogil=True)(_draw_rows)  # nogil: layers are drawn on threads
     return _KERNEL
+
+
+def _threads() -> int:
+    """Threads the generator may use: the CPUs this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+#: Expert slots from which the generator draws groups of layers on threads (below, one thread).
+PARALLEL_MIN = 1 << 20
+
+
+def _layer_spans(m: int, n: int) -> list[tuple[int, int]]:
+    """``n`` contiguous groups of the ``m`` MoE layers, as even as they come."""
+    cuts = [round(i * m / n) for i in range(n + 1)]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
 def _chunks(t: int, per_token: int):
@@ -485,11 +505,32 @@ def synthetic_trace(spec: ModelSpec, params: SyntheticParams = SyntheticParams()
     gates = np.empty((t, m, b, k), np.float32)
     pred = np.empty((t, m, b, k), np.int16)
     kernel = _kernel()
-    for s0, s1 in _chunks(t, m * b * k):
-        kernel(true, gates, pred, s0, s1, p, start, words, reuse, hit, int(params.lookahead),
+    # Every MoE layer draws from its own streams into its own rows, so groups of layers run
+    # on threads with the same result (tests/test_speed_synth.py); the rows of one token
+    # are drawn layer by layer, so the split is by layer, not by token.
+    spans = _layer_spans(m, min(_threads(), m) if t * m * b * k >= PARALLEL_MIN else 1)
+
+    def draw(s0: int, s1: int, span: tuple[int, int]) -> None:
+        kernel(true, gates, pred, s0, s1, *span, p, start, words, reuse, hit, int(params.lookahead),
                st_route, st_gate, st_pred, kn, wn, fn)
-        if progress is not None:
-            progress(s1, t)
+
+    pool = None
+    if len(spans) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(len(spans))
+    try:
+        for s0, s1 in _chunks(t, m * b * k):
+            if pool is None:
+                draw(s0, s1, spans[0])
+            else:
+                for f in [pool.submit(draw, s0, s1, sp) for sp in spans]:
+                    f.result()
+            if progress is not None:
+                progress(s1, t)
+    finally:
+        if pool is not None:
+            pool.shutdown()
     pred_gates = gates.copy()
     pred_gates[:, : params.lookahead] = 0  # no prediction there: it would be made before the first MoE layer
 

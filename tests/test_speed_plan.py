@@ -1,0 +1,59 @@
+"""The planner's fast paths (issue 25) against its per-layer methods: planning without a
+cache in chunks of steps on several threads makes exactly the decisions of one pass and
+of ``Planner.plan_trace_stepwise``. Speed itself is measured by bench/bench_sim.py."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_policy import _ids, routing
+
+from moesim import policy as policy_mod
+from moesim.policy import POLICIES, Planner
+
+
+@contextmanager
+def chunking(slots: int, threads: int):
+    """Plan ``slots`` expert slots a kernel call on up to ``threads`` threads."""
+    old = policy_mod.PLAN_CHUNK, policy_mod._plan_threads
+    policy_mod.PLAN_CHUNK, policy_mod._plan_threads = slots, lambda: threads
+    try:
+        yield
+    finally:
+        policy_mod.PLAN_CHUNK, policy_mod._plan_threads = old
+
+
+@settings(max_examples=60, deadline=None)
+@given(routing, st.sampled_from([0, 0, 3]), st.sampled_from([1, 1, 2]), st.integers(0, 3), st.integers(1, 40),
+       st.integers(1, 4))
+def test_threaded_chunks_make_the_per_layer_decisions(r, capacity, lookahead, n_pinned, slots, threads):
+    """Chunks as small as one step, on 1 to 4 threads: every copy policy, with and without
+    a pinned hot set, one or more layers ahead; a cache (which runs in one pass) too."""
+    true, pred = _ids(r)
+    rng = np.random.default_rng(r["seed"])
+    pinned = {(int(rng.integers(r["layers"])), int(rng.integers(r["experts"]))) for _ in range(n_pinned)}
+    for policy in (p for p in POLICIES if not POLICIES[p].cpu):
+        kw = dict(pinned=pinned if POLICIES[policy].offload else ())
+        stepwise = Planner(policy, capacity, "lru", lookahead, **kw).plan_trace_stepwise(true, pred)
+        seen: list[tuple[int, int]] = []
+        with chunking(slots, threads):
+            batch = Planner(policy, capacity, "lru", lookahead, **kw).plan_trace(
+                true, pred, r["experts"], lambda d, t, seen=seen: seen.append((d, t)))
+        np.testing.assert_array_equal(batch, stepwise, err_msg=f"{policy}, cache {capacity}, lookahead {lookahead}")
+        assert seen[-1] == (true.shape[0], true.shape[0]) and [d for d, _ in seen] == sorted(d for d, _ in seen)
+
+
+def test_a_long_trace_plans_the_same_on_threads():
+    """Many chunks of a realistic shape (top-8 of 64 experts, 6 layers): threads or not."""
+    rng = np.random.default_rng(0)
+    true = np.argsort(rng.random((3000, 6, 1, 64)), -1)[..., :8].astype(np.int16)  # distinct within a row
+    pred = np.where(rng.random(true.shape) < 0.8, true, rng.integers(0, 64, true.shape)).astype(np.int16)
+    pred[:, 0] = -1
+    for policy in ("on-demand", "prefetch-fom", "prefetch-spec", "oracle"):
+        with chunking(10**9, 1):
+            one = Planner(policy).plan_trace(true, pred, 64)
+        with chunking(6 * 8 * 97, 2):
+            np.testing.assert_array_equal(Planner(policy).plan_trace(true, pred, 64), one, err_msg=policy)
