@@ -3,8 +3,10 @@
 One command (run it on an idle machine; numbers taken under contention mean nothing, so
 the 1-minute load average is recorded at the start and the end of the run):
 
-    python bench/bench_sim.py                 # ~6-8 minutes on 2 cores
+    python bench/bench_sim.py                 # ~4-5 minutes on 2 idle cores (writes bench/bench_sim.json, .png)
+    python bench/bench_sim.py --readme        # the README's speed table from bench/bench_sim.json
     python bench/bench_sim.py --large         # adds the ~100,000-configuration sweep (minutes)
+    python bench/bench_sim.py --only-long     # the long-trace commands alone (synth, stats, replay)
     python bench/bench_sim.py --quick         # small sizes: checks the script runs
 
 It measures, each as min / median / max over ``--repeat`` runs (after one untimed warm-up
@@ -14,10 +16,12 @@ run, so numba's compiled kernels are in its cache, as after any first use):
   real CLI in a subprocess (wall time and peak RSS from ``os.wait4``) and, in process,
   its parts:
   - ``moesim synth`` for Qwen3-30B-A3B and the catalogue model with the most expert slots
-    a token: generation, ``write_trace`` and the two together (target < 3 s);
-  - ``moesim stats T --json``: ``read_trace`` and ``routing_stats`` (target < 10 s);
+    a token: generation and ``write_trace`` in process, timed in one pass, their sum held to
+    the target (< 3 s), and the CLI (Python, moesim and numba starting included) beside it;
+  - ``moesim stats T --json``: the CLI (target < 10 s); ``read_trace`` and ``routing_stats``;
   - ``moesim replay T --hw a6000 --policy on-demand,prefetch-fom,prefetch-spec,oracle
-    --sim fast --json``: read, plan, time, summarise (target < 4 s and < 1 GB peak RSS);
+    --sim fast --json``: the CLI (target < 4 s and < 1 GB peak RSS); in process, the calls
+    ``simulate_policies`` makes: read, compute times and recall, plan, time, summarise;
 - SimPy and fast-path layer-steps/s on a ``--tokens`` Qwen3-30B-A3B trace (two policies);
 - planning: the policy decisions of the long trace under four policies, without a cache
   and with an LRU and an LFU cache of 256 experts (targets < 10 s and < 30 s);
@@ -27,7 +31,10 @@ and the machine (CPU model, cores, Python, numpy and numba versions). Every time
 given as a ratio to a fixed pure-Python reference loop timed in the same run, so runs on
 other machines compare. Writes JSON (``--out``) and a plot (``--plot``) of sweep time
 against configurations and against trace length, and of the long-trace commands against
-their targets. Prints and never asserts: speed is measured, not tested.
+their targets; the JSON's ``targets`` lists every target with its min / median / max, the
+target, whether the median meets it, peak RSS and reference-loop ratio, and ``--readme``
+renders them with the machine and load as the README's table. Prints and never asserts:
+speed is measured, not tested.
 
 All traces are **synthetic** (moesim.traces.synthetic).
 """
@@ -52,11 +59,12 @@ import numpy as np
 from moesim.costmodel import CostModel
 from moesim.hardware import builtin_profiles, get_profile
 from moesim.models import CATALOGUE, get_model
+from moesim.policy import get_policy
 from moesim.sim.costs import roofline_costs
 from moesim.sim.engine import run_simpy
 from moesim.sim.fastpath import run_fast
 from moesim.sim.plan import build_plan
-from moesim.sim.simulate import simulate_policies
+from moesim.sim.simulate import pick_costs, prediction_recall, time_plan
 from moesim.sim.whatif import Sweep, run_sweep
 from moesim.sim.workload import Link, make_workload
 from moesim.traces.format import Trace, read_trace, write_trace
@@ -86,6 +94,30 @@ def timed(fn: Callable[[], Any], repeat: int) -> dict[str, float]:
         fn()
         times.append(time.perf_counter() - t0)
     return {"min_s": min(times), "median_s": statistics.median(times), "max_s": max(times)}
+
+
+def timed_parts(parts: list[tuple[str, Callable[[], Any]]], repeat: int) -> dict[str, dict[str, float]]:
+    """Each part's min / median / max seconds and their sum's (``"total"``) over ``repeat``
+    runs of the parts in order (after one untimed warm-up run of them all): one pass
+    measures a command and its parts, so the parts add up to what is compared with the target."""
+    for _, fn in parts:
+        fn()
+    times: dict[str, list[float]] = {name: [] for name, _ in parts}
+    totals = []
+    for _ in range(repeat):
+        total = 0.0
+        for name, fn in parts:
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+            times[name].append(dt)
+            total += dt
+        totals.append(total)
+
+    def stats(v: list[float]) -> dict[str, float]:
+        return {"min_s": min(v), "median_s": statistics.median(v), "max_s": max(v)}
+
+    return {"total": stats(totals), **{name: stats(v) for name, v in times.items()}}
 
 
 #: Runs the CLI in a child Python and writes its peak RSS (VmHWM, KiB) to the file named
@@ -151,6 +183,20 @@ def machine() -> dict[str, Any]:
             "numba": numba.__version__, "platform": platform.platform()}
 
 
+def git_commit() -> str | None:
+    """The checkout's commit (with ``+`` when files differ from it), or None outside git."""
+    try:
+        here = Path(__file__).resolve().parent
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode:
+        return None
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
+
+
 def busy_cpu_s() -> float | None:
     """CPU seconds the whole machine has been busy (all processes; /proc/stat), or None."""
     try:
@@ -210,14 +256,20 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes, one repeat: checks that the script runs")
     ap.add_argument("--out", type=Path, default=Path("bench/bench_sim.json"))
     ap.add_argument("--plot", type=Path, default=Path("bench/bench_sim.png"))
+    ap.add_argument("--readme", action="store_true",
+                    help="print the README's speed table (markdown) from the JSON of --out, and time nothing")
     args = ap.parse_args()
+    if args.readme:
+        print(readme_table(json.loads(args.out.read_text())), end="")
+        return
     if args.quick:
         args.tokens, args.long_tokens, args.repeat = 100, 2000, 1
     jobs = args.jobs or os.cpu_count() or 1
     spec, hw = get_model(MODEL), get_profile(HW)
     report: dict[str, Any] = {"machine": machine(), "load_average_start": load_average(), "model": MODEL,
                               "synthetic_traces": True, "repeat": args.repeat, "jobs": jobs,
-                              "command": "python bench/bench_sim.py " + " ".join(sys.argv[1:])}
+                              "command": " ".join(["python bench/bench_sim.py", *sys.argv[1:]]),
+                              "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git_commit": git_commit()}
     wall0, busy0, own0 = time.perf_counter(), busy_cpu_s(), own_cpu_s()
     ref = timed(reference_loop, max(3, args.repeat))
     ref_s = ref["min_s"]
@@ -238,6 +290,7 @@ def main() -> None:
         # averaged over the run (0 on an idle machine; the load average counts this run too).
         report["others_cores_busy"] = round(max(0.0, (busy1 - busy0) - (own_cpu_s() - own0)) / wall, 3)
     report["wall_s"] = round(wall, 1)
+    report["targets"] = target_rows(report)
     print(f"load average at the end {report['load_average_end']}; other processes kept "
           f"{report.get('others_cores_busy', float('nan')):.2f} cores busy on average during the run")
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -264,58 +317,87 @@ def long_commands(report: dict[str, Any], args: argparse.Namespace, ref_s: float
         params = SyntheticParams(tokens=tokens)
         slots = tokens * spec.n_moe_layers * spec.top_k
         path = tmp / f"{name}.npz"
-        gen = timed(lambda s=spec, p=params: synthetic_trace(s, p), args.repeat)
-        trace = synthetic_trace(spec, params)
-        write = timed(lambda t=trace, p=path: write_trace(t, p), args.repeat)
-        both = timed(lambda s=spec, p=params, o=path: write_trace(synthetic_trace(s, p), o), args.repeat)
-        del trace
-        cli = cli_timed(["synth", "--model", name, "--tokens", str(tokens), "--out", str(path)], args.repeat)
+        held: dict[str, Trace] = {}
+
+        def generate(s=spec, p=params, h=held) -> None:
+            h.clear()  # the last trace's memory back first
+            h["trace"] = synthetic_trace(s, p)
+
+        parts = timed_parts([("generate", generate), ("write", lambda h=held, o=path: write_trace(h["trace"], o))],
+                            args.repeat)
+        held.clear()
+        cli = {**cli_timed(["synth", "--model", name, "--tokens", str(tokens), "--out", str(path)], args.repeat),
+               "command": f"moesim synth --model {name} --tokens {tokens} --out T"}
         report["synth"][name] = {
-            **rate_entry(both, slots, "expert_slots_per_s", ref_s, TARGETS_S["synth"]), "tokens": tokens,
-            "what": "synthetic_trace then write_trace (the file, atomically, fsync included)",
-            "file_mb": path.stat().st_size / 1e6, "generate": rate_entry(gen, slots, "expert_slots_per_s", ref_s),
-            "write": rate_entry(write, path.stat().st_size, "bytes_per_s", ref_s),
-            "cli": rate_entry(cli, slots, "expert_slots_per_s", ref_s)}
-        show(f"synth {name}, {tokens} tokens ({slots / 1e6:.1f}M expert slots): generate + write", both,
+            **rate_entry(parts["total"], slots, "expert_slots_per_s", ref_s, TARGETS_S["synth"]), "tokens": tokens,
+            "what": "synthetic_trace then write_trace (the file, atomically, fsync included), in process",
+            "file_mb": path.stat().st_size / 1e6,
+            "generate": rate_entry(parts["generate"], slots, "expert_slots_per_s", ref_s),
+            "write": rate_entry(parts["write"], path.stat().st_size, "bytes_per_s", ref_s),
+            "cli": rate_entry(cli, slots, "expert_slots_per_s", ref_s, TARGETS_S["synth"])}
+        show(f"synth {name}, {tokens} tokens ({slots / 1e6:.1f}M expert slots): generate + write", parts["total"],
              TARGETS_S["synth"])
-        show("  generate", gen)
-        show("  write_trace", write)
-        show(f"  CLI ({cli['command']})", cli)
+        show("  generate", parts["generate"])
+        show("  write_trace", parts["write"])
+        show(f"  CLI ({cli['command']}; Python, moesim and numba starting included)", cli, TARGETS_S["synth"])
 
     path = tmp / f"{MODEL}.npz"
     trace = read_trace(path)
     accesses = trace.true_ids.size
-    read = timed(lambda: read_trace(path), args.repeat)
-    in_proc = timed(lambda: routing_stats(read_trace(path)), args.repeat)
-    cli = cli_timed(["stats", str(path), "--json"], args.repeat)
+    held: dict[str, Any] = {}
+    parts = timed_parts([("read_trace", lambda: held.update(trace=read_trace(path))),
+                         ("routing_stats", lambda: routing_stats(held["trace"]))], args.repeat)
+    cli = {**cli_timed(["stats", str(path), "--json"], args.repeat), "command": "moesim stats T --json"}
     report["stats"] = {**rate_entry(cli, accesses, "accesses_per_s", ref_s, TARGETS_S["stats"]), "tokens": tokens,
                        "model": MODEL, "what": "the CLI end to end: read, statistics at the default sizes, JSON",
-                       "read_trace": rate_entry(read, accesses, "accesses_per_s", ref_s),
-                       "in_process": {**rate_entry(in_proc, accesses, "accesses_per_s", ref_s),
+                       "read_trace": rate_entry(parts["read_trace"], accesses, "accesses_per_s", ref_s),
+                       "routing_stats": rate_entry(parts["routing_stats"], accesses, "accesses_per_s", ref_s),
+                       "in_process": {**rate_entry(parts["total"], accesses, "accesses_per_s", ref_s),
                                       "what": "read_trace + routing_stats"}}
     show(f"stats {MODEL}, {tokens} tokens ({accesses / 1e6:.1f}M accesses), CLI", cli, TARGETS_S["stats"])
-    show("  read_trace", read)
-    show("  read_trace + routing_stats in process", in_proc)
+    show("  read_trace", parts["read_trace"])
+    show("  routing_stats", parts["routing_stats"])
 
     steps = tokens * get_model(MODEL).n_moe_layers * len(POLICIES)
     hw = get_profile(HW)
+    pols = [get_policy(p) for p in POLICIES]
 
-    def replay() -> None:
-        for r in simulate_policies(read_trace(path), hw, POLICIES, sim="fast"):
-            r.summary()
+    # The parts of simulate_policies for the copy policies, each the function it calls.
+    def setup() -> None:
+        tr = held["trace"]
+        held["costs"] = pick_costs(tr, CostModel(tr.model, hw), "auto")
+        held["recall"] = prediction_recall(tr)
 
-    in_proc = timed(replay, args.repeat)
-    cli = cli_timed(["replay", str(path), "--hw", HW, "--policy", ",".join(POLICIES), "--sim", "fast", "--json"],
-                    args.repeat)
+    def plan() -> None:
+        held["plans"] = [build_plan(held["trace"], p, 0, "lru") for p in pols]
+
+    def time_them() -> None:
+        held["results"] = [time_plan(held["trace"], p, pl, held["costs"], [hw], sim="fast",
+                                     pred_recall=held["recall"])[0] for p, pl in zip(pols, held.pop("plans"))]
+
+    parts = timed_parts([("read_trace", lambda: held.update(trace=read_trace(path))),
+                         ("costs_and_recall", setup), ("plan", plan), ("time", time_them),
+                         ("summarise", lambda: [r.summary() for r in held.pop("results")])], args.repeat)
+    held.clear()
+    cli = {**cli_timed(["replay", str(path), "--hw", HW, "--policy", ",".join(POLICIES), "--sim", "fast", "--json"],
+                       args.repeat),
+           "command": f"moesim replay T --hw {HW} --policy {','.join(POLICIES)} --sim fast --json"}
     report["replay"] = {**rate_entry(cli, steps, "layer_steps_per_s", ref_s, TARGETS_S["replay"]),
                         "target_peak_rss_mb": TARGET_REPLAY_RSS_MB,
                         "meets_rss_target": cli.get("peak_rss_mb", float("inf")) < TARGET_REPLAY_RSS_MB,
                         "tokens": tokens, "policies": POLICIES,
                         "what": "the CLI end to end: read, plan, time, summarise, JSON",
-                        "in_process": {**rate_entry(in_proc, steps, "layer_steps_per_s", ref_s),
-                                       "what": "read_trace + simulate_policies + summaries"}}
+                        "in_process": {**rate_entry(parts["total"], steps, "layer_steps_per_s", ref_s),
+                                       "what": "read_trace, compute times (pick_costs) and prediction_recall, "
+                                               "build_plan, time_plan (workload and fast path), summaries: the calls "
+                                               "simulate_policies makes",
+                                       "parts": {k: rate_entry(v, steps, "layer_steps_per_s", ref_s)
+                                                 for k, v in parts.items() if k != "total"}}}
     show(f"replay {len(POLICIES)} policies x {tokens} tokens, CLI", cli, TARGETS_S["replay"])
-    show("  in process", in_proc)
+    show("  in process", parts["total"])
+    for k, v in parts.items():
+        if k != "total":
+            show(f"    {k}", v)
     return trace
 
 
@@ -384,6 +466,82 @@ def sweeps(report: dict[str, Any], args: argparse.Namespace, ref_s: float, spec,
     return series
 
 
+def target_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per timed target of the run in ``report`` (issue 25's and issue 11's): what
+    was timed, how, its min / median / max, the target, whether the median meets it, the
+    peak RSS where measured and the median in reference-loop units."""
+    rows = []
+
+    def add(name: str, how: str, e: dict[str, Any], rss_target: float | None = None) -> None:
+        row = {"name": name, "how": how, "min_s": e["min_s"], "median_s": e["median_s"], "max_s": e["max_s"],
+               "target_s": e.get("target_s"), "meets_target": e.get("meets_target"),
+               "ratio_to_reference": e["ratio_to_reference"]["median"]}
+        if "peak_rss_mb" in e:
+            row["peak_rss_mb"] = e["peak_rss_mb"]
+            if rss_target is not None:
+                row["target_peak_rss_mb"] = rss_target
+                row["meets_target"] = bool(row["meets_target"]) and e["peak_rss_mb"] < rss_target
+        rows.append(row)
+
+    for model, e in report.get("synth", {}).items():
+        add(f"synth {model}, {e['tokens']:,} tokens", "generate + write_trace in process", e)
+        add(f"synth {model}, {e['tokens']:,} tokens", f"CLI: {e['cli']['command']}", e["cli"])
+    if "stats" in report:
+        add(f"stats, {report['stats']['tokens']:,} tokens", f"CLI: {report['stats']['command']}", report["stats"])
+    if "replay" in report:
+        e = report["replay"]
+        add(f"replay, {e['tokens']:,} tokens x {len(e['policies'])} policies", f"CLI: {e['command']}", e,
+            e.get("target_peak_rss_mb"))
+    for e in report.get("planning", {}).values():
+        cache = f"{e['eviction'].upper()} cache of {e['cache_experts']}" if e["cache_experts"] else "no cache"
+        add(f"planning, {e['tokens']:,} tokens x {len(e['policies'])} policies, {cache}", "build_plan in process", e)
+    if "sweep_1000" in report:
+        e = report["sweep_1000"]
+        add(f"what-if, {e['configurations']:,} configurations over {e['tokens']:,} tokens",
+            f"run_sweep in process, {report.get('jobs', '?')} workers, plans included", e)
+    if "sweep_large" in report:
+        e = report["sweep_large"]
+        rows.append({"name": f"what-if, {e['configurations']:,} configurations", "how": "run_sweep, once",
+                     "min_s": e["seconds"], "median_s": e["seconds"], "max_s": e["seconds"],
+                     "target_s": e["target_s"], "meets_target": e["meets_target"],
+                     "ratio_to_reference": e["ratio_to_reference"]})
+    return rows
+
+
+def readme_table(report: dict[str, Any]) -> str:
+    """The README's speed table (markdown) from a run's JSON: every target with its min /
+    median / max, target, peak RSS and reference-loop ratio, and the machine and load the
+    run had, so a number is never quoted without them."""
+    m = report["machine"]
+    ref = report["reference_loop"]["min_s"]
+    load0, load1 = report.get("load_average_start", []), report.get("load_average_end", [])
+    busy = report.get("others_cores_busy")
+    idle = busy is not None and busy < 0.1
+    lines = [
+        f"Measured by `{report.get('command', 'python bench/bench_sim.py')}`"
+        + (f" at {report['git_commit'][:7]}" if report.get("git_commit") else "")
+        + (f" on {report['date_utc'][:10]}" if report.get("date_utc") else "")
+        + f": {m['cpu']}, {m['cores']} cores, Python {m['python']}, numpy {m['numpy']}, numba {m['numba']}; "
+        f"load average {load0[:1]} at the start and {load1[:1]} at the end"
+        + (f", other processes kept {busy:.2f} cores busy on average ({'idle' if idle else 'NOT idle'})"
+           if busy is not None else "")
+        + f"; the reference loop (2M pure-Python multiply-adds) took {ref:.3f} s. "
+        f"{report.get('repeat', '?')} repeats after a warm-up; synthetic traces.",
+        "",
+        "| what | how | min / median / max (s) | target | meets | peak RSS | median / reference loop |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in target_rows(report):
+        target = f"< {r['target_s']:g} s" if r.get("target_s") is not None else ""
+        if r.get("target_peak_rss_mb") is not None:
+            target += f", < {r['target_peak_rss_mb'] / 1000:g} GB"
+        meets = {True: "yes", False: "**no**", None: ""}[r.get("meets_target")]
+        rss = f"{r['peak_rss_mb'] / 1000:.2f} GB" if "peak_rss_mb" in r else ""
+        lines.append(f"| {r['name']} | {r['how']} | {r['min_s']:.2f} / {r['median_s']:.2f} / {r['max_s']:.2f} | "
+                     f"{target} | {meets} | {rss} | {r['ratio_to_reference']:.1f}x |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(report: dict[str, Any], series: dict[str, list], path: Path) -> None:
     import matplotlib
 
@@ -393,7 +551,7 @@ def plot(report: dict[str, Any], series: dict[str, list], path: Path) -> None:
     from moesim.reports.render import save_figure
 
     mach = report["machine"]
-    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4), gridspec_kw={"width_ratios": [1, 1, 1.8]})
     n, s = zip(*series["by_configurations"])
     a1.plot(n, s, "o-")
     a1.set_xlabel("configurations")
@@ -403,22 +561,27 @@ def plot(report: dict[str, Any], series: dict[str, list], path: Path) -> None:
     a2.set_xlabel(f"trace tokens ({series['by_tokens'][0][1]} configurations)")
     for ax in (a1, a2):
         ax.grid(alpha=0.3)
-    cases = [(f"synth\n{name.split('-')[0]}-{name.split('-')[1]}", e) for name, e in report["synth"].items()]
-    cases += [("stats", report["stats"]), ("replay\n4 policies", report["replay"])]
+    cases = []
+    for name, e in report["synth"].items():
+        short = name.split("-")[1] if name.count("-") else name
+        cases += [(f"synth\n{short}\nin process", e), (f"synth\n{short}\nCLI", e["cli"])]
+    cases += [("stats\n\nCLI", report["stats"]), ("replay\n4 policies\nCLI", report["replay"])]
     labels = [c for c, _ in cases]
     med = np.array([e["median_s"] for _, e in cases])
     err = np.array([[e["median_s"] - e["min_s"] for _, e in cases], [e["max_s"] - e["median_s"] for _, e in cases]])
     x = np.arange(len(cases))
     a3.bar(x, med, yerr=err, capsize=3, color="tab:blue", alpha=0.8, label="median (min-max)")
     a3.scatter(x, [e["target_s"] for _, e in cases], marker="_", s=600, color="tab:red", zorder=3, label="target")
-    a3.set_xticks(x, labels, fontsize=8)
+    a3.set_xticks(x, labels, fontsize=7)
     a3.set_ylabel("seconds")
-    a3.set_title(f"{report['synth'][MODEL]['tokens']:,}-token traces (synth: generate + write; "
-                 "stats, replay: CLI)", fontsize=8)
+    a3.set_title(f"{report['synth'][MODEL]['tokens']:,}-token traces (synth: generate + write; CLI: the "
+                 "command, Python start-up included)", fontsize=8)
     a3.legend(fontsize=7)
     a3.grid(alpha=0.3, axis="y")
-    fig.suptitle(f"synthetic {MODEL} traces; {mach['cpu']}, {mach['cores']} cores; load average "
-                 f"{report['load_average_start'][:1]} at start", fontsize=9)
+    busy = report.get("others_cores_busy")
+    fig.suptitle(f"synthetic traces; {mach['cpu']}, {mach['cores']} cores; load average "
+                 f"{report['load_average_start'][:1]} at start"
+                 + (f", other processes {busy:.2f} cores busy on average" if busy is not None else ""), fontsize=9)
     save_figure(fig, path)
 
 
