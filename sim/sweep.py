@@ -83,16 +83,17 @@ def check_values(*, eviction: str, sim: str, backend: str, link_gbps, cache_gib,
     per configuration group would end, after the work, in "2 of 4 groups failed")."""
     import math
 
+    from moesim.models import DTYPES
     from moesim.policy import EVICTIONS, QUEUES
     from moesim.quant_recipes import is_format
     from moesim.sim.whatif import BACKENDS
 
     if eviction not in EVICTIONS:
-        raise MoesimError(f"--eviction {eviction!r}: known: {', '.join(EVICTIONS)} (lower case)")
+        raise MoesimError(f"--eviction: unknown eviction policy {eviction!r}; known: {', '.join(EVICTIONS)}")
     if sim not in ("fast", "simpy"):
-        raise MoesimError(f"--sim {sim!r}: known: fast, simpy")
+        raise MoesimError(f"--sim: unknown simulator {sim!r}; known: simpy, fast")
     if backend not in BACKENDS:
-        raise MoesimError(f"--backend {backend!r}: known: {', '.join(BACKENDS)}")
+        raise MoesimError(f"--backend: unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
     for g in link_gbps or ():
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not (0 < g < math.inf):
             raise MoesimError(f"--link-gbps {g!r}: a bandwidth in GB/s, positive and finite")
@@ -101,11 +102,11 @@ def check_values(*, eviction: str, sim: str, backend: str, link_gbps, cache_gib,
             raise MoesimError(f"--cache-gib {c!r}: a cache size in GiB, >= 0 and finite")
     for q in copy_queues or ():
         if q not in QUEUES:
-            raise MoesimError(f"--copy-queue {q!r}: known: {', '.join(QUEUES)}")
+            raise MoesimError(f"--copy-queue: unknown copy queue {q!r}; known: {', '.join(QUEUES)}")
     for d in expert_dtypes or ():
         if not is_format(d):
-            raise MoesimError(f"--expert-dtype {d!r}: not a format moesim knows (`moesim models --help` lists them: "
-                              "bf16, fp8-block128, int8, int4-g128, q4_k, q8_0, ...)")
+            raise MoesimError(f"--expert-dtype: unknown expert dtype {d!r}; known: {', '.join(DTYPES)}, or a llama.cpp "
+                              "file type (q4_k_m, q8_0, ...)")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise MoesimError(f"--threads {threads!r}: a count of CPU threads >= 1")
     cores = os.cpu_count() or 1

@@ -253,8 +253,8 @@ def test_the_temporary_name_fits_whenever_the_final_name_does(tmp_path):
 @pytest.mark.parametrize("opt,value,words", [("--eviction", "LRU", "lru, lfu"), ("--engine", "nope", "unknown engine"),
                                              ("--link-gbps", "nan", "positive and finite"),
                                              ("--cache-gib", "inf", "finite"), ("--threads", "0", "--threads"),
-                                             ("--copy-queue", "LIFO", "known"), ("--jobs", "100000", "at most"),
-                                             ("--backend", "nope", "local, ray"), ("--sim", "nope", "fast, simpy")])
+                                             ("--copy-queue", "LIFO", "unknown copy queue"), ("--jobs", "100000", "at most"),
+                                             ("--backend", "nope", "local, ray"), ("--sim", "nope", "simpy, fast")])
 def test_a_value_the_cli_can_check_is_refused_before_any_work(tmp_path, opt, value, words):
     """Before: `--eviction LRU` ran and then said "2 of 4 configuration groups failed"."""
     line = one_error(moesim(*SMALL, "--rows", "r.csv", "--out", "w", opt, value, cwd=tmp_path))
