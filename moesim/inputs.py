@@ -43,6 +43,7 @@ NAME_MAX = 255  # bytes of one path component, where the file system does not sa
 PATH_MAX = 4096
 
 _spooled: dict[str, str] = {}  # temporary file -> the name the user gave
+_piped: dict[str, bytes] = {}  # a pipe read by read_bytes -> what it sent (a pipe sends once)
 
 
 def human(n: float) -> str:
@@ -166,8 +167,10 @@ def read_bytes(path: str | os.PathLike, what: str, cap: float) -> bytes:
     """The bytes of an input file or pipe of at most ``cap`` bytes (see the module docstring)."""
     path = Path(path)
     kind = check_input(path, what, cap)
-    if kind == "pipe":
-        return _read_pipe(path, what, cap)
+    if kind == "pipe":  # read once: a second reader in this process (a profile looked up twice) gets the same bytes
+        if str(path) not in _piped:
+            _piped[str(path)] = _read_pipe(path, what, cap)
+        return _piped[str(path)]
     try:
         with open(path, "rb") as f:
             data = f.read(int(cap) + 1)  # the file may have grown since it was looked at

@@ -202,8 +202,10 @@ def test_profiles_refuse_devices_and_read_pipes(work, tmp_path, quick):
     os.mkfifo(fifo)
     feed(fifo, (work / "a6000.toml").read_bytes())
     assert get_profile(str(fifo)).name == get_profile("a6000").name
+    assert get_profile(str(fifo)).name == get_profile("a6000").name  # read once: the second look-up gets its bytes
+    os.mkfifo(tmp_path / "silent.toml")
     with pytest.raises(MoesimError, match="named pipe"):
-        get_profile(str(fifo))  # nobody writes a second time
+        get_profile(str(tmp_path / "silent.toml"))
 
 
 def test_a_huge_profile_is_refused_unread(tmp_path):

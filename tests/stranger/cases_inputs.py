@@ -152,7 +152,7 @@ def input_cases() -> list[Case]:
                        (["models", "f.gguf"], "f.gguf")):
         add(pip, args, fifo(name), timeout=120, fast=args == ["stats", "f.npz"],
             expect="ok" if "--host" in args else "error")  # a GPU-only policy never opens --host's file
-    add(pip, [*replay[:4], "cpu-on-miss", "--host", "f.toml"], fifo("f.toml"))  # one that does
+    add(pip, [*replay[:4], "--policy", "cpu-on-miss", "--host", "f.toml"], fifo("f.toml"))  # one that does
     add(pip, ["stats", "f.npz", "--json"], fifo("f.npz", "t.npz"), expect="ok")
     add(pip, [*replay[:1], "f.npz", *replay[2:], "--json"], fifo("f.npz", "t.npz"), expect="ok")
     add(pip, [*replay, "--hw", "f.toml", "--json"], fifo("f.toml", "a6000-copy.toml"), expect="ok")
