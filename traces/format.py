@@ -238,6 +238,54 @@ def _corrupt(where: str, e: BaseException) -> MoesimError:
     return MoesimError(f"{where}: not a readable moesim trace (corrupt or truncated: {e})")
 
 
+#: Positional reads (no shared file position), so mapped members are scanned on threads.
+_PREAD = hasattr(os, "preadv")
+#: Mapped bytes from which the members are scanned on threads before the checks ask.
+PRESCAN_MIN = 64 << 20
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Fill ``view`` from ``offset`` of ``fd``; returns the bytes read (fewer at the end of the file)."""
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            break
+        got += n
+    return got
+
+
+def _scan_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _prescan(f: IO[bytes], mapped: dict[str, _Member]) -> None:
+    """Scan the mapped members on threads before the checks ask for them: each reads its
+    own part of the file by position, and the reads, CRC-32 and numpy's reductions release
+    the GIL (100,000 Qwen3-30B-A3B tokens: 538 MB). A member whose scan fails is left
+    unscanned, so the checks scan it again and its error comes where they raise it."""
+    big = sorted(mapped.items(), key=lambda kv: -math.prod(kv[1].shape) * kv[1].dtype.itemsize)
+    size = sum(math.prod(m.shape) * m.dtype.itemsize for _, m in big)
+    threads = min(len(big), _scan_threads())
+    if not _PREAD or threads < 2 or size < PRESCAN_MIN:
+        return
+
+    def one(item: tuple[str, _Member]) -> None:
+        name, m = item
+        try:
+            m.scan(f, name == "true_ids")  # validate asks for repeats in true_ids alone
+        except _CORRUPT:
+            m.result = None
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, big))
+
+
 def _checked(f: IO[bytes], data: dict[str, np.ndarray], mapped: dict[str, _Member], where: str) -> Trace:
     """The trace in ``data`` after every check, mapped members' CRC-32s included."""
     if "header" not in data:
@@ -269,6 +317,7 @@ def _checked(f: IO[bytes], data: dict[str, np.ndarray], mapped: dict[str, _Membe
         except _CORRUPT as e:
             raise _corrupt(where, e) from None
 
+    _prescan(f, mapped)
     validate(trace, where, scan)
     for name, m in mapped.items():  # a mapped member no check read: its CRC-32 all the same
         if m.result is None:
@@ -367,11 +416,12 @@ class _Member:
         def chunks() -> Iterator[np.ndarray]:
             nonlocal crc
             done = 0
-            f.seek(self.offset)
+            if not _PREAD:
+                f.seek(self.offset)
             while done < total:
                 n = min(len(buf), total - done)
                 view = memoryview(buf)[:n]
-                if f.readinto(view) != n:
+                if (_pread_into(f.fileno(), view, self.offset + done) if _PREAD else f.readinto(view)) != n:
                     raise EOFError(f"{self.filename}: array data cut short")
                 crc = zlib.crc32(view, crc)
                 done += n
