@@ -487,14 +487,18 @@ def target_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
         add(f"synth {model}, {e['tokens']:,} tokens", "generate + write_trace in process", e)
         add(f"synth {model}, {e['tokens']:,} tokens", f"CLI: {e['cli']['command']}", e["cli"])
     if "stats" in report:
-        add(f"stats, {report['stats']['tokens']:,} tokens", f"CLI: {report['stats']['command']}", report["stats"])
+        add(f"stats, {report['stats']['tokens']:,} tokens", f"CLI: {report['stats'].get('command', 'moesim stats')}",
+            report["stats"])
     if "replay" in report:
         e = report["replay"]
-        add(f"replay, {e['tokens']:,} tokens x {len(e['policies'])} policies", f"CLI: {e['command']}", e,
+        add(f"replay, {e['tokens']:,} tokens x {len(e['policies'])} policies",
+            f"CLI: {e['command']}" if "command" in e else "simulate_policies in process", e,
             e.get("target_peak_rss_mb"))
-    for e in report.get("planning", {}).values():
-        cache = f"{e['eviction'].upper()} cache of {e['cache_experts']}" if e["cache_experts"] else "no cache"
-        add(f"planning, {e['tokens']:,} tokens x {len(e['policies'])} policies, {cache}", "build_plan in process", e)
+    for key, e in report.get("planning", {}).items():
+        evict = e.get("eviction", key.rsplit("_", 1)[-1]).upper()
+        cache = f"{evict} cache of {e['cache_experts']}" if e.get("cache_experts") else "no cache"
+        add(f"planning, {e.get('tokens', '?'):,} tokens x {len(e.get('policies', POLICIES))} policies, {cache}",
+            "build_plan in process", e)
     if "sweep_1000" in report:
         e = report["sweep_1000"]
         add(f"what-if, {e['configurations']:,} configurations over {e['tokens']:,} tokens",
@@ -522,7 +526,8 @@ def readme_table(report: dict[str, Any]) -> str:
         + (f" at {report['git_commit'][:7]}" if report.get("git_commit") else "")
         + (f" on {report['date_utc'][:10]}" if report.get("date_utc") else "")
         + f": {m['cpu']}, {m['cores']} cores, Python {m['python']}, numpy {m['numpy']}, numba {m['numba']}; "
-        f"load average {load0[:1]} at the start and {load1[:1]} at the end"
+        + (f"load average {load0[0]:g} at the start and {load1[0] if load1 else '?'} at the end" if load0
+           else "load average not recorded")
         + (f", other processes kept {busy:.2f} cores busy on average ({'idle' if idle else 'NOT idle'})"
            if busy is not None else "")
         + f"; the reference loop (2M pure-Python multiply-adds) took {ref:.3f} s. "
