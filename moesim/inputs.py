@@ -43,7 +43,14 @@ NAME_MAX = 255  # bytes of one path component, where the file system does not sa
 PATH_MAX = 4096
 
 _spooled: dict[str, str] = {}  # temporary file -> the name the user gave
-_piped: dict[str, bytes] = {}  # a pipe read by read_bytes -> what it sent (a pipe sends once)
+_piped: dict[tuple[int, int], bytes] = {}  # a pipe read by read_bytes -> what it sent (a pipe sends once)
+_spooled_pipes: dict[tuple[int, int], str] = {}  # a pipe spooled by readable_path -> its temporary file
+
+
+def _pipe_id(path: Path) -> tuple[int, int]:
+    """A pipe's identity (device, inode): /dev/fd/N names another pipe once N is reused."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
 
 
 def human(n: float) -> str:
@@ -168,9 +175,10 @@ def read_bytes(path: str | os.PathLike, what: str, cap: float) -> bytes:
     path = Path(path)
     kind = check_input(path, what, cap)
     if kind == "pipe":  # read once: a second reader in this process (a profile looked up twice) gets the same bytes
-        if str(path) not in _piped:
-            _piped[str(path)] = _read_pipe(path, what, cap)
-        return _piped[str(path)]
+        key = _pipe_id(path)
+        if key not in _piped:
+            _piped[key] = _read_pipe(path, what, cap)
+        return _piped[key]
     try:
         with open(path, "rb") as f:
             data = f.read(int(cap) + 1)  # the file may have grown since it was looked at
@@ -206,9 +214,9 @@ def readable_path(path: str | os.PathLike, what: str, cap: float | None = None) 
             check_input(path, what, cap)
         return path
     _refuse_special(path, kind, what)
-    again = next((tmp for tmp, given in _spooled.items() if given == str(path)), None)
-    if again is not None:  # a pipe is read once; a second reader in this process reads what it sent
-        return Path(again)
+    key = _pipe_id(path)
+    if key in _spooled_pipes and Path(_spooled_pipes[key]).is_file():  # a pipe is read once: a second
+        return Path(_spooled_pipes[key])  # reader in this process reads what it sent
     from moesim.budget import available_memory
 
     data = _read_pipe(path, what, cap if cap is not None else available_memory() / 2)
@@ -223,6 +231,7 @@ def readable_path(path: str | os.PathLike, what: str, cap: float | None = None) 
     if not _spooled:
         atexit.register(_remove_spooled)
     _spooled[tmp] = str(path)
+    _spooled_pipes[key] = tmp
     return Path(tmp)
 
 

@@ -402,3 +402,11 @@ def test_record_prompts_file_is_checked(tmp_path):
              "is a device")
     (tmp_path / "e.txt").write_text("\n\n")
     one_line(moesim("record", "moe-stdlib", "--prompts-file", "e.txt", "--tokens", "1", cwd=tmp_path), "no prompt")
+
+
+def test_stats_reads_a_trace_piped_into_stdin(work):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"}
+    r = subprocess.run([sys.executable, "-m", "moesim", "stats", "/dev/stdin", "--json"], cwd=work, env=env,
+                       input=(work / "t.npz").read_bytes(), capture_output=True, timeout=60)  # `cat t.npz | moesim ...`
+    assert r.returncode == 0, r.stderr.decode(errors="replace")
+    assert json.loads(r.stdout)
