@@ -12,9 +12,9 @@ what the decision needs). Memory constants are peak Python heap per routing cell
 Qwen3-30B-A3B synthetic traces (synthesis: about 45 B/cell beyond a fixed ~240 MB of
 chunk buffers, from runs of 2048 and 8192 steps; reading a trace: about 18 B/cell;
 replay: about 25 B/cell, from runs of 128 and 512 steps) and rounded up. Time constants are
-generous per-unit costs of the SimPy engine (a Python event loop: about 0.2 ms per step
-and layer on a shared 2-core machine), the fast path, and, for the executor, bytes
-over the (emulated) link and over host memory.
+measured per-unit costs of the SimPy engine and the fast path (replays and sweeps, counted
+as cells of work: within 3x of the real time on a shared 2-core machine, idle or loaded)
+and, for the executor, generous costs of bytes over the (emulated) link and host memory.
 """
 
 from __future__ import annotations
@@ -31,15 +31,19 @@ SYNTH_FIXED_BYTES = 256 * 2**20
 REPLAY_BYTES_PER_CELL = 64  # per policy simulated at once, plus the trace itself
 TRACE_BYTES_PER_CELL = 8  # true ids (int16), gates (float32), predicted ids (int16)
 SYNTH_S_PER_CELL = 5e-6
-SIMPY_S_PER_STEP_LAYER = 5e-4
-FAST_S_PER_STEP_LAYER = 2e-5
+# One replay of one policy, per decode step x MoE layer x sequence: measured 2.1e-5 s (SimPy)
+# and 1.2e-6 s (fast) replaying 512 steps of Qwen3-30B-A3B under 4 policies on a shared
+# 2-core machine with two other processes busy (issue 24: the old 5e-4 and 2e-5 were 16-23x
+# too long); rounded up so the estimate stays within 3x, idle or loaded.
+SIMPY_S_PER_STEP_LAYER = 3e-5
+FAST_S_PER_STEP_LAYER = 2e-6
 # A sweep's rows (moesim whatif), measured: one row (a profile and link of a group) costs
 # about this per decode step x MoE layer x sequence, plus a fixed cost per group (its plan
 # and compute times). From SimPy and fast sweeps of OLMoE and Qwen3-30B-A3B at 32 and 128
 # steps on a shared 2-core machine (3.4e-5 to 7e-5 s with two other processes busy, half
 # that idle; fast 5e-6 to 3e-5, the short traces dominated by the group's fixed cost): the
-# middle, so the estimate is within 3x idle or loaded. The 5e-4 above once timed sweeps too
-# and said 30.7 min for a sweep that took 24 s.
+# middle, so the estimate is within 3x idle or loaded. Sweeps were once timed as that many
+# replays at 5e-4 s a cell: 30.7 min said for a sweep that took 24 s.
 SWEEP_SIMPY_S_PER_ROW_CELL = 2.5e-5
 SWEEP_FAST_S_PER_ROW_CELL = 4e-6
 SWEEP_S_PER_GROUP = 0.03
