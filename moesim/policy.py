@@ -525,12 +525,15 @@ class Planner:
             # counts as one pass (tests/test_speed_plan.py).
             from concurrent.futures import ThreadPoolExecutor
 
-            with ThreadPoolExecutor(workers) as pool:
+            pool = ThreadPoolExecutor(workers)
+            try:
                 for s0, s1, buf in pool.map(lambda sp: run(*sp, np.zeros(5, np.int64)), spans):  # in step order
                     rows.put(s0, s1, buf[:, : s1 - s0])
                     free.put(buf)
                     if progress is not None:
                         progress(s1, t)
+            finally:  # Ctrl-C (or a failing progress callback) drops the chunks not started
+                pool.shutdown(cancel_futures=True)
             return rows.rows()
         for s0, s1 in spans:
             s0, s1, buf = run(s0, s1, state)

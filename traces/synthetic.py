@@ -530,7 +530,7 @@ def synthetic_trace(spec: ModelSpec, params: SyntheticParams = SyntheticParams()
                 progress(s1, t)
     finally:
         if pool is not None:
-            pool.shutdown()
+            pool.shutdown(cancel_futures=True)
     pred_gates = gates.copy()
     pred_gates[:, : params.lookahead] = 0  # no prediction there: it would be made before the first MoE layer
 
