@@ -365,3 +365,22 @@ def test_the_replay_estimate_counts_cells_at_the_measured_cost():
     est = budget.replay_estimate(q, 512, 1, 4, "simpy").seconds
     assert est == pytest.approx(4 * 512 * q.n_moe_layers * budget.SIMPY_S_PER_STEP_LAYER)
     assert budget.SIMPY_S_PER_STEP_LAYER <= 3 * 2.1e-5 and budget.FAST_S_PER_STEP_LAYER <= 3 * 1.2e-6
+
+
+def test_two_identical_sweeps_started_together_never_duplicate_or_lose_rows(tmp_path):
+    """Whoever takes the lock first runs; the other is refused in one line, or (if the first
+    had already finished) resumes and has nothing left to do. Either way every row once."""
+    args = [*SMALL[:-4], "--policy", "on-demand,prefetch,oracle", "--cache-gib", "0,1,2", "--tokens", "64",
+            "--sim", "simpy", "--rows", "r.csv", "--json"]
+    procs = [subprocess.Popen([sys.executable, "-m", "moesim", *args, "--out", f"w{i}"], cwd=tmp_path, env=ENV,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    codes = sorted(p.returncode for p in procs)
+    assert codes in ([0, 0], [0, 2]), outs
+    for p, (_, err) in zip(procs, outs):
+        if p.returncode == 2:
+            assert "in use by another moesim run" in err and len(err.strip().splitlines()) == 1, err
+    rows = list(csv.DictReader((tmp_path / "r.csv").open()))
+    keys = [(r["group"], r["hw"], r["link_gbps"]) for r in rows]
+    assert len(keys) == len(set(keys)) == len(json.loads(next(o for o, _ in outs if o))["rows"])
+    assert not list(tmp_path.glob("*.lock"))
