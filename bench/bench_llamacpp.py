@@ -590,7 +590,8 @@ def bench_quiet(gguf: str | Path, extra_args: Sequence[str], *, idle_wait_s: flo
             best = res
         if not _contended(res):
             break
-        log(f"  contended run (others took {res['others_cpu_frac']:.0%} of the CPUs, cv {_cv(res):.0%}): retrying")
+        log(f"  contended run (others took {res['others_cpu_frac']:.0%} of the CPUs, cv {_cv(res):.0%})"
+            + (": retrying" if i + 1 < attempts else ""))
     return {**best, "attempts": i + 1}
 
 
@@ -875,7 +876,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--fit-layers", type=int, default=2,
                     help="fit llama.cpp's cpu_weight_efficiency on these files' uncontended rows (reported as "
                          "fitted; the other files are the holdout); 0 = no fit")
-    ap.add_argument("--skip-arg-checks", action="store_true", help="do not run the argument checks")
+    ap.add_argument("--skip-arg-checks", action="store_true",
+                    help="do not run the argument checks (their cached results are reported)")
     ap.add_argument("--offline", action="store_true",
                     help="run no llama-bench: rows, host profiles and argument checks from the caches only (rows never "
                          "measured are left out; contended ones are not retried)")
@@ -904,8 +906,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     models = convert(work, ckpts, args.formats)
     meas = measure(work, models, args.threads, args.depths, args.n_gen, args.reps, remeasure=args.remeasure,
                    deadline_min=args.deadline_min, offline=args.offline)
-    engine_checks = [] if args.skip_arg_checks else check_engine_args(work, redo=args.remeasure, offline=args.offline)
-    checks = [] if args.skip_arg_checks else check_extra_args(work, redo=args.remeasure, offline=args.offline)
+    # --skip-arg-checks: run none, report the cached ones
+    no_run = args.offline or args.skip_arg_checks
+    engine_checks = check_engine_args(work, redo=args.remeasure and not no_run, offline=no_run)
+    checks = check_extra_args(work, redo=args.remeasure and not no_run, offline=no_run)
 
     import predict_llamacpp as pl
 
@@ -931,6 +935,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "llama_cpp": info,
         "reference_loop_s": meas["reference_loop_s"],
         "host_profiles": {k: v for k, v in hosts.items()},
+        "host_profile_used": pred["host_used"],
         "prediction": {"engine": pl.ENGINE, "path": "moesim.sim.static.simulate_static(synthetic_trace(spec_from_gguf"
                        "(FILE), prompt_len=max(depth, 1), tokens=n_gen), 'none', 'all-resident', host=HOST, "
                        "engine='llama.cpp', threads=T)", "variants": {
@@ -1002,8 +1007,9 @@ def _stat_line(name: str, st: dict) -> str:
 def write_readme(result: dict, path: Path = DEFAULT_README) -> None:
     """The proposed README subsection "### llama.cpp on this machine", generated from llamacpp.json."""
     m, info, s = result["machine"], result["llama_cpp"], result["settings"]
-    hb = (result.get("host_profiles") or {}).get("before") or {}
-    ha = (result.get("host_profiles") or {}).get("after") or {}
+    used = result.get("host_profile_used", "before")
+    hb = (result.get("host_profiles") or {}).get(used) or {}
+    ha = (result.get("host_profiles") or {}).get("after" if used == "before" else "before") or {}
     rows = result["rows"]
     n_cont = sum(r["contended"] for r in rows)
     summ = result["summary"]
@@ -1029,14 +1035,24 @@ def write_readme(result: dict, path: Path = DEFAULT_README) -> None:
         f"{'' if any(x.startswith('avx512') for x in m.get('simd') or []) else ' (no AVX512)'}, {m.get('mem_gib')} GiB; "
         + (f"pure-Python reference loop {'/'.join(str(x) for x in result['reference_loop_s'])} s (before/after "
            "the rows; for comparing machines). " if result.get("reference_loop_s") else "")
-        + ("Host profile before the rows: " if not (result.get("host_profiles") or {}).get("not_bracketing")
-           else "Host profile (measured after the rows, not bracketing them): ")
-        + (f"memory {hb['figures']['mem_bw_achievable_gbs']:g} GB/s ({hb['figures']['mem_bw_per_core_gbs']:g} on one "
+        + (f"Host profile used, measured {used} the rows" if not (result.get("host_profiles") or {}).get(
+            "not_bracketing") else "Host profile (measured after the rows, not bracketing them)")
+        + (f" ({hb['when']}, other processes {hb.get('others_cpu_frac', float('nan')):.0%} of the CPUs; the "
+           "bracketing profile measured with the least contention, as the rows wait for an idle machine): "
+           f"memory {hb['figures']['mem_bw_achievable_gbs']:g} GB/s ({hb['figures']['mem_bw_per_core_gbs']:g} on one "
            f"core), bf16 GEMM {hb['figures']['bf16_tflops'] * 1e3:.2g} GFLOP/s, fp32 GEMM "
            f"{hb['fp32_gemm_tflops'] * 1e3:.3g} GFLOP/s, expert dispatch {hb['figures']['expert_dispatch_us']:g} us"
-           if hb else "none recorded")
-        + (f"; after: memory {ha['figures']['mem_bw_achievable_gbs']:g} GB/s, fp32 GEMM "
-           f"{ha['fp32_gemm_tflops'] * 1e3:.3g} GFLOP/s" if ha else "") + ".",
+           if hb else ": none recorded")
+        + (f"; the other one ({ha['when']}, others {ha.get('others_cpu_frac', float('nan')):.0%}): memory "
+           f"{ha['figures']['mem_bw_achievable_gbs']:g} GB/s, fp32 GEMM {ha['fp32_gemm_tflops'] * 1e3:.3g} GFLOP/s"
+           if ha else "") + ".",
+        "",
+        "The prediction is what `moesim whatif --model FILE.gguf --hw none --policy all-resident --host HOST.toml "
+        f"--engine llama.cpp --threads T --prompt-len D --tokens {s['n_gen']}` computes: every row was also predicted "
+        "through that command's library call (moesim.sim.sweep.whatif) and "
+        + ("agrees" if result["summary"].get("whatif_agrees") else "DISAGREES (see whatif_tok_s in the JSON)")
+        + " (the command line itself stops after the sweep for a GGUF model: its deployment answer looks the model "
+        "up by its display name, sim/deploy.py row_layout).",
         "",
         rows_table(result),
         "",
@@ -1090,7 +1106,7 @@ def write_readme(result: dict, path: Path = DEFAULT_README) -> None:
 def misses_text(result: dict) -> str:
     """What misses and why, in words, from the rows' own figures (the breakdowns are the cost model's)."""
     rows = result["rows"]
-    hb = (result.get("host_profiles") or {}).get("before") or {}
+    hb = (result.get("host_profiles") or {}).get(result.get("host_profile_used", "before")) or {}
     out = []
     if hb:
         bf, fp = hb["figures"]["bf16_tflops"] * 1e3, hb["fp32_gemm_tflops"] * 1e3

@@ -207,10 +207,16 @@ def fit_weight_efficiency(rows: Sequence[dict], host, n_gen: int, fit_layers: in
 def predict_rows(rows: Sequence[dict], hosts: dict, n_gen: int, fit_layers: int | None = None) -> dict:
     """Add predictions to measured rows (each with path, threads, depth, layers, measured_tok_s, contended).
 
-    hosts: {"before": measured-host dict, "after": ...} (measure_host_profile); predictions use the profile
-    measured before the rows ("after" gives the spread). Returns {"rows", "summary", "fit"}."""
-    before = host_variants(hosts["before"])
-    after = host_variants(hosts["after"]) if hosts.get("after") else None
+    hosts: {"before": measured-host dict, "after": ...} (measure_host_profile). The rows are measured when the
+    machine has room for their threads (bench_llamacpp.measure waits for it), so the prediction uses the
+    bracketing profile measured with the least CPU use by other processes ("used"; before when equal or
+    unrecorded), and the other one gives the spread (the *_other fields). Returns {"rows", "summary", "fit",
+    "host_used"}."""
+    order = [k for k in ("before", "after") if hosts.get(k)]
+    order.sort(key=lambda k: hosts[k].get("others_cpu_frac", 1.0))  # stable: before wins a tie
+    before = host_variants(hosts[order[0]])
+    after = host_variants(hosts[order[1]]) if len(order) > 1 else None
+    used = order[0]
     fit = None
     if fit_layers is not None:
         fit = fit_weight_efficiency(rows, before["profile_fp32"], n_gen, fit_layers)
@@ -221,11 +227,11 @@ def predict_rows(rows: Sequence[dict], hosts: dict, n_gen: int, fit_layers: int 
                "predicted_tok_s_fp32": round(p["profile_fp32"], 2),
                "ratio_fp32": round(p["profile_fp32"] / r["measured_tok_s"], 3)}
         if after is not None:
-            row["predicted_tok_s_after"] = round(predict_tps(r["path"], r["threads"], r["depth"], n_gen,
+            row["predicted_tok_s_other"] = round(predict_tps(r["path"], r["threads"], r["depth"], n_gen,
                                                              after["profile"]), 2)
-            row["predicted_tok_s_fp32_after"] = round(predict_tps(r["path"], r["threads"], r["depth"], n_gen,
+            row["predicted_tok_s_fp32_other"] = round(predict_tps(r["path"], r["threads"], r["depth"], n_gen,
                                                                   after["profile_fp32"]), 2)
-        row["whatif_tok_s"] = round(whatif_tps(r["path"], r["threads"], r["depth"], n_gen, hosts["before"]["path"]), 2)
+        row["whatif_tok_s"] = round(whatif_tps(r["path"], r["threads"], r["depth"], n_gen, hosts[used]["path"]), 2)
         row["breakdown_ms"] = breakdown(r["path"], r["threads"], r["depth"], before["profile"])
         row["breakdown_ms_fp32"] = breakdown(r["path"], r["threads"], r["depth"], before["profile_fp32"])
         if fit and fit.get("engine") is not None:
@@ -245,4 +251,4 @@ def predict_rows(rows: Sequence[dict], hosts: dict, n_gen: int, fit_layers: int 
         summary["fitted_holdout"] = stats("ratio_fitted", lambda r: r["split"] == "holdout")
         summary["fitted_fit"] = stats("ratio_fitted", lambda r: r["split"] == "fit")
     fit_out = None if fit is None else {k: v for k, v in fit.items() if k != "engine"}
-    return {"rows": out, "summary": summary, "fit": fit_out}
+    return {"rows": out, "summary": summary, "fit": fit_out, "host_used": used}
