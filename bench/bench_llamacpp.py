@@ -1063,7 +1063,10 @@ def write_readme(result: dict, path: Path = DEFAULT_README) -> None:
            f"({fit.get('fit_rows')} rows) and reported on the others (holdout). The fitted value is this "
            "benchmark's only; hwprofiles/engines/llama.cpp.toml is unchanged" if fit.get("value") else "")
         + f". *contended*: other processes' CPU use plus the run's threads exceeded the cores by more than "
-        f"{MAX_OVERSUB} or the reps' std/mean exceeded {MAX_CV:.0%} ({n_cont} of {len(rows)} rows).",
+        f"{MAX_OVERSUB} or the reps' std/mean exceeded {MAX_CV:.0%} ({n_cont} of {len(rows)} rows). So a 1-thread "
+        "row counts as uncontended while another job keeps the other core busy (*others' CPU* ~50%): most 1-thread "
+        "rows here were measured so, sharing memory bandwidth and the L3 with that job; a 2-thread row only on an "
+        "otherwise idle machine.",
         "",
         "Accuracy (target: every row within +-15%):",
         _stat_line("profile", summ["profile"]),
@@ -1096,8 +1099,9 @@ def write_readme(result: dict, path: Path = DEFAULT_README) -> None:
         "",
         f"Reproduce (everything cached under {DEFAULT_WORK.as_posix().replace(str(Path.home()), '~')}; from a fresh "
         "clone the first run downloads, builds and converts, ~35 min on 2 cores, ~21 GB of disk): "
-        "`python bench/bench_llamacpp.py --skip-build --remeasure` (a few minutes on an idle machine; `--quick` for "
-        "-n 16 -r 3); `--readme-only` regenerates this text from bench/llamacpp.json.",
+        "`python bench/bench_llamacpp.py --skip-build --remeasure` (about 10-15 minutes on an idle machine: 24 rows, two "
+        "host profiles, 33 argument checks; `--quick` for -n 16 -r 3, `--offline` to recompute the predictions from "
+        "the cached rows); `--readme-only` regenerates this text from bench/llamacpp.json.",
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
