@@ -1090,7 +1090,8 @@ def write_readme(result: dict, path: Path = DEFAULT_README) -> None:
     for e in result.get("engine_args_checks", []):
         res = (f"ran ({e['tests']} test{'s' if e['tests'] != 1 else ''}, {', '.join(f'{x:g}' for x in e['tps'])} tok/s)"
                if e["ok"] else f"refused (exit {e.get('returncode')}: {'; '.join(e.get('message') or [])[:120]})")
-        lines.append(f"| {e['deployment']} | {e['form']} | `{' '.join(e['args'])}` | {res} |")
+        cell = " ".join(e["args"]).replace("|", "\\|")  # a pipe inside a table cell, even in code, splits it
+        lines.append(f"| {e['deployment']} | {e['form']} | `{cell}` | {res} |")
     lines += [
         "",
         "On this CPU-only build the GPU placements (-ngl, --n-cpu-moe, -ot ...=CPU, -ts, -sm) are accepted and run "
