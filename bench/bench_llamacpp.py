@@ -1051,8 +1051,7 @@ def write_readme(result: dict, path: Path = DEFAULT_README) -> None:
         f"--engine llama.cpp --threads T --prompt-len D --tokens {s['n_gen']}` computes: every row was also predicted "
         "through that command's library call (moesim.sim.sweep.whatif) and "
         + ("agrees" if result["summary"].get("whatif_agrees") else "DISAGREES (see whatif_tok_s in the JSON)")
-        + " (the command line itself stops after the sweep for a GGUF model: its deployment answer looks the model "
-        "up by its display name, sim/deploy.py row_layout).",
+        + ".",
         "",
         rows_table(result),
         "",
@@ -1113,7 +1112,7 @@ def misses_text(result: dict) -> str:
     rows = result["rows"]
     hb = (result.get("host_profiles") or {}).get(result.get("host_profile_used", "before")) or {}
     out = []
-    if hb:
+    if hb and hb["figures"]["bf16_tflops"] < 0.99 * hb["fp32_gemm_tflops"]:  # a profile from before measure_host's fix
         bf, fp = hb["figures"]["bf16_tflops"] * 1e3, hb["fp32_gemm_tflops"] * 1e3
         math_share = statistics.median(r["breakdown_ms"]["experts_math_ms"] / (1e3 / r["predicted_tok_s"])
                                        for r in rows)

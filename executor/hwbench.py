@@ -243,8 +243,9 @@ def _stream_read_gbs(threads: int, nbytes: int = 256 * 2**20) -> float:
 def measure_host(name: str, step: Step | None = None) -> HostProfile:
     """This machine's CPU as a host profile (``hwprofiles/hosts`` format), every figure
     measured: memory bandwidth with all cores and with one (an fp32 GEMV over 256 MiB),
-    the bf16 rate (a 1024^3 GEMM) and, as int8 dot products have no portable torch
-    kernel, the int8 rate taken as twice the bf16 one (marked so); the host pool's
+    the bf16 rate (a 1024^3 GEMM, or the fp32 one where that is faster: engines without
+    native bf16 kernels convert) and, as int8 dot products have no portable torch kernel,
+    the int8 rate taken as twice that (marked so); the host pool's
     per-expert dispatch and round trip from tiny jobs; RAM from the OS. Rates are what
     the measured kernels reach, so ``compute_efficiency`` is 1."""
     step = step or (lambda what: None)
@@ -254,8 +255,14 @@ def measure_host(name: str, step: Step | None = None) -> HostProfile:
     step("host memory bandwidth")
     all_bw, one_bw = _stream_read_gbs(cores), _stream_read_gbs(1)
     n = 1024
-    a, b = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    fp32 = 2 * n**3 / best_time(lambda: a @ b) / 1e12
+    a, b = a.bfloat16(), b.bfloat16()
     bf16 = 2 * n**3 / best_time(lambda: a @ b) / 1e12
+    # An engine runs bf16 weights at the faster of the two: on a CPU without AVX512-BF16 or
+    # AMX, torch's bf16 GEMM is a slow fallback (150x below fp32 on an AVX2 EPYC), while
+    # llama.cpp's and PyTorch's CPU experts convert to fp32 and multiply there.
+    rate, how = (bf16, "bf16 GEMM") if bf16 >= fp32 else (fp32, f"fp32 GEMM (faster here than bf16's {bf16:.4g})")
     tiny = [[torch.zeros(3 * 8 * 8) for _ in range(4)]]
     ids, gates = np.array([[0, 1, 2, 3]]), torch.ones(1, 4)
     with HostExperts(8, 8, weights=tiny, workers=1) as pool:
@@ -266,8 +273,8 @@ def measure_host(name: str, step: Step | None = None) -> HostProfile:
         "mem_bw_peak_gbs": (max(all_bw, one_bw), "the higher of the two GEMV reads below (no datasheet peak here)"),
         "mem_bw_achievable_gbs": (all_bw, f"fp32 GEMV over 256 MiB of weights on {cores} threads: bytes / time"),
         "mem_bw_per_core_gbs": (one_bw, "the same GEMV on one thread"),
-        "bf16_tflops": (bf16, f"bf16 GEMM 1024^3 on {torch.get_num_threads()} threads"),
-        "int8_tops": (2 * bf16, "twice the measured bf16 rate (no portable int8 GEMM in torch to time)"),
+        "bf16_tflops": (rate, f"{how} 1024^3 on {torch.get_num_threads()} threads"),
+        "int8_tops": (2 * rate, "twice the bf16 rate above (no portable int8 GEMM in torch to time)"),
         "compute_efficiency": (1.0, "the rates above are measured, already achievable"),
         "expert_dispatch_us": (max((four - one) / 3 * 1e6, 0.01), "host pool: extra time per expert of a 4-expert job"),
         "activation_roundtrip_us": (max(one * 1e6, 0.01), "host pool: a 1-expert job's hand-off and return"),
