@@ -68,7 +68,9 @@ def llama_cpp(spec: ModelSpec, layout: Layout, *, threads: int | None = None, co
     if layout.n_gpus > 1:
         if layout.split == "tensor":
             args += ["--split-mode", "row"]
-        shares = ratios or layout.layers_per_gpu  # llama.cpp splits layers in these proportions
+        # llama.cpp splits layers (or, with --split-mode row, each layer's rows) in these
+        # proportions; a tensor split shards every layer evenly, as the cost model does.
+        shares = ratios or ([1] * layout.n_gpus if layout.split == "tensor" else layout.layers_per_gpu)
         args += ["--tensor-split", ",".join(f"{r:g}" for r in shares)]
     uses_cpu = (layout.layer_device == CPU).any() or (layout.expert_device == CPU).any()
     if threads and uses_cpu:

@@ -1025,6 +1025,17 @@ def cache_capacity(spec: ModelSpec, cache_gib: float = 0.0, cache_experts: int =
     return cache_experts
 
 
+#: Models read from a user's files in this process, by display name (what result rows carry):
+#: filled by :func:`get_model`, read by :func:`model_named`.
+_READ_FROM_FILES: dict[str, ModelSpec] = {}
+
+
+def model_named(name: str) -> ModelSpec:
+    """The model a result row names (its ``model`` / ``base_model``): one read from a file in
+    this process under that display name (a GGUF, a ``config.json``), else :func:`get_model`."""
+    return _READ_FROM_FILES.get(name) or get_model(name)
+
+
 def get_model(name_or_path: str) -> ModelSpec:
     """A model directory / ``config.json`` path, or a catalogue model by name.
 
@@ -1046,6 +1057,7 @@ def get_model(name_or_path: str) -> ModelSpec:
             from moesim.gguf_file import spec_from_gguf  # it builds ModelSpecs: importing it at the top is a circle
 
             spec = spec_from_gguf(gguf[0])
+            _READ_FROM_FILES[spec.name] = spec
             if key in CATALOGUE:
                 warnings.warn(f"{name_or_path!r} is both a local path and the catalogue model {key!r}; "
                               f"using the local {gguf[0]}", UserWarning, stacklevel=2)
@@ -1054,6 +1066,7 @@ def get_model(name_or_path: str) -> ModelSpec:
             also = f" (also the catalogue model {key!r}: pass it from another directory)" if key in CATALOGUE else ""
             raise MoesimError(f"model directory {p} has no config.json{also}")
         spec = from_hf_config(cfg)
+        _READ_FROM_FILES[spec.name] = spec
         if key in CATALOGUE:
             warnings.warn(f"{name_or_path!r} is both a local path and the catalogue model {key!r}; "
                           f"using the local {cfg}", UserWarning, stacklevel=2)

@@ -27,7 +27,7 @@ from moesim.errors import MoesimError
 from moesim.fmt import number
 from moesim.hardware import get_machine
 from moesim.layout import make_layout, stream_layers
-from moesim.models import get_model
+from moesim.models import model_named
 from moesim.quant_recipes import store_as
 from moesim.sim.whatif import BOUND, GOALS, policy_families, simplicity
 
@@ -73,7 +73,7 @@ def configuration(row: dict[str, Any]) -> str:
 def _expert_bytes(row: dict[str, Any]) -> float:
     """Bytes of one expert in the row's format (hot-experts' budget in GiB, for the table)."""
     try:
-        return store_as(get_model(row["base_model"]), row["expert_dtype"]).expert_bytes
+        return store_as(model_named(row["base_model"]), row["expert_dtype"]).expert_bytes
     except MoesimError:
         return float("nan")
 
@@ -226,7 +226,7 @@ def row_layout(row: dict[str, Any]):
     engine's arguments spell. None for a row that copies experts (no engine argument
     places a cache)."""
     fam = row["family"]
-    spec = store_as(get_model(row["base_model"]), row["expert_dtype"])
+    spec = store_as(model_named(row["base_model"]), row["expert_dtype"])
     machine = get_machine(row["hw"])
     g = machine.n_gpus
     if fam == "all-resident":

@@ -226,8 +226,9 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
     policies = [p.name for p in pols]
     if placement_from is not None and calibrate_on_replay:
         raise MoesimError("give a calibration trace (--placement-from) or --calibrate-on-replay, not both")
+    no_gpu = any(get_machine(h).n_gpus == 0 for h in hws)  # --hw none: the host runs every layer
     notes: list[str] = unused_options(pols, hosts, cpu_layers, gpu_expert_gib, copy_queues, prefetch_top, gpu_layers,
-                                      offload_gib)
+                                      offload_gib, no_gpu=no_gpu)
     if dropped:
         notes.append(f"{eng.name} does not run {', '.join(dropped)} (it runs {', '.join(eng.policies)}): left out")
     if host_ram_gb is not None and not (isinstance(host_ram_gb, (int, float)) and 0 < host_ram_gb < 1e7):

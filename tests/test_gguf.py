@@ -90,3 +90,16 @@ def test_bad_gguf_is_one_line(tmp_path):
     assert "\n" not in str(e.value)
     r = subprocess.run([sys.executable, "-m", "moesim", "models", str(p)], capture_output=True, text=True)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_whatif_on_a_gguf_file_prints_the_engines_arguments(tmp_path):
+    """The deployment answer spells llama.cpp's arguments for a model read from a GGUF file
+    (its rows name the file's model, which is not a catalogue name: that was a traceback)."""
+    (path,) = qwen3moe_gguf(tmp_path / "m.gguf")
+    r = subprocess.run([sys.executable, "-m", "moesim", "whatif", "--model", str(path), "--hw", "none",
+                        "--host", "ryzen-7950x", "--policy", "all-resident", "--engine", "llama.cpp", "--tokens", "4",
+                        "--out", str(tmp_path / "w")], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "llama-server -m" in r.stdout and "-ngl 0" in r.stdout, r.stdout
+    notes = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("note") and "--host" in ln]
+    assert not notes, notes  # --hw none runs every layer on the host: --host is used

@@ -148,6 +148,9 @@ def test_llama_cpp_arguments_spell_the_layout():
     assert a[a.index("--tensor-split") + 1] == "36,12"  # layers per GPU, 3:1 of 48
     blocks = re.search(r"blk\\\.\(([0-9|]+)\)", inv.note).group(1).split("|")
     assert blocks == [str(x) for x in range(8)]  # -ot names the same 8 layers' experts
+    inv = invocation("llama.cpp", spec, make_layout(spec, 2, split="tensor"))
+    a = inv.args
+    assert a[a.index("--split-mode") + 1] == "row" and a[a.index("--tensor-split") + 1] == "1,1"  # each layer halved
 
 
 def test_tensor_split_shares_weights_and_pays_collectives():
