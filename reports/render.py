@@ -13,30 +13,41 @@ import io
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import matplotlib
-
+from moesim.atomic import atomic_write, atomic_write_text
 from moesim.fmt import duration_ms, number
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
-from moesim.atomic import atomic_write, atomic_write_text  # noqa: E402
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, imported on first use: it takes about a second
+    to import, and the commands that print JSON (``stats --json``, ``replay --json``) draw
+    nothing."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 COLORS = {"compute": "#4C72B0", "stall": "#C44E52", "copy": "#DD8452", "bound": "#55A868"}
 CPU_COLOR = "#66A61E"
 
 
-def save_figure(fig: plt.Figure, path: Path) -> Path:
+def save_figure(fig: Figure, path: Path) -> Path:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt = pyplot()
     plt.close(fig)
     return atomic_write(path, lambda f: f.write(buf.getvalue()))
 
 
 def breakdown_png(rows: Sequence[dict[str, Any]], labels: Sequence[str], path: Path, title: str) -> Path:
     """Stacked compute + stall (= TPOT) per configuration, with copy time and the bounds."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(rows) + 2), 3.8))
     x = range(len(rows))
     comp = [r["compute_ms"] for r in rows]
@@ -61,6 +72,7 @@ def timeline_png(spans: Sequence[Any], step: int, path: Path, title: str) -> Pat
     if not mine:
         raise ValueError(f"no spans recorded for step {step}")
     t0 = min(s.start for s in mine)
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(11, 2.6))
     lanes = {"compute": 1, "copy": 0, "cpu": 2}  # cpu: experts the host computes (CPU-compute policies)
     for s in mine:
@@ -98,6 +110,7 @@ def heatmap_png(rows: Sequence[dict[str, Any]], path: Path, title: str, value: s
     panels = sorted({(r["hw"], r["policy"]) for r in rows})[:16]
     ncol = min(4, len(panels))
     nrow = -(-len(panels) // ncol)
+    plt = pyplot()
     fig, axes = plt.subplots(nrow, ncol, figsize=(3.3 * ncol, 2.9 * nrow), squeeze=False, layout="constrained")
     vmin, vmax = min(r[value] for r in rows), max(r[value] for r in rows)
     im = None

@@ -19,7 +19,7 @@ import numpy as np
 from moesim.atomic import atomic_write_text
 from moesim.hardware import get_profile
 from moesim.outputs import check_output_dir
-from moesim.reports.render import COLORS, plt, save_figure, write_html
+from moesim.reports.render import COLORS, pyplot, save_figure, write_html
 from moesim.sim.stats import routing_stats
 from moesim.traces.format import read_trace
 
@@ -36,6 +36,7 @@ def _nan_to_none(x: Any) -> Any:
 
 def popularity_png(stats: dict[str, Any], path: Path, title: str) -> Path:
     counts = np.asarray(stats["popularity"]["counts"], float)
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 3.6))
     e = counts.shape[1]
     for j, row in enumerate(counts):
@@ -54,6 +55,7 @@ def popularity_png(stats: dict[str, Any], path: Path, title: str) -> Path:
 
 def reuse_png(stats: dict[str, Any], path: Path, title: str) -> Path:
     hist = np.asarray(stats["reuse"]["distance_hist"], float)
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 3.2))
     x = np.arange(1, hist.size + 1)
     ax.bar(x, hist / max(hist.sum(), 1), color=COLORS["compute"])
@@ -65,6 +67,7 @@ def reuse_png(stats: dict[str, Any], path: Path, title: str) -> Path:
 
 
 def recall_png(stats: dict[str, Any], path: Path, title: str) -> Path:
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 3.2))
     for name, rec in stats["predictor_recall"].items():
         ax.plot(stats["moe_layers"], [np.nan if v is None else v for v in rec], marker="o", ms=3, label=name)
@@ -80,6 +83,7 @@ def recall_png(stats: dict[str, Any], path: Path, title: str) -> Path:
 def hit_rate_png(stats: dict[str, Any], path: Path, title: str) -> Path:
     c = stats["hit_rate"]
     gib = [b / 2**30 for b in c["bytes"]]
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 3.6))
     for name, style in (("belady", "-"), ("lru", "--"), ("lfu", ":")):
         ax.plot(c["sizes"], c[name], style, marker="o", ms=3, label={"belady": "Belady (offline optimum)"}.get(name, name.upper()))
@@ -97,6 +101,7 @@ def hit_rate_png(stats: dict[str, Any], path: Path, title: str) -> Path:
 
 def tpot_png(stats: dict[str, Any], path: Path, title: str) -> Path:
     t = stats["tpot"]
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 3.4))
     ax.plot(t["sizes"], t["tpot_ms"], marker="o", ms=3, color=COLORS["compute"])
     ax.axvline(t["knee_experts"], color=COLORS["stall"], ls="--", lw=1, label=f"knee: {t['knee_experts']} experts")

@@ -12,7 +12,7 @@ from moesim import fmt
 from moesim.atomic import atomic_write_text
 from moesim.fmt import duration_ms
 from moesim.policy import get_policy
-from moesim.reports.render import breakdown_png, heatmap_png, save_figure, write_csv, write_html
+from moesim.reports.render import breakdown_png, heatmap_png, pyplot, save_figure, write_csv, write_html
 from moesim.sim.deploy import AXES, crossovers, deployment_answer, describe_change, format_answer
 from moesim.sim.simulate import simulate
 from moesim.sim.whatif import GOALS, Sweep
@@ -35,7 +35,7 @@ def _number(x: Any) -> bool:
 def prompt_png(sweep: Sweep, winner: dict[str, Any], path: Path) -> Path:
     """TPOT and TTFT against prompt length for each copy policy, at the winner's hardware,
     link and cache (a quick look when the sweep itself has one prompt length)."""
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
 
     hw = next(h for h in sweep.hws if h.name == winner["hw"])
@@ -65,8 +65,8 @@ def prompt_png(sweep: Sweep, winner: dict[str, Any], path: Path) -> Path:
 def crossover_png(crosses: list, path: Path) -> Path:
     """One panel per (model, GPU, host, axis, metric): each family's best value against the
     axis, the oracle dashed as the bound, and a red line where the winning family changes."""
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullFormatter
+    plt = pyplot()
+    from matplotlib.ticker import NullFormatter  # matplotlib is imported on first use (pyplot)
 
 
     ncol = min(3, len(crosses))
