@@ -126,7 +126,9 @@ def _edit(path: Path, column: str, value: str, row: int = 0) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-@pytest.mark.parametrize("value", ["-5", "nan", "0.0001", "inf", "abc"])
+# One of each kind by default; the rest with -m slow (each is a sweep run twice in subprocesses).
+@pytest.mark.parametrize("value", ["-5", *(pytest.param(v, marks=pytest.mark.slow) for v in ("nan", "0.0001", "inf",
+                                                                                          "abc"))])
 def test_an_edited_row_is_recomputed_and_never_the_best(tmp_path, value):
     first = _sweep_once(tmp_path)
     _edit(tmp_path / "r.csv", "tpot_ms", value)
@@ -145,7 +147,8 @@ def test_a_duplicated_group_is_recomputed_once(tmp_path):
     assert len(rows) == len(res["rows"]) == len({(r["group"], r["hw"], r["link_gbps"]) for r in rows})
 
 
-@pytest.mark.parametrize("content", [b"a,b\n1,2\n", b"\x00\x01binary", b"\xff\xfe not utf-8\n", b"model,hw\nx,y\n"])
+@pytest.mark.parametrize("content", [b"a,b\n1,2\n", *(pytest.param(c, marks=pytest.mark.slow) for c in (
+    b"\x00\x01binary", b"\xff\xfe not utf-8\n", b"model,hw\nx,y\n"))])
 def test_a_file_that_is_not_a_sweeps_csv_is_one_line(tmp_path, content):
     _sweep_once(tmp_path)
     (tmp_path / "r.csv").write_bytes(content)
