@@ -27,7 +27,7 @@ def import_routing(
     one line.
 
     Example: `moesim import vllm vllm-synthetic-deepseek-v2-lite.json --model deepseek-v2-lite --out imported.npz`
-    (traces/examples/ in the source tree has one file of each format)
+    (needs a dump file: traces/examples/ in the source tree has one file of each format)
     """
     from moesim.traces.importers import import_routing as run_import
 
