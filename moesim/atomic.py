@@ -21,39 +21,10 @@ from pathlib import Path
 from typing import IO
 
 from moesim.errors import MoesimError
+from moesim.inputs import check_name, name_max  # the file system's name limits: one definition, with the inputs'
 
-NAME_MAX = 255  # bytes in one file name, where the file system does not say
 _PID_ROOM = 10  # digits a process id may take in a temporary name (Linux: at most 7)
 _TMP_EXTRA = 1 + 1 + _PID_ROOM + 1 + 8 + 4  # ".", ".", pid, ".", mkstemp's 8 letters, ".tmp"
-
-
-def name_max(folder: str | os.PathLike) -> int:
-    """The longest file name (bytes) the file system under ``folder`` (or its nearest
-    existing ancestor) takes."""
-    p = Path(folder)
-    while True:
-        try:
-            if p.is_dir():
-                return int(os.pathconf(p, "PC_NAME_MAX"))
-        except (OSError, ValueError):
-            pass
-        if p.parent == p:
-            return NAME_MAX
-        p = p.parent
-
-
-def check_name(path: str | os.PathLike, what: str = "cannot write") -> None:
-    """One line for a path with a component longer than the file system allows (the
-    ``OSError: File name too long`` a ``stat`` of it would raise)."""
-    path = Path(path)
-    limit = name_max(path.parent if str(path.parent) else ".")
-    for part in path.parts:
-        n = len(os.fsencode(part))
-        if n > limit:
-            shown = part if len(part) <= 40 else f"{part[:20]}...{part[-12:]}"
-            raise MoesimError(f"{what} {shown}: a name of {n} bytes; this file system allows at most {limit}")
-    if len(os.fsencode(str(path))) >= 4096:
-        raise MoesimError(f"{what} {str(path)[:40]}...: a path of {len(os.fsencode(str(path)))} bytes; at most 4095")
 
 
 def _short(name: str, room: int) -> str:
@@ -118,7 +89,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     one-line :class:`MoesimError`; commands check their outputs before working
     (:mod:`moesim.outputs`), this is the backstop."""
     path = Path(path)
-    check_name(path)
+    check_name(path, "cannot write")
     if path.is_dir():
         raise MoesimError(f"cannot write {path}: it is a folder")
     if path.exists() and not path.is_file():  # the rename would replace a device or pipe node

@@ -19,8 +19,8 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from moesim.atomic import check_name
 from moesim.errors import MoesimError
+from moesim.inputs import check_name
 
 
 def _nearest_existing(path: Path) -> Path:
