@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_run import one_line_error as one_line
 
 from moesim import inputs
 from moesim.errors import MoesimError
@@ -36,15 +37,6 @@ def moesim(*args, cwd, timeout: float = 120, **kw) -> subprocess.CompletedProces
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg", "COLUMNS": "200"}
     return subprocess.run([sys.executable, "-m", "moesim", *map(str, args)], capture_output=True, text=True,
                           cwd=cwd, env=env, timeout=timeout, **kw)
-
-
-def one_line(r: subprocess.CompletedProcess, *words: str) -> str:
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert r.returncode == 2, r.stderr
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    for w in words:
-        assert w in lines[0], lines[0]
-    return lines[0]
 
 
 def feed(fifo: Path, data: bytes, deadline: float = 30.0) -> threading.Thread:

@@ -25,6 +25,7 @@ from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "stranger"))
 from cases import make_readonly, undo_readonly  # noqa: E402
+from cli_run import one_line_error  # noqa: E402
 from cli_signals import signal_when  # noqa: E402
 
 
@@ -34,15 +35,6 @@ def moesim(*args, cwd, pre: str = "", timeout: float = 300) -> subprocess.Comple
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"}
     return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, cwd=cwd,
                           env=env, timeout=timeout)
-
-
-def one_line_error(r: subprocess.CompletedProcess, *words: str) -> str:
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert r.returncode == 2, r.stderr
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    for w in words:
-        assert w in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_run import one_line_error as one_error  # noqa: E402
 from cli_signals import ROOT  # noqa: E402
 
 from moesim.errors import MoesimError  # noqa: E402
@@ -31,12 +32,6 @@ SMALL = ["whatif", "--model", "tiny", "--hw", "a6000", "--tokens", "4", "--jobs"
 def moesim(*args, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "moesim", *map(str, args)], cwd=cwd, env=ENV, capture_output=True,
                           text=True, timeout=timeout)
-
-
-def one_error(r: subprocess.CompletedProcess) -> str:
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr[-2000:]
-    return lines[0]
 
 
 def _start(args, cwd: Path) -> subprocess.Popen:
