@@ -14,6 +14,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import signal
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -80,6 +81,21 @@ def clean_stale_tmp(path: str | os.PathLike) -> list[Path]:
             except OSError:
                 pass
     return removed
+
+
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})  # the signals the CLI turns into an exit
+
+
+@contextmanager
+def signals_held() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM while the block runs; one that arrives meanwhile is delivered
+    as it ends. For appends that must land whole (a sweep group's rows and their digest), where
+    a rename cannot help."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> Path:

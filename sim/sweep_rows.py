@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from moesim.atomic import atomic_write_text, sidecar
+from moesim.atomic import atomic_write_text, sidecar, signals_held
 from moesim.errors import MoesimError
 
 #: Figures that a run writes as a number >= 0 or leaves empty (None); anything else is an edit.
@@ -216,14 +216,15 @@ def write_rows(out: Path, rows: list[dict[str, Any]], fingerprint: str, fresh: b
         atomic_write_text(out, _csv_text(rows[:1], header=True).split("\n", 1)[0] + "\n" + body)
         return
     new = not out.exists()
-    with out.open("a", newline="", encoding="utf-8") as f:
-        f.write((_csv_text(rows[:1], header=True).split("\n", 1)[0] + "\n" if new else "") + body)
-        f.flush()
-        os.fsync(f.fileno())
-    with sums_file.open("a", encoding="utf-8") as f:
-        f.write(sums)
-        f.flush()
-        os.fsync(f.fileno())
+    with signals_held():  # a group lands whole, rows and digest, or not at all
+        with out.open("a", newline="", encoding="utf-8") as f:
+            f.write((_csv_text(rows[:1], header=True).split("\n", 1)[0] + "\n" if new else "") + body)
+            f.flush()
+            os.fsync(f.fileno())
+        with sums_file.open("a", encoding="utf-8") as f:
+            f.write(sums)
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def check_rows_path(out: Path) -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moesim.atomic import exclusive
+from moesim.atomic import STOP_SIGNALS, exclusive
 from moesim.costmodel import CostModel
 from moesim.engines import get_engine
 from moesim.errors import DoesNotFit, MoesimError
@@ -523,7 +523,7 @@ def _init_worker(sweep: Sweep) -> None:
     global _WORKER_SWEEP
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked by the parent while it forked
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by the parent while it forked
     _WORKER_SWEEP = sweep
 
 
@@ -556,13 +556,13 @@ def _local(sweep: Sweep, todo: list[int], jobs: int) -> Iterator[Outcome]:
     # Workers are forked with SIGINT and SIGTERM blocked, so none runs the parent's handlers
     # before its initializer ignores them; the parent's own arrive when it unblocks them.
     pool, finished = None, False
-    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         try:
             pool = ProcessPoolExecutor(jobs, initializer=_init_worker, initargs=(sweep,))
             pending = {pool.submit(_worker, i): i for i in todo}
         finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         while pending:
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
             for fut in done:
@@ -579,14 +579,13 @@ def _local(sweep: Sweep, todo: list[int], jobs: int) -> Iterator[Outcome]:
             stop_pool(pool)
 
 
-_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 def stop_pool(pool: ProcessPoolExecutor) -> None:
     """End ``pool`` now: queued work cancelled, running workers terminated (their groups
     are lost; finished ones were already streamed). Further SIGINT/SIGTERM are ignored
     while it does (a second Ctrl-C must not cut the cleanup short), then restored."""
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in _STOP_SIGNALS}
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS}
     try:
         procs = list((getattr(pool, "_processes", None) or {}).values())
         pool.shutdown(wait=False, cancel_futures=True)

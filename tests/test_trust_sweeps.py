@@ -68,8 +68,9 @@ def test_signals_to_a_pool_sweep_end_it_keep_rows_and_leave_no_worker(tmp_path, 
     groups), nothing is left running and no temporary file stays."""
     p = _start(POOL, tmp_path)
     try:
-        # signalled once the pool has written its first rows (the workers are busy then)
-        _wait_for(lambda: (tmp_path / "rows.csv").exists() or p.poll() is not None, 240)
+        # signalled once the pool has written its first group whole (its digest follows its rows)
+        sums = tmp_path / "rows.csv.sweep.sums"
+        _wait_for(lambda: (sums.exists() and sums.stat().st_size > 0) or p.poll() is not None, 240)
         for _ in range(count):
             p.send_signal(sig)
             time.sleep(0.3)
@@ -96,6 +97,17 @@ def test_workers_ignore_sigint_and_the_parent_stops_them():
     r = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=60)
     assert r.stdout.split() == ["True", "True"], r.stderr
     assert callable(wi.stop_pool)
+
+
+def test_a_group_is_written_whole_whatever_signal_arrives_meanwhile(tmp_path):
+    """A Ctrl-C sent while a group is being appended waits until its rows and its digest
+    are both on disk (the CI run that found it: signalled between the open and the write)."""
+    code = ("import os, signal, sys; from pathlib import Path; from moesim.atomic import signals_held\n"
+            "seen = []; signal.signal(signal.SIGINT, lambda *a: seen.append(Path('f').exists()))\n"
+            "with signals_held():\n    os.kill(os.getpid(), signal.SIGINT); Path('f').write_text('x')\n"
+            "print(seen)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["[True]"], r.stderr  # delivered once, after the block's write
 
 
 # --------------------------------------------------------------------------------------
