@@ -432,6 +432,16 @@ class Planner:
             raise MoesimError(f"routing ids must both be [tokens, moe_layers, batch, top_k], got "
                               f"{true_ids.shape} and {pred_ids.shape}")
 
+    def steps_alike(self, batch: int, capacity: int) -> bool:
+        """Whether every step of a trace with distinct experts per row decides the same counts:
+        at batch 1 each layer routes exactly top-k experts; with no cache and nothing pinned
+        no decision depends on an earlier step; and a policy that copies or runs no prediction
+        (on demand), or whose prediction is the truth (the oracle), then sees the same sets'
+        sizes and overlaps every step, whichever experts they are (keys are per layer)."""
+        pol = self.policy
+        blind = not pol.offload or not (pol.prefetch or pol.executes_predicted)
+        return batch == 1 and capacity == 0 and not self.pinned and (pol.oracle or blind)
+
     def plan_trace_stepwise(self, true_ids: np.ndarray, pred_ids: np.ndarray) -> np.ndarray:
         """The counts of :attr:`COUNTS` over a trace, by calling prefetch/route/finish per layer
         exactly as the executor does. The reference :meth:`plan_trace` is tested against;
@@ -470,11 +480,16 @@ class Planner:
         return np.stack(self.plan_rows(true_ids, pred_ids, n_experts, progress))
 
     def plan_rows(self, true_ids: np.ndarray, pred_ids: np.ndarray, n_experts: int,
-                  progress: Callable[[int, int], None] | None = None) -> list[np.ndarray]:
+                  progress: Callable[[int, int], None] | None = None, distinct: bool = False) -> list[np.ndarray]:
         """:meth:`plan_trace`'s counts as one [step, MoE layer] array per row of :attr:`COUNTS`,
         a row that holds one value everywhere (a policy's zeros, top-k executed at batch 1)
         being a read-only broadcast of it: what :func:`moesim.sim.plan.build_plan` keeps
-        (a 100,000-token Qwen3-30B-A3B plan: 134 MB as one array, 19 MB a row)."""
+        (a 100,000-token Qwen3-30B-A3B plan: 134 MB as one array, 19 MB a row).
+
+        ``distinct``: the caller vouches that no row of ``true_ids`` names an expert twice (a
+        :class:`~moesim.traces.format.Trace`'s, which its checks refuse otherwise). Then, where
+        every step decides the same counts (:meth:`steps_alike`), one step is planned and
+        broadcast to all (each row a read-only view)."""
         self._check_fresh(true_ids, pred_ids)
         from moesim import policy_kernel as kern  # numba: compiled on first use, not at import
 
@@ -516,6 +531,11 @@ class Planner:
                             last, prot, inuse, pos, *heap, self.per_layer, size_l, pinned)
             return s0, s1, buf
 
+        if distinct and t and self.steps_alike(b, cap):
+            one = run(0, 1, state)[2][:, 0].copy()  # [counts, MoE layers]
+            if progress is not None:
+                progress(t, t)
+            return [np.broadcast_to(np.int32(r[0]) if (r == r[0]).all() else r, (t, m)) for r in one]
         spans = [(s0, min(t, s0 + chunk)) for s0 in range(0, t, chunk)]
         workers = min(len(spans), _plan_threads())
         if cap == 0 and workers > 1:

@@ -84,7 +84,8 @@ def build_plan(trace: Trace, policy: Policy | str, cache_experts: int = 0, evict
     policy = get_policy(policy) if isinstance(policy, str) else policy
     n = plan_lookahead(trace, policy, lookahead)
     planner = Planner(policy, cache_experts, eviction, n, per_layer, pinned)
-    counts = planner.plan_rows(trace.true_ids, trace.pred_ids, trace.model.n_experts, progress)  # constant rows: views
+    # constant rows: views; a Trace's rows never repeat an expert (traces.format.validate)
+    counts = planner.plan_rows(trace.true_ids, trace.pred_ids, trace.model.n_experts, progress, distinct=True)
     return Plan(policy, cache_experts, eviction, n, *counts, per_layer=per_layer, pinned=len(planner.pinned))
 
 

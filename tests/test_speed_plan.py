@@ -57,3 +57,34 @@ def test_a_long_trace_plans_the_same_on_threads():
             one = Planner(policy).plan_trace(true, pred, 64)
         with chunking(6 * 8 * 97, 2):
             np.testing.assert_array_equal(Planner(policy).plan_trace(true, pred, 64), one, err_msg=policy)
+
+
+@settings(max_examples=60, deadline=None)
+@given(routing, st.sampled_from([0, 0, 3]), st.sampled_from([1, 1, 2]), st.integers(0, 2), st.floats(0, 1))
+def test_steps_alike_plan_one_step_and_broadcast_it(r, capacity, lookahead, n_pinned, none):
+    """Distinct experts per row (as a trace's are): where a policy decides the same counts
+    every step (batch 1, no cache, nothing pinned, no prediction used or the oracle's),
+    planning one step and broadcasting it gives the per-layer methods' counts; everywhere
+    else ``distinct`` changes nothing."""
+    rng = np.random.default_rng(r["seed"])
+    t, m, b, e = r["tokens"], r["layers"], r["batch"], r["experts"]
+    k = min(r["top_k"], e)
+    true = np.argsort(rng.random((t, m, b, e)), -1)[..., :k].astype(np.int16)
+    pred = np.where(rng.random(true.shape) < 0.6, true, rng.integers(0, e, true.shape)).astype(np.int16)
+    pred = np.where(rng.random(true.shape[:3] + (1,)) < none, -1, pred).astype(np.int16)
+    pinned = {(int(rng.integers(m)), int(rng.integers(e))) for _ in range(n_pinned)}
+    for policy in (p for p in POLICIES if not POLICIES[p].cpu):
+        kw = dict(pinned=pinned if POLICIES[policy].offload else ())
+        stepwise = Planner(policy, capacity, "lru", lookahead, **kw).plan_trace_stepwise(true, pred)
+        planner = Planner(policy, capacity, "lru", lookahead, **kw)
+        rows = planner.plan_rows(true, pred, e, distinct=True)
+        np.testing.assert_array_equal(np.stack(rows), stepwise, err_msg=f"{policy}, cache {capacity}, batch {b}")
+        if planner.steps_alike(b, capacity):
+            assert all(row.strides[0] == 0 for row in rows)  # planned once, a view for every step
+
+
+def test_on_demand_and_the_oracle_are_alike_every_step_and_prefetching_is_not():
+    assert Planner("on-demand").steps_alike(1, 0) and Planner("oracle").steps_alike(1, 0)
+    assert not Planner("prefetch-fom").steps_alike(1, 0) and not Planner("prefetch-spec").steps_alike(1, 0)
+    assert not Planner("on-demand").steps_alike(2, 0) and not Planner("oracle", 4).steps_alike(1, 4)
+    assert not Planner("oracle", pinned=[(0, 1)]).steps_alike(1, 0)
