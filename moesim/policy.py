@@ -591,6 +591,12 @@ class _Rows:
                 for f, v in zip(self.full, self.value)]
 
 
+#: What a what-if compares when no --policy is given (those its engine runs); defined here,
+#: not in moesim.sim.sweep, so that the CLI names them in its help without importing the simulator.
+WHATIF_POLICIES = ("on-demand", "prefetch-fom", "prefetch-spec", "oracle", "all-resident", "cpu-static", "gpu-layers",
+                   "hot-experts", "cpu-on-miss", "weight-streaming")
+
+
 #: Expert slots (steps x MoE layers x batch x top-k) :meth:`Planner.plan_trace` decides per
 #: kernel call: progress is reported between calls, and without a cache calls run on threads.
 PLAN_CHUNK = 2_000_000

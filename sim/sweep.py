@@ -18,7 +18,7 @@ from moesim.engines import get_engine
 from moesim.errors import MoesimError
 from moesim.hardware import get_host, get_machine
 from moesim.models import get_model
-from moesim.policy import check_lookahead, get_policy
+from moesim.policy import WHATIF_POLICIES, check_lookahead, get_policy
 from moesim.sim.cpu_compute import load_calibration, separate_calibration
 from moesim.sim.whatif import GOALS, Sweep, best, run_sweep
 from moesim.traces.format import read_trace
@@ -26,8 +26,7 @@ from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
 DEFAULT_MODELS = ("qwen3-30b-a3b",)
 DEFAULT_HWS = ("a6000", "h100-sxm", "gh200")
-DEFAULT_POLICIES = ("on-demand", "prefetch-fom", "prefetch-spec", "oracle", "all-resident", "cpu-static", "gpu-layers",
-                    "hot-experts", "cpu-on-miss", "weight-streaming")
+DEFAULT_POLICIES = WHATIF_POLICIES
 DEFAULT_CACHE_GIB = (0.0, 8.0, 16.0)
 CALIBRATION_SEED_OFFSET = 1  # the synthetic calibration trace: the replayed one's seed + this
 

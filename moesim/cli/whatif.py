@@ -11,7 +11,7 @@ from moesim.cli.app import app, auto_or, floats, ints, split
 from moesim.cli.options import CachePerLayer, Engine, GpuLayers, Host, OffloadGib, Threads, ends_on_interrupt, holding
 from moesim.cli.running import progress_bar
 from moesim.errors import MoesimError
-from moesim.sim.sweep import DEFAULT_POLICIES
+from moesim.policy import WHATIF_POLICIES as DEFAULT_POLICIES
 
 
 @app.command()
