@@ -32,7 +32,7 @@ finished steps; delete a step's output to redo it, or pass --remeasure to re-run
               llama-server spelling verbatim too where it differs. check_extra_args(): user-typed flags.
   8. writes bench/llamacpp.json (machine, llama_cpp version, reference loop, host profiles, models, rows with
               measured and predicted tok/s, summary, fit, engine_args_checks, extra_args_checks) and the proposed
-              README subsection (write_readme: /work/notes/readme_llamacpp.md by default).
+              README subsection (write_readme: bench/llamacpp.md by default).
 
 Time (first run, 2 shared cores): build ~8 min, checkpoints ~1.5 min, conversions ~12 min (the converter and
 llama-quantize write 15-25 MB/s), measuring 24 rows ~5 min on an idle machine, but up to hours on a busy one:
@@ -88,7 +88,7 @@ SDIST_NAME = "llama-cpp-python"
 SDIST_VERSION = "0.3.36"  # newest on PyPI when written; its CHANGELOG: "update llama.cpp to ggml-org/llama.cpp@0c1e57098"
 DEFAULT_WORK = Path.home() / ".cache" / "moesim" / "llamacpp"
 DEFAULT_OUT = Path(__file__).resolve().parent / "llamacpp.json"
-DEFAULT_README = Path("/work/notes/readme_llamacpp.md")
+DEFAULT_README = Path(__file__).with_name("llamacpp.md")  # the README subsection, pasted into README.md
 
 LAYERS = (2, 4)
 FORMATS = ("bf16", "q8_0", "q4_k_m")
@@ -874,7 +874,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--deadline-min", type=float, default=30,
                     help="minutes to keep waiting for an idle machine before measuring the remaining rows anyway")
     ap.add_argument("--fit-layers", type=int, default=2,
-                    help="fit llama.cpp's cpu_weight_efficiency on these files' uncontended rows (reported as "
+                    help="fit llama.cpp's cpu_weight_efficiency and cpu_kernel_gmacs on these files' uncontended rows (reported as "
                          "fitted; the other files are the holdout); 0 = no fit")
     ap.add_argument("--skip-arg-checks", action="store_true",
                     help="do not run the argument checks (their cached results are reported)")
@@ -941,7 +941,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                        "engine='llama.cpp', threads=T)", "variants": {
                            "profile": "host profile as `moesim profile --hardware` measures it (measure_host)",
                            "profile_fp32": "the same, compute rate = fp32 GEMM measured beside it (not fitted)",
-                           "fitted": "profile_fp32 with llama.cpp's cpu_weight_efficiency.default FITTED on the "
+                           "fitted": "profile_fp32 with llama.cpp's cpu_weight_efficiency.default and cpu_kernel_gmacs FITTED on the "
                                      f"{args.fit_layers}-layer rows; the other rows are the holdout"}},
         "settings": {"n_gen": args.n_gen, "reps": args.reps, "n_prompt": 0, "threads": args.threads,
                      "depths": args.depths, "seed": SEED, "vocab_size": VOCAB_SIZE,
@@ -1057,10 +1057,13 @@ def write_readme(result: dict, path: Path = DEFAULT_README) -> None:
         "",
         "Columns: *profile* is the prediction with the host profile exactly as measured; *fp32 rate* replaces only "
         "its compute rate by an fp32 GEMM measured beside it (see below; measured, not fitted)"
-        + ("; *fitted* adds llama.cpp's `cpu_weight_efficiency.default` = "
-           f"{fit.get('value')} **fitted** on the uncontended {fit.get('fit_layers')}-layer rows "
-           f"({fit.get('fit_rows')} rows) and reported on the others (holdout). The fitted value is this "
-           "benchmark's only; hwprofiles/engines/llama.cpp.toml is unchanged" if fit.get("value") else "")
+        + ("; *fitted* adds llama.cpp's "
+           + ", ".join(f"`{k}` = {v:g}" for k, v in (fit.get("figures") or {}).items())
+           + f" (one share of the bandwidth, and the G multiply-adds a second one thread's kernels reach per "
+           f"format: docs/engine-format.md), **fitted** by least squares on the uncontended "
+           f"{fit.get('fit_layers')}-layer rows ({fit.get('fit_rows')} rows: 1 and 2 threads, both depths) and "
+           "reported on the others (holdout). The fitted values are this benchmark's only; "
+           "hwprofiles/engines/llama.cpp.toml is unchanged" if fit.get("value") else "")
         + f". *contended*: other processes' CPU use plus the run's threads exceeded the cores by more than "
         f"{MAX_OVERSUB} or the reps' std/mean exceeded {MAX_CV:.0%} ({n_cont} of {len(rows)} rows). So a 1-thread "
         "row counts as uncontended while another job keeps the other core busy (*others' CPU* ~50%): most 1-thread "
@@ -1137,14 +1140,19 @@ def misses_text(result: dict) -> str:
         pairs.setdefault((r["file"], r["depth"]), {})[r["threads"]] = r
     sp = [(p[2]["measured_tok_s"] / p[1]["measured_tok_s"], p[2]["predicted_tok_s_fp32"] / p[1]["predicted_tok_s_fp32"])
           for p in pairs.values() if 1 in p and 2 in p and not p[1]["contended"] and not p[2]["contended"]]
+    fit_sp = [p[2]["predicted_tok_s_fitted"] / p[1]["predicted_tok_s_fitted"] for p in pairs.values()
+              if 1 in p and 2 in p and "predicted_tok_s_fitted" in p[1] and not p[1]["contended"]
+              and not p[2]["contended"]]
     if sp:
         out.append(
             f"(b) threads: over {len(sp)} uncontended (file, depth) pairs llama.cpp decodes "
             f"{statistics.median(m for m, _ in sp):.2f}x faster on 2 threads than on 1 (median), moesim predicts "
             f"{statistics.median(p for _, p in sp):.2f}x: the measured one-core GEMV reads nearly the two-core "
             "bandwidth, so moesim's 1-thread step is as memory-bound as its 2-thread one, where llama.cpp's 1-thread "
-            "decode is partly bound by its kernels' math on this AVX2 CPU (the engine profile has a bandwidth "
-            "efficiency by weight format but no CPU compute efficiency);")
+            "decode is partly bound by its kernels' math on this AVX2 CPU: the shipped engine profile gives no "
+            "per-thread kernel rate (`cpu_kernel_gmacs`)"
+            + (f"; with the fitted ones moesim predicts {statistics.median(f for f in fit_sp):.2f}x "
+               f"({len(fit_sp)} pairs, fit and holdout)" if fit_sp else "") + ";")
     else:
         out.append("(b) threads: no uncontended pair of 1- and 2-thread rows to compare;")
     n_cont = sum(r["contended"] for r in rows)

@@ -24,9 +24,10 @@ Two host variants are predicted, both from figures measured in the same run; not
   multiplies in bf16 there (bf16 weights are converted and multiplied in fp32; Q8_0/Q4_K use integer dot
   products on the activations quantised to 8 bits).
 
-Optionally (``fit_split``) one engine figure, ``cpu_weight_efficiency.default`` of llama.cpp, is **fitted**
-on a named half of the rows (e.g. the 2-layer files) and the other half is reported with it; the fitted
-value lives only in this benchmark's output, never in the engine TOML.
+Optionally (``fit_split``) llama.cpp's ``cpu_weight_efficiency.default`` (one share of the bandwidth) and its
+``cpu_kernel_gmacs`` per weight format (what one thread's kernels multiply-add a second) are **fitted** on a
+named half of the rows (e.g. the 2-layer files) and the other half is reported with them; the fitted values
+live only in this benchmark's output, never in the engine TOML.
 """
 
 from __future__ import annotations
@@ -171,37 +172,54 @@ def _ratio_stats(ratios: Iterable[float]) -> dict:
             "worst_ratio": round(max(r, key=lambda x: abs(math.log(x))), 3)}
 
 
-def fit_weight_efficiency(rows: Sequence[dict], host, n_gen: int, fit_layers: int, clean_only: bool = True) -> dict:
-    """**Fitted**: the llama.cpp ``cpu_weight_efficiency.default`` that makes the median ln(pred/measured) of the
-    fit half (rows of `fit_layers`-layer files; uncontended ones only unless clean_only=False) zero, by bisection
-    (the predicted speed rises with the efficiency). Returns {"value", "fit_rows", "engine"}; the engine TOML is
-    not touched."""
+#: What the fitted variant fits: one bandwidth share for every format, and the G multiply-adds a second one
+#: thread of llama.cpp's CPU kernels reaches per weight format (bf16 is also the KV cache's: attention over the
+#: context runs at it). Bounds: a share of the measured bandwidth; 0.1-200 GMAC/s a thread.
+EFFICIENCY_KEY, RATE_TABLE = "cpu_weight_efficiency.default", "cpu_kernel_gmacs"
+
+
+def fit_cpu_kernels(rows: Sequence[dict], host, n_gen: int, fit_layers: int, clean_only: bool = True) -> dict:
+    """**Fitted**: llama.cpp's ``cpu_weight_efficiency.default`` and its ``cpu_kernel_gmacs`` for each weight
+    format of the fit half (rows of `fit_layers`-layer files; uncontended ones only unless clean_only=False),
+    by least squares on ln(predicted / measured) (scipy.optimize.least_squares over the figures' logarithms).
+    The thread counts and depths of the fit half are what separate the two: a row whose one thread cannot keep
+    up with the memory speeds up with a second thread, a bandwidth-bound one does not. Returns {"value",
+    "figures", "fit_rows", "engine", ...}; the engine TOML is not touched."""
+    import numpy as np
+    from scipy.optimize import least_squares
+
     from moesim.engines import get_engine
 
     base = get_engine(ENGINE)
     fit = [r for r in rows if r["layers"] == fit_layers and (not clean_only or not r["contended"])]
     if not fit:
         return {"value": None, "fit_rows": 0, "note": "no uncontended fit-half rows"}
+    formats = sorted({_spec(r["path"]).expert_dtype for r in fit} | {_spec(r["path"]).dense_dtype for r in fit}
+                     | {"bf16"})
+    keys = [EFFICIENCY_KEY, *(f"{RATE_TABLE}.{f}" for f in formats)]
+    lo = np.log([0.05] + [0.1] * len(formats))
+    hi = np.log([1.0] + [200.0] * len(formats))
 
-    def med(eff: float) -> float:
-        eng = base.with_figure("cpu_weight_efficiency.default", eff, "fitted", "bench")
-        return statistics.median(math.log(predict_tps(r["path"], r["threads"], r["depth"], n_gen, host, eng)
-                                          / r["measured_tok_s"]) for r in fit)
+    def engine(x, kind: str = "fitted", source: str = "bench"):
+        eng = base
+        for key, v in zip(keys, np.exp(x)):
+            eng = eng.with_figure(key, float(v), kind, source)
+        return eng
 
-    lo, hi = 0.02, 1.0
-    if med(hi) < 0:
-        value = hi  # even every byte at the measured bandwidth is too slow: the ceiling
-    elif med(lo) > 0:
-        value = lo
-    else:
-        for _ in range(30):
-            mid = math.sqrt(lo * hi)
-            lo, hi = (mid, hi) if med(mid) < 0 else (lo, mid)
-        value = math.sqrt(lo * hi)
+    def residuals(x):
+        eng = engine(x)
+        return [math.log(predict_tps(r["path"], r["threads"], r["depth"], n_gen, host, eng) / r["measured_tok_s"])
+                for r in fit]
+
+    x0 = np.log([0.8] + [5.0] * len(formats))
+    sol = least_squares(residuals, x0, bounds=(lo, hi), x_scale=1.0, diff_step=1e-3)
+    values = {k: round(float(v), 4) for k, v in zip(keys, np.exp(sol.x))}
     src = (f"fitted by bench/predict_llamacpp.py on the {fit_layers}-layer rows of bench/llamacpp.json "
-           f"({len(fit)} rows{', uncontended' if clean_only else ''}): median ln(predicted / measured) = 0")
-    return {"value": round(value, 4), "fit_rows": len(fit), "fit_layers": fit_layers,
-            "engine": base.with_figure("cpu_weight_efficiency.default", value, "fitted", src), "source": src}
+           f"({len(fit)} rows{', uncontended' if clean_only else ''}; 1 and 2 threads, both depths): least squares "
+           "on ln(predicted / measured)")
+    return {"value": values[EFFICIENCY_KEY], "figures": values, "fit_rows": len(fit), "fit_layers": fit_layers,
+            "engine": engine(sol.x, "fitted", src), "source": src,
+            "fit_rms_ln": round(float(np.sqrt(np.mean(np.square(sol.fun)))), 4)}
 
 
 def predict_rows(rows: Sequence[dict], hosts: dict, n_gen: int, fit_layers: int | None = None) -> dict:
@@ -219,7 +237,7 @@ def predict_rows(rows: Sequence[dict], hosts: dict, n_gen: int, fit_layers: int 
     used = order[0]
     fit = None
     if fit_layers is not None:
-        fit = fit_weight_efficiency(rows, before["profile_fp32"], n_gen, fit_layers)
+        fit = fit_cpu_kernels(rows, before["profile_fp32"], n_gen, fit_layers)
     out = []
     for r in rows:
         p = {k: predict_tps(r["path"], r["threads"], r["depth"], n_gen, h) for k, h in before.items()}

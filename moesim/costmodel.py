@@ -221,8 +221,16 @@ class CostModel:
         return t
 
     def cpu_rate(self, dtype: str) -> float:
-        """Multiply-adds x 2 a second the deployment's CPU threads reach on ``dtype`` weights."""
-        return self._host().flops(dtype, self.amx) * self.host_compute
+        """Multiply-adds x 2 a second the deployment's CPU threads reach on ``dtype`` weights: the
+        host's GEMM rate for their share of the cores, and no more than the engine's kernels
+        reach a thread (``cpu_kernel_gmacs``, where it gives one) times the threads, up to one
+        a core (a second hardware thread shares its core's vector units)."""
+        h = self._host()
+        rate = h.flops(dtype, self.amx) * self.host_compute
+        kernel = self.engine.cpu_kernel_flops(dtype)
+        if kernel is not None:
+            rate = min(rate, kernel * min(self.threads, h.cores * h.sockets))
+        return rate
 
     def _cpu(self, nbytes, flops, dtype: str, extra_mem=0.0):
         """A block on the CPU: ``max(bytes / bandwidth + extra, FLOPs / rate) + the engine's per-layer cost``."""
@@ -253,7 +261,12 @@ class CostModel:
         flops = rows * (attn_flops + s.dense_flops_per_token(layer))
         weights = s.layer_resident_bytes(layer)
         if self._on_cpu(on):
-            t = self._cpu(weights, flops, s.dense_dtype, extra_mem=kv / self.host_bw)
+            # Two kernels one after the other: the layer's matrices (its weights' format), then
+            # attention over the KV cache (a bf16 cache, at the kernels' rate on bf16), so that a
+            # long context slows CPU decoding by its math, not only by the bytes it reads.
+            ctx_flops = rows * (attn_flops - s.layer_attention_flops(layer, 0))  # scores and weighted sum
+            t = self._cpu(weights, flops - ctx_flops, s.dense_dtype) \
+                + np.maximum(kv / self.host_bw, ctx_flops / self.cpu_rate("bf16"))
         else:
             kv_s = kv / sh / (self.gpu.mem_bw * self.engine.get("kv_read_efficiency", 1.0))
             t = self._device(weights / sh, flops / sh, s.dense_dtype, self.engine.attention_kernels,

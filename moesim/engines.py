@@ -54,9 +54,17 @@ ENGINE_FIGURES: dict[str, tuple[str, bool, bool, str]] = {
 #: engine's kernels reach reading weights of a format (``default``, or a format name of
 #: ``moesim.models.DTYPES``).
 EFFICIENCY_TABLES = ("cpu_weight_efficiency", "gpu_weight_efficiency")
+#: Kernel rates: G multiply-adds a second ONE CPU thread of the engine's matrix-vector
+#: kernels reaches on weights of a format, dequantisation included (``default`` or a format
+#: name). A decode step's CPU math runs at ``threads`` times it, never above the host's GEMM
+#: rate; absent, the host's GEMM rate alone bounds it. Where one thread cannot keep up with
+#: the memory (a format that is costly to unpack, few threads), this, not the bandwidth,
+#: sets the speed, and more threads help.
+RATE_TABLES = ("cpu_kernel_gmacs",)
+TABLES = EFFICIENCY_TABLES + RATE_TABLES
 ZERO_OK = {"fused_experts", "layer_overhead_us", "cpu_layer_overhead_us", "numa_efficiency", "pages_from_disk",
            "launch_overlap"}
-TOP_KEYS = {"name", "description", "runs_on", "policies", "figures", *EFFICIENCY_TABLES}
+TOP_KEYS = {"name", "description", "runs_on", "policies", "figures", *TABLES}
 RUNS_ON = ("gpu", "cpu")
 
 
@@ -71,6 +79,7 @@ class EngineProfile(_FigureLookup):
     policies: tuple[str, ...] = ()  # the moesim policies the engine runs (empty: every one)
     cpu_weight_efficiency: dict[str, Figure] = field(default_factory=dict)
     gpu_weight_efficiency: dict[str, Figure] = field(default_factory=dict)
+    cpu_kernel_gmacs: dict[str, Figure] = field(default_factory=dict)
     path: str = ""
 
     # The figures in the units the cost model uses.
@@ -118,13 +127,19 @@ class EngineProfile(_FigureLookup):
         f = table.get(dtype) or table.get("default")
         return f.value if f is not None else 1.0
 
+    def cpu_kernel_flops(self, dtype: str) -> float | None:
+        """FLOPs a second one CPU thread's kernels reach on ``dtype`` weights (``cpu_kernel_gmacs``
+        x 2e9); None where the engine gives no rate for it."""
+        f = self.cpu_kernel_gmacs.get(dtype) or self.cpu_kernel_gmacs.get("default")
+        return None if f is None else 2e9 * f.value
+
     def with_figure(self, key: str, value: float, kind: str = "estimate", source: str = "what-if") -> EngineProfile:
-        """A copy with one figure (``name``, or ``cpu_weight_efficiency.FORMAT``) replaced."""
+        """A copy with one figure (``name``, or ``TABLE.FORMAT`` such as ``cpu_weight_efficiency.q4_k``) replaced."""
         table, _, name = key.rpartition(".")
         fig = Figure(float(value), kind, source)
         if table:
-            if table not in EFFICIENCY_TABLES:
-                raise MoesimError(f"unknown engine table {table!r}; known: {', '.join(EFFICIENCY_TABLES)}")
+            if table not in TABLES:
+                raise MoesimError(f"unknown engine table {table!r}; known: {', '.join(TABLES)}")
             return replace(self, **{table: {**getattr(self, table), name: fig}})
         if name not in ENGINE_FIGURES:
             raise MoesimError(f"unknown engine figure {name!r}; known: {', '.join(ENGINE_FIGURES)}")
@@ -133,15 +148,17 @@ class EngineProfile(_FigureLookup):
     def sources(self) -> list[tuple[str, Figure]]:
         """Every figure with its name, for ``moesim hw --engines NAME``."""
         out = list(self.figures.items())
-        for t in EFFICIENCY_TABLES:
+        for t in TABLES:
             out += [(f"{t}.{k}", v) for k, v in getattr(self, t).items()]
         return out
 
 
-def _efficiency(raw: Any, where: str, table: str) -> dict[str, Figure]:
+def _by_format(raw: Any, where: str, table: str) -> dict[str, Figure]:
+    """A table of one figure per weight format (``default`` or a name of moesim.models.DTYPES)."""
     if not isinstance(raw, dict):
         raise MoesimError(f"{where}: [{table}] must be a table")
-    known = {k: ("fraction", False, False, "") for k in ("default", *DTYPES)}
+    unit = "GMAC/s" if table in RATE_TABLES else "fraction"
+    known = {k: (unit, False, False, "") for k in ("default", *DTYPES)}
     return parse_figures(raw, known, where, section=table)
 
 
@@ -160,7 +177,7 @@ def parse_engine(data: dict[str, Any], where: str) -> EngineProfile:
     for flag in ("fused_experts", "pages_from_disk", "launch_overlap"):
         if flag in figures and figures[flag].value not in (0, 1):
             raise MoesimError(f"{where}: {flag} is 0 or 1, got {figures[flag].value:g}")
-    tables = {t: _efficiency(data.get(t, {}), where, t) for t in EFFICIENCY_TABLES}
+    tables = {t: _by_format(data.get(t, {}), where, t) for t in TABLES}
     pols = data.get("policies", [])
     if not isinstance(pols, list) or not all(isinstance(p, str) for p in pols):
         raise MoesimError(f"{where}: policies must be a list of policy names")

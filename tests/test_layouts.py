@@ -198,6 +198,32 @@ def test_threads_and_sockets(trace):
     assert t1 / 2 < t2 < t1
 
 
+def test_a_kernel_rate_makes_threads_and_context_matter_where_one_thread_cannot_keep_up(trace):
+    """An engine figure ``cpu_kernel_gmacs``: where one thread's kernels cannot keep up with
+    the memory, a second thread nearly halves the step and a long context costs its math;
+    far above the bandwidth's pace (or absent) it changes nothing; never above the host's GEMM
+    rate (the measured llama.cpp rows behind it: bench/llamacpp.json)."""
+    from moesim.costmodel import CostModel
+    from moesim.engines import get_engine
+    from moesim.hardware import get_host
+
+    host, base = get_host("ryzen-7950x"), get_engine("llama.cpp")
+    slow = base.with_figure("cpu_kernel_gmacs.default", 0.5, "estimate", "test")
+    fast = base.with_figure("cpu_kernel_gmacs.default", 1e4, "estimate", "test")
+
+    def tpot(engine, threads, prompt=64):
+        tr = trace if prompt == 64 else synthetic_trace(trace.model, SyntheticParams(tokens=4, prompt_len=prompt))
+        return _tpot(simulate(tr, "none", "all-resident", host=host, engine=engine, threads=threads))
+
+    assert 1.8 < tpot(slow, 1) / tpot(slow, 2) <= 2.0  # compute-bound: threads divide the math
+    assert tpot(fast, 1) == pytest.approx(tpot(base, 1)) and tpot(fast, 2) == pytest.approx(tpot(base, 2))
+    assert tpot(slow, 1, prompt=8192) / tpot(slow, 1) > tpot(base, 1, prompt=8192) / tpot(base, 1)
+    cm = CostModel(trace.model, None, host, engine=fast, threads=16)
+    assert cm.cpu_rate("bf16") == CostModel(trace.model, None, host, engine=base, threads=16).cpu_rate("bf16")
+    assert CostModel(trace.model, None, host, engine=slow, threads=64).cpu_rate("q4_k") == pytest.approx(
+        2 * 0.5e9 * 16)  # one thread a core: a second hardware thread shares its core's units
+
+
 def test_every_layout_refuses_what_does_not_fit(trace):
     with pytest.raises(MoesimError, match="--offload-gib"):
         simulate(trace, "a6000", "weight-streaming", offload_gib=-1.0)
