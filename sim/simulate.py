@@ -342,16 +342,17 @@ def make_result(trace: Trace, hw: HardwareProfile, pol: Policy, eviction: str, s
 
 def prediction_recall(trace: Trace) -> float:
     """Mean recall@k of the recorded predictions (share of true experts predicted), over
-    the (step, layer, sequence) rows that have a prediction; NaN when none has. A predicted
-    slot that names a true expert is a hit (a prediction naming one twice counts twice).
-    Long traces are counted in one compiled pass (:func:`moesim.sim.stats.slot_hit_counts`:
-    0.1 s against 2 s of numpy on 100,000 Qwen3-30B-A3B tokens), short ones by numpy, which
-    spares them numba's start-up; tests/test_speed_recall.py holds the two equal."""
+    the (step, layer, sequence) rows that have a prediction; NaN when none has. A true
+    expert the row's prediction names is a hit, however many times it names it: the one
+    definition ``moesim stats`` reports too (:func:`moesim.sim.stats.recall_counts`).
+    Long traces are counted in that compiled pass (0.1 s against 2 s of numpy on 100,000
+    Qwen3-30B-A3B tokens), short ones by numpy, which spares them numba's start-up;
+    tests/test_speed_recall.py holds the two equal."""
     if trace.true_ids.size < RECALL_COMPILED_MIN:
         return _prediction_recall_numpy(trace)
-    from moesim.sim.stats import slot_hit_counts  # moesim.sim.stats imports this module
+    from moesim.sim.stats import recall_counts  # moesim.sim.stats imports this module
 
-    hits, rows = slot_hit_counts(trace.true_ids, trace.pred_ids, trace.model.n_experts)
+    hits, rows = recall_counts(trace.true_ids, trace.pred_ids, trace.model.n_experts)
     return hits / trace.true_ids.shape[-1] / rows if rows else float("nan")
 
 
@@ -365,7 +366,7 @@ def _prediction_recall_numpy(trace: Trace) -> float:
     for t0 in range(0, trace.n_tokens, chunk):
         pred, true = trace.pred_ids[t0:t0 + chunk], trace.true_ids[t0:t0 + chunk]
         has = (pred >= 0).any(-1)
-        hits = (pred[..., :, None] == true[..., None, :]).any(-1).sum(-1) / true.shape[-1]
+        hits = (pred[..., :, None] == true[..., None, :]).any(-2).sum(-1) / true.shape[-1]  # per true expert
         hits_sum += float(hits[has].sum())
         rows += int(has.sum())
     return hits_sum / rows if rows else float("nan")

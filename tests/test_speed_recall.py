@@ -1,5 +1,6 @@
-"""The simulator's prediction recall: the compiled pass long traces take (issue 25) against
-the numpy definition short ones keep, on short random traces."""
+"""The simulator's prediction recall: the compiled pass long traces take (issue 25, the
+one ``moesim stats`` reports) against the numpy definition short ones keep, on short
+random traces; a prediction that names a true expert twice counts it once."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def test_prediction_recall_is_its_numpy_definition(tokens, layers, batch, top_k,
     pred = np.where(rng.random(true.shape) < 0.1, -1, pred)  # and partial ones
     trace = SimpleNamespace(true_ids=true, pred_ids=pred, n_tokens=tokens, model=SimpleNamespace(n_experts=e))
     ref = _prediction_recall_numpy(trace)
-    hits, rows = stats.slot_hit_counts(true, pred, e)
+    hits, rows = stats.recall_counts(true, pred, e)
     got = hits / top_k / rows if rows else float("nan")
     assert (np.isnan(ref) and np.isnan(got)) or got == pytest.approx(ref, rel=1e-12, abs=0)
 
@@ -39,3 +40,12 @@ def test_a_long_trace_takes_the_compiled_pass_and_gets_the_same_recall():
     pred[:, 0] = -1
     trace = SimpleNamespace(true_ids=true, pred_ids=pred, n_tokens=t, model=SimpleNamespace(n_experts=e))
     assert prediction_recall(trace) == pytest.approx(_prediction_recall_numpy(trace), rel=1e-12, abs=0)
+
+
+def test_a_repeated_prediction_counts_its_expert_once():
+    """Predicting [1, 1] for true [1, 2] finds one of the two true experts: recall 0.5 (it
+    was 1.0 when each predicted slot counted), in the simulator and in stats alike."""
+    true = np.array([[[[1, 2]]]], np.int16)
+    pred = np.array([[[[1, 1]]]], np.int16)
+    trace = SimpleNamespace(true_ids=true, pred_ids=pred, n_tokens=1, model=SimpleNamespace(n_experts=4))
+    assert prediction_recall(trace) == 0.5 and stats.recall_counts(true, pred, 4) == (1, 1)
