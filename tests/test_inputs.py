@@ -402,3 +402,22 @@ def test_stats_reads_a_trace_piped_into_stdin(work):
                        input=(work / "t.npz").read_bytes(), capture_output=True, timeout=60)  # `cat t.npz | moesim ...`
     assert r.returncode == 0, r.stderr.decode(errors="replace")
     assert json.loads(r.stdout)
+
+
+# -- round 4 (a stranger's fresh-clone run, issue 24): option values, outputs, notes -------------
+
+@pytest.fixture(scope="module")
+def r4(tmp_path_factory):
+    d = tmp_path_factory.mktemp("round4")
+    write_trace(synthetic_trace(get_model("tiny"), SyntheticParams(tokens=6, prompt_len=4)), d / "t.npz")
+    (d / "afile").write_text("x")
+    (d / "adir").mkdir()
+    return d
+
+
+def test_import_checks_its_output_before_reading_the_model(r4):
+    ck = ROOT / "executor" / "checkpoints" / "moe-stdlib"
+    jsonl = ROOT / "traces" / "examples" / "routing-moe-stdlib.jsonl"
+    one_line(moesim("import", "jsonl", jsonl, "--model", ck, "--out", "adir", cwd=r4), "--out adir")
+    # the output is refused even where the model could never be read: it is checked first
+    one_line(moesim("import", "jsonl", jsonl, "--model", "afile", "--out", "adir", cwd=r4), "--out adir")

@@ -29,8 +29,13 @@ def import_routing(
     Example: `moesim import vllm vllm-synthetic-deepseek-v2-lite.json --model deepseek-v2-lite --out imported.npz`
     (needs a dump file: traces/examples/ in the source tree has one file of each format)
     """
+    from moesim.outputs import check_output_file
     from moesim.traces.importers import import_routing as run_import
 
+    check_output_file(out_path, (".npz",))  # before the model's config.json (transformers: seconds), not after
+    if prompt_tokens is not None and fmt in ("jsonl", "npz", "sglang"):
+        err.print(f"note: --prompt-tokens applies to vllm's plain .npy dumps; a {fmt} dump carries its own prompt: "
+                  "changed nothing", markup=False, soft_wrap=True)
     trace = run_import(fmt, path, model, out_path, prompt_tokens=prompt_tokens)
     err.print(f"wrote {out_path}: {trace.n_tokens} steps x {trace.model.n_moe_layers} MoE layers of "
               f"{trace.model.name}, batch {trace.batch} (imported from {fmt})")
