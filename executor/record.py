@@ -36,6 +36,7 @@ import hashlib
 import importlib.util
 import inspect
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -437,6 +438,10 @@ def record(model_dir: str | Path, prompts: Any, tokens: int = 64, device: str = 
     model_dir = checkpoint_folder(model_dir)
     if tokens < 1:
         raise MoesimError("record: tokens must be >= 1")
+    if batch is not None and (isinstance(batch, bool) or batch < 1):  # 0 meant "one per prompt", silently
+        raise MoesimError(f"record: --batch {batch}: a whole number >= 1 (leave it out for one sequence a prompt)")
+    if not 0 <= temperature < math.inf:  # -1 decoded greedily, inf sampled uniformly, both silently
+        raise MoesimError(f"record: --temperature {temperature}: 0 (greedy) or a positive finite number")
     check_record_device(device)
     spec = record_spec(model_dir)
     if not spec.top_k:

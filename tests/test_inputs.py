@@ -421,3 +421,11 @@ def test_import_checks_its_output_before_reading_the_model(r4):
     one_line(moesim("import", "jsonl", jsonl, "--model", ck, "--out", "adir", cwd=r4), "--out adir")
     # the output is refused even where the model could never be read: it is checked first
     one_line(moesim("import", "jsonl", jsonl, "--model", "afile", "--out", "adir", cwd=r4), "--out adir")
+
+
+def test_record_refuses_batch_0_and_a_temperature_that_is_not_finite_and_positive(tmp_path):
+    for extra, words in (((("--batch", 0)), "--batch 0"), (("--temperature", -1), "--temperature -1"),
+                         (("--temperature", "inf"), "--temperature inf")):
+        one_line(moesim("record", "moe-stdlib", "--tokens", 1, "--out", "r.npz", *extra, cwd=tmp_path, timeout=120),
+                       words)
+    assert not list(tmp_path.glob("r.npz*"))
