@@ -40,6 +40,10 @@ def sidecar(path: str | os.PathLike, suffix: str) -> Path:
     """The file beside ``path`` named ``NAME + suffix`` (a manifest, a lock), or a shortened
     form of it when that name would not fit where ``NAME`` does."""
     path = Path(path)
+    if path.name in ("", ".", ".."):  # '--out .' (ValueError: empty name) or '..': the folder's own name
+        path = Path(os.path.abspath(path))
+    if not path.name:
+        raise MoesimError(f"{path}: a file system's root has no name to put {suffix} beside; choose a folder in it")
     limit = name_max(path.parent)
     if len(os.fsencode(path.name + suffix)) <= limit:
         return path.with_name(path.name + suffix)
@@ -151,7 +155,10 @@ def exclusive(path: str | os.PathLike, what: str = "--out") -> Iterator[None]:
     import fcntl
 
     lock = sidecar(path, ".lock")
-    key = str(lock.resolve())
+    try:
+        key = str(lock.resolve())
+    except (OSError, RuntimeError) as e:  # a symbolic link loop in the path (RuntimeError up to Python 3.12)
+        raise MoesimError(f"{what} {path}: cannot resolve its path ({e})") from None
     if _held.get(key):
         _held[key] += 1
         try:

@@ -429,3 +429,16 @@ def test_record_refuses_batch_0_and_a_temperature_that_is_not_finite_and_positiv
         one_line(moesim("record", "moe-stdlib", "--tokens", 1, "--out", "r.npz", *extra, cwd=tmp_path, timeout=120),
                        words)
     assert not list(tmp_path.glob("r.npz*"))
+
+
+def test_whatif_out_dot_writes_here_and_a_symlink_loop_is_one_line(tmp_path):
+    (tmp_path / "loop").symlink_to("loop2")
+    (tmp_path / "loop2").symlink_to("loop")
+    w = ("whatif", "--model", "tiny", "--hw", "a6000", "--tokens", 4, "--jobs", 1, "--policy", "on-demand",
+         "--cache-gib", 0, "--json")
+    one_line(moesim(*w, "--out", "loop/x", cwd=tmp_path), "--out loop/x", "cannot resolve")  # was RuntimeError
+    here = tmp_path / "here"
+    here.mkdir()
+    r = moesim(*w, "--out", ".", cwd=here)  # was ValueError: PosixPath('.') has an empty name
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (here / "report.html").exists() and not list(tmp_path.rglob("*.lock"))
