@@ -308,6 +308,8 @@ def builtin_profiles() -> dict[str, Path]:
 
 def get_profile(name_or_path: str) -> HardwareProfile:
     """A built-in profile by name (``a6000``) or a user's TOML file by path."""
+    if not name_or_path.strip():  # Path('') is '.': "hardware profile . is a directory" named no file the user gave
+        raise MoesimError("--hw '': give a profile name (moesim hw) or a .toml path")
     builtin = builtin_profiles()
     if name_or_path.lower() in builtin:
         return load_profile(builtin[name_or_path.lower()])

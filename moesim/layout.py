@@ -130,8 +130,9 @@ def make_layout(spec: ModelSpec, n_gpus: int, *, gpu_layers: int | None = None, 
         g = 0
     if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or not 0 <= g <= L:
         raise MoesimError(f"--gpu-layers {gpu_layers!r}: a count of model layers from 0 to {L} ({spec.name})")
-    if not 0 <= cpu_moe_layers <= M:
-        raise MoesimError(f"--cpu-layers {cpu_moe_layers}: a count of MoE layers from 0 to {M} ({spec.name})")
+    if (isinstance(cpu_moe_layers, bool) or not isinstance(cpu_moe_layers, (int, np.integer))
+            or not 0 <= cpu_moe_layers <= M):  # replay passes what is not a digit string as given ('-1', '1.5')
+        raise MoesimError(f"--cpu-layers {cpu_moe_layers}: auto or a count of MoE layers from 0 to {M} ({spec.name})")
     layer_device = np.full(L, CPU, np.int64)
     if g:
         if ratios is not None and len(ratios) != n_gpus:

@@ -25,6 +25,7 @@ bf16 weights read once per level.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from moesim.costmodel import CostModel
@@ -45,8 +46,9 @@ class DraftProfile:
     def __post_init__(self) -> None:
         if self.kind not in DRAFT_KINDS:
             raise MoesimError(f"unknown draft kind {self.kind!r}; known: {', '.join(DRAFT_KINDS)}")
-        if self.layer_fraction < 0 or self.params_b < 0:
-            raise MoesimError("draft layer_fraction and params_b must be >= 0")
+        if not (0 <= self.layer_fraction < math.inf and 0 <= self.params_b < math.inf):  # NaN fails too
+            raise MoesimError(f"draft layer_fraction and params_b must be finite and >= 0, got {self.layer_fraction:g} "
+                              f"and {self.params_b:g}")
         if self.kind == "dense" and self.params_b <= 0:
             raise MoesimError("a dense draft needs params_b > 0 (billions of parameters)")
 

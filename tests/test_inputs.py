@@ -415,12 +415,23 @@ def r4(tmp_path_factory):
     return d
 
 
-def test_import_checks_its_output_before_reading_the_model(r4):
-    ck = ROOT / "executor" / "checkpoints" / "moe-stdlib"
-    jsonl = ROOT / "traces" / "examples" / "routing-moe-stdlib.jsonl"
-    one_line(moesim("import", "jsonl", jsonl, "--model", ck, "--out", "adir", cwd=r4), "--out adir")
-    # the output is refused even where the model could never be read: it is checked first
-    one_line(moesim("import", "jsonl", jsonl, "--model", "afile", "--out", "adir", cwd=r4), "--out adir")
+def test_whole_number_and_finite_options_are_one_line_not_a_traceback_or_cut(r4):
+    eco = ("ecospec", "--model", "qwen3-235b-a22b", "--deployment", "1xh200-offload", "--steps", 2, "--gamma")
+    cases = [(("stats", "t.npz", "--sizes", "nan"), "whole numbers"),  # was ValueError
+             (("stats", "t.npz", "--sizes", "inf"), "whole numbers"),  # was OverflowError
+             (("stats", "t.npz", "--sizes", "1.5"), "whole numbers"),  # was 1, silently
+             (("stats", "t.npz", "--sizes", ""), "at least one value"),  # was the default sizes
+             (("stats", "t.npz", "--hw", ""), "--hw ''"),  # was no --hw
+             ((*eco, "nan"), "whole numbers"), ((*eco, "1.5"), "whole numbers"),
+             ((*eco, 2, "--seed", -1), "--seed -1"), ((*eco, 2, "--draft", "dense:nan"), "finite"),
+             (("synth", "--model", "tiny", "--tokens", 4, "--seed", -1, "--out", "s.npz"), "--seed -1"),
+             (("synth", "--like", "t.npz", "--tokens", 4, "--seed", -1, "--out", "s.npz"), "--seed -1"),
+             (("replay", "t.npz", "--hw", "a6000", "--policy", "cpu-static", "--sim", "fast", "--cpu-layers", -1),
+              "--cpu-layers -1"),  # was TypeError
+             (("replay", "t.npz", "--hw", "", "--sim", "fast"), "--hw ''")]  # was "hardware profile . is a directory"
+    for args, words in cases:
+        one_line(moesim(*args, cwd=r4), words)
+    assert not (r4 / "s.npz").exists()
 
 
 def test_record_refuses_batch_0_and_a_temperature_that_is_not_finite_and_positive(tmp_path):
@@ -442,3 +453,26 @@ def test_whatif_out_dot_writes_here_and_a_symlink_loop_is_one_line(tmp_path):
     r = moesim(*w, "--out", ".", cwd=here)  # was ValueError: PosixPath('.') has an empty name
     assert r.returncode == 0, r.stderr[-2000:]
     assert (here / "report.html").exists() and not list(tmp_path.rglob("*.lock"))
+
+
+def test_options_that_change_nothing_say_so_in_stats_synth_like_import_and_ecospec(r4):
+    jsonl = ROOT / "traces" / "examples" / "routing-moe-stdlib.jsonl"
+    ck = ROOT / "executor" / "checkpoints" / "moe-stdlib"
+    for args, words in ((("stats", "t.npz", "--policy", "prefetch"), "--policy"),
+                        (("synth", "--like", "t.npz", "--tokens", 4, "--skew", 2, "--out", "l.npz"), "--skew"),
+                        (("import", "jsonl", jsonl, "--model", ck, "--prompt-tokens", 3, "--out", "i.npz"),
+                         "--prompt-tokens"),
+                        (("ecospec", "--model", "qwen3-235b-a22b", "--deployment", "1xh200-offload", "--steps", 2,
+                          "--gamma", 2, "--selection", "confidence", "--recall", 0.5, "--json"), "--recall")):
+        r = moesim(*args, cwd=r4)
+        assert r.returncode == 0, r.stderr[-2000:]
+        notes = [ln for ln in r.stderr.splitlines() if ln.startswith("note:")]
+        assert len(notes) == 1 and words in notes[0] and "changed nothing" in notes[0], r.stderr
+
+
+def test_import_checks_its_output_before_reading_the_model(r4):
+    ck = ROOT / "executor" / "checkpoints" / "moe-stdlib"
+    jsonl = ROOT / "traces" / "examples" / "routing-moe-stdlib.jsonl"
+    one_line(moesim("import", "jsonl", jsonl, "--model", ck, "--out", "adir", cwd=r4), "--out adir")
+    # the output is refused even where the model could never be read: it is checked first
+    one_line(moesim("import", "jsonl", jsonl, "--model", "afile", "--out", "adir", cwd=r4), "--out adir")

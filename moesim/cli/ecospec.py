@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, err, floats, out, print_json, results_table, split
+from moesim.cli.app import app, err, floats, ints, out, print_json, results_table, split
 
 COLS = (("model", "model"), ("deployment", "deployment"), ("selection", "selection"), ("gamma", "gamma"),
         ("tokens_per_step", "tok/step"), ("distinct_experts_per_step", "experts/step"), ("verify_ms", "verify ms"),
@@ -52,12 +52,19 @@ def ecospec(
     from moesim.sim.ecospec import ecospec_whatif, parse_selections, whatif_estimate
     from moesim.traces.synthetic_speculative import SpecSynthParams
 
+    if seed < 0:
+        from moesim.errors import MoesimError
+
+        raise MoesimError(f"--seed {seed}: a whole number >= 0")
     params = SpecSynthParams(steps=steps, branch=branch, depth=depth, accept=tuple(floats(accept, "--accept")),
                              recall=recall, seed=seed)
     models, deps = split(model, "--model"), split(deployment, "--deployment")
-    gammas = [int(g) for g in floats(gamma, "--gamma")]
+    gammas = ints(gamma, "--gamma")  # whole numbers: 1.5 was cut to 1, nan a traceback
     prof = parse_draft(draft)
     selections = parse_selections(selection)
+    if recall != 0.7 and not any(s.startswith("ecospec") for s in split(selection, "--selection")):
+        err.print("note: --recall is the expert predictor's, which only ecospec selections use: changed nothing",
+                  markup=False, soft_wrap=True)
     specs = [get_model(m) for m in models]
     for d in deps:
         get_deployment(d)

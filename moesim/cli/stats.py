@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, err, floats, out, print_json
+from moesim.cli.app import app, err, ints, out, print_json
 
 
 @app.command()
@@ -30,11 +30,17 @@ def stats(
     Example: `moesim synth --model olmoe-1b-7b --tokens 64 --out olmoe.npz`, then
     `moesim stats olmoe.npz --hw a6000 --out olmoe-stats`
     """
+    from moesim.errors import MoesimError
     from moesim.reports.stats import stats_report
     from moesim.sim.stats import summary_lines
 
-    res = stats_report(trace_path, out_dir, hw=hw_name,
-                       sizes=[int(s) for s in floats(sizes, "--sizes")] if sizes else None, policy=policy)
+    if hw_name is not None and not hw_name.strip():  # not silently "no --hw"
+        raise MoesimError("--hw '': give a profile name (moesim hw) or a .toml path, or leave --hw out")
+    if hw_name is None and policy != "on-demand":
+        err.print("note: --policy sets the TPOT-against-cache curve, which only --hw draws: changed nothing",
+                  markup=False, soft_wrap=True)
+    res = stats_report(trace_path, out_dir, hw=hw_name,  # whole numbers of experts: never nan, inf or 1.5 cut to 1
+                       sizes=ints(sizes, "--sizes") if sizes is not None else None, policy=policy)
     if as_json:
         print_json(res)
         return

@@ -70,6 +70,15 @@ def synth(
     if unused:
         err.print(f"note: {', '.join(unused)} {'apply' if len(unused) > 1 else 'applies'} to "
                   f"{'plain' if speculative else '--speculative'} synthetic traces: changed nothing", markup=False)
+    if like is not None:  # the trace's model, popularity, reuse, hit rates and prompt length are used instead
+        fitted = {"--model": model != "qwen3-30b-a3b", "--prompt-len": prompt_len != 128, "--skew": skew != 1.0,
+                  "--reuse": reuse != 0.3, "--hit-rate": hit_rate != 0.85, "--early-hit-rate": early_hit_rate != 0.5,
+                  "--early-layers": early_layers != 2}
+        if given := [k for k, v in fitted.items() if v and not (speculative and k in spec_only)]:
+            err.print(f"note: {', '.join(given)}: with --like these come from the trace: changed nothing",
+                      markup=False, soft_wrap=True)
+    if seed < 0:
+        raise MoesimError(f"--seed {seed}: a whole number >= 0")
     if speculative and (lookahead is not None or draw_seed is not None):
         raise MoesimError("--lookahead and --draw-seed apply to plain synthetic traces, not to --speculative")
     if like is not None and draw_seed is not None:
