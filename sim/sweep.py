@@ -240,6 +240,11 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
             raise MoesimError("--batch and --prompt-len axes shape synthetic traces; a recorded trace (--trace) has its "
                               "own batch size and prompt length")
         t = read_trace(trace)
+        shaped = [k for k, v in (("--model", tuple(models) != DEFAULT_MODELS), ("--tokens", tokens != 256),
+                                 ("--batch", batches != [1]), ("--prompt-len", prompts != [128])) if v]
+        if shaped:  # the trace's own model, steps, batch and prompt length are what is replayed
+            notes.append(f"{', '.join(shaped)} shape{'s' if len(shaped) == 1 else ''} synthetic traces; --trace {trace} "
+                         "has its own: changed nothing")
         if t.speculative:
             raise MoesimError(f"{trace} records speculative decoding: sweep it with "
                               "`moesim replay TRACE --gamma ... --policy ...`")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_run import both_ways, runners
 from cli_run import one_line_error as one_line
 
 from moesim import inputs
@@ -37,6 +38,10 @@ def moesim(*args, cwd, timeout: float = 120, **kw) -> subprocess.CompletedProces
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg", "COLUMNS": "200"}
     return subprocess.run([sys.executable, "-m", "moesim", *map(str, args)], capture_output=True, text=True,
                           cwd=cwd, env=env, timeout=timeout, **kw)
+
+
+#: ``run``: in-process by default, this module's subprocess with -m slow (see cli_run.runners)
+BOTH_WAYS = runners(moesim)
 
 
 def feed(fifo: Path, data: bytes, deadline: float = 30.0) -> threading.Thread:
@@ -331,10 +336,10 @@ def test_record_weights_are_checked_before_loading(tmp_path):
 # The real CLI
 # -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("option", ["--hw", "--host", "--engine"])
-def test_replay_refuses_a_device_profile_at_once(work, option):
+@pytest.mark.parametrize("run, option", both_ways([("--hw",), ("--host",), ("--engine",)], sub=moesim))
+def test_replay_refuses_a_device_profile_at_once(work, run, option):
     t0 = time.time()
-    r = moesim("replay", "t.npz", option, "/dev/zero", cwd=work, timeout=60)
+    r = run("replay", "t.npz", option, "/dev/zero", cwd=work, timeout=60)
     one_line(r, "/dev/zero is a device, not a regular file")
     assert time.time() - t0 < 30
 
@@ -369,31 +374,33 @@ def test_a_spooled_trace_error_names_the_users_path(tmp_path):
     assert "moesim-pipe" not in line
 
 
-@pytest.mark.parametrize("args", [
-    ["stats", LONG + ".npz"], ["replay", "t.npz", "--hw", LONG + ".toml"], ["models", LONG],
-    ["import", "jsonl", LONG + ".jsonl", "--model", "tiny"], ["synth", "--model", LONG, "--tokens", "2"],
-])
-def test_a_name_too_long_is_one_line(work, args):
-    one_line(moesim(*args, cwd=work, timeout=60), "bytes; this file system allows")
+@pytest.mark.parametrize("run, args", both_ways([
+    (["stats", LONG + ".npz"],), (["replay", "t.npz", "--hw", LONG + ".toml"],), (["models", LONG],),
+    (["import", "jsonl", LONG + ".jsonl", "--model", "tiny"],), (["synth", "--model", LONG, "--tokens", "2"],),
+], sub=moesim))
+def test_a_name_too_long_is_one_line(work, run, args):
+    one_line(run(*args, cwd=work, timeout=60), "bytes; this file system allows")
 
 
-def test_import_of_a_plain_npy_and_hostile_jsonl_is_one_line(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_import_of_a_plain_npy_and_hostile_jsonl_is_one_line(tmp_path, run):
     np.save(tmp_path / "r.npy", np.zeros((5, 27, 6), np.uint8))
     one_line(moesim("import", "vllm", "r.npy", "--model", "deepseek-v2-lite", cwd=tmp_path), "--prompt-tokens")
     (tmp_path / "d.jsonl").write_text('{"token": 0, "layer": 0, "experts": [NaN, 1]}\n')
-    one_line(moesim("import", "jsonl", "d.jsonl", "--model", "tiny", cwd=tmp_path), "d.jsonl:1", "NaN")
+    one_line(run("import", "jsonl", "d.jsonl", "--model", "tiny", cwd=tmp_path), "d.jsonl:1", "NaN")
     (tmp_path / "big.jsonl").write_text('{"token": 0, "layer": 0, "experts": [99999999999999999999, 1]}\n')
-    one_line(moesim("import", "jsonl", "big.jsonl", "--model", "tiny", cwd=tmp_path), "outside [0, 16)")
+    one_line(run("import", "jsonl", "big.jsonl", "--model", "tiny", cwd=tmp_path), "outside [0, 16)")
 
 
-def test_record_prompts_file_is_checked(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_record_prompts_file_is_checked(tmp_path, run):
     pytest.importorskip("torch")
     os.mkfifo(tmp_path / "p.txt")
     one_line(moesim("record", "moe-stdlib", "--prompts-file", "p.txt", "--tokens", "1", cwd=tmp_path), "named pipe")
-    one_line(moesim("record", "moe-stdlib", "--prompts-file", "/dev/zero", "--tokens", "1", cwd=tmp_path),
+    one_line(run("record", "moe-stdlib", "--prompts-file", "/dev/zero", "--tokens", "1", cwd=tmp_path),
              "is a device")
     (tmp_path / "e.txt").write_text("\n\n")
-    one_line(moesim("record", "moe-stdlib", "--prompts-file", "e.txt", "--tokens", "1", cwd=tmp_path), "no prompt")
+    one_line(run("record", "moe-stdlib", "--prompts-file", "e.txt", "--tokens", "1", cwd=tmp_path), "no prompt")
 
 
 def test_stats_reads_a_trace_piped_into_stdin(work):
@@ -476,3 +483,11 @@ def test_import_checks_its_output_before_reading_the_model(r4):
     one_line(moesim("import", "jsonl", jsonl, "--model", ck, "--out", "adir", cwd=r4), "--out adir")
     # the output is refused even where the model could never be read: it is checked first
     one_line(moesim("import", "jsonl", jsonl, "--model", "afile", "--out", "adir", cwd=r4), "--out adir")
+
+
+def test_whatif_with_a_trace_says_the_synthetic_shape_options_changed_nothing(r4):
+    w = ("whatif", "--trace", "t.npz", "--hw", "a6000", "--jobs", 1, "--policy", "on-demand", "--cache-gib", 0, "--json",
+         "--out", "w")
+    notes = json.loads(moesim(*w, "--model", "olmoe-1b-7b", "--tokens", 999, "--batch", 4, cwd=r4).stdout)["notes"]
+    assert any("--model, --tokens, --batch shape synthetic traces" in n and "changed nothing" in n for n in notes), notes
+    assert not any("shape" in n for n in json.loads(moesim(*w, cwd=r4).stdout)["notes"])
