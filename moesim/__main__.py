@@ -4,24 +4,17 @@ The CLI is imported inside :func:`run` so that a Ctrl-C while it is still import
 as one line too (a console script that imported ``moesim.cli`` itself would print a
 traceback there)."""
 
-import signal
 import sys
 
-_stopped_by = ["Ctrl-C"]
-
-
-def _terminate(signum, frame) -> None:  # noqa: ARG001
-    """A SIGTERM while the CLI is still importing ends like Ctrl-C (main() installs its own)."""
-    _stopped_by[0] = "SIGTERM"
-    raise KeyboardInterrupt
+from moesim.stop import catch_sigterm, interrupted_line
 
 
 def run() -> None:
-    signal.signal(signal.SIGTERM, _terminate)
+    catch_sigterm()
     try:
         from moesim.cli import main
     except KeyboardInterrupt:
-        sys.stderr.write(f"interrupted ({_stopped_by[0]})\n")
+        sys.stderr.write(interrupted_line() + "\n")
         sys.exit(130)
     main()
 

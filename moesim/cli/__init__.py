@@ -12,7 +12,6 @@ behind torch, and two circles that say so where they are.
 
 from __future__ import annotations
 
-import signal
 import sys
 
 import typer
@@ -38,6 +37,7 @@ from moesim.cli import (  # noqa: F401  (each module registers its command on th
 )
 from moesim.cli.app import app, err
 from moesim.errors import MoesimError
+from moesim.stop import catch_sigterm, interrupted_line
 
 __all__ = ["app", "main"]
 
@@ -56,23 +56,13 @@ def missing_dependency(e: ModuleNotFoundError) -> str | None:
     return f"this command needs {top}, which is not installed: pip install \"moesim[{extra}]\"{hint}"
 
 
-#: What stopped the run, for the one line it ends with: Ctrl-C unless a SIGTERM arrived.
-_stopped_by = ["Ctrl-C"]
-
-
-def _terminate(signum, frame) -> None:  # noqa: ARG001
-    """SIGTERM unwinds like Ctrl-C, so temporary files are removed and finished work kept."""
-    _stopped_by[0] = "SIGTERM"
-    raise KeyboardInterrupt
-
-
 def main() -> None:
     """Console entry point. User errors (including a bad option, which click would print as
     a usage box) become one line and exit code 2; Ctrl-C or SIGTERM before anything worth
     keeping finished, one line and exit code 130; a missing optional dependency, one line
     naming the extra to install."""
     click = _click_exceptions()
-    signal.signal(signal.SIGTERM, _terminate)
+    catch_sigterm()
     try:
         code = app(standalone_mode=False)
     except click.NoArgsIsHelpError as e:  # `moesim CMD` alone: its help, as click shows it
@@ -121,5 +111,5 @@ def _fail(line: str, code: int = 2) -> None:
 
 
 def _interrupted() -> None:
-    err.print(f"interrupted ({_stopped_by[0]})", highlight=False, markup=False)
+    err.print(interrupted_line(), highlight=False, markup=False)
     sys.exit(130)
