@@ -25,7 +25,7 @@ from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "stranger"))
 from cases import make_readonly, undo_readonly  # noqa: E402
-from cli_run import one_line_error  # noqa: E402
+from cli_run import BOTH_WAYS, both_ways, one_line_error  # noqa: E402
 from cli_signals import signal_when  # noqa: E402
 
 
@@ -58,7 +58,7 @@ def readonly(tmp_path):
 
 # -- outputs ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("args, out, words", [
+@pytest.mark.parametrize("run, args, out, words", both_ways([
     (("synth", "--model", "tiny", "--tokens", "2"), "adir", ("is a folder; a file is expected",)),
     (("synth", "--model", "tiny", "--tokens", "2"), "afile/x.npz", ("afile is a file, not a folder",)),
     (("replay", "t.npz", "--policy", "on-demand"), "afile", ("is a file; a folder is expected",)),
@@ -66,15 +66,16 @@ def readonly(tmp_path):
     (("fit", "t.npz"), "adir", ("is a folder",)),
     (("profile", "--model", "tiny", "--tokens", "2"), "adir", ("is a folder",)),
     (("train", "--steps", "1"), "afile", ("is a file; a folder is expected",)),
-])
-def test_a_bad_output_path_is_one_line_before_any_work(work, args, out, words):
+]))
+def test_a_bad_output_path_is_one_line_before_any_work(work, run, args, out, words):
     t0 = time.time()
-    r = moesim(*args, "--out", out, cwd=work)
+    r = run(*args, "--out", out, cwd=work)
     one_line_error(r, *words)
     assert time.time() - t0 < 60  # nothing ran
 
 
-def test_an_output_that_is_a_device_or_pipe_is_refused_and_left_as_it_is(work, tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_an_output_that_is_a_device_or_pipe_is_refused_and_left_as_it_is(work, tmp_path, run):
     """A write renames a new file onto its path: run as root, `--out /dev/full` once replaced
     the device node with a regular file. A real named pipe stands in for the device."""
     import os
@@ -84,19 +85,20 @@ def test_an_output_that_is_a_device_or_pipe_is_refused_and_left_as_it_is(work, t
 
     pipe = tmp_path / "pipe.npz"
     os.mkfifo(pipe)
-    for args in (("synth", "--model", "tiny", "--tokens", "2"), ("profile", "--model", "tiny", "--tokens", "2")):
-        one_line_error(moesim(*args, "--out", pipe, cwd=work), "not a regular file")
+    for i, args in enumerate((("synth", "--model", "tiny", "--tokens", "2"), ("profile", "--model", "tiny", "--tokens", "2"))):
+        one_line_error((moesim if i == 0 else run)(*args, "--out", pipe, cwd=work), "not a regular file")
         assert stat.S_ISFIFO(os.stat(pipe).st_mode)
     with pytest.raises(MoesimError, match="not a regular file"):
         atomic_write(pipe, lambda f: f.write(b"x"))  # the backstop every writer goes through
     assert stat.S_ISFIFO(os.stat(pipe).st_mode)
 
 
-def test_a_read_only_folder_is_refused_before_any_work(work, readonly):
-    for args in (("synth", "--model", "tiny", "--tokens", "2", "--out", readonly / "x.npz"),
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_a_read_only_folder_is_refused_before_any_work(work, readonly, run):
+    for i, args in enumerate((("synth", "--model", "tiny", "--tokens", "2", "--out", readonly / "x.npz"),
                  ("replay", work / "t.npz", "--out", readonly / "report"),
-                 ("profile", "--model", "tiny", "--tokens", "2", "--out", readonly / "sub" / "p.npz")):
-        one_line_error(moesim(*args, cwd=work), "cannot write in", str(readonly))
+                 ("profile", "--model", "tiny", "--tokens", "2", "--out", readonly / "sub" / "p.npz"))):
+        one_line_error((moesim if i == 0 else run)(*args, cwd=work), "cannot write in", str(readonly))
     assert not any(readonly.iterdir())
 
 
@@ -155,29 +157,30 @@ def test_missing_torch_is_one_line_naming_the_extra(work, args):
 
 # -- bad input files ---------------------------------------------------------------------
 
-def test_bad_input_files_are_one_line_each(work):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_bad_input_files_are_one_line_each(work, run):
     (work / "random.npz").write_bytes(np.random.default_rng(0).bytes(2000))
     (work / "empty.npz").write_bytes(b"")
     assert "is a folder, not a trace file" in one_line_error(moesim("replay", "adir", cwd=work))
-    line = one_line_error(moesim("replay", "random.npz", cwd=work), "not an .npz archive")
+    line = one_line_error(run("replay", "random.npz", cwd=work), "not an .npz archive")
     assert "pickle" not in line
-    one_line_error(moesim("replay", "empty.npz", cwd=work), "empty")
-    one_line_error(moesim("replay", "t.npz", "--hw", "t.npz", cwd=work), "not a hardware profile")
+    one_line_error(run("replay", "empty.npz", cwd=work), "empty")
+    one_line_error(run("replay", "t.npz", "--hw", "t.npz", cwd=work), "not a hardware profile")
 
 
 # -- absurd sizes --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("args, words", [
+@pytest.mark.parametrize("run, args, words", both_ways([
     (("synth", "--model", "tiny", "--tokens", "1000000000000"), ("TiB", "available: refusing")),
     (("whatif", "--model", "tiny", "--tokens", "1000000000000", "--out", "w"), ("available: refusing",)),
     (("profile", "--model", "tiny", "--link-gbps", "1e-9", "--tokens", "2"), ("days", "more than a day")),
     (("profile", "--model", "qwen3-30b-a3b", "--layers", "0", "--tokens", "2"), ("--layers 0",)),
     (("validate", "--tokens", "100000000", "--repeats", "1", "--out", "v"), ("TiB", "available: refusing")),
     (("validate", "--tokens", "3", "--repeats", "100000000", "--out", "v"), ("years", "more than a day")),
-])
-def test_absurd_sizes_are_refused_with_the_estimate(work, args, words):
+]))
+def test_absurd_sizes_are_refused_with_the_estimate(work, run, args, words):
     t0 = time.time()
-    one_line_error(moesim(*args, cwd=work), *words)
+    one_line_error(run(*args, cwd=work), *words)
     assert time.time() - t0 < 60
 
 
@@ -248,17 +251,18 @@ def test_replay_uses_the_link_the_trace_was_recorded_with():
     assert rec.rows[0]["tpot_ms"] > given.rows[0]["tpot_ms"]  # a slower link is not ignored
 
 
-def test_replay_uses_the_cache_the_trace_was_recorded_with(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_replay_uses_the_cache_the_trace_was_recorded_with(tmp_path, run):
     """A run recorded with an 8-expert LFU cache replays with that cache unless told otherwise."""
     r = moesim("profile", "--model", "tiny", "--policy", "on-demand", "--tokens", 4, "--cache-experts", 8,
                "--eviction", "lfu", "--out", "c.npz", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    rec = moesim("replay", "c.npz", "--policy", "on-demand", "--json", cwd=tmp_path)
+    rec = run("replay", "c.npz", "--policy", "on-demand", "--json", cwd=tmp_path)
     row = json.loads(rec.stdout)[0]
     assert (row["cache_experts"], row["eviction"]) == (8, "lfu"), rec.stderr
-    table = moesim("replay", "c.npz", "--policy", "on-demand", cwd=tmp_path)
+    table = run("replay", "c.npz", "--policy", "on-demand", cwd=tmp_path)
     assert "8-expert LFU cache (recorded in the trace)" in " ".join(table.stdout.split())
-    none = json.loads(moesim("replay", "c.npz", "--policy", "on-demand", "--cache-experts", 0, "--json",
+    none = json.loads(run("replay", "c.npz", "--policy", "on-demand", "--cache-experts", 0, "--json",
                              cwd=tmp_path).stdout)[0]
     assert none["cache_experts"] == 0 and none["cache_hit_rate"] == 0 < row["cache_hit_rate"]
 
@@ -277,7 +281,8 @@ def test_json_of_a_replay_names_its_sources(work):
 
 # -- record and record --draft: refused before any model loads --------------------------------
 
-def test_record_refuses_what_cannot_run_in_one_line(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_record_refuses_what_cannot_run_in_one_line(tmp_path, run):
     (tmp_path / "badcfg").mkdir()
     (tmp_path / "badcfg" / "config.json").write_bytes(b"\xff\xfe{}")
     cases = [
@@ -287,12 +292,13 @@ def test_record_refuses_what_cannot_run_in_one_line(tmp_path):
         (("record", "moe-stdlib", "--tokens", 100_000_000, "--out", "r.npz"), "refusing"),
         (("record", "moe-stdlib", "--draft", "moe-stdlib-draft", "--tokens", 100_000_000, "--out", "r.npz"), "refusing"),
     ]
-    for args, words in cases:
-        one_line_error(moesim(*args, cwd=tmp_path, timeout=120), words)
+    for i, (args, words) in enumerate(cases):
+        one_line_error((moesim if i == 0 else run)(*args, cwd=tmp_path, timeout=120), words)
     assert not list(tmp_path.glob("r.npz*"))
 
 
-def test_deployment_options_refuse_bad_input_in_one_line(work):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_deployment_options_refuse_bad_input_in_one_line(work, run):
     from moesim.models import catalogue_in
 
     (work / "same.npz").write_bytes((work / "t.npz").read_bytes())  # a copy of the trace being replayed
@@ -307,20 +313,21 @@ def test_deployment_options_refuse_bad_input_in_one_line(work):
         (("hw", "grace"), "is a host (CPU) profile"),
         ((*w, "--model", "olmoe-1b-7b", "--batch", 10_000_000), "refusing"),  # trace + its replay, before any work
     ]
-    for args, words in cases:
-        one_line_error(moesim(*args, cwd=work), words)
+    for i, (args, words) in enumerate(cases):
+        one_line_error((moesim if i == 0 else run)(*args, cwd=work), words)
     specs, skipped = catalogue_in("q4_k")  # the listing shows what the format can store, and says what it skipped
     assert specs and "gpt-oss-20b" in skipped and all(s.expert_dtype == "q4_k" for s in specs)
-    r = moesim("models", "--expert-dtype", "q4_k", cwd=work)
+    r = run("models", "--expert-dtype", "q4_k", cwd=work)
     assert r.returncode == 0 and "olmoe-1b-7b@q4_k" in r.stdout and "not listed: gpt-oss-20b" in r.stderr
 
 
-def test_list_options_refuse_repeats_and_empty_items_and_unused_knobs_are_named(work):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_list_options_refuse_repeats_and_empty_items_and_unused_knobs_are_named(work, run):
     w = ("whatif", "--model", "olmoe-1b-7b", "--hw", "a6000", "--tokens", 8, "--jobs", 1, "--out", "o")
-    for args, words in [((*w, "--policy", "cpu-static", "--host", "grace,grace"), "appears twice"),
-                        ((*w, "--expert-dtype", "bf16,,q4_k"), "an empty item"),
-                        ((*w, "--policy", "cpu-static", "--host", ""), "give at least one value"),
-                        ((*w, "--policy", "On-demand,on-demand"), "appears twice")]:
-        one_line_error(moesim(*args, cwd=work), words)
-    r = moesim(*w, "--policy", "on-demand", "--cpu-layers", 2, cwd=work)
+    for i, (args, words) in enumerate([((*w, "--policy", "cpu-static", "--host", "grace,grace"), "appears twice"),
+                                       ((*w, "--expert-dtype", "bf16,,q4_k"), "an empty item"),
+                                       ((*w, "--policy", "cpu-static", "--host", ""), "give at least one value"),
+                                       ((*w, "--policy", "On-demand,on-demand"), "appears twice")]):
+        one_line_error((moesim if i == 0 else run)(*args, cwd=work), words)
+    r = run(*w, "--policy", "on-demand", "--cpu-layers", 2, cwd=work)
     assert r.returncode == 0 and "--cpu-layers was given, but none of the swept policies uses it" in r.stdout + r.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_run import BOTH_WAYS, both_ways, in_process  # noqa: E402
 from cli_run import one_line_error as one_error  # noqa: E402
 from cli_signals import ROOT  # noqa: E402
 
@@ -120,6 +122,20 @@ def _sweep_once(tmp_path: Path, rows: str = "r.csv") -> dict:
     return json.loads(r.stdout)
 
 
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory) -> tuple[Path, str]:
+    """One finished sweep (r.csv, its manifest and digests, the report in w/) and its JSON,
+    made once: the starting point every resume test edits."""
+    d = tmp_path_factory.mktemp("swept")
+    return d, json.dumps(_sweep_once(d))
+
+
+def _swept_into(tmp_path: Path, swept: tuple[Path, str]) -> dict:
+    """A copy of the finished sweep in ``tmp_path`` (what _sweep_once would have left there)."""
+    shutil.copytree(swept[0], tmp_path, dirs_exist_ok=True)
+    return json.loads(swept[1])
+
+
 def _edit(path: Path, column: str, value: str, row: int = 0) -> None:
     lines = path.read_text().splitlines()
     header = lines[0].split(",")
@@ -136,8 +152,8 @@ def _edit(path: Path, column: str, value: str, row: int = 0) -> None:
 # One of each kind by default; the rest with -m slow (each is a sweep run twice in subprocesses).
 @pytest.mark.parametrize("value", ["-5", *(pytest.param(v, marks=pytest.mark.slow) for v in ("nan", "0.0001", "inf",
                                                                                           "abc"))])
-def test_an_edited_row_is_recomputed_and_never_the_best(tmp_path, value):
-    first = _sweep_once(tmp_path)
+def test_an_edited_row_is_recomputed_and_never_the_best(tmp_path, swept, value):
+    first = _swept_into(tmp_path, swept)
     _edit(tmp_path / "r.csv", "tpot_ms", value)
     again = _sweep_once(tmp_path)
     assert again["best"]["tpot_ms"] == first["best"]["tpot_ms"]  # recomputed, as the first run had it
@@ -145,8 +161,8 @@ def test_an_edited_row_is_recomputed_and_never_the_best(tmp_path, value):
     assert all(r["tpot_ms"] > 0 for r in again["rows"] if r["fits"])
 
 
-def test_a_duplicated_group_is_recomputed_once(tmp_path):
-    _sweep_once(tmp_path)
+def test_a_duplicated_group_is_recomputed_once(tmp_path, swept):
+    _swept_into(tmp_path, swept)
     lines = (tmp_path / "r.csv").read_text().splitlines()
     (tmp_path / "r.csv").write_text("\n".join(lines + lines[1:]) + "\n")  # every row twice (the old race)
     res = _sweep_once(tmp_path)
@@ -156,16 +172,16 @@ def test_a_duplicated_group_is_recomputed_once(tmp_path):
 
 @pytest.mark.parametrize("content", [b"a,b\n1,2\n", *(pytest.param(c, marks=pytest.mark.slow) for c in (
     b"\x00\x01binary", b"\xff\xfe not utf-8\n", b"model,hw\nx,y\n"))])
-def test_a_file_that_is_not_a_sweeps_csv_is_one_line(tmp_path, content):
-    _sweep_once(tmp_path)
+def test_a_file_that_is_not_a_sweeps_csv_is_one_line(tmp_path, swept, content):
+    _swept_into(tmp_path, swept)
     (tmp_path / "r.csv").write_bytes(content)
     line = one_error(moesim(*SMALL, "--rows", "r.csv", "--out", "w", cwd=tmp_path))
     assert "not a sweep's rows CSV" in line or "not a resumable" in line
     assert (tmp_path / "r.csv").read_bytes() == content  # never overwritten
 
 
-def test_a_foreign_column_set_or_a_manifest_mismatch_is_refused(tmp_path):
-    _sweep_once(tmp_path)
+def test_a_foreign_column_set_or_a_manifest_mismatch_is_refused(tmp_path, swept):
+    _swept_into(tmp_path, swept)
     text = (tmp_path / "r.csv").read_text()
     (tmp_path / "r.csv").write_text(text.replace("tpot_ms", "tpot_us", 1))
     assert "not a sweep's rows CSV" in one_error(moesim(*SMALL, "--rows", "r.csv", "--out", "w", cwd=tmp_path))
@@ -174,11 +190,11 @@ def test_a_foreign_column_set_or_a_manifest_mismatch_is_refused(tmp_path):
     assert "different sweep" in one_error(moesim(*SMALL, "--rows", "r.csv", "--out", "w", cwd=tmp_path))
 
 
-def test_resume_digests_catch_a_plausible_edit(tmp_path):
+def test_resume_digests_catch_a_plausible_edit(tmp_path, swept):
     """A value edited to another plausible one (no range check could tell) fails its digest."""
     from moesim.sim.sweep_rows import _read_sums, sums_path
 
-    first = _sweep_once(tmp_path)
+    first = _swept_into(tmp_path, swept)
     assert _read_sums(sums_path(tmp_path / "r.csv"))  # one digest a finished group
     _edit(tmp_path / "r.csv", "tpot_ms", str(first["best"]["tpot_ms"] / 3))
     again = _sweep_once(tmp_path)
@@ -260,14 +276,14 @@ def test_the_temporary_name_fits_whenever_the_final_name_does(tmp_path):
 # Refused before any work; notes for options that changed nothing
 # --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("opt,value,words", [("--eviction", "LRU", "lru, lfu"), ("--engine", "nope", "unknown engine"),
+@pytest.mark.parametrize("run,opt,value,words", both_ways([("--eviction", "LRU", "lru, lfu"), ("--engine", "nope", "unknown engine"),
                                              ("--link-gbps", "nan", "positive and finite"),
                                              ("--cache-gib", "inf", "finite"), ("--threads", "0", "--threads"),
                                              ("--copy-queue", "LIFO", "unknown copy queue"), ("--jobs", "100000", "at most"),
-                                             ("--backend", "nope", "local, ray"), ("--sim", "nope", "simpy, fast")])
-def test_a_value_the_cli_can_check_is_refused_before_any_work(tmp_path, opt, value, words):
+                                             ("--backend", "nope", "local, ray"), ("--sim", "nope", "simpy, fast")]))
+def test_a_value_the_cli_can_check_is_refused_before_any_work(tmp_path, run, opt, value, words):
     """Before: `--eviction LRU` ran and then said "2 of 4 configuration groups failed"."""
-    line = one_error(moesim(*SMALL, "--rows", "r.csv", "--out", "w", opt, value, cwd=tmp_path))
+    line = one_error(run(*SMALL, "--rows", "r.csv", "--out", "w", opt, value, cwd=tmp_path))
     assert words in line and "configuration groups failed" not in line
     assert not (tmp_path / "r.csv.sweep.json").exists() and not (tmp_path / "w").exists()  # no work started
 
@@ -276,17 +292,18 @@ def test_a_value_the_cli_can_check_is_refused_before_any_work(tmp_path, opt, val
 def traces(tmp_path_factory):
     d = tmp_path_factory.mktemp("traces")
     for name, tokens, seed in (("t.npz", 8, 0), ("calib.npz", 8, 5), ("one.npz", 1, 0)):
-        r = moesim("synth", "--model", "tiny", "--tokens", tokens, "--seed", seed, "--out", name, cwd=d)
+        r = in_process("synth", "--model", "tiny", "--tokens", tokens, "--seed", seed, "--out", name, cwd=d)
         assert r.returncode == 0, r.stderr
     return d
 
 
-@pytest.mark.parametrize("extra,name", [(["--cpu-layers", "2"], "--cpu-layers"), (["--host", "epyc-7742"], "--host"),
-                                        (["--prefetch-top", "1"], "--prefetch-top"),
-                                        (["--placement-from", "calib.npz"], "--placement-from"),
-                                        (["--no-amx"], "--no-amx"), (["--gpu-layers", "3"], "--gpu-layers")])
-def test_replay_says_in_one_note_line_when_an_option_changed_nothing(traces, extra, name):
-    r = moesim("replay", "t.npz", "--hw", "a6000", "--policy", "on-demand", "--sim", "fast", "--json", *extra,
+@pytest.mark.parametrize("run,extra,name", both_ways([(["--cpu-layers", "2"], "--cpu-layers"),
+                                                   (["--host", "epyc-7742"], "--host"),
+                                                   (["--prefetch-top", "1"], "--prefetch-top"),
+                                                   (["--placement-from", "calib.npz"], "--placement-from"),
+                                                   (["--no-amx"], "--no-amx"), (["--gpu-layers", "3"], "--gpu-layers")]))
+def test_replay_says_in_one_note_line_when_an_option_changed_nothing(traces, run, extra, name):
+    r = run("replay", "t.npz", "--hw", "a6000", "--policy", "on-demand", "--sim", "fast", "--json", *extra,
                cwd=traces)
     assert r.returncode == 0, r.stderr
     notes = [ln for ln in r.stderr.splitlines() if ln.startswith("note: ")]
@@ -312,12 +329,13 @@ def test_synth_notes_an_option_of_the_other_kind(tmp_path):
     assert r.returncode == 0 and "note: --depth" in r.stderr and "changed nothing" in r.stderr
 
 
-def test_step_out_of_range_says_the_valid_range_and_a_one_step_trace_replays(traces):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_step_out_of_range_says_the_valid_range_and_a_one_step_trace_replays(traces, run):
     line = one_error(moesim("replay", "one.npz", "--sim", "fast", "--step", "1", cwd=traces))
     assert "numbered from 0" in line and "give 0" in line
-    r = moesim("replay", "one.npz", "--sim", "fast", "--json", cwd=traces)  # the default step fits a 1-step trace
+    r = run("replay", "one.npz", "--sim", "fast", "--json", cwd=traces)  # the default step fits a 1-step trace
     assert r.returncode == 0, r.stderr
-    assert "0 to 7" in one_error(moesim("replay", "t.npz", "--sim", "fast", "--step", "8", cwd=traces))
+    assert "0 to 7" in one_error(run("replay", "t.npz", "--sim", "fast", "--step", "8", cwd=traces))
 
 
 def test_a_huge_speculative_tree_is_refused_with_its_estimate(tmp_path):
