@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_run import BOTH_WAYS, both_ways
 
 from moesim.models import get_model
 from moesim.traces.format import write_trace
@@ -24,11 +25,12 @@ def olmoe_trace(tmp_path_factory):
     return path
 
 
-def test_help_teaches_with_examples():
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_help_teaches_with_examples(run):
     top = moesim("--help")
     assert top.returncode == 0 and "moesim whatif" in top.stdout
     for cmd in ("models", "hw", "synth", "replay", "whatif"):
-        r = moesim(cmd, "--help")
+        r = run(cmd, "--help")
         assert r.returncode == 0, cmd
         assert "Example" in r.stdout, cmd
 
@@ -88,7 +90,8 @@ def _assert_one_line_error(r, text):
     assert "Traceback" not in r.stderr
 
 
-def test_bad_inputs_get_one_line_errors(tmp_path, olmoe_trace):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_bad_inputs_get_one_line_errors(tmp_path, olmoe_trace, run):
     bad_toml = tmp_path / "bad.toml"
     bad_toml.write_text('name = "x"\nlink = "pcie4"\n[figures]\n')
     junk = tmp_path / "junk.npz"
@@ -111,8 +114,8 @@ def test_bad_inputs_get_one_line_errors(tmp_path, olmoe_trace):
         (("whatif", "--goal", "happiness"), "unknown goal"),
         (("synth", "--model", "tiny", "--hit-rate", "2", "--out", tmp_path / "x.npz"), "hit_rate must be in [0, 1]"),
     ]
-    for args, text in cases:
-        _assert_one_line_error(moesim(*args), text)
+    for i, (args, text) in enumerate(cases):
+        _assert_one_line_error((moesim if i == 0 else run)(*args), text)
 
 
 def test_profile_records_a_trace_that_replays(tmp_path):
@@ -126,7 +129,8 @@ def test_profile_records_a_trace_that_replays(tmp_path):
     assert row["timing"] == "measured (trace)" and row["tokens"] == 6
 
 
-def test_profile_and_calibrate_errors_are_one_line(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_profile_and_calibrate_errors_are_one_line(tmp_path, run):
     cases = [
         (("profile", "--model", "tiny", "--device", "tpu"), "unknown device"),
         (("profile", "--model", "gpt-9"), "unknown model"),
@@ -139,8 +143,8 @@ def test_profile_and_calibrate_errors_are_one_line(tmp_path):
 
     if not torch.cuda.is_available():
         cases.append((("profile", "--model", "tiny", "--device", "cuda"), "no CUDA device"))
-    for args, text in cases:
-        _assert_one_line_error(moesim(*args), text)
+    for i, (args, text) in enumerate(cases):
+        _assert_one_line_error((moesim if i == 0 else run)(*args), text)
 
 
 def test_importing_the_simulator_never_imports_torch():
@@ -153,15 +157,16 @@ def test_importing_the_simulator_never_imports_torch():
     assert r.returncode == 0, r.stderr
 
 
-def test_speculate_errors_are_one_line(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_speculate_errors_are_one_line(tmp_path, run):
     cases = [
         (("speculate", "--selection", "psychic"), "unknown selection"),
         (("speculate", "--policy", "prefetch-spec"), "verifies exactly"),
         (("speculate", "--gamma", "-1"), "gamma >= 0"),
         (("speculate", "--draft", tmp_path / "none"), "not a checkpoint directory"),
     ]
-    for args, text in cases:
-        _assert_one_line_error(moesim(*args), text)
+    for i, (args, text) in enumerate(cases):
+        _assert_one_line_error((moesim if i == 0 else run)(*args), text)
 
 
 @pytest.mark.slow
@@ -297,10 +302,11 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "traces" / "examples"
 STDLIB = Path(__file__).resolve().parents[1] / "executor" / "checkpoints" / "moe-stdlib"
 
 
-@pytest.mark.parametrize("fmt,name", [("vllm", "vllm-moe-stdlib.npz"), ("jsonl", "routing-moe-stdlib.jsonl"),
-                                      ("npz", "routing-moe-stdlib.npz")])
-def test_import_reads_the_shipped_example_dumps(tmp_path, fmt, name):
-    r = moesim("import", fmt, EXAMPLES / name, "--model", STDLIB, "--out", tmp_path / "t.npz")
+@pytest.mark.parametrize("run,fmt,name", both_ways([("vllm", "vllm-moe-stdlib.npz"),
+                                                  ("jsonl", "routing-moe-stdlib.jsonl"),
+                                                  ("npz", "routing-moe-stdlib.npz")]))
+def test_import_reads_the_shipped_example_dumps(tmp_path, run, fmt, name):
+    r = run("import", fmt, EXAMPLES / name, "--model", STDLIB, "--out", tmp_path / "t.npz")
     assert r.returncode == 0, r.stderr
     from moesim.traces.format import read_trace
 
@@ -315,17 +321,18 @@ def test_import_of_a_dump_for_another_model_is_one_line(tmp_path):
     assert not (tmp_path / "t.npz").exists()
 
 
-def test_stats_and_synth_like_and_ecospec_from_the_command_line(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_stats_and_synth_like_and_ecospec_from_the_command_line(tmp_path, run):
     assert moesim("synth", "--model", "tiny", "--tokens", 24, "--out", tmp_path / "t.npz").returncode == 0
-    r = moesim("stats", tmp_path / "t.npz", "--hw", "a6000", "--json")
+    r = run("stats", tmp_path / "t.npz", "--hw", "a6000", "--json")
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
     assert set(res["hit_rate"]) >= {"lru", "lfu", "belady"} and "knee_experts" in res["tpot"]
     assert all(b >= a - 1e-12 for a, b in zip(res["hit_rate"]["lru"], res["hit_rate"]["belady"], strict=True))
-    r = moesim("synth", "--like", tmp_path / "t.npz", "--tokens", 40, "--batch", 2, "--out", tmp_path / "s.npz")
+    r = run("synth", "--like", tmp_path / "t.npz", "--tokens", 40, "--batch", 2, "--out", tmp_path / "s.npz")
     assert r.returncode == 0, r.stderr
-    r = moesim("ecospec", "--model", "qwen3-235b-a22b", "--deployment", "8xh200-tp", "--gamma", "2", "--steps", 4,
-               "--json")
+    r = run("ecospec", "--model", "qwen3-235b-a22b", "--deployment", "8xh200-tp", "--gamma", "2", "--steps", 4,
+            "--json")
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
     assert {row["selection"] for row in rows} >= {"none", "confidence"} and all(row["synthetic"] for row in rows)

@@ -13,6 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from cli_run import both_ways  # noqa: E402
 from tiny_models import sharp_tiny  # noqa: E402
 
 from moesim.errors import MoesimError  # noqa: E402
@@ -210,14 +211,13 @@ def test_a_replay_of_a_queued_run_times_it_with_the_recorded_queue(tiny, queue, 
         assert json.loads(r.stdout)["copy_queue"] == used
 
 
-@pytest.mark.parametrize("args, says", [
+@pytest.mark.parametrize("run, args, says", both_ways([
     (["--copy-queue", "lifo"], "unknown copy queue"),
     (["--copy-queue", "demand-first", "--policy", "all-resident"], "applies to the copy policies"),
     (["--copy-queue", "cancel-unstarted", "--policy", "cpu-on-miss", "--cache-experts", "8"], "applies to the copy policies"),
-])
-def test_profile_refuses_a_queue_it_cannot_run_in_one_line(tmp_path, args, says):
-    r = subprocess.run([sys.executable, "-m", "moesim", "profile", "--tokens", "2", "--out", str(tmp_path / "x.npz"),
-                        *args], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+]))
+def test_profile_refuses_a_queue_it_cannot_run_in_one_line(tmp_path, run, args, says):
+    r = run("profile", "--tokens", "2", "--out", str(tmp_path / "x.npz"), *args, cwd=tmp_path, timeout=300)
     assert r.returncode == 2 and says in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert not (tmp_path / "x.npz").exists()
 

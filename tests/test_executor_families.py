@@ -3,15 +3,13 @@ and GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``): logits equal transformers' on ti
 checkpoints (``save_pretrained`` layout), resident and offloaded under every copy policy,
 recorded with timings; MXFP4 experts dequantised exactly as transformers does."""
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from cli_run import both_ways  # noqa: E402
 from tiny_checkpoints import TINY_FAMILIES, VOCAB, save_tiny  # noqa: E402
 
 from moesim.errors import MoesimError  # noqa: E402
@@ -116,16 +114,15 @@ def test_profile_records_a_trace_with_timings(pair, tmp_path):
     assert (tr.timings["tpot_s"] > 0).all() and (tr.timings["copy_kind"] == 0).any()
 
 
-@pytest.mark.parametrize("name", ["gpt_oss", "deepseek_v3"])
-def test_moesim_profile_prompt_ids_gives_transformers_greedy_tokens(name, tmp_path):
+@pytest.mark.parametrize("run, name", both_ways([("gpt_oss",), ("deepseek_v3",)]))
+def test_moesim_profile_prompt_ids_gives_transformers_greedy_tokens(run, name, tmp_path):
     ref = save_tiny(name, tmp_path / "ckpt")
     prompt = [3, 1, 4, 1, 5, 9]
     with torch.no_grad():
         want = ref.generate(torch.tensor([prompt]), max_new_tokens=5, min_new_tokens=5, do_sample=False)[0, 6:]
     out = tmp_path / "p.npz"
-    r = subprocess.run([sys.executable, "-m", "moesim", "profile", "--model", str(tmp_path / "ckpt"), "--policy",
-                        "on-demand", "--prompt-ids", ",".join(map(str, prompt)), "--tokens", "5", "--out", str(out)],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    r = run("profile", "--model", tmp_path / "ckpt", "--policy", "on-demand", "--prompt-ids", ",".join(map(str, prompt)),
+            "--tokens", "5", "--out", out, cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr
     tr = read_trace(out)
     assert tr.prompt_ids.tolist() == [prompt] and tr.token_ids[0].tolist() == want.tolist()

@@ -1,7 +1,9 @@
 """Fuzz the real CLI with mutated inputs: traces (bytes, arrays' shapes, dtypes and values,
 header fields, encodings), hardware profiles (values, lines, encodings) and model configs.
 
-Every run is ``python -m moesim ...`` in a subprocess, and must end in exit 2 with exactly
+Every run is the real CLI, ``python -m moesim ...`` in a subprocess (the profile and config
+fuzzers run in-process by default, the same examples in subprocesses with ``-m slow``: see
+tests/cli_run.py), and must end in exit 2 with exactly
 one ``error: ...`` line on stderr, or exit 0 with a valid result (JSON rows with positive
 finite TPOTs, a trace that reads back); never a traceback, never a changed input file.
 Deterministic (``derandomize=True``) and bounded (40 examples in all).
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_run import runners
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -38,6 +41,14 @@ def moesim(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"}
     return subprocess.run([sys.executable, "-m", "moesim", *args], cwd=cwd, env=env, capture_output=True, text=True,
                           errors="replace", timeout=120)
+
+
+def by_subprocess(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return moesim(list(args), cwd)
+
+
+#: ``run`` for the profile and config fuzzers: in-process by default, subprocesses with -m slow
+BOTH_WAYS = runners(by_subprocess)
 
 
 def sha(p: Path) -> str:
@@ -167,11 +178,12 @@ PROFILE = builtin_profiles()["a6000"].read_text()
 FIGURE_LINES = [i for i, ln in enumerate(PROFILE.splitlines()) if "value = " in ln]
 
 
+@pytest.mark.parametrize("run", BOTH_WAYS)
 @settings(max_examples=6, **SETTINGS)
 @given(line=st.integers(0, 100), value=st.sampled_from(["-1", "0", "nan", "inf", "1e308", "\"x\"", "true", "1e-300",
                                                         "[]", "<delete>", "<garble>"]),
        encoding=st.sampled_from(["utf-8", "utf-8", "latin-1", "utf-16"]))
-def test_fuzz_profile(base_trace, line, value, encoding):
+def test_fuzz_profile(run, base_trace, line, value, encoding):
     lines = PROFILE.splitlines()
     i = FIGURE_LINES[line % len(FIGURE_LINES)]
     if value == "<delete>":
@@ -187,8 +199,7 @@ def test_fuzz_profile(base_trace, line, value, encoding):
         trace.write_bytes(base_trace)
         prof.write_bytes(text.encode(encoding))
         digests = [sha(trace), sha(prof)]
-        r = moesim(["replay", "t.npz", "--hw", prof.name, "--policy", "on-demand", "--sim", "fast", "--json"],
-                   Path(d))
+        r = run("replay", "t.npz", "--hw", prof.name, "--policy", "on-demand", "--sim", "fast", "--json", cwd=Path(d))
         assert_clean(r, [trace, prof], digests, valid_rows)
 
 
@@ -199,10 +210,11 @@ CONFIG = {"model_type": "qwen3_moe", "num_hidden_layers": 2, "num_experts": 8, "
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
 
 
+@pytest.mark.parametrize("run", BOTH_WAYS)
 @settings(max_examples=6, **SETTINGS)
 @given(key=st.sampled_from(sorted(CONFIG)), value=st.sampled_from([*ODD_VALUES, "<delete>", 10**9, 3]),
        encoding=st.sampled_from(["utf-8", "utf-8", "latin-1", "utf-16"]))
-def test_fuzz_config(key, value, encoding):
+def test_fuzz_config(run, key, value, encoding):
     cfg = dict(CONFIG)
     if value == "<delete>":
         del cfg[key]
@@ -214,7 +226,7 @@ def test_fuzz_config(key, value, encoding):
         model.mkdir()
         (model / "config.json").write_bytes(text.encode(encoding))
         digests = [sha(model / "config.json")]
-        r = moesim(["synth", "--model", "model", "--tokens", "3", "--prompt-len", "2", "--out", "o.npz"], Path(d))
+        r = run("synth", "--model", "model", "--tokens", "3", "--prompt-len", "2", "--out", "o.npz", cwd=Path(d))
         ending = assert_clean(r, [model / "config.json"], digests, lambda _: None)
         if ending == "ok":
             read_trace(Path(d) / "o.npz")

@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from cli_run import BOTH_WAYS  # noqa: E402
 from tiny_checkpoints import save_random_checkpoint  # noqa: E402
 
 from moesim.errors import MoesimError  # noqa: E402
@@ -253,7 +254,8 @@ def test_cuda_recording_needs_accelerate(monkeypatch):
     rec.check_record_device("cpu")
 
 
-def test_record_prompt_ids_on_the_command_line(checkpoints, tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_record_prompt_ids_on_the_command_line(checkpoints, tmp_path, run):
     import subprocess
     import sys
 
@@ -265,8 +267,7 @@ def test_record_prompt_ids_on_the_command_line(checkpoints, tmp_path):
     t = read_trace(out)
     assert t.prompt_ids.tolist() == [[5, 6, 7], [1, 2, 3]] and t.header["recorded"]["prompts"] == "--prompt-ids"
     for ids, says in (("5,x", "comma-separated token ids"), ("5,999", "outside the vocabulary")):
-        bad = subprocess.run([sys.executable, "-m", "moesim", "record", str(checkpoints["olmoe"]), "--prompt-ids", ids,
-                              "--tokens", "1", "--out", str(tmp_path / "no.npz")], capture_output=True, text=True,
-                             cwd=tmp_path, timeout=300)
+        bad = run("record", checkpoints["olmoe"], "--prompt-ids", ids, "--tokens", "1", "--out", tmp_path / "no.npz",
+                  cwd=tmp_path, timeout=300)
         assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and says in bad.stderr, bad.stderr
     assert not (tmp_path / "no.npz").exists()

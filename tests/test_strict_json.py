@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_run import in_process
 
 from moesim.jsonout import strict_json
 
@@ -73,8 +74,8 @@ def _cases():
 @pytest.mark.parametrize("setup, cmd", list(_cases()),
                          ids=lambda x: x if isinstance(x, str) else "")
 def test_json_output_is_strict(tmp_path, setup, cmd):
-    for s in setup:
-        r = _run(s, tmp_path)
+    for s in setup:  # the files the example reads (made in-process: the command checked below is a subprocess)
+        r = in_process(*shlex.split(s)[1:], cwd=tmp_path)
         assert r.returncode == 0, (s, r.stderr[-400:])
     r = _run(cmd, tmp_path)
     assert r.returncode == 0, r.stderr[-600:]
