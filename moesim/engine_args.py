@@ -20,6 +20,7 @@ One function per engine turns an answer into its arguments, so a new engine join
 from __future__ import annotations
 
 import math
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,7 +39,9 @@ class Invocation:
     note: str = ""
 
     def line(self) -> str:
-        return " ".join(a if " " not in a and "|" not in a else f"'{a}'" for a in self.args)
+        """The command as a shell reads it back (shlex: a path with a space, a regex's
+        ``|``, ``*`` or ``\\`` quoted, so that the shell passes it unchanged)."""
+        return shlex.join(self.args)
 
 
 def _ranges(layers: list[int]) -> str:

@@ -1028,12 +1028,19 @@ def cache_capacity(spec: ModelSpec, cache_gib: float = 0.0, cache_experts: int =
 #: Models read from a user's files in this process, by display name (what result rows carry):
 #: filled by :func:`get_model`, read by :func:`model_named`.
 _READ_FROM_FILES: dict[str, ModelSpec] = {}
+_FILES: dict[str, Path] = {}  # display name -> the file it was read from (a GGUF, a config.json)
 
 
 def model_named(name: str) -> ModelSpec:
     """The model a result row names (its ``model`` / ``base_model``): one read from a file in
     this process under that display name (a GGUF, a ``config.json``), else :func:`get_model`."""
     return _READ_FROM_FILES.get(name) or get_model(name)
+
+
+def model_file(name: str) -> Path | None:
+    """The file this process read the model a result row names from (a GGUF, a
+    ``config.json``), None for a catalogue model: what an engine's arguments load."""
+    return _FILES.get(name)
 
 
 def get_model(name_or_path: str) -> ModelSpec:
@@ -1057,7 +1064,7 @@ def get_model(name_or_path: str) -> ModelSpec:
             from moesim.gguf_file import spec_from_gguf  # it builds ModelSpecs: importing it at the top is a circle
 
             spec = spec_from_gguf(gguf[0])
-            _READ_FROM_FILES[spec.name] = spec
+            _READ_FROM_FILES[spec.name], _FILES[spec.name] = spec, gguf[0]
             if key in CATALOGUE:
                 warnings.warn(f"{name_or_path!r} is both a local path and the catalogue model {key!r}; "
                               f"using the local {gguf[0]}", UserWarning, stacklevel=2)
@@ -1066,7 +1073,7 @@ def get_model(name_or_path: str) -> ModelSpec:
             also = f" (also the catalogue model {key!r}: pass it from another directory)" if key in CATALOGUE else ""
             raise MoesimError(f"model directory {p} has no config.json{also}")
         spec = from_hf_config(cfg)
-        _READ_FROM_FILES[spec.name] = spec
+        _READ_FROM_FILES[spec.name], _FILES[spec.name] = spec, cfg
         if key in CATALOGUE:
             warnings.warn(f"{name_or_path!r} is both a local path and the catalogue model {key!r}; "
                           f"using the local {cfg}", UserWarning, stacklevel=2)

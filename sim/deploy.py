@@ -27,7 +27,7 @@ from moesim.errors import MoesimError
 from moesim.fmt import number
 from moesim.hardware import get_machine
 from moesim.layout import make_layout, stream_layers
-from moesim.models import model_named
+from moesim.models import model_file, model_named
 from moesim.quant_recipes import store_as
 from moesim.sim.whatif import BOUND, GOALS, policy_families, simplicity
 
@@ -246,9 +246,17 @@ def invocation_of(row: dict[str, Any], engine: str):
     if found is None:
         return None
     spec, layout = found
+    kw: dict[str, Any] = {}
+    given = model_file(row["base_model"])  # the user's own file: what the arguments load, not a placeholder
+    if given is not None:
+        if given.suffix == ".gguf":
+            if engine in ("llama.cpp", "ik_llama.cpp"):
+                kw["model_path"] = str(given)
+        elif engine in ("vllm", "ktransformers"):
+            kw["model_path"] = str(given.parent)  # the checkpoint folder its config.json is in
     try:
         return invocation(engine, spec, layout, threads=row.get("threads"),
-                          context=int(row["prompt_len"]) + int(row["tokens"]))
+                          context=int(row["prompt_len"]) + int(row["tokens"]), **kw)
     except MoesimError:
         return None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import subprocess
 import sys
 
@@ -95,11 +96,13 @@ def test_bad_gguf_is_one_line(tmp_path):
 def test_whatif_on_a_gguf_file_prints_the_engines_arguments(tmp_path):
     """The deployment answer spells llama.cpp's arguments for a model read from a GGUF file
     (its rows name the file's model, which is not a catalogue name: that was a traceback)."""
-    (path,) = qwen3moe_gguf(tmp_path / "m.gguf")
+    (path,) = qwen3moe_gguf(tmp_path / "my model.gguf")  # a space: the printed command quotes it
     r = subprocess.run([sys.executable, "-m", "moesim", "whatif", "--model", str(path), "--hw", "none",
                         "--host", "ryzen-7950x", "--policy", "all-resident", "--engine", "llama.cpp", "--tokens", "4",
                         "--out", str(tmp_path / "w")], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "llama-server -m" in r.stdout and "-ngl 0" in r.stdout, r.stdout
+    line = next(ln.strip() for ln in r.stdout.splitlines() if ln.strip().startswith("llama-server"))
+    args = shlex.split(line)  # the user's own file, as the shell reads the line back, not a placeholder
+    assert args[:3] == ["llama-server", "-m", str(path)] and "-ngl" in args and args[args.index("-ngl") + 1] == "0"
     notes = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("note") and "--host" in ln]
     assert not notes, notes  # --hw none runs every layer on the host: --host is used

@@ -33,7 +33,7 @@ def print_whatif(res, answers, crosses, goal: str, top: int) -> None:
             out.print(f"on {h.name}: no configuration fits in {mem} GB of device memory")
     for a in answers:
         out.print()
-        out.print(format_answer(a), markup=False, highlight=False)
+        out.print(format_answer(a), markup=False, highlight=False, soft_wrap=True)  # wrapped already; commands never
     changes = [describe_change(c, ch) for c in crosses for ch in c.changes]
     if changes:
         out.print("\nwhere the winner changes:", markup=False)
