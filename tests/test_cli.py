@@ -209,14 +209,15 @@ def invoke(*args, cwd):
         torch.set_num_threads(threads)
 
 
-def test_no_command_overwrites_a_shipped_checkpoint_without_force(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_no_command_overwrites_a_shipped_checkpoint_without_force(tmp_path, run):
     from moesim.errors import MoesimError
     from moesim.executor.loading import shipped_model
 
     target, draft = shipped_model(), shipped_model("moe-stdlib-draft")
     before = (_tree_bytes(target), _tree_bytes(draft))
-    for args in [("calibrate", "--out", target), ("train-estimator", "--out", target)]:  # as a user sees it
-        _assert_one_line_error(moesim(*args, cwd=tmp_path), "shipped checkpoint")
+    for i, args in enumerate([("calibrate", "--out", target), ("train-estimator", "--out", target)]):  # as a user sees it
+        _assert_one_line_error((moesim if i == 0 else run)(*args, cwd=tmp_path), "shipped checkpoint")
     for args in [("calibrate", "--model", target, "--out", target, "--tokens", 64),
                  ("train-expert-predictor", "--out", draft),
                  ("train", "--out", target / "retrained", "--steps", 1)]:

@@ -1,7 +1,7 @@
 """EcoSpec at scale: synthetic speculative traces, deployments, draft cost, the what-if.
 
 The fitted-generator check records a real speculative trace of the shipped tiny model
-with the executor (a subprocess of ``moesim speculate``), fits the generator to it, and
+with the executor (``moesim speculate``, the real command run in-process), fits the generator to it, and
 compares a fresh-seed synthetic sample's statistics with the recording's.
 """
 
@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from cli_run import in_process
 
 from moesim.errors import MoesimError
 from moesim.models import get_model
@@ -99,8 +100,8 @@ def test_a_trace_whose_mask_would_not_fit_is_refused_before_allocating():
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     out = tmp_path_factory.mktemp("sd") / "sd.npz"
-    subprocess.run([sys.executable, "-m", "moesim", "speculate", "--tokens", "96", "--gamma", "6", "--depth", "4",
-                    "--out", str(out)], check=True, capture_output=True, timeout=300)
+    r = in_process("speculate", "--tokens", "96", "--gamma", "6", "--depth", "4", "--out", out)  # the trace the tests read
+    assert r.returncode == 0, r.stderr
     return read_trace(out)
 
 
