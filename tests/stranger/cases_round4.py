@@ -677,7 +677,7 @@ def round4_cases() -> list[Case]:
     add(it, ["record", "moe-stdlib", "--tokens", "400", "--out", "r.npz"], expect="interrupt", signal_after=12.0,
         sig=TERM, timeout=120,
         check=lambda d, s: no_leftovers(d, s) or (trace_file("r.npz")(d, s) if (d / "r.npz").exists() else None))
-    add(it, ["synth", "--speculative", "--model", "qwen3-235b-a22b", "--tokens", "100000", "--out", "sp.npz"],
+    add(it, ["synth", "--speculative", "--model", "qwen3-30b-a3b", "--tokens", "1400", "--out", "sp.npz"],
         expect="interrupt", signal_after=2.5, sig=TERM, before=signals([(2.6, INT)]), timeout=120, check=no_leftovers)
     add(it, ["replay", "big.npz", "--hw", "a6000", "--sim", "simpy", "--policy", "on-demand,prefetch", "--out", "ro2"],
         expect="interrupt", signal_after=4.0, sig=INT, before=both(big, signals([(4.01, INT), (4.02, TERM)])),
