@@ -22,4 +22,17 @@ def catch_sigterm() -> None:
 
 
 def interrupted_line() -> str:
+    """The run's last line once it is stopping; from this call on, further Ctrl-C or
+    SIGTERM are ignored (:func:`ignore_further`)."""
+    ignore_further()
     return f"interrupted ({_stopped_by[0]})"
+
+
+def ignore_further() -> None:
+    """Ignore Ctrl-C and SIGTERM for the rest of the process: it is exiting. Without this a
+    second signal raised KeyboardInterrupt again while Python joined the worker threads at
+    exit (a traceback after the `interrupted` line), and one arriving after the interpreter
+    had put back the default handlers (it keeps an ignored signal ignored) killed the
+    process, which then ended by the signal (-2, -15) instead of exit code 130."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)

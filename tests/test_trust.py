@@ -147,6 +147,28 @@ def test_sigterm_leaves_no_temporary_file(work, tmp_path):
     assert not list(tmp_path.rglob("*.tmp"))
 
 
+def test_signals_after_the_interrupted_line_are_ignored_while_python_exits(tmp_path):
+    """The stranger's round 4: SIGTERM, SIGINT, SIGTERM 0.1 s apart to stats, replay, ecospec
+    or a pool sweep printed `interrupted` and then a KeyboardInterrupt traceback (raised while
+    Python joined a busy worker thread at exit), or died of the signal (-2, -15) once the
+    interpreter had put back the default handlers. The exit path the CLI takes
+    (moesim.stop.interrupted_line) now ignores further signals: exit 130, the one line."""
+    code = ("import os, signal, sys, threading, time\n"
+            "from concurrent.futures import ThreadPoolExecutor\n"
+            "from moesim.stop import catch_sigterm, interrupted_line\n"
+            "catch_sigterm()\n"
+            "ThreadPoolExecutor(1).submit(time.sleep, 2.0)  # a worker still busy when the run exits\n"
+            "try:\n    os.kill(os.getpid(), signal.SIGTERM); time.sleep(5)\n"
+            "except KeyboardInterrupt:\n"
+            "    sys.stderr.write(interrupted_line() + '\\n')\n"
+            "    for at, sig in ((0.3, signal.SIGTERM), (0.5, signal.SIGINT), (0.7, signal.SIGTERM)):\n"
+            "        threading.Timer(at, os.kill, (os.getpid(), sig)).start()  # while Python joins the worker\n"
+            "    sys.exit(130)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert r.returncode == 130 and r.stderr == "interrupted (SIGTERM)\n", (r.returncode, r.stderr[-2000:])
+
+
 # -- missing optional dependency ---------------------------------------------------------
 
 @pytest.mark.parametrize("args", [("profile", "--model", "tiny", "--tokens", "2"), ("validate",), ("calibrate",)])

@@ -37,7 +37,7 @@ from moesim.cli import (  # noqa: F401  (each module registers its command on th
 )
 from moesim.cli.app import app, err
 from moesim.errors import MoesimError
-from moesim.stop import catch_sigterm, interrupted_line
+from moesim.stop import catch_sigterm, ignore_further, interrupted_line
 
 __all__ = ["app", "main"]
 
@@ -83,6 +83,7 @@ def main() -> None:
         _fail("out of memory (the run is larger than this machine can hold; ask for fewer tokens, layers or "
               "a smaller cache)")
     except MoesimError as e:
+        ignore_further()  # exiting either way: a signal now must not interrupt the import below
         from moesim.executor.interrupt import Interrupted  # no torch: errors only
 
         if isinstance(e, Interrupted):
