@@ -169,6 +169,17 @@ def test_signals_after_the_interrupted_line_are_ignored_while_python_exits(tmp_p
     assert r.returncode == 130 and r.stderr == "interrupted (SIGTERM)\n", (r.returncode, r.stderr[-2000:])
 
 
+@pytest.mark.parametrize("args", [("stats", "t.npz", "--out", ""), ("whatif", "--model", "tiny", "--json", "--out="),
+                                  ("replay", "t.npz", "--hw", "")])
+def test_an_empty_option_value_is_one_line_before_any_work(tmp_path, args):
+    """typer reads ``--out ''`` as the current folder: stats, ecospec and whatif wrote their
+    reports there and exited 0 (the stranger's round 4). No moesim option means an empty value."""
+    r = subprocess.run([sys.executable, "-m", "moesim", *args], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    one_line_error(r, f"{args[-1].rstrip('=') if args[-1] else args[-2]} '' is empty")
+    assert not list(tmp_path.iterdir())  # nothing written, nothing read
+
+
 # -- missing optional dependency ---------------------------------------------------------
 
 @pytest.mark.parametrize("args", [("profile", "--model", "tiny", "--tokens", "2"), ("validate",), ("calibrate",)])

@@ -56,6 +56,18 @@ def missing_dependency(e: ModuleNotFoundError) -> str | None:
     return f"this command needs {top}, which is not installed: pip install \"moesim[{extra}]\"{hint}"
 
 
+def empty_option(argv: list[str]) -> str | None:
+    """The first option given an empty value (``--out ''``, ``--out=``), which no moesim
+    option means: a path option would get the current folder from it (typer reads ``''``
+    as ``Path('.')``), a list option its default, before any command could tell."""
+    for i, a in enumerate(argv):
+        if a == "--":
+            break
+        if a.startswith("--") and (a.endswith("=") or (i + 1 < len(argv) and argv[i + 1] == "" and "=" not in a)):
+            return a.rstrip("=")
+    return None
+
+
 def main() -> None:
     """Console entry point. User errors (including a bad option, which click would print as
     a usage box) become one line and exit code 2; Ctrl-C or SIGTERM before anything worth
@@ -63,6 +75,9 @@ def main() -> None:
     naming the extra to install."""
     click = _click_exceptions()
     catch_sigterm()
+    empty = empty_option(sys.argv[1:])
+    if empty:
+        _fail(f"{empty} '' is empty: give at least one value")
     try:
         code = app(standalone_mode=False)
     except click.NoArgsIsHelpError as e:  # `moesim CMD` alone: its help, as click shows it
