@@ -61,6 +61,9 @@ def _rewrite(tmp_path, trace, **changes):
     ({"pred_ids": np.zeros((24, 3, 1, 2), np.int16)}, "pred_ids has shape"),
     ({"true_gates": np.full((24, 4, 1, 2), np.nan, np.float32)}, "true_gates must be finite"),
     ({"token_ids": np.full((1, 24), 999, np.int32)}, "outside the vocabulary"),
+    ({"header": {"prompt_len": 10**12}}, "prompt_len 1000000000000 is not the"),  # was a TTFT of 5.5e15 ms
+    ({"header": {"prompt_len": -5}}, "prompt_len -5 is not the"),
+    ({"header": {"batch": 2}}, "says batch 2 but the arrays hold 1"),  # was ignored
 ])
 def test_inconsistent_traces_are_rejected(tmp_path, tiny_trace, change, message):
     with pytest.raises(MoesimError, match=message) as e:

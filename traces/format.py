@@ -607,6 +607,14 @@ def validate(trace: Trace, where: str,
             raise bad(f"{k_} outside the vocabulary [0, {spec.vocab})")
     if trace.token_ids.shape[1] != t:
         raise bad(f"token_ids holds {trace.token_ids.shape[1]} tokens, routing {t}")
+    # The header's prompt length prices prefill and every step's attention: one the prompt the
+    # trace holds contradicts (10**12 for a 128-token prompt) gave a TTFT of 5.5e15 ms.
+    p, held = h.get("prompt_len"), trace.prompt_ids.shape[1]
+    if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p < 0 or (held and p != held)):
+        raise bad(f"header prompt_len {p!r} is not the {held} prompt tokens the trace holds" if held else
+                  f"header prompt_len {p!r} must be a whole number of tokens >= 0")
+    if h.get("batch", b) != b:
+        raise bad(f"header says batch {h.get('batch')!r} but the arrays hold {b} sequences")
     _validate_timings(trace, spec, bad)
 
 
