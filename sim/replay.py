@@ -63,6 +63,7 @@ class Replay:
     link_source: str = "the profile's"  # given / recorded in the trace / the profile's
     cache_source: str = "given"  # given / recorded in the trace
     step: int = 1  # the decode step the report's timeline shows
+    note: str | None = None  # the options given that changed nothing (:func:`unused_notes`)
 
     @property
     def rows(self) -> list[dict[str, Any]]:
@@ -122,10 +123,13 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
     if placement_from is not None:
         kw["calibration"] = separate_calibration(load_calibration(str(placement_from), trace.model), trace,
                                                  placement_from)
-    kw, cache_source = recorded_cache(trace, kw)
+    given_eviction = kw.get("eviction")
+    kw, cache_source = recorded_cache(trace, kw)  # the cache as given, else as recorded: what an eviction needs
+    note = unused_notes(policies, hw, prefetch_top=prefetch_top, placement_from=placement_from,
+                        **{**kw, "eviction": given_eviction})
     kw.setdefault("copy_queue", None)  # None: as recorded (moesim profile --copy-queue), else FIFO
     return Replay(trace, profile, source, simulate_policies(trace, profile, list(policies), progress=progress, **kw),
-                  link_source, cache_source, step)
+                  link_source, cache_source, step, note)
 
 
 def recorded_cache(trace: Trace, kw: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -147,16 +151,24 @@ def recorded_cache(trace: Trace, kw: dict[str, Any]) -> tuple[dict[str, Any], st
 
 def unused_notes(policies, hw: str | None, *, host=None, cpu_layers="auto", gpu_expert_gib=None, copy_queue=None,
                  prefetch_top=None, gpu_layers="auto", offload_gib="auto", placement_from=None, amx=True,
-                 calibrate_on_replay=False) -> str | None:
+                 calibrate_on_replay=False, eviction=None, cache_gib=None, cache_experts=None, lookahead=None,
+                 split="layer", **_: Any) -> str | None:
     """One line naming every option given that none of the replayed policies uses
-    (:func:`moesim.sim.sweep.unused_options`, the definition whatif uses), or None."""
+    (:func:`moesim.sim.sweep.unused_options`, the definition whatif uses), or None. The
+    options as given (``None``: left out), the cache as the replay runs it (given, else
+    recorded): no cache evicts nothing; a split other than layer needs several GPUs."""
     from moesim.policy import get_policy
     from moesim.sim.sweep import unused_options
 
-    no_gpu = hw is not None and get_machine(hw).n_gpus == 0
+    gpus = get_machine(hw).n_gpus if hw is not None else 1
+    cached = bool(cache_gib) or bool(cache_experts)
     notes = unused_options([get_policy(p) for p in policies], [host] if host else None, [cpu_layers],
                            [gpu_expert_gib] if gpu_expert_gib is not None else None, [copy_queue],
                            [prefetch_top] if prefetch_top is not None else None, [gpu_layers], [offload_gib],
                            placement_from=placement_from, amx=amx, calibrate_on_replay=calibrate_on_replay,
-                           pinned_hot_set=True, no_gpu=no_gpu, verb="replayed")
+                           pinned_hot_set=True, no_gpu=gpus == 0, verb="replayed", eviction=eviction, cached=cached,
+                           lookaheads=[lookahead] if lookahead is not None else None)
+    if split != "layer" and gpus < 2:
+        notes.append(f"--split {split} was given, but the machine has {gpus or 'no'} GPU{'s' if gpus != 1 else ''} "
+                     "(a split needs several): it changed nothing")
     return "; ".join(notes) if notes else None

@@ -125,14 +125,18 @@ def check_threads(threads: int | None, hosts) -> None:
 
 def unused_options(pols: list, hosts, cpu_layers, gpu_expert_gib, copy_queues, prefetch_top, gpu_layers=None,
                    offload_gib=None, *, placement_from=None, amx: bool = True, calibrate_on_replay: bool = False,
-                   pinned_hot_set: bool = False, no_gpu: bool = False, verb: str = "swept") -> list[str]:
+                   pinned_hot_set: bool = False, no_gpu: bool = False, verb: str = "swept",
+                   eviction: str | None = None, cached: bool = True, lookaheads=None) -> list[str]:
     """A note for each option given that no policy of the run uses (``--cpu-layers`` with no
     cpu-static, ...): the run is still valid, but the user should not believe the knob was
     tried. ``auto`` is every count's default, so only other values are noted. One
     definition for every command (whatif sweeps lists, replay takes one value each):
     ``pinned_hot_set``: ``--gpu-expert-gib`` also pins a copy policy's hot set (replay);
-    ``no_gpu``: the machine has no GPU, where ``--host`` always applies."""
+    ``no_gpu``: the machine has no GPU, where ``--host`` always applies; ``eviction`` the one
+    given (only a cache evicts: ``cached`` says whether any cache size of the run is above 0);
+    ``lookaheads`` those given (only a policy that prefetches looks ahead)."""
     hot = lambda p: p.cpu in ("hot", "miss")  # noqa: E731
+    caching = lambda p: cached and ((p.offload and not p.cpu) or p.cpu == "miss")  # noqa: E731
     uses = [(hosts, "--host", "the CPU-compute policies", lambda p: bool(p.cpu) or no_gpu),
             ([n for n in gpu_layers or () if n != "auto"], "--gpu-layers", "gpu-layers", lambda p: p.cpu == "whole"),
             ([g for g in offload_gib or () if g != "auto"], "--offload-gib", "weight-streaming",
@@ -147,7 +151,10 @@ def unused_options(pols: list, hosts, cpu_layers, gpu_expert_gib, copy_queues, p
             ([placement_from] if placement_from is not None else [], "--placement-from", "hot-experts and cpu-on-miss",
              hot),
             ([True] if calibrate_on_replay else [], "--calibrate-on-replay", "hot-experts and cpu-on-miss", hot),
-            ([True] if not amx else [], "--no-amx", "the CPU-compute policies", lambda p: bool(p.cpu) or no_gpu)]
+            ([True] if not amx else [], "--no-amx", "the CPU-compute policies", lambda p: bool(p.cpu) or no_gpu),
+            ([eviction] if eviction not in (None, "lru") else [], "--eviction",
+             "the copy policies and cpu-on-miss, with a cache above 0", caching),
+            (lookaheads or [], "--lookahead", "the prefetching policies", lambda p: p.prefetch)]
     return [f"{name} was given, but none of the {verb} policies "
             f"uses it (only {who}): it changed nothing"
             for given, name, who, applies in uses if given and not any(applies(p) for p in pols)]
@@ -227,7 +234,9 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
         raise MoesimError("give a calibration trace (--placement-from) or --calibrate-on-replay, not both")
     no_gpu = any(get_machine(h).n_gpus == 0 for h in hws)  # --hw none: the host runs every layer
     notes: list[str] = unused_options(pols, hosts, cpu_layers, gpu_expert_gib, copy_queues, prefetch_top, gpu_layers,
-                                      offload_gib, no_gpu=no_gpu)
+                                      offload_gib, no_gpu=no_gpu, eviction=eviction,
+                                      cached=any(isinstance(c, (int, float)) and c > 0 for c in cache_gib),
+                                      lookaheads=lookaheads)
     if dropped:
         notes.append(f"{eng.name} does not run {', '.join(dropped)} (it runs {', '.join(eng.policies)}): left out")
     if host_ram_gb is not None and not (isinstance(host_ram_gb, (int, float)) and 0 < host_ram_gb < 1e7):

@@ -301,7 +301,11 @@ def traces(tmp_path_factory):
                                                    (["--host", "epyc-7742"], "--host"),
                                                    (["--prefetch-top", "1"], "--prefetch-top"),
                                                    (["--placement-from", "calib.npz"], "--placement-from"),
-                                                   (["--no-amx"], "--no-amx"), (["--gpu-layers", "3"], "--gpu-layers")]))
+                                                   (["--no-amx"], "--no-amx"), (["--gpu-layers", "3"], "--gpu-layers"),
+                                                   # the stranger's round 4: these three said nothing
+                                                   (["--split", "tensor"], "--split tensor"),
+                                                   (["--lookahead", "2"], "--lookahead"),
+                                                   (["--eviction", "lfu"], "--eviction")]))
 def test_replay_says_in_one_note_line_when_an_option_changed_nothing(traces, run, extra, name):
     r = run("replay", "t.npz", "--hw", "a6000", "--policy", "on-demand", "--sim", "fast", "--json", *extra,
                cwd=traces)
@@ -315,6 +319,11 @@ def test_replay_is_silent_when_the_option_is_used(traces):
                "--sim", "fast", cwd=traces)
     assert r.returncode == 0, r.stderr
     assert "changed nothing" not in r.stderr
+    for extra in (["--eviction", "lfu", "--cache-gib", "0.01"], ["--lookahead", "1", "--policy", "prefetch"],
+                  ["--split", "tensor", "--hw", "2xh100-sxm", "--policy", "all-resident"]):
+        r = in_process("replay", "t.npz", "--hw", "a6000", "--policy", "on-demand", "--sim", "fast", "--json", *extra,
+                       cwd=traces)
+        assert r.returncode == 0 and "changed nothing" not in r.stderr, (extra, r.stderr)
 
 
 def test_one_definition_of_unused_options_for_replay_and_whatif():

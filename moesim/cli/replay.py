@@ -96,7 +96,6 @@ def replay(
     from moesim.cli.replay_views import print_replay, print_speculative, print_validation
     from moesim.hardware import get_profile
     from moesim.sim.replay import replay as run_replay
-    from moesim.sim.replay import unused_notes
     from moesim.traces.format import read_trace
 
     if out_dir is not None:
@@ -130,10 +129,7 @@ def replay(
                          offload_gib=one(auto_or(offload_gib, "--offload-gib", float), "--offload-gib"),
                          ratios=floats(tensor_split, "--tensor-split") if tensor_split is not None else None,
                          lookahead=lookahead, cache_per_layer=cache_per_layer, gpu_expert_gib=gpu_expert_gib)
-    note = unused_notes(split(policy, "--policy"), hw_name, host=host, cpu_layers=cpu_layers, copy_queue=copy_queue,
-                        gpu_expert_gib=gpu_expert_gib, prefetch_top=prefetch_top, gpu_layers=gpu_layers,
-                        offload_gib=offload_gib, placement_from=placement_from, amx=amx,
-                        calibrate_on_replay=calibrate_on_replay)
+    note = rep.note
     rows = rep.rows
     if as_json or as_csv:
         print_json(rows) if as_json else print_csv(rows)
