@@ -109,6 +109,7 @@ def main() -> None:
         _interrupted()
     if code == 130:  # typer turns a KeyboardInterrupt inside a command into exit code 130
         _interrupted()
+    ignore_further()  # finished: a signal while the interpreter tears down must not end it by the signal
     sys.exit(code if isinstance(code, int) else 0)
 
 
@@ -122,6 +123,7 @@ def _click_exceptions():
 
 
 def _fail(line: str, code: int = 2) -> None:
+    ignore_further()
     err.print(f"error: {' '.join(line.split())}", highlight=False, markup=False, soft_wrap=True)
     sys.exit(code)
 
