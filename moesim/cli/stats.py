@@ -8,11 +8,12 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, err, ints, out, print_json
+from moesim.cli.app import app, err, given_options, ints, out, print_json
 
 
 @app.command()
 def stats(
+    ctx: typer.Context,
     trace_path: Annotated[Path, typer.Argument(metavar="TRACE", help="A trace file (.npz).")],
     hw_name: Annotated[str | None, typer.Option("--hw", help="Also simulate TPOT against cache size on this profile "
                                                              "and find the knee.")] = None,
@@ -30,13 +31,10 @@ def stats(
     Example: `moesim synth --model olmoe-1b-7b --tokens 64 --out olmoe.npz`, then
     `moesim stats olmoe.npz --hw a6000 --out olmoe-stats`
     """
-    from moesim.errors import MoesimError
     from moesim.reports.stats import stats_report
     from moesim.sim.stats import summary_lines
 
-    if hw_name is not None and not hw_name.strip():  # not silently "no --hw"
-        raise MoesimError("--hw '': give a profile name (moesim hw) or a .toml path, or leave --hw out")
-    if hw_name is None and policy != "on-demand":
+    if hw_name is None and "--policy" in given_options(ctx):
         err.print("note: --policy sets the TPOT-against-cache curve, which only --hw draws: changed nothing",
                   markup=False, soft_wrap=True)
     res = stats_report(trace_path, out_dir, hw=hw_name,  # whole numbers of experts: never nan, inf or 1.5 cut to 1

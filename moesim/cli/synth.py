@@ -8,13 +8,14 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, err, floats
+from moesim.cli.app import app, err, floats, given_options
 from moesim.cli.running import progress_bar
 from moesim.errors import MoesimError
 
 
 @app.command()
 def synth(
+    ctx: typer.Context,
     model: Annotated[str, typer.Option(help="Catalogue name or model directory.")] = "qwen3-30b-a3b",
     out_path: Annotated[Path, typer.Option("--out", help="Trace file to write (.npz).")] = Path("synthetic.npz"),
     tokens: Annotated[int, typer.Option(help="Decode steps.")] = 256,
@@ -61,20 +62,16 @@ def synth(
     `moesim synth --model olmoe-1b-7b --tokens 64 --lookahead 2 --out ahead.npz`,
     `moesim synth --speculative --model qwen3-235b-a22b --tokens 16 --out sd.npz`.
     """
-    spec_only = {"--branch": branch != 2, "--depth": depth != 4, "--accept": accept != "0.75,0.65,0.6,0.55",
-                 "--recall": recall != 0.7, "--parent-overlap": parent_overlap is not None,
-                 "--sibling-overlap": sibling_overlap is not None}
-    plain_only = {"--batch": batch != 1, "--reuse": reuse != 0.3, "--hit-rate": hit_rate != 0.85,
-                  "--early-hit-rate": early_hit_rate != 0.5, "--early-layers": early_layers != 2}
-    unused = [k for k, v in (plain_only if speculative else spec_only).items() if v]
+    typed = given_options(ctx)
+    spec_only = ["--branch", "--depth", "--accept", "--recall", "--parent-overlap", "--sibling-overlap"]
+    plain_only = ["--batch", "--reuse", "--hit-rate", "--early-hit-rate", "--early-layers"]
+    unused = [k for k in (plain_only if speculative else spec_only) if k in typed]
     if unused:
         err.print(f"note: {', '.join(unused)} {'apply' if len(unused) > 1 else 'applies'} to "
                   f"{'plain' if speculative else '--speculative'} synthetic traces: changed nothing", markup=False)
     if like is not None:  # the trace's model, popularity, reuse, hit rates and prompt length are used instead
-        fitted = {"--model": model != "qwen3-30b-a3b", "--prompt-len": prompt_len != 128, "--skew": skew != 1.0,
-                  "--reuse": reuse != 0.3, "--hit-rate": hit_rate != 0.85, "--early-hit-rate": early_hit_rate != 0.5,
-                  "--early-layers": early_layers != 2}
-        if given := [k for k, v in fitted.items() if v and not (speculative and k in spec_only)]:
+        fitted = ["--model", "--prompt-len", "--skew", "--reuse", "--hit-rate", "--early-hit-rate", "--early-layers"]
+        if given := [k for k in fitted if k in typed and k not in unused]:
             err.print(f"note: {', '.join(given)}: with --like these come from the trace: changed nothing",
                       markup=False, soft_wrap=True)
     if seed < 0:
