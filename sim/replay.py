@@ -99,6 +99,7 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
     most confident predicted experts (moesim.sim.prefetch_top), and ``placement_from``
     names the calibration trace whose routing places the hot experts (docs/policies.md)."""
     where = where or ("the trace" if isinstance(trace, Trace) else trace)
+    given_top = prefetch_top  # as given (a recorded one may fill it below): what a note names
     trace = trace if isinstance(trace, Trace) else read_trace(trace)
     if trace.speculative:
         raise MoesimError("a speculative-decoding trace: replay it with moesim.sim.speculative.speculative_whatif")
@@ -125,7 +126,7 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
                                                  placement_from)
     given_eviction = kw.get("eviction")
     kw, cache_source = recorded_cache(trace, kw)  # the cache as given, else as recorded: what an eviction needs
-    note = unused_notes(policies, hw, prefetch_top=prefetch_top, placement_from=placement_from,
+    note = unused_notes(policies, hw, prefetch_top=given_top, placement_from=placement_from,
                         **{**kw, "eviction": given_eviction})
     kw.setdefault("copy_queue", None)  # None: as recorded (moesim profile --copy-queue), else FIFO
     return Replay(trace, profile, source, simulate_policies(trace, profile, list(policies), progress=progress, **kw),
