@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -198,7 +199,7 @@ def test_threads_and_sockets(trace):
     assert t1 / 2 < t2 < t1
 
 
-def test_a_kernel_rate_makes_threads_and_context_matter_where_one_thread_cannot_keep_up(trace):
+def test_a_kernel_rate_makes_threads_and_context_matter_where_one_thread_cannot_keep_up(trace, tmp_path):
     """An engine figure ``cpu_kernel_gmacs``: where one thread's kernels cannot keep up with
     the memory, a second thread nearly halves the step and a long context costs its math;
     far above the bandwidth's pace (or absent) it changes nothing; never above the host's GEMM
@@ -222,6 +223,12 @@ def test_a_kernel_rate_makes_threads_and_context_matter_where_one_thread_cannot_
     assert cm.cpu_rate("bf16") == CostModel(trace.model, None, host, engine=base, threads=16).cpu_rate("bf16")
     assert CostModel(trace.model, None, host, engine=slow, threads=64).cpu_rate("q4_k") == pytest.approx(
         2 * 0.5e9 * 16)  # one thread a core: a second hardware thread shares its core's units
+    toml = tmp_path / "mine.toml"  # the TOML table, as a user writes it
+    toml.write_text(Path(base.path).read_text() + '\n[cpu_kernel_gmacs]\nbf16 = { value = 3.7, kind = "measured", '
+                    'source = "test" }\n')
+    mine = get_engine(str(toml))
+    assert mine.cpu_kernel_flops("bf16") == pytest.approx(7.4e9) and mine.cpu_kernel_flops("q8_0") is None
+    assert ("cpu_kernel_gmacs.bf16", mine.cpu_kernel_gmacs["bf16"]) in mine.sources()
 
 
 def test_every_layout_refuses_what_does_not_fit(trace):
