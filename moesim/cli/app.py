@@ -47,15 +47,6 @@ out = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") els
 err = Console(stderr=True)
 
 
-def given_options(ctx: typer.Context) -> set[str]:
-    """The options the user typed (``--skew``, ...), as click records each value's source
-    (by name: typer >= 0.20 vendors its own click): a note that an option changed nothing
-    names what was given, never a value compared against a copy of its default."""
-    source = ctx.get_parameter_source
-    return {p.opts[0] for p in ctx.command.params
-            if p.opts and p.opts[0].startswith("--") and getattr(source(p.name), "name", None) == "COMMANDLINE"}
-
-
 def _version(value: bool) -> None:
     if value:
         sys.stdout.write(f"moesim {__version__}\n")

@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, err, given_options, ints, out, print_json
+from moesim.cli.app import app, err, ints, out, print_json
+from moesim.cli.options import given_options
 
 
 @app.command()

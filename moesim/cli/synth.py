@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, err, floats, given_options
+from moesim.cli.app import app, err, floats
+from moesim.cli.options import given_options
 from moesim.cli.running import progress_bar
 from moesim.errors import MoesimError
 
