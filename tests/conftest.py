@@ -37,3 +37,16 @@ def tiny_trace() -> Trace:
 @pytest.fixture
 def qwen_trace() -> Trace:
     return synthetic_trace(get_model("qwen3-30b-a3b"), SyntheticParams(tokens=16, prompt_len=32, seed=1))
+
+
+@pytest.fixture(scope="module")
+def refusal_dir(tmp_path_factory):
+    """A folder for commands that should be refused: a tiny trace ``t.npz``, a plain file
+    ``afile`` and a folder ``adir`` (what a path option may wrongly name)."""
+    from moesim.traces.format import write_trace
+
+    d = tmp_path_factory.mktemp("refusals")
+    write_trace(synthetic_trace(get_model("tiny"), SyntheticParams(tokens=6, prompt_len=4)), d / "t.npz")
+    (d / "afile").write_text("x")
+    (d / "adir").mkdir()
+    return d

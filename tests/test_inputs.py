@@ -414,12 +414,8 @@ def test_stats_reads_a_trace_piped_into_stdin(work):
 # -- round 4 (a stranger's fresh-clone run, issue 24): option values, outputs, notes -------------
 
 @pytest.fixture(scope="module")
-def r4(tmp_path_factory):
-    d = tmp_path_factory.mktemp("round4")
-    write_trace(synthetic_trace(get_model("tiny"), SyntheticParams(tokens=6, prompt_len=4)), d / "t.npz")
-    (d / "afile").write_text("x")
-    (d / "adir").mkdir()
-    return d
+def r4(refusal_dir):
+    return refusal_dir
 
 
 def test_whole_number_and_finite_options_are_one_line_not_a_traceback_or_cut(r4):

@@ -38,12 +38,8 @@ def moesim(*args, cwd, pre: str = "", timeout: float = 300) -> subprocess.Comple
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    d = tmp_path_factory.mktemp("trust")
-    write_trace(synthetic_trace(get_model("tiny"), SyntheticParams(tokens=6, prompt_len=4)), d / "t.npz")
-    (d / "afile").write_text("x")
-    (d / "adir").mkdir()
-    return d
+def work(refusal_dir):
+    return refusal_dir
 
 
 @pytest.fixture

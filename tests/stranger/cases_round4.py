@@ -91,13 +91,6 @@ def mutate(name: str, header: dict | None = None, drop: tuple[str, ...] = (), **
     return make
 
 
-def write(name: str, content: str | bytes) -> Callable[[Path], None]:
-    def make(d: Path) -> None:
-        (d / name).parent.mkdir(parents=True, exist_ok=True)
-        (d / name).write_bytes(content.encode() if isinstance(content, str) else content)
-    return make
-
-
 def link(name: str, target: str) -> Callable[[Path], None]:
     def make(d: Path) -> None:
         (d / name).parent.mkdir(parents=True, exist_ok=True)
