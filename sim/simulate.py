@@ -277,8 +277,9 @@ def time_plan(trace: Trace, pol: Policy, plan: Plan, costs: Costs, profiles: lis
     links = [sim_link(trace, c, costs) for c in cms]
     results = []
     for c, (ends, copy, stall, spans) in zip(cms, time_workload(work, links, copy_queue, sim, record)):
-        key = (c.gpu.name, c.gpu["h2d_pinned_gbs"], c.gpu["transfer_latency_us"], pol.offload, spec.expert_dtype,
-               c.engine.name)
+        # Everything ttft_of reads: the model and prompt of the trace, the GPU and its link, the engine.
+        key = (spec, trace.prompt_len, trace.batch, costs.source, trace.meta.prefill_s, c.gpu.name, c.gpu.path,
+               c.gpu["h2d_pinned_gbs"], c.gpu["transfer_latency_us"], pol.offload, c.engine.name)
         if ttfts is not None and key in ttfts:
             ttft = ttfts[key]
         else:

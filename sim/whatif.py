@@ -295,7 +295,7 @@ class Sweep:
 
     @functools.cached_property
     def _ttft_memo(self) -> dict[tuple, float]:
-        """(trace, dtype, profile, link, offload) -> TTFT: the same for every copy policy and
+        """(model, prompt, profile, link, offload, engine) -> TTFT: the same for every copy policy and
         cache, so a worker computes it once per sweep, not once per configuration (per process)."""
         return {}
 

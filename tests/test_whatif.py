@@ -33,6 +33,18 @@ def test_sweep_rows_match_single_replays(sweep):
     assert row["tpot_ms"] == pytest.approx(direct["tpot_ms"], rel=1e-9)
 
 
+def test_each_models_rows_carry_its_own_time_to_first_token(sweep):
+    """A sweep memoises the time to first token across its groups; a model's rows never get
+    another model's (the memo once keyed on the GPU and link alone)."""
+    from moesim.sim.simulate import simulate
+
+    rows = [r for r in run_sweep(sweep, jobs=1) if r["policy"] == "on-demand" and r["cache_gib"] == 0.0]
+    assert len(rows) == 8
+    for r in rows:
+        direct = simulate(sweep.traces[r["model"]], get_profile(r["hw"]), "on-demand", link_gbps=r["link_gbps"])
+        assert r["ttft_ms"] == pytest.approx(direct.summary()["ttft_ms"], rel=1e-9), r["model"]
+
+
 def test_best_skips_the_oracle_and_what_does_not_fit():
     rows = [
         {"policy": "oracle", "fits": True, "tpot_ms": 1.0},
