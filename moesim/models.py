@@ -588,6 +588,13 @@ class ModelSpec:
             raise MoesimError(f"{self.name}: layer {layer} outside [0, {self.n_layers})")
         return self.layer_types[layer] if self.layer_types else "full"
 
+    def layer_signature(self, layer: int) -> tuple:
+        """What makes one layer's dense work cost differently from another's: its kind, its
+        resident bytes and its dense (FFN, router and shared-expert) weights, everything the
+        per-layer methods here read; layers with one signature cost the same, so the cost
+        model times each signature once (:meth:`moesim.costmodel.CostModel.attention_by_layer`)."""
+        return self.layer_kind(layer), self.layer_resident_bytes(layer), self.dense_weights(layer)
+
     def layer_attention_bytes(self, layer: int) -> int:
         """Bytes of layer ``layer``'s token mixer with its two norms (:attr:`attention_bytes`
         for an attention layer; the mixer's for a linear one)."""

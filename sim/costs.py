@@ -48,9 +48,7 @@ def roofline_costs(cm: CostModel, tokens: int, prompt_len: int, batch: int = 1) 
     ``prompt_len`` tokens, ``batch`` sequences a step."""
     spec = cm.spec
     ctx = prompt_len + np.arange(tokens, dtype=np.int64)
-    attn = np.empty((tokens, spec.n_layers))
-    for layer in range(spec.n_layers):
-        attn[:, layer] = cm.attention(layer, ctx, rows=batch)
+    attn = cm.attention_by_layer(ctx, rows=batch)
     m = spec.n_moe_layers
     return Costs(attn, np.full((tokens, m), cm.expert_read()), np.full(tokens, cm.head(batch)),
                  f"roofline ({cm.gpu.name}{'' if cm.engine.name == DEFAULT_ENGINE else ', ' + cm.engine.name})",

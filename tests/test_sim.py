@@ -275,3 +275,17 @@ def test_lm_head_and_copy_time_are_defined_once():
     fast = _compute_bound(hw).with_figure("bf16_tflops", 1e9)
     expected = spec.n_moe_layers * Link.of(CostModel(spec, fast)).copy_time(spec.n_experts)
     assert prefill_time(CostModel(spec, fast), 16, offload=True) == pytest.approx(expected, rel=1e-3)
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-20b", "deepseek-v3", "qwen3.5-35b-a3b", "llama-4-maverick-17b-128e",
+                                  "jamba-1.5-mini", "qwen3-30b-a3b"])
+def test_attention_by_layer_is_each_layers_own_attention(name):
+    """The cost model times each layer signature once (CostModel.attention_by_layer): on
+    models that mix sliding, chunked, linear, dense and MoE layers it equals timing every
+    layer by itself, at contexts either side of the window and chunk sizes."""
+    spec = get_model(name)
+    cm = CostModel(spec, get_profile("a6000"))
+    ctx = np.array([0, 1, 127, 128, 4095, 8192, 9000, 131071], dtype=np.int64)
+    alone = np.stack([np.broadcast_to(cm.attention(layer, ctx, rows=2), ctx.shape) for layer in range(spec.n_layers)],
+                     axis=1)
+    assert np.array_equal(cm.attention_by_layer(ctx, rows=2), alone)
