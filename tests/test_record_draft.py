@@ -86,7 +86,7 @@ def test_tokens_and_routing_are_the_targets_own(ckpt, tmp_path, draft):
                                 settings=settings)
     back = read_trace(tmp_path / "sd.npz")
     n = back.n_tokens
-    assert n >= 10 and back.speculative and not back.synthetic and back.header["version"] == 2
+    assert n >= 10 and back.speculative and not back.synthetic and back.header["version"] >= 2
     h = back.header
     assert h["recorded"]["draft_source"] == str(ckpt[draft])
     assert h["recorded"]["revision_sha256"] == rec.revision_hash(ckpt["target"])

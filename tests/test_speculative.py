@@ -116,7 +116,7 @@ def test_speculative_trace_round_trips_and_replays(models, tmp_path):
     pre, records, _ = speculative_generate(dec, draft, predictor, prompt, st)
     trace = build_sd_trace(target, prompt, records, pre, hw, st, "on-demand", 0, "cpu", True, "t", "d")
     back = read_trace(write_trace(trace, tmp_path / "sd.npz"))
-    assert back.header["version"] == 2 and back.speculative
+    assert back.header["version"] >= 2 and back.speculative  # speculative records came in version 2
     assert back.timings["sd_accepted"].tolist() == [len(r.accepted_rows) for r in records]
     steps = recorded_steps(back)
     assert [s.true_union for s in steps] == [r.true_union for r in records]  # the recorded expert unions

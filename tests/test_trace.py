@@ -46,6 +46,7 @@ def _rewrite(tmp_path, trace, **changes):
     header = dict(trace.header)
     header.update(changes.pop("header", {}))
     arrays.update(changes)
+    arrays = {k: a for k, a in arrays.items() if a is not None}  # None: the member left out
     arrays["header"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
     path = tmp_path / "bad.npz"
     np.savez_compressed(path, **arrays)
@@ -53,7 +54,15 @@ def _rewrite(tmp_path, trace, **changes):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"header": {"version": 3}}, "version 3"),
+    ({"header": {"version": 4}}, "version 4"),
+    ({"header": {"same_as": {"exec_ids": "true_ids"}}}, "'true_ids' must be stored and 'exec_ids' not"),
+    ({"header": {"same_as": {"true_ids": "exec_ids"}}, "true_ids": None}, "not an earlier routing array"),
+    ({"header": {"same_as": {"pred_gates": "true_ids"}}, "pred_gates": None}, "not an earlier routing array of its"),
+    ({"header": {"same_as": {"exec_ids": "pred_ids", "pred_ids": "true_ids"}}, "exec_ids": None, "pred_ids": None},
+     "not an earlier"),
+    ({"header": {"same_as": {"exec_ids": "nope"}}, "exec_ids": None}, "'nope' is not an earlier"),
+    ({"header": {"same_as": ["exec_ids"]}}, "same_as must be an object"),
+    ({"header": {"same_as": {"exec_ids": "true_ids"}, "version": 2}, "exec_ids": None}, "of a version-3 trace"),
     ({"header": {"format": "other"}}, "not a moesim trace"),
     ({"header": {"n_tokens": 99}}, "truncated"),
     ({"true_ids": np.full((24, 4, 1, 2), 16, np.int16)}, "true_ids outside"),
@@ -333,7 +342,7 @@ def _member_span(path, name):
     return start + 10 + header_len, info.file_size - 10 - header_len
 
 
-@pytest.mark.parametrize("name", ["true_ids", "true_gates", "exec_ids", "token_ids"])
+@pytest.mark.parametrize("name", ["true_ids", "true_gates", "pred_ids", "token_ids"])
 def test_a_flipped_byte_in_stored_data_is_one_line(tmp_path, tiny_trace, monkeypatch, name):
     """A stored array has no zlib stream to fail: its CRC-32 catches what its values do not
     (a gate still in [0, 1], an id still in range)."""
@@ -418,3 +427,25 @@ def test_row_repeats_are_found_at_any_width():
         if k > 1:
             rows[17, k - 1] = rows[17, 0]
             assert _has_repeat(rows)
+
+
+def test_a_repeated_routing_array_is_stored_once_and_read_back_as_it_was(tmp_path):
+    """exec_ids equal to true_ids (a synthetic trace, a run that executed the true experts)
+    is written once, the header naming the repeat (version 3); it reads back equal, read-only,
+    and a trace whose arrays all differ stores all five."""
+    import zipfile
+
+    trace = synthetic_trace(get_model("tiny"), SyntheticParams(tokens=30, seed=3))
+    path = write_trace(trace, tmp_path / "t.npz")
+    assert "exec_ids.npy" not in zipfile.ZipFile(path).namelist()
+    back = read_trace(path)
+    assert back.header["same_as"] == {"exec_ids": "true_ids"} and back.header["version"] == 3
+    assert np.array_equal(back.exec_ids, trace.true_ids) and back.exec_ids.dtype == trace.true_ids.dtype
+    with pytest.raises(ValueError):
+        back.exec_ids[0, 0, 0, 0] = 1
+    changed = np.array(back.exec_ids)
+    changed[0, 0, 0, 0] = -1  # the run skipped one expert
+    back.exec_ids = changed
+    again = read_trace(write_trace(back, tmp_path / "u.npz"))
+    assert "same_as" not in again.header and np.array_equal(again.exec_ids, changed)
+    assert "exec_ids.npy" in zipfile.ZipFile(tmp_path / "u.npz").namelist()

@@ -17,8 +17,10 @@ from moesim.models import ModelSpec
 from moesim.policy import POLICIES, Policy
 
 FORMAT = "moesim-trace"
-VERSION = 2  # 2 = 1 + optional speculative-decoding records (sd_*); readers take both
-READABLE = (1, 2)
+#: 2 = 1 + optional speculative-decoding records (sd_*); 3 = 2 + routing arrays that repeat
+#: an earlier one stored once (header ``same_as``). Readers take all three.
+VERSION = 3
+READABLE = (1, 2, 3)
 
 #: The policy a replay uses when the trace's recorded one is not a registered policy
 #: (synthetic traces record "none"): on-demand executes exactly the true experts.

@@ -549,4 +549,6 @@ def synthetic_trace(spec: ModelSpec, params: SyntheticParams = SyntheticParams()
     r_tok = np.random.default_rng(draw_seeds[4])
     prompt = r_tok.integers(0, spec.vocab, (b, params.prompt_len), dtype=np.int32)
     tokens = r_tok.integers(0, spec.vocab, (b, t), dtype=np.int32)
-    return Trace(header, prompt, tokens, true, gates, pred, pred_gates, true.copy())
+    executed = true.view()  # a synthetic run executes the true experts (written once: moesim.traces.format)
+    executed.flags.writeable = False
+    return Trace(header, prompt, tokens, true, gates, pred, pred_gates, executed)
