@@ -803,6 +803,12 @@ def _curve(trace: Trace, sizes: Sequence[int] | None, summary: bool = False) -> 
     sizes = [int(s) for s in sizes] if sizes is not None else default_sizes(total)
     if any(s < 0 for s in sizes):
         raise MoesimError("cache sizes must be >= 0 experts")
+    over = sorted({s for s in sizes if s > total})
+    notes = []
+    if over:  # a cache cannot hold more experts than the model has: such a size is the whole model
+        sizes = list(dict.fromkeys(min(s, total) for s in sizes))
+        notes.append(f"cache size{'s' if len(over) > 1 else ''} {', '.join(map(str, over))} above the {total} experts "
+                     f"{spec.name} has ({spec.n_moe_layers} MoE layers x {spec.n_experts}): cut to {total}")
     ids, e = _stream(trace)
     b, k = trace.true_ids.shape[2:]
     group_max = min(b * k, e)  # a (step, layer) has at most this many distinct experts
@@ -836,7 +842,8 @@ def _curve(trace: Trace, sizes: Sequence[int] | None, summary: bool = False) -> 
             per["lru"].append(lru[s])
             per["lfu"].append(lfu[s])
             per["belady"].append(belady[:, replay.index(s)])
-    curve: dict[str, Any] = {"sizes": sizes, "bytes": [s * spec.expert_bytes for s in sizes], "accesses": accesses}
+    curve: dict[str, Any] = {"sizes": sizes, "bytes": [s * spec.expert_bytes for s in sizes], "accesses": accesses,
+                             "notes": notes}
     for name, rows in per.items():
         curve[name] = [int(h.sum()) / accesses for h in rows]
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -989,6 +996,7 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
         vals = [r for r in rec if r == r]
         if vals:
             lines.append(f"predictor {name}: recall@k {np.mean(vals):.3f} (layers {min(vals):.2f}-{max(vals):.2f})")
+    lines += [f"note: {n}" for n in hr.get("notes", [])]
     lines.append("cache hit rate (experts in cache: LRU / LFU / Belady's optimum):")
     for s, a, b, c, nbytes in zip(hr["sizes"], hr["lru"], hr["lfu"], hr["belady"], hr["bytes"], strict=True):
         size = f"{nbytes / 2**30:7.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:7.1f} MiB"

@@ -117,3 +117,18 @@ def test_synth_like_file_writes_a_marked_synthetic_trace(tmp_path):
     t = read_trace(out)
     assert t.synthetic and t.n_tokens == 50 and t.batch == 2
     assert t.header["generator"]["like"] == "moe-stdlib-routing.npz"
+
+
+def test_cache_sizes_above_the_models_experts_are_cut_with_a_note():
+    """A cache of 10**8 experts on a model of 4 x 16 holds the whole model: the size is cut
+    to 64 (one row, not a '100000000 experts (x GiB)' row and a knee there) and said so."""
+    from moesim.sim.stats import routing_stats, summary_lines
+
+    trace = synthetic_trace(get_model("tiny"), SyntheticParams(tokens=40, seed=1))
+    res = routing_stats(trace, get_profile("a6000"), sizes=[0, 8, 64, 10**8, 200])
+    assert res["hit_rate"]["sizes"] == [0, 8, 64]
+    assert res["hit_rate"]["notes"] == ["cache sizes 200, 100000000 above the 64 experts tiny has "
+                                        "(4 MoE layers x 16): cut to 64"]
+    assert res["tpot"]["knee_experts"] <= 64
+    assert any(line.startswith("note: cache sizes 200, 100000000") for line in summary_lines(res))
+    assert routing_stats(trace, sizes=[0, 8])["hit_rate"]["notes"] == []

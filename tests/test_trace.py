@@ -65,6 +65,8 @@ def _rewrite(tmp_path, trace, **changes):
     ({"header": {"same_as": {"exec_ids": "true_ids"}, "version": 2}, "exec_ids": None}, "of a version-3 trace"),
     ({"header": {"format": "other"}}, "not a moesim trace"),
     ({"header": {"n_tokens": 99}}, "truncated"),
+    ({"header": {"n_tokens": "24"}}, "n_tokens '24' must be a whole number"),  # was "says 24 tokens but ... 24"
+    ({"true_ids": np.ones((24, 4, 1, 2), np.uint8)}, "dtype uint8, expected a signed integer"),
     ({"true_ids": np.full((24, 4, 1, 2), 16, np.int16)}, "true_ids outside"),
     ({"true_ids": np.zeros((24, 4, 1, 2), np.int16)}, "repeats an expert"),
     ({"pred_ids": np.zeros((24, 3, 1, 2), np.int16)}, "pred_ids has shape"),

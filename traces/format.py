@@ -645,8 +645,11 @@ def validate(trace: Trace, where: str,
             raise bad(f"{k_} has shape {a.shape}, expected {shape}")
         kind = "f" if k_.endswith("gates") else "i"
         if a.dtype.kind != kind:
-            raise bad(f"{k_} has dtype {a.dtype}, expected {'float' if kind == 'f' else 'integer'}")
-    if h.get("n_tokens", t) != t:
+            raise bad(f"{k_} has dtype {a.dtype}, expected {'float' if kind == 'f' else 'a signed integer (int16)'}")
+    n = h.get("n_tokens", t)
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise bad(f"header n_tokens {n!r} must be a whole number of decode steps")
+    if n != t:
         raise bad(f"header says {h.get('n_tokens')} tokens but arrays hold {t} (truncated?)")
     e = spec.n_experts
     ids = scan("true_ids", trace.true_ids, True)
