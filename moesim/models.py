@@ -7,6 +7,7 @@ A spec comes from the built-in catalogue (``CATALOGUE``), from a Hugging Face
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import warnings
@@ -1087,10 +1088,27 @@ def get_model(name_or_path: str) -> ModelSpec:
         return spec
     if key in CATALOGUE:
         return CATALOGUE[key]
+    shipped = shipped_checkpoint(name_or_path)
+    if shipped is not None:
+        return get_model(str(shipped))
     raise MoesimError(
-        f"unknown model {name_or_path!r}: not in the catalogue ({', '.join(CATALOGUE)}) "
-        "and not a directory or config.json"
+        f"unknown model {name_or_path!r}: not in the catalogue ({', '.join(CATALOGUE)}), "
+        "not a checkpoint that ships with moesim and not a directory or config.json"
     )
+
+
+def shipped_checkpoint(name: str) -> Path | None:
+    """The folder of a checkpoint that ships with moesim's executor, by the name ``moesim
+    record`` takes (``moe-stdlib``, ``moe-stdlib-draft``), so every command that takes a
+    model takes it; None for any other name. Found without importing the executor (torch)."""
+    from moesim.executor.defaults import DRAFT_MODEL, SHIPPED_MODEL  # torch-free
+
+    if name not in (SHIPPED_MODEL, DRAFT_MODEL):
+        return None
+    spec = importlib.util.find_spec("moesim.executor")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    found = [Path(r) / "checkpoints" / name for r in roots if (Path(r) / "checkpoints" / name).is_dir()]
+    return found[0] if found else None
 
 
 # ---------------------------------------------------------------------------------------

@@ -52,6 +52,21 @@ def test_spec_round_trips_through_dict():
     assert ModelSpec.from_dict(json.loads(json.dumps(m.to_dict()))) == m
 
 
+def test_the_shipped_checkpoints_are_models_by_name_in_every_command(tmp_path, monkeypatch):
+    """``moesim record moe-stdlib`` takes the shipped checkpoint by name; so do whatif,
+    synth, import and the rest (get_model), reading its config.json, unless a local folder
+    of that name exists (a path wins)."""
+    from moesim.models import shipped_checkpoint
+
+    spec = get_model("moe-stdlib")
+    assert (spec.name, spec.n_experts, spec.n_moe_layers) == ("moe-stdlib", 32, 4)
+    assert shipped_checkpoint("moe-stdlib-draft").is_dir() and shipped_checkpoint("qwen3-30b-a3b") is None
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "moe-stdlib").mkdir()
+    with pytest.raises(MoesimError, match="has no config.json"):
+        get_model("moe-stdlib")
+
+
 def test_unknown_model_is_a_clear_error():
     with pytest.raises(MoesimError, match="unknown model 'nope'"):
         get_model("nope")

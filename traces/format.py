@@ -723,7 +723,7 @@ def _validate_timings(trace: Trace, spec: ModelSpec, bad) -> None:
         raise bad(f"speculative records are incomplete (missing {', '.join(sorted(set(SD_FIELDS) - set(sd)))})")
     if sd:
         if trace.header.get("version", 1) < 2:
-            raise bad("speculative records need trace format version 2")
+            raise bad("speculative records need trace format version 2 or later")
         n_steps = tm["sd_accepted"].shape[0]
         for k, (kind, ndim) in SD_FIELDS.items():
             a = tm[k]

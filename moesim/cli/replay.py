@@ -21,7 +21,7 @@ SD = "Speculative traces, with --gamma: "
 
 @app.command()
 def replay(
-    trace_path: Annotated[Path, typer.Argument(metavar="TRACE", help="A trace file (.npz, format version 1 or 2).")],
+    trace_path: Annotated[Path, typer.Argument(metavar="TRACE", help="A trace file (.npz, format version 1, 2 or 3).")],
     hw_name: Annotated[str | None, typer.Option("--hw", help="The machine: a GPU profile name or .toml path, NxPROFILE "
                                                          "or A+B for several GPUs, none for no GPU (default: the "
                                                          f"profile the trace was recorded on, else {DEFAULT_PROFILE}).")] = None,

@@ -32,7 +32,7 @@ def speculate(
     cache_experts: Annotated[int, typer.Option(help="Cross-token expert cache, in experts.")] = 0,
     prompt: Annotated[str | None, typer.Option(help="Prompt text (default: a Python snippet).")] = None,
     threads: Annotated[int, typer.Option(help="torch threads for compute (the emulated link uses its own thread).")] = DECODE_THREADS,
-    out_path: Annotated[Path, typer.Option("--out", help="Trace file to write (format version 2).")] = Path("speculate.npz"),
+    out_path: Annotated[Path, typer.Option("--out", help="Trace file to write (format version 3).")] = Path("speculate.npz"),
 ) -> None:
     """Speculative decoding (greedy, lossless) with a draft tree on the offload engine,
     selecting the verified nodes by confidence or by EcoSpec's cost-aware score; records
