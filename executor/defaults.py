@@ -6,8 +6,8 @@ link). ``OFFLINE_THREADS``: threads for untimed jobs (calibration, estimator and
 expert-predictor training).
 """
 
-SHIPPED_MODEL = "moe-stdlib"  # the shipped learned-routing checkpoint
-DRAFT_MODEL = "moe-stdlib-draft"  # its shipped draft for speculative decoding
+from moesim.models import DRAFT_MODEL, SHIPPED_MODEL  # noqa: F401 (the shipped checkpoints' names)
+
 DECODE_THREADS = 1
 OFFLINE_THREADS = 2
 #: ``moesim record --draft``: the candidate tree and the selection (DraftSettings' defaults).

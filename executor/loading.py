@@ -29,7 +29,7 @@ from moesim.models import CATALOGUE, ModelSpec, get_model
 from moesim.outputs import check_output_dir
 from moesim.policy import get_policy
 
-CHECKPOINTS = Path(__file__).parent / "checkpoints"
+CHECKPOINTS = Path(__file__).parent / "checkpoints"  # package data: moesim.models.shipped_checkpoint finds it by name
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

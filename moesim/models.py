@@ -1097,12 +1097,17 @@ def get_model(name_or_path: str) -> ModelSpec:
     )
 
 
+#: The checkpoints that ship with moesim's executor (its package data, ``checkpoints/NAME``):
+#: the learned-routing model and its draft for speculative decoding.
+SHIPPED_MODEL = "moe-stdlib"
+DRAFT_MODEL = "moe-stdlib-draft"
+
+
 def shipped_checkpoint(name: str) -> Path | None:
     """The folder of a checkpoint that ships with moesim's executor, by the name ``moesim
-    record`` takes (``moe-stdlib``, ``moe-stdlib-draft``), so every command that takes a
-    model takes it; None for any other name. Found without importing the executor (torch)."""
-    from moesim.executor.defaults import DRAFT_MODEL, SHIPPED_MODEL  # torch-free
-
+    record`` takes (:data:`SHIPPED_MODEL`, :data:`DRAFT_MODEL`), so every command that
+    takes a model takes it; None for any other name. The folder is package data, located
+    by the import system without running the executor's code (which needs torch)."""
     if name not in (SHIPPED_MODEL, DRAFT_MODEL):
         return None
     spec = importlib.util.find_spec("moesim.executor")

@@ -35,6 +35,26 @@ def test_help_teaches_with_examples(run):
         assert "Example" in r.stdout, cmd
 
 
+def test_typer_builds_the_invoked_command_alone_and_keeps_every_one_for_the_group():
+    """moesim.cli.argv.only_command: a command's run sees that command registered alone;
+    the group's help, --version and an unknown name see all seventeen, and so does the app
+    after any run (in-process callers, the suite's runner, invoke one after another)."""
+    from moesim.cli import app
+    from moesim.cli.argv import only_command
+
+    every = list(app.registered_commands)
+    assert len(every) >= 17
+    for argv in (["replay", "t.npz", "--hw", "a6000"], ["train-estimator", "--help"]):
+        with only_command(argv):
+            assert len(app.registered_commands) == 1
+        assert app.registered_commands == every
+    for argv in ([], ["--help"], ["--version"], ["nope"], ["t.npz", "replay"]):
+        with only_command(argv):
+            assert app.registered_commands == every
+    r = moesim("replayy", "x")
+    assert r.returncode == 2 and "No such command 'replayy'" in r.stderr and "\n" not in r.stderr.strip()
+
+
 def test_models_lists_the_catalogue_with_byte_accounting():
     r = moesim("models", "--json")
     rows = {m["model"]: m for m in json.loads(r.stdout)["models"]}

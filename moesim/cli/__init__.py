@@ -36,6 +36,7 @@ from moesim.cli import (  # noqa: F401  (each module registers its command on th
     whatif,
 )
 from moesim.cli.app import app, err
+from moesim.cli.argv import empty_option, only_command
 from moesim.errors import MoesimError
 from moesim.stop import catch_sigterm, ignore_further, interrupted_line
 
@@ -56,18 +57,6 @@ def missing_dependency(e: ModuleNotFoundError) -> str | None:
     return f"this command needs {top}, which is not installed: pip install \"moesim[{extra}]\"{hint}"
 
 
-def empty_option(argv: list[str]) -> str | None:
-    """The first option given an empty value (``--out ''``, ``--out=``), which no moesim
-    option means: a path option would get the current folder from it (typer reads ``''``
-    as ``Path('.')``), a list option its default, before any command could tell."""
-    for i, a in enumerate(argv):
-        if a == "--":
-            break
-        if a.startswith("--") and (a.endswith("=") or (i + 1 < len(argv) and argv[i + 1] == "" and "=" not in a)):
-            return a.rstrip("=")
-    return None
-
-
 def main() -> None:
     """Console entry point. User errors (including a bad option, which click would print as
     a usage box) become one line and exit code 2; Ctrl-C or SIGTERM before anything worth
@@ -79,7 +68,8 @@ def main() -> None:
     if empty:
         _fail(f"{empty} '' is empty: give at least one value")
     try:
-        code = app(standalone_mode=False)
+        with only_command(sys.argv[1:]):
+            code = app(standalone_mode=False)
     except click.NoArgsIsHelpError as e:  # `moesim CMD` alone: its help, as click shows it
         e.show()
         sys.exit(0)
