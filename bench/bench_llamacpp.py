@@ -889,6 +889,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         return result
     if args.quick:
         args.n_gen, args.reps = 16, 3
+    import importlib.util
+
+    if importlib.util.find_spec("gguf") is None:  # moesim reads the GGUF files' bytes and tensor types through it
+        sys.exit('this benchmark needs gguf-py, which is not installed: pip install ".[gguf]"')
     work = args.work.expanduser().resolve()
 
     llama_dir = fetch_source(work)

@@ -61,8 +61,11 @@ def _rewrite(tmp_path, trace, **changes):
     ({"header": {"same_as": {"exec_ids": "pred_ids", "pred_ids": "true_ids"}}, "exec_ids": None, "pred_ids": None},
      "not an earlier"),
     ({"header": {"same_as": {"exec_ids": "nope"}}, "exec_ids": None}, "'nope' is not an earlier"),
-    ({"header": {"same_as": ["exec_ids"]}}, "same_as must be an object"),
-    ({"header": {"same_as": {"exec_ids": "true_ids"}, "version": 2}, "exec_ids": None}, "of a version-3 trace"),
+    ({"header": {"same_as": ["exec_ids"]}}, "same_as must be an object .* got list"),
+    ({"header": {"same_as": {"exec_ids": "true_ids"}, "version": 2}, "exec_ids": None},
+     "same_as .repeated arrays. needs format version 3; the header says version 2"),
+    ({"header": {"version": True}}, "version True"),  # True == 1: was read as version 1
+    ({"header": {"version": 3.0}}, "version 3.0"),
     ({"header": {"format": "other"}}, "not a moesim trace"),
     ({"header": {"n_tokens": 99}}, "truncated"),
     ({"header": {"n_tokens": "24"}}, "n_tokens '24' must be a whole number"),  # was "says 24 tokens but ... 24"

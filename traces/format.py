@@ -199,8 +199,12 @@ def _aliases(header: dict[str, Any], data: dict[str, np.ndarray], where: str) ->
     same_as = header.get("same_as", {})
     if not same_as:
         return {}
-    if not isinstance(same_as, dict) or header.get("version") < SAME_AS_VERSION:
-        raise MoesimError(f"{where}: trace header same_as must be an object of a version-{SAME_AS_VERSION} trace")
+    if header["version"] < SAME_AS_VERSION:
+        raise MoesimError(f"{where}: trace header same_as (repeated arrays) needs format version {SAME_AS_VERSION}; "
+                          f"the header says version {header['version']}")
+    if not isinstance(same_as, dict):
+        raise MoesimError(f"{where}: trace header same_as must be an object (array -> the array it repeats), "
+                          f"got {type(same_as).__name__}")
     for alias, first in same_as.items():
         if (alias not in ROUTING or first not in ROUTING or ROUTING.index(first) >= ROUTING.index(alias)
                 or _kind(first) != _kind(alias) or first in same_as):
@@ -355,7 +359,7 @@ def _checked(f: IO[bytes], data: dict[str, np.ndarray], mapped: dict[str, _Membe
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise MoesimError(f"{where}: not a moesim trace (format is {header.get('format') if isinstance(header, dict) else None!r})")
     version = header.get("version")
-    if version not in READABLE:
+    if isinstance(version, bool) or not isinstance(version, int) or version not in READABLE:  # True == 1, 3.0 == 3
         raise MoesimError(f"{where}: trace format version {version!r}; this moesim reads versions "
                           f"{', '.join(map(str, READABLE))}")
     aliases = _aliases(header, data, where)
