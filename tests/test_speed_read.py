@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -44,9 +45,17 @@ def same(a, b) -> bool:
     return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
+def every_member_stored(trace):
+    """``trace`` with exec_ids one expert short of true_ids, so that the file stores all five
+    routing arrays (a synthetic trace's exec_ids repeats true_ids: stored once, version 3)."""
+    executed = np.array(trace.exec_ids)
+    executed[0, 0, 0, 0] = -1
+    return replace(trace, exec_ids=executed)
+
+
 def test_threads_read_what_one_thread_reads(tmp_path, tiny_trace):
     with scanning(1):
-        path = write_trace(tiny_trace, tmp_path / "t.npz")
+        path = write_trace(every_member_stored(tiny_trace), tmp_path / "t.npz")
         files = {"good": path.read_bytes()}
     raw = files["good"]
     for name in (*ROUTING, "token_ids"):
@@ -87,7 +96,7 @@ def test_threads_leave_no_member_unchecked(tmp_path, tiny_trace, threads):
     """After a threaded read every mapped member's CRC-32 was checked (a flipped byte in
     the last member is still caught)."""
     with scanning(threads):
-        path = write_trace(tiny_trace, tmp_path / "t.npz")
+        path = write_trace(every_member_stored(tiny_trace), tmp_path / "t.npz")
         start, n = _member_span(path, "exec_ids")
         raw = bytearray(path.read_bytes())
         raw[start + n - 1] ^= 0x10
