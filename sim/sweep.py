@@ -222,7 +222,8 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
     batches = _positive_ints([batch] if isinstance(batch, int) else list(batch), "--batch")
     prompts = _positive_ints([prompt_len] if isinstance(prompt_len, int) else list(prompt_len), "--prompt-len")
     eng = get_engine(engine)  # an unknown engine: one line, before any work
-    if policies is None:  # the policies the engine runs (moesim's own defaults for PyTorch eager)
+    chosen = policies is not None
+    if not chosen:  # the policies the engine runs (moesim's own defaults for PyTorch eager)
         policies = [p for p in DEFAULT_POLICIES if eng.runs(p)] or list(eng.policies)
     pols = [get_policy(p) for p in policies]  # names checked before any work
     dropped = [p.name for p in pols if not eng.runs(p.name)]
@@ -267,8 +268,14 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
                                                              placement_from)
             calibration_source = f"the calibration trace {placement_from}"
         elif any(p.cpu == "hot" for p in pols) and not calibrate_on_replay:
-            raise MoesimError("hot-experts places experts by a calibration trace's routing: give --placement-from "
-                              "TRACE (or --calibrate-on-replay for an optimistic bound)")
+            why = ("hot-experts places experts by a calibration trace's routing: give --placement-from TRACE (or "
+                   "--calibrate-on-replay for an optimistic bound)")
+            if chosen:
+                raise MoesimError(why)
+            # Among the defaults it is left out, not the whole sweep refused: `moesim whatif --trace T` answers.
+            pols = [p for p in pols if p.cpu != "hot"]
+            policies = [p.name for p in pols]
+            notes.append(f"{why} to sweep it: left out")
     else:
         if placement_from is not None:
             raise MoesimError("--placement-from calibrates a recorded trace (--trace); synthetic traces are calibrated "

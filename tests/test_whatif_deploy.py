@@ -249,6 +249,11 @@ def test_recorded_trace_axes_and_calibration_are_checked(traces, tmp_path):
     r = moesim("whatif", "--trace", run, "--hw", "a6000", "--policy", "hot-experts", "--out", tmp_path / "r")
     assert r.returncode == 2 and r.stderr.startswith("error: hot-experts places experts") and len(
         r.stderr.strip().splitlines()) == 1
+    # Among the default policies it is left out with a note, not the whole sweep refused (it was).
+    res = whatif(run, hws=["a6000"], cache_gib=[0], jobs=1)
+    assert res.rows and "hot-experts" not in {r["policy"] for r in res.rows} and "cpu-static" in {
+        r["policy"] for r in res.rows}
+    assert any(n.startswith("hot-experts places experts") and n.endswith("to sweep it: left out") for n in res.notes)
     with pytest.raises(MoesimError, match="recorded trace"):
         whatif(run, hws=["a6000"], batch=[1, 4])
     with pytest.raises(MoesimError, match="not both"):
