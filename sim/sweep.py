@@ -233,6 +233,17 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
     policies = [p.name for p in pols]
     if placement_from is not None and calibrate_on_replay:
         raise MoesimError("give a calibration trace (--placement-from) or --calibrate-on-replay, not both")
+    hot_left_out = None
+    if trace is not None and placement_from is None and not calibrate_on_replay and any(p.cpu == "hot" for p in pols):
+        why = ("hot-experts places experts by a calibration trace's routing: give --placement-from TRACE (or "
+               "--calibrate-on-replay for an optimistic bound)")
+        if chosen:
+            raise MoesimError(why)
+        # Among the defaults it is left out, not the whole sweep refused: `moesim whatif --trace T` answers. Left
+        # out before the options are checked, so one only hot-experts reads (--gpu-expert-gib) is noted as unused.
+        pols = [p for p in pols if p.cpu != "hot"]
+        policies = [p.name for p in pols]
+        hot_left_out = f"{why} to sweep it: left out"
     no_gpu = any(get_machine(h).n_gpus == 0 for h in hws)  # --hw none: the host runs every layer
     notes: list[str] = unused_options(pols, hosts, cpu_layers, gpu_expert_gib, copy_queues, prefetch_top, gpu_layers,
                                       offload_gib, no_gpu=no_gpu, eviction=eviction,
@@ -240,6 +251,8 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
                                       lookaheads=lookaheads)
     if dropped:
         notes.append(f"{eng.name} does not run {', '.join(dropped)} (it runs {', '.join(eng.policies)}): left out")
+    if hot_left_out:
+        notes.append(hot_left_out)
     if host_ram_gb is not None and not (isinstance(host_ram_gb, (int, float)) and 0 < host_ram_gb < 1e7):
         raise MoesimError(f"--host-ram-gb {host_ram_gb!r}: the host's RAM in GB, a positive number")
     calibration: dict[str, Any] = {}
@@ -267,15 +280,6 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
             calibration[t.model.name] = separate_calibration(load_calibration(str(placement_from), t.model), t,
                                                              placement_from)
             calibration_source = f"the calibration trace {placement_from}"
-        elif any(p.cpu == "hot" for p in pols) and not calibrate_on_replay:
-            why = ("hot-experts places experts by a calibration trace's routing: give --placement-from TRACE (or "
-                   "--calibrate-on-replay for an optimistic bound)")
-            if chosen:
-                raise MoesimError(why)
-            # Among the defaults it is left out, not the whole sweep refused: `moesim whatif --trace T` answers.
-            pols = [p for p in pols if p.cpu != "hot"]
-            policies = [p.name for p in pols]
-            notes.append(f"{why} to sweep it: left out")
     else:
         if placement_from is not None:
             raise MoesimError("--placement-from calibrates a recorded trace (--trace); synthetic traces are calibrated "

@@ -254,6 +254,9 @@ def test_recorded_trace_axes_and_calibration_are_checked(traces, tmp_path):
     assert res.rows and "hot-experts" not in {r["policy"] for r in res.rows} and "cpu-static" in {
         r["policy"] for r in res.rows}
     assert any(n.startswith("hot-experts places experts") and n.endswith("to sweep it: left out") for n in res.notes)
+    # and an option only hot-experts reads is then noted as changing nothing (it was silent)
+    res = whatif(run, hws=["a6000"], cache_gib=[0], jobs=1, gpu_expert_gib=[1.0])
+    assert any(n.startswith("--gpu-expert-gib was given") and n.endswith("it changed nothing") for n in res.notes)
     with pytest.raises(MoesimError, match="recorded trace"):
         whatif(run, hws=["a6000"], batch=[1, 4])
     with pytest.raises(MoesimError, match="not both"):
