@@ -21,33 +21,49 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from moesim.errors import MoesimError
 from moesim.models import ModelSpec
+from moesim.policy import get_policy
 
 SYNTH_BYTES_PER_CELL = 64
 SYNTH_FIXED_BYTES = 256 * 2**20
 REPLAY_BYTES_PER_CELL = 64  # per policy simulated at once, plus the trace itself
 TRACE_BYTES_PER_CELL = 8  # true ids (int16), gates (float32), predicted ids (int16)
-SYNTH_S_PER_CELL = 5e-6
-# One replay of one policy, per decode step x MoE layer x sequence: measured 2.1e-5 s (SimPy)
-# and 1.2e-6 s (fast) replaying 512 steps of Qwen3-30B-A3B under 4 policies on a shared
-# 2-core machine with two other processes busy (issue 24: the old 5e-4 and 2e-5 were 16-23x
-# too long); rounded up so the estimate stays within 3x, idle or loaded.
-SIMPY_S_PER_STEP_LAYER = 3e-5
-FAST_S_PER_STEP_LAYER = 2e-6
-# A sweep's rows (moesim whatif), measured: one row (a profile and link of a group) costs
-# about this per decode step x MoE layer x sequence, plus a fixed cost per group (its plan
-# and compute times). From SimPy and fast sweeps of OLMoE and Qwen3-30B-A3B at 32 and 128
-# steps on a shared 2-core machine (3.4e-5 to 7e-5 s with two other processes busy, half
-# that idle; fast 5e-6 to 3e-5, the short traces dominated by the group's fixed cost): the
-# middle, so the estimate is within 3x idle or loaded. Sweeps were once timed as that many
-# replays at 5e-4 s a cell: 30.7 min said for a sweep that took 24 s.
-SWEEP_SIMPY_S_PER_ROW_CELL = 2.5e-5
-SWEEP_FAST_S_PER_ROW_CELL = 4e-6
-SWEEP_S_PER_GROUP = 0.03
+# Seconds per decode step x MoE layer x sequence x top-k slot of a synthetic trace, drawn and
+# written (fsync included). Measured by bench/bench_estimates.py (bench/estimates.json): about
+# 9e-8 on an idle 2-core machine and 2.6e-7 beside a CPU-bound and an I/O-bound process; the
+# middle, so the estimate is within 3x either way (it was 5e-6, from before the sampler was
+# compiled: 19 s said for a 1.2 s trace).
+SYNTH_S_PER_CELL = 1.5e-7
+# One replay of one policy, per decode step x MoE layer x sequence (bench/bench_estimates.py):
+# SimPy 1.2e-5 s with one other process busy and 5e-5 s with three (256 and 1,024 steps of
+# Qwen3-30B-A3B); the fast path 1e-7 s and 2.6e-7 s (10,000 and 40,000 steps; it was 2e-6, from
+# before the planner was compiled: 15 s said for 2 s). Each the middle of the two.
+SIMPY_S_PER_STEP_LAYER = 2.4e-5
+FAST_S_PER_STEP_LAYER = 2e-7
+# A sweep's rows (moesim whatif): one row (a profile and link of a group) costs, per decode step
+# x MoE layer x sequence, what the way it is timed costs, plus a fixed cost per group (its plan
+# and compute times). Three ways (:func:`row_kind`): the copy policies on the chosen simulator
+# (SimPy 3.2e-5 s measured, the fast path 2.6e-7), the static CPU placements priced from token
+# counts at once (cpu-static, gpu-layers, hot-experts, weight-streaming: 3e-6 to 9e-6 on either
+# simulator), and cpu-on-miss's per-layer recurrence in Python (8e-5 with one other process busy,
+# 2.7e-4 fast and 3.3e-4 SimPy with three; the middle). Measured on OLMoE sweeps of 128 and 512
+# steps (bench/bench_estimates.py's whatif cases check the sum). Counted as copy rows only, a fast sweep of
+# the default policies was said to take 3.9 s and took 18 s, and a cpu-on-miss replay of 100,000
+# Qwen3-30B-A3B steps was said to take 10 s (at the measured cost it takes about 20 minutes).
+SWEEP_S_PER_ROW_CELL = {("copy", "simpy"): 2.5e-5, ("copy", "fast"): 3e-7, "static": 6e-6, "miss": 1.5e-4}
+SWEEP_S_PER_GROUP = 0.05
 HOST_COPY_GBS = 2.0  # a CPU executor's expert compute and weight reads, conservatively
+# The reference executor's own time per expert it runs in a decode step (its forward hooks, the
+# emulated link's copy thread handing each copy over and pacing it, the expert's small
+# matmuls): a tiny model's step is this, not its bytes. Measured by bench/bench_estimates.py
+# (the tiny catalogue model and the shipped moe-stdlib checkpoint, on-demand and prefetch-fom,
+# 16 and 64 steps): 1 to 4 ms an expert with one other process busy, 4 to 12 ms with three (it
+# was left out: 0.02 s said for a 2.5 s run).
+EXECUTOR_S_PER_EXPERT = 3e-3
 WARN_S = 600.0  # announce runs longer than this
 REFUSE_S = 24 * 3600.0  # refuse runs longer than a day: almost always a typo
 MEMORY_HEADROOM = 0.8  # of the memory available now
@@ -122,27 +138,58 @@ def synth_estimate(spec: ModelSpec, tokens: int, batch: int) -> Estimate:
                     SYNTH_FIXED_BYTES + cells * SYNTH_BYTES_PER_CELL, cells * SYNTH_S_PER_CELL)
 
 
-def replay_estimate(spec: ModelSpec, tokens: int, batch: int, runs: int = 1, engine: str = "simpy",
-                    what: str | None = None) -> Estimate:
-    """Simulating a trace ``runs`` times (policies x configurations), one at a time."""
+def row_kind(cpu: str | None) -> str:
+    """How a policy's rows are timed, for their cost (:data:`SWEEP_S_PER_ROW_CELL`): ``miss``
+    (cpu-on-miss, a per-layer recurrence), ``static`` (any other CPU placement, priced from
+    token counts at once) or ``copy`` (on the chosen simulator); ``cpu`` is the policy's
+    ``cpu`` field (moesim.policy.Policy)."""
+    return "miss" if cpu == "miss" else "static" if cpu else "copy"
+
+
+def runs_by_kind(policies: list[str] | tuple[str, ...]) -> dict[str, int]:
+    """How many of ``policies`` are timed each way (:func:`row_kind`)."""
+    kinds: dict[str, int] = {}
+    for name in policies:
+        k = row_kind(get_policy(name).cpu)
+        kinds[k] = kinds.get(k, 0) + 1
+    return kinds
+
+
+def _per_cell(kind: str, engine: str) -> float:
+    return SWEEP_S_PER_ROW_CELL[kind] if kind != "copy" else SWEEP_S_PER_ROW_CELL[("copy", engine)]
+
+
+def _kinds(runs: int | Mapping[str, int]) -> dict[str, int]:
+    return {"copy": runs} if isinstance(runs, int) else dict(runs)
+
+
+def replay_estimate(spec: ModelSpec, tokens: int, batch: int, runs: int | Mapping[str, int] = 1,
+                    engine: str = "simpy", what: str | None = None) -> Estimate:
+    """Simulating a trace ``runs`` times (policies x configurations), one at a time; ``runs``
+    a count of copy-policy runs, or runs by :func:`row_kind` (``{"copy": 3, "miss": 1}``)."""
     cells = _cells(spec, tokens, batch)
-    per = SIMPY_S_PER_STEP_LAYER if engine == "simpy" else FAST_S_PER_STEP_LAYER
-    return Estimate(what or f"{runs} simulation(s) of {tokens} steps of {spec.name} ({engine} engine)",
+    kinds = _kinds(runs)
+    copy = SIMPY_S_PER_STEP_LAYER if engine == "simpy" else FAST_S_PER_STEP_LAYER
+    per = sum(n * (copy if k == "copy" else _per_cell(k, engine)) for k, n in kinds.items())
+    return Estimate(what or f"{sum(kinds.values())} simulation(s) of {tokens} steps of {spec.name} ({engine} engine)",
                     cells * (TRACE_BYTES_PER_CELL + REPLAY_BYTES_PER_CELL),
-                    runs * float(tokens) * spec.n_moe_layers * max(1, batch) * per)
+                    float(tokens) * spec.n_moe_layers * max(1, batch) * per)
 
 
-def sweep_estimate(shapes: list[tuple[ModelSpec, int, int]], groups_per_trace: int, rows_per_group: int,
-                   engine: str = "fast", workers: int = 1) -> Estimate:
+def sweep_estimate(shapes: list[tuple[ModelSpec, int, int]], groups_per_trace: int | Mapping[str, int],
+                   rows_per_group: int, engine: str = "fast", workers: int = 1) -> Estimate:
     """A sweep (``moesim whatif``): ``shapes`` = (model, steps, batch) of each trace, each
-    timed in ``groups_per_trace`` groups of ``rows_per_group`` rows, on ``workers`` processes.
-    Memory: every trace and one group's replay at a time per worker."""
-    per = SWEEP_SIMPY_S_PER_ROW_CELL if engine == "simpy" else SWEEP_FAST_S_PER_ROW_CELL
+    timed in ``groups_per_trace`` groups of ``rows_per_group`` rows (a count of copy-policy
+    groups, or groups by :func:`row_kind`), on ``workers`` processes. Memory: every trace and
+    one group's replay at a time per worker."""
+    kinds = _kinds(groups_per_trace)
+    n_groups = sum(kinds.values())
+    per = sum(n * _per_cell(k, engine) for k, n in kinds.items())  # seconds a row-cell, summed over the groups
     cells = sum(float(t) * spec.n_moe_layers * max(1, b) for spec, t, b in shapes)
-    seconds = (cells * per * rows_per_group + SWEEP_S_PER_GROUP * len(shapes)) * groups_per_trace / max(1, workers)
+    seconds = (cells * per * rows_per_group + SWEEP_S_PER_GROUP * len(shapes) * n_groups) / max(1, workers)
     peak = max((_cells(spec, t, b) for spec, t, b in shapes), default=0.0)
     memory = sum(_cells(spec, t, b) for spec, t, b in shapes) * TRACE_BYTES_PER_CELL
-    n = groups_per_trace * rows_per_group * len(shapes)
+    n = n_groups * rows_per_group * len(shapes)
     return Estimate(f"{n} configurations ({engine} simulator, {workers} worker(s))",
                     memory + peak * REPLAY_BYTES_PER_CELL * max(1, workers), seconds)
 
@@ -152,7 +199,8 @@ def decode_estimate(spec: ModelSpec, tokens: int, batch: int, dtype_bytes: int, 
     """The reference executor decoding ``tokens`` steps (``moesim profile``): every weight in
     host memory (at ``dtype_bytes`` a parameter), the device-side cache, the KV cache of
     ``batch`` sequences and each step's logits and routing records; per step, the routed
-    experts cross the link (when offloaded) and every weight is read once."""
+    experts cross the link (when offloaded), every weight a step uses is read once, and each
+    expert it runs costs the executor's own overhead (:data:`EXECUTOR_S_PER_EXPERT`)."""
     scale = dtype_bytes / 2  # the catalogue's byte accounting is bf16
     context = prompt_len + tokens
     kv = float(spec.kv_cache_bytes(batch, context)) * scale
@@ -161,8 +209,10 @@ def decode_estimate(spec: ModelSpec, tokens: int, batch: int, dtype_bytes: int, 
     weights = (spec.non_expert_bytes + spec.all_expert_bytes) * scale
     expert = spec.expert_bytes * scale
     cache = min(cache_experts, spec.n_moe_layers * spec.n_experts) * expert
-    moved = spec.n_moe_layers * min(spec.n_experts, spec.top_k * batch) * expert if offload else 0.0
-    per_step = moved / (link_gbps * 1e9) + (spec.non_expert_bytes * scale + moved) / (HOST_COPY_GBS * 1e9)
+    run = spec.n_moe_layers * min(spec.n_experts, spec.top_k * batch)  # experts a step runs, at most
+    moved = run * expert if offload else 0.0
+    per_step = (moved / (link_gbps * 1e9) + (spec.non_expert_bytes * scale + moved + run * expert) / (HOST_COPY_GBS * 1e9)
+                + run * EXECUTOR_S_PER_EXPERT)
     return Estimate(f"decoding {tokens} steps of {spec.name} ({human_bytes(weights)} of weights"
                     + (f", link {link_gbps:g} GB/s" if offload else "") + ")",
                     weights + cache + kv + per_seq, tokens * per_step)

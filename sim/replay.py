@@ -112,7 +112,7 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
         last = trace.n_tokens - 1
         raise MoesimError(f"--step {step}: the trace has {trace.n_tokens} decode step(s), numbered from 0: give "
                           + ("0" if last == 0 else f"0 to {last}"))
-    budget.check(budget.replay_estimate(trace.model, trace.n_tokens, trace.batch, len(policies),
+    budget.check(budget.replay_estimate(trace.model, trace.n_tokens, trace.batch, budget.runs_by_kind(policies),
                                         kw.get("sim", "simpy")))
     profile, link_source = replay_link(trace, profile, source, kw.pop("link_gbps", None))
     if expert_dtype is not None:

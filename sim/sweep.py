@@ -342,8 +342,10 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
                   offload_gib=tuple(offload_gib) if offload_gib else ("auto",))
     n_groups = len(sweep.groups())
     workers = 1 if backend != "local" else max(1, min(jobs or os.cpu_count() or 1, n_groups))
-    budget.check(budget.sweep_estimate([(t.model, t.n_tokens, t.batch) for t in traces.values()],
-                                       max(1, n_groups // max(1, len(traces))), sweep.group_size, sim, workers))
+    per_trace = {k: max(1, n // max(1, len(traces))) for k, n in
+                 budget.runs_by_kind([g.policy for g in sweep.groups()]).items()}  # every trace has the same groups
+    budget.check(budget.sweep_estimate([(t.model, t.n_tokens, t.batch) for t in traces.values()], per_trace,
+                                       sweep.group_size, sim, workers))
     rows = run_sweep(sweep, jobs, progress, backend=backend, address=address, out=rows_csv, notes=notes)
     by_hw = {h.name: best([r for r in rows if r["hw"] == h.name], goal) for h in sweep.hws}
     if any(t.synthetic for t in traces.values()):
