@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from moesim import budget
 from moesim.errors import MoesimError
 from moesim.executor.corpus import describe_training_split, splits
 from moesim.executor.default_vectors import calibrate, load_default_vectors, save_default_vectors
@@ -25,6 +26,14 @@ from moesim.executor.loading import check_derived_out, checkpoint_dir, derived_c
 from moesim.executor.model import load_checkpoint
 from moesim.executor.speculative import train_expert_predictor
 from moesim.inputs import TEXT_CAP, read_bytes
+from moesim.models import get_model
+
+
+def _check_time(path: Path, what: str, tokens: int, epochs: int = 0) -> None:
+    """Refuse, before the checkpoint loads, a pass that would take more than a day; announce a
+    long one (moesim.budget.offline_estimate; the layers from config.json, nothing loaded)."""
+    budget.check(budget.offline_estimate(f"{what} on {tokens} tokens of {path.name}", get_model(str(path)).n_layers,
+                                         tokens, epochs))
 
 
 def default_out(source: Path, suffix: str) -> Path:
@@ -41,17 +50,20 @@ def calibrate_checkpoint(model: str, out: Path | None = None, text: Path | None 
     path = checkpoint_dir(model)
     out = out or default_out(path, "calibrated")
     check_derived_out(path, out, force)
+    if tokens < 2:
+        raise MoesimError(f"--tokens {tokens}: calibrate on at least 2 tokens")
     if text is not None:  # before the checkpoint loads: a device, a folder, a silent FIFO is one line (moesim.inputs)
         data, what = read_bytes(text, "calibration text", TEXT_CAP), str(text)
+    else:
+        data, _, desc = splits()
+        what = describe_training_split(desc)
+    if len(data[:tokens]) < 2:
+        raise MoesimError(f"calibration text {what} holds {len(data)} byte(s): calibrate needs at least 2 tokens")
+    _check_time(path, "calibrating", len(data[:tokens]))
     m = load_checkpoint(path)
     if m.spec.vocab != 256:
         raise MoesimError("calibrate reads text as bytes: it needs a byte-level (256-token) model")
-    if text is None:
-        data, _, desc = splits()
-        what = describe_training_split(desc)
     ids = torch.tensor(list(data[:tokens]), dtype=torch.long)
-    if ids.numel() < 2:
-        raise MoesimError("calibration text is empty")
     torch.set_num_threads(threads)
     dv = calibrate(m, ids, progress=progress)
     out = derived_checkpoint(path, out, force)
@@ -68,9 +80,11 @@ def train_estimator_into(model: str, out: Path | None = None, tokens: int = 6553
     into ``out``; returns (folder, the record, the model's top-k)."""
     path = checkpoint_dir(model)
     out = out or default_out(path, "estimator")
-    if min(tokens, eval_tokens, epochs, width) < 1 or lr <= 0:
-        raise MoesimError("tokens, eval-tokens, epochs and width must be >= 1 and lr > 0")
+    if min(tokens, eval_tokens, epochs, width) < 1 or not 0 < lr < float("inf"):
+        raise MoesimError("tokens, eval-tokens, epochs and width must be >= 1 and lr a positive number")
     check_derived_out(path, out, force)
+    train, held_out, _ = splits()
+    _check_time(path, "training the estimator", min(tokens, len(train)) + min(eval_tokens, len(held_out)), epochs)
     m = load_checkpoint(path)
     dv = load_default_vectors(path)
     if dv is None:
@@ -79,7 +93,6 @@ def train_estimator_into(model: str, out: Path | None = None, tokens: int = 6553
     if m.spec.vocab != 256:
         raise MoesimError("train-estimator reads the corpus as bytes: it needs a byte-level (256-token) model")
     torch.set_num_threads(threads)
-    train, held_out, _ = splits()
     train_ids = torch.tensor(list(train[:tokens]), dtype=torch.long)
     eval_ids = torch.tensor(list(held_out[:eval_tokens]), dtype=torch.long)
     out = derived_checkpoint(path, out, force)
@@ -96,6 +109,12 @@ def train_predictor_into(draft: str, model: str, out: Path | None = None, tokens
     dpath, tpath = checkpoint_dir(draft), checkpoint_dir(model)
     out = out or default_out(dpath, "predictor")
     check_derived_out(dpath, out, force)
+    train, held_out, _ = splits()
+    if min(tokens, eval_tokens) >= 1 and epochs >= 1:
+        n = min(tokens, len(train)) + min(eval_tokens, len(held_out))
+        layers = get_model(str(dpath)).n_layers + get_model(str(tpath)).n_layers
+        budget.check(budget.offline_estimate(f"training the expert predictor on {n} tokens of {dpath.name} and "
+                                             f"{tpath.name}", layers, n, epochs))
     d, t = load_checkpoint(dpath), load_checkpoint(tpath)
     if d.spec.vocab != t.spec.vocab:
         raise MoesimError("draft and target must share a vocabulary")
@@ -104,7 +123,6 @@ def train_predictor_into(draft: str, model: str, out: Path | None = None, tokens
         raise MoesimError(f"tokens and eval-tokens must be >= {chunk} (the predictor reads {chunk}-token chunks) "
                           "and epochs >= 1")
     torch.set_num_threads(threads)
-    train, held_out, _ = splits()
     out = derived_checkpoint(dpath, out, force)
     rec = train_expert_predictor(d, t, torch.tensor(list(train[:tokens])), torch.tensor(list(held_out[:eval_tokens])),
                                  out, epochs, progress=progress)

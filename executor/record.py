@@ -100,8 +100,26 @@ def checkpoint_folder(model_dir: str | Path) -> Path:
         raise MoesimError(f"{path}: a config.json but no weight files ({', '.join(WEIGHT_SUFFIXES)})"
                           + (f"; {index[0]} names shards that are not there" if index else "")
                           + ": download the weights first")
+    check_model_type(path, cfg)
     check_weights(path, cfg)
     return path
+
+
+def check_model_type(path: Path, cfg: dict) -> None:
+    """One line, before loading, for a ``model_type`` the installed transformers has no class
+    for (its AutoConfig raises a KeyError deep in loading; a checkpoint with its own code,
+    ``auto_map``, is left to transformers)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    mtype = cfg.get("model_type")
+    if "auto_map" in cfg:
+        return
+    if not isinstance(mtype, str) or mtype not in CONFIG_MAPPING:
+        import transformers
+
+        raise MoesimError(f"{path}: config.json's model_type {mtype!r} is not a model the installed transformers "
+                          f"{transformers.__version__} knows: nothing to run it with (a newer transformers, or a "
+                          "checkpoint of a known family)")
 
 
 #: The weight files transformers' from_pretrained loads (a single file, or an index naming shards).
@@ -174,10 +192,11 @@ def check_weights(path: Path, raw: dict) -> None:
         if m := _EXPERT_OF.search(n):
             per.setdefault(int(m[1]), set()).add(int(m[2]))
     if isinstance(experts, int) and not isinstance(experts, bool):
-        short = next(((layer, len(e)) for layer, e in sorted(per.items()) if len(e) < experts), None)
-        if short:
-            raise MoesimError(f"{path}: layer {short[0]} holds weights for {short[1]} routed expert(s); config.json "
-                              f"says {experts}")
+        odd = next(((layer, len(e), max(e)) for layer, e in sorted(per.items()) if len(e) != experts
+                    or max(e) >= experts), None)
+        if odd:
+            raise MoesimError(f"{path}: layer {odd[0]} holds weights for {odd[1]} routed expert(s) (numbered up to "
+                              f"{odd[2]}); config.json says {experts}")
 
 
 def check_record_device(device: str) -> None:

@@ -65,7 +65,7 @@ from moesim.executor.record import (
     prompt_ids,
     revision_hash,
 )
-from moesim.executor.speculative import load_expert_predictor
+from moesim.executor.speculative import check_tree_size, load_expert_predictor
 from moesim.models import ModelSpec, from_hf_config, read_config
 from moesim.outputs import check_output_file
 from moesim.selection import SCORES, SELECTIONS, Tree, accept, select
@@ -74,10 +74,6 @@ from moesim.traces.header import make_header
 from moesim.traces.records import SDStep, expert_mask, sd_arrays
 
 PREDICTOR_FILE = "expert_predictor.safetensors"  # the executor's name (executor/speculative.py)
-
-
-#: The most candidates a draft tree may hold a step (the draft runs once per level over them).
-MAX_TREE_NODES = 4096
 
 
 @dataclass(frozen=True)
@@ -94,14 +90,7 @@ class DraftSettings:
     def __post_init__(self) -> None:
         if self.depth < 1 or self.branch < 1 or self.budget < 0:
             raise MoesimError("record --draft: --tree-depth >= 1, --tree-branch >= 1, --budget >= 0")
-        nodes, level = 0, 1
-        for _ in range(self.depth):  # stops early: a 1000 x 1000 tree is never counted out
-            level *= self.branch
-            nodes += level
-            if nodes > MAX_TREE_NODES:
-                raise MoesimError(f"record --draft: a tree of depth {self.depth} and branch {self.branch} has more than "
-                                  f"{MAX_TREE_NODES:,} candidates a step, each a draft forward pass; choose a smaller "
-                                  "tree")
+        check_tree_size(self.depth, self.branch, "record --draft")
         if self.selection not in SELECTIONS:
             raise MoesimError(f"unknown selection {self.selection!r}; known: {', '.join(SELECTIONS)}")
         if self.score not in SCORES:

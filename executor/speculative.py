@@ -168,6 +168,22 @@ def load_expert_predictor(model_dir: Path) -> ExpertPredictor | None:
 # --------------------------------------------------------------------------------------
 
 
+#: Candidates a step a draft tree may have: each is a draft forward pass (a 1000 x 1000 tree
+#: overflowed torch's tensor sizes after the models had loaded).
+MAX_TREE_NODES = 4096
+
+
+def check_tree_size(depth: int, branch: int, command: str) -> None:
+    """One line, before any model loads, for a tree of more than :data:`MAX_TREE_NODES` candidates."""
+    nodes, level = 0, 1
+    for _ in range(depth):  # stops early: a 1000 x 1000 tree is never counted out
+        level *= branch
+        nodes += level
+        if nodes > MAX_TREE_NODES:
+            raise MoesimError(f"{command}: a tree of depth {depth} and branch {branch} has more than "
+                              f"{MAX_TREE_NODES:,} candidates a step, each a draft forward pass; choose a smaller tree")
+
+
 @dataclass
 class SDSettings:
     gamma: int = 4  # candidates verified per step (besides the root)
@@ -181,6 +197,7 @@ class SDSettings:
     def __post_init__(self) -> None:
         if self.gamma < 0 or self.branch < 1 or self.depth < 1 or self.tokens < 1:
             raise MoesimError("gamma >= 0, branch >= 1, depth >= 1, tokens >= 1")
+        check_tree_size(self.depth, self.branch, "speculate")
         if not -1e9 < self.lam < 1e9:  # NaN fails too
             raise MoesimError(f"--lambda {self.lam}: a finite number")
         if self.strategy not in SELECTIONS:

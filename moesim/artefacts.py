@@ -15,6 +15,8 @@ Nothing here imports torch or transformers.
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 import struct
 from dataclasses import replace
@@ -175,7 +177,44 @@ def safetensors_header(path: Path) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise MoesimError(f"{path}: not a safetensors file")
     header.pop("__metadata__", None)
+    _check_layout(path, header, os.stat(path).st_size - 8 - n)
     return header
+
+
+#: Bytes an element of each safetensors dtype takes (the format's own list; a packed sub-byte
+#: dtype is left out, its tensors' sizes are not checked).
+SAFETENSORS_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+                           "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def _check_layout(path: Path, header: dict[str, Any], data_len: int) -> None:
+    """Every tensor's entry is a dtype, a shape and offsets inside the file, its bytes those
+    its dtype and shape take, and the tensors cover the data to the file's end, as the
+    safetensors library requires when it loads (there a truncated file, an edited dtype or an
+    offset past the end is an exception after the model began loading; here one line)."""
+    end = 0
+    for name, t in header.items():
+        offsets = t.get("data_offsets") if isinstance(t, dict) else None
+        shape = t.get("shape") if isinstance(t, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(v) is int for v in offsets)
+                and isinstance(shape, list) and all(type(v) is int and v >= 0 for v in shape)
+                and isinstance(t.get("dtype"), str)):
+            raise MoesimError(f"{path}: tensor {name}'s header entry is not a dtype, a shape and two data offsets: "
+                              "not a valid safetensors file")
+        a, b = offsets
+        if not 0 <= a <= b:
+            raise MoesimError(f"{path}: tensor {name}'s data offsets {offsets} are not an interval: corrupt")
+        if b > data_len:
+            raise MoesimError(f"{path}: tensor {name} ends at byte {b} of the data; the file holds {max(0, data_len)}: "
+                              "truncated or corrupt (download it again)")
+        size = SAFETENSORS_DTYPE_BYTES.get(t["dtype"])
+        if size is not None and b - a != size * math.prod(shape):
+            raise MoesimError(f"{path}: tensor {name} takes {b - a} bytes; {t['dtype']} of shape {shape} takes "
+                              f"{size * math.prod(shape)}: the header was edited or the file is corrupt")
+        end = max(end, b)
+    if header and end != data_len:
+        raise MoesimError(f"{path}: its tensors cover {end} bytes of the data; the file holds {max(0, data_len)}: "
+                          "truncated or corrupt (download it again)")
 
 
 def tensor_bytes(folder: Path) -> dict[str, int] | None:

@@ -60,6 +60,9 @@ def _full(k=4, **change):
     (_full(layer=9), "layer 9 is not a layer"),
     (_full()[:-1], "no record for token 1, layer 3"),
     (_full(k=2), "top-2"),
+    # gates in some records only, or fewer gates than experts: refused (the gates given were dropped)
+    (_full(gates=[0.4, 0.3, 0.2, 0.1]), r"1 of 8 records give gates \(record 8 does\)"),
+    (_full(gates=[0.5]), "1 gate"),
 ])
 def test_mismatched_jsonl_dumps_are_refused(tmp_path, records, message):
     with pytest.raises(MoesimError, match=message) as e:
@@ -81,6 +84,17 @@ def test_mismatched_array_dumps_are_refused(tmp_path):
         importers.import_routing("npz", p, "deepseek-v2-lite")
     with pytest.raises(MoesimError, match="unknown routing format"):
         importers.import_routing("csv", p, MODEL)
+    # token ids of another shape than the routing's: refused (were cut or replaced by zeros, silently)
+    np.savez(p, experts=np.tile(np.arange(4), (3, 4, 1)), token_ids=np.zeros((3, 3), np.int64))
+    with pytest.raises(MoesimError, match=r"token_ids has shape \(3, 3\); the routing has 1 sequence"):
+        importers.import_routing("npz", p, MODEL)
+    np.savez(p, routed_experts=np.zeros((10, 4, 4), np.int32) + np.arange(4), prompt_tokens=3,
+             token_ids=np.arange(50))
+    with pytest.raises(MoesimError, match="token_ids holds 50 token"):
+        importers.import_routing("vllm", p, MODEL)
+    np.save(tmp_path / "plain.npy", np.zeros((3, 4, 4), np.int64))
+    with pytest.raises(MoesimError, match="a single .npy array, not an .npz archive"):
+        importers.import_routing("npz", tmp_path / "plain.npy", MODEL)
     (tmp_path / "junk.npz").write_bytes(b"nope")
     with pytest.raises(MoesimError, match="not a readable"):
         importers.import_routing("npz", tmp_path / "junk.npz", MODEL)

@@ -311,7 +311,12 @@ def test_record_weights_are_checked_before_loading(tmp_path):
         "more-layers": ({"num_hidden_layers": 6}, {"model.safetensors": SHIPPED / "model.safetensors"},
                         "hold 4 layer(s)"),
         "more-experts": ({"num_experts": 64}, {"model.safetensors": SHIPPED / "model.safetensors"},
-                         "32 routed expert(s); config.json says 64"),
+                         "32 routed expert(s) (numbered up to 31); config.json says 64"),
+        # fewer in the config than in the weights: transformers' size-mismatch RuntimeError (a stranger's)
+        "fewer-experts": ({"num_experts": 16}, {"model.safetensors": SHIPPED / "model.safetensors"},
+                          "32 routed expert(s) (numbered up to 31); config.json says 16"),
+        "unknown-model-type": ({"model_type": "nonexistent_xyz"}, {"model.safetensors": SHIPPED / "model.safetensors"},
+                               "model_type 'nonexistent_xyz' is not a model the installed transformers"),
     }
     for name, (change, files, words) in cases.items():
         d = tmp_path / name
@@ -330,6 +335,23 @@ def test_record_weights_are_checked_before_loading(tmp_path):
     with pytest.raises(MoesimError, match=r"names 2 shard\(s\); 1 not there \(model-00002-of-00002"):
         checkpoint_folder(d)
     assert checkpoint_folder(SHIPPED) == SHIPPED
+    # weights whose bytes disagree with their own header: one line before loading (were
+    # safetensors' exceptions after the model began loading)
+    raw = (SHIPPED / "model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["dtype"] = "F64" if header[name]["dtype"] != "F64" else "F32"
+    edited = json.dumps(header).encode()
+    for case, body, words in (("truncated", raw[: len(raw) // 2], "truncated or corrupt"),
+                              ("dtype-edited", len(edited).to_bytes(8, "little") + edited + raw[8 + n:],
+                               f"tensor {name} takes")):
+        d = tmp_path / case
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+        (d / "model.safetensors").write_bytes(body)
+        with pytest.raises(MoesimError, match=re.escape(words)):
+            checkpoint_folder(d)
 
 
 # -------------------------------------------------------------------------------------

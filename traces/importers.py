@@ -111,7 +111,11 @@ def _text(path: Path, where: str, expected: str) -> str:
 
 def _load_npz(path: Path, where: str) -> dict[str, np.ndarray]:
     try:
-        with np.load(path, allow_pickle=False) as z:
+        z = np.load(path, allow_pickle=False)
+        if not isinstance(z, np.lib.npyio.NpzFile):  # a .npy array: np.load returns it, not an archive
+            raise MoesimError(f"{where}: a single .npy array, not an .npz archive of named arrays (docs/routing.md "
+                              "names the arrays each format expects)")
+        with z:
             return {k: z[k] for k in z.files}
     except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
         raise MoesimError(f"{where}: not a readable .npz ({e})") from None
@@ -259,6 +263,10 @@ def _read_vllm(path: Path, where: str, spec: ModelSpec, prompt_tokens: int | Non
         tokens = np.atleast_2d(np.asarray(tokens))
         if tokens.dtype.kind not in "iu":
             raise MoesimError(f"{where}: token_ids must be integers, got {tokens.dtype}")
+        if tokens.shape[1] not in (ids.shape[0], ids.shape[0] + 1):  # the last generated token is never fed
+            raise MoesimError(f"{where}: token_ids holds {tokens.shape[1]} token(s) a sequence; the routing has "
+                              f"{ids.shape[0]} decode step(s) (token_ids: the generated tokens, the last one "
+                              "optional)")
         tokens = tokens[:, : ids.shape[0]]  # generated token i is fed at decode step i
     return ids, gates, tokens, p
 
@@ -310,6 +318,8 @@ def _read_jsonl(path: Path, spec: ModelSpec, where: str):
                 raise TypeError("gates must be a list of numbers")
             if g is not None and not all(0 <= x <= 1 + 1e-5 for x in g):  # NaN and inf fail too
                 raise MoesimError(f"{where}:{n}: gates must be finite and in [0, 1], got {g[:4]}")
+            if g is not None and len(g) != len(experts):
+                raise MoesimError(f"{where}:{n}: {len(g)} gate(s) for {len(experts)} expert(s): one gate an expert")
             rows.append((seq, tok, layer, experts, g))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError, RecursionError) as e:
             raise MoesimError(f"{where}:{n}: not a routing record "
@@ -326,8 +336,13 @@ def _read_jsonl(path: Path, spec: ModelSpec, where: str):
     if t * m * b > max(len(rows), 2**20):  # every (token, MoE layer, seq) needs a record: say so before allocating
         raise MoesimError(f"{where}: token indices reach {t - 1} and seq indices {b - 1}: {t} x {m} MoE layers x {b} "
                           f"= {t * m * b} (token, layer, seq) rows, but the file holds {len(rows)} record(s)")
+    with_gates = sum(r[4] is not None for r in rows)
+    if 0 < with_gates < len(rows):  # the others' would be made up: refused, not silently dropped
+        first = next(i for i, r in enumerate(rows) if (r[4] is None) == (rows[0][4] is not None))
+        raise MoesimError(f"{where}: {with_gates} of {len(rows)} records give gates (record {first + 1} "
+                          f"{'does not' if rows[0][4] is not None else 'does'}): give them in every record or in none")
     ids = np.full((t, m, b, k), -1, np.int64)
-    gates = np.zeros((t, m, b, k), np.float32) if rows[0][4] is not None else None
+    gates = np.zeros((t, m, b, k), np.float32) if with_gates else None
     for seq, tok, layer, experts, g in rows:
         if seq < 0 or tok < 0:
             raise MoesimError(f"{where}: negative token or seq index ({tok}, {seq})")
@@ -387,7 +402,10 @@ def _build(spec: ModelSpec, ids: np.ndarray, gates: np.ndarray | None, tokens: n
     else:  # largest gate first, as the trace format wants
         order = np.argsort(-gates, -1, kind="stable")
         ids, gates = np.take_along_axis(ids, order, -1), np.take_along_axis(gates, order, -1)
-    if tokens is None or tokens.shape != (b, t):
+    if tokens is not None and tokens.shape != (b, t):
+        raise MoesimError(f"{where}: token_ids has shape {tuple(tokens.shape)}; the routing has {b} sequence(s) x "
+                          f"{t} decode step(s): ({b}, {t})")
+    if tokens is None:
         tokens = np.zeros((b, t), np.int32)
         token_note = "token ids not in the dump (zeros)"
     else:

@@ -50,8 +50,8 @@ def train(
     out_dir = out_dir or Path(f"{name}-trained")
     refuse_shipped(out_dir, force)
     check_output_dir(out_dir)
-    if min(steps, batch, seq, threads) < 1 or lr <= 0 or aux_coef < 0:
-        raise MoesimError("steps, batch, seq and threads must be >= 1, lr > 0, aux-coef >= 0")
+    if min(steps, batch, seq, threads) < 1 or not 0 < lr < float("inf") or not 0 <= aux_coef < float("inf"):
+        raise MoesimError("steps, batch, seq and threads must be >= 1, lr a positive number, aux-coef >= 0")
     if hidden % heads or heads < 2:
         raise MoesimError("--hidden must be a multiple of --heads (>= 2)")
     spec = stdlib_spec(name, layers, experts, top_k, hidden, inter, heads)
