@@ -108,8 +108,10 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     A place that cannot be written (a folder in the way, a read-only file system) is a
     one-line :class:`MoesimError`; commands check their outputs before working
     (:mod:`moesim.outputs`), this is the backstop."""
-    path = Path(path)
+    given = path = Path(path)
     check_name(path, "cannot write")
+    if path.is_symlink():  # write the file the link points to: the rename would replace the link itself
+        path = Path(os.path.realpath(path))
     if path.is_dir():
         raise MoesimError(f"cannot write {path}: it is a folder")
     if path.exists() and not path.is_file():  # the rename would replace a device or pipe node
@@ -135,7 +137,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
+    return given
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

@@ -121,6 +121,20 @@ class EngineProfile(_FigureLookup):
 
         return not self.policies or get_policy(policy).name in self.policies
 
+    def default_policies(self, defaults) -> list[str]:
+        """The policies to compare when none is chosen: those of ``defaults`` the engine runs,
+        else every one it runs."""
+        return [p for p in defaults if self.runs(p)] or list(self.policies)
+
+    def only_runs(self, policies: list[str]) -> tuple[list[str], str | None]:
+        """(those of ``policies`` the engine runs, a note naming the others, or None); one line
+        when it runs none of them. What ``replay`` and ``whatif`` both do with an engine."""
+        dropped = [p for p in policies if not self.runs(p)]
+        if dropped and len(dropped) == len(policies):
+            raise MoesimError(f"{self.name} runs none of {', '.join(dropped)}; it runs {', '.join(self.policies)}")
+        note = f"{self.name} does not run {', '.join(dropped)} (it runs {', '.join(self.policies)}): left out"
+        return [p for p in policies if self.runs(p)], note if dropped else None
+
     def weight_efficiency(self, where: str, dtype: str) -> float:
         """Share of ``where``'s (``cpu`` or ``gpu``) bandwidth its kernels reach on ``dtype`` weights."""
         table = self.cpu_weight_efficiency if where == "cpu" else self.gpu_weight_efficiency

@@ -368,6 +368,15 @@ class ModelSpec:
             problems.append("artefact_layer_bytes needs one entry per layer")
         if self.extra_params < 0 or self.n_mtp_layers < 0:
             problems.append("extra_params and n_mtp_layers must be >= 0")
+        problems += [f"{name} must be >= 0 (got {v})" for part in (self, self.attention, self.linear) if part is not None
+                     for name, v in ((f.name, getattr(part, f.name)) for f in fields(part))
+                     if type(v) is int and v < 0 and name not in ("extra_params", "n_mtp_layers")]
+        a = self.attention
+        if any(kind != "linear" for kind in (self.layer_types or ("full",))):  # a layer that attends
+            if a.n_heads < 1 or (a.kind == "gqa" and a.head_dim < 1):
+                problems.append(f"attention needs n_heads >= 1 and head_dim >= 1 (got {a.n_heads}, {a.head_dim})")
+            elif a.kind == "gqa" and (a.n_kv_heads < 1 or a.n_heads % a.n_kv_heads):
+                problems.append(f"n_kv_heads {a.n_kv_heads} must divide n_heads {a.n_heads} (grouped-query attention)")
         if not problems and self.expert_dtype in GGML_BLOCKS and not self.expert_bytes_by_layer:
             per = GGML_BLOCKS[self.expert_dtype][0]
             bad = [f"{n} {v}" for n, v in (("hidden", self.hidden), ("expert_inter", self.expert_inter)) if v % per]
@@ -1157,11 +1166,14 @@ def read_config(path: str | Path) -> dict:
     """A ``config.json`` as a dict; unreadable, non-UTF-8, invalid or non-object JSON is
     one clear error (every reader of a checkpoint's config goes through here)."""
     path = Path(path)
+    def no_constant(name: str):  # Python's json reads NaN and Infinity, which JSON has not: a NaN rope_theta ran
+        raise ValueError(f"{name} is not a JSON number")
+
     try:
-        cfg = json.loads(read_bytes(path, "model config", JSON_CAP).decode("utf-8"))
+        cfg = json.loads(read_bytes(path, "model config", JSON_CAP).decode("utf-8"), parse_constant=no_constant)
     except UnicodeDecodeError:
         raise MoesimError(f"cannot read {path}: not UTF-8 text (a config.json is expected)") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, ValueError) as e:
         raise MoesimError(f"cannot read {path}: not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise MoesimError(f"{path}: not a JSON object")

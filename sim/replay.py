@@ -20,9 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from moesim import budget
+from moesim.engines import get_engine
 from moesim.errors import MoesimError
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, Machine, get_machine, get_profile
 from moesim.models import ModelSpec, get_model
+from moesim.policy import get_policy
 from moesim.sim.cpu_compute import load_calibration, separate_calibration
 from moesim.sim.prefetch_top import keep_top_predictions
 from moesim.sim.quantised import with_expert_dtype
@@ -112,6 +114,9 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
         last = trace.n_tokens - 1
         raise MoesimError(f"--step {step}: the trace has {trace.n_tokens} decode step(s), numbered from 0: give "
                           + ("0" if last == 0 else f"0 to {last}"))
+    engine_note = None
+    if kw.get("engine") is not None:  # the policies the engine runs, as whatif keeps them
+        policies, engine_note = get_engine(kw["engine"]).only_runs([get_policy(p).name for p in policies])
     budget.check(budget.replay_estimate(trace.model, trace.n_tokens, trace.batch, budget.runs_by_kind(policies),
                                         kw.get("sim", "simpy")))
     profile, link_source = replay_link(trace, profile, source, kw.pop("link_gbps", None))
@@ -128,6 +133,7 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
     kw, cache_source = recorded_cache(trace, kw)  # the cache as given, else as recorded: what an eviction needs
     note = unused_notes(policies, hw, prefetch_top=given_top, placement_from=placement_from,
                         **{**kw, "eviction": given_eviction})
+    note = "; ".join(n for n in (engine_note, note) if n) or None
     kw.setdefault("copy_queue", None)  # None: as recorded (moesim profile --copy-queue), else FIFO
     return Replay(trace, profile, source, simulate_policies(trace, profile, list(policies), progress=progress, **kw),
                   link_source, cache_source, step, note)

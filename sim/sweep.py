@@ -224,13 +224,10 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
     eng = get_engine(engine)  # an unknown engine: one line, before any work
     chosen = policies is not None
     if not chosen:  # the policies the engine runs (moesim's own defaults for PyTorch eager)
-        policies = [p for p in DEFAULT_POLICIES if eng.runs(p)] or list(eng.policies)
+        policies = eng.default_policies(DEFAULT_POLICIES)
     pols = [get_policy(p) for p in policies]  # names checked before any work
-    dropped = [p.name for p in pols if not eng.runs(p.name)]
-    if dropped and len(dropped) == len(pols):
-        raise MoesimError(f"{eng.name} runs none of {', '.join(dropped)}; it runs {', '.join(eng.policies)}")
-    pols = [p for p in pols if eng.runs(p.name)]
-    policies = [p.name for p in pols]
+    policies, engine_note = eng.only_runs([p.name for p in pols])
+    pols = [get_policy(p) for p in policies]
     if placement_from is not None and calibrate_on_replay:
         raise MoesimError("give a calibration trace (--placement-from) or --calibrate-on-replay, not both")
     hot_left_out = None
@@ -249,8 +246,8 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
                                       offload_gib, no_gpu=no_gpu, eviction=eviction,
                                       cached=any(isinstance(c, (int, float)) and c > 0 for c in cache_gib),
                                       lookaheads=lookaheads)
-    if dropped:
-        notes.append(f"{eng.name} does not run {', '.join(dropped)} (it runs {', '.join(eng.policies)}): left out")
+    if engine_note:
+        notes.append(engine_note)
     if hot_left_out:
         notes.append(hot_left_out)
     if host_ram_gb is not None and not (isinstance(host_ram_gb, (int, float)) and 0 < host_ram_gb < 1e7):

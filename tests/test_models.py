@@ -184,6 +184,17 @@ def test_binary_config_is_one_line(tmp_path):
     assert "\n" not in str(e.value)
 
 
+def test_nan_or_infinity_in_a_config_is_one_line(tmp_path):
+    """JSON has no NaN: Python's json reads one, and a NaN rope_theta was recorded from."""
+    from moesim.models import read_config
+
+    for word in ("NaN", "Infinity", "-Infinity"):
+        p = tmp_path / "config.json"
+        p.write_text('{"model_type": "qwen3_moe", "rope_theta": ' + word + "}")
+        with pytest.raises(MoesimError, match=f"not valid JSON .*{word} is not a JSON number"):
+            read_config(p)
+
+
 def test_an_existing_path_wins_over_a_catalogue_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     d = tmp_path / "Qwen3-30B-A3B"  # a local checkout named like the catalogue entry

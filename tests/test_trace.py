@@ -184,6 +184,22 @@ def test_a_header_section_of_the_wrong_type_is_one_line(tmp_path, tiny_trace, he
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("model, message", [
+    ({"attention": {"n_heads": 0}}, "n_heads >= 1"),
+    ({"attention": {"n_kv_heads": 3}}, "n_kv_heads 3 must divide n_heads 4"),
+    ({"n_shared": -1}, "n_shared must be >= 0"),
+    ({"sliding_window": -5}, "sliding_window must be >= 0"),
+])
+def test_a_header_model_of_impossible_geometry_is_one_line(tmp_path, tiny_trace, model, message):
+    """A stranger edited these into a header and got a replay (a faster one, for n_shared -1)."""
+    spec = json.loads(json.dumps(tiny_trace.header["model"]))
+    for k, v in model.items():
+        spec[k] = {**spec[k], **v} if isinstance(v, dict) else v
+    with pytest.raises(MoesimError, match=message) as e:
+        read_trace(_rewrite(tmp_path, tiny_trace, header={"model": spec}))
+    assert "\n" not in str(e.value)
+
+
 def test_copy_records_are_encoded_beside_the_reader():
     from types import SimpleNamespace
 

@@ -114,6 +114,19 @@ def test_output_checks_in_the_library(tmp_path, readonly):
         check_output_dir(readonly / "report")
 
 
+def test_an_output_that_is_a_symbolic_link_writes_the_file_it_points_to(tmp_path):
+    """The rename replaced the link by a regular file and left its target as it was (a stranger's)."""
+    from moesim.atomic import atomic_write_text
+
+    (tmp_path / "elsewhere").mkdir()
+    target = tmp_path / "elsewhere" / "t.txt"
+    target.write_text("old")
+    (tmp_path / "link.txt").symlink_to(target)
+    assert atomic_write_text(tmp_path / "link.txt", "new") == tmp_path / "link.txt"
+    assert (tmp_path / "link.txt").is_symlink() and target.read_text() == "new"
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
 def test_atomic_writes_clean_temporary_files_of_dead_writers_only(tmp_path):
     from moesim.atomic import atomic_write_text
 

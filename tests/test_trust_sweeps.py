@@ -450,3 +450,43 @@ def test_two_identical_sweeps_started_together_never_duplicate_or_lose_rows(tmp_
     keys = [(r["group"], r["hw"], r["link_gbps"]) for r in rows]
     assert len(keys) == len(set(keys)) == len(json.loads(next(o for o, _ in outs if o))["rows"])
     assert not list(tmp_path.glob("*.lock"))
+
+
+def test_replay_keeps_the_policies_its_engine_runs_as_whatif_does(tmp_path):
+    """`replay --engine llama.cpp --policy on-demand` timed on-demand as llama.cpp (which runs
+    no copy policy) and exited 0; whatif refused the pairing. Both follow one rule now
+    (EngineProfile.only_runs): none run, one line; some, the others left out with a note."""
+    from moesim.models import get_model
+    from moesim.sim.replay import replay
+    from moesim.traces.synthetic import SyntheticParams, synthetic_trace
+
+    t = synthetic_trace(get_model("tiny"), SyntheticParams(tokens=4))
+    with pytest.raises(MoesimError, match="llama.cpp runs none of on-demand"):
+        replay(t, "a6000", ["on-demand"], engine="llama.cpp")
+    rep = replay(t, "a6000", ["on-demand", "cpu-static"], engine="llama.cpp", sim="fast")
+    assert [r["policy"] for r in rep.rows] == ["cpu-static"] and "does not run on-demand" in rep.note
+    from moesim.traces.format import write_trace
+
+    write_trace(t, tmp_path / "t.npz")
+    r = moesim("replay", "t.npz", "--hw", "a6000", "--engine", "llama.cpp", "--json", cwd=tmp_path)
+    assert r.returncode == 0 and {row["policy"] for row in json.loads(r.stdout)} <= {"all-resident", "cpu-static",
+                                                                                        "gpu-layers"}
+
+
+def test_stats_and_replay_refuse_a_report_folder_another_run_is_writing(tmp_path):
+    """Two stats (or replay) runs on one --out left one run's stats.json beside the other's
+    report.html (a stranger's); the folder's lock refuses the second, as whatif's does."""
+    from moesim.atomic import exclusive
+    from moesim.models import get_model
+    from moesim.traces.format import write_trace
+    from moesim.traces.synthetic import SyntheticParams, synthetic_trace
+
+    write_trace(synthetic_trace(get_model("tiny"), SyntheticParams(tokens=4)), tmp_path / "t.npz")
+    for command in (["stats", "t.npz"], ["replay", "t.npz", "--hw", "a6000"]):
+        rep = f"{command[0]}-report"
+        with exclusive(tmp_path / rep, "--out"):
+            r = moesim(*command, "--out", rep, cwd=tmp_path)
+        assert r.returncode == 2 and f"--out {rep} is in use by another moesim run" in r.stderr, r.stderr
+        assert not (tmp_path / rep / "report.html").exists()
+        r = moesim(*command, "--out", rep, cwd=tmp_path)
+        assert r.returncode == 0 and (tmp_path / rep / "report.html").exists(), r.stderr

@@ -10,8 +10,9 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, auto_or, err, floats, print_csv, print_json, split
-from moesim.cli.options import CachePerLayer, Engine, GpuLayers, Host, OffloadGib, Threads, one
+from moesim.cli.options import CachePerLayer, Engine, GpuLayers, Host, OffloadGib, Threads, holding, one
 from moesim.cli.running import progress_bar
+from moesim.engines import get_engine  # imported with the CLI anyway (moesim.policy's cost model)
 from moesim.errors import MoesimError
 from moesim.hardware import DEFAULT_PROFILE
 
@@ -98,48 +99,51 @@ def replay(
     from moesim.sim.replay import replay as run_replay
     from moesim.traces.format import read_trace
 
-    if out_dir is not None:
-        from moesim.outputs import check_output_dir
+    with holding(out_dir, "--out"):  # two runs on one report folder: the second refused (their files mixed)
+        if out_dir is not None:
+            from moesim.outputs import check_output_dir
 
-        check_output_dir(out_dir)
-    trace = read_trace(trace_path)
-    if trace.speculative:
-        from moesim.sim.speculative import speculative_whatif
+            check_output_dir(out_dir)
+        trace = read_trace(trace_path)
+        if trace.speculative:
+            from moesim.sim.speculative import speculative_whatif
 
-        res = speculative_whatif(trace, get_profile(hw_name) if hw_name else None,
-                                 split(policy, "--policy") if policy != REPLAY_POLICIES else None,
-                                 [int(g) for g in floats(gamma, "--gamma")] if gamma is not None else None,
-                                 tuple(split(selection, "--selection")), score, tuple(floats(lam, "--lambda")),
-                                 link_gbps, timing, depth, branch, acceptance)
-        print_json(res) if as_json else print_csv(res["rows"]) if as_csv else print_speculative(res, trace_path)
-        return
-    if gamma is not None or depth is not None or branch is not None or acceptance is not None:
-        raise MoesimError("--gamma, --depth, --branch and --acceptance apply to speculative-decoding traces (moesim speculate)")
-    if validate:
-        print_validation(trace, trace_path, hw_name, sim, as_json, out_dir, as_csv, copy_queue)
-        return
-    with progress_bar("replaying", "layer-steps", disable=as_json) as update:
-        rep = run_replay(trace, hw_name, split(policy, "--policy"), model=model, step=step, where=trace_path,
-                         cache_gib=cache_gib, cache_experts=cache_experts, eviction=eviction, sim=sim, engine=engine,
-                         timing=timing, link_gbps=link_gbps, progress=update, expert_dtype=expert_dtype,
-                         prefetch_top=prefetch_top, placement_from=placement_from, host=host,
-                         cpu_layers=int(cpu_layers) if cpu_layers.isdigit() else cpu_layers,
-                         calibrate_on_replay=calibrate_on_replay, amx=amx, copy_queue=copy_queue, threads=threads,
-                         gpu_layers=int(gpu_layers) if gpu_layers.isdigit() else gpu_layers, split=split_mode,
-                         offload_gib=one(auto_or(offload_gib, "--offload-gib", float), "--offload-gib"),
-                         ratios=floats(tensor_split, "--tensor-split") if tensor_split is not None else None,
-                         lookahead=lookahead, cache_per_layer=cache_per_layer, gpu_expert_gib=gpu_expert_gib)
-    note = rep.note
-    rows = rep.rows
-    if as_json or as_csv:
-        print_json(rows) if as_json else print_csv(rows)
-    else:
-        print_replay(rep, trace, sim)
-    if out_dir is not None:
-        from moesim.reports.replay import write_replay_report
+            res = speculative_whatif(trace, get_profile(hw_name) if hw_name else None,
+                                     split(policy, "--policy") if policy != REPLAY_POLICIES else None,
+                                     [int(g) for g in floats(gamma, "--gamma")] if gamma is not None else None,
+                                     tuple(split(selection, "--selection")), score, tuple(floats(lam, "--lambda")),
+                                     link_gbps, timing, depth, branch, acceptance)
+            print_json(res) if as_json else print_csv(res["rows"]) if as_csv else print_speculative(res, trace_path)
+            return
+        if gamma is not None or depth is not None or branch is not None or acceptance is not None:
+            raise MoesimError("--gamma, --depth, --branch and --acceptance apply to speculative-decoding traces (moesim speculate)")
+        if validate:
+            print_validation(trace, trace_path, hw_name, sim, as_json, out_dir, as_csv, copy_queue)
+            return
+        pols = split(policy, "--policy")
+        if engine is not None and policy == REPLAY_POLICIES:  # none chosen: the defaults the engine runs (as whatif)
+            pols = get_engine(engine).default_policies(pols)
+        with progress_bar("replaying", "layer-steps", disable=as_json) as update:
+            rep = run_replay(trace, hw_name, pols, model=model, step=step, where=trace_path,
+                             cache_gib=cache_gib, cache_experts=cache_experts, eviction=eviction, sim=sim, engine=engine,
+                             timing=timing, link_gbps=link_gbps, progress=update, expert_dtype=expert_dtype,
+                             prefetch_top=prefetch_top, placement_from=placement_from, host=host,
+                             cpu_layers=int(cpu_layers) if cpu_layers.isdigit() else cpu_layers,
+                             calibrate_on_replay=calibrate_on_replay, amx=amx, copy_queue=copy_queue, threads=threads,
+                             gpu_layers=int(gpu_layers) if gpu_layers.isdigit() else gpu_layers, split=split_mode,
+                             offload_gib=one(auto_or(offload_gib, "--offload-gib", float), "--offload-gib"),
+                             ratios=floats(tensor_split, "--tensor-split") if tensor_split is not None else None,
+                             lookahead=lookahead, cache_per_layer=cache_per_layer, gpu_expert_gib=gpu_expert_gib)
+        note = rep.note
+        if as_json or as_csv:
+            print_json(rep.rows) if as_json else print_csv(rep.rows)
+        else:
+            print_replay(rep, trace, sim)
+        if out_dir is not None:
+            from moesim.reports.replay import write_replay_report
 
-        page = write_replay_report(trace, trace_path, rep.profile, rep.results, out_dir, rep.step)
-        err.print(f"report: {page}")
-    if note:
-        err.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+            page = write_replay_report(trace, trace_path, rep.profile, rep.results, out_dir, rep.step)
+            err.print(f"report: {page}")
+        if note:
+            err.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
 

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, err, ints, out, print_json
-from moesim.cli.options import given_options
+from moesim.cli.options import given_options, holding
 
 
 @app.command()
@@ -38,8 +38,9 @@ def stats(
     if hw_name is None and "--policy" in given_options(ctx):
         err.print("note: --policy sets the TPOT-against-cache curve, which only --hw draws: changed nothing",
                   markup=False, soft_wrap=True)
-    res = stats_report(trace_path, out_dir, hw=hw_name,  # whole numbers of experts: never nan, inf or 1.5 cut to 1
-                       sizes=ints(sizes, "--sizes") if sizes is not None else None, policy=policy)
+    with holding(out_dir, "--out"):  # two runs on one report folder: the second refused (their files mixed)
+        res = stats_report(trace_path, out_dir, hw=hw_name,  # whole numbers of experts: never nan, inf or 1.5 cut to 1
+                           sizes=ints(sizes, "--sizes") if sizes is not None else None, policy=policy)
     if as_json:
         print_json(res)
         return
