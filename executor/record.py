@@ -53,7 +53,7 @@ from moesim.artefacts import safetensors_header
 from moesim.errors import MoesimError
 from moesim.executor.defaults import DRAFT_MODEL, SHIPPED_MODEL
 from moesim.executor.families import FAMILIES
-from moesim.executor.interrupt import stop_on_interrupt, stop_requested
+from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
 from moesim.executor.loading import resolve_snapshot, shipped_model
 from moesim.executor.profile import DEFAULT_PROMPT
 from moesim.hf_config import EXPERT_KEYS, split_config
@@ -513,7 +513,7 @@ def record(model_dir: str | Path, prompts: Any, tokens: int = 64, device: str = 
             h.remove()
     done = min(len(out_tokens), *(min(len(m.ids), len(m.resid)) for m in layers))
     if done == 0:
-        raise MoesimError("record: interrupted before the first decode step finished")
+        raise Interrupted("interrupted before the first decode step finished: nothing to keep")  # exit 130, as profile
     for m in layers:
         for name in ("ids", "gates", "x", "resid"):
             setattr(m, name, getattr(m, name)[:done])

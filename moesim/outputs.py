@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from moesim.errors import MoesimError
-from moesim.inputs import check_name
+from moesim.inputs import check_name, kind_of
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -76,7 +76,8 @@ def check_output_dir(path: str | os.PathLike, what: str = "--out") -> Path:
     path = Path(path)
     check_name(path, what)
     if path.exists() and not path.is_dir():
-        raise MoesimError(f"{what} {path} is a file; a folder is expected")
+        kind = kind_of(path)
+        raise MoesimError(f"{what} {path} is a {kind}; a folder is expected")
     folder = path if path.is_dir() else _check_ancestors(path, what)
     _probe_writable(folder, what, path)
     return path

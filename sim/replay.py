@@ -119,7 +119,8 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
         policies, engine_note = get_engine(kw["engine"]).only_runs([get_policy(p).name for p in policies])
     budget.check(budget.replay_estimate(trace.model, trace.n_tokens, trace.batch, budget.runs_by_kind(policies),
                                         kw.get("sim", "simpy")))
-    profile, link_source = replay_link(trace, profile, source, kw.pop("link_gbps", None))
+    given_link = kw.pop("link_gbps", None)
+    profile, link_source = replay_link(trace, profile, source, given_link)
     if expert_dtype is not None:
         trace = with_expert_dtype(trace, expert_dtype)
     if prefetch_top is None and trace.header.get("prefetch_top_m"):
@@ -130,9 +131,10 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
         kw["calibration"] = separate_calibration(load_calibration(str(placement_from), trace.model), trace,
                                                  placement_from)
     given_eviction = kw.get("eviction")
+    given_cache = bool(kw.get("cache_gib")) or bool(kw.get("cache_experts"))  # by the user, not the recorded one
     kw, cache_source = recorded_cache(trace, kw)  # the cache as given, else as recorded: what an eviction needs
     note = unused_notes(policies, hw, prefetch_top=given_top, placement_from=placement_from,
-                        **{**kw, "eviction": given_eviction})
+                        **{**kw, "eviction": given_eviction, "link_gbps": given_link, "cache_given": given_cache})
     note = "; ".join(n for n in (engine_note, note) if n) or None
     kw.setdefault("copy_queue", None)  # None: as recorded (moesim profile --copy-queue), else FIFO
     return Replay(trace, profile, source, simulate_policies(trace, profile, list(policies), progress=progress, **kw),
@@ -159,7 +161,7 @@ def recorded_cache(trace: Trace, kw: dict[str, Any]) -> tuple[dict[str, Any], st
 def unused_notes(policies, hw: str | None, *, host=None, cpu_layers="auto", gpu_expert_gib=None, copy_queue=None,
                  prefetch_top=None, gpu_layers="auto", offload_gib="auto", placement_from=None, amx=True,
                  calibrate_on_replay=False, eviction=None, cache_gib=None, cache_experts=None, lookahead=None,
-                 split="layer", **_: Any) -> str | None:
+                 split="layer", threads=None, link_gbps=None, cache_given=False, **_: Any) -> str | None:
     """One line naming every option given that none of the replayed policies uses
     (:func:`moesim.sim.sweep.unused_options`, the definition whatif uses), or None. The
     options as given (``None``: left out), the cache as the replay runs it (given, else
@@ -174,7 +176,8 @@ def unused_notes(policies, hw: str | None, *, host=None, cpu_layers="auto", gpu_
                            [prefetch_top] if prefetch_top is not None else None, [gpu_layers], [offload_gib],
                            placement_from=placement_from, amx=amx, calibrate_on_replay=calibrate_on_replay,
                            pinned_hot_set=True, no_gpu=gpus == 0, verb="replayed", eviction=eviction, cached=cached,
-                           lookaheads=[lookahead] if lookahead is not None else None)
+                           lookaheads=[lookahead] if lookahead is not None else None, threads=threads,
+                           link_given=link_gbps is not None, cache_given=cache_given)
     if split != "layer" and gpus < 2:
         notes.append(f"--split {split} was given, but the machine has {gpus or 'no'} GPU{'s' if gpus != 1 else ''} "
                      "(a split needs several): it changed nothing")

@@ -126,7 +126,8 @@ def check_threads(threads: int | None, hosts) -> None:
 def unused_options(pols: list, hosts, cpu_layers, gpu_expert_gib, copy_queues, prefetch_top, gpu_layers=None,
                    offload_gib=None, *, placement_from=None, amx: bool = True, calibrate_on_replay: bool = False,
                    pinned_hot_set: bool = False, no_gpu: bool = False, verb: str = "swept",
-                   eviction: str | None = None, cached: bool = True, lookaheads=None) -> list[str]:
+                   eviction: str | None = None, cached: bool = True, lookaheads=None, threads=None,
+                   link_given: bool = False, cache_given: bool = False) -> list[str]:
     """A note for each option given that no policy of the run uses (``--cpu-layers`` with no
     cpu-static, ...): the run is still valid, but the user should not believe the knob was
     tried. ``auto`` is every count's default, so only other values are noted. One
@@ -134,7 +135,10 @@ def unused_options(pols: list, hosts, cpu_layers, gpu_expert_gib, copy_queues, p
     ``pinned_hot_set``: ``--gpu-expert-gib`` also pins a copy policy's hot set (replay);
     ``no_gpu``: the machine has no GPU, where ``--host`` always applies; ``eviction`` the one
     given (only a cache evicts: ``cached`` says whether any cache size of the run is above 0);
-    ``lookaheads`` those given (only a policy that prefetches looks ahead)."""
+    ``lookaheads`` those given (only a policy that prefetches looks ahead); ``threads`` the
+    CPU threads given (only the CPU computes with them); ``link_given``: a link bandwidth was
+    given (all-resident moves nothing over it); ``cache_given``: a cache above 0 was given
+    (only the copy policies and cpu-on-miss keep one)."""
     hot = lambda p: p.cpu in ("hot", "miss")  # noqa: E731
     caching = lambda p: cached and ((p.offload and not p.cpu) or p.cpu == "miss")  # noqa: E731
     uses = [(hosts, "--host", "the CPU-compute policies", lambda p: bool(p.cpu) or no_gpu),
@@ -154,7 +158,13 @@ def unused_options(pols: list, hosts, cpu_layers, gpu_expert_gib, copy_queues, p
             ([True] if not amx else [], "--no-amx", "the CPU-compute policies", lambda p: bool(p.cpu) or no_gpu),
             ([eviction] if eviction not in (None, "lru") else [], "--eviction",
              "the copy policies and cpu-on-miss, with a cache above 0", caching),
-            (lookaheads or [], "--lookahead", "the prefetching policies", lambda p: p.prefetch)]
+            (lookaheads or [], "--lookahead", "the prefetching policies", lambda p: p.prefetch),
+            ([threads] if threads is not None else [], "--threads", "the CPU-compute policies",
+             lambda p: bool(p.cpu) or no_gpu),
+            ([True] if link_given else [], "--link-gbps", "the policies that copy experts or activations",
+             lambda p: p.offload or bool(p.cpu)),
+            ([True] if cache_given else [], "--cache-gib", "the copy policies and cpu-on-miss",
+             lambda p: (p.offload and not p.cpu) or p.cpu == "miss")]
     return [f"{name} was given, but none of the {verb} policies "
             f"uses it (only {who}): it changed nothing"
             for given, name, who, applies in uses if given and not any(applies(p) for p in pols)]
@@ -245,7 +255,7 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
     notes: list[str] = unused_options(pols, hosts, cpu_layers, gpu_expert_gib, copy_queues, prefetch_top, gpu_layers,
                                       offload_gib, no_gpu=no_gpu, eviction=eviction,
                                       cached=any(isinstance(c, (int, float)) and c > 0 for c in cache_gib),
-                                      lookaheads=lookaheads)
+                                      lookaheads=lookaheads, threads=threads, link_given=link_gbps is not None)
     if engine_note:
         notes.append(engine_note)
     if hot_left_out:

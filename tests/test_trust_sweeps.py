@@ -305,13 +305,27 @@ def traces(tmp_path_factory):
                                                    # the stranger's round 4: these three said nothing
                                                    (["--split", "tensor"], "--split tensor"),
                                                    (["--lookahead", "2"], "--lookahead"),
-                                                   (["--eviction", "lfu"], "--eviction")]))
+                                                   (["--eviction", "lfu"], "--eviction"),
+                                                   # round 5: --threads for a GPU-only policy
+                                                   (["--threads", "8"], "--threads")]))
 def test_replay_says_in_one_note_line_when_an_option_changed_nothing(traces, run, extra, name):
     r = run("replay", "t.npz", "--hw", "a6000", "--policy", "on-demand", "--sim", "fast", "--json", *extra,
                cwd=traces)
     assert r.returncode == 0, r.stderr
     notes = [ln for ln in r.stderr.splitlines() if ln.startswith("note: ")]
     assert len(notes) == 1 and name in notes[0] and "changed nothing" in notes[0], r.stderr
+
+
+@pytest.mark.parametrize("extra,name", [(["--link-gbps", "8"], "--link-gbps"), (["--cache-gib", "1"], "--cache-gib")])
+def test_all_resident_says_that_the_link_and_the_cache_changed_nothing(traces, extra, name):
+    """all-resident copies nothing and caches nothing: a stranger's round 5 got no note."""
+    r = in_process("replay", "t.npz", "--hw", "a6000", "--policy", "all-resident", "--sim", "fast", "--json", *extra,
+                   cwd=traces)
+    notes = [ln for ln in r.stderr.splitlines() if ln.startswith("note: ")]
+    assert r.returncode == 0 and len(notes) == 1 and name in notes[0] and "changed nothing" in notes[0], r.stderr
+    r = in_process("replay", "t.npz", "--hw", "a6000", "--policy", "on-demand", "--sim", "fast", "--json", *extra,
+                   cwd=traces)
+    assert r.returncode == 0 and "changed nothing" not in r.stderr, r.stderr
 
 
 def test_replay_is_silent_when_the_option_is_used(traces):

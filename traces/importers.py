@@ -193,6 +193,8 @@ def _read_vllm_json(path: Path, where: str, spec: ModelSpec, fmt: str):
             else:
                 prompts.append(_whole(usage.get("prompt_tokens"), "usage.prompt_tokens", where))
             tokens.append(c.get("token_ids"))
+    if not arrays:
+        raise MoesimError(f"{where}: no completion in it (a vLLM response: choices[] with routed_experts)")
     if len(set(prompts)) != 1 or len({a.shape for a in arrays}) != 1:
         raise MoesimError(f"{where}: completions of different lengths cannot be one batch "
                           f"(prompts {sorted(set(prompts))}, routed {sorted({a.shape for a in arrays})})")

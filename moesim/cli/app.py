@@ -15,6 +15,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from moesim import __version__
 from moesim.errors import MoesimError
@@ -111,11 +112,11 @@ def table(title: str, columns: tuple[str, ...] | list[str], rows: list[list[str]
     columns = list(columns)
     width = width or out.width
     keep = _fit_columns(columns, rows, width)
-    t = Table(title=title)
+    t = Table(title=Text(title))  # Text: a file or profile name's [brackets] are shown, not read as markup
     for i in keep:
         t.add_column(columns[i], justify=justify if isinstance(justify, str) else justify[i])
     for r in rows:
-        t.add_row(*[r[i] for i in keep])
+        t.add_row(*[Text(str(r[i])) for i in keep])
     dropped = [columns[i] for i in range(len(columns)) if i not in keep]
     if dropped:
         t.caption = f"not shown at {width} columns: {', '.join(dropped)} (all in --json / --csv, or a wider terminal)"

@@ -38,7 +38,7 @@ def fit(
     prof, quality = fit_profile(trace, base, name)
     if out_path is not None:
         atomic_write_text(out_path, f"# {prof.description}\n" + prof.to_toml())
-        err.print(f"wrote {out_path} (profile {prof.name!r})")
+        err.print(f"wrote {out_path} (profile {prof.name!r})", markup=False, highlight=False)
     for w in quality["warnings"]:
         err.print(f"warning: {w}", highlight=False, markup=False, soft_wrap=True)
     out.print(table(f"compute model fitted to {trace_path.name} ({quality['blocks']} blocks; base profile "
