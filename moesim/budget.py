@@ -101,7 +101,8 @@ def human_seconds(s: float) -> str:
 
 
 def available_memory() -> float:
-    """Bytes this process can still allocate: MemAvailable, or the cgroup limit if lower."""
+    """Bytes this process can still allocate: MemAvailable, or the cgroup limit or what is left
+    of the address-space limit if lower."""
     avail = float("inf")
     try:
         with open("/proc/meminfo") as f:
@@ -124,6 +125,16 @@ def available_memory() -> float:
             continue
     if avail == float("inf"):
         avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    try:  # an address-space limit (ulimit -v): what is left of it
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            with open("/proc/self/statm") as f:
+                used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+            avail = min(avail, soft - used)
+    except (ImportError, OSError, ValueError):
+        pass
     return float(avail)
 
 
@@ -131,11 +142,14 @@ def _cells(spec: ModelSpec, tokens: int, batch: int) -> float:
     return float(tokens) * spec.n_moe_layers * batch * spec.top_k
 
 
-def synth_estimate(spec: ModelSpec, tokens: int, batch: int) -> Estimate:
-    """Synthesising a trace (``moesim synth``, ``whatif`` without ``--trace``)."""
+def synth_estimate(spec: ModelSpec, tokens: int, batch: int, prompt_len: int = 0) -> Estimate:
+    """Synthesising a trace (``moesim synth``, ``whatif`` without ``--trace``); its prompt's
+    and tokens' ids are int32 a sequence (a prompt of 10^9 tokens was a MemoryError after 15 s)."""
     cells = _cells(spec, tokens, batch)
-    return Estimate(f"a synthetic trace of {tokens} steps x batch {batch} of {spec.name}",
-                    SYNTH_FIXED_BYTES + cells * SYNTH_BYTES_PER_CELL, cells * SYNTH_S_PER_CELL)
+    ids = 4.0 * batch * (max(0, prompt_len) + tokens)
+    return Estimate(f"a synthetic trace of {tokens} steps x batch {batch} of {spec.name}"
+                    + (f" after a {prompt_len}-token prompt" if prompt_len else ""),
+                    SYNTH_FIXED_BYTES + cells * SYNTH_BYTES_PER_CELL + ids, cells * SYNTH_S_PER_CELL)
 
 
 def row_kind(cpu: str | None) -> str:

@@ -181,7 +181,15 @@ def read_bytes(path: str | os.PathLike, what: str, cap: float) -> bytes:
         return _piped[key]
     try:
         with open(path, "rb") as f:
-            data = f.read(int(cap) + 1)  # the file may have grown since it was looked at
+            # Its size and a byte more, not the cap: a read of the cap reserved that much memory
+            # (11 GiB here), which a memory limit refused as out of memory. A file that grew
+            # since it was looked at is read on, a block at a time, up to the cap.
+            parts = [f.read(int(min(cap, os.fstat(f.fileno()).st_size)) + 1)]
+            n = len(parts[0])
+            while n <= cap and (block := f.read(int(min(1 << 24, cap + 1 - n)))):
+                parts.append(block)
+                n += len(block)
+            data = parts[0] if len(parts) == 1 else b"".join(parts)
     except OSError as e:
         raise MoesimError(f"cannot read {what} {path}: {e.strerror or e}") from None
     if len(data) > cap:

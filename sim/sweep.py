@@ -295,7 +295,8 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
         specs = [get_model(m) for m in models]
         for spec in specs:  # all sizes checked before any trace is made: the trace and one replay of it together
             for b in batches:
-                made, run = budget.synth_estimate(spec, tokens, b), budget.replay_estimate(spec, tokens, b, 1, sim)
+                made = budget.synth_estimate(spec, tokens, b, max(prompts))
+                run = budget.replay_estimate(spec, tokens, b, 1, sim)
                 budget.check(budget.Estimate(f"a synthetic trace of {tokens} steps x batch {b} of {spec.name} and one "
                                              "simulation of it", made.bytes + run.bytes, made.seconds + run.seconds))
         one_shape = len(batches) == 1 and len(prompts) == 1 and len(aheads) == 1

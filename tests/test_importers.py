@@ -233,3 +233,20 @@ def test_hostile_jsonl_records_are_one_line(tmp_path, record, message):
     p.write_text('{"token": 0, "layer": 0, "experts": [0, 1, 2, 3], "gates": [NaN, 1, 1, 1]}')
     with pytest.raises(MoesimError, match="not a routing record"):
         importers.import_routing("jsonl", p, MODEL)
+
+
+def test_a_dump_is_read_under_an_address_space_limit(tmp_path):
+    """The README's own vLLM example, under `ulimit -v 8000000` (a stranger's round 5): the
+    reader asked for its cap (half the machine's memory) in one read and got "out of memory";
+    it reads the file's size now, and the budget counts what is left of the limit."""
+    import resource
+    import subprocess
+    import sys
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (8_000_000 * 1024, resource.RLIM_INFINITY))
+
+    r = subprocess.run([sys.executable, "-m", "moesim", "import", "vllm", str(EXAMPLES / f"{SYNTH}.npy"),
+                        "--prompt-tokens", str(PROMPT), "--model", "deepseek-v2-lite", "--out", str(tmp_path / "v.npz")],
+                       capture_output=True, text=True, timeout=300, preexec_fn=limit)
+    assert r.returncode == 0 and (tmp_path / "v.npz").exists(), r.stderr

@@ -486,7 +486,7 @@ def synthetic_trace(spec: ModelSpec, params: SyntheticParams = SyntheticParams()
     """Generate a trace for ``spec`` (memory ~ the output's size); ``progress(done, total)``
     counts tokens, for a progress bar on long traces."""
     params.check(spec)
-    budget.check(budget.synth_estimate(spec, params.tokens, params.batch))
+    budget.check(budget.synth_estimate(spec, params.tokens, params.batch, params.prompt_len))
     # Independent streams per quantity (and per layer inside the kernel), so chunk sizes
     # never change what is drawn where; popularity from ``seed``, draws from ``draw_seed``.
     pop_seeds = np.random.SeedSequence(params.seed).spawn(5)
