@@ -34,8 +34,8 @@ REPLAY_BYTES_PER_CELL = 64  # per policy simulated at once, plus the trace itsel
 TRACE_BYTES_PER_CELL = 8  # true ids (int16), gates (float32), predicted ids (int16)
 # Seconds per decode step x MoE layer x sequence x top-k slot of a synthetic trace, drawn and
 # written (fsync included). Measured by bench/bench_estimates.py (bench/estimates.json): about
-# 9e-8 on an idle 2-core machine and 2.6e-7 beside a CPU-bound and an I/O-bound process; the
-# middle, so the estimate is within 3x either way (it was 5e-6, from before the sampler was
+# 9e-8 on an idle 2-core machine and 2.6e-7 with three other processes busy; the middle, so
+# the estimate is within 3x either way (it was 5e-6, from before the sampler was
 # compiled: 19 s said for a 1.2 s trace).
 SYNTH_S_PER_CELL = 1.5e-7
 # One replay of one policy, per decode step x MoE layer x sequence (bench/bench_estimates.py):
