@@ -109,13 +109,13 @@ def check_model_type(path: Path, cfg: dict) -> None:
     """One line, before loading, for a ``model_type`` the installed transformers has no class
     for (its AutoConfig raises a KeyError deep in loading; a checkpoint with its own code,
     ``auto_map``, is left to transformers)."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    import transformers  # optional (the record extra), and slow to import: only when recording
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # transformers' own family table
 
     mtype = cfg.get("model_type")
     if "auto_map" in cfg:
         return
     if not isinstance(mtype, str) or mtype not in CONFIG_MAPPING:
-        import transformers
 
         raise MoesimError(f"{path}: config.json's model_type {mtype!r} is not a model the installed transformers "
                           f"{transformers.__version__} knows: nothing to run it with (a newer transformers, or a "

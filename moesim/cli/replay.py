@@ -15,6 +15,7 @@ from moesim.cli.running import progress_bar
 from moesim.engines import get_engine  # imported with the CLI anyway (moesim.policy's cost model)
 from moesim.errors import MoesimError
 from moesim.hardware import DEFAULT_PROFILE
+from moesim.outputs import check_output_dir  # 2 ms
 
 REPLAY_POLICIES = "on-demand,prefetch-fom,prefetch-spec,oracle"
 SD = "Speculative traces, with --gamma: "
@@ -99,11 +100,9 @@ def replay(
     from moesim.sim.replay import replay as run_replay
     from moesim.traces.format import read_trace
 
+    if out_dir is not None:
+        check_output_dir(out_dir)  # before its lock file is made
     with holding(out_dir, "--out"):  # two runs on one report folder: the second refused (their files mixed)
-        if out_dir is not None:
-            from moesim.outputs import check_output_dir
-
-            check_output_dir(out_dir)
         trace = read_trace(trace_path)
         if trace.speculative:
             from moesim.sim.speculative import speculative_whatif

@@ -10,6 +10,7 @@ import typer
 
 from moesim.cli.app import app, err, ints, out, print_json
 from moesim.cli.options import given_options, holding
+from moesim.outputs import check_output_dir
 
 
 @app.command()
@@ -38,6 +39,8 @@ def stats(
     if hw_name is None and "--policy" in given_options(ctx):
         err.print("note: --policy sets the TPOT-against-cache curve, which only --hw draws: changed nothing",
                   markup=False, soft_wrap=True)
+    if out_dir is not None:
+        check_output_dir(out_dir)  # before its lock file is made
     with holding(out_dir, "--out"):  # two runs on one report folder: the second refused (their files mixed)
         res = stats_report(trace_path, out_dir, hw=hw_name,  # whole numbers of experts: never nan, inf or 1.5 cut to 1
                            sizes=ints(sizes, "--sizes") if sizes is not None else None, policy=policy)
