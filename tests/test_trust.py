@@ -219,6 +219,11 @@ def test_bad_input_files_are_one_line_each(work, run):
     (("profile", "--model", "qwen3-30b-a3b", "--layers", "0", "--tokens", "2"), ("--layers 0",)),
     (("validate", "--tokens", "100000000", "--repeats", "1", "--out", "v"), ("TiB", "available: refusing")),
     (("validate", "--tokens", "3", "--repeats", "100000000", "--out", "v"), ("years", "more than a day")),
+    # round 5: these ran until killed, or overflowed torch after the models loaded
+    (("train-expert-predictor", "--epochs", "1000000000", "--out", "tp"), ("years", "more than a day")),
+    (("train-estimator", "--epochs", "1000000000", "--out", "te"), ("years", "more than a day")),
+    (("speculate", "--depth", "1000", "--branch", "1000", "--tokens", "2"), ("4,096 candidates",)),
+    (("train", "--lr", "nan", "--steps", "1", "--out", "tr"), ("lr a positive number",)),
 ]))
 def test_absurd_sizes_are_refused_with_the_estimate(work, run, args, words):
     t0 = time.time()
