@@ -29,11 +29,12 @@ from moesim.inputs import TEXT_CAP, read_bytes
 from moesim.models import get_model
 
 
-def _check_time(path: Path, what: str, tokens: int, epochs: int = 0) -> None:
-    """Refuse, before the checkpoint loads, a pass that would take more than a day; announce a
-    long one (moesim.budget.offline_estimate; the layers from config.json, nothing loaded)."""
-    budget.check(budget.offline_estimate(f"{what} on {tokens} tokens of {path.name}", get_model(str(path)).n_layers,
-                                         tokens, epochs))
+def _check_time(what: str, paths: list[Path], tokens: int, epochs: int = 0) -> None:
+    """Refuse, before the checkpoints load, a pass that would take more than a day; announce a
+    long one (moesim.budget.offline_estimate; the layers from each config.json, nothing loaded)."""
+    layers = sum(get_model(str(p)).n_layers for p in paths)
+    budget.check(budget.offline_estimate(f"{what} on {tokens} tokens of {' and '.join(p.name for p in paths)}",
+                                         layers, tokens, epochs))
 
 
 def default_out(source: Path, suffix: str) -> Path:
@@ -59,7 +60,7 @@ def calibrate_checkpoint(model: str, out: Path | None = None, text: Path | None 
         what = describe_training_split(desc)
     if len(data[:tokens]) < 2:
         raise MoesimError(f"calibration text {what} holds {len(data)} byte(s): calibrate needs at least 2 tokens")
-    _check_time(path, "calibrating", len(data[:tokens]))
+    _check_time("calibrating", [path], len(data[:tokens]))
     m = load_checkpoint(path)
     if m.spec.vocab != 256:
         raise MoesimError("calibrate reads text as bytes: it needs a byte-level (256-token) model")
@@ -84,7 +85,7 @@ def train_estimator_into(model: str, out: Path | None = None, tokens: int = 6553
         raise MoesimError("tokens, eval-tokens, epochs and width must be >= 1 and lr a positive number")
     check_derived_out(path, out, force)
     train, held_out, _ = splits()
-    _check_time(path, "training the estimator", min(tokens, len(train)) + min(eval_tokens, len(held_out)), epochs)
+    _check_time("training the estimator", [path], min(tokens, len(train)) + min(eval_tokens, len(held_out)), epochs)
     m = load_checkpoint(path)
     dv = load_default_vectors(path)
     if dv is None:
@@ -111,10 +112,8 @@ def train_predictor_into(draft: str, model: str, out: Path | None = None, tokens
     check_derived_out(dpath, out, force)
     train, held_out, _ = splits()
     if min(tokens, eval_tokens) >= 1 and epochs >= 1:
-        n = min(tokens, len(train)) + min(eval_tokens, len(held_out))
-        layers = get_model(str(dpath)).n_layers + get_model(str(tpath)).n_layers
-        budget.check(budget.offline_estimate(f"training the expert predictor on {n} tokens of {dpath.name} and "
-                                             f"{tpath.name}", layers, n, epochs))
+        _check_time("training the expert predictor", [dpath, tpath],
+                    min(tokens, len(train)) + min(eval_tokens, len(held_out)), epochs)
     d, t = load_checkpoint(dpath), load_checkpoint(tpath)
     if d.spec.vocab != t.spec.vocab:
         raise MoesimError("draft and target must share a vocabulary")

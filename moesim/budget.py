@@ -54,7 +54,7 @@ FAST_S_PER_STEP_LAYER = 2e-7
 # steps (bench/bench_estimates.py's whatif cases check the sum). Counted as copy rows only, a fast sweep of
 # the default policies was said to take 3.9 s and took 18 s, and a cpu-on-miss replay of 100,000
 # Qwen3-30B-A3B steps was said to take 10 s (at the measured cost it takes about 20 minutes).
-SWEEP_S_PER_ROW_CELL = {("copy", "simpy"): 2.5e-5, ("copy", "fast"): 3e-7, "static": 6e-6, "miss": 1.5e-4}
+SWEEP_S_PER_ROW_CELL = {"copy-simpy": 2.5e-5, "copy-fast": 3e-7, "static": 6e-6, "miss": 1.5e-4}
 SWEEP_S_PER_GROUP = 0.05
 HOST_COPY_GBS = 2.0  # a CPU executor's expert compute and weight reads, conservatively
 # The reference executor's own time per expert it runs in a decode step (its forward hooks, the
@@ -170,7 +170,7 @@ def runs_by_kind(policies: list[str] | tuple[str, ...]) -> dict[str, int]:
 
 
 def _per_cell(kind: str, engine: str) -> float:
-    return SWEEP_S_PER_ROW_CELL[kind] if kind != "copy" else SWEEP_S_PER_ROW_CELL[("copy", engine)]
+    return SWEEP_S_PER_ROW_CELL[f"copy-{engine}" if kind == "copy" else kind]
 
 
 def _kinds(runs: int | Mapping[str, int]) -> dict[str, int]:

@@ -382,11 +382,11 @@ def test_the_sweep_estimate_is_linear_in_counted_work_and_divided_by_workers():
     assert budget.sweep_estimate([(q, 256, 1)], 20, 12, "simpy", 1).seconds == pytest.approx(2 * one)
     assert budget.sweep_estimate([(q, 256, 1)], 10, 12, "simpy", 2).seconds == pytest.approx(one / 2)
     cells = 256 * q.n_moe_layers * 10 * 12
-    assert one == pytest.approx(cells * budget.SWEEP_S_PER_ROW_CELL["copy", "simpy"] + 10 * budget.SWEEP_S_PER_GROUP)
+    assert one == pytest.approx(cells * budget.SWEEP_S_PER_ROW_CELL["copy-simpy"] + 10 * budget.SWEEP_S_PER_GROUP)
     # groups by how their rows are timed: a cpu-on-miss group costs its recurrence's share
     mixed = budget.sweep_estimate([(q, 256, 1)], {"copy": 9, "miss": 1}, 12, "simpy", 1).seconds
     assert mixed == pytest.approx(one + 256 * q.n_moe_layers * 12 * (
-        budget.SWEEP_S_PER_ROW_CELL["miss"] - budget.SWEEP_S_PER_ROW_CELL["copy", "simpy"]))
+        budget.SWEEP_S_PER_ROW_CELL["miss"] - budget.SWEEP_S_PER_ROW_CELL["copy-simpy"]))
 
 
 def test_the_pool_sweeps_estimate_counts_each_policy_family_and_is_within_3x_of_its_time(monkeypatch):

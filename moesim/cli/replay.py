@@ -15,7 +15,7 @@ from moesim.cli.running import progress_bar
 from moesim.engines import get_engine  # imported with the CLI anyway (moesim.policy's cost model)
 from moesim.errors import MoesimError
 from moesim.hardware import DEFAULT_PROFILE
-from moesim.outputs import check_output_dir  # 2 ms
+from moesim.outputs import check_output_dir  # light (2 ms to import): checked before the lock
 
 REPLAY_POLICIES = "on-demand,prefetch-fom,prefetch-spec,oracle"
 SD = "Speculative traces, with --gamma: "
