@@ -76,6 +76,8 @@ class Estimate:
     what: str
     bytes: float
     seconds: float
+    #: what to ask for instead, in a refusal for time (the sizes that drive this estimate)
+    smaller: str = "check the sizes asked for"
 
     def describe(self) -> str:
         return f"{self.what}: about {human_bytes(self.bytes)} of memory and {human_seconds(self.seconds)}"
@@ -229,7 +231,7 @@ def decode_estimate(spec: ModelSpec, tokens: int, batch: int, dtype_bytes: int, 
                 + run * EXECUTOR_S_PER_EXPERT)
     return Estimate(f"decoding {tokens} steps of {spec.name} ({human_bytes(weights)} of weights"
                     + (f", link {link_gbps:g} GB/s" if offload else "") + ")",
-                    weights + cache + kv + per_seq, tokens * per_step)
+                    weights + cache + kv + per_seq, tokens * per_step, "check the sizes and the link bandwidth")
 
 
 # Offline passes over text (calibrate; train-estimator's and train-expert-predictor's teacher
@@ -245,7 +247,8 @@ def offline_estimate(what: str, layers: int, tokens: int, epochs: int = 0) -> Es
     """A pass of ``tokens`` through ``layers`` layers and, with ``epochs``, training a small
     head on them (``moesim calibrate``, ``train-estimator``, ``train-expert-predictor``): time only."""
     return Estimate(what, 16.0 * tokens,  # the token ids, as bytes and as a tensor of int64
-                    float(tokens) * (layers * FORWARD_S_PER_TOKEN_LAYER + epochs * HEAD_S_PER_TOKEN_EPOCH))
+                    float(tokens) * (layers * FORWARD_S_PER_TOKEN_LAYER + epochs * HEAD_S_PER_TOKEN_EPOCH),
+                    "ask for fewer tokens or epochs")
 
 
 CPU_TRAIN_FLOPS = 5e9  # achieved fp32 training FLOP/s of a CPU core or two, conservatively
@@ -277,8 +280,7 @@ def check(est: Estimate, warn=_stderr) -> Estimate:
         raise MoesimError(f"{est.describe()}; this machine has {human_bytes(avail)} available: refusing "
                           "(ask for fewer tokens, layers, sequences or a smaller cache)")
     if est.seconds > REFUSE_S:
-        raise MoesimError(f"{est.describe()}: refusing a run estimated at more than a day "
-                          "(check the sizes and the link bandwidth)")
+        raise MoesimError(f"{est.describe()}: refusing a run estimated at more than a day ({est.smaller})")
     if est.seconds > WARN_S and warn is not None:
         warn(f"warning: {est.describe()} (estimate; Ctrl-C stops it)")
     return est
