@@ -46,11 +46,14 @@ def same(a, b) -> bool:
 
 
 def every_member_stored(trace):
-    """``trace`` with exec_ids one expert short of true_ids, so that the file stores all five
-    routing arrays (a synthetic trace's exec_ids repeats true_ids: stored once, version 3)."""
+    """``trace`` with exec_ids one expert short of true_ids and no predicted gates where
+    nothing is predicted (as a recorded run's), so that the file stores all five routing
+    arrays (a synthetic trace's exec_ids and pred_gates repeat true_ids and true_gates: each
+    stored once, version 3)."""
     executed = np.array(trace.exec_ids)
     executed[0, 0, 0, 0] = -1
-    return replace(trace, exec_ids=executed)
+    pred_gates = np.where(trace.pred_ids >= 0, trace.true_gates, 0).astype(np.float32)
+    return replace(trace, exec_ids=executed, pred_gates=pred_gates)
 
 
 def test_threads_read_what_one_thread_reads(tmp_path, tiny_trace):

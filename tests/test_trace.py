@@ -299,7 +299,7 @@ def test_large_members_are_stored_aligned_and_read_by_numpy(tmp_path, tiny_trace
             assert (start + 10 + header_len) % ALIGN == 0, info.filename
     with np.load(path, allow_pickle=False) as z:  # still a plain .npz to numpy
         np.testing.assert_array_equal(z["true_ids"], tiny_trace.true_ids)
-        np.testing.assert_array_equal(z["pred_gates"], tiny_trace.pred_gates)
+        np.testing.assert_array_equal(z["true_gates"], tiny_trace.true_gates)
 
 
 def test_stored_round_trip_maps_the_routing_and_never_changes_the_file(tmp_path, tiny_trace, monkeypatch):
@@ -458,15 +458,19 @@ def test_a_repeated_routing_array_is_stored_once_and_read_back_as_it_was(tmp_pat
 
     trace = synthetic_trace(get_model("tiny"), SyntheticParams(tokens=30, seed=3))
     path = write_trace(trace, tmp_path / "t.npz")
-    assert "exec_ids.npy" not in zipfile.ZipFile(path).namelist()
+    names = zipfile.ZipFile(path).namelist()
+    assert "exec_ids.npy" not in names and "pred_gates.npy" not in names
     back = read_trace(path)
-    assert back.header["same_as"] == {"exec_ids": "true_ids"} and back.header["version"] == 3
+    assert back.header["same_as"] == {"exec_ids": "true_ids", "pred_gates": "true_gates"}
+    assert back.header["version"] == 3
     assert np.array_equal(back.exec_ids, trace.true_ids) and back.exec_ids.dtype == trace.true_ids.dtype
+    assert np.array_equal(back.pred_gates, trace.true_gates)
     with pytest.raises(ValueError):
         back.exec_ids[0, 0, 0, 0] = 1
     changed = np.array(back.exec_ids)
     changed[0, 0, 0, 0] = -1  # the run skipped one expert
     back.exec_ids = changed
+    back.pred_gates = np.where(back.pred_ids >= 0, back.true_gates, 0).astype(np.float32)  # as a recorded run's
     again = read_trace(write_trace(back, tmp_path / "u.npz"))
     assert "same_as" not in again.header and np.array_equal(again.exec_ids, changed)
-    assert "exec_ids.npy" in zipfile.ZipFile(tmp_path / "u.npz").namelist()
+    assert {"exec_ids.npy", "pred_gates.npy"} <= set(zipfile.ZipFile(tmp_path / "u.npz").namelist())
