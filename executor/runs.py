@@ -278,6 +278,7 @@ class SpeculateSummary:
     steps: int
     ms_per_token: float
     distinct_experts_per_step: float
+    tokens_per_step: float  # what a verification step commits: its accepted candidates and the target's next token
 
 
 def record_speculative(req: SpeculateRequest, out: Path,
@@ -309,5 +310,6 @@ def record_speculative(req: SpeculateRequest, out: Path,
     steps = len(records)
     wall = sum(r.draft_s + r.verify.tpot_s for r in records)
     summary = SpeculateSummary(len(produced), steps, wall / max(len(produced), 1) * 1e3,
-                               float(np.mean([sum(len(u) for u in r.true_union) for r in records])))
+                               float(np.mean([sum(len(u) for u in r.true_union) for r in records])),
+                               float(np.mean([len(r.accepted_rows) for r in records])))
     return Recorded(trace, out, steps, req.tokens), summary

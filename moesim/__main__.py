@@ -6,7 +6,7 @@ traceback there)."""
 
 import sys
 
-from moesim.stop import catch_sigterm, interrupted_line
+from moesim.stop import catch_sigterm, exit_code, interrupted_line
 
 
 def run() -> None:
@@ -15,7 +15,7 @@ def run() -> None:
         from moesim.cli import main
     except KeyboardInterrupt:
         sys.stderr.write(interrupted_line() + "\n")
-        sys.exit(130)
+        sys.exit(exit_code())
     main()
 
 

@@ -581,6 +581,11 @@ def _local(sweep: Sweep, todo: list[int], jobs: int) -> Iterator[Outcome]:
 
 
 
+#: Seconds :func:`stop_pool` waits for the pool's manager thread to end (it ends within a
+#: second once the workers are gone; longer only on a machine busy with other work).
+MANAGER_JOIN_S = 60.0
+
+
 def stop_pool(pool: ProcessPoolExecutor) -> None:
     """End ``pool`` now: queued work cancelled, running workers terminated (their groups
     are lost; finished ones were already streamed). Further SIGINT/SIGTERM are ignored
@@ -599,7 +604,10 @@ def stop_pool(pool: ProcessPoolExecutor) -> None:
                 p.join(1)
         manager = getattr(pool, "_executor_manager_thread", None)
         if manager is not None:  # else the interpreter's exit joins it, where a signal is a traceback
-            manager.join(5)
+            # Joined whole: at exit concurrent.futures wakes every manager still running, and one
+            # closing its pipe at that moment made the wake-up an OSError (EBADF) printed after the
+            # `interrupted` line (seen once in 10 runs beside a CPU-bound process, where 5 s was too short).
+            manager.join(MANAGER_JOIN_S)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

@@ -384,3 +384,11 @@ def test_long_runs_are_refused_in_one_line_with_their_estimate(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
     assert "the EcoSpec what-if" in r.stderr and "refusing" in r.stderr
     assert time.time() - t < 60 and not (tmp_path / "x.npz").exists()
+
+
+def test_speculate_counts_a_steps_tokens_without_the_prefills(tmp_path):
+    """--gamma 0 verifies the root alone: one token a step (it said 1.20 over 5 steps, counting the token the
+    prefill produced)."""
+    r = in_process("speculate", "--tokens", "6", "--gamma", "0", "--out", tmp_path / "sd.npz")
+    assert r.returncode == 0, r.stderr
+    assert "6 tokens in 5 verification steps (1.00 a step; the first token is the prefill's)" in " ".join(r.stderr.split())

@@ -495,6 +495,21 @@ def test_options_that_change_nothing_say_so_in_stats_synth_like_import_and_ecosp
         assert len(notes) == 1 and words in notes[0] and "changed nothing" in notes[0], r.stderr
 
 
+def test_an_ecospec_budget_past_the_tree_says_it_verifies_the_whole_tree(tmp_path):
+    """--gamma 10^8 verified the whole 30-candidate tree with no word: a note names the tree's size, and the
+    row is the whole tree's (the same as --gamma 30)."""
+    base = ("ecospec", "--model", "olmoe-1b-7b", "--deployment", "1xh200-offload", "--steps", 2,
+            "--selection", "confidence", "--json")
+    big, tree = (moesim(*base, "--gamma", g, cwd=tmp_path) for g in (100000000, 30))
+    assert big.returncode == 0 and tree.returncode == 0, big.stderr[-2000:]
+    notes = [ln for ln in big.stderr.splitlines() if ln.startswith("note:")]
+    assert notes == ["note: --gamma 100000000 is more than a draft tree's 30 candidates (--branch 2, --depth 4): "
+                     "verifies the whole tree, as --gamma 30"], big.stderr
+    assert not [ln for ln in tree.stderr.splitlines() if ln.startswith("note:")]
+    rows = [{k: v for k, v in r.items() if k != "gamma"} for r in json.loads(big.stdout)]
+    assert rows == [{k: v for k, v in r.items() if k != "gamma"} for r in json.loads(tree.stdout)]
+
+
 def test_import_checks_its_output_before_reading_the_model(r4):
     ck = ROOT / "executor" / "checkpoints" / "moe-stdlib"
     jsonl = ROOT / "traces" / "examples" / "routing-moe-stdlib.jsonl"

@@ -38,7 +38,7 @@ from moesim.cli import (  # noqa: F401  (each module registers its command on th
 from moesim.cli.app import app, err
 from moesim.cli.argv import empty_option, only_command
 from moesim.errors import MoesimError
-from moesim.stop import catch_sigterm, ignore_further, interrupted_line
+from moesim.stop import catch_sigterm, exit_code, ignore_further, interrupted_line
 
 __all__ = ["app", "main"]
 
@@ -60,8 +60,8 @@ def missing_dependency(e: ModuleNotFoundError) -> str | None:
 def main() -> None:
     """Console entry point. User errors (including a bad option, which click would print as
     a usage box) become one line and exit code 2; Ctrl-C or SIGTERM before anything worth
-    keeping finished, one line and exit code 130; a missing optional dependency, one line
-    naming the extra to install."""
+    keeping finished, one line and exit code 130 (143 for SIGTERM: :func:`moesim.stop.exit_code`);
+    a missing optional dependency, one line naming the extra to install."""
     click = _click_exceptions()
     catch_sigterm()
     empty = empty_option(sys.argv[1:])
@@ -93,7 +93,7 @@ def main() -> None:
 
         if isinstance(e, Interrupted):
             err.print(str(e), highlight=False, markup=False, soft_wrap=True)
-            sys.exit(130)
+            sys.exit(exit_code())
         _fail(str(e))
     except KeyboardInterrupt:  # Ctrl-C before anything worth keeping: one line, no traceback
         _interrupted()
@@ -120,4 +120,4 @@ def _fail(line: str, code: int = 2) -> None:
 
 def _interrupted() -> None:
     err.print(interrupted_line(), highlight=False, markup=False)
-    sys.exit(130)
+    sys.exit(exit_code())

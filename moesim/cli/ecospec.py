@@ -62,6 +62,11 @@ def ecospec(
     gammas = ints(gamma, "--gamma")  # whole numbers: 1.5 was cut to 1, nan a traceback
     prof = parse_draft(draft)
     selections = parse_selections(selection)
+    over = [g for g in gammas if g > params.nodes]
+    if over:  # a budget past the tree verifies all of it: as the tree's size
+        err.print(f"note: --gamma {', '.join(map(str, over))} is more than a draft tree's {params.nodes} candidates "
+                  f"(--branch {branch}, --depth {depth}): verifies the whole tree, as --gamma {params.nodes}",
+                  markup=False, soft_wrap=True)
     if recall != 0.7 and not any(s.startswith("ecospec") for s in split(selection, "--selection")):
         err.print("note: --recall is the expert predictor's, which only ecospec selections use: changed nothing",
                   markup=False, soft_wrap=True)

@@ -49,6 +49,6 @@ def speculate(
         rec, s = record_speculative(req, out_path, update)
     meta = rec.trace.meta
     err.print(f"wrote {rec.path}: {s.tokens} tokens in {s.steps} verification steps "
-              f"({s.tokens / max(s.steps, 1):.2f} a step), {s.ms_per_token:.3g} ms a token, "
+              f"({s.tokens_per_step:.2f} a step; the first token is the prefill's), {s.ms_per_token:.3g} ms a token, "
               f"{s.distinct_experts_per_step:.1f} distinct experts a step; link: {meta.hw_profile} "
               f"at {meta.link_gbps:.3g} GB/s")
