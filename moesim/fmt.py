@@ -32,6 +32,11 @@ def duration_ms(ms: float) -> str:
     return f"{number(ms / 1e3)} s" if abs(ms) >= 1e3 else f"{number(ms)} ms"
 
 
+def plural(n: int, word: str) -> str:
+    """``1 step``, ``2 steps``: a count and its noun (a regular plural, ``s`` added)."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def link(gbps: float | None) -> str:
     """``link 25 GB/s``, or ``no GPU link`` for a machine without a GPU (``--hw none``)."""
     return "no GPU link" if gbps is None else f"link {gbps:g} GB/s"

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from moesim.atomic import atomic_write_text
+from moesim.fmt import plural
 from moesim.hardware import HardwareProfile
 from moesim.policy import get_policy
 from moesim.reports.render import breakdown_png, chrome_trace, timeline_png, write_csv, write_html
@@ -23,7 +24,7 @@ def write_replay_report(trace: Trace, trace_path: Path, hw: HardwareProfile, res
     rows = [r.summary() for r in results]
     kind = "synthetic" if trace.synthetic else "recorded"
     what = (f"simulated on the {hw.name} profile from a {kind} trace ({trace_path.name}, {trace.model.name}, "
-            f"{trace.n_tokens} steps, batch {trace.batch}); compute times: {rows[0]['timing']}")
+            f"{plural(trace.n_tokens, 'step')}, batch {trace.batch}); compute times: {rows[0]['timing']}")
     atomic_write_text(out / "summary.json", json.dumps(rows, indent=2))
     write_csv(rows, out / "summary.csv")
     breakdown_png(rows, [r["policy"] for r in rows], out / "breakdown.png", f"TPOT breakdown, {trace.model.name} on {hw.name}")

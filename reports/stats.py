@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from moesim.atomic import atomic_write_text
+from moesim.fmt import plural
 from moesim.hardware import get_profile
 from moesim.outputs import check_output_dir
 from moesim.reports.render import COLORS, pyplot, save_figure, write_html
@@ -117,7 +118,7 @@ def write_stats_report(stats: dict[str, Any], out: Path, trace_name: str) -> Pat
     """Write stats.json, the figures and report.html into ``out``; returns the HTML path."""
     out = Path(out)
     kind = "synthetic" if stats["synthetic"] else "recorded"
-    what = (f"{kind} trace {trace_name} of {stats['model']} ({stats['tokens']} steps, batch {stats['batch']}; "
+    what = (f"{kind} trace {trace_name} of {stats['model']} ({plural(stats['tokens'], 'step')}, batch {stats['batch']}; "
             f"{stats['source']})")
     atomic_write_text(out / "stats.json", json.dumps(_nan_to_none(stats), indent=1))
     pop = stats["popularity"]

@@ -69,6 +69,7 @@ from typing import Any
 import numpy as np
 
 from moesim.errors import MoesimError
+from moesim.fmt import plural
 from moesim.hardware import HardwareProfile
 from moesim.sim.simulate import prediction_recall, simulate
 from moesim.traces.format import Trace, read_trace, write_trace
@@ -986,11 +987,14 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
     """The answers of :func:`routing_stats` in a few short lines (what ``moesim stats`` prints)."""
     pop, reuse, ov, hr = res["popularity"], res["reuse"], res["adjacent_layer_overlap"], res["hit_rate"]
     kind = "synthetic" if res["synthetic"] else "recorded"
-    lines = [f"{res['model']}: {res['tokens']} steps, batch {res['batch']} ({kind} routing)",
+    median = reuse["median_distance"]
+    lines = [f"{res['model']}: {plural(res['tokens'], 'step')}, batch {res['batch']} ({kind} routing)",
              f"hot experts: the top 10% of (layer, expert) pairs take {pop['all_layers']['top10_share']:.0%} of "
              f"uses (uniform: 10%); Gini {pop['all_layers']['gini']:.2f}",
              f"reuse: {np.mean(reuse['reuse_prev_token']):.0%} of a token's experts were used by the previous "
-             f"token; median reuse distance {reuse['median_distance']} steps",
+             f"token; " + ("no expert was used again" if not sum(reuse["distance_hist"]) else
+                          f"median reuse distance more than {plural(MAX_DISTANCE, 'step')}" if median is None else
+                          f"median reuse distance {plural(median, 'step')}"),
              f"adjacent layers share {ov['mean']:.2f} experts a token (chance: {ov['chance']:.2f})"]
     for name, rec in res["predictor_recall"].items():
         vals = [r for r in rec if r == r]

@@ -524,3 +524,14 @@ def test_whatif_with_a_trace_says_the_synthetic_shape_options_changed_nothing(r4
     notes = json.loads(moesim(*w, "--model", "olmoe-1b-7b", "--tokens", 999, "--batch", 4, cwd=r4).stdout)["notes"]
     assert any("--model, --tokens, --batch shape synthetic traces" in n and "changed nothing" in n for n in notes), notes
     assert not any("shape" in n for n in json.loads(moesim(*w, cwd=r4).stdout)["notes"])
+
+
+def test_a_one_step_trace_is_one_step_and_its_reuse_distance_is_said_in_words(tmp_path):
+    """A 1-step trace printed `1 steps` and `median reuse distance None steps`."""
+    write_trace(synthetic_trace(get_model("olmoe-1b-7b"), SyntheticParams(tokens=1)), tmp_path / "one.npz")
+    r = moesim("stats", "one.npz", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "olmoe-1b-7b: 1 step, batch 1" in r.stdout and "no expert was used again" in r.stdout, r.stdout
+    assert "None" not in r.stdout and "1 steps" not in r.stdout
+    r = moesim("replay", "one.npz", "--hw", "a6000", "--policy", "on-demand", cwd=tmp_path)
+    assert r.returncode == 0 and " 1 step (" in " ".join(r.stdout.split()), r.stdout

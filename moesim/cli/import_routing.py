@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, err
+from moesim.fmt import plural
 
 
 @app.command("import")
@@ -37,5 +38,5 @@ def import_routing(
         err.print(f"note: --prompt-tokens applies to vllm's plain .npy dumps; a {fmt} dump carries its own prompt: "
                   "changed nothing", markup=False, soft_wrap=True)
     trace = run_import(fmt, path, model, out_path, prompt_tokens=prompt_tokens)
-    err.print(f"wrote {out_path}: {trace.n_tokens} steps x {trace.model.n_moe_layers} MoE layers of "
+    err.print(f"wrote {out_path}: {plural(trace.n_tokens, 'step')} x {trace.model.n_moe_layers} MoE layers of "
               f"{trace.model.name}, batch {trace.batch} (imported from {fmt})")

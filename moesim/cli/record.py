@@ -11,6 +11,7 @@ import typer
 from moesim.cli.app import app, err
 from moesim.cli.running import keeps_finished_work, progress_bar
 from moesim.executor.defaults import RECORD_DRAFT as D  # torch-free: --help shows them
+from moesim.fmt import plural
 
 
 @app.command()
@@ -105,6 +106,6 @@ def record(
                              temperature=temperature, seed=seed, progress=update, prompt_source=source)
     rec = {k: [x for x in v if x == x] for k, v in trace.meta.metrics.get("predictors", {}).items()}
     cut = f" (interrupted: kept {trace.n_tokens} of {tokens} steps)" if trace.n_tokens < tokens else ""
-    err.print(f"wrote {out_path}{cut}: {trace.n_tokens} steps of {trace.model.name} routing, batch {trace.batch} (real "
+    err.print(f"wrote {out_path}{cut}: {plural(trace.n_tokens, 'step')} of {trace.model.name} routing, batch {trace.batch} (real "
               "model, no timings); mean prediction recall@k "
               + ", ".join(f"{k} {sum(v) / len(v):.3f}" for k, v in rec.items() if v))

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from moesim.cli.app import err, out, print_csv, print_json, results_table, table
+from moesim.fmt import plural
 
 SUMMARY_COLS = (("policy", "policy"), ("tpot_ms", "TPOT ms"), ("tpot_p99_ms", "p99 ms"), ("tokens_per_s", "tok/s"),
                 ("compute_ms", "compute ms"), ("copy_ms", "copy ms"), ("stall_ms", "stall ms"),
@@ -32,7 +33,7 @@ def print_replay(rep, trace, sim: str) -> None:
             else "no GPU link")
     queues = "".join(f"; copy queue {q}" for q in {r["copy_queue"] for r in rows if "copy_queue" in r})
     out.print(results_table(rows, f"{trace.model.name} on {rep.profile.name} ({rep.profile_source}), {link}, "
-                                  f"{cache_text(rows[0], rep.cache_source)}, {trace.n_tokens} steps ({src}; compute: "
+                                  f"{cache_text(rows[0], rep.cache_source)}, {plural(trace.n_tokens, 'step')} ({src}; compute: "
                                   f"{rows[0]['timing']}; simulator: {sim}{queues})", SUMMARY_COLS))
     for r in rows:
         out.print(f"[bold]{r['policy']}[/bold]: {why(r)}")

@@ -12,6 +12,7 @@ from moesim.cli.app import app, err, floats
 from moesim.cli.options import given_options
 from moesim.cli.running import progress_bar
 from moesim.errors import MoesimError
+from moesim.fmt import plural
 
 
 @app.command()
@@ -93,7 +94,7 @@ def synth(
         from moesim.sim.stats import synth_like_file
 
         trace = synth_like_file(like, out_path, tokens, batch, seed, lookahead=lookahead)
-        err.print(f"wrote synthetic trace {out_path} ({tokens} steps of {trace.model.name}, batch {batch}, "
+        err.print(f"wrote synthetic trace {out_path} ({plural(tokens, 'step')} of {trace.model.name}, batch {batch}, "
                   f"parameters fitted to {like})")
         return
     if speculative:
@@ -122,4 +123,4 @@ def synth(
     with progress_bar("generating", "tokens") as update:
         trace = synthetic_trace(get_model(model), params, progress=update)
     path = write_trace(trace, out_path)
-    err.print(f"wrote synthetic trace {path} ({tokens} steps of {trace.model.name}, batch {batch})")
+    err.print(f"wrote synthetic trace {path} ({plural(tokens, 'step')} of {trace.model.name}, batch {batch})")
