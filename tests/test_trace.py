@@ -1,4 +1,5 @@
 import json
+import re
 
 import numpy as np
 import pytest
@@ -474,3 +475,41 @@ def test_a_repeated_routing_array_is_stored_once_and_read_back_as_it_was(tmp_pat
     again = read_trace(write_trace(back, tmp_path / "u.npz"))
     assert "same_as" not in again.header and np.array_equal(again.exec_ids, changed)
     assert {"exec_ids.npy", "pred_gates.npy"} <= set(zipfile.ZipFile(tmp_path / "u.npz").namelist())
+
+
+def test_a_deflated_member_the_header_contradicts_is_refused_before_it_is_unpacked(tmp_path):
+    """The stranger's round 5: a true_ids member of zeros deflates ~1000:1, so a small file unpacked
+    gigabytes (15 s) before its shape was refused. Now its .npy header is checked against the
+    trace header's shape first (the message names both; the full checks' would say 'arrays hold')."""
+    import io
+    import json
+    import zipfile
+
+    from numpy.lib import format as npf
+
+    from moesim.traces.format import EARLY_SHAPE_BYTES, ROUTING
+
+    t = synthetic_trace(get_model("olmoe-1b-7b"), SyntheticParams(tokens=4, seed=1))
+    header = {**t.header, "n_tokens": 4, "batch": 1, "version": 2}
+    header.pop("same_as", None)
+    rows = EARLY_SHAPE_BYTES // (16 * 8 * 2) + 1  # just past the early check's size
+    path = tmp_path / "bomb.npz"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        def put(name, a):
+            buf = io.BytesIO()
+            npf.write_array(buf, a)
+            z.writestr(f"{name}.npy", buf.getvalue())
+        put("header", np.frombuffer(json.dumps(header).encode(), np.uint8))
+        put("prompt_ids", t.prompt_ids)
+        put("token_ids", t.token_ids)
+        with z.open("true_ids.npy", "w", force_zip64=True) as f:
+            head = io.BytesIO()
+            npf.write_array_header_1_0(head, {"descr": "<i2", "fortran_order": False, "shape": (rows, 16, 1, 8)})
+            f.write(head.getvalue())
+            f.write(bytes(rows * 16 * 8 * 2))
+        for name in ROUTING[1:]:
+            put(name, np.asarray(getattr(t, name)))
+    assert path.stat().st_size < EARLY_SHAPE_BYTES // 100
+    with pytest.raises(MoesimError, match=re.escape(f"true_ids has shape ({rows}, 16, 1, 8), expected (4, 16, 1, 8) "
+                                                    "(the header's tokens")):
+        read_trace(path)

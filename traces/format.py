@@ -283,6 +283,8 @@ def _read_trace(path: Path, where: str) -> Trace:
                                   + ("; it is empty)" if not magic else ")"))
             try:
                 data, mapped = _read_members(f, os.fstat(f.fileno()).st_size)
+            except _Mismatch as e:
+                raise MoesimError(f"{where}: {e}") from None
             except _CORRUPT as e:
                 raise _corrupt(where, e) from None
             return _checked(f, data, mapped, where)
@@ -517,6 +519,8 @@ def _read_members(f: IO[bytes], size: int) -> tuple[dict[str, np.ndarray], dict[
         raise zipfile.BadZipFile("a member name repeats")
     data: dict[str, np.ndarray] = {}
     to_map: dict[str, _Member] = {}
+    infos.sort(key=lambda i: i.filename != "header.npy")  # the header first: it says what the routing's shape is
+    expected = None
     for info in infos:
         if not info.filename.endswith(".npy"):
             data[info.filename] = np.zeros(0)  # not an array: named in the "unknown array" error
@@ -529,7 +533,9 @@ def _read_members(f: IO[bytes], size: int) -> tuple[dict[str, np.ndarray], dict[
             else:
                 data[name] = _read_stored(f, m)
         else:
-            data[name] = _read_deflated(zf, info)
+            data[name] = _read_deflated(zf, info, expected if name in ROUTING else None)
+        if name == "header":
+            expected = _routing_shape(data[name])
     if to_map:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private pages: writes never reach the file
         for name, m in to_map.items():
@@ -588,12 +594,42 @@ def _read_stored(f: IO[bytes], m: _Member) -> np.ndarray:
     return _native(a)
 
 
-def _read_deflated(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> np.ndarray:
+class _Mismatch(Exception):
+    """A member whose shape the trace's own header contradicts, found before it is unpacked."""
+
+
+#: A deflated routing member at least this large has its shape checked before it is
+#: unpacked; smaller ones are unpacked and checked with the rest (the same messages).
+EARLY_SHAPE_BYTES = 64 << 20
+#: Bytes a trace's JSON header may hold (a 1,000-layer model's header is a few hundred KB).
+HEADER_MAX_BYTES = 64 << 20
+
+
+def _routing_shape(raw: np.ndarray) -> tuple[int, ...] | None:
+    """[tokens, MoE layers, batch, top_k] as the header says, or None where it cannot say
+    (the full checks then report what is wrong with it)."""
+    try:
+        h = json.loads(bytes(raw).decode())
+        spec = ModelSpec.from_dict(h["model"])
+        shape = (h["n_tokens"], spec.n_moe_layers, h["batch"], spec.top_k)
+    except Exception:  # noqa: BLE001 - any malformed header: _checked says what is wrong
+        return None
+    return shape if all(isinstance(v, int) and not isinstance(v, bool) for v in shape) else None
+
+
+def _read_deflated(zf: zipfile.ZipFile, info: zipfile.ZipInfo, expected: tuple[int, ...] | None = None) -> np.ndarray:
     """A compressed member (zipfile checks its CRC-32 at its end), its header's size checked
-    against the zip's before anything is allocated."""
+    against the zip's, and a routing member's shape against ``expected`` (the trace header's),
+    before anything is allocated or unpacked: a member of zeros deflates ~1000:1, so a 3 MB
+    file could otherwise make the reader unpack gigabytes before its shape was refused."""
+    if info.filename == "header.npy" and info.file_size > HEADER_MAX_BYTES:
+        raise zipfile.BadZipFile(f"its header member holds {info.file_size} bytes (at most {HEADER_MAX_BYTES})")
     with zf.open(info) as fp:
         shape, fortran, dtype = _npy_header(fp)
         nbytes = math.prod(shape) * dtype.itemsize
+        if expected is not None and shape != expected and nbytes >= EARLY_SHAPE_BYTES:
+            raise _Mismatch(f"{info.filename[:-4]} has shape {shape}, expected {expected} (the header's tokens, "
+                            "MoE layers, batch and top-k)")
         if nbytes > info.file_size:
             raise zipfile.BadZipFile(f"{info.filename!r} holds {info.file_size} bytes, its header says more")
         a = np.empty(shape, dtype, order="F" if fortran else "C")
