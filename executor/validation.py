@@ -35,8 +35,8 @@ from moesim.executor.profile import ProfileSettings, build_trace, calibrate, gen
 from moesim.executor.quant_experts import QuantExpert
 from moesim.executor.runtime import host_setup
 from moesim.executor.steady import SteadyMachine
+from moesim.executor.validation_plan import POLICIES, PROMPT, SUITE, SYNTHETIC_SPEC  # noqa: F401 (re-exported)
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, HostProfile, get_host, get_profile
-from moesim.models import Attention, ModelSpec
 from moesim.policy import get_policy
 from moesim.sim.cpu_compute import simulate_cpu_compute
 from moesim.sim.simulate import simulate
@@ -45,17 +45,10 @@ from moesim.sim.workload import Link
 from moesim.timing import best_time
 from moesim.traces.format import Trace, write_trace
 
-POLICIES = ("on-demand", "prefetch-fom", "prefetch-spec", "oracle")
-SYNTHETIC_SPEC = ModelSpec("synthetic-1024x512", n_layers=6, n_experts=16, top_k=4, hidden=1024, expert_inter=512,
-                           vocab=1024, attention=Attention("gqa", 8, 4, 128, qk_norm=True),
-                           source="moesim validation geometry with seeded random weights (synthetic)")
-PROMPT = b"import os\nimport sys\n\ndef main(argv):\n    for name in sorted(os.listdir(argv[1])):\n"
-
 
 def suite_models(shipped: Path) -> list[tuple[str, Callable[[], tuple[MoEModel, torch.Tensor, bool]], list[float], int]]:
-    """(name, loader, link bandwidths in GB/s, steps per run relative to ``--tokens``):
-    bandwidths put copies and compute of each model on the same order on a CPU core; the
-    learned model's steps are ~10x shorter, so it runs 4x as many to average out noise."""
+    """(name, loader, link bandwidths in GB/s, steps per run relative to ``--tokens``): the
+    plan's models (:data:`moesim.executor.validation_plan.SUITE`) with their loaders."""
 
     def learned():
         m = load_checkpoint(shipped)
@@ -69,7 +62,8 @@ def suite_models(shipped: Path) -> list[tuple[str, Callable[[], tuple[MoEModel, 
         dv = calibrate(m, torch.randint(0, SYNTHETIC_SPEC.vocab, (512,), generator=torch.Generator().manual_seed(1)))
         return m, dv, True
 
-    return [("moe-stdlib", learned, [0.25, 0.5, 1.0], 4), (SYNTHETIC_SPEC.name, synthetic, [2.0, 4.0, 8.0], 1)]
+    loaders = {SUITE[0][0]: learned, SYNTHETIC_SPEC.name: synthetic}
+    return [(name, loaders[name], list(links), scale) for name, links, scale in SUITE]
 
 
 def machine_profile() -> HardwareProfile:

@@ -276,19 +276,25 @@ def write_suite_report(rows: list[dict[str, Any]], traces: dict[str, Trace], sum
 
 def _check_budget(tokens: int, repeats: int, model: str | None) -> None:
     """Refuse, before any run, a suite that cannot fit in memory or would take more than a
-    day (``moesim.budget``): the largest run's memory, and every run's time added up."""
-    from moesim.executor.loading import shipped_model  # the executor needs torch: only the suite imports it
-    from moesim.executor.validation import POLICIES, PROMPT, SYNTHETIC_SPEC, suite_models
+    day (``moesim.budget``): the largest run's memory, and every run's time added up. The
+    synthetic model's runs are checked first, alone: its geometry is known without reading
+    a config (the learned model's needs transformers, seconds of imports), so a suite whose
+    synthetic part is already too long is refused at once."""
+    from moesim.executor.validation_plan import POLICIES, PROMPT, SUITE, SYNTHETIC_SPEC  # torch-free: refused at once
 
     peak, seconds = 0.0, 0.0
-    for name, _, links, scale in suite_models(shipped_model()):
+    order = sorted(SUITE, key=lambda row: row[0] != SYNTHETIC_SPEC.name)
+    for name, links, scale in order:
         if model and name != model:
             continue
-        spec = get_model(str(shipped_model())) if name == "moe-stdlib" else SYNTHETIC_SPEC
+        spec = SYNTHETIC_SPEC if name == SYNTHETIC_SPEC.name else get_model(name)
         for gbps in links:
             est = budget.decode_estimate(spec, tokens * scale, 1, 4, gbps, 0, True, len(PROMPT))
             peak = max(peak, est.bytes)
             seconds += est.seconds * (len(POLICIES) + 1) * repeats  # + the warm-up runs
+        if name == SYNTHETIC_SPEC.name and len(order) > 1 and not model:
+            budget.check(budget.Estimate(f"the validation suite's synthetic model alone ({tokens} tokens, "
+                                         f"{repeats} rounds)", peak, seconds), warn=None)
     budget.check(budget.Estimate(f"the validation suite ({tokens} tokens, {repeats} rounds)", peak, seconds))
 
 
@@ -304,12 +310,11 @@ def validation_suite(out: Path, tokens: int = 32, model: str | None = None, repe
     (``moesim.executor.validation_queues``, on the synthetic geometry too) last unless
     ``copy_queues`` is False or ``model`` names the learned model. Lives in the reports layer because it joins the executor's runs with
     the simulator's replays."""
-    from moesim.executor.loading import shipped_model  # the executor needs torch: only the suite imports it
-    from moesim.executor.validation import CPU_CASES, SYNTHETIC_SPEC, machine, run_cpu_suite, run_suite
-
     if tokens < 3 or repeats < 1:
         raise MoesimError("--tokens must be >= 3 (the first step is warm-up) and --repeats >= 1")
     _check_budget(tokens, repeats, model)
+    from moesim.executor.loading import shipped_model  # the executor needs torch: only the suite imports it
+    from moesim.executor.validation import CPU_CASES, SYNTHETIC_SPEC, machine, run_cpu_suite, run_suite
 
     check_output_dir(out)
     from moesim.executor.interrupt import stop_on_interrupt, stop_requested
