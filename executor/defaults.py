@@ -6,9 +6,21 @@ link). ``OFFLINE_THREADS``: threads for untimed jobs (calibration, estimator and
 expert-predictor training).
 """
 
-from moesim.models import DRAFT_MODEL, SHIPPED_MODEL  # noqa: F401 (the shipped checkpoints' names)
+from moesim.models import DRAFT_MODEL, SHIPPED_MODEL, Attention, ModelSpec  # noqa: F401 (the shipped checkpoints' names)
 
 DECODE_THREADS = 1
 OFFLINE_THREADS = 2
 #: ``moesim record --draft``: the candidate tree and the selection (DraftSettings' defaults).
 RECORD_DRAFT = {"depth": 3, "branch": 2, "budget": 4, "selection": "confidence", "score": "ratio", "lam": 0.1}
+
+#: Where the learned-routing geometries' weights come from (``moesim train``).
+STDLIB_SOURCE = "trained by moesim (executor/train.py) on the Python standard library's source"
+
+
+def stdlib_spec(name: str = "moe-stdlib", layers: int = 4, experts: int = 32, top_k: int = 4, hidden: int = 128,
+                inter: int = 64, heads: int = 4) -> ModelSpec:
+    """A byte-level Qwen3-MoE-style geometry (the shipped model's by default; the draft's
+    smaller): torch-free, so ``moesim train`` estimates a run before the executor loads."""
+    return ModelSpec(name, n_layers=layers, n_experts=experts, top_k=top_k, hidden=hidden, expert_inter=inter,
+                     vocab=256, attention=Attention("gqa", heads, max(1, heads // 2), hidden // heads, qk_norm=True),
+                     norm_topk_prob=True, source=STDLIB_SOURCE)

@@ -22,12 +22,11 @@ import torch.nn.functional as F
 from moesim import budget
 from moesim.atomic import atomic_write_text
 from moesim.executor.corpus import split_index, stdlib_corpus  # noqa: F401 (stdlib_corpus re-exported)
+from moesim.executor.defaults import STDLIB_SOURCE, stdlib_spec  # noqa: F401 (re-exported)
 from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
 from moesim.executor.model import ExecConfig, Hooks, MoEModel, ResidentExperts, count_params, save_checkpoint
-from moesim.models import Attention, ModelSpec
+from moesim.models import ModelSpec
 from moesim.outputs import check_output_dir
-
-STDLIB_SOURCE = "trained by moesim (executor/train.py) on the Python standard library's source"
 
 
 def batches(data: torch.Tensor, batch: int, seq: int, gen: torch.Generator):
@@ -48,14 +47,6 @@ def forward_train(model: MoEModel, experts: list[torch.nn.Parameter], tokens: to
 
     logits = model(tokens, hooks=Hooks(ResidentExperts(model, experts, on_route=balance)))  # [b, t, vocab]
     return logits, torch.stack(aux).sum()
-
-
-def stdlib_spec(name: str = "moe-stdlib", layers: int = 4, experts: int = 32, top_k: int = 4, hidden: int = 128,
-                inter: int = 64, heads: int = 4) -> ModelSpec:
-    """A byte-level Qwen3-MoE-style geometry (the shipped model's by default; the draft's smaller)."""
-    return ModelSpec(name, n_layers=layers, n_experts=experts, top_k=top_k, hidden=hidden, expert_inter=inter,
-                     vocab=256, attention=Attention("gqa", heads, max(1, heads // 2), hidden // heads, qk_norm=True),
-                     norm_topk_prob=True, source=STDLIB_SOURCE)
 
 
 STDLIB_SPEC = stdlib_spec()  # the shipped learned-routing model

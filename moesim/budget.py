@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from moesim.errors import MoesimError
+from moesim.fmt import plural
 from moesim.models import ModelSpec
 from moesim.policy import get_policy
 
@@ -264,7 +265,7 @@ def train_estimate(spec: ModelSpec, steps: int, batch: int, seq: int) -> Estimat
     tokens = float(batch) * seq
     per_token = 4 * (spec.n_layers * (12 * spec.hidden + 3 * spec.top_k * spec.expert_inter + spec.n_experts)
                      + 3 * spec.vocab)
-    return Estimate(f"training {steps} steps of batch {batch} x {seq} tokens ({spec.name})",
+    return Estimate(f"training {plural(steps, 'step')} of batch {batch} x {seq} tokens ({spec.name})",
                     16 * params + 2 * tokens * per_token, steps * 6 * active * tokens / CPU_TRAIN_FLOPS)
 
 

@@ -12,6 +12,7 @@ import json
 import math
 import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -456,7 +457,7 @@ class ModelSpec:
         """Parameters of one norm over the hidden size (weight, and bias for LayerNorm)."""
         return self.hidden * (2 if self.norm_bias else 1)
 
-    @property
+    @cached_property  # a frozen spec's figure, computed once (per-layer sums call it for every layer)
     def attention_bytes(self) -> int:
         """Bytes of one full-attention layer's attention block, with the layer's two norms."""
         a, h = self.attention, self.hidden
@@ -505,7 +506,7 @@ class ModelSpec:
         """Parameters of one linear-attention layer's mixer plus the layer's two norms (0 without one)."""
         return self.linear.params(self.hidden) + 2 * self._norm_params if self.linear is not None else 0
 
-    @property
+    @cached_property
     def linear_attention_bytes(self) -> int:
         """Bytes of one linear-attention layer's mixer and its two norms: the projections in
         ``dense_dtype``, the conv, gates and norms in bf16."""
@@ -527,7 +528,7 @@ class ModelSpec:
         small = la.params(h) - weights + 2 * self._norm_params
         return sum(self._linear(r, c) for r, c in mats) + 2 * small
 
-    @property
+    @cached_property
     def router_bytes(self) -> int:
         return 2 * self._router_params
 
@@ -540,14 +541,14 @@ class ModelSpec:
     def _shared_inter(self) -> int:
         return self.shared_inter or self.expert_inter
 
-    @property
+    @cached_property
     def shared_expert_bytes(self) -> int:
         """Bytes of one layer's shared experts (always active, kept on the device)."""
         inter = self._shared_inter
         one = 2 * self._linear(inter, self.hidden) + self._linear(self.hidden, inter)
         return self.n_shared * one
 
-    @property
+    @cached_property
     def dense_ffn_bytes(self) -> int:
         h, i = self.hidden, self.dense_inter
         return 2 * self._linear(i, h) + self._linear(h, i)
@@ -624,7 +625,7 @@ class ModelSpec:
         """Bytes of :attr:`extra_params` (bf16, fp32 for an fp32 model): counted once, in no layer."""
         return self.extra_params * (4 if self.dense_dtype == "fp32" else 2)
 
-    @property
+    @cached_property
     def non_expert_bytes(self) -> int:
         return self.embedding_bytes + sum(self.layer_resident_bytes(i) for i in range(self.n_layers)) + self.extra_bytes
 

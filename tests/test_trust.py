@@ -226,6 +226,7 @@ def test_bad_input_files_are_one_line_each(work, run):
     (("train-estimator", "--epochs", "1000000000", "--out", "te"), ("years", "more than a day")),
     (("speculate", "--depth", "1000", "--branch", "1000", "--tokens", "2"), ("4,096 candidates",)),
     (("train", "--lr", "nan", "--steps", "1", "--out", "tr"), ("lr a positive number",)),
+    (("train", "--layers", "1000000", "--steps", "1", "--out", "tr"), ("1 step of", "TiB", "available: refusing")),
 ]))
 def test_absurd_sizes_are_refused_with_the_estimate(work, run, args, words):
     t0 = time.time()
@@ -393,3 +394,13 @@ def test_validate_refuses_impossible_repeats_before_importing_torch():
     lines = r.stdout.splitlines()
     assert "synthetic model alone" in lines[0] and "more than a day" in lines[0], r.stdout
     assert lines[-1] == "False False", r.stdout
+
+
+def test_train_refuses_an_impossible_geometry_before_importing_torch():
+    """`train --layers 10^6` summed a million layers' bytes property by property (13 s) after
+    importing torch; the geometry and its estimate are torch-free and each figure is computed once."""
+    code = ("import sys\nfrom moesim.cli import main\nsys.argv = ['moesim', 'train', '--layers', '1000000', '--steps', '1',"
+            " '--out', 'tr']\ntry:\n    main()\nexcept SystemExit as e:\n    print(e.code, 'torch' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["2", "False"], (r.stdout, r.stderr[-2000:])
+    assert "refusing" in r.stderr

@@ -42,19 +42,22 @@ def train(
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from moesim.executor.loading import refuse_shipped
-    from moesim.executor.train import stdlib_spec
-    from moesim.executor.train import train as run_train
+    from moesim import budget
+    from moesim.executor.defaults import stdlib_spec
     from moesim.outputs import check_output_dir
 
-    out_dir = out_dir or Path(f"{name}-trained")
-    refuse_shipped(out_dir, force)
-    check_output_dir(out_dir)
     if min(steps, batch, seq, threads) < 1 or not 0 < lr < float("inf") or not 0 <= aux_coef < float("inf"):
         raise MoesimError("steps, batch, seq and threads must be >= 1, lr a positive number, aux-coef >= 0")
     if hidden % heads or heads < 2:
         raise MoesimError("--hidden must be a multiple of --heads (>= 2)")
     spec = stdlib_spec(name, layers, experts, top_k, hidden, inter, heads)
+    budget.check(budget.train_estimate(spec, steps, batch, seq), warn=None)  # before torch loads (train warns)
+    from moesim.executor.loading import refuse_shipped
+    from moesim.executor.train import train as run_train
+
+    out_dir = out_dir or Path(f"{name}-trained")
+    refuse_shipped(out_dir, force)
+    check_output_dir(out_dir)
     with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[loss]}"),
                   TimeRemainingColumn(), console=err, disable=not err.is_terminal) as bar:
         task = bar.add_task("train", total=steps, loss="")
