@@ -91,6 +91,8 @@ class CpuResult:
     plan: Plan
     ttft: float
     placement: Placement | Layout | None
+    #: the trace's prediction recall, as every policy's result reports it (these policies use none)
+    pred_recall: float = float("nan")
 
     # The copy family's per-step arrays, so reports and sweeps read either result alike.
     @property
@@ -124,7 +126,7 @@ class CpuResult:
             "overlap_bound_ms": float(np.maximum(device, r.copy).mean() * ms),
             "cache_hit_rate": float(r.n_hits.sum() / executed) if self.config["cache_experts"] else 0.0,
             "prefetch_hit_rate": 0.0,
-            "pred_recall": float("nan"),  # these policies use no prediction
+            "pred_recall": self.pred_recall,
             "tokens": int(tp.size),
             "tpot_ms": float(tp.mean() * ms),
             "tpot_p50_ms": float(np.percentile(tp, 50) * ms),

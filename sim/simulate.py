@@ -16,7 +16,7 @@ from moesim.models import ModelSpec, cache_capacity  # noqa: F401 (cache_capacit
 from moesim.placement import expert_budget, hot_set, routing_counts
 from moesim.policy import EVICTIONS, QUEUES, Policy, get_policy
 from moesim.sim.costs import Costs, charge_prediction, measured_costs, roofline_costs
-from moesim.sim.cpu_compute import simulate_cpu_compute
+from moesim.sim.cpu_compute import CpuResult, simulate_cpu_compute
 from moesim.sim.engine import Span, run_simpy, run_simpy_queued
 from moesim.sim.fastpath import run_fast_many
 from moesim.sim.plan import Plan, build_plan
@@ -206,10 +206,11 @@ def simulate(
     if static and timing != "measured":
         if copy_queue != "fifo":
             raise MoesimError(f"{pol.name} copies nothing; copy queues apply to the copy policies")
-        return simulate_static(trace, machine, pol, host=host, engine=engine, threads=threads, cpu_layers=cpu_layers,
-                               gpu_layers=gpu_layers, calibration=calibration, calibrate_on_replay=calibrate_on_replay,
-                               split=split, ratios=ratios, amx=amx, link_gbps=link_gbps,
-                               placement=hot if pol.cpu == "hot" else None, offload_gib=offload_gib)
+        res = simulate_static(trace, machine, pol, host=host, engine=engine, threads=threads, cpu_layers=cpu_layers,
+                              gpu_layers=gpu_layers, calibration=calibration, calibrate_on_replay=calibrate_on_replay,
+                              split=split, ratios=ratios, amx=amx, link_gbps=link_gbps,
+                              placement=hot if pol.cpu == "hot" else None, offload_gib=offload_gib)
+        return _with_recall(res, trace, pred_recall)
     hw = machine.gpus[0]
     if pol.cpu:  # experts computed on the CPU: the CPU-compute step model (moesim.sim.cpu_compute)
         if timing == "measured" and not trace.measured:
@@ -217,11 +218,12 @@ def simulate(
         if copy_queue != "fifo":
             raise MoesimError(f"{pol.name} copies at most its misses; copy queues apply to the copy policies")
         capacity = cache_capacity(trace.model, cache_gib, cache_experts)
-        return simulate_cpu_compute(trace, hw, pol, host=host, cpu_layers=cpu_layers, calibration=calibration,
-                               calibrate_on_replay=calibrate_on_replay, cache_experts=capacity, eviction=eviction,
-                               sim=sim, engine=engine, link_gbps=link_gbps, amx=amx, record=record,
-                               timing="measured" if timing == "measured" else "profile", threads=threads,
-                               placement=hot if pol.cpu == "hot" else None)
+        res = simulate_cpu_compute(trace, hw, pol, host=host, cpu_layers=cpu_layers, calibration=calibration,
+                                   calibrate_on_replay=calibrate_on_replay, cache_experts=capacity, eviction=eviction,
+                                   sim=sim, engine=engine, link_gbps=link_gbps, amx=amx, record=record,
+                                   timing="measured" if timing == "measured" else "profile", threads=threads,
+                                   placement=hot if pol.cpu == "hot" else None)
+        return _with_recall(res, trace, pred_recall)
     spec = trace.model
     if link_gbps is not None:
         hw = hw.with_figure("h2d_pinned_gbs", link_gbps)
@@ -257,6 +259,13 @@ def _hot_set(trace: Trace, machine: Machine, pol: Policy, gpu_expert_gib: float 
     room = expert_budget(spec, machine.gpus[0]["device_memory_gb"] * 1e9, trace.batch, trace.prompt_len + trace.n_tokens)
     return hot_set(routing_counts(ids, spec.n_experts), spec, min(room, int(gpu_expert_gib * 2**30)), source,
                    calibration is None)
+
+
+def _with_recall(res: CpuResult, trace: Trace, pred_recall: float | None) -> CpuResult:
+    """A CPU-compute or static result carrying the trace's prediction recall, as a copy
+    policy's does (the column is the trace's, whatever the policy: on-demand's says it too)."""
+    res.pred_recall = prediction_recall(trace) if pred_recall is None else pred_recall
+    return res
 
 
 def time_plan(trace: Trace, pol: Policy, plan: Plan, costs: Costs, profiles: list[HardwareProfile], *,

@@ -434,6 +434,7 @@ def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str) ->
                 # Nothing of this model fits this machine: a row that says so, never a best.
                 rows.append(_not_run(sweep, index, cfg, trace, base, h, str(e)))
                 continue
+            res.pred_recall = sweep.recalls[cfg.trace] if cfg.prefetch_top is None else prediction_recall(trace)
             row = res.summary()
             row.update(_axes(sweep, cfg, trace, base))
             if pol.cpu == "layers":  # the count "auto" resolved to on this device, for the answer

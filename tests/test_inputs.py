@@ -535,3 +535,14 @@ def test_a_one_step_trace_is_one_step_and_its_reuse_distance_is_said_in_words(tm
     assert "None" not in r.stdout and "1 steps" not in r.stdout
     r = moesim("replay", "one.npz", "--hw", "a6000", "--policy", "on-demand", cwd=tmp_path)
     assert r.returncode == 0 and " 1 step (" in " ".join(r.stdout.split()), r.stdout
+
+
+def test_every_policy_reports_the_traces_prediction_recall(tmp_path):
+    """The stranger's round 5: replay's `pred recall` was 0.708 for the copy policies and nan for the
+    CPU-compute ones on the same trace. It is the trace's, whatever the policy (on-demand's said it too)."""
+    write_trace(synthetic_trace(get_model("olmoe-1b-7b"), SyntheticParams(tokens=40, seed=4)), tmp_path / "t.npz")
+    r = moesim("replay", "t.npz", "--hw", "a6000", "--policy", "on-demand,cpu-static,cpu-on-miss", "--cache-gib", 1,
+               "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    recalls = {row["policy"]: row["pred_recall"] for row in json.loads(r.stdout)}
+    assert len(recalls) == 3 and len(set(recalls.values())) == 1 and 0 < recalls["on-demand"] < 1, recalls
