@@ -137,8 +137,20 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
                         **{**kw, "eviction": given_eviction, "link_gbps": given_link, "cache_given": given_cache})
     note = "; ".join(n for n in (engine_note, note) if n) or None
     kw.setdefault("copy_queue", None)  # None: as recorded (moesim profile --copy-queue), else FIFO
-    return Replay(trace, profile, source, simulate_policies(trace, profile, list(policies), progress=progress, **kw),
-                  link_source, cache_source, step, note)
+    results = simulate_policies(trace, profile, list(policies), progress=progress, **kw)
+    note = "; ".join(n for n in (note, fit_note(results)) if n) or None
+    return Replay(trace, profile, source, results, link_source, cache_source, step, note)
+
+
+def fit_note(results: list) -> str | None:
+    """The policies whose configuration needs more device memory than the GPU has: their
+    times assume it fits (whatif marks such rows and never picks one; replay says so)."""
+    over = [r.summary() for r in results]
+    over = [r for r in over if r.get("fits") is False]
+    if not over:
+        return None
+    return "; ".join(f"{r['policy']} needs {r['device_gb_needed']:.3g} GB of device memory, more than the "
+                     f"{r['hw']}'s: it does not fit, and its times are as if it did" for r in over)
 
 
 def recorded_cache(trace: Trace, kw: dict[str, Any]) -> tuple[dict[str, Any], str]:

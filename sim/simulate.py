@@ -12,6 +12,7 @@ from moesim.costmodel import CostModel
 from moesim.engines import DEFAULT_ENGINE
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile, Machine, get_machine
+from moesim.memory import device_bytes
 from moesim.models import ModelSpec, cache_capacity  # noqa: F401 (cache_capacity: defined with the byte accounting)
 from moesim.placement import expert_budget, hot_set, routing_counts
 from moesim.policy import EVICTIONS, QUEUES, Policy, get_policy
@@ -284,6 +285,9 @@ def time_plan(trace: Trace, pol: Policy, plan: Plan, costs: Costs, profiles: lis
     work = make_workload(spec, plan, costs)
     cms = [CostModel(spec, h, engine=engine) for h in profiles]
     links = [sim_link(trace, c, costs) for c in cms]
+    held = plan.cache_experts * spec.n_moe_layers if plan.per_layer else plan.cache_experts
+    need = device_bytes(spec, pol, cache_experts=held, batch=trace.batch, context=trace.prompt_len + trace.n_tokens,
+                        lookahead=plan.lookahead)  # what the GPU holds: weights, KV cache, expert slots and cache
     results = []
     for c, (ends, copy, stall, spans) in zip(cms, time_workload(work, links, copy_queue, sim, record)):
         # Everything ttft_of reads: the model and prompt of the trace, the GPU and its link, the engine.
@@ -306,6 +310,8 @@ def time_plan(trace: Trace, pol: Policy, plan: Plan, costs: Costs, profiles: lis
             result.config["cache_experts"] = plan.cache_experts * spec.n_moe_layers  # the total held
         if plan.pinned:
             result.config["pinned_experts"] = plan.pinned
+        result.config["device_gb_needed"] = need / 1e9
+        result.config["fits"] = need <= c.gpu["device_memory_gb"] * 1e9
         results.append(result)
     return results
 

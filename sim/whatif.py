@@ -473,9 +473,6 @@ def run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
     capacity = cache_capacity(spec, cfg.cache_gib) if pol.offload else 0
     plan = build_plan(trace, pol, capacity, sweep.eviction, per_layer=sweep.cache_per_layer)
     recall = sweep.recalls[cfg.trace] if cfg.prefetch_top is None else prediction_recall(trace)
-    held = capacity * spec.n_moe_layers if sweep.cache_per_layer else capacity
-    need = device_bytes_needed(spec, cfg.policy, held, trace.batch, trace.prompt_len + trace.n_tokens,
-                               plan.lookahead)
     rows = []
     memo = sweep._costs_memo
     if any(k[:2] != (cfg.trace, cfg.expert_dtype) for k in memo):
@@ -497,13 +494,11 @@ def run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
         results = time_plan(trace, pol, plan, memo[cfg.trace, cfg.expert_dtype, hi], profiles, sim=sim,
                             engine=sweep.engine, copy_queue=cfg.copy_queue, pred_recall=recall,
                             ttfts=sweep._ttft_memo, spec=spec)
-        for h, res in zip(profiles, results):
+        for res in results:
             row = res.summary()
             row.update(_axes(sweep, cfg, trace, base))
             row["cache_gib"] = cfg.cache_gib if capacity else 0.0  # as asked; cache_experts is what fits
-            row["device_gb_needed"] = need / 1e9
-            row["fits"] = need <= h["device_memory_gb"] * 1e9
-            row["group"] = index
+            row["group"] = index  # device_gb_needed and fits: time_plan's, as replay's
             row = normalise(row)
             row["bound"] = bound_of(row)
             rows.append(row)

@@ -546,3 +546,19 @@ def test_every_policy_reports_the_traces_prediction_recall(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     recalls = {row["policy"]: row["pred_recall"] for row in json.loads(r.stdout)}
     assert len(recalls) == 3 and len(set(recalls.values())) == 1 and 0 < recalls["on-demand"] < 1, recalls
+
+
+def test_replay_says_when_a_deployment_does_not_fit_the_gpu(tmp_path):
+    """The stranger's round 6: replay timed all-resident Qwen3-30B-A3B (61 GB) on a 48 GB A6000 with no
+    word, where whatif marks the same row `fits: false`. Both read one figure (time_plan's)."""
+    write_trace(synthetic_trace(get_model("qwen3-30b-a3b"), SyntheticParams(tokens=8, seed=2)), tmp_path / "q.npz")
+    r = moesim("replay", "q.npz", "--hw", "a6000", "--policy", "all-resident,on-demand", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    fits = {row["policy"]: row["fits"] for row in json.loads(r.stdout)}
+    assert fits == {"all-resident": False, "on-demand": True}, fits
+    notes = [ln for ln in r.stderr.splitlines() if ln.startswith("note:")]
+    assert len(notes) == 1 and "all-resident needs 61" in notes[0] and "does not fit" in notes[0], r.stderr
+    w = moesim("whatif", "--trace", "q.npz", "--hw", "a6000", "--policy", "all-resident", "--json", cwd=tmp_path)
+    assert w.returncode == 0, w.stderr[-2000:]
+    answer = json.loads(w.stdout)
+    assert answer["best"] is None and [row["fits"] for row in answer["rows"]] == [False], answer
