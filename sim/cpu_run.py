@@ -52,6 +52,7 @@ class CpuRun:
     spans: list = field(default_factory=list)
     device: np.ndarray | None = None  # GPU work per step, where it is not TPOT less waits (static layouts)
     transfer: np.ndarray | None = None  # hidden states crossing between processors per step (static layouts)
+    moved: np.ndarray | None = None  # bytes over the link per step, where not n_copied experts (streamed weights)
 
 
 def routed_sets(ids: np.ndarray) -> list[list[list[tuple[int, int]]]]:
@@ -140,7 +141,8 @@ class CpuResult:
             "cpu_expert_share": float(r.n_cpu.sum() / executed),
             "cpu_experts_per_token": float(r.n_cpu.sum(1).mean()),
             "experts_loaded_per_token": float(r.n_copied.sum(1).mean()),
-            "gb_moved_per_token": float(r.n_copied.sum(1).mean() * self.config["expert_bytes"] / 1e9),
+            "gb_moved_per_token": float((r.moved.mean() if r.moved is not None else
+                                         r.n_copied.sum(1).mean() * self.config["expert_bytes"]) / 1e9),
             "device_hit_rate": float(r.n_hits.sum() / executed),
             "ttft_ms": float(self.ttft * ms),
         }

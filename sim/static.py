@@ -47,6 +47,7 @@ class StaticRun:
     cpu_wait: np.ndarray  # per step, how long GPU layers waited on their CPU experts
     transfer: np.ndarray  # per step, hidden states crossing between processors
     streamed: np.ndarray  # per step, what reading streamed layers' weights over the link adds to the GPU's work
+    streamed_bytes: np.ndarray  # per step, the weights read over the link (streamed layers' dense and routed experts)
     n_gpu: np.ndarray  # [t, m] experts a GPU ran
     n_cpu: np.ndarray  # [t, m] experts the CPU ran
 
@@ -77,6 +78,7 @@ def time_static(spec: ModelSpec, layout: Layout, counts: np.ndarray, ctx: np.nda
     cpu_wait = np.zeros(T)
     transfer = np.zeros(T)
     streamed_s = np.zeros(T)
+    streamed_b = np.zeros(T)
     n_gpu = np.zeros(counts.shape[:2], np.int32)
     n_cpu = np.zeros(counts.shape[:2], np.int32)
     hidden_bytes = 2 * batch * spec.hidden
@@ -95,6 +97,7 @@ def time_static(spec: ModelSpec, layout: Layout, counts: np.ndarray, ctx: np.nda
         attn = cm.attention(layer, ctx, rows=batch, on="cpu" if d == CPU else "gpu")
         if streamed[layer]:
             streamed_s += attn - cms[d].attention(layer, ctx, rows=batch, on="gpu")
+            streamed_b += spec.layer_resident_bytes(layer)
         if layout.split == "tensor" and d != CPU and len(cms) > 1:
             attn = attn + 2 * cm.collective(hidden_bytes, True, len(cms), peer_gbs, peer_us)
         total += attn
@@ -121,6 +124,7 @@ def time_static(spec: ModelSpec, layout: Layout, counts: np.ndarray, ctx: np.nda
         cpu = t.cpu(nc, ac)
         if streamed[layer]:
             streamed_s += gpu - times[d].gpu(nd, ad)
+            streamed_b += nd * spec.moe_expert_bytes(m)  # the routed experts only: the kernels read what they use
         total += np.maximum(gpu, cpu)  # the layer ends when the later of the two does
         device += gpu
         cpu_busy += cpu
@@ -131,7 +135,7 @@ def time_static(spec: ModelSpec, layout: Layout, counts: np.ndarray, ctx: np.nda
     h = _cm_for(cms, cpu_cm, head).head(batch, on="cpu" if head == CPU else "gpu")
     total += h + transfer
     (cpu_busy if head == CPU else device).__iadd__(h)
-    return StaticRun(total, device, cpu_busy, cpu_wait, transfer, streamed_s, n_gpu, n_cpu)
+    return StaticRun(total, device, cpu_busy, cpu_wait, transfer, streamed_s, streamed_b, n_gpu, n_cpu)
 
 
 def _crossing(cms: list[CostModel], a: int, b: int, nbytes: float) -> float:
@@ -239,7 +243,7 @@ def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, poli
     # Streamed weights cross the link inside the GPU's kernels: that part of its work is the
     # link's (copy) and the GPU waits on it (stall); the rest is its own compute.
     run = CpuRun(np.cumsum(r.tpot), r.streamed, r.streamed.copy(), r.cpu_wait, r.cpu_busy, r.n_gpu, r.n_cpu,
-                    zeros_m, r.n_gpu, device=r.device - r.streamed, transfer=r.transfer)
+                    zeros_m, r.n_gpu, device=r.device - r.streamed, transfer=r.transfer, moved=r.streamed_bytes)
     n_exec = r.n_gpu + r.n_cpu
     plan = Plan(pol, 0, "lru", 1, zeros_m, zeros_m, n_exec, np.full_like(n_exec, b * spec.top_k), r.n_gpu, zeros_m,
                 zeros_m)

@@ -562,3 +562,16 @@ def test_replay_says_when_a_deployment_does_not_fit_the_gpu(tmp_path):
     assert w.returncode == 0, w.stderr[-2000:]
     answer = json.loads(w.stdout)
     assert answer["best"] is None and [row["fits"] for row in answer["rows"]] == [False], answer
+
+
+def test_weight_streaming_counts_the_bytes_it_reads_over_the_link(tmp_path):
+    """weight-streaming said 0.0 GB moved a token beside tens of ms of link time: the streamed layers'
+    weights (dense, and the routed experts the kernels read) are what crosses the link."""
+    write_trace(synthetic_trace(get_model("olmoe-1b-7b"), SyntheticParams(tokens=16, seed=5)), tmp_path / "o.npz")
+    r = moesim("replay", "o.npz", "--hw", "a6000", "--policy", "weight-streaming", "--offload-gib", 5, "--json",
+               cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (row,) = json.loads(r.stdout)
+    rate = row["gb_moved_per_token"] / (row["copy_ms"] / 1e3)  # GB/s the link carried
+    assert row["gb_moved_per_token"] < row["offload_gib"] * 2**30 / 1e9  # only what a token reads
+    assert 0.5 * row["link_gbps"] < rate < 1.5 * row["link_gbps"], row
