@@ -575,3 +575,26 @@ def test_weight_streaming_counts_the_bytes_it_reads_over_the_link(tmp_path):
     rate = row["gb_moved_per_token"] / (row["copy_ms"] / 1e3)  # GB/s the link carried
     assert row["gb_moved_per_token"] < row["offload_gib"] * 2**30 / 1e9  # only what a token reads
     assert 0.5 * row["link_gbps"] < rate < 1.5 * row["link_gbps"], row
+
+
+@pytest.mark.parametrize("args, words", [
+    (("whatif", "--model", "olmoe-1b-7b", "--hw", "a6000", "--link-gbps", "16,16.0"), "'16.0' appears twice (the same as '16')"),
+    (("whatif", "--model", "olmoe-1b-7b", "--hw", "a6000", "--cache-gib", "8,08"), "'08' appears twice (the same as '8')"),
+    (("whatif", "--model", "olmoe-1b-7b", "--hw", "a6000", "--policy", "prefetch,prefetch-fom"),
+     "'prefetch-fom' appears twice (the same as 'prefetch')"),
+])
+def test_a_sweep_value_given_twice_however_spelled_is_refused(tmp_path, args, words):
+    """16,16.0 or an alias and its policy wrote every row twice; 16,16 was refused already."""
+    r = moesim(*args, "--tokens", 8, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"error: {args[-2]}: {words}"], r.stderr
+
+
+def test_lists_by_position_take_repeated_values(tmp_path):
+    """An equal --tensor-split 1,1 (llama.cpp's) and per-depth --accept 0.8,0.8,0.6 were refused as repeats."""
+    write_trace(synthetic_trace(get_model("olmoe-1b-7b"), SyntheticParams(tokens=8, seed=6)), tmp_path / "o.npz")
+    r = moesim("replay", "o.npz", "--hw", "2xa6000", "--policy", "all-resident", "--tensor-split", "1,1", "--json",
+               cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = moesim("ecospec", "--model", "olmoe-1b-7b", "--deployment", "1xh200-offload", "--steps", 2, "--gamma", 2,
+               "--accept", "0.8,0.8,0.6", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from moesim import __version__
-from moesim.errors import MoesimError
+from moesim.cli.lists import auto_or, floats, ints, split  # noqa: F401 (re-exported: every command imports them from here)
 from moesim.jsonout import print_json as print_json  # strict JSON (no NaN or Infinity); re-exported
 
 HELP = """How fast will this MoE decode on this hardware, with which offloading policy, and why?
@@ -58,27 +58,6 @@ def _version(value: bool) -> None:
 def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                                 help="Print the version and exit.")] = False) -> None:
     pass
-
-
-def split(value: str, option: str) -> list[str]:
-    """A comma-separated option as a list: at least one item, none empty, none twice (a
-    repeated item would repeat rows, an empty one silently mean a default)."""
-    items = [v.strip() for v in value.split(",")]
-    if not any(items):
-        raise MoesimError(f"{option}: give at least one value")
-    if not all(items):
-        raise MoesimError(f"{option} {value!r}: an empty item (two commas, or one at an end)")
-    seen = [v.lower() for v in items]
-    if (twice := next((v for i, v in enumerate(items) if seen[i] in seen[:i]), None)) is not None:
-        raise MoesimError(f"{option}: {twice!r} appears twice")
-    return items
-
-
-def floats(value: str, option: str) -> list[float]:
-    try:
-        return [float(v) for v in split(value, option)]
-    except ValueError:
-        raise MoesimError(f"{option}: {value!r} is not a comma-separated list of numbers") from None
 
 
 def print_csv(rows: list[dict[str, Any]]) -> None:
@@ -131,17 +110,3 @@ def results_table(rows: list[dict[str, Any]], title: str, cols: tuple[tuple[str,
                  [[number(r[k]) if isinstance(r[k], float) else str(r[k]) for k, _ in cols] for r in rows], "right")
 
 
-def ints(value: str, option: str) -> list[int]:
-    """A comma-separated list of whole numbers (one line, exit 2, on anything else)."""
-    try:
-        return [int(v) for v in split(value, option)]
-    except ValueError:
-        raise MoesimError(f"{option}: {value!r} is not a comma-separated list of whole numbers") from None
-
-
-def auto_or(value: str, option: str, kind: type) -> list:
-    """A comma-separated list of ``auto`` and numbers of ``kind``."""
-    try:
-        return [v if v == "auto" else kind(v) for v in split(value, option)]
-    except ValueError:
-        raise MoesimError(f"{option}: {value!r} is not a comma-separated list of auto and numbers") from None

@@ -56,7 +56,7 @@ def ecospec(
         from moesim.errors import MoesimError
 
         raise MoesimError(f"--seed {seed}: a whole number >= 0")
-    params = SpecSynthParams(steps=steps, branch=branch, depth=depth, accept=tuple(floats(accept, "--accept")),
+    params = SpecSynthParams(steps=steps, branch=branch, depth=depth, accept=tuple(floats(accept, "--accept", repeats=True)),
                              recall=recall, seed=seed)
     models, deps = split(model, "--model"), split(deployment, "--deployment")
     gammas = ints(gamma, "--gamma")  # whole numbers: 1.5 was cut to 1, nan a traceback

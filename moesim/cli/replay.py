@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, auto_or, err, floats, print_csv, print_json, split
+from moesim.cli.lists import policies
 from moesim.cli.options import CachePerLayer, Engine, GpuLayers, Host, OffloadGib, Threads, holding, one
 from moesim.cli.running import progress_bar
 from moesim.engines import get_engine  # imported with the CLI anyway (moesim.policy's cost model)
@@ -108,7 +109,7 @@ def replay(
             from moesim.sim.speculative import speculative_whatif
 
             res = speculative_whatif(trace, get_profile(hw_name) if hw_name else None,
-                                     split(policy, "--policy") if policy != REPLAY_POLICIES else None,
+                                     policies(policy) if policy != REPLAY_POLICIES else None,
                                      [int(g) for g in floats(gamma, "--gamma")] if gamma is not None else None,
                                      tuple(split(selection, "--selection")), score, tuple(floats(lam, "--lambda")),
                                      link_gbps, timing, depth, branch, acceptance)
@@ -119,7 +120,7 @@ def replay(
         if validate:
             print_validation(trace, trace_path, hw_name, sim, as_json, out_dir, as_csv, copy_queue)
             return
-        pols = split(policy, "--policy")
+        pols = policies(policy)
         if engine is not None and policy == REPLAY_POLICIES:  # none chosen: the defaults the engine runs (as whatif)
             pols = get_engine(engine).default_policies(pols)
         with progress_bar("replaying", "layer-steps", disable=as_json) as update:
@@ -131,7 +132,7 @@ def replay(
                              calibrate_on_replay=calibrate_on_replay, amx=amx, copy_queue=copy_queue, threads=threads,
                              gpu_layers=int(gpu_layers) if gpu_layers.isdigit() else gpu_layers, split=split_mode,
                              offload_gib=one(auto_or(offload_gib, "--offload-gib", float), "--offload-gib"),
-                             ratios=floats(tensor_split, "--tensor-split") if tensor_split is not None else None,
+                             ratios=floats(tensor_split, "--tensor-split", repeats=True) if tensor_split is not None else None,
                              lookahead=lookahead, cache_per_layer=cache_per_layer, gpu_expert_gib=gpu_expert_gib)
         note = rep.note
         if as_json or as_csv:

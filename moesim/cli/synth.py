@@ -107,7 +107,7 @@ def synth(
         if skew != 1.0:
             given |= {"skew": skew, "load_ratio": 0.0}
         trace, _ = synth_speculative(model, out_path, steps=tokens, branch=branch, depth=depth, seed=seed,
-                                     accept=tuple(floats(accept, "--accept")), recall=recall, prompt_len=prompt_len,
+                                     accept=tuple(floats(accept, "--accept", repeats=True)), recall=recall, prompt_len=prompt_len,
                                      **given)
         err.print(f"wrote synthetic speculative trace {out_path} ({tokens} verification steps of {trace.model.name}, "
                   f"{trace.n_tokens} tokens accepted)")

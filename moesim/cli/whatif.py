@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, auto_or, floats, ints, split
+from moesim.cli.lists import policies
 from moesim.cli.options import CachePerLayer, Engine, GpuLayers, Host, OffloadGib, Threads, ends_on_interrupt, holding
 from moesim.cli.running import progress_bar
 from moesim.errors import MoesimError
@@ -93,7 +94,7 @@ def whatif(
     with holding(out_dir, "--out"):  # two runs on one report folder: the second refused in one line
         with progress_bar("simulating", "configurations", disable=as_json or as_csv) as update, ends_on_interrupt():
             res = run_whatif(trace_path, split(model, "--model"), split(hw_names, "--hw"),
-                             split(policy, "--policy") if policy is not None else None,
+                             policies(policy) if policy is not None else None,
                              floats(link_gbps, "--link-gbps") if link_gbps is not None else None, floats(cache_gib, "--cache-gib"),
                              eviction, tokens, ints(prompt_len, "--prompt-len"), ints(batch, "--batch"), goal, sim,
                              jobs or None, update, backend=backend, address=address, rows_csv=rows_csv,
