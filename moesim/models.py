@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import numbers
 import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
 from functools import cached_property
@@ -281,6 +282,13 @@ class LinearAttention:
         return 0
 
 
+#: Upper limits of a geometry, each far past any released model (widths of 7,168-16,384, expert
+#: widths to 32,768, vocabularies to ~262k): a header or config.json beyond them is an error
+#: (a hidden size of 1e30 replayed at 3e28 ms a token), not a model. Experts: the trace stores
+#: ids as int16.
+SIZE_LIMITS = {"hidden": 1 << 18, "expert_inter": 1 << 20, "vocab": 1 << 24, "n_experts": (1 << 15) - 1}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Geometry of a decoder-only MoE model, and everything derived from it in bytes.
@@ -335,8 +343,15 @@ class ModelSpec:
     def __post_init__(self) -> None:
         problems = []
         for name in ("n_layers", "n_experts", "top_k", "hidden", "expert_inter", "vocab"):
-            if getattr(self, name) <= 0:
-                problems.append(f"{name} must be positive (got {getattr(self, name)})")
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):  # true read as 1, 2048.5 as a width
+                problems.append(f"{name} must be a whole number (got {v!r})")
+            elif v <= 0:
+                problems.append(f"{name} must be positive (got {v})")
+            elif v > SIZE_LIMITS.get(name, v):
+                problems.append(f"{name} {v} is beyond any model's ({SIZE_LIMITS[name]:,} at most)")
+        if problems:  # the checks below compare these numbers
+            raise MoesimError(f"model {self.name!r}: " + "; ".join(problems))
         if self.top_k > self.n_experts:
             problems.append(f"top_k {self.top_k} exceeds n_experts {self.n_experts}")
         if any(not 0 <= i < self.n_layers for i in self.dense_layers):

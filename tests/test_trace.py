@@ -190,6 +190,13 @@ def test_a_header_section_of_the_wrong_type_is_one_line(tmp_path, tiny_trace, he
     ({"attention": {"n_kv_heads": 3}}, "n_kv_heads 3 must divide n_heads 4"),
     ({"n_shared": -1}, "n_shared must be >= 0"),
     ({"sliding_window": -5}, "sliding_window must be >= 0"),
+    # round 6: replayed at 3e28 ms a token, 6e9 ms, or read as 1
+    ({"hidden": 1e30}, "hidden must be a whole number"),
+    ({"hidden": 10**30}, "hidden 1000000000000000000000000000000 is beyond any model's .262,144 at most."),
+    ({"expert_inter": 10**12}, "expert_inter .* is beyond any model's"),
+    ({"vocab": 10**15}, "vocab .* is beyond any model's"),
+    ({"hidden": True}, "hidden must be a whole number .got True."),
+    ({"hidden": 2048.5}, "hidden must be a whole number .got 2048.5."),
 ])
 def test_a_header_model_of_impossible_geometry_is_one_line(tmp_path, tiny_trace, model, message):
     """A stranger edited these into a header and got a replay (a faster one, for n_shared -1)."""
