@@ -598,3 +598,15 @@ def test_lists_by_position_take_repeated_values(tmp_path):
     r = moesim("ecospec", "--model", "olmoe-1b-7b", "--deployment", "1xh200-offload", "--steps", 2, "--gamma", 2,
                "--accept", "0.8,0.8,0.6", "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_synth_refuses_an_output_another_run_holds_and_an_empty_prompt(tmp_path):
+    """Two synth runs on one --out both said `wrote` and the second's trace replaced the first's; and
+    --prompt-len 0 made a trace whose replay said TTFT 0.0 ms (whatif refuses 0)."""
+    from moesim.atomic import exclusive
+
+    with exclusive(tmp_path / "m.npz"):  # what a first run holds while it draws and writes
+        r = moesim("synth", "--model", "olmoe-1b-7b", "--tokens", 4, "--out", "m.npz", cwd=tmp_path)
+    assert r.returncode == 2 and "is in use by another moesim run" in r.stderr and not (tmp_path / "m.npz").exists()
+    r = moesim("synth", "--model", "olmoe-1b-7b", "--tokens", 4, "--prompt-len", 0, "--out", "p.npz", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip() == "error: --prompt-len 0: a whole number >= 1", r.stderr

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, err, floats
-from moesim.cli.options import given_options
+from moesim.cli.options import given_options, holding
 from moesim.cli.running import progress_bar
 from moesim.errors import MoesimError
 from moesim.fmt import plural
@@ -78,49 +78,52 @@ def synth(
                       markup=False, soft_wrap=True)
     if seed < 0:
         raise MoesimError(f"--seed {seed}: a whole number >= 0")
+    if prompt_len < 1 and like is None:  # as whatif's: a decode starts from a prompt (TTFT 0.0 ms otherwise)
+        raise MoesimError(f"--prompt-len {prompt_len}: a whole number >= 1")
     if speculative and (lookahead is not None or draw_seed is not None):
         raise MoesimError("--lookahead and --draw-seed apply to plain synthetic traces, not to --speculative")
     if like is not None and draw_seed is not None:
         raise MoesimError("--draw-seed: with --like the popularity is the trace's, so --seed alone sets the draws")
-    if like is not None and speculative:  # acceptance, overlap and skew fitted to a speculative trace
-        from moesim.traces.format import read_trace
-        from moesim.traces.synthetic_speculative import synth_speculative
+    with holding(out_path, "--out"):  # two runs on one file: the second refused (its trace would replace the first's)
+        if like is not None and speculative:  # acceptance, overlap and skew fitted to a speculative trace
+            from moesim.traces.format import read_trace
+            from moesim.traces.synthetic_speculative import synth_speculative
 
-        trace, _ = synth_speculative(read_trace(like).model, out_path, like=like, steps=tokens, seed=seed)
-        err.print(f"wrote synthetic speculative trace {out_path} ({tokens} verification steps of {trace.model.name}, "
-                  f"{trace.n_tokens} tokens accepted, parameters fitted to {like})")
-        return
-    if like is not None:
-        from moesim.sim.stats import synth_like_file
+            trace, _ = synth_speculative(read_trace(like).model, out_path, like=like, steps=tokens, seed=seed)
+            err.print(f"wrote synthetic speculative trace {out_path} ({tokens} verification steps of {trace.model.name}, "
+                      f"{trace.n_tokens} tokens accepted, parameters fitted to {like})")
+            return
+        if like is not None:
+            from moesim.sim.stats import synth_like_file
 
-        trace = synth_like_file(like, out_path, tokens, batch, seed, lookahead=lookahead)
-        err.print(f"wrote synthetic trace {out_path} ({plural(tokens, 'step')} of {trace.model.name}, batch {batch}, "
-                  f"parameters fitted to {like})")
-        return
-    if speculative:
-        from moesim.traces.synthetic_speculative import synth_speculative
+            trace = synth_like_file(like, out_path, tokens, batch, seed, lookahead=lookahead)
+            err.print(f"wrote synthetic trace {out_path} ({plural(tokens, 'step')} of {trace.model.name}, batch {batch}, "
+                      f"parameters fitted to {like})")
+            return
+        if speculative:
+            from moesim.traces.synthetic_speculative import synth_speculative
 
-        # Routing defaults are the calibrated ones (docs/speculative.md); --skew other than its
-        # default sets the Zipf exponent itself instead of the calibrated load ratio.
-        given = {k: v for k, v in (("parent_overlap", parent_overlap), ("sibling_overlap", sibling_overlap))
-                 if v is not None}
-        if skew != 1.0:
-            given |= {"skew": skew, "load_ratio": 0.0}
-        trace, _ = synth_speculative(model, out_path, steps=tokens, branch=branch, depth=depth, seed=seed,
-                                     accept=tuple(floats(accept, "--accept", repeats=True)), recall=recall, prompt_len=prompt_len,
-                                     **given)
-        err.print(f"wrote synthetic speculative trace {out_path} ({tokens} verification steps of {trace.model.name}, "
-                  f"{trace.n_tokens} tokens accepted)")
-        return
-    from moesim.models import get_model
-    from moesim.outputs import check_output_file
-    from moesim.traces.format import write_trace
-    from moesim.traces.synthetic import SyntheticParams, synthetic_trace
+            # Routing defaults are the calibrated ones (docs/speculative.md); --skew other than its
+            # default sets the Zipf exponent itself instead of the calibrated load ratio.
+            given = {k: v for k, v in (("parent_overlap", parent_overlap), ("sibling_overlap", sibling_overlap))
+                     if v is not None}
+            if skew != 1.0:
+                given |= {"skew": skew, "load_ratio": 0.0}
+            trace, _ = synth_speculative(model, out_path, steps=tokens, branch=branch, depth=depth, seed=seed,
+                                         accept=tuple(floats(accept, "--accept", repeats=True)), recall=recall, prompt_len=prompt_len,
+                                         **given)
+            err.print(f"wrote synthetic speculative trace {out_path} ({tokens} verification steps of {trace.model.name}, "
+                      f"{trace.n_tokens} tokens accepted)")
+            return
+        from moesim.models import get_model
+        from moesim.outputs import check_output_file
+        from moesim.traces.format import write_trace
+        from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
-    check_output_file(out_path)
-    params = SyntheticParams(tokens, batch, prompt_len, skew, reuse, hit_rate, early_hit_rate, early_layers, seed,
-                             lookahead=1 if lookahead is None else lookahead, draw_seed=draw_seed)
-    with progress_bar("generating", "tokens") as update:
-        trace = synthetic_trace(get_model(model), params, progress=update)
-    path = write_trace(trace, out_path)
-    err.print(f"wrote synthetic trace {path} ({plural(tokens, 'step')} of {trace.model.name}, batch {batch})")
+        check_output_file(out_path)
+        params = SyntheticParams(tokens, batch, prompt_len, skew, reuse, hit_rate, early_hit_rate, early_layers, seed,
+                                 lookahead=1 if lookahead is None else lookahead, draw_seed=draw_seed)
+        with progress_bar("generating", "tokens") as update:
+            trace = synthetic_trace(get_model(model), params, progress=update)
+        path = write_trace(trace, out_path)
+        err.print(f"wrote synthetic trace {path} ({plural(tokens, 'step')} of {trace.model.name}, batch {batch})")
