@@ -1212,18 +1212,20 @@ def from_hf_config(path: str | Path) -> ModelSpec:
     return spec_from_config(path)
 
 
-def catalogue_in(expert_dtype: str | None) -> tuple[list[ModelSpec], dict[str, str]]:
+def catalogue_in(expert_dtype: str | None, store=None) -> tuple[list[ModelSpec], dict[str, str]]:
     """Every catalogue model with its routed experts in ``expert_dtype`` (None: as
     published), and the models that format cannot store, with the reason (llama.cpp's
     K-quants need dimensions that are multiples of 256, which gpt-oss's 2,880 is not):
     a listing shows the others instead of failing as a whole. An unknown format is
-    still one error."""
+    still one error. ``store(spec, fmt)`` stores a spec in a format (default
+    :meth:`ModelSpec.with_expert_dtype`; :func:`moesim.quant_recipes.store_as` adds llama.cpp's
+    file types, such as q4_k_m)."""
     if expert_dtype is None:
         return list(CATALOGUE.values()), {}
     specs, skipped = [], {}
     for spec in CATALOGUE.values():
         try:
-            specs.append(spec.with_expert_dtype(expert_dtype))
+            specs.append(store(spec, expert_dtype) if store is not None else spec.with_expert_dtype(expert_dtype))
         except MoesimError as e:
             if "unknown expert dtype" in str(e):
                 raise

@@ -610,3 +610,13 @@ def test_synth_refuses_an_output_another_run_holds_and_an_empty_prompt(tmp_path)
     assert r.returncode == 2 and "is in use by another moesim run" in r.stderr and not (tmp_path / "m.npz").exists()
     r = moesim("synth", "--model", "olmoe-1b-7b", "--tokens", 4, "--prompt-len", 0, "--out", "p.npz", cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.strip() == "error: --prompt-len 0: a whole number >= 1", r.stderr
+
+
+def test_models_takes_a_llama_cpp_file_type_as_replay_does(tmp_path):
+    """`models --expert-dtype q4_k_m` said "unknown expert dtype" where whatif and replay take it."""
+    r = moesim("models", "qwen3-30b-a3b", "--expert-dtype", "q4_k_m", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (row,) = json.loads(r.stdout)["models"]
+    assert row["model"] == "qwen3-30b-a3b@q4_k_m" and row["expert_bytes"] < get_model("qwen3-30b-a3b").expert_bytes / 3
+    r = moesim("models", "--expert-dtype", "q4_k_m", "--json", cwd=tmp_path)
+    assert r.returncode == 0 and len(json.loads(r.stdout)["models"]) > 10, r.stderr[-2000:]

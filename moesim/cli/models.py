@@ -59,14 +59,15 @@ def models(
     (a Hugging Face folder with its config.json) works as a name too.
     """
     from moesim.models import catalogue_in, get_model
+    from moesim.quant_recipes import store_as  # a weight format or a llama.cpp file type (q4_k_m), as replay takes
 
     skipped: dict[str, str] = {}
     if model:
         specs = [get_model(m) for m in model]
         if expert_dtype is not None:
-            specs = [s.with_expert_dtype(expert_dtype) for s in specs]  # validates the format (one line, exit 2)
+            specs = [store_as(s, expert_dtype) for s in specs]  # validates the format (one line, exit 2)
     else:
-        specs, skipped = catalogue_in(expert_dtype)
+        specs, skipped = catalogue_in(expert_dtype, store_as)
     rows = [_row(s) for s in specs]
     if as_json:
         print_json({"models": rows, "specs": [s.to_dict() for s in specs]})
