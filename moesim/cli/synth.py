@@ -13,6 +13,7 @@ from moesim.cli.options import given_options, holding
 from moesim.cli.running import progress_bar
 from moesim.errors import MoesimError
 from moesim.fmt import plural
+from moesim.outputs import check_output_file
 
 
 @app.command()
@@ -84,6 +85,7 @@ def synth(
         raise MoesimError("--lookahead and --draw-seed apply to plain synthetic traces, not to --speculative")
     if like is not None and draw_seed is not None:
         raise MoesimError("--draw-seed: with --like the popularity is the trace's, so --seed alone sets the draws")
+    check_output_file(out_path)  # before its lock: a path that cannot be written is that one line
     with holding(out_path, "--out"):  # two runs on one file: the second refused (its trace would replace the first's)
         if like is not None and speculative:  # acceptance, overlap and skew fitted to a speculative trace
             from moesim.traces.format import read_trace
@@ -116,11 +118,9 @@ def synth(
                       f"{trace.n_tokens} tokens accepted)")
             return
         from moesim.models import get_model
-        from moesim.outputs import check_output_file
         from moesim.traces.format import write_trace
         from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
-        check_output_file(out_path)
         params = SyntheticParams(tokens, batch, prompt_len, skew, reuse, hit_rate, early_hit_rate, early_layers, seed,
                                  lookahead=1 if lookahead is None else lookahead, draw_seed=draw_seed)
         with progress_bar("generating", "tokens") as update:
