@@ -231,6 +231,11 @@ def speculative_whatif(trace: Trace, hw: HardwareProfile | None = None, policies
     ``auto`` is measured when the trace holds measured times, else profile. Returns
     ``measured`` and ``error`` (of the first policy as recorded; None without measured
     times) and ``rows`` (each with its ``case``)."""
+    bad = [lam for lam in lambdas if not lam >= 0 or lam == float("inf")]  # NaN fails >= 0
+    if bad:  # as ecospec's --selection ecospec:lagrangian:LAMBDA
+        raise MoesimError(f"--lambda {bad[0]:g}: the Lagrangian score's lambda must be a number >= 0")
+    if acceptance is not None and not 0 < acceptance < float("inf"):
+        raise MoesimError(f"--acceptance {acceptance:g}: a positive number (it scales the draft's probabilities)")
     if timing == "auto":
         timing = "measured" if sd_measured(trace) else "profile"
     if hw is None and not trace.meta.hw_profile:

@@ -620,3 +620,17 @@ def test_models_takes_a_llama_cpp_file_type_as_replay_does(tmp_path):
     assert row["model"] == "qwen3-30b-a3b@q4_k_m" and row["expert_bytes"] < get_model("qwen3-30b-a3b").expert_bytes / 3
     r = moesim("models", "--expert-dtype", "q4_k_m", "--json", cwd=tmp_path)
     assert r.returncode == 0 and len(json.loads(r.stdout)["models"]) > 10, r.stderr[-2000:]
+
+
+def test_a_speculative_replay_refuses_a_negative_lambda_as_ecospec_does(tmp_path):
+    """replay of a speculative trace used --lambda -1 (ecospec refuses a negative lambda) and a negative
+    --acceptance."""
+    r = moesim("synth", "--speculative", "--model", "olmoe-1b-7b", "--tokens", 4, "--out", "sd.npz", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    base = ("replay", "sd.npz", "--gamma", 2, "--selection", "ecospec", "--score", "lagrangian")
+    for extra, line in ((("--lambda", "-1"), "error: --lambda -1: the Lagrangian score's lambda must be a number >= 0"),
+                        (("--lambda", "nan"), "error: --lambda nan: the Lagrangian score's lambda must be a number >= 0"),
+                        (("--acceptance", "-1"), "error: --acceptance -1: a positive number (it scales the draft's "
+                                                 "probabilities)")):
+        r = moesim(*base, *extra, cwd=tmp_path)
+        assert r.returncode == 2 and r.stderr.strip() == line, r.stderr
