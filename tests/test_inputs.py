@@ -506,6 +506,8 @@ def test_an_ecospec_budget_past_the_tree_says_it_verifies_the_whole_tree(tmp_pat
     assert notes == ["note: --gamma 100000000 is more than a draft tree's 30 candidates (--branch 2, --depth 4): "
                      "verifies the whole tree, as --gamma 30"], big.stderr
     assert not [ln for ln in tree.stderr.splitlines() if ln.startswith("note:")]
+    none = moesim(*base[:-1], "--gamma", 0, cwd=tmp_path)  # an empty table said nothing of why
+    assert none.returncode == 0 and "note: --gamma 0 alone is decoding without speculation" in none.stderr, none.stderr
     rows = [{k: v for k, v in r.items() if k != "gamma"} for r in json.loads(big.stdout)]
     assert rows == [{k: v for k, v in r.items() if k != "gamma"} for r in json.loads(tree.stdout)]
 

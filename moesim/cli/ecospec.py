@@ -62,6 +62,9 @@ def ecospec(
     gammas = ints(gamma, "--gamma")  # whole numbers: 1.5 was cut to 1, nan a traceback
     prof = parse_draft(draft)
     selections = parse_selections(selection)
+    if not any(gammas):  # the best-gamma table compares speculating selections: none here
+        err.print("note: --gamma 0 alone is decoding without speculation: no selection to compare (its row: --json)",
+                  markup=False, soft_wrap=True)
     over = [g for g in gammas if g > params.nodes]
     if over:  # a budget past the tree verifies all of it: as the tree's size
         err.print(f"note: --gamma {', '.join(map(str, over))} is more than a draft tree's {params.nodes} candidates "
