@@ -519,7 +519,7 @@ def _read_members(f: IO[bytes], size: int) -> tuple[dict[str, np.ndarray], dict[
         raise zipfile.BadZipFile("a member name repeats")
     data: dict[str, np.ndarray] = {}
     to_map: dict[str, _Member] = {}
-    infos.sort(key=lambda i: i.filename != "header.npy")  # the header first: it says what the routing's shape is
+    infos = sorted(infos, key=lambda i: i.filename != "header.npy")  # the header first: it says the routing's shape
     expected = None
     for info in infos:
         if not info.filename.endswith(".npy"):
