@@ -37,6 +37,7 @@ from moesim.executor.runtime import host_setup
 from moesim.executor.steady import SteadyMachine
 from moesim.executor.validation_plan import POLICIES, PROMPT, SUITE, SYNTHETIC_SPEC  # noqa: F401 (re-exported)
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, HostProfile, get_host, get_profile
+from moesim.models import SHIPPED_MODEL
 from moesim.policy import get_policy
 from moesim.sim.cpu_compute import simulate_cpu_compute
 from moesim.sim.simulate import simulate
@@ -62,7 +63,7 @@ def suite_models(shipped: Path) -> list[tuple[str, Callable[[], tuple[MoEModel, 
         dv = calibrate(m, torch.randint(0, SYNTHETIC_SPEC.vocab, (512,), generator=torch.Generator().manual_seed(1)))
         return m, dv, True
 
-    loaders = {SUITE[0][0]: learned, SYNTHETIC_SPEC.name: synthetic}
+    loaders = {SHIPPED_MODEL: learned, SYNTHETIC_SPEC.name: synthetic}
     return [(name, loaders[name], list(links), scale) for name, links, scale in SUITE]
 
 

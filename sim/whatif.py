@@ -36,8 +36,7 @@ from moesim.costmodel import CostModel
 from moesim.engines import get_engine
 from moesim.errors import DoesNotFit, MoesimError
 from moesim.hardware import HardwareProfile, Machine, get_host, get_machine
-from moesim.memory import device_bytes
-from moesim.models import DTYPES, ModelSpec
+from moesim.models import DTYPES
 from moesim.placement import expert_budget, hot_set, routing_counts
 from moesim.policy import POLICIES, QUEUES, Planner, get_policy
 from moesim.quant_recipes import is_format, store_as
@@ -329,10 +328,10 @@ class Sweep:
         return h.hexdigest()[:16]
 
 
-def device_bytes_needed(spec: ModelSpec, policy: str, cache_experts: int, batch: int, context: int,
-                        lookahead: int = 1) -> int:
-    """Device memory a copy-policy configuration needs (:func:`moesim.memory.device_bytes`)."""
-    return device_bytes(spec, policy, cache_experts=cache_experts, batch=batch, context=context, lookahead=lookahead)
+def _recall(sweep: Sweep, cfg: Config, trace: Trace) -> float:
+    """The group's prediction recall: the sweep's trace's (computed once), or its own when
+    the group cut the predictions to a top-m."""
+    return sweep.recalls[cfg.trace] if cfg.prefetch_top is None else prediction_recall(trace)
 
 
 def _group_trace(sweep: Sweep, cfg: Config) -> Trace:
@@ -434,7 +433,7 @@ def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str) ->
                 # Nothing of this model fits this machine: a row that says so, never a best.
                 rows.append(_not_run(sweep, index, cfg, trace, base, h, str(e)))
                 continue
-            res.pred_recall = sweep.recalls[cfg.trace] if cfg.prefetch_top is None else prediction_recall(trace)
+            res.pred_recall = _recall(sweep, cfg, trace)
             row = res.summary()
             row.update(_axes(sweep, cfg, trace, base))
             if pol.cpu == "layers":  # the count "auto" resolved to on this device, for the answer
@@ -472,7 +471,7 @@ def run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
         return [normalise(r) for r in rows]
     capacity = cache_capacity(spec, cfg.cache_gib) if pol.offload else 0
     plan = build_plan(trace, pol, capacity, sweep.eviction, per_layer=sweep.cache_per_layer)
-    recall = sweep.recalls[cfg.trace] if cfg.prefetch_top is None else prediction_recall(trace)
+    recall = _recall(sweep, cfg, trace)
     rows = []
     memo = sweep._costs_memo
     if any(k[:2] != (cfg.trace, cfg.expert_dtype) for k in memo):
@@ -601,8 +600,9 @@ def stop_pool(pool: ProcessPoolExecutor) -> None:
         manager = getattr(pool, "_executor_manager_thread", None)
         if manager is not None:  # else the interpreter's exit joins it, where a signal is a traceback
             # Joined whole: at exit concurrent.futures wakes every manager still running, and one
-            # closing its pipe at that moment made the wake-up an OSError (EBADF) printed after the
-            # `interrupted` line (seen once in 10 runs beside a CPU-bound process, where 5 s was too short).
+            # closing its pipe at that moment makes the wake-up an OSError (EBADF) printed after the
+            # `interrupted` line (seen once in 10 runs beside a CPU-bound process with a 5 s join;
+            # a manager still alive at exit is the only way to that race, so the join is the fix).
             manager.join(MANAGER_JOIN_S)
     finally:
         for s, h in previous.items():

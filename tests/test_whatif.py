@@ -3,8 +3,9 @@ import pytest
 
 from moesim.errors import MoesimError
 from moesim.hardware import get_profile
+from moesim.memory import device_bytes
 from moesim.models import get_model
-from moesim.sim.whatif import Sweep, best, device_bytes_needed, run_sweep
+from moesim.sim.whatif import Sweep, best, run_sweep
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
 
@@ -61,13 +62,13 @@ def test_memory_fit_uses_the_byte_accounting():
     from moesim.memory import WORKSPACE_BYTES
 
     weights = spec.non_expert_bytes - spec.input_embedding_bytes  # the input table stays in host memory
-    resident = device_bytes_needed(spec, "all-resident", 0, 1, 0)
+    resident = device_bytes(spec, "all-resident")
     assert resident == weights + spec.all_expert_bytes + WORKSPACE_BYTES
-    offload = device_bytes_needed(spec, "on-demand", 10, 1, 0)
+    offload = device_bytes(spec, "on-demand", cache_experts=10)
     # The executor's pool: two whole layers (prefill is double-buffered) plus the cache.
     assert offload == weights + (2 * spec.n_experts + 10) * spec.expert_bytes + WORKSPACE_BYTES
     # Prefetching 2 layers ahead holds one more layer in flight.
-    ahead = device_bytes_needed(spec, "prefetch-fom", 10, 1, 0, lookahead=2)
+    ahead = device_bytes(spec, "prefetch-fom", cache_experts=10, lookahead=2)
     assert ahead == offload + spec.n_experts * spec.expert_bytes
 
 
