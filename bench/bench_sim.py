@@ -16,8 +16,9 @@ run, so numba's compiled kernels are in its cache, as after any first use):
   real CLI in a subprocess (wall time and peak RSS from ``os.wait4``) and, in process,
   its parts:
   - ``moesim synth`` for Qwen3-30B-A3B and the catalogue model with the most expert slots
-    a token: generation and ``write_trace`` in process, timed in one pass, their sum held to
-    the target (< 3 s), and the CLI (Python, moesim and numba starting included) beside it;
+    a token: ``write_synthetic_trace`` in process (what the CLI runs: drawn a chunk at a time
+    into the file) held to the target (< 3 s), and the CLI (Python, moesim and numba starting
+    included) beside it;
   - ``moesim stats T --json``: the CLI (target < 10 s); ``read_trace`` and ``routing_stats``;
   - ``moesim replay T --hw a6000 --policy on-demand,prefetch-fom,prefetch-spec,oracle
     --sim fast --json``: the CLI (target < 4 s and < 1 GB peak RSS); in process, the calls
@@ -67,8 +68,8 @@ from moesim.sim.plan import build_plan
 from moesim.sim.simulate import pick_costs, prediction_recall, time_plan
 from moesim.sim.whatif import Sweep, run_sweep
 from moesim.sim.workload import Link, make_workload
-from moesim.traces.format import Trace, read_trace, write_trace
-from moesim.traces.synthetic import SyntheticParams, synthetic_trace
+from moesim.traces.format import Trace, read_trace
+from moesim.traces.synthetic import SyntheticParams, synthetic_trace, write_synthetic_trace
 
 MODEL = "qwen3-30b-a3b"
 HW = "a6000"
@@ -322,28 +323,18 @@ def long_commands(report: dict[str, Any], args: argparse.Namespace, ref_s: float
         params = SyntheticParams(tokens=tokens)
         slots = tokens * spec.n_moe_layers * spec.top_k
         path = tmp / f"{name}.npz"
-        held: dict[str, Trace] = {}
-
-        def generate(s=spec, p=params, h=held) -> None:
-            h.clear()  # the last trace's memory back first
-            h["trace"] = synthetic_trace(s, p)
-
-        parts = timed_parts([("generate", generate), ("write", lambda h=held, o=path: write_trace(h["trace"], o))],
+        parts = timed_parts([("write_synthetic_trace", lambda s=spec, p=params, o=path: write_synthetic_trace(s, p, o))],
                             args.repeat)
-        held.clear()
         cli = {**cli_timed(["synth", "--model", name, "--tokens", str(tokens), "--out", str(path)], args.repeat),
                "command": f"moesim synth --model {name} --tokens {tokens} --out T"}
         report["synth"][name] = {
             **rate_entry(parts["total"], slots, "expert_slots_per_s", ref_s, TARGETS_S["synth"]), "tokens": tokens,
-            "what": "synthetic_trace then write_trace (the file, atomically, fsync included), in process",
+            "what": "write_synthetic_trace (drawn a chunk at a time into the file, atomically, fsync included), "
+                    "in process",
             "file_mb": path.stat().st_size / 1e6,
-            "generate": rate_entry(parts["generate"], slots, "expert_slots_per_s", ref_s),
-            "write": rate_entry(parts["write"], path.stat().st_size, "bytes_per_s", ref_s),
             "cli": rate_entry(cli, slots, "expert_slots_per_s", ref_s, TARGETS_S["synth"])}
-        show(f"synth {name}, {tokens} tokens ({slots / 1e6:.1f}M expert slots): generate + write", parts["total"],
+        show(f"synth {name}, {tokens} tokens ({slots / 1e6:.1f}M expert slots): write_synthetic_trace", parts["total"],
              TARGETS_S["synth"])
-        show("  generate", parts["generate"])
-        show("  write_trace", parts["write"])
         show(f"  CLI ({cli['command']}; Python, moesim and numba starting included)", cli, TARGETS_S["synth"])
 
     path = tmp / f"{MODEL}.npz"
@@ -489,7 +480,7 @@ def target_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append(row)
 
     for model, e in report.get("synth", {}).items():
-        add(f"synth {model}, {e['tokens']:,} tokens", "generate + write_trace in process", e)
+        add(f"synth {model}, {e['tokens']:,} tokens", "write_synthetic_trace in process", e)
         add(f"synth {model}, {e['tokens']:,} tokens", f"CLI: {e['cli']['command']}", e["cli"])
     if "stats" in report:
         add(f"stats, {report['stats']['tokens']:,} tokens", f"CLI: {report['stats'].get('command', 'moesim stats')}",

@@ -71,9 +71,10 @@ import numpy as np
 from moesim.errors import MoesimError
 from moesim.fmt import plural
 from moesim.hardware import HardwareProfile
+from moesim.models import ModelSpec
 from moesim.sim.simulate import prediction_recall, simulate
-from moesim.traces.format import Trace, read_trace, write_trace
-from moesim.traces.synthetic import SyntheticParams, synthetic_trace
+from moesim.traces.format import Trace, read_trace
+from moesim.traces.synthetic import SyntheticParams, synthetic_trace, write_synthetic_trace
 
 #: Knee rule: the smallest cache whose simulated TPOT is within this fraction of the best.
 KNEE_TOLERANCE = 0.05
@@ -965,22 +966,28 @@ def fit_synthetic(trace: Trace, tokens: int | None = None, batch: int | None = N
                            layer_hit=tuple(float(x) for x in recall), like=like or spec.name, lookahead=lookahead)
 
 
+def like_params(trace: Trace, tokens: int, batch: int = 1, seed: int = 0, like: str = "",
+                lookahead: int | None = None) -> SyntheticParams:
+    """:func:`fit_synthetic`'s parameters for ``tokens`` steps and ``batch`` sequences, predicting
+    ``lookahead`` MoE layers ahead (None: as ``trace`` did)."""
+    params = fit_synthetic(trace, seed=seed, like=like)
+    return replace(params, tokens=tokens, batch=batch, lookahead=params.lookahead if lookahead is None else lookahead)
+
+
 def synth_like(trace: Trace, tokens: int, batch: int = 1, seed: int = 0, like: str = "",
                lookahead: int | None = None) -> Trace:
     """A synthetic trace of ``tokens`` steps and ``batch`` sequences shaped like ``trace``
     (predicting ``lookahead`` MoE layers ahead; None: as ``trace`` did)."""
-    params = fit_synthetic(trace, seed=seed, like=like)
-    params = replace(params, tokens=tokens, batch=batch, lookahead=params.lookahead if lookahead is None else lookahead)
-    return synthetic_trace(trace.model, params)
+    return synthetic_trace(trace.model, like_params(trace, tokens, batch, seed, like, lookahead))
 
 
 def synth_like_file(like: str | Path, out: str | Path, tokens: int, batch: int = 1, seed: int = 0,
-                    lookahead: int | None = None) -> Trace:
+                    lookahead: int | None = None) -> ModelSpec:
     """``moesim synth --like TRACE``: fit to the trace at ``like``, write a synthetic trace to ``out``
-    (``lookahead`` None: the like-trace's)."""
-    trace = synth_like(read_trace(like), tokens, batch, seed, like=Path(like).name, lookahead=lookahead)
-    write_trace(trace, out)
-    return trace
+    a chunk at a time (``lookahead`` None: the like-trace's); returns the trace's model."""
+    real = read_trace(like)
+    write_synthetic_trace(real.model, like_params(real, tokens, batch, seed, Path(like).name, lookahead), out)
+    return real.model
 
 
 def summary_lines(res: dict[str, Any]) -> list[str]:

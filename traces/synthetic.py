@@ -40,8 +40,9 @@ that are not true. Every (quantity, layer) has its own random stream (xoshiro256
 Blackman and Vigna 2018, seeded from ``numpy.random.SeedSequence``), so the trace does
 not depend on how tokens are chunked.
 
-Memory is the output (about 14 bytes per token x MoE layer x batch x top-k) plus tables
-of layers x experts, never tokens x experts.
+:func:`synthetic_trace` holds the trace (8 bytes per token x MoE layer x batch x top-k) plus
+tables of layers x experts, never tokens x experts; :func:`write_synthetic_trace` (what
+``moesim synth`` runs) writes the same file a chunk at a time and holds two chunks.
 
 The header says ``synthetic: true`` and carries these parameters (and ``lookahead`` at its
 top level when it is not 1); no timing is recorded.
@@ -49,9 +50,10 @@ top level when it is not 1); no timing is recorded.
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -220,10 +222,12 @@ def _ziggurat() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return kn, wn, fn
 
 
-def _draw_rows(true, gates, pred, t0, t1, l0, l1, p, start, words, reuse, hit, look, st_route, st_gate, st_pred, kn,
-               wn, fn):
-    """Draw steps [t0, t1) of MoE layers [l0, l1) of ``true``/``gates``/``pred`` [steps, layers, batch, k] in place
-    (the module docstring says what is drawn). ``p`` [layers, E] is the popularity,
+def _draw_rows(true, gates, pred, prev, t0, l0, l1, p, start, words, reuse, hit, look, st_route, st_gate, st_pred,
+               kn, wn, fn):
+    """Draw steps [t0, t0 + rows) of MoE layers [l0, l1) into rows [0, rows) of ``true``/``gates``/``pred``
+    [rows, layers, batch, k] in place (the module docstring says what is drawn). ``prev`` [layers, batch, k]
+    holds step t0 - 1's true experts (what step t0 may reuse) and is left holding the last row's.
+    ``p`` [layers, E] is the popularity,
     ``start`` its exclusive cumulative sum, ``words`` the packed alias tables
     (:func:`_alias_words`), ``reuse``/``hit`` the per-layer rates (``hit`` already at the
     lookahead distance); rows of layers < ``look`` get no prediction; ``st_*`` [layers, 4]
@@ -383,7 +387,7 @@ def _draw_rows(true, gates, pred, t0, t1, l0, l1, p, start, words, reuse, hit, l
         return n, s0, s1, s2, s3
 
     stamp = 0
-    for t in range(t0, t1):
+    for t in range(true.shape[0]):
         for ly in range(l0, l1):
             a0, a1, a2, a3 = st_route[ly, 0], st_route[ly, 1], st_route[ly, 2], st_route[ly, 3]
             g0, g1, g2, g3 = st_gate[ly, 0], st_gate[ly, 1], st_gate[ly, 2], st_gate[ly, 3]
@@ -392,10 +396,10 @@ def _draw_rows(true, gates, pred, t0, t1, l0, l1, p, start, words, reuse, hit, l
                 # True top-k: the previous token's experts forced back in, then popularity.
                 stamp += 1
                 n = 0
-                if t > 0:  # branch-free: a forced expert is written always, kept when drawn
+                if t0 + t > 0:  # branch-free: a forced expert is written always, kept when drawn
                     for j in range(k):
                         r, a0, a1, a2, a3 = nxt(a0, a1, a2, a3)
-                        x = true[t - 1, ly, s, j]
+                        x = true[t - 1, ly, s, j] if t > 0 else prev[ly, s, j]
                         keep = (r >> np.uint64(11)) * inv53 < reuse[ly]
                         row[n] = x
                         mark[x] = stamp if keep else mark[x]
@@ -437,6 +441,12 @@ def _draw_rows(true, gates, pred, t0, t1, l0, l1, p, start, words, reuse, hit, l
             st_route[ly, 0], st_route[ly, 1], st_route[ly, 2], st_route[ly, 3] = a0, a1, a2, a3
             st_gate[ly, 0], st_gate[ly, 1], st_gate[ly, 2], st_gate[ly, 3] = g0, g1, g2, g3
             st_pred[ly, 0], st_pred[ly, 1], st_pred[ly, 2], st_pred[ly, 3] = q0, q1, q2, q3
+    last = true.shape[0] - 1
+    if last >= 0:
+        for ly in range(l0, l1):
+            for s in range(b):
+                for j in range(k):
+                    prev[ly, s, j] = true[last, ly, s, j]
 
 
 _ZIGGURAT = _ziggurat()
@@ -467,6 +477,9 @@ def _threads() -> int:
 
 #: Expert slots from which the generator draws groups of layers on threads (below, one thread).
 PARALLEL_MIN = 1 << 20
+#: Groups of layers per thread: a thread that finishes its group takes the next, so one held
+#: up (by the writer of the previous chunk, on as many cores as threads) does not hold the chunk.
+SPANS_PER_THREAD = 4
 
 
 def _layer_spans(m: int, n: int) -> list[tuple[int, int]]:
@@ -481,77 +494,138 @@ def _chunks(t: int, per_token: int):
         yield s, min(t, s + n)
 
 
+class _Draws:
+    """One trace's tables and random streams, and the kernel run over its steps a chunk at a time."""
+
+    def __init__(self, spec: ModelSpec, params: SyntheticParams) -> None:
+        params.check(spec)
+        budget.check(budget.synth_estimate(spec, params.tokens, params.batch, params.prompt_len))
+        self.spec, self.params = spec, params
+        # Independent streams per quantity (and per layer inside the kernel), so chunk sizes
+        # never change what is drawn where; popularity from ``seed``, draws from ``draw_seed``.
+        pop_seeds = np.random.SeedSequence(params.seed).spawn(5)
+        draw_seeds = pop_seeds if params.draw_seed is None else np.random.SeedSequence(params.draw_seed).spawn(5)
+        self.shape = (params.tokens, spec.n_moe_layers, params.batch, spec.top_k)
+        m = spec.n_moe_layers
+        p = np.exp(_log_popularity(spec, params, np.random.default_rng(pop_seeds[0])))
+        p /= p.sum(1, keepdims=True)
+        self.tables = (p, np.cumsum(p, 1) - p, _alias_words(p), np.ascontiguousarray(params.layer_reuse_rates(m), float),
+                       np.ascontiguousarray(params.lookahead_hit_rates(m), float), int(params.lookahead))
+        self.states = [_stream_states(s, m) for s in draw_seeds[1:4]]  # route, gates, predictions
+        self.tokens_seed = draw_seeds[4]
+
+    def run(self, rows: Callable[[int, int, int], tuple[np.ndarray, np.ndarray, np.ndarray]]
+            ) -> Iterator[tuple[int, int, int]]:
+        """Draw every step, chunk ``i`` (steps [s0, s1)) into the arrays ``rows(i, s0, s1)`` gives
+        (true ids, gates, predictions, ``s1 - s0`` rows each: views of the whole trace's arrays,
+        or scratch reused); yields ``(i, s0, s1)`` once a chunk is drawn."""
+        t, m, b, k = self.shape
+        kernel = _kernel()
+        states = [s.copy() for s in self.states]
+        prev = np.zeros((m, b, k), np.int16)
+        # Every MoE layer draws from its own streams into its own rows, so groups of layers run
+        # on threads with the same result (tests/test_speed_synth.py); the rows of one token
+        # are drawn layer by layer, so the split is by layer, not by token.
+        threads = _threads() if t * m * b * k >= PARALLEL_MIN else 1
+        spans = _layer_spans(m, min(SPANS_PER_THREAD * threads, m) if threads > 1 else 1)
+
+        def draw(arrays: tuple[np.ndarray, ...], s0: int, span: tuple[int, int]) -> None:
+            kernel(*arrays, prev, s0, *span, *self.tables, *states, *_ZIGGURAT)
+
+        pool = None
+        if len(spans) > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            pool = ThreadPoolExecutor(threads)
+        try:
+            for i, (s0, s1) in enumerate(_chunks(t, m * b * k)):
+                arrays = rows(i, s0, s1)
+                if pool is None:
+                    draw(arrays, s0, spans[0])
+                else:
+                    for f in [pool.submit(draw, arrays, s0, sp) for sp in spans]:
+                        f.result()
+                yield i, s0, s1
+        finally:
+            if pool is not None:
+                pool.shutdown(cancel_futures=True)
+
+    def header(self) -> dict:
+        params, (t, _, b, _) = self.params, self.shape
+        gen = asdict(params)  # as JSON would read it back: lists, fitted values rounded
+        gen["popularity"] = [[round(float(p), 6) for p in row] for row in params.popularity]
+        gen["layer_reuse"] = [round(float(v), 6) for v in params.layer_reuse]
+        gen["layer_hit"] = [round(float(v), 6) for v in params.layer_hit]
+        gen["lookahead"] = int(params.lookahead)
+        gen["draw_seed"] = None if params.draw_seed is None else int(params.draw_seed)
+        return make_header(
+            self.spec, policy="none", prompt_len=params.prompt_len, n_tokens=t, batch=b, seed=params.seed,
+            synthetic=True, recorded={"tool": f"moesim {__version__}", "how": "synthetic routing, no timings"
+                                      + (f" (parameters fitted to {params.like})" if params.like else "")},
+            lookahead=int(params.lookahead), generator={"name": "moesim.synthetic", **gen},
+        )
+
+    def token_ids(self) -> tuple[np.ndarray, np.ndarray]:
+        """The prompt's and the decoded tokens' ids [batch, prompt_len] and [batch, tokens] (int32)."""
+        (t, _, b, _), vocab = self.shape, self.spec.vocab
+        r_tok = np.random.default_rng(self.tokens_seed)
+        prompt = r_tok.integers(0, vocab, (b, self.params.prompt_len), dtype=np.int32)
+        return prompt, r_tok.integers(0, vocab, (b, t), dtype=np.int32)
+
+
 def synthetic_trace(spec: ModelSpec, params: SyntheticParams = SyntheticParams(),
                     progress: Callable[[int, int], None] | None = None) -> Trace:
-    """Generate a trace for ``spec`` (memory ~ the output's size); ``progress(done, total)``
-    counts tokens, for a progress bar on long traces."""
-    params.check(spec)
-    budget.check(budget.synth_estimate(spec, params.tokens, params.batch, params.prompt_len))
-    # Independent streams per quantity (and per layer inside the kernel), so chunk sizes
-    # never change what is drawn where; popularity from ``seed``, draws from ``draw_seed``.
-    pop_seeds = np.random.SeedSequence(params.seed).spawn(5)
-    draw_seeds = pop_seeds if params.draw_seed is None else np.random.SeedSequence(params.draw_seed).spawn(5)
-    t, m, b, k = params.tokens, spec.n_moe_layers, params.batch, spec.top_k
-    p = np.exp(_log_popularity(spec, params, np.random.default_rng(pop_seeds[0])))
-    p /= p.sum(1, keepdims=True)
-    words = _alias_words(p)
-    start = np.cumsum(p, 1) - p
-    kn, wn, fn = _ZIGGURAT
-    st_route, st_gate, st_pred = (_stream_states(s, m) for s in draw_seeds[1:4])
-    reuse = np.ascontiguousarray(params.layer_reuse_rates(m), float)
-    hit = np.ascontiguousarray(params.lookahead_hit_rates(m), float)
-
-    true = np.empty((t, m, b, k), np.int16)
-    gates = np.empty((t, m, b, k), np.float32)
-    pred = np.empty((t, m, b, k), np.int16)
-    kernel = _kernel()
-    # Every MoE layer draws from its own streams into its own rows, so groups of layers run
-    # on threads with the same result (tests/test_speed_synth.py); the rows of one token
-    # are drawn layer by layer, so the split is by layer, not by token.
-    spans = _layer_spans(m, min(_threads(), m) if t * m * b * k >= PARALLEL_MIN else 1)
-
-    def draw(s0: int, s1: int, span: tuple[int, int]) -> None:
-        kernel(true, gates, pred, s0, s1, *span, p, start, words, reuse, hit, int(params.lookahead),
-               st_route, st_gate, st_pred, kn, wn, fn)
-
-    pool = None
-    if len(spans) > 1:
-        from concurrent.futures import ThreadPoolExecutor
-
-        pool = ThreadPoolExecutor(len(spans))
-    try:
-        for s0, s1 in _chunks(t, m * b * k):
-            if pool is None:
-                draw(s0, s1, spans[0])
-            else:
-                for f in [pool.submit(draw, s0, s1, sp) for sp in spans]:
-                    f.result()
-            if progress is not None:
-                progress(s1, t)
-    finally:
-        if pool is not None:
-            pool.shutdown(cancel_futures=True)
+    """Generate a trace for ``spec`` in memory (~ the output's size); ``progress(done, total)``
+    counts tokens, for a progress bar on long traces. :func:`write_synthetic_trace` writes
+    the same trace to a file without holding it."""
+    draws = _Draws(spec, params)
+    true, gates, pred = (np.empty(draws.shape, dt) for dt in (np.int16, np.float32, np.int16))
+    for _, _, s1 in draws.run(lambda i, s0, s1: (true[s0:s1], gates[s0:s1], pred[s0:s1])):
+        if progress is not None:
+            progress(s1, params.tokens)
     # A predicted slot's gate is the true gate of the same slot, where pred_ids is -1 (layers
     # before the lookahead) too: gates where nothing is predicted carry no meaning, and so the
     # file stores the gates once (format.repeated_members), 1/3 of a trace's bytes not written.
     pred_gates = gates.view()
     pred_gates.flags.writeable = False
-
-    gen = asdict(params)  # as JSON would read it back: lists, fitted values rounded
-    gen["popularity"] = [[round(float(p), 6) for p in row] for row in params.popularity]
-    gen["layer_reuse"] = [round(float(v), 6) for v in params.layer_reuse]
-    gen["layer_hit"] = [round(float(v), 6) for v in params.layer_hit]
-    gen["lookahead"] = int(params.lookahead)
-    gen["draw_seed"] = None if params.draw_seed is None else int(params.draw_seed)
-    header = make_header(
-        spec, policy="none", prompt_len=params.prompt_len, n_tokens=t, batch=b, seed=params.seed, synthetic=True,
-        recorded={"tool": f"moesim {__version__}", "how": "synthetic routing, no timings"
-                  + (f" (parameters fitted to {params.like})" if params.like else "")},
-        lookahead=int(params.lookahead), generator={"name": "moesim.synthetic", **gen},
-    )
-    r_tok = np.random.default_rng(draw_seeds[4])
-    prompt = r_tok.integers(0, spec.vocab, (b, params.prompt_len), dtype=np.int32)
-    tokens = r_tok.integers(0, spec.vocab, (b, t), dtype=np.int32)
     executed = true.view()  # a synthetic run executes the true experts (written once: moesim.traces.format)
     executed.flags.writeable = False
-    return Trace(header, prompt, tokens, true, gates, pred, pred_gates, executed)
+    return Trace(draws.header(), *draws.token_ids(), true, gates, pred, pred_gates, executed)
+
+
+def write_synthetic_trace(spec: ModelSpec, params: SyntheticParams, path: str | os.PathLike,
+                          progress: Callable[[int, int], None] | None = None) -> None:
+    """Write :func:`synthetic_trace`'s trace to ``path`` (the same bytes as ``write_trace`` of it)
+    without holding it: every chunk is drawn into scratch rows and written into the file's three
+    stored members (:class:`moesim.traces.format.Streamed`), so memory is a chunk whatever the
+    length, and the trace is touched once, in the file's pages, not first in memory (at ~0.4 GB/s
+    for memory new to a process on this project's virtual machine, the larger cost for 100,000
+    Qwen3-235B-A22B tokens: 600 MB)."""
+    from moesim.traces.format import Streamed, write_trace_streamed
+
+    draws = _Draws(spec, params)
+    rows = min(params.tokens, max(1, SCRATCH // max(1, math.prod(draws.shape[1:]))))
+    # Two sets of scratch rows: the next chunk is drawn into one while the other is written.
+    scratch = [[np.empty((rows, *draws.shape[1:]), dt) for dt in (np.int16, np.float32, np.int16)] for _ in "ab"]
+
+    def blocks() -> Iterator[tuple[np.ndarray, ...]]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        chunks = draws.run(lambda i, s0, s1: tuple(a[:s1 - s0] for a in scratch[i % 2]))
+        with ThreadPoolExecutor(1) as ahead:
+            nxt = ahead.submit(next, chunks, None)
+            try:
+                while (chunk := nxt.result()) is not None:
+                    i, s0, s1 = chunk
+                    nxt = ahead.submit(next, chunks, None)  # into the other set, while this one is written
+                    if progress is not None:
+                        progress(s1, params.tokens)
+                    yield tuple(a[:s1 - s0] for a in scratch[i % 2])
+            finally:
+                nxt.cancel() or nxt.exception()  # the chunk being drawn finishes before the streams close
+                chunks.close()
+
+    names = ("true_ids", "true_gates", "pred_ids")
+    stored = Streamed({n: (draws.shape, a.dtype) for n, a in zip(names, scratch[0])}, blocks)
+    write_trace_streamed(draws.header(), *draws.token_ids(), stored,
+                         {"pred_gates": "true_gates", "exec_ids": "true_ids"}, path)

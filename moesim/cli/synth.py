@@ -1,5 +1,5 @@
-"""``moesim synth``: a synthetic trace. Python: ``moesim.traces.synthetic.synthetic_trace(spec, params)``
-then ``moesim.traces.format.write_trace``."""
+"""``moesim synth``: a synthetic trace. Python: ``moesim.traces.synthetic.write_synthetic_trace(spec, params, path)``
+(or ``synthetic_trace(spec, params)`` for the trace in memory)."""
 
 from __future__ import annotations
 
@@ -98,8 +98,8 @@ def synth(
         if like is not None:
             from moesim.sim.stats import synth_like_file
 
-            trace = synth_like_file(like, out_path, tokens, batch, seed, lookahead=lookahead)
-            err.print(f"wrote synthetic trace {out_path} ({plural(tokens, 'step')} of {trace.model.name}, batch {batch}, "
+            spec = synth_like_file(like, out_path, tokens, batch, seed, lookahead=lookahead)
+            err.print(f"wrote synthetic trace {out_path} ({plural(tokens, 'step')} of {spec.name}, batch {batch}, "
                       f"parameters fitted to {like})")
             return
         if speculative:
@@ -118,12 +118,11 @@ def synth(
                       f"{trace.n_tokens} tokens accepted)")
             return
         from moesim.models import get_model
-        from moesim.traces.format import write_trace
-        from moesim.traces.synthetic import SyntheticParams, synthetic_trace
+        from moesim.traces.synthetic import SyntheticParams, write_synthetic_trace
 
         params = SyntheticParams(tokens, batch, prompt_len, skew, reuse, hit_rate, early_hit_rate, early_layers, seed,
                                  lookahead=1 if lookahead is None else lookahead, draw_seed=draw_seed)
-        with progress_bar("generating", "tokens") as update:
-            trace = synthetic_trace(get_model(model), params, progress=update)
-        path = write_trace(trace, out_path)
-        err.print(f"wrote synthetic trace {path} ({plural(tokens, 'step')} of {trace.model.name}, batch {batch})")
+        spec = get_model(model)
+        with progress_bar("generating", "tokens") as update:  # drawn a chunk at a time into the file
+            write_synthetic_trace(spec, params, out_path, progress=update)
+        err.print(f"wrote synthetic trace {out_path} ({plural(tokens, 'step')} of {spec.name}, batch {batch})")
