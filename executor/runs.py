@@ -54,7 +54,7 @@ from moesim.traces.format import Trace, load_calibration, write_trace
 def link_profile(hw: str, link_gbps: float | None) -> HardwareProfile:
     """The profile whose link the emulated link imitates, with an optional bandwidth override."""
     profile = get_profile(hw)
-    return profile if link_gbps is None else profile.with_figure("h2d_pinned_gbs", link_gbps)
+    return profile if link_gbps is None else profile.with_figure("h2d_pinned_gbs", link_gbps, "estimate", "--link-gbps")
 
 
 @dataclass
@@ -131,6 +131,9 @@ def check_cpu_options(req: DecodeRequest, spec) -> tuple[np.ndarray | None, int 
     calibration routing (``--placement-from``, checked against the model) and the
     cpu-static layer count (``auto`` or a number)."""
     pol = get_policy(req.policy)
+    if pol.cpu in ("whole", "stream"):  # whole-layer placements: the simulator's (moesim.sim.static)
+        raise MoesimError(f"{pol.name} is simulated, not executed: try it with moesim replay or whatif --policy "
+                          f"{pol.name}; the executor runs the copy policies, cpu-static, hot-experts and cpu-on-miss")
     if req.expert_dtype is not None and req.expert_dtype not in FORMATS:
         raise MoesimError(f"--expert-dtype {req.expert_dtype!r}: the executor quantises experts to "
                           f"{', '.join(FORMATS)} (leave it out for --dtype)")

@@ -21,8 +21,10 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO
 
+from moesim import stop
 from moesim.errors import MoesimError
 from moesim.inputs import check_name, name_max  # the file system's name limits: one definition, with the inputs'
+from moesim.outputs import check_link  # a symbolic link loop is refused, not replaced by the file
 
 _PID_ROOM = 10  # digits a process id may take in a temporary name (Linux: at most 7)
 _TMP_EXTRA = 1 + 1 + _PID_ROOM + 1 + 8 + 4  # ".", ".", pid, ".", mkstemp's 8 letters, ".tmp"
@@ -87,12 +89,12 @@ def clean_stale_tmp(path: str | os.PathLike) -> list[Path]:
     return removed
 
 
-STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})  # the signals the CLI turns into an exit
+STOP_SIGNALS = frozenset(stop.STOP_SIGNALS)  # the signals the CLI turns into an exit
 
 
 @contextmanager
 def signals_held() -> Iterator[None]:
-    """Hold Ctrl-C and SIGTERM while the block runs; one that arrives meanwhile is delivered
+    """Hold Ctrl-C, SIGTERM and SIGHUP while the block runs; one that arrives meanwhile is delivered
     as it ends. For appends that must land whole (a sweep group's rows and their digest), where
     a rename cannot help."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
@@ -110,6 +112,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     (:mod:`moesim.outputs`), this is the backstop."""
     given = path = Path(path)
     check_name(path, "cannot write")
+    check_link(path, "cannot write")
     if path.is_symlink():  # write the file the link points to: the rename would replace the link itself
         path = Path(os.path.realpath(path))
     if path.is_dir():

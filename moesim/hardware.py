@@ -180,7 +180,7 @@ class HardwareProfile(_FigureLookup):
 
     def with_figure(self, key: str, value: float, kind: str = "estimate", source: str = "what-if") -> HardwareProfile:
         """A copy with one figure replaced (what-if sweeps change link bandwidth this way)."""
-        _check_value(self.name, key, value)
+        _check_given(self.name, key, value, source)
         figs = dict(self.figures)
         figs[key] = Figure(float(value), kind, source)
         return replace(self, figures=figs)
@@ -203,6 +203,18 @@ def _dump_profile(top: dict[str, str], figures: dict[str, Figure], table: dict) 
 #: Figures that may be exactly 0 (a cost that is absent, a switch that is off); every
 #: other figure must be positive.
 ZERO_OK = {"layer_overhead_us", "copy_interference", "wait_wakeup_us"}
+
+
+def _check_given(where: str, key: str, value: Any, source: str) -> None:
+    """:func:`_check_value` of a figure a what-if replaces; a value given as an option
+    (``source`` ``--link-gbps``, ...) is refused in that option's words, not the figure's."""
+    try:
+        _check_value(where, key, value)
+    except MoesimError:
+        if not source.startswith("--"):
+            raise
+        raise MoesimError(f"{source} {value!r}: {'a fraction in (0, 1]' if key.endswith('efficiency') else 'a positive, finite number'}"
+                          ) from None
 
 
 def _check_value(where: str, key: str, value: Any, zero_ok: set[str] = ZERO_OK) -> None:
@@ -265,7 +277,21 @@ def parse_profile(data: dict[str, Any], where: str) -> HardwareProfile:
     if not isinstance(host, str):
         raise MoesimError(f"{where}: host must be the name of a host profile, got {host!r}")
     figures = _memory_figures(data["figures"], FIGURES, where, RETIRED_FIGURES)
-    return HardwareProfile(str(data["name"]), str(data.get("description", "")), data["link"], figures, where, host)
+    return HardwareProfile(_name(data, where), str(data.get("description", "")), data["link"], figures, where, host)
+
+
+#: The longest profile name (it heads table columns and report titles).
+NAME_MAX = 100
+
+
+def _name(data: dict[str, Any], where: str) -> str:
+    """A profile's ``name``: text, printable, not blank, at most :data:`NAME_MAX` characters
+    (every table, row and report names the profile by it)."""
+    name = data["name"]
+    if not isinstance(name, str) or not name.strip() or not name.isprintable() or len(name) > NAME_MAX:
+        raise MoesimError(f"{where}: name {name!r} must be printable text of 1 to {NAME_MAX} characters, "
+                          "not blank (tables and reports name the profile by it)")
+    return name.strip()
 
 
 def read_toml(path: Path, what: str) -> dict[str, Any]:
@@ -403,7 +429,7 @@ class HostProfile(_FigureLookup):
         """A copy with one figure replaced (what-if sweeps over host bandwidth)."""
         if key not in HOST_FIGURES:
             raise MoesimError(f"unknown host figure {key!r}; known: {', '.join(HOST_FIGURES)}")
-        _check_value(self.name, key, value)
+        _check_given(self.name, key, value, source)
         figs = dict(self.figures)
         figs[key] = Figure(float(value), kind, source)
         return replace(self, figures=figs)
@@ -425,7 +451,7 @@ def parse_host(data: dict[str, Any], where: str) -> HostProfile:
     figures = _memory_figures(data["figures"], HOST_FIGURES, where)
     if ("amx_bf16_tflops" in figures) != ("amx_int8_tops" in figures):
         raise MoesimError(f"{where}: give both amx_bf16_tflops and amx_int8_tops, or neither")
-    return HostProfile(str(data["name"]), str(data.get("description", "")), figures, where)
+    return HostProfile(_name(data, where), str(data.get("description", "")), figures, where)
 
 
 def load_host(path: str | Path) -> HostProfile:

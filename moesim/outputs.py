@@ -51,11 +51,25 @@ def _check_ancestors(path: Path, what: str) -> Path:
     return existing
 
 
+def check_link(path: Path, what: str) -> None:
+    """A symbolic link written through must lead somewhere (a dangling one's target is created):
+    the write renames onto the file the link names, and a link that names none (a loop) would
+    itself be replaced by the file."""
+    if path.is_symlink():
+        try:
+            os.path.realpath(path, strict=True)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise MoesimError(f"{what} {path}: a symbolic link that cannot be followed ({e.strerror or e})") from None
+
+
 def check_output_file(path: str | os.PathLike, suffixes: Iterable[str] = (), what: str = "--out") -> Path:
     """Check that a file can be (over)written at ``path`` (with one of ``suffixes``, if
     given) and return it as a Path. Creates nothing."""
     path = Path(path)
     check_name(path, what)
+    check_link(path, what)
     suffixes = tuple(suffixes)
     if path.is_dir():
         raise MoesimError(f"{what} {path} is a folder; a file is expected"
@@ -75,6 +89,7 @@ def check_output_dir(path: str | os.PathLike, what: str = "--out") -> Path:
     """Check that ``path`` is, or can become, a folder we can write in. Creates nothing."""
     path = Path(path)
     check_name(path, what)
+    check_link(path, what)
     if path.exists() and not path.is_dir():
         kind = kind_of(path)
         raise MoesimError(f"{what} {path} is a {kind}; a folder is expected")

@@ -58,6 +58,12 @@ class Policy:
     cpu: str = ""
     aliases: tuple[str, ...] = ()  # other names get_policy accepts
 
+    @property
+    def caches(self) -> bool:
+        """Whether the policy keeps a cross-token expert cache on the device (the copy
+        policies and cpu-on-miss): what a cache size, an eviction or a per-layer split changes."""
+        return (self.offload and not self.cpu) or self.cpu == "miss"
+
 
 _REGISTRY: dict[str, Policy] = {}
 _ALIASES: dict[str, str] = {}

@@ -173,7 +173,8 @@ def recorded_cache(trace: Trace, kw: dict[str, Any]) -> tuple[dict[str, Any], st
 def unused_notes(policies, hw: str | None, *, host=None, cpu_layers="auto", gpu_expert_gib=None, copy_queue=None,
                  prefetch_top=None, gpu_layers="auto", offload_gib="auto", placement_from=None, amx=True,
                  calibrate_on_replay=False, eviction=None, cache_gib=None, cache_experts=None, lookahead=None,
-                 split="layer", threads=None, link_gbps=None, cache_given=False, **_: Any) -> str | None:
+                 split="layer", threads=None, link_gbps=None, cache_given=False, cache_per_layer=False, ratios=None,
+                 **_: Any) -> str | None:
     """One line naming every option given that none of the replayed policies uses
     (:func:`moesim.sim.sweep.unused_options`, the definition whatif uses), or None. The
     options as given (``None``: left out), the cache as the replay runs it (given, else
@@ -189,8 +190,11 @@ def unused_notes(policies, hw: str | None, *, host=None, cpu_layers="auto", gpu_
                            placement_from=placement_from, amx=amx, calibrate_on_replay=calibrate_on_replay,
                            pinned_hot_set=True, no_gpu=gpus == 0, verb="replayed", eviction=eviction, cached=cached,
                            lookaheads=[lookahead] if lookahead is not None else None, threads=threads,
-                           link_given=link_gbps is not None, cache_given=cache_given)
+                           link_given=link_gbps is not None, cache_given=cache_given, cache_per_layer=cache_per_layer)
+    several = f"the machine has {gpus or 'no'} GPU{'s' if gpus != 1 else ''} (a split needs several)"
     if split != "layer" and gpus < 2:
-        notes.append(f"--split {split} was given, but the machine has {gpus or 'no'} GPU{'s' if gpus != 1 else ''} "
-                     "(a split needs several): it changed nothing")
+        notes.append(f"--split {split} was given, but {several}: it changed nothing")
+    if ratios is not None and (gpus < 2 or split != "layer"):
+        notes.append("--tensor-split was given, but " + (several if gpus < 2 else f"--split {split} spreads every "
+                     "layer over all the GPUs (the shares are a layer split's)") + ": it changed nothing")
     return "; ".join(notes) if notes else None

@@ -127,7 +127,7 @@ def unused_options(pols: list, hosts, cpu_layers, gpu_expert_gib, copy_queues, p
                    offload_gib=None, *, placement_from=None, amx: bool = True, calibrate_on_replay: bool = False,
                    pinned_hot_set: bool = False, no_gpu: bool = False, verb: str = "swept",
                    eviction: str | None = None, cached: bool = True, lookaheads=None, threads=None,
-                   link_given: bool = False, cache_given: bool = False) -> list[str]:
+                   link_given: bool = False, cache_given: bool = False, cache_per_layer: bool = False) -> list[str]:
     """A note for each option given that no policy of the run uses (``--cpu-layers`` with no
     cpu-static, ...): the run is still valid, but the user should not believe the knob was
     tried. ``auto`` is every count's default, so only other values are noted. One
@@ -138,9 +138,10 @@ def unused_options(pols: list, hosts, cpu_layers, gpu_expert_gib, copy_queues, p
     ``lookaheads`` those given (only a policy that prefetches looks ahead); ``threads`` the
     CPU threads given (only the CPU computes with them); ``link_given``: a link bandwidth was
     given (all-resident moves nothing over it); ``cache_given``: a cache above 0 was given
-    (only the copy policies and cpu-on-miss keep one)."""
+    (only the copy policies and cpu-on-miss keep one); ``cache_per_layer``: the cache is split
+    by layer (only a cache above 0 is)."""
     hot = lambda p: p.cpu in ("hot", "miss")  # noqa: E731
-    caching = lambda p: cached and ((p.offload and not p.cpu) or p.cpu == "miss")  # noqa: E731
+    caching = lambda p: cached and p.caches  # noqa: E731
     uses = [(hosts, "--host", "the CPU-compute policies", lambda p: bool(p.cpu) or no_gpu),
             ([n for n in gpu_layers or () if n != "auto"], "--gpu-layers", "gpu-layers", lambda p: p.cpu == "whole"),
             ([g for g in offload_gib or () if g != "auto"], "--offload-gib", "weight-streaming",
@@ -164,7 +165,9 @@ def unused_options(pols: list, hosts, cpu_layers, gpu_expert_gib, copy_queues, p
             ([True] if link_given else [], "--link-gbps", "the policies that copy experts or activations",
              lambda p: p.offload or bool(p.cpu)),
             ([True] if cache_given else [], "--cache-gib", "the copy policies and cpu-on-miss",
-             lambda p: (p.offload and not p.cpu) or p.cpu == "miss")]
+             lambda p: p.caches),
+            ([True] if cache_per_layer else [], "--cache-per-layer",
+             "the copy policies and cpu-on-miss, with a cache above 0", caching)]
     return [f"{name} was given, but none of the {verb} policies "
             f"uses it (only {who}): it changed nothing"
             for given, name, who, applies in uses if given and not any(applies(p) for p in pols)]
@@ -255,7 +258,8 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
     notes: list[str] = unused_options(pols, hosts, cpu_layers, gpu_expert_gib, copy_queues, prefetch_top, gpu_layers,
                                       offload_gib, no_gpu=no_gpu, eviction=eviction,
                                       cached=any(isinstance(c, (int, float)) and c > 0 for c in cache_gib),
-                                      lookaheads=lookaheads, threads=threads, link_given=link_gbps is not None)
+                                      lookaheads=lookaheads, threads=threads, link_given=link_gbps is not None,
+                                      cache_per_layer=cache_per_layer)
     if engine_note:
         notes.append(engine_note)
     if hot_left_out:

@@ -513,10 +513,11 @@ _WORKER_SWEEP: Sweep | None = None
 
 
 def _init_worker(sweep: Sweep) -> None:
-    """A worker leaves interrupts to the parent: it ignores SIGINT (a terminal's Ctrl-C
-    reaches the whole process group) and dies on SIGTERM (how the parent stops it)."""
+    """A worker leaves interrupts to the parent: it ignores SIGINT and SIGHUP (a terminal's
+    Ctrl-C or hangup reaches the whole process group) and dies on SIGTERM (how the parent stops it)."""
     global _WORKER_SWEEP
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for s in STOP_SIGNALS - {signal.SIGTERM}:  # a terminal's Ctrl-C or hangup reaches the whole group
+        signal.signal(s, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by the parent while it forked
     _WORKER_SWEEP = sweep

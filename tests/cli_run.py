@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from moesim.stop import STOP_SIGNALS
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {"PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"}
 
@@ -66,7 +68,7 @@ def in_process(*args, cwd=None, env: dict | None = None, timeout: float | None =
     argv = ["moesim", *map(str, args)]
     main_module = sys.modules["__main__"]
     saved = dict(argv=sys.argv, cwd=os.getcwd(), environ=dict(os.environ),
-                 handlers={s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)},
+                 handlers={s: signal.getsignal(s) for s in STOP_SIGNALS},
                  package=getattr(main_module, "__package__", None), stdout=sys.stdout, stderr=sys.stderr,
                  random=random.getstate())
     try:  # imported first, so that a command's torch.set_num_threads can be undone

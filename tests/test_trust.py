@@ -141,19 +141,21 @@ def test_atomic_writes_clean_temporary_files_of_dead_writers_only(tmp_path):
         atomic_write_text(tmp_path, "x")
 
 
-def test_sigterm_leaves_no_temporary_file(work, tmp_path):
-    """SIGTERM unwinds like Ctrl-C: one line, no .tmp beside the output, and exit 143 (128 + 15, as a
-    shell reports a process SIGTERM ended; Ctrl-C exits 130)."""
+@pytest.mark.parametrize("sig,word", [(signal.SIGTERM, "SIGTERM"), (signal.SIGHUP, "SIGHUP")])
+def test_sigterm_leaves_no_temporary_file(work, tmp_path, sig, word):
+    """SIGTERM (or SIGHUP: a closed terminal) unwinds like Ctrl-C: one line, no .tmp beside the
+    output, and exit 143 (129: 128 + the signal's number, as a shell reports a process the signal
+    ended; Ctrl-C exits 130)."""
     # ~4 x 200k layer-steps through SimPy: seconds of work on any machine, so the signal lands
     # mid-run. It is sent once the progress bar is drawn (a terminal is emulated): sent after
     # a fixed sleep, on a loaded machine it once arrived while Python was still importing,
     # before the CLI had its handler, and the default action killed the process (-15).
     write_trace(synthetic_trace(get_model("qwen3-30b-a3b"), SyntheticParams(tokens=4096)), tmp_path / "big.npz")
     rc, err = signal_when(["replay", "big.npz", "--sim", "simpy", "--out", "rep"], lambda text: "replaying" in text,
-                          signal.SIGTERM, cwd=tmp_path, wait_s=60)
+                          sig, cwd=tmp_path, wait_s=60)
     assert "Traceback" not in err
-    assert rc == 143, err
-    assert err.strip().splitlines()[-1] == "interrupted (SIGTERM)", err  # says what stopped it
+    assert rc == 128 + sig, err
+    assert err.strip().splitlines()[-1] == f"interrupted ({word})", err  # says what stopped it
     assert not list(tmp_path.rglob("*.tmp"))
 
 

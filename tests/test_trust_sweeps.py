@@ -63,7 +63,7 @@ POOL = ["whatif", "--model", "qwen3-30b-a3b,olmoe-1b-7b", "--hw", "a6000,h100-sx
 
 
 @pytest.mark.parametrize("sig,count,word", [(signal.SIGINT, 2, "Ctrl-C"), (signal.SIGINT, 5, "Ctrl-C"),
-                                            (signal.SIGTERM, 3, "SIGTERM")])
+                                            (signal.SIGTERM, 3, "SIGTERM"), (signal.SIGHUP, 1, "SIGHUP")])
 def test_signals_to_a_pool_sweep_end_it_keep_rows_and_leave_no_worker(tmp_path, sig, count, word):
     """The issue's hang: two Ctrl-C 0.3 s apart printed `interrupted` and waited forever on
     the workers. Now the workers are stopped, the rows finished so far are kept (whole
@@ -90,14 +90,15 @@ def test_signals_to_a_pool_sweep_end_it_keep_rows_and_leave_no_worker(tmp_path, 
 
 
 def test_workers_ignore_sigint_and_the_parent_stops_them():
-    """The pool's initializer: SIGINT ignored (a terminal's Ctrl-C reaches the whole group),
-    SIGTERM the default (how the parent stops them)."""
+    """The pool's initializer: SIGINT and SIGHUP ignored (a terminal's Ctrl-C or hangup reaches the
+    whole group), SIGTERM the default (how the parent stops them)."""
     from moesim.sim import whatif as wi
 
     code = ("import signal; from moesim.sim import whatif as wi; wi._init_worker(None); "
-            "print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)")
+            "print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN, signal.getsignal(signal.SIGHUP) is signal.SIG_IGN, "
+            "signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)")
     r = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=60)
-    assert r.stdout.split() == ["True", "True"], r.stderr
+    assert r.stdout.split() == ["True", "True", "True"], r.stderr
     assert callable(wi.stop_pool)
 
 

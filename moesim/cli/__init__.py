@@ -36,7 +36,7 @@ from moesim.cli import (  # noqa: F401  (each module registers its command on th
     whatif,
 )
 from moesim.cli.app import app, err
-from moesim.cli.argv import empty_option, only_command
+from moesim.cli.argv import clashing_flags, empty_option, only_command
 from moesim.errors import MoesimError
 from moesim.stop import catch_sigterm, exit_code, ignore_further, interrupted_line
 
@@ -67,6 +67,8 @@ def main() -> None:
     empty = empty_option(sys.argv[1:])
     if empty:
         _fail(f"{empty} '' is empty: give at least one value")
+    if clash := clashing_flags(sys.argv[1:]):
+        _fail(clash)
     try:
         with only_command(sys.argv[1:]):
             code = app(standalone_mode=False)

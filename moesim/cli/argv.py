@@ -24,6 +24,17 @@ def empty_option(argv: list[str]) -> str | None:
     return None
 
 
+#: Options that choose one way to print the same rows: two of them together are refused.
+OUTPUT_FLAGS = ("--json", "--csv")
+
+
+def clashing_flags(argv: list[str]) -> str | None:
+    """A line refusing two of :data:`OUTPUT_FLAGS` given together (one would win silently)."""
+    options = argv[:argv.index("--")] if "--" in argv else argv
+    given = [f for f in OUTPUT_FLAGS if f in options]
+    return f"{' and '.join(given)} print the same results in two ways: give one" if len(given) > 1 else None
+
+
 @contextmanager
 def only_command(argv: list[str]) -> Iterator[None]:
     """The app with the invoked command alone registered while it runs: typer turns every

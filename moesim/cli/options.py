@@ -5,7 +5,6 @@ so once, here."""
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Annotated
@@ -13,6 +12,7 @@ from typing import Annotated
 import typer
 
 from moesim.errors import MoesimError
+from moesim.stop import ignore_further
 
 ENGINES = "llama.cpp, ik_llama.cpp, ktransformers, vllm, moe-infinity, mixtral-offloading, pytorch-eager (default)"
 
@@ -59,14 +59,13 @@ def one(values: list, option: str):
 
 @contextmanager
 def ends_on_interrupt() -> Iterator[None]:
-    """The first Ctrl-C or SIGTERM ends the run (the library stops its workers on the way
+    """The first Ctrl-C, SIGTERM or SIGHUP ends the run (the library stops its workers on the way
     out); from then on further ones are ignored, so a second one 0.3 s later cannot cut
     the exit short (interpreter shutdown takes a moment) and end it in a traceback."""
     try:
         yield
     except KeyboardInterrupt:
-        for s in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(s, signal.SIG_IGN)
+        ignore_further()
         raise
 
 

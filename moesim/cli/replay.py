@@ -9,9 +9,9 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, auto_or, err, floats, print_csv, print_json, split
+from moesim.cli.app import app, auto_or, err, floats, print_csv, print_json
 from moesim.cli.lists import policies
-from moesim.cli.options import CachePerLayer, Engine, GpuLayers, Host, OffloadGib, Threads, holding, one
+from moesim.cli.options import CachePerLayer, Engine, GpuLayers, Host, OffloadGib, Threads, given_options, holding, one
 from moesim.cli.running import progress_bar
 from moesim.engines import get_engine  # imported with the CLI anyway (moesim.policy's cost model)
 from moesim.errors import MoesimError
@@ -24,6 +24,7 @@ SD = "Speculative traces, with --gamma: "
 
 @app.command()
 def replay(
+    ctx: typer.Context,
     trace_path: Annotated[Path, typer.Argument(metavar="TRACE", help="A trace file (.npz, format version 1, 2 or 3).")],
     hw_name: Annotated[str | None, typer.Option("--hw", help="The machine: a GPU profile name or .toml path, NxPROFILE "
                                                          "or A+B for several GPUs, none for no GPU (default: the "
@@ -96,8 +97,7 @@ def replay(
 
     Example: `moesim replay run.npz --hw h100-sxm --policy on-demand,prefetch --cache-gib 8 --out run-report`
     """
-    from moesim.cli.replay_views import print_replay, print_speculative, print_validation
-    from moesim.hardware import get_profile
+    from moesim.cli.replay_views import SD_WHATIF_OPTIONS, print_replay, print_validation, speculative_replay
     from moesim.sim.replay import replay as run_replay
     from moesim.traces.format import read_trace
 
@@ -106,17 +106,11 @@ def replay(
     with holding(out_dir, "--out"):  # two runs on one report folder: the second refused (their files mixed)
         trace = read_trace(trace_path)
         if trace.speculative:
-            from moesim.sim.speculative import speculative_whatif
-
-            res = speculative_whatif(trace, get_profile(hw_name) if hw_name else None,
-                                     policies(policy) if policy != REPLAY_POLICIES else None,
-                                     [int(g) for g in floats(gamma, "--gamma")] if gamma is not None else None,
-                                     tuple(split(selection, "--selection")), score, tuple(floats(lam, "--lambda")),
-                                     link_gbps, timing, depth, branch, acceptance)
-            print_json(res) if as_json else print_csv(res["rows"]) if as_csv else print_speculative(res, trace_path)
-            return
-        if gamma is not None or depth is not None or branch is not None or acceptance is not None:
-            raise MoesimError("--gamma, --depth, --branch and --acceptance apply to speculative-decoding traces (moesim speculate)")
+            return speculative_replay(trace, trace_path, hw_name, policies(policy) if policy != REPLAY_POLICIES else None,
+                                      gamma, selection, score, lam, link_gbps, timing, (depth, branch, acceptance),
+                                      as_json, as_csv, given_options(ctx))
+        if sd := [o for o in ("--gamma", *SD_WHATIF_OPTIONS) if o in given_options(ctx)]:
+            raise MoesimError(f"{', '.join(sd)}: for speculative-decoding traces (moesim speculate); this one is not")
         if validate:
             print_validation(trace, trace_path, hw_name, sim, as_json, out_dir, as_csv, copy_queue)
             return

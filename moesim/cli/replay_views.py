@@ -44,6 +44,45 @@ def signed_ms(x: float) -> str:
     return f"{'-' if x < 0 else '+'} {abs(x):.3g} ms"
 
 
+#: The what-if options of a speculative replay, each used only with ``--gamma`` (the re-selection).
+SD_WHATIF_OPTIONS = ("--selection", "--score", "--lambda", "--depth", "--branch", "--acceptance")
+
+
+def unused_sd_options(given: set[str], gammas: list[int] | None, selections: tuple[str, ...],
+                      score: str) -> list[str]:
+    """A note for each speculative what-if option given that changes no row: every one without
+    ``--gamma`` (no re-selection runs), ``--score`` without the ecospec selection, ``--lambda``
+    without the Lagrangian EcoSpec score."""
+    if not gammas:
+        named = [o for o in SD_WHATIF_OPTIONS if o in given]
+        return [f"{', '.join(named)} {'shape' if len(named) > 1 else 'shapes'} the --gamma what-if rows, and no "
+                "--gamma was given: changed nothing"] if named else []
+    notes = []
+    if "--score" in given and "ecospec" not in selections:
+        notes.append("--score is the ecospec selection's, which --selection leaves out: changed nothing")
+    if "--lambda" in given and not ("ecospec" in selections and score == "lagrangian"):
+        notes.append("--lambda is the Lagrangian EcoSpec score's (--selection ecospec --score lagrangian): "
+                     "changed nothing")
+    return notes
+
+
+def speculative_replay(trace, trace_path: Path, hw_name: str | None, policy: list[str] | None, gamma: str | None,
+                       selection: str, score: str, lam: str, link_gbps: float | None, timing: str, shape: tuple,
+                       as_json: bool, as_csv: bool, given: set[str]) -> None:
+    """``moesim replay`` of a speculative-decoding trace (``shape``: --depth, --branch, --acceptance)."""
+    from moesim.cli.app import floats, split
+    from moesim.hardware import get_profile
+    from moesim.sim.speculative import speculative_whatif
+
+    gammas = [int(g) for g in floats(gamma, "--gamma")] if gamma is not None else None
+    selections = tuple(split(selection, "--selection"))
+    res = speculative_whatif(trace, get_profile(hw_name) if hw_name else None, policy, gammas, selections, score,
+                             tuple(floats(lam, "--lambda")), link_gbps, timing, *shape)
+    print_json(res) if as_json else print_csv(res["rows"]) if as_csv else print_speculative(res, trace_path)
+    for note in unused_sd_options(given, gammas, selections, score):
+        err.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+
+
 def print_speculative(res: dict[str, Any], trace_path: Path) -> None:
     m, rows = res["measured"], res["rows"]
     if m is None:

@@ -10,7 +10,9 @@ import typer
 
 from moesim.cli.app import app, err, ints, out, print_json
 from moesim.cli.options import given_options, holding
+from moesim.errors import MoesimError
 from moesim.outputs import check_output_dir
+from moesim.policy import get_policy  # light: the CLI imports it anyway (the cost model's policies)
 
 
 @app.command()
@@ -39,6 +41,9 @@ def stats(
     if hw_name is None and "--policy" in given_options(ctx):
         err.print("note: --policy sets the TPOT-against-cache curve, which only --hw draws: changed nothing",
                   markup=False, soft_wrap=True)
+    if hw_name is not None and not get_policy(policy).caches:  # its TPOT is flat in the cache size: no knee
+        raise MoesimError(f"--policy {policy} keeps no expert cache, so its TPOT does not change with the cache size; "
+                          "the curve needs a copy policy (on-demand, prefetch-fom, ...) or cpu-on-miss")
     if out_dir is not None:
         check_output_dir(out_dir)  # before its lock file is made
     with holding(out_dir, "--out"):  # two runs on one report folder: the second refused (their files mixed)

@@ -123,6 +123,9 @@ def synth(
         params = SyntheticParams(tokens, batch, prompt_len, skew, reuse, hit_rate, early_hit_rate, early_layers, seed,
                                  lookahead=1 if lookahead is None else lookahead, draw_seed=draw_seed)
         spec = get_model(model)
+        if early_layers > spec.n_moe_layers and "--early-layers" in typed:
+            err.print(f"note: --early-layers {early_layers} is more than {spec.name}'s {spec.n_moe_layers} MoE layers: "
+                      "every layer predicts at --early-hit-rate", markup=False, soft_wrap=True)
         with progress_bar("generating", "tokens") as update:  # drawn a chunk at a time into the file
             write_synthetic_trace(spec, params, out_path, progress=update)
         err.print(f"wrote synthetic trace {out_path} ({plural(tokens, 'step')} of {spec.name}, batch {batch})")

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, err, out, print_csv, print_json, table
+from moesim.cli.options import given_options
 from moesim.cli.running import keeps_finished_work, need_executor, progress_bar
 
 CASE_SHORT = {"same-policy": "same", "transfer from on-demand": "transfer"}
@@ -17,6 +18,7 @@ CASE_SHORT = {"same-policy": "same", "transfer from on-demand": "transfer"}
 @app.command()
 @keeps_finished_work
 def validate(
+    ctx: typer.Context,
     out_dir: Annotated[Path, typer.Option("--out", help="Report folder: error table, scatter, timelines, traces.")] = Path("moesim-validation"),
     tokens: Annotated[int, typer.Option(help="Decode steps per run (the learned model runs 4x as many: its steps "
                                               "are ~10x shorter).")] = 32,
@@ -48,6 +50,10 @@ def validate(
     `moesim validate --published --json`
     """
     if published:
+        executor_only = ("--out", "--tokens", "--model", "--cpu-policies", "--copy-queues", "--repeats")
+        if unused := [o for o in executor_only if o in given_options(ctx)]:
+            err.print(f"note: {', '.join(unused)}: for the executor suite, not --published (which runs no executor): "
+                      "changed nothing", markup=False, soft_wrap=True)
         _published(as_json, as_csv)
         return
     if as_json or as_csv:

@@ -1,0 +1,107 @@
+"""Issue 24, round 3's last classes: an option that changes nothing for the chosen input says so
+(one note line, the run still exits 0), two output flags that would print the same rows are
+refused, a refusal names the option the user typed (not the figure it sets), a profile needs a
+name, and a symbolic link loop as --out is refused instead of being replaced by the file."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from moesim.models import get_model
+from moesim.traces.format import write_trace
+from moesim.traces.synthetic import SyntheticParams, synthetic_trace
+from moesim.traces.synthetic_speculative import synth_speculative
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_run import both_ways, in_process, one_line_error  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    d = tmp_path_factory.mktemp("notes")
+    write_trace(synthetic_trace(get_model("tiny"), SyntheticParams(tokens=6)), d / "t.npz")
+    synth_speculative("tiny", d / "sd.npz", steps=3)
+    return d
+
+
+def notes(r) -> list[str]:
+    return [ln for ln in r.stderr.splitlines() if ln.startswith("note: ")]
+
+
+@pytest.mark.parametrize("run, args, words", both_ways([
+    (("replay", "t.npz", "--policy", "on-demand", "--tensor-split", "1"), ("--tensor-split", "1 GPU")),
+    (("replay", "t.npz", "--hw", "2xa6000", "--policy", "gpu-layers", "--split", "tensor", "--tensor-split", "1,3"),
+     ("--tensor-split", "--split tensor")),
+    (("replay", "t.npz", "--policy", "on-demand", "--cache-per-layer"), ("--cache-per-layer", "cache above 0")),
+    (("replay", "sd.npz", "--lambda", "0.2"), ("--lambda", "no --gamma")),
+    (("replay", "sd.npz", "--gamma", "4", "--selection", "confidence", "--lambda", "0.2"), ("--lambda", "Lagrangian")),
+    (("replay", "sd.npz", "--gamma", "4", "--selection", "confidence", "--score", "lagrangian"),
+     ("--score", "ecospec selection")),
+    (("synth", "--model", "tiny", "--tokens", "2", "--early-layers", "1000", "--out", "s.npz"),
+     ("--early-layers 1000", "4 MoE layers")),
+    (("validate", "--published", "--repeats", "2"), ("--repeats", "--published")),
+]))
+def test_an_option_that_changes_nothing_says_so(run, traces, args, words):
+    r = run(*args, cwd=traces)
+    assert r.returncode == 0, r.stderr[-2000:]
+    said = notes(r)
+    assert any(all(w in n for w in words) for n in said), r.stderr[-2000:]
+    assert "changed nothing" in " ".join(said) or "every layer" in " ".join(said)
+
+
+def test_the_options_used_say_nothing(traces):
+    for args in (("--hw", "2xa6000", "--tensor-split", "1,3", "--policy", "gpu-layers"),
+                 ("--cache-gib", "1", "--cache-per-layer", "--policy", "on-demand")):
+        r = in_process("replay", "t.npz", *args, cwd=traces)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert not [n for n in notes(r) if "--tensor-split" in n or "--cache-per-layer" in n], r.stderr
+
+
+@pytest.mark.parametrize("run, args, words", both_ways([
+    (("replay", "t.npz", "--json", "--csv"), ("--json and --csv",)),
+    (("hw", "--json", "--csv"), ("--json and --csv",)),
+    (("replay", "t.npz", "--selection", "confidence"), ("--selection", "speculative-decoding traces")),
+    (("replay", "t.npz", "--link-gbps", "0"), ("--link-gbps 0", "positive")),
+    (("replay", "t.npz", "--link-gbps", "nan"), ("--link-gbps nan", "positive")),
+    (("stats", "t.npz", "--hw", "a6000", "--policy", "cpu-static"), ("--policy cpu-static", "no expert cache")),
+]))
+def test_refusals_name_what_the_user_typed(run, traces, args, words):
+    err = one_line_error(run(*args, cwd=traces), *words)
+    assert "h2d_pinned_gbs" not in err and "a6000:" not in err
+
+
+@pytest.mark.parametrize("name", ['""', '"   "', '"a\\u0007b"', '"' + "x" * 101 + '"'])
+def test_a_profile_needs_a_printable_name(traces, tmp_path, name):
+    from moesim.hardware import get_profile
+
+    text = (Path(__file__).resolve().parents[1] / "hwprofiles" / "a6000.toml").read_text()
+    lines = [f"name = {name}" if ln.startswith("name =") else ln for ln in text.splitlines()]
+    (tmp_path / "bad.toml").write_text("\n".join(lines) + "\n")
+    assert get_profile(str(Path(__file__).resolve().parents[1] / "hwprofiles" / "a6000.toml")).name
+    one_line_error(in_process("replay", str(traces / "t.npz"), "--hw", str(tmp_path / "bad.toml"), cwd=tmp_path),
+                   "name", "printable text")
+
+
+def test_a_symbolic_link_loop_as_out_is_refused_and_kept(tmp_path):
+    os.symlink("b.npz", tmp_path / "a.npz")
+    os.symlink("a.npz", tmp_path / "b.npz")
+    one_line_error(in_process("synth", "--model", "tiny", "--tokens", "2", "--out", "a.npz", cwd=tmp_path),
+                   "a.npz", "symbolic link")
+    assert (tmp_path / "a.npz").is_symlink() and os.readlink(tmp_path / "a.npz") == "b.npz"
+    from moesim.atomic import atomic_write_text
+    from moesim.errors import MoesimError
+
+    with pytest.raises(MoesimError, match="symbolic link"):
+        atomic_write_text(tmp_path / "b.npz", "x")
+    assert (tmp_path / "b.npz").is_symlink()
+
+
+def test_a_dangling_link_as_out_writes_its_target(tmp_path):
+    os.symlink("made.npz", tmp_path / "link.npz")
+    r = in_process("synth", "--model", "tiny", "--tokens", "2", "--out", "link.npz", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "link.npz").is_symlink() and (tmp_path / "made.npz").is_file()
