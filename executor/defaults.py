@@ -10,6 +10,8 @@ from moesim.models import DRAFT_MODEL, SHIPPED_MODEL, Attention, ModelSpec  # no
 
 DECODE_THREADS = 1
 OFFLINE_THREADS = 2
+#: Tokens a chunk the expert predictor reads through draft and target (so the least it trains or scores on).
+PREDICTOR_CHUNK = 256
 #: ``moesim record --draft``: the candidate tree and the selection (DraftSettings' defaults).
 RECORD_DRAFT = {"depth": 3, "branch": 2, "budget": 4, "selection": "confidence", "score": "ratio", "lam": 0.1}
 
@@ -24,3 +26,12 @@ def stdlib_spec(name: str = "moe-stdlib", layers: int = 4, experts: int = 32, to
     return ModelSpec(name, n_layers=layers, n_experts=experts, top_k=top_k, hidden=hidden, expert_inter=inter,
                      vocab=256, attention=Attention("gqa", heads, max(1, heads // 2), hidden // heads, qk_norm=True),
                      norm_topk_prob=True, source=STDLIB_SOURCE)
+
+
+def check_predictor_counts(tokens: int, eval_tokens: int, epochs: int) -> None:
+    """The expert predictor's token counts and epochs, refused before torch loads (one line)."""
+    from moesim.errors import MoesimError
+
+    if min(tokens, eval_tokens) < PREDICTOR_CHUNK or epochs < 1:
+        raise MoesimError(f"--tokens {tokens}, --eval-tokens {eval_tokens}, --epochs {epochs}: the tokens must be >= "
+                          f"{PREDICTOR_CHUNK} (the predictor reads {PREDICTOR_CHUNK}-token chunks) and the epochs >= 1")

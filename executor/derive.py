@@ -10,7 +10,6 @@ shipped files define what every other run measures. Every check runs before any 
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from moesim import budget
 from moesim.errors import MoesimError
 from moesim.executor.corpus import describe_training_split, splits
 from moesim.executor.default_vectors import calibrate, load_default_vectors, save_default_vectors
-from moesim.executor.defaults import OFFLINE_THREADS
+from moesim.executor.defaults import OFFLINE_THREADS, check_predictor_counts
 from moesim.executor.estimator import train_estimator
 from moesim.executor.loading import check_derived_out, checkpoint_dir, derived_checkpoint
 from moesim.executor.model import load_checkpoint
@@ -107,6 +106,7 @@ def train_predictor_into(draft: str, model: str, out: Path | None = None, tokens
                          progress: Callable[[int, int], None] | None = None) -> tuple[Path, dict, int]:
     """Train EcoSpec's expert predictor (draft hidden state -> target router logits) into
     ``out``, a copy of the draft; returns (folder, the record, the target's top-k)."""
+    check_predictor_counts(tokens, eval_tokens, epochs)
     dpath, tpath = checkpoint_dir(draft), checkpoint_dir(model)
     out = out or default_out(dpath, "predictor")
     check_derived_out(dpath, out, force)
@@ -117,10 +117,6 @@ def train_predictor_into(draft: str, model: str, out: Path | None = None, tokens
     d, t = load_checkpoint(dpath), load_checkpoint(tpath)
     if d.spec.vocab != t.spec.vocab:
         raise MoesimError("draft and target must share a vocabulary")
-    chunk = inspect.signature(train_expert_predictor).parameters["chunk"].default
-    if min(tokens, eval_tokens) < chunk or epochs < 1:
-        raise MoesimError(f"tokens and eval-tokens must be >= {chunk} (the predictor reads {chunk}-token chunks) "
-                          "and epochs >= 1")
     torch.set_num_threads(threads)
     out = derived_checkpoint(dpath, out, force)
     rec = train_expert_predictor(d, t, torch.tensor(list(train[:tokens])), torch.tensor(list(held_out[:eval_tokens])),

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from moesim import __version__
 from moesim.atomic import atomic_write, atomic_write_text
 from moesim.errors import MoesimError
+from moesim.executor.defaults import PREDICTOR_CHUNK
 from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
 from moesim.executor.model import Hooks, MoEModel, ResidentExperts, TreeMask, read_tensors
 from moesim.executor.runtime import OffloadedDecoder
@@ -101,7 +102,7 @@ def _target_router_probs(target: MoEModel, tokens: Tensor) -> Tensor:
 
 
 def train_expert_predictor(draft: MoEModel, target: MoEModel, train: Tensor, held_out: Tensor, out_dir: Path,
-                           epochs: int = 20, chunk: int = 256, lr: float = 3e-3, seed: int = 0,
+                           epochs: int = 20, chunk: int = PREDICTOR_CHUNK, lr: float = 3e-3, seed: int = 0,
                            progress: Callable[[int, int], None] | None = None) -> dict:
     """Distil per-layer linear probes (KL to the target routers) and report held-out recall.
     ``progress(done, total)`` counts work units: a chunk read through both models, or a

@@ -29,7 +29,7 @@ from moesim.hardware import get_machine
 from moesim.layout import make_layout, stream_layers
 from moesim.models import model_file, model_named
 from moesim.quant_recipes import store_as
-from moesim.sim.whatif import BOUND, GOALS, policy_families, simplicity
+from moesim.sim.whatif import BOUND, GOALS, NOT_RUN, policy_families, simplicity
 
 # The families and their tie order come from the policy registry (moesim.sim.whatif).
 AXES = {"batch": "batch size", "prompt_len": "prompt length, tokens", "link_gbps": "link, GB/s"}
@@ -96,13 +96,16 @@ class FamilyBest:
     row: dict[str, Any] | None  # its best fitting configuration, None when none fits or it was not swept
     configurations: int  # rows of this family in the scenario
     fitting: int
+    run: int = -1  # rows the machine could run at all (-1: every row); the rest are whatif.NOT_RUN
     invocation: Any = None  # the engine's arguments for it (moesim.engine_args.Invocation), if the engine is named
 
     @property
     def status(self) -> str:
         if self.row is not None:
             return "ok"
-        return "not swept" if not self.configurations else "nothing fits"
+        if not self.configurations:
+            return "not swept"
+        return "not run" if self.run == 0 else "nothing fits"
 
 
 @dataclass
@@ -180,6 +183,8 @@ def _reason(winner: dict[str, Any] | None, families: list[FamilyBest], key: str,
     absent = [f.family for f in families if f.status == "nothing fits"]
     if absent:
         tail += f"; {', '.join(absent)}: nothing fits in device memory"
+    if cannot := [f.family for f in families if f.status == "not run"]:
+        tail += f"; {', '.join(cannot)}: {'do' if len(cannot) > 1 else 'does'} not run on this machine (the rows say why)"
     return head + tail
 
 
@@ -277,7 +282,8 @@ def deployment_answer(rows: list[dict[str, Any]], goal: str = "tpot",
             mine = [r for r in here if r["family"] == fam]
             top = _best(mine, key)
             inv = invocation_of(top, engine) if engine and top is not None and fam != BOUND else None
-            fams.append(FamilyBest(fam, top, len(mine), sum(bool(r["fits"]) for r in mine), inv))
+            fams.append(FamilyBest(fam, top, len(mine), sum(bool(r["fits"]) for r in mine), invocation=inv,
+                                   run=sum(r["bound"] != NOT_RUN for r in mine)))
         bound, fams = fams[-1], fams[:-1]
         ranked = [f.row for f in fams if f.row is not None]
         winner = min(ranked, key=lambda r: _rank(r, key)) if ranked else None

@@ -138,7 +138,7 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
     note = "; ".join(n for n in (engine_note, note) if n) or None
     kw.setdefault("copy_queue", None)  # None: as recorded (moesim profile --copy-queue), else FIFO
     results = simulate_policies(trace, profile, list(policies), progress=progress, **kw)
-    note = "; ".join(n for n in (note, fit_note(results)) if n) or None
+    note = "; ".join(n for n in (note, fit_note(results), capped_note(results, kw.get("offload_gib"))) if n) or None
     return Replay(trace, profile, source, results, link_source, cache_source, step, note)
 
 
@@ -151,6 +151,17 @@ def fit_note(results: list) -> str | None:
         return None
     return "; ".join(f"{r['policy']} needs {r['device_gb_needed']:.3g} GB of device memory, more than the "
                      f"{r['hw']}'s: it does not fit, and its times are as if it did" for r in over)
+
+
+def capped_note(results: list, offload_gib: float | str | None) -> str | None:
+    """weight-streaming asked to keep more GiB in host memory than its layers hold: all are (vLLM
+    allows a --cpu-offload-gb past the model too), and the replay says how much that is."""
+    if not isinstance(offload_gib, int | float):
+        return None
+    capped = [r.summary() for r in results]
+    capped = [r for r in capped if r["policy"] == "weight-streaming" and r.get("offload_gib", offload_gib) < offload_gib]
+    return "; ".join(f"--offload-gib {offload_gib:g} is more than {r['model']}'s layers hold: every layer's weights, "
+                     f"{r['offload_gib']:.3g} GiB, are read over the link" for r in capped) or None
 
 
 def recorded_cache(trace: Trace, kw: dict[str, Any]) -> tuple[dict[str, Any], str]:

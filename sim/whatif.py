@@ -149,12 +149,17 @@ def simplicity(fam: str) -> int:
     return fams.index(fam) if fam in fams else len(fams)
 
 
+#: The bound of a row that did not run: the policy cannot run on the machine (its note says why).
+NOT_RUN = "not run"
+
+
 def bound_of(row: dict[str, Any]) -> str:
-    """What bounds a configuration: ``memory`` when it does not fit in device memory, else
+    """What bounds a configuration: :data:`NOT_RUN` when it cannot run on the machine (a copy
+    policy without one GPU), ``memory`` when it does not fit in device memory, else
     the resource busiest per token: the ``link`` (expert copies), ``GPU compute`` (the
     device stream's own work) or ``CPU compute`` (experts run on the host)."""
     if not row["fits"]:
-        return "memory"
+        return NOT_RUN if row.get("bound") == NOT_RUN else "memory"
     busy = {"link": row["copy_ms"], "GPU compute": row["compute_ms"], "CPU compute": row.get("cpu_ms") or 0.0}
     return max(busy, key=lambda k: busy[k])
 
@@ -384,10 +389,12 @@ def _static(pol, machine: Machine) -> bool:
     return pol.cpu in STATIC_CPU or (not pol.offload and machine.n_gpus != 1)
 
 
-def _not_run(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str, machine: Machine, why: str):
-    """A row for a configuration that cannot run on ``machine``: it says why, never a best."""
+def _not_run(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str, machine: Machine, why: str,
+             bound: str = NOT_RUN):
+    """A row for a configuration that cannot run on ``machine`` (``bound`` ``memory``: nothing of
+    the model fits it): it says why, never a best."""
     return {"model": trace.model.name, "hw": machine.name, "policy": cfg.policy, "link_gbps": machine.link_gbps(),
-            "cache_gib": cfg.cache_gib, "fits": False, "note": why, "synthetic_trace": trace.synthetic,
+            "cache_gib": cfg.cache_gib, "fits": False, "note": why, "bound": bound, "synthetic_trace": trace.synthetic,
             "sim": sweep.sim, "group": index, "host": cfg.host or machine.host or "-", **_axes(sweep, cfg, trace, base)}
 
 
@@ -431,7 +438,7 @@ def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str) ->
                                           sim=sweep.sim, **kw)
             except DoesNotFit as e:
                 # Nothing of this model fits this machine: a row that says so, never a best.
-                rows.append(_not_run(sweep, index, cfg, trace, base, h, str(e)))
+                rows.append(_not_run(sweep, index, cfg, trace, base, h, str(e), bound="memory"))
                 continue
             res.pred_recall = _recall(sweep, cfg, trace)
             row = res.summary()
@@ -445,7 +452,8 @@ def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str) ->
                 row["gpu_layers"] = n if cfg.gpu_layers != "auto" else f"auto ({n})"
             if pol.cpu == "stream":  # rounded down: stream_layers(spec, layout, it) streams the same layers again
                 gib = math.floor(res.config["offload_gib"] * 1e4) / 1e4
-                row["offload_gib"] = cfg.offload_gib if cfg.offload_gib != "auto" else f"auto ({gib:g})"
+                row["offload_gib"] = (f"auto ({gib:g})" if cfg.offload_gib == "auto" else cfg.offload_gib
+                                      if gib >= cfg.offload_gib else f"{cfg.offload_gib:g} (capped: {gib:g}, every layer)")
             row["cache_gib"] = cfg.cache_gib if capacity else 0.0
             row["device_gb_needed"] = res.config["device_gb_needed"]
             row["fits"] = res.config["fits"]
@@ -481,8 +489,8 @@ def run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
     sim = sweep.sim if cfg.copy_queue == "fifo" else "simpy"
     for hi, machine in enumerate(sweep.hws):
         if machine.n_gpus != 1:
-            rows += [normalise({**_not_run(sweep, index, cfg, trace, base, machine, f"{pol.name} copies experts to "
-                                           "one GPU"), "bound": "memory"}) for _ in sweep.link_gbps]
+            rows += [normalise(_not_run(sweep, index, cfg, trace, base, machine, f"{pol.name} copies experts to "
+                                        "one GPU")) for _ in sweep.link_gbps]
             continue
         hw = machine.gpus[0]
         if (cfg.trace, cfg.expert_dtype, hi) not in memo:

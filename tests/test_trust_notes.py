@@ -44,6 +44,7 @@ def notes(r) -> list[str]:
     (("synth", "--model", "tiny", "--tokens", "2", "--early-layers", "1000", "--out", "s.npz"),
      ("--early-layers 1000", "4 MoE layers")),
     (("validate", "--published", "--repeats", "2"), ("--repeats", "--published")),
+    (("replay", "t.npz", "--policy", "weight-streaming", "--offload-gib", "1e9"), ("--offload-gib 1e+09", "every layer")),
 ]))
 def test_an_option_that_changes_nothing_says_so(run, traces, args, words):
     r = run(*args, cwd=traces)
@@ -105,3 +106,32 @@ def test_a_dangling_link_as_out_writes_its_target(tmp_path):
     r = in_process("synth", "--model", "tiny", "--tokens", "2", "--out", "link.npz", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "link.npz").is_symlink() and (tmp_path / "made.npz").is_file()
+
+
+def test_a_policy_that_cannot_run_on_the_machine_is_not_run_not_out_of_memory():
+    """--hw none: the copy policies need one GPU and the static layouts one at least; their rows
+    were bound "memory" and the answer said "nothing fits in device memory"."""
+    from moesim.sim.deploy import deployment_answer
+    from moesim.sim.sweep import whatif
+
+    res = whatif(models=["olmoe-1b-7b"], hws=["none"], hosts=["epyc-9654"], tokens=16, cache_gib=[0])
+    bounds = {r["policy"]: r["bound"] for r in res.rows}
+    assert bounds["all-resident"] == "CPU compute"
+    assert bounds["on-demand"] == bounds["cpu-static"] == "not run", bounds
+    answer = deployment_answer(res.rows)[0]
+    assert {f.family: f.status for f in answer.families}["prefetching"] == "not run"
+    assert "nothing fits in device memory" not in answer.reason and "not run on this machine" in answer.reason
+
+
+@pytest.mark.parametrize("args", [("--tokens", "10"), ("--eval-tokens", "255"), ("--epochs", "0")])
+def test_the_expert_predictors_counts_are_refused_before_torch(tmp_path, args):
+    """They were refused after torch and both checkpoints had loaded (7.5-9.5 s on this machine);
+    with torch hidden the line must still be the counts' own, not "needs torch"."""
+    import subprocess
+
+    code = ("import sys; sys.modules['torch'] = None; sys.argv = ['moesim', 'train-expert-predictor', *sys.argv[1:]]\n"
+            "from moesim.cli import main\nmain()")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=tmp_path, env=env,
+                       timeout=120)
+    one_line_error(r, "256-token chunks", "epochs >= 1")

@@ -9,7 +9,7 @@ import typer
 
 from moesim.cli.app import app, err, out
 from moesim.cli.running import progress_bar
-from moesim.executor.defaults import DRAFT_MODEL, OFFLINE_THREADS, SHIPPED_MODEL
+from moesim.executor.defaults import DRAFT_MODEL, OFFLINE_THREADS, SHIPPED_MODEL, check_predictor_counts
 
 
 @app.command("train-expert-predictor")
@@ -31,6 +31,7 @@ def train_expert_predictor(
     Stored in a draft checkpoint folder (--out) with its held-out recall.
     Example: `moesim train-expert-predictor --tokens 512 --eval-tokens 256 --epochs 1`
     """
+    check_predictor_counts(tokens, eval_tokens, epochs)  # before torch loads
     from moesim.executor.derive import train_predictor_into
 
     with progress_bar("training the expert predictor", "chunks and batches") as update:
