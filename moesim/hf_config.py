@@ -28,7 +28,7 @@ from typing import Any
 from moesim.artefacts import exact_bytes, formats_from_config
 from moesim.errors import MoesimError
 from moesim.inputs import kind_of
-from moesim.models import HF_FAMILIES, Attention, LinearAttention, ModelSpec, _int, read_config
+from moesim.models import HF_FAMILIES, SIZE_LIMITS, Attention, LinearAttention, ModelSpec, _int, read_config
 
 #: Families whose keys the hand parser knows (model_type values, after an ``architectures``
 #: fallback: Kimi-K2's ``kimi_k2`` is DeepseekV3ForCausalLM).
@@ -456,11 +456,43 @@ def transformers_spec(path: Path, raw: dict[str, Any]) -> ModelSpec | None:
     return replace(spec, extra_params=extra) if extra else spec
 
 
+#: The config's counts checked against :data:`moesim.models.SIZE_LIMITS` before transformers
+#: builds anything from them (it builds every layer: 10^8 layers ran a minute into out of memory).
+COUNT_LIMITS = {"num_hidden_layers": "n_layers", "num_nextn_predict_layers": "n_layers", "mtp_num_hidden_layers":
+                "n_layers", "hidden_size": "hidden", "vocab_size": "vocab", **dict.fromkeys(EXPERT_KEYS, "n_experts")}
+
+
+#: Widths checked as the counts are (when one number; per-layer lists are the family's).
+WIDTH_KEYS = ("moe_intermediate_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
+def _check_counts(raw: dict[str, Any], path: Path) -> None:
+    """The counts a config gives, checked before transformers is imported (seconds) and builds
+    from them: whole numbers, at least 1 (the MTP counts 0), within :data:`COUNT_LIMITS`, no
+    more experts routed than there are."""
+    cfg, _ = split_config(raw)
+    for key in (*COUNT_LIMITS, *TOPK_KEYS, *WIDTH_KEYS):
+        v = cfg.get(key)
+        if v is None or (key in WIDTH_KEYS and isinstance(v, list)):  # a per-layer list is read by the family's rule
+            continue
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise MoesimError(f"{path}: {key} must be an integer, got {v!r}")
+        least = 0 if COUNT_LIMITS.get(key) == "n_layers" and key != "num_hidden_layers" else 1
+        if v < least:
+            raise MoesimError(f"{path}: {key} must be >= {least}, got {v}")
+        if key in COUNT_LIMITS and v > SIZE_LIMITS[COUNT_LIMITS[key]]:
+            raise MoesimError(f"{path}: {key} {v} is beyond any model's ({SIZE_LIMITS[COUNT_LIMITS[key]]:,} at most)")
+    experts, k = _first_key(cfg, EXPERT_KEYS), _first_key(cfg, TOPK_KEYS)
+    if experts and k and cfg[k] > cfg[experts]:
+        raise MoesimError(f"{path}: {k} {cfg[k]} routes more experts than {experts} {cfg[experts]}")
+
+
 def spec_from_config(path: str | Path) -> ModelSpec:
     """A model directory's or file's ``config.json`` as a spec (transformers when installed,
     else the hand parser); then the artefact's exact bytes when the folder has them."""
     path = Path(path)
     raw = read_config(path)
+    _check_counts(raw, path)
     spec = None
     if transformers_available():
         try:

@@ -286,7 +286,8 @@ class LinearAttention:
 #: widths to 32,768, vocabularies to ~262k): a header or config.json beyond them is an error
 #: (a hidden size of 1e30 replayed at 3e28 ms a token), not a model. Experts: the trace stores
 #: ids as int16.
-SIZE_LIMITS = {"hidden": 1 << 18, "expert_inter": 1 << 20, "vocab": 1 << 24, "n_experts": (1 << 15) - 1}
+SIZE_LIMITS = {"hidden": 1 << 18, "expert_inter": 1 << 20, "vocab": 1 << 24, "n_experts": (1 << 15) - 1,
+               "n_layers": 1 << 14}
 
 
 @dataclass(frozen=True)
@@ -1191,6 +1192,8 @@ def read_config(path: str | Path) -> dict:
         raise MoesimError(f"cannot read {path}: not UTF-8 text (a config.json is expected)") from None
     except (json.JSONDecodeError, ValueError) as e:
         raise MoesimError(f"cannot read {path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise MoesimError(f"cannot read {path}: JSON nested too deeply for a config") from None
     if not isinstance(cfg, dict):
         raise MoesimError(f"{path}: not a JSON object")
     return cfg

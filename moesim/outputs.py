@@ -58,8 +58,10 @@ def check_link(path: Path, what: str) -> None:
     if path.is_symlink():
         try:
             os.path.realpath(path, strict=True)
-        except FileNotFoundError:
-            return
+        except FileNotFoundError:  # dangling: the write makes its target, which needs a folder
+            target = Path(os.path.realpath(path))
+            if not target.parent.is_dir():
+                raise MoesimError(f"{what} {path}: a symbolic link to {target}, whose folder does not exist") from None
         except OSError as e:
             raise MoesimError(f"{what} {path}: a symbolic link that cannot be followed ({e.strerror or e})") from None
 

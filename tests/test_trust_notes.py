@@ -135,3 +135,39 @@ def test_the_expert_predictors_counts_are_refused_before_torch(tmp_path, args):
     r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=tmp_path, env=env,
                        timeout=120)
     one_line_error(r, "256-token chunks", "epochs >= 1")
+
+
+QWEN = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "hidden_size": 64,
+        "num_hidden_layers": 2, "moe_intermediate_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 100}
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"num_hidden_layers": 10**8}, ("num_hidden_layers 100000000", "16,384 at most")),
+    ({"num_experts": 0}, ("num_experts must be >= 1",)),
+    ({"num_experts_per_tok": 8}, ("num_experts_per_tok 8 routes more experts than num_experts 4",)),
+    ({"hidden_size": 64.5}, ("hidden_size must be an integer",)),
+    ({"moe_intermediate_size": -32}, ("moe_intermediate_size must be >= 1",)),
+])
+def test_a_configs_impossible_counts_are_refused_before_transformers_builds_them(tmp_path, change, words):
+    """10^8 layers ran a minute into 'out of memory' (transformers builds every layer); the others
+    were refused after importing transformers (4 s)."""
+    import json
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**QWEN, **change}))
+    one_line_error(in_process("models", "m", cwd=tmp_path), "m/config.json", *words)
+
+
+def test_a_config_nested_too_deeply_is_one_line(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("[" * 100000 + "]" * 100000)
+    one_line_error(in_process("models", "m", cwd=tmp_path), "nested too deeply")
+
+
+def test_a_dangling_link_into_a_missing_folder_is_refused_before_any_work(traces, tmp_path):
+    os.symlink("nowhere/x.csv", tmp_path / "dang.csv")
+    r = in_process("whatif", "--trace", str(traces / "t.npz"), "--hw", "a6000", "--policy", "on-demand", "--jobs", "1",
+                   "--rows", "dang.csv", "--out", "w", cwd=tmp_path)
+    one_line_error(r, "--rows dang.csv", "whose folder does not exist")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dang.csv"]  # no sidecar, no report

@@ -86,6 +86,8 @@ def main() -> None:
         if line is None:
             raise
         _fail(line)
+    except RecursionError:  # json and tomllib recurse per level of nesting: a file nested thousands deep
+        _fail("an input file is nested too deeply to read (thousands of levels of JSON or TOML brackets)")
     except MemoryError:
         _fail("out of memory (the run is larger than this machine can hold; ask for fewer tokens, layers or "
               "a smaller cache)")
