@@ -35,3 +35,20 @@ def check_predictor_counts(tokens: int, eval_tokens: int, epochs: int) -> None:
     if min(tokens, eval_tokens) < PREDICTOR_CHUNK or epochs < 1:
         raise MoesimError(f"--tokens {tokens}, --eval-tokens {eval_tokens}, --epochs {epochs}: the tokens must be >= "
                           f"{PREDICTOR_CHUNK} (the predictor reads {PREDICTOR_CHUNK}-token chunks) and the epochs >= 1")
+
+
+def check_calibrate_tokens(tokens: int) -> None:
+    """``calibrate --tokens``, refused before torch loads."""
+    from moesim.errors import MoesimError
+
+    if tokens < 2:
+        raise MoesimError(f"--tokens {tokens}: calibrate on at least 2 tokens")
+
+
+def check_estimator_counts(tokens: int, eval_tokens: int, epochs: int, width: int, lr: float) -> None:
+    """``train-estimator``'s counts and learning rate, refused before torch loads."""
+    from moesim.errors import MoesimError
+
+    if min(tokens, eval_tokens, epochs, width) < 1 or not 0 < lr < float("inf"):
+        raise MoesimError(f"--tokens {tokens}, --eval-tokens {eval_tokens}, --epochs {epochs}, --width {width}, "
+                          f"--lr {lr:g}: the counts must be >= 1 and lr a positive number")

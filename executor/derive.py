@@ -19,7 +19,12 @@ from moesim import budget
 from moesim.errors import MoesimError
 from moesim.executor.corpus import describe_training_split, splits
 from moesim.executor.default_vectors import calibrate, load_default_vectors, save_default_vectors
-from moesim.executor.defaults import OFFLINE_THREADS, check_predictor_counts
+from moesim.executor.defaults import (
+    OFFLINE_THREADS,
+    check_calibrate_tokens,
+    check_estimator_counts,
+    check_predictor_counts,
+)
 from moesim.executor.estimator import train_estimator
 from moesim.executor.loading import check_derived_out, checkpoint_dir, derived_checkpoint
 from moesim.executor.model import load_checkpoint
@@ -50,8 +55,7 @@ def calibrate_checkpoint(model: str, out: Path | None = None, text: Path | None 
     path = checkpoint_dir(model)
     out = out or default_out(path, "calibrated")
     check_derived_out(path, out, force)
-    if tokens < 2:
-        raise MoesimError(f"--tokens {tokens}: calibrate on at least 2 tokens")
+    check_calibrate_tokens(tokens)
     if text is not None:  # before the checkpoint loads: a device, a folder, a silent FIFO is one line (moesim.inputs)
         data, what = read_bytes(text, "calibration text", TEXT_CAP), str(text)
     else:
@@ -80,8 +84,7 @@ def train_estimator_into(model: str, out: Path | None = None, tokens: int = 6553
     into ``out``; returns (folder, the record, the model's top-k)."""
     path = checkpoint_dir(model)
     out = out or default_out(path, "estimator")
-    if min(tokens, eval_tokens, epochs, width) < 1 or not 0 < lr < float("inf"):
-        raise MoesimError("tokens, eval-tokens, epochs and width must be >= 1 and lr a positive number")
+    check_estimator_counts(tokens, eval_tokens, epochs, width, lr)
     check_derived_out(path, out, force)
     train, held_out, _ = splits()
     _check_time("training the estimator", [path], min(tokens, len(train)) + min(eval_tokens, len(held_out)), epochs)

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from moesim.errors import MoesimError
+from moesim.stop import note_stop
 
 _stop = threading.Event()
 _depth = 0
@@ -39,6 +40,7 @@ def stop_on_interrupt() -> Iterator[None]:
         return
 
     def request_stop(signum, frame) -> None:
+        note_stop()  # the run ends with exit code 130 even if its loop finishes every step
         if _stop.is_set():
             raise KeyboardInterrupt
         _stop.set()

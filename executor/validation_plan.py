@@ -5,6 +5,7 @@ imported, so an impossible ``--repeats`` is refused at once, not after the execu
 
 from __future__ import annotations
 
+from moesim.errors import MoesimError
 from moesim.models import SHIPPED_MODEL, Attention, ModelSpec
 
 POLICIES = ("on-demand", "prefetch-fom", "prefetch-spec", "oracle")
@@ -16,3 +17,10 @@ PROMPT = b"import os\nimport sys\n\ndef main(argv):\n    for name in sorted(os.l
 #: copies and compute of each model on the same order on a CPU core; the learned model's steps
 #: are ~10x shorter, so it runs 4x as many to average out noise.
 SUITE = ((SHIPPED_MODEL, (0.25, 0.5, 1.0), 4), (SYNTHETIC_SPEC.name, (2.0, 4.0, 8.0), 1))
+
+
+def check_suite_model(model: str | None) -> None:
+    """``validate --model``: one of :data:`SUITE`'s models, refused before torch loads if not."""
+    names = [name for name, *_ in SUITE]
+    if model is not None and model not in names:
+        raise MoesimError(f"no suite model called {model!r}; the suite's: {', '.join(names)}")

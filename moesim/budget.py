@@ -29,10 +29,12 @@ from moesim.fmt import plural
 from moesim.models import ModelSpec
 from moesim.policy import get_policy
 
-SYNTH_BYTES_PER_CELL = 64
-SYNTH_FIXED_BYTES = 256 * 2**20
 REPLAY_BYTES_PER_CELL = 64  # per policy simulated at once, plus the trace itself
 TRACE_BYTES_PER_CELL = 8  # true ids (int16), gates (float32), predicted ids (int16)
+#: A synthetic trace in memory holds its arrays and no more (the compiled sampler's tables are
+#: layers x experts); drawn into a file, it holds two chunks (moesim.traces.synthetic).
+SYNTH_BYTES_PER_CELL = TRACE_BYTES_PER_CELL
+SYNTH_FIXED_BYTES = 256 * 2**20
 # Seconds per decode step x MoE layer x sequence x top-k slot of a synthetic trace, drawn and
 # written (fsync included). Measured by bench/bench_estimates.py (bench/estimates.json): about
 # 9e-8 on an idle 2-core machine and 2.6e-7 with three other processes busy; the middle, so
@@ -145,14 +147,17 @@ def _cells(spec: ModelSpec, tokens: int, batch: int) -> float:
     return float(tokens) * spec.n_moe_layers * batch * spec.top_k
 
 
-def synth_estimate(spec: ModelSpec, tokens: int, batch: int, prompt_len: int = 0) -> Estimate:
-    """Synthesising a trace (``moesim synth``, ``whatif`` without ``--trace``); its prompt's
-    and tokens' ids are int32 a sequence (a prompt of 10^9 tokens was a MemoryError after 15 s)."""
+def synth_estimate(spec: ModelSpec, tokens: int, batch: int, prompt_len: int = 0,
+                   held_cells: float | None = None) -> Estimate:
+    """Synthesising a trace (``moesim synth``, ``whatif`` without ``--trace``) holding
+    ``held_cells`` of it at once (None: all of it, in memory); its prompt's and tokens' ids
+    are int32 a sequence (a prompt of 10^9 tokens was a MemoryError after 15 s)."""
     cells = _cells(spec, tokens, batch)
+    held = cells if held_cells is None else min(cells, held_cells)
     ids = 4.0 * batch * (max(0, prompt_len) + tokens)
     return Estimate(f"a synthetic trace of {tokens} steps x batch {batch} of {spec.name}"
                     + (f" after a {prompt_len}-token prompt" if prompt_len else ""),
-                    SYNTH_FIXED_BYTES + cells * SYNTH_BYTES_PER_CELL + ids, cells * SYNTH_S_PER_CELL)
+                    SYNTH_FIXED_BYTES + held * SYNTH_BYTES_PER_CELL + ids, cells * SYNTH_S_PER_CELL)
 
 
 def row_kind(cpu: str | None) -> str:

@@ -540,6 +540,9 @@ def get_machine(text: str | HardwareProfile | Machine) -> Machine:
         n = int(many.group(1))
         if not 1 <= n <= 64:
             raise MoesimError(f"--hw {text!r}: 1 to 64 GPUs of one profile")
+        if many.group(2).strip().lower() == NO_GPU:
+            raise MoesimError(f"--hw {text!r}: {NO_GPU} is the machine without a GPU, which takes no count; "
+                              f"give --hw {NO_GPU}, or NxPROFILE for N GPUs")
         gpu = get_profile(many.group(2))
         return Machine((gpu,) * n, gpu.name if n == 1 else f"{n}x{gpu.name}")
     gpu = get_profile(t)

@@ -1054,8 +1054,9 @@ def cache_capacity(spec: ModelSpec, cache_gib: float = 0.0, cache_experts: int =
         raise MoesimError(f"cache size must be >= 0 and finite (got {cache_gib:g} GiB, {cache_experts} experts)")
     if cache_gib and cache_experts:
         raise MoesimError("give the cache size in GiB or in experts, not both")
-    if cache_gib:
-        return int(cache_gib * 2**30 // spec.expert_bytes)
+    if cache_gib:  # a cache past every expert holds every expert (1e308 GiB is inf bytes: never NaN experts)
+        every = spec.n_moe_layers * spec.n_experts
+        return every if cache_gib * 2.0**30 >= every * spec.expert_bytes else int(cache_gib * 2**30 // spec.expert_bytes)
     return cache_experts
 
 

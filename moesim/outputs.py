@@ -98,3 +98,18 @@ def check_output_dir(path: str | os.PathLike, what: str = "--out") -> Path:
     folder = path if path.is_dir() else _check_ancestors(path, what)
     _probe_writable(folder, what, path)
     return path
+
+
+def check_free_space(path: str | os.PathLike, nbytes: float, what: str) -> None:
+    """Refuse, before any work, a write of ``nbytes`` to ``path`` that its file system has no
+    room for (a streamed trace can be larger than memory: 10^8 Qwen3-235B-A22B steps are 600 GB)."""
+    import shutil
+
+    folder = _nearest_existing(Path(path).absolute().parent)
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return  # the write itself says what went wrong
+    if nbytes > free:
+        raise MoesimError(f"{what} needs about {nbytes / 1e9:.3g} GB on disk and {folder} has {free / 1e9:.3g} GB free: "
+                          "refusing (ask for fewer tokens, layers or sequences)")

@@ -16,11 +16,29 @@ if hasattr(signal, "SIGHUP"):  # POSIX
 
 #: What stopped the run: Ctrl-C unless another of :data:`STOP_SIGNALS` arrived.
 _stopped_by = ["Ctrl-C"]
+#: Whether a stop signal arrived (a loop that keeps its finished steps may still end normally).
+_received = [False]
 
 
 def _terminate(signum, frame) -> None:  # noqa: ARG001
-    _stopped_by[0] = STOP_SIGNALS.get(signum, "Ctrl-C")
+    note_stop(STOP_SIGNALS.get(signum, "Ctrl-C"))
     raise KeyboardInterrupt
+
+
+def note_stop(name: str = "Ctrl-C") -> None:
+    """Record that a stop signal arrived (the executor's first Ctrl-C only asks its loop to stop)."""
+    _stopped_by[0], _received[0] = name, True
+
+
+def reset() -> None:
+    """A new run starts: nothing stopped it yet (a process running several, as the tests do)."""
+    _stopped_by[0], _received[0] = "Ctrl-C", False
+
+
+def stop_received() -> bool:
+    """Whether a stop signal arrived in this process: a command that kept its finished work
+    then still ends with :func:`exit_code` (130, 143, 129), not 0."""
+    return _received[0]
 
 
 #: Exit code by what stopped the run: 128 + the signal's number, as a shell reports a

@@ -12,6 +12,7 @@ import matplotlib
 
 from moesim import budget
 from moesim.errors import MoesimError
+from moesim.executor.validation_plan import check_suite_model
 from moesim.models import get_model
 from moesim.outputs import check_output_dir
 from moesim.policy import QUEUES
@@ -310,6 +311,7 @@ def validation_suite(out: Path, tokens: int = 32, model: str | None = None, repe
     (``moesim.executor.validation_queues``, on the synthetic geometry too) last unless
     ``copy_queues`` is False or ``model`` names the learned model. Lives in the reports layer because it joins the executor's runs with
     the simulator's replays."""
+    check_suite_model(model)
     if tokens < 3 or repeats < 1:
         raise MoesimError("--tokens must be >= 3 (the first step is warm-up) and --repeats >= 1")
     _check_budget(tokens, repeats, model)

@@ -172,10 +172,12 @@ def _reason(winner: dict[str, Any] | None, families: list[FamilyBest], key: str,
     head = f"{winner['family']} ({configuration(winner)}) has the {what}, {number(winner[key])}{unit}"
     if others:
         second = others[0].row
-        ratio = second[key] / winner[key] if winner[key] > 0 else float("inf")
+        ratio = second[key] / winner[key] if winner[key] > 0 else 1.0 if second[key] <= 0 else float("inf")  # 0 and 0: level
         if ratio < 1.005:
             head += (f", level with {second['family']} ({number(second[key])}{unit}; on a tie the simpler "
                      "deployment is named)")
+        elif ratio == float("inf"):  # none against some (bytes moved): no ratio to give
+            head += f", against {number(second[key])}{unit} for the next family, {second['family']}"
         else:
             head += (f", {ratio:.2f}x better than the next family, {second['family']} "
                      f"({number(second[key])}{unit})")

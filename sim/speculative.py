@@ -234,6 +234,9 @@ def speculative_whatif(trace: Trace, hw: HardwareProfile | None = None, policies
     bad = [lam for lam in lambdas if not lam >= 0 or lam == float("inf")]  # NaN fails >= 0
     if bad:  # as ecospec's --selection ecospec:lagrangian:LAMBDA
         raise MoesimError(f"--lambda {bad[0]:g}: the Lagrangian score's lambda must be a number >= 0")
+    for name, v in (("--depth", depth), ("--branch", branch)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise MoesimError(f"{name} {v}: a whole number >= 1 (it cuts the recorded trees)")
     if acceptance is not None and not 0 < acceptance < float("inf"):
         raise MoesimError(f"--acceptance {acceptance:g}: a positive number (it scales the draft's probabilities)")
     if timing == "auto":

@@ -53,11 +53,10 @@ def test_sigint_to_moesim_profile_keeps_a_valid_trace(tmp_path):
     for i, (rc, err) in results.items():
         assert "Traceback" not in err, err
         path = tmp_path / f"{i}.npz"
-        if rc == 130:  # interrupted before a step finished: one line, nothing written
-            assert not path.exists()
-            assert err.strip().splitlines()[-1].startswith("interrupted"), err
+        assert rc == 130, err  # stopped: 130 whether or not a step had finished
+        assert err.strip().splitlines()[-1].startswith("interrupted"), err  # "(Ctrl-C)", or "before ... nothing to keep"
+        if not path.exists():  # interrupted before a step finished: one line, nothing written
             continue
-        assert rc == 0, err
         trace = read_trace(path)
         assert 1 <= trace.n_tokens < TOKENS
         assert trace.token_ids.shape[1] == trace.true_ids.shape[0] == trace.timings["tpot_s"].shape[0] == trace.n_tokens

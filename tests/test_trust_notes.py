@@ -69,6 +69,12 @@ def test_the_options_used_say_nothing(traces):
     (("replay", "t.npz", "--link-gbps", "0"), ("--link-gbps 0", "positive")),
     (("replay", "t.npz", "--link-gbps", "nan"), ("--link-gbps nan", "positive")),
     (("stats", "t.npz", "--hw", "a6000", "--policy", "cpu-static"), ("--policy cpu-static", "no expert cache")),
+    (("replay", "t.npz", "--hw", "2xnone"), ("--hw '2xnone'", "takes no count")),
+    (("models", ""), ("an argument '' is empty",)),
+    (("replay", "sd.npz", "--gamma", "4", "--depth", "-1"), ("--depth -1", "whole number >= 1")),
+    (("validate", "--model", "nope"), ("no suite model called 'nope'", "moe-stdlib")),
+    (("calibrate", "--tokens", "0"), ("--tokens 0", "at least 2 tokens")),
+    (("train-estimator", "--tokens", "-1"), ("--tokens -1", ">= 1")),
 ]))
 def test_refusals_name_what_the_user_typed(run, traces, args, words):
     err = one_line_error(run(*args, cwd=traces), *words)
@@ -171,3 +177,58 @@ def test_a_dangling_link_into_a_missing_folder_is_refused_before_any_work(traces
                    "--rows", "dang.csv", "--out", "w", cwd=tmp_path)
     one_line_error(r, "--rows dang.csv", "whose folder does not exist")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dang.csv"]  # no sidecar, no report
+
+
+@pytest.mark.parametrize("name, code", [("Ctrl-C", 130), ("SIGTERM", 143), ("SIGHUP", 129)])
+def test_a_run_that_kept_its_work_still_ends_by_the_signal(capsys, name, code):
+    """profile, record, speculate, train...: stopped after their last step (or mid-run, keeping
+    the finished steps) they wrote their file and exited 0, so a script never knew it was stopped."""
+    from moesim import stop
+    from moesim.cli.running import keeps_finished_work
+
+    @keeps_finished_work
+    def command():
+        stop.note_stop(name)  # what the signal handler records
+        return "written"
+
+    import signal
+
+    handlers = {s: signal.getsignal(s) for s in stop.STOP_SIGNALS}  # the exit ignores further signals
+    stop.reset()
+    try:
+        with pytest.raises(SystemExit) as e:
+            command()
+        assert e.value.code == code
+        assert capsys.readouterr().err.strip().splitlines()[-1] == f"interrupted ({name})"
+    finally:
+        stop.reset()
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert keeps_finished_work(lambda: "written")() == "written"  # not stopped: as before
+
+
+def test_a_cache_past_every_expert_holds_every_expert(tmp_path):
+    """--cache-gib 1e308 is infinite bytes: the sweep failed on 'cannot convert float NaN to integer'."""
+    from moesim.models import cache_capacity
+
+    spec = get_model("tiny")
+    assert cache_capacity(spec, 1e308) == cache_capacity(spec, 1e6) == spec.n_moe_layers * spec.n_experts
+    assert cache_capacity(spec, 5e-4) == int(5e-4 * 2**30 // spec.expert_bytes) == 43  # below every expert: as before
+    r = in_process("whatif", "--model", "tiny", "--hw", "a6000", "--policy", "on-demand", "--tokens", "4", "--jobs", "1",
+                   "--cache-gib", "1e308", "--out", "w", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args", [("ecospec", "--steps", "2", "--out", "held"),
+                                  ("profile", "--tokens", "2", "--out", "held")])
+def test_a_second_run_on_one_out_is_refused(tmp_path, args):
+    """Two ecospec runs on one --out left one report with the other's files; two profiles, one trace."""
+    from moesim.atomic import exclusive
+
+    with exclusive(tmp_path / "held", "--out"):
+        import subprocess
+
+        r = subprocess.run([sys.executable, "-m", "moesim", *args], capture_output=True, text=True, cwd=tmp_path,
+                           timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    one_line_error(r, "--out", "held")
+    assert not (tmp_path / "held").exists()

@@ -50,7 +50,6 @@ top level when it is not 1); no timing is recorded.
 
 from __future__ import annotations
 
-import math
 import numbers
 import os
 from collections.abc import Callable, Iterator
@@ -61,6 +60,7 @@ import numpy as np
 from moesim import __version__, budget
 from moesim.errors import MoesimError
 from moesim.models import ModelSpec
+from moesim.outputs import check_free_space
 from moesim.traces.format import Trace
 from moesim.traces.header import make_header
 
@@ -497,9 +497,9 @@ def _chunks(t: int, per_token: int):
 class _Draws:
     """One trace's tables and random streams, and the kernel run over its steps a chunk at a time."""
 
-    def __init__(self, spec: ModelSpec, params: SyntheticParams) -> None:
-        params.check(spec)
-        budget.check(budget.synth_estimate(spec, params.tokens, params.batch, params.prompt_len))
+    def __init__(self, spec: ModelSpec, params: SyntheticParams, held_cells: float | None = None) -> None:
+        params.check(spec)  # held_cells: the expert slots held at once (None: the whole trace, in memory)
+        budget.check(budget.synth_estimate(spec, params.tokens, params.batch, params.prompt_len, held_cells))
         self.spec, self.params = spec, params
         # Independent streams per quantity (and per layer inside the kernel), so chunk sizes
         # never change what is drawn where; popularity from ``seed``, draws from ``draw_seed``.
@@ -603,8 +603,11 @@ def write_synthetic_trace(spec: ModelSpec, params: SyntheticParams, path: str | 
     Qwen3-235B-A22B tokens: 600 MB)."""
     from moesim.traces.format import Streamed, write_trace_streamed
 
-    draws = _Draws(spec, params)
-    rows = min(params.tokens, max(1, SCRATCH // max(1, math.prod(draws.shape[1:]))))
+    per_step = spec.n_moe_layers * params.batch * spec.top_k
+    rows = min(params.tokens, max(1, SCRATCH // per_step))
+    draws = _Draws(spec, params, held_cells=2 * rows * per_step)
+    check_free_space(path, params.tokens * per_step * budget.TRACE_BYTES_PER_CELL,
+                     f"a synthetic trace of {params.tokens} steps of {spec.name}")
     # Two sets of scratch rows: the next chunk is drawn into one while the other is written.
     scratch = [[np.empty((rows, *draws.shape[1:]), dt) for dt in (np.int16, np.float32, np.int16)] for _ in "ab"]
 

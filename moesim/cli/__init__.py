@@ -39,6 +39,7 @@ from moesim.cli.app import app, err
 from moesim.cli.argv import clashing_flags, empty_option, only_command
 from moesim.errors import MoesimError
 from moesim.stop import catch_sigterm, exit_code, ignore_further, interrupted_line
+from moesim.stop import reset as reset_stop
 
 __all__ = ["app", "main"]
 
@@ -63,6 +64,7 @@ def main() -> None:
     keeping finished, one line and exit code 130 (143 for SIGTERM: :func:`moesim.stop.exit_code`);
     a missing optional dependency, one line naming the extra to install."""
     click = _click_exceptions()
+    reset_stop()
     catch_sigterm()
     empty = empty_option(sys.argv[1:])
     if empty:

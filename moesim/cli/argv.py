@@ -13,14 +13,16 @@ from moesim.cli.app import app
 
 
 def empty_option(argv: list[str]) -> str | None:
-    """The first option given an empty value (``--out ''``, ``--out=``), which no moesim
-    option means: a path option would get the current folder from it (typer reads ``''``
+    """The first option given an empty value (``--out ''``, ``--out=``), or ``"an argument"`` for
+    an empty positional one (a model, trace or profile name), which no moesim option means: a path option would get the current folder from it (typer reads ``''``
     as ``Path('.')``), a list option its default, before any command could tell."""
     for i, a in enumerate(argv):
         if a == "--":
             break
         if a.startswith("--") and (a.endswith("=") or (i + 1 < len(argv) and argv[i + 1] == "" and "=" not in a)):
             return a.rstrip("=")
+        if a == "" and not (i and argv[i - 1].startswith("--")):  # a positional '': `models ''` read the cwd
+            return "an argument"
     return None
 
 

@@ -9,7 +9,7 @@ import typer
 
 from moesim.cli.app import app, err
 from moesim.cli.running import progress_bar
-from moesim.executor.defaults import OFFLINE_THREADS, SHIPPED_MODEL
+from moesim.executor.defaults import OFFLINE_THREADS, SHIPPED_MODEL, check_calibrate_tokens
 
 
 @app.command()
@@ -32,6 +32,7 @@ def calibrate(
 
     Example: `moesim calibrate --model moe-stdlib --tokens 512` (writes ./moe-stdlib-calibrated/)
     """
+    check_calibrate_tokens(tokens)  # before torch loads
     from moesim.executor.derive import calibrate_checkpoint
 
     with progress_bar("calibrating", "tokens") as update:

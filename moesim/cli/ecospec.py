@@ -9,6 +9,8 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, err, floats, ints, out, print_json, results_table, split
+from moesim.cli.options import holding
+from moesim.outputs import check_output_dir
 
 COLS = (("model", "model"), ("deployment", "deployment"), ("selection", "selection"), ("gamma", "gamma"),
         ("tokens_per_step", "tok/step"), ("distinct_experts_per_step", "experts/step"), ("verify_ms", "verify ms"),
@@ -78,7 +80,9 @@ def ecospec(
         get_deployment(d)
     if out_dir is None:  # the report checks its own, larger, estimate
         budget.check(whatif_estimate(specs, len(deps), gammas, selections, params))
-    with err.status("simulating speculative decoding"):
+    if out_dir is not None:
+        check_output_dir(out_dir)  # before its lock file is made
+    with holding(out_dir, "--out"), err.status("simulating speculative decoding"):  # a second run on it: refused
         if out_dir is not None:
             rows = ecospec_report(out_dir, tuple(models), tuple(deps), tuple(gammas), params, selections, draft=prof,
                                   resident=deps[0])["rows"]

@@ -10,6 +10,7 @@ import numpy as np
 import typer
 
 from moesim.cli.app import app, err, out, table
+from moesim.cli.options import holding
 from moesim.cli.running import keeps_finished_work, progress_bar
 from moesim.executor.defaults import DECODE_THREADS, SHIPPED_MODEL
 from moesim.hardware import DEFAULT_PROFILE
@@ -113,8 +114,9 @@ def profile(
                         host=host, cpu_layers=cpu_layers, placement_from=placement_from, gpu_experts=gpu_experts,
                         expert_dtype=expert_dtype, prefetch_top=prefetch_top, copy_queue=copy_queue,
                         lookahead=lookahead, prompt_ids=prompt_ids)
-    with Progress(TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err,
-                  transient=True, disable=not err.is_terminal) as bar:
+    with holding(out_path or Path("profile.npz"), "--out"), Progress(  # a second run on one file: refused
+            TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err,
+            transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("decode", total=tokens)
         rec = record_decode(req, out_path or Path("profile.npz"), lambda i, n: bar.update(task, completed=i))
     t = rec.trace.timings["tpot_s"]

@@ -4,11 +4,13 @@ and Ctrl-C that keeps finished work."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from moesim.cli.app import err
+from moesim.stop import exit_code, interrupted_line, stop_received
 
 
 @contextmanager
@@ -32,7 +34,9 @@ def keeps_finished_work(command: Callable) -> Callable:
     """For a command whose work is a loop of steps: the first Ctrl-C, whenever it comes
     (even while torch is still importing or the model loading), only asks the loop to
     stop at its next step boundary (moesim.executor.interrupt), so every finished step is
-    kept and a run stopped before its first step ends as one line. Without this, a SIGINT
+    kept and a run stopped before its first step ends as one line; a run stopped after one
+    writes what it finished, then ends on the `interrupted` line with exit code 130 (143,
+    129), even when the signal came after its last step. Without this, a SIGINT
     that lands before the library's own loop begins took another path (a KeyboardInterrupt
     through imports), and under load it was once lost: the run went on to the end."""
     import functools
@@ -42,7 +46,11 @@ def keeps_finished_work(command: Callable) -> Callable:
         from moesim.executor.interrupt import stop_on_interrupt  # no torch: signals and errors only
 
         with stop_on_interrupt():
-            return command(*args, **kwargs)
+            result = command(*args, **kwargs)
+        if stop_received():  # the finished work is written; the run was stopped all the same
+            err.print(interrupted_line(), highlight=False, markup=False)
+            sys.exit(exit_code())
+        return result
 
     return wrapper
 

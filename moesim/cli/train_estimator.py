@@ -9,7 +9,7 @@ import typer
 
 from moesim.cli.app import app, err, out, table
 from moesim.cli.running import keeps_finished_work
-from moesim.executor.defaults import OFFLINE_THREADS, SHIPPED_MODEL
+from moesim.executor.defaults import OFFLINE_THREADS, SHIPPED_MODEL, check_estimator_counts
 
 
 @app.command("train-estimator")
@@ -40,6 +40,7 @@ def train_estimator(
 
     Example: `moesim train-estimator --model moe-stdlib --tokens 512 --eval-tokens 256 --epochs 1 --width 16`
     """
+    check_estimator_counts(tokens, eval_tokens, epochs, width, lr)  # before torch loads
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from moesim.executor.derive import train_estimator_into

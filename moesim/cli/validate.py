@@ -11,6 +11,7 @@ import typer
 from moesim.cli.app import app, err, out, print_csv, print_json, table
 from moesim.cli.options import given_options
 from moesim.cli.running import keeps_finished_work, need_executor, progress_bar
+from moesim.executor.validation_plan import check_suite_model
 
 CASE_SHORT = {"same-policy": "same", "transfer from on-demand": "transfer"}
 
@@ -61,6 +62,7 @@ def validate(
 
         raise MoesimError("--json and --csv print the published suite (--published); the executor suite writes its "
                           "tables to --out")
+    check_suite_model(model)  # before torch loads
     need_executor()
     from moesim.reports.validation import validation_suite
 
