@@ -6,6 +6,7 @@ link). ``OFFLINE_THREADS``: threads for untimed jobs (calibration, estimator and
 expert-predictor training).
 """
 
+from moesim.errors import MoesimError
 from moesim.models import DRAFT_MODEL, SHIPPED_MODEL, Attention, ModelSpec  # noqa: F401 (the shipped checkpoints' names)
 
 DECODE_THREADS = 1
@@ -30,8 +31,6 @@ def stdlib_spec(name: str = "moe-stdlib", layers: int = 4, experts: int = 32, to
 
 def check_predictor_counts(tokens: int, eval_tokens: int, epochs: int) -> None:
     """The expert predictor's token counts and epochs, refused before torch loads (one line)."""
-    from moesim.errors import MoesimError
-
     if min(tokens, eval_tokens) < PREDICTOR_CHUNK or epochs < 1:
         raise MoesimError(f"--tokens {tokens}, --eval-tokens {eval_tokens}, --epochs {epochs}: the tokens must be >= "
                           f"{PREDICTOR_CHUNK} (the predictor reads {PREDICTOR_CHUNK}-token chunks) and the epochs >= 1")
@@ -39,16 +38,12 @@ def check_predictor_counts(tokens: int, eval_tokens: int, epochs: int) -> None:
 
 def check_calibrate_tokens(tokens: int) -> None:
     """``calibrate --tokens``, refused before torch loads."""
-    from moesim.errors import MoesimError
-
     if tokens < 2:
         raise MoesimError(f"--tokens {tokens}: calibrate on at least 2 tokens")
 
 
 def check_estimator_counts(tokens: int, eval_tokens: int, epochs: int, width: int, lr: float) -> None:
     """``train-estimator``'s counts and learning rate, refused before torch loads."""
-    from moesim.errors import MoesimError
-
     if min(tokens, eval_tokens, epochs, width) < 1 or not 0 < lr < float("inf"):
         raise MoesimError(f"--tokens {tokens}, --eval-tokens {eval_tokens}, --epochs {epochs}, --width {width}, "
                           f"--lr {lr:g}: the counts must be >= 1 and lr a positive number")
