@@ -149,8 +149,12 @@ def fit_note(results: list) -> str | None:
     over = [r for r in over if r.get("fits") is False]
     if not over:
         return None
-    return "; ".join(f"{r['policy']} needs {r['device_gb_needed']:.3g} GB of device memory, more than the "
-                     f"{r['hw']}'s: it does not fit, and its times are as if it did" for r in over)
+    def more_than(hw: str) -> str:  # a machine of several GPUs: the fullest one's need against one's memory
+        gpus = get_machine(hw).device_memory_gb()
+        return f"the {hw}'s" if len(gpus) < 2 else f"one of its GPUs holds ({', '.join(f'{g:.3g}' for g in gpus)} GB)"
+
+    return "; ".join(f"{r['policy']} needs {r['device_gb_needed']:.3g} GB of device memory, more than "
+                     f"{more_than(r['hw'])}: it does not fit, and its times are as if it did" for r in over)
 
 
 def capped_note(results: list, offload_gib: float | str | None) -> str | None:

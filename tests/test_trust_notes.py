@@ -232,3 +232,13 @@ def test_a_second_run_on_one_out_is_refused(tmp_path, args):
                            timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     one_line_error(r, "--out", "held")
     assert not (tmp_path / "held").exists()
+
+
+def test_a_layout_too_big_for_one_of_several_gpus_says_so(tmp_path):
+    """--tensor-split 1,0 puts every layer of Qwen3-30B-A3B on the first of two 48 GB GPUs: the note
+    said 'more than the 2xa6000's' (96 GB between them)."""
+    write_trace(synthetic_trace(get_model("qwen3-30b-a3b"), SyntheticParams(tokens=3)), tmp_path / "q.npz")
+    r = in_process("replay", "q.npz", "--hw", "2xa6000", "--tensor-split", "1,0", "--policy", "all-resident",
+                   "--sim", "fast", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert any("one of its GPUs holds (48, 48 GB)" in n for n in notes(r)), r.stderr
