@@ -242,3 +242,16 @@ def test_a_layout_too_big_for_one_of_several_gpus_says_so(tmp_path):
                    "--sim", "fast", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert any("one of its GPUs holds (48, 48 GB)" in n for n in notes(r)), r.stderr
+
+
+def test_a_report_stopped_while_written_says_its_folder_is_partial(tmp_path, capsys):
+    from moesim.cli.running import writing_report
+
+    (tmp_path / "rep").mkdir()
+    with pytest.raises(KeyboardInterrupt), writing_report(tmp_path / "rep"):
+        (tmp_path / "rep" / "summary.json").write_text("{}")
+        raise KeyboardInterrupt
+    assert "holds part of a report" in capsys.readouterr().err
+    with pytest.raises(KeyboardInterrupt), writing_report(tmp_path / "empty"):
+        raise KeyboardInterrupt  # nothing written yet: nothing to say
+    assert "part of a report" not in capsys.readouterr().err

@@ -10,6 +10,7 @@ import typer
 
 from moesim.cli.app import app, err, floats, ints, out, print_json, results_table, split
 from moesim.cli.options import holding
+from moesim.cli.running import writing_report
 from moesim.outputs import check_output_dir
 
 COLS = (("model", "model"), ("deployment", "deployment"), ("selection", "selection"), ("gamma", "gamma"),
@@ -82,7 +83,7 @@ def ecospec(
         budget.check(whatif_estimate(specs, len(deps), gammas, selections, params))
     if out_dir is not None:
         check_output_dir(out_dir)  # before its lock file is made
-    with holding(out_dir, "--out"), err.status("simulating speculative decoding"):  # a second run on it: refused
+    with holding(out_dir, "--out"), writing_report(out_dir), err.status("simulating speculative decoding"):
         if out_dir is not None:
             rows = ecospec_report(out_dir, tuple(models), tuple(deps), tuple(gammas), params, selections, draft=prof,
                                   resident=deps[0])["rows"]

@@ -12,7 +12,7 @@ import typer
 from moesim.cli.app import app, auto_or, err, floats, print_csv, print_json
 from moesim.cli.lists import policies
 from moesim.cli.options import CachePerLayer, Engine, GpuLayers, Host, OffloadGib, Threads, given_options, holding, one
-from moesim.cli.running import progress_bar
+from moesim.cli.running import progress_bar, writing_report
 from moesim.engines import get_engine  # imported with the CLI anyway (moesim.policy's cost model)
 from moesim.errors import MoesimError
 from moesim.hardware import DEFAULT_PROFILE
@@ -136,7 +136,8 @@ def replay(
         if out_dir is not None:
             from moesim.reports.replay import write_replay_report
 
-            page = write_replay_report(trace, trace_path, rep.profile, rep.results, out_dir, rep.step)
+            with writing_report(out_dir):
+                page = write_replay_report(trace, trace_path, rep.profile, rep.results, out_dir, rep.step)
             err.print(f"report: {page}")
         if note:
             err.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)

@@ -7,6 +7,7 @@ import importlib.util
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from moesim.cli.app import err
@@ -28,6 +29,19 @@ def progress_bar(what: str, unit: str, disable: bool = False) -> Iterator[Callab
             bar.update(task, completed=done, total=total, description=f"{what}: {doing}" if doing else what)
 
         yield update
+
+
+@contextmanager
+def writing_report(out_dir) -> Iterator[None]:
+    """Around the writing of a report folder: a stop while it is written leaves some of its
+    files (each one whole: moesim.atomic), and the run says so before its `interrupted` line."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if out_dir is not None and Path(out_dir).is_dir() and any(Path(out_dir).iterdir()):
+            err.print(f"note: --out {out_dir} holds part of a report: it was stopped while writing it",
+                      markup=False, highlight=False, soft_wrap=True)
+        raise
 
 
 def keeps_finished_work(command: Callable) -> Callable:

@@ -10,6 +10,7 @@ import typer
 
 from moesim.cli.app import app, err, ints, out, print_json
 from moesim.cli.options import given_options, holding
+from moesim.cli.running import writing_report
 from moesim.errors import MoesimError
 from moesim.outputs import check_output_dir
 from moesim.policy import get_policy  # light: the CLI imports it anyway (the cost model's policies)
@@ -46,7 +47,7 @@ def stats(
                           "the curve needs a copy policy (on-demand, prefetch-fom, ...) or cpu-on-miss")
     if out_dir is not None:
         check_output_dir(out_dir)  # before its lock file is made
-    with holding(out_dir, "--out"):  # two runs on one report folder: the second refused (their files mixed)
+    with holding(out_dir, "--out"), writing_report(out_dir):  # a second run on the folder: refused
         res = stats_report(trace_path, out_dir, hw=hw_name,  # whole numbers of experts: never nan, inf or 1.5 cut to 1
                            sizes=ints(sizes, "--sizes") if sizes is not None else None, policy=policy)
     if as_json:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from moesim import fmt
 from moesim.cli.app import err, out, print_csv, print_json, results_table
+from moesim.cli.running import writing_report
 
 WHATIF_COLS = (("model", "model"), ("hw", "hw"), ("host", "host"), ("policy", "policy"), ("link_gbps", "link GB/s"),
                ("cache_gib", "cache GiB"), ("fits", "fits"), ("tpot_ms", "TPOT ms"), ("tokens_per_s", "tok/s"),
@@ -66,5 +67,6 @@ def show_whatif(res, goal: str, engine: str | None, top: int, as_json: bool, as_
     if out_dir is not None:
         from moesim.reports.whatif import write_whatif_report
 
-        page = write_whatif_report(rows, winner, goal, res.sweep, out_dir, res.notes)
+        with writing_report(out_dir):
+            page = write_whatif_report(rows, winner, goal, res.sweep, out_dir, res.notes)
         err.print(f"report: {page}", soft_wrap=True)
