@@ -7,7 +7,7 @@ and exits 1 if any ended badly:
 
 - ``error``: exit 2 and exactly one line on stderr, ``error: ...`` (a clean refusal);
 - ``ok``: exit 0 and the case's check of the result passed (a valid result);
-- ``interrupted``: a signalled run that exited 130 or 143 (Ctrl-C, SIGTERM; or 0, keeping its work) with no
+- ``interrupted``: a signalled run that exited 130, 143 or 129 (Ctrl-C, SIGTERM, SIGHUP; or 0, done before it) with no
   traceback and no temporary file left behind;
 - ``traceback``, ``hang`` (past the case's time limit), ``wrong`` (exit 0 where a
   refusal was due or the reverse, more than one stderr line, a result that fails its
@@ -473,17 +473,17 @@ def safe_run(case: Case, fixtures: Path, notes: dict[str, str]) -> Outcome:
 def classify(case: Case, rc: int, stdout: str, stderr: str, cwd: Path, changed: list[str], secs: float) -> Outcome:
     lines = [ln for ln in stderr.splitlines() if ln.strip()]
     first = lines[0][:160] if lines else ""
-    if "Traceback" in stderr or rc not in (0, 2, 130, 143):
+    if "Traceback" in stderr or rc not in (0, 2, 129, 130, 143):
         tail = lines[-1][:160] if lines else f"exit {rc}"
         return Outcome(case, "traceback", f"exit {rc}: {tail}", secs)
     if changed:
         return Outcome(case, "wrong", f"changed input file(s) {changed}", secs)
     if case.expect == "interrupt":
-        if case.signal_after is not None and rc in (0, 130, 143):
+        if case.signal_after is not None and rc in (0, 129, 130, 143):
             problem = case.check(cwd, stdout) if case.check else None
             if problem:
                 return Outcome(case, "wrong", problem, secs)
-            return Outcome(case, "interrupted" if rc in (130, 143) else "ok", first, secs)
+            return Outcome(case, "interrupted" if rc in (129, 130, 143) else "ok", first, secs)
         return Outcome(case, "wrong", f"exit {rc}: {first}", secs)
     leftovers = no_tmp(cwd, stdout)
     if leftovers:
