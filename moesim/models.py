@@ -1054,10 +1054,10 @@ def cache_capacity(spec: ModelSpec, cache_gib: float = 0.0, cache_experts: int =
         raise MoesimError(f"cache size must be >= 0 and finite (got {cache_gib:g} GiB, {cache_experts} experts)")
     if cache_gib and cache_experts:
         raise MoesimError("give the cache size in GiB or in experts, not both")
-    if cache_gib:  # a cache past every expert holds every expert (1e308 GiB is inf bytes: never NaN experts)
-        every = spec.n_moe_layers * spec.n_experts
+    every = spec.n_moe_layers * spec.n_experts  # a cache past every expert holds every expert
+    if cache_gib:  # (1e308 GiB is inf bytes: never NaN experts)
         return every if cache_gib * 2.0**30 >= every * spec.expert_bytes else int(cache_gib * 2**30 // spec.expert_bytes)
-    return cache_experts
+    return min(cache_experts, every)
 
 
 #: Models read from a user's files in this process, by display name (what result rows carry):

@@ -234,6 +234,8 @@ def speculative_whatif(trace: Trace, hw: HardwareProfile | None = None, policies
     bad = [lam for lam in lambdas if not lam >= 0 or lam == float("inf")]  # NaN fails >= 0
     if bad:  # as ecospec's --selection ecospec:lagrangian:LAMBDA
         raise MoesimError(f"--lambda {bad[0]:g}: the Lagrangian score's lambda must be a number >= 0")
+    if bad := [g for g in gammas or () if isinstance(g, bool) or not isinstance(g, int) or g < 0]:
+        raise MoesimError(f"--gamma {bad[0]}: verification budgets are whole numbers >= 0")
     for name, v in (("--depth", depth), ("--branch", branch)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise MoesimError(f"{name} {v}: a whole number >= 1 (it cuts the recorded trees)")

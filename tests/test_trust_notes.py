@@ -75,6 +75,11 @@ def test_the_options_used_say_nothing(traces):
     (("validate", "--model", "nope"), ("no suite model called 'nope'", "moe-stdlib")),
     (("calibrate", "--tokens", "0"), ("--tokens 0", "at least 2 tokens")),
     (("train-estimator", "--tokens", "-1"), ("--tokens -1", ">= 1")),
+    (("calibrate", "--threads", "0", "--out", "cal"), ("--threads 0", "torch threads")),
+    (("speculate", "--tokens", "2", "--threads", "99999", "--out", "s.npz"), ("--threads 99999", "torch threads")),
+    (("replay", "sd.npz", "--gamma", "nan"), ("--gamma", "whole numbers")),
+    (("replay", "sd.npz", "--gamma", "1.5"), ("--gamma", "whole numbers")),
+    (("replay", "sd.npz", "--gamma", "4,-1"), ("--gamma -1", ">= 0")),
 ]))
 def test_refusals_name_what_the_user_typed(run, traces, args, words):
     err = one_line_error(run(*args, cwd=traces), *words)
@@ -214,13 +219,16 @@ def test_a_cache_past_every_expert_holds_every_expert(tmp_path):
     spec = get_model("tiny")
     assert cache_capacity(spec, 1e308) == cache_capacity(spec, 1e6) == spec.n_moe_layers * spec.n_experts
     assert cache_capacity(spec, 5e-4) == int(5e-4 * 2**30 // spec.expert_bytes) == 43  # below every expert: as before
+    assert cache_capacity(spec, cache_experts=10**20) == 64 and cache_capacity(spec, cache_experts=40) == 40
     r = in_process("whatif", "--model", "tiny", "--hw", "a6000", "--policy", "on-demand", "--tokens", "4", "--jobs", "1",
                    "--cache-gib", "1e308", "--out", "w", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("args", [("ecospec", "--steps", "2", "--out", "held"),
-                                  ("profile", "--tokens", "2", "--out", "held")])
+                                  ("profile", "--tokens", "2", "--out", "held"),
+                                  ("speculate", "--tokens", "2", "--out", "held"),
+                                  ("train", "--steps", "1", "--out", "held")])
 def test_a_second_run_on_one_out_is_refused(tmp_path, args):
     """Two ecospec runs on one --out left one report with the other's files; two profiles, one trace."""
     from moesim.atomic import exclusive

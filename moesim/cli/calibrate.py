@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, err
+from moesim.cli.options import holding, torch_threads
 from moesim.cli.running import progress_bar
 from moesim.executor.defaults import OFFLINE_THREADS, SHIPPED_MODEL, check_calibrate_tokens
 
@@ -24,7 +25,7 @@ def calibrate(
                                                                "./MODEL-calibrated).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Allow --out to be a shipped checkpoint, or a folder holding "
                                                         "another model.")] = False,
-    threads: Annotated[int, typer.Option(help="torch threads.")] = OFFLINE_THREADS,
+    threads: Annotated[int, typer.Option(help="torch threads.", callback=torch_threads)] = OFFLINE_THREADS,
 ) -> None:
     """Compute the default vectors (per layer and expert, the mean expert output) that the
     quasi-hidden predictor needs, and store them with what was used in a checkpoint folder
@@ -35,6 +36,6 @@ def calibrate(
     check_calibrate_tokens(tokens)  # before torch loads
     from moesim.executor.derive import calibrate_checkpoint
 
-    with progress_bar("calibrating", "tokens") as update:
+    with holding(out_dir, "--out"), progress_bar("calibrating", "tokens") as update:  # given: a second run refused
         path, n, what = calibrate_checkpoint(model, out_dir, text, tokens, force, threads, update)
     err.print(f"wrote {path / 'default_vectors.safetensors'} from {n} tokens of {what}; use it with --model {path}")

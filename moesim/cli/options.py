@@ -5,6 +5,7 @@ so once, here."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Annotated
@@ -55,6 +56,15 @@ def one(values: list, option: str):
     if len(values) != 1:
         raise MoesimError(f"{option}: one value (auto or a number); moesim whatif sweeps several")
     return values[0]
+
+
+def torch_threads(value: int) -> int:
+    """``--threads`` of a command that runs torch (a typer callback): 1 to 4 a CPU of this
+    machine. 0 or -1 was torch's RuntimeError; 9999 failed creating threads, or ran out of memory."""
+    most = 4 * (os.cpu_count() or 1)
+    if not 1 <= value <= most:
+        raise MoesimError(f"--threads {value}: torch threads, 1 to {most} (4 a CPU of this machine)")
+    return value
 
 
 @contextmanager

@@ -70,11 +70,11 @@ def speculative_replay(trace, trace_path: Path, hw_name: str | None, policy: lis
                        selection: str, score: str, lam: str, link_gbps: float | None, timing: str, shape: tuple,
                        as_json: bool, as_csv: bool, given: set[str]) -> None:
     """``moesim replay`` of a speculative-decoding trace (``shape``: --depth, --branch, --acceptance)."""
-    from moesim.cli.app import floats, split
+    from moesim.cli.app import floats, ints, split
     from moesim.hardware import get_profile
     from moesim.sim.speculative import speculative_whatif
 
-    gammas = [int(g) for g in floats(gamma, "--gamma")] if gamma is not None else None
+    gammas = ints(gamma, "--gamma") if gamma is not None else None  # whole numbers: 1.5 was cut to 1, nan a traceback
     selections = tuple(split(selection, "--selection"))
     res = speculative_whatif(trace, get_profile(hw_name) if hw_name else None, policy, gammas, selections, score,
                              tuple(floats(lam, "--lambda")), link_gbps, timing, *shape)

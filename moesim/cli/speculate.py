@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, err
+from moesim.cli.options import holding, torch_threads
 from moesim.cli.running import keeps_finished_work, progress_bar
 from moesim.executor.defaults import DECODE_THREADS, DRAFT_MODEL, SHIPPED_MODEL
 from moesim.hardware import DEFAULT_PROFILE
@@ -31,7 +32,7 @@ def speculate(
     link_gbps: Annotated[float | None, typer.Option(help="Override the profile's host-to-device GB/s.")] = None,
     cache_experts: Annotated[int, typer.Option(help="Cross-token expert cache, in experts.")] = 0,
     prompt: Annotated[str | None, typer.Option(help="Prompt text (default: a Python snippet).")] = None,
-    threads: Annotated[int, typer.Option(help="torch threads for compute (the emulated link uses its own thread).")] = DECODE_THREADS,
+    threads: Annotated[int, typer.Option(help="torch threads for compute (the emulated link uses its own thread).", callback=torch_threads)] = DECODE_THREADS,
     out_path: Annotated[Path, typer.Option("--out", help="Trace file to write (format version 3).")] = Path("speculate.npz"),
 ) -> None:
     """Speculative decoding (greedy, lossless) with a draft tree on the offload engine,
@@ -45,7 +46,7 @@ def speculate(
 
     req = SpeculateRequest(model, draft, policy, selection, score, lam, gamma, branch, depth, tokens, hw_name, link_gbps,
                            cache_experts, prompt, threads)
-    with progress_bar("speculating", "tokens") as update:
+    with holding(out_path, "--out"), progress_bar("speculating", "tokens") as update:  # a second run: refused
         rec, s = record_speculative(req, out_path, update)
     meta = rec.trace.meta
     err.print(f"wrote {rec.path}: {s.tokens} tokens in {s.steps} verification steps "

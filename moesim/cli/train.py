@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, err
+from moesim.cli.options import holding, torch_threads
 from moesim.cli.running import keeps_finished_work
 from moesim.errors import MoesimError
 from moesim.executor.defaults import DECODE_THREADS, SHIPPED_MODEL
@@ -23,7 +24,7 @@ def train(
     lr: Annotated[float, typer.Option(help="Peak learning rate (cosine decay, 100 warm-up steps).")] = 3e-3,
     aux_coef: Annotated[float, typer.Option(help="Weight of the load-balancing loss.")] = 0.01,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
-    threads: Annotated[int, typer.Option(help="CPU threads for torch.")] = DECODE_THREADS,
+    threads: Annotated[int, typer.Option(help="CPU threads for torch.", callback=torch_threads)] = DECODE_THREADS,
     name: Annotated[str, typer.Option(help="Model name.")] = SHIPPED_MODEL,
     layers: Annotated[int, typer.Option(help="Layers.")] = 4,
     experts: Annotated[int, typer.Option(help="Routed experts per layer.")] = 32,
@@ -58,8 +59,9 @@ def train(
     out_dir = out_dir or Path(f"{name}-trained")
     refuse_shipped(out_dir, force)
     check_output_dir(out_dir)
-    with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[loss]}"),
-                  TimeRemainingColumn(), console=err, disable=not err.is_terminal) as bar:
+    with holding(out_dir, "--out"), Progress(  # a second run on the folder: refused
+            TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[loss]}"),
+            TimeRemainingColumn(), console=err, disable=not err.is_terminal) as bar:
         task = bar.add_task("train", total=steps, loss="")
         record = run_train(out_dir, steps, batch, seq, lr, aux_coef, seed, threads,
                            lambda i, n, loss: bar.update(task, completed=i, loss=f"loss {loss:.3f}"), spec)

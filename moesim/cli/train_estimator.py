@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, err, out, table
+from moesim.cli.options import holding, torch_threads
 from moesim.cli.running import keeps_finished_work
 from moesim.executor.defaults import OFFLINE_THREADS, SHIPPED_MODEL, check_estimator_counts
 
@@ -27,7 +28,7 @@ def train_estimator(
                                                                "./MODEL-estimator).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Allow --out to be a shipped checkpoint, or a folder holding "
                                                         "another model.")] = False,
-    threads: Annotated[int, typer.Option(help="torch threads.")] = OFFLINE_THREADS,
+    threads: Annotated[int, typer.Option(help="torch threads.", callback=torch_threads)] = OFFLINE_THREADS,
 ) -> None:
     """Train the neural expert estimator by distillation and choose the hybrid predictor.
 
@@ -54,8 +55,9 @@ def train_estimator(
         bar.update(task, completed=i, total=n, kl=f"KL {loss:.3f}")
 
     try:
-        path, rec, k = train_estimator_into(model, out_dir, tokens, eval_tokens, epochs, width, lr, seed, force, threads,
-                                            progress)
+        with holding(out_dir, "--out"):  # given: a second run on the folder refused
+            path, rec, k = train_estimator_into(model, out_dir, tokens, eval_tokens, epochs, width, lr, seed, force,
+                                                threads, progress)
     finally:
         bar.stop()
     out.print(table(f"held-out recall@{k} predicting layer l+1 ({rec['parameters']} estimator parameters, "

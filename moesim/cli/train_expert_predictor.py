@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, err, out
+from moesim.cli.options import holding, torch_threads
 from moesim.cli.running import progress_bar
 from moesim.executor.defaults import DRAFT_MODEL, OFFLINE_THREADS, SHIPPED_MODEL, check_predictor_counts
 
@@ -24,7 +25,7 @@ def train_expert_predictor(
                                                                "./DRAFT-predictor).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Allow --out to be a shipped checkpoint, or a folder holding "
                                                         "another model.")] = False,
-    threads: Annotated[int, typer.Option(help="torch threads.")] = OFFLINE_THREADS,
+    threads: Annotated[int, typer.Option(help="torch threads.", callback=torch_threads)] = OFFLINE_THREADS,
 ) -> None:
     """Train EcoSpec's expert predictor: per target layer, a linear probe from the draft's
     hidden state of a candidate token to the target router's logits (distilled with KL).
@@ -34,7 +35,7 @@ def train_expert_predictor(
     check_predictor_counts(tokens, eval_tokens, epochs)  # before torch loads
     from moesim.executor.derive import train_predictor_into
 
-    with progress_bar("training the expert predictor", "chunks and batches") as update:
+    with holding(out_dir, "--out"), progress_bar("training the expert predictor", "chunks and batches") as update:
         path, rec, k = train_predictor_into(draft, model, out_dir, tokens, eval_tokens, epochs, force, threads, update)
     out.print(f"held-out recall@{k} per target layer: " + ", ".join(f"{x:.3f}" for x in rec["recall_at_k"])
               + f" ({rec['parameters']} parameters, {rec['seconds']} s)")
