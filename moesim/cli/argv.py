@@ -14,7 +14,8 @@ from moesim.cli.app import app
 
 def empty_option(argv: list[str]) -> str | None:
     """The first option given an empty value (``--out ''``, ``--out=``), or ``"an argument"`` for
-    an empty positional one (a model, trace or profile name), which no moesim option means: a path option would get the current folder from it (typer reads ``''``
+    an empty positional one (a model, trace or profile name), which no moesim option means:
+    a path option would get the current folder from it (typer reads ``''``
     as ``Path('.')``), a list option its default, before any command could tell."""
     for i, a in enumerate(argv):
         if a == "--":

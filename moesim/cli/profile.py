@@ -46,7 +46,8 @@ def profile(
     seed: Annotated[int, typer.Option(help="Seed for weights of synthetic models, prompts and sampling.")] = 0,
     fidelity_tokens: Annotated[int, typer.Option(help="For speculative policies: tokens of the fixed evaluation text "
                                                       "over which agreement and KL are measured (0 = skip).")] = 128,
-    threads: Annotated[int, typer.Option(help="torch threads for compute (the emulated link uses its own thread).", callback=torch_threads)] = DECODE_THREADS,
+    threads: Annotated[int, typer.Option(help="torch threads for compute (the emulated link uses its own thread).",
+                                         callback=torch_threads)] = DECODE_THREADS,
     host: Annotated[str | None, typer.Option(help="CPU-compute policies: host profile name or .toml whose figures "
                                                   "cpu-on-miss decides with (default: the --hw profile's host).")] = None,
     cpu_layers: Annotated[str | None, typer.Option(help="cpu-static: MoE layers (the first ones) whose experts run "

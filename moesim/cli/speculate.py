@@ -32,7 +32,8 @@ def speculate(
     link_gbps: Annotated[float | None, typer.Option(help="Override the profile's host-to-device GB/s.")] = None,
     cache_experts: Annotated[int, typer.Option(help="Cross-token expert cache, in experts.")] = 0,
     prompt: Annotated[str | None, typer.Option(help="Prompt text (default: a Python snippet).")] = None,
-    threads: Annotated[int, typer.Option(help="torch threads for compute (the emulated link uses its own thread).", callback=torch_threads)] = DECODE_THREADS,
+    threads: Annotated[int, typer.Option(help="torch threads for compute (the emulated link uses its own thread).",
+                                         callback=torch_threads)] = DECODE_THREADS,
     out_path: Annotated[Path, typer.Option("--out", help="Trace file to write (format version 3).")] = Path("speculate.npz"),
 ) -> None:
     """Speculative decoding (greedy, lossless) with a draft tree on the offload engine,
