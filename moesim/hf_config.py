@@ -42,6 +42,8 @@ ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM"
                  "Dots1ForCausalLM": "dots1", "PhiMoEForCausalLM": "phimoe", "DbrxForCausalLM": "dbrx"}
 #: Keys that name an expert count, in the spellings of the families transformers knows.
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+#: Keys that count multi-token-prediction modules (0 or absent: none).
+MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_modules")
 TOPK_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_k", "moe_topk", "num_experts_per_token", "top_k_experts")
 LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked",
                "linear_attention": "linear", "mamba": "linear", "full": "full", "sliding": "sliding",
@@ -276,8 +278,7 @@ def geometry(cfg: dict[str, Any], path: Path, mtype: str, formats: tuple[str, st
         n_shared = 1
 
     expert_dtype, dense_dtype, embed_dtype, head_dtype = formats
-    mtp = _int(cfg, path, "num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_modules", default=0,
-               minimum=0)
+    mtp = _int(cfg, path, *MTP_KEYS, default=0, minimum=0)
     if mtype == "minimax_m2" and not cfg.get("use_mtp", False):
         mtp = 0
     return ModelSpec(
@@ -458,8 +459,8 @@ def transformers_spec(path: Path, raw: dict[str, Any]) -> ModelSpec | None:
 
 #: The config's counts checked against :data:`moesim.models.SIZE_LIMITS` before transformers
 #: builds anything from them (it builds every layer: 10^8 layers ran a minute into out of memory).
-COUNT_LIMITS = {"num_hidden_layers": "n_layers", "num_nextn_predict_layers": "n_layers", "mtp_num_hidden_layers":
-                "n_layers", "hidden_size": "hidden", "vocab_size": "vocab", **dict.fromkeys(EXPERT_KEYS, "n_experts")}
+COUNT_LIMITS = {"num_hidden_layers": "n_layers", **dict.fromkeys(MTP_KEYS, "n_layers"), "hidden_size": "hidden",
+                "vocab_size": "vocab", **dict.fromkeys(EXPERT_KEYS, "n_experts")}
 
 
 #: Widths checked as the counts are (when one number; per-layer lists are the family's).
@@ -477,7 +478,7 @@ def _check_counts(raw: dict[str, Any], path: Path) -> None:
             continue
         if isinstance(v, bool) or not isinstance(v, int):
             raise MoesimError(f"{path}: {key} must be an integer, got {v!r}")
-        least = 0 if COUNT_LIMITS.get(key) == "n_layers" and key != "num_hidden_layers" else 1
+        least = 0 if key in MTP_KEYS else 1  # a model may have no MTP module
         if v < least:
             raise MoesimError(f"{path}: {key} must be >= {least}, got {v}")
         if key in COUNT_LIMITS and v > SIZE_LIMITS[COUNT_LIMITS[key]]:

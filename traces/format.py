@@ -301,7 +301,7 @@ def _write_npz(f: IO[bytes], arrays: dict[str, np.ndarray], streamed: Streamed |
             info = _member_info(name, a.nbytes >= STORE_MIN_BYTES, f.tell(), len(head))
             with zf.open(info, "w", force_zip64=True) as out:
                 out.write(head)
-                for b in _slices(a):
+                for b in _row_chunks(a, DROP_BEHIND_BYTES):  # so the pages behind go as it is written
                     out.write(b.reshape(-1).view(np.uint8))
                     behind.wrote(b.nbytes)
         if streamed is not None:
@@ -329,6 +329,19 @@ def _member_info(name: str, stored: bool, at: int, head: int) -> zipfile.ZipInfo
     return info
 
 
+@dataclass
+class _Place:
+    """Where a streamed member goes in the file, and how much of it is written."""
+
+    info: zipfile.ZipInfo
+    head: bytes  # its .npy header
+    data: int  # file offset of its array data
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    done: int = 0
+
+
 def _write_streamed(zf: zipfile.ZipFile, f: IO[bytes], streamed: Streamed, behind: _DropBehind) -> None:
     """Lay out ``streamed``'s members one after another as stored members (their sizes are known),
     then write each tuple of blocks into its members' places: one pass over the blocks, whatever
@@ -340,45 +353,35 @@ def _write_streamed(zf: zipfile.ZipFile, f: IO[bytes], streamed: Streamed, behin
     for name, (shape, dtype) in streamed.members.items():
         head = _npy_head_bytes(shape, dtype)
         info = _member_info(name, True, at, len(head))
-        info.header_offset = at
-        info.file_size = info.compress_size = len(head) + math.prod(shape) * dtype.itemsize
-        info.CRC = zlib.crc32(head)
+        nbytes = math.prod(shape) * dtype.itemsize
+        info.header_offset, info.CRC = at, zlib.crc32(head)
+        info.file_size = info.compress_size = len(head) + nbytes
         data = at + len(info.FileHeader(zip64=True)) + len(head)
-        places.append([info, head, data, 0, shape, dtype])
-        at = data + math.prod(shape) * dtype.itemsize
+        places.append(_Place(info, head, data, nbytes, shape, dtype))
+        at = data + nbytes
     for blocks in streamed.blocks():
         if len(blocks) != len(places):
             raise ValueError(f"{len(blocks)} blocks for {len(places)} streamed members")
         for place, b in zip(places, blocks):
-            info, _, data, done, shape, dtype = place
-            if b.dtype != dtype or b.shape[1:] != shape[1:] or done + b.nbytes > info.file_size:
-                raise ValueError(f"{info.filename}: a block of {b.dtype} {b.shape} beyond a member of {dtype} {shape}")
+            if b.dtype != place.dtype or b.shape[1:] != place.shape[1:] or place.done + b.nbytes > place.nbytes:
+                raise ValueError(f"{place.info.filename}: a block of {b.dtype} {b.shape} beyond a member of "
+                                 f"{place.dtype} {place.shape}")
             raw = np.ascontiguousarray(b).reshape(-1).view(np.uint8)
-            f.seek(data + done)
+            f.seek(place.data + place.done)
             f.write(raw)
-            info.CRC = zlib.crc32(raw, info.CRC)
-            place[3] = done + b.nbytes
+            place.info.CRC = zlib.crc32(raw, place.info.CRC)
+            place.done += b.nbytes
             behind.wrote(b.nbytes)
-    for info, head, data, done, shape, dtype in places:
-        if data + done != info.header_offset + len(info.FileHeader(zip64=True)) + info.file_size:
-            raise ValueError(f"{info.filename}: blocks of {done} bytes in a member of {shape} {dtype}")
-        f.seek(info.header_offset)
-        f.write(info.FileHeader(zip64=True))
-        f.write(head)
-        zf.filelist.append(info)
-        zf.NameToInfo[info.filename] = info
+    for place in places:
+        if place.done != place.nbytes:
+            raise ValueError(f"{place.info.filename}: blocks of {place.done} bytes in a member of {place.nbytes}")
+        f.seek(place.info.header_offset)
+        f.write(place.info.FileHeader(zip64=True))  # now with the CRC-32
+        f.write(place.head)
+        zf.filelist.append(place.info)
+        zf.NameToInfo[place.info.filename] = place.info
     f.seek(at)
     zf.start_dir = at
-
-
-def _slices(a: np.ndarray) -> Iterator[np.ndarray]:
-    """``a`` in blocks of rows of about :data:`DROP_BEHIND_BYTES` (the pages behind go as it is written)."""
-    if a.ndim == 0 or a.shape[0] == 0:
-        yield a
-        return
-    rows = max(1, DROP_BEHIND_BYTES // max(1, a[:1].nbytes))
-    for i in range(0, a.shape[0], rows):
-        yield a[i:i + rows]
 
 
 #: A write flushes what it wrote and drops it from the page cache every this many bytes.
@@ -391,8 +394,9 @@ class _DropBehind:
     (``fdatasync``) and its clean pages dropped (``posix_fadvise(DONTNEED)``), so the next
     bytes reuse the pages just freed. The file must reach the disk anyway (the write ends in
     ``fsync``); what this saves is memory, and on a virtual machine whose freed memory goes
-    back to the host (this project's runs at ~0.4 GB/s for memory new to the guest), time:
-    600 MB written in 0.6 s against 1.8 s. A file object without a descriptor is left alone."""
+    back to the host (this project's runs at ~0.4 GB/s for memory new to the guest), time: 600 MB
+    written in 0.54-0.71 s against 0.53-2.39 s (three alternating runs, the slow one each time
+    memory had gone back to the host). A file object without a descriptor is left alone."""
 
     def __init__(self, f: IO[bytes]) -> None:
         self.f, self.pending = f, 0
@@ -568,12 +572,12 @@ class _Scan:
         return not self.nan and (self.lo is None or bool(np.isfinite(self.lo) and np.isfinite(self.hi)))
 
 
-def _row_chunks(a: np.ndarray) -> Iterator[np.ndarray]:
-    """``a`` in views along its first axis of about :data:`SCAN_BYTES` each."""
+def _row_chunks(a: np.ndarray, nbytes: int = SCAN_BYTES) -> Iterator[np.ndarray]:
+    """``a`` in views along its first axis of about ``nbytes`` each."""
     if a.ndim == 0:
         yield a.reshape(1)
         return
-    rows = max(1, SCAN_BYTES // max(1, a[:1].nbytes))
+    rows = max(1, nbytes // max(1, a[:1].nbytes))
     for i in range(0, a.shape[0], rows):
         yield a[i:i + rows]
 

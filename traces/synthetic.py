@@ -477,9 +477,6 @@ def _threads() -> int:
 
 #: Expert slots from which the generator draws groups of layers on threads (below, one thread).
 PARALLEL_MIN = 1 << 20
-#: Groups of layers per thread: a thread that finishes its group takes the next, so one held
-#: up (by the writer of the previous chunk, on as many cores as threads) does not hold the chunk.
-SPANS_PER_THREAD = 4
 
 
 def _layer_spans(m: int, n: int) -> list[tuple[int, int]]:
@@ -488,8 +485,17 @@ def _layer_spans(m: int, n: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
+#: The dtypes of what the kernel draws: true expert ids, their gates, predicted ids (traces.format's).
+DRAWN = (np.int16, np.float32, np.int16)
+
+
+def _chunk_rows(per_token: int) -> int:
+    """Steps a chunk of :data:`SCRATCH` expert slots holds (at least one)."""
+    return max(1, SCRATCH // max(per_token, 1))
+
+
 def _chunks(t: int, per_token: int):
-    n = max(1, SCRATCH // max(per_token, 1))
+    n = _chunk_rows(per_token)
     for s in range(0, t, n):
         yield s, min(t, s + n)
 
@@ -526,8 +532,7 @@ class _Draws:
         # Every MoE layer draws from its own streams into its own rows, so groups of layers run
         # on threads with the same result (tests/test_speed_synth.py); the rows of one token
         # are drawn layer by layer, so the split is by layer, not by token.
-        threads = _threads() if t * m * b * k >= PARALLEL_MIN else 1
-        spans = _layer_spans(m, min(SPANS_PER_THREAD * threads, m) if threads > 1 else 1)
+        spans = _layer_spans(m, min(_threads(), m) if t * m * b * k >= PARALLEL_MIN else 1)
 
         def draw(arrays: tuple[np.ndarray, ...], s0: int, span: tuple[int, int]) -> None:
             kernel(*arrays, prev, s0, *span, *self.tables, *states, *_ZIGGURAT)
@@ -536,7 +541,7 @@ class _Draws:
         if len(spans) > 1:
             from concurrent.futures import ThreadPoolExecutor
 
-            pool = ThreadPoolExecutor(threads)
+            pool = ThreadPoolExecutor(len(spans))
         try:
             for i, (s0, s1) in enumerate(_chunks(t, m * b * k)):
                 arrays = rows(i, s0, s1)
@@ -579,7 +584,7 @@ def synthetic_trace(spec: ModelSpec, params: SyntheticParams = SyntheticParams()
     counts tokens, for a progress bar on long traces. :func:`write_synthetic_trace` writes
     the same trace to a file without holding it."""
     draws = _Draws(spec, params)
-    true, gates, pred = (np.empty(draws.shape, dt) for dt in (np.int16, np.float32, np.int16))
+    true, gates, pred = (np.empty(draws.shape, dt) for dt in DRAWN)
     for _, _, s1 in draws.run(lambda i, s0, s1: (true[s0:s1], gates[s0:s1], pred[s0:s1])):
         if progress is not None:
             progress(s1, params.tokens)
@@ -597,19 +602,19 @@ def write_synthetic_trace(spec: ModelSpec, params: SyntheticParams, path: str | 
                           progress: Callable[[int, int], None] | None = None) -> None:
     """Write :func:`synthetic_trace`'s trace to ``path`` (the same bytes as ``write_trace`` of it)
     without holding it: every chunk is drawn into scratch rows and written into the file's three
-    stored members (:class:`moesim.traces.format.Streamed`), so memory is a chunk whatever the
+    stored members (:class:`moesim.traces.format.Streamed`), so memory is two chunks whatever the
     length, and the trace is touched once, in the file's pages, not first in memory (at ~0.4 GB/s
     for memory new to a process on this project's virtual machine, the larger cost for 100,000
     Qwen3-235B-A22B tokens: 600 MB)."""
     from moesim.traces.format import Streamed, write_trace_streamed
 
     per_step = spec.n_moe_layers * params.batch * spec.top_k
-    rows = min(params.tokens, max(1, SCRATCH // per_step))
+    rows = min(params.tokens, _chunk_rows(per_step))
     draws = _Draws(spec, params, held_cells=2 * rows * per_step)
     check_free_space(path, params.tokens * per_step * budget.TRACE_BYTES_PER_CELL,
                      f"a synthetic trace of {params.tokens} steps of {spec.name}")
     # Two sets of scratch rows: the next chunk is drawn into one while the other is written.
-    scratch = [[np.empty((rows, *draws.shape[1:]), dt) for dt in (np.int16, np.float32, np.int16)] for _ in "ab"]
+    scratch = [[np.empty((rows, *draws.shape[1:]), dt) for dt in DRAWN] for _ in "ab"]
 
     def blocks() -> Iterator[tuple[np.ndarray, ...]]:
         from concurrent.futures import ThreadPoolExecutor
@@ -625,7 +630,8 @@ def write_synthetic_trace(spec: ModelSpec, params: SyntheticParams, path: str | 
                         progress(s1, params.tokens)
                     yield tuple(a[:s1 - s0] for a in scratch[i % 2])
             finally:
-                nxt.cancel() or nxt.exception()  # the chunk being drawn finishes before the streams close
+                if not nxt.cancel():  # the chunk being drawn finishes before the streams close
+                    nxt.exception()
                 chunks.close()
 
     names = ("true_ids", "true_gates", "pred_ids")
