@@ -7,6 +7,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -42,3 +43,44 @@ def test_threads_draw_the_one_thread_trace(model, tokens, batch, threads, scratc
     for name in ROUTING:
         np.testing.assert_array_equal(getattr(many, name), getattr(one, name), err_msg=name)
     np.testing.assert_array_equal(many.token_ids, one.token_ids)
+
+
+def test_sort8_sorts_every_0_1_input_descending():
+    """The zero-one principle (Knuth, TAOCP vol. 3, 5.3.4): a network that sorts every 0/1
+    input sorts every input; its layers' exchanges touch distinct values (one assignment a layer)."""
+    import itertools
+
+    for layer in synthetic.SORT8:
+        assert len({i for pair in layer for i in pair}) == 2 * len(layer)
+    for bits in itertools.product((0, 1), repeat=8):
+        z = list(bits)
+        for layer in synthetic.SORT8:
+            for a, b in layer:
+                z[a], z[b] = max(z[a], z[b]), min(z[a], z[b])
+        assert z == sorted(bits, reverse=True)
+
+
+@pytest.mark.slow  # compiles a second kernel: ~17 s on the 2-core machine
+def test_the_written_out_sort8_draws_what_the_transposition_sort_draws():
+    """The kernel's unrolled network (k = 8) against its general sort on the same streams."""
+    import inspect
+
+    from numba import njit
+
+    src = inspect.getsource(synthetic._draw_rows)
+    assert src.count("if k == 8:") == 1
+    ns = {"np": np}
+    exec(src.replace("if k == 8:", "if k == -8:"), ns)  # noqa: S102 (the kernel's own source, one branch off)
+    general = njit(nogil=True)(ns["_draw_rows"])
+    spec, params = get_model("qwen3-30b-a3b"), SyntheticParams(tokens=64, seed=3)
+    out = []
+    for kernel in (synthetic._kernel(), general):
+        d = synthetic._Draws(spec, params)
+        arrays = [np.empty(d.shape, dt) for dt in synthetic.DRAWN]
+        prev = np.zeros(d.shape[1:], np.int16)
+        kernel(*arrays, prev, 0, 0, d.shape[1], *d.tables, *[s.copy() for s in d.states], *synthetic._ZIGGURAT)
+        out.append(arrays)
+    assert spec.top_k == 8
+    for a, b in zip(*out):
+        assert a.tobytes() == b.tobytes()
+    assert (np.diff(out[0][1], axis=-1) <= 0).all()  # gates largest first
