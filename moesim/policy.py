@@ -74,6 +74,12 @@ EVICTIONS = ("lru", "lfu")
 CPU_MODES = ("", "layers", "hot", "miss", "whole", "stream")
 
 
+def check_eviction(name: str) -> None:
+    """One line for an eviction policy no cache knows (every command that takes ``--eviction``)."""
+    if name not in EVICTIONS:
+        raise MoesimError(f"--eviction: unknown eviction policy {name!r}; known: {', '.join(EVICTIONS)}")
+
+
 def register(policy: Policy) -> Policy:
     """Add ``policy`` (and its aliases) to the registry; names are lower-case and unique."""
     names = (policy.name, *policy.aliases)

@@ -83,12 +83,11 @@ def check_values(*, eviction: str, sim: str, backend: str, link_gbps, cache_gib,
     import math
 
     from moesim.models import DTYPES
-    from moesim.policy import EVICTIONS, QUEUES
+    from moesim.policy import QUEUES, check_eviction
     from moesim.quant_recipes import is_format
     from moesim.sim.whatif import BACKENDS
 
-    if eviction not in EVICTIONS:
-        raise MoesimError(f"--eviction: unknown eviction policy {eviction!r}; known: {', '.join(EVICTIONS)}")
+    check_eviction(eviction)
     if sim not in ("fast", "simpy"):
         raise MoesimError(f"--sim: unknown simulator {sim!r}; known: simpy, fast")
     if backend not in BACKENDS:

@@ -6,6 +6,7 @@ name, and a symbolic link loop as --out is refused instead of being replaced by 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -263,3 +264,18 @@ def test_a_report_stopped_while_written_says_its_folder_is_partial(tmp_path, cap
     with pytest.raises(KeyboardInterrupt), writing_report(tmp_path / "empty"):
         raise KeyboardInterrupt  # nothing written yet: nothing to say
     assert "part of a report" not in capsys.readouterr().err
+
+
+def test_profile_refuses_an_unknown_eviction_before_any_work(tmp_path):
+    """``profile --eviction mru`` decoded a token and exited 0 (no cache used it); now refused
+    as sweeps refuse it, and before torch loads."""
+    from cli_run import by_subprocess
+
+    probe = ("import sys, runpy; sys.argv = ['moesim', 'profile', '--model', 'tiny', '--eviction', 'mru', "
+             "'--tokens', '1', '--out', 'p.npz']\ntry:\n    runpy.run_module('moesim', run_name='__main__')\n"
+             "finally:\n    print('torch' in sys.modules, file=sys.stderr)")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert r.returncode == 2 and r.stderr.splitlines()[-1] == "False", r.stderr[-2000:]
+    one_line_error(by_subprocess("profile", "--model", "tiny", "--eviction", "mru", "--out", "p.npz", cwd=tmp_path),
+                   "--eviction", "'mru'", "lru, lfu")
+    assert not (tmp_path / "p.npz").exists()

@@ -14,6 +14,7 @@ from moesim.cli.options import holding, torch_threads
 from moesim.cli.running import keeps_finished_work, progress_bar
 from moesim.executor.defaults import DECODE_THREADS, SHIPPED_MODEL
 from moesim.hardware import DEFAULT_PROFILE
+from moesim.policy import check_eviction
 
 
 @app.command()
@@ -86,6 +87,7 @@ def profile(
     Examples: `moesim profile --model tiny --policy prefetch-fom --link-gbps 0.5 --tokens 4 --out run.npz`,
     then `moesim replay run.npz --validate`; `moesim profile --hardware --name mybox` (long-running) writes ./mybox.toml.
     """
+    check_eviction(eviction)  # before torch loads, as sweeps check it
     if hardware:
         from moesim.executor.hwbench import MEASURE_STEPS, measure_to_file
         from moesim.hardware import FIGURES
