@@ -68,7 +68,7 @@ from moesim.executor.record import (
 from moesim.executor.speculative import check_tree_size, load_expert_predictor
 from moesim.models import ModelSpec, from_hf_config, read_config
 from moesim.outputs import check_output_file
-from moesim.selection import SCORES, SELECTIONS, Tree, accept, select
+from moesim.selection import SCORES, SELECTIONS, Tree, accept, check_lambda, select
 from moesim.traces.format import Trace, write_trace
 from moesim.traces.header import make_header
 from moesim.traces.records import SDStep, expert_mask, sd_arrays
@@ -95,8 +95,7 @@ class DraftSettings:
             raise MoesimError(f"unknown selection {self.selection!r}; known: {', '.join(SELECTIONS)}")
         if self.score not in SCORES:
             raise MoesimError(f"unknown score {self.score!r}; known: {', '.join(SCORES)}")
-        if not -1e9 < self.lam < 1e9:  # NaN fails too
-            raise MoesimError(f"--lambda {self.lam}: a finite number")
+        check_lambda(self.lam)
 
 
 @dataclass

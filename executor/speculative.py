@@ -38,7 +38,7 @@ from moesim.executor.defaults import PREDICTOR_CHUNK
 from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
 from moesim.executor.model import Hooks, MoEModel, ResidentExperts, TreeMask, read_tensors
 from moesim.executor.runtime import OffloadedDecoder
-from moesim.selection import SCORES, SELECTIONS, Tree, accept, select
+from moesim.selection import SCORES, SELECTIONS, Tree, accept, check_lambda, select
 from moesim.traces.format import Trace
 from moesim.traces.header import make_header
 from moesim.traces.records import SDStep, copy_arrays, expert_mask, sd_arrays
@@ -199,8 +199,7 @@ class SDSettings:
         if self.gamma < 0 or self.branch < 1 or self.depth < 1 or self.tokens < 1:
             raise MoesimError("gamma >= 0, branch >= 1, depth >= 1, tokens >= 1")
         check_tree_size(self.depth, self.branch, "speculate")
-        if not -1e9 < self.lam < 1e9:  # NaN fails too
-            raise MoesimError(f"--lambda {self.lam}: a finite number")
+        check_lambda(self.lam)
         if self.strategy not in SELECTIONS:
             raise MoesimError(f"unknown selection {self.strategy!r}; known: {', '.join(SELECTIONS)}")
         if self.score not in SCORES:

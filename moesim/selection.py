@@ -32,6 +32,18 @@ SELECTIONS = ("confidence", "ecospec")
 SCORES = ("lagrangian", "ratio")
 
 
+def lambda_ok(lam: float) -> bool:
+    """The Lagrangian score's lambda: a finite number >= 0 (NaN fails), wherever it is given."""
+    return 0 <= lam < float("inf")
+
+
+def check_lambda(lam: float) -> None:
+    """One line for a lambda :func:`lambda_ok` refuses (replay's, speculate's and record's ``--lambda``)."""
+    if not lambda_ok(lam):
+        raise MoesimError(f"--lambda {lam:g}: the Lagrangian score's lambda must be a number >= 0"
+                          + (" and finite" if lam == float("inf") else ""))
+
+
 @dataclass
 class Tree:
     """Candidates below the root: ``parents[i]`` is -1 (a child of the root) or an earlier index."""

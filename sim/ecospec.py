@@ -25,6 +25,7 @@ import numpy as np
 from moesim.budget import Estimate
 from moesim.errors import MoesimError
 from moesim.models import ModelSpec, get_model
+from moesim.selection import lambda_ok
 from moesim.sim.deployment import Deployment, get_deployment, seconds_per_distinct_expert, time_steps
 from moesim.sim.draft import DraftProfile
 from moesim.sim.plan import Step
@@ -75,7 +76,7 @@ def parse_selections(text: str) -> tuple[Selection, ...]:
             lam = float(parts[2]) if len(parts) == 3 else 0.0
         except ValueError:
             raise MoesimError(f"--selection {item!r}: lambda {parts[2]!r} is not a number") from None
-        if (len(parts) > 3 or not parts[0] or (parts[0] == "confidence" and len(parts) > 1) or not lam == lam or lam < 0
+        if (len(parts) > 3 or not parts[0] or (parts[0] == "confidence" and len(parts) > 1) or not lambda_ok(lam)
                 or (len(parts) == 3 and parts[1] != "lagrangian")):  # only the Lagrangian score has a lambda
             raise MoesimError(f"--selection {item!r}: write confidence, ecospec, ecospec:ratio or "
                               "ecospec:lagrangian:LAMBDA (LAMBDA >= 0)")

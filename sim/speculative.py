@@ -24,7 +24,7 @@ from moesim.costmodel import CostModel
 from moesim.errors import MoesimError
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, get_profile
 from moesim.policy import get_policy
-from moesim.selection import Tree, select
+from moesim.selection import Tree, check_lambda, select
 from moesim.sim.deployment import Deployment, time_steps
 from moesim.sim.fastpath import run_fast
 from moesim.sim.plan import Step, plan_sets  # noqa: F401 (Step: the verification step, re-exported)
@@ -231,9 +231,8 @@ def speculative_whatif(trace: Trace, hw: HardwareProfile | None = None, policies
     ``auto`` is measured when the trace holds measured times, else profile. Returns
     ``measured`` and ``error`` (of the first policy as recorded; None without measured
     times) and ``rows`` (each with its ``case``)."""
-    bad = [lam for lam in lambdas if not lam >= 0 or lam == float("inf")]  # NaN fails >= 0
-    if bad:  # as ecospec's --selection ecospec:lagrangian:LAMBDA
-        raise MoesimError(f"--lambda {bad[0]:g}: the Lagrangian score's lambda must be a number >= 0")
+    for lam in lambdas:  # as ecospec's --selection ecospec:lagrangian:LAMBDA
+        check_lambda(lam)
     if bad := [g for g in gammas or () if isinstance(g, bool) or not isinstance(g, int) or g < 0]:
         raise MoesimError(f"--gamma {bad[0]}: verification budgets are whole numbers >= 0")
     for name, v in (("--depth", depth), ("--branch", branch)):

@@ -279,3 +279,23 @@ def test_profile_refuses_an_unknown_eviction_before_any_work(tmp_path):
     one_line_error(by_subprocess("profile", "--model", "tiny", "--eviction", "mru", "--out", "p.npz", cwd=tmp_path),
                    "--eviction", "'mru'", "lru, lfu")
     assert not (tmp_path / "p.npz").exists()
+
+
+def test_one_lambda_rule_for_every_command():
+    """``speculate --lambda 1e308`` was refused as "a finite number" (it is finite) while replay took it,
+    and speculate took -1 that replay refused; now one rule, ``moesim.selection.lambda_ok``."""
+    from moesim.errors import MoesimError
+    from moesim.executor.speculative import SDSettings
+    from moesim.selection import check_lambda, lambda_ok
+    from moesim.sim.ecospec import parse_selections
+
+    assert lambda_ok(0.0) and lambda_ok(1e308)
+    assert not any(lambda_ok(v) for v in (-1.0, float("inf"), float("nan")))
+    check_lambda(1e308)
+    SDSettings(lam=1e308)
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(MoesimError, match="--lambda"):
+            SDSettings(lam=bad)
+        with pytest.raises(MoesimError):
+            parse_selections(f"ecospec:lagrangian:{bad}")
+    assert parse_selections("ecospec:lagrangian:1e308")[0].lam_per_layer_k == 1e308
