@@ -362,3 +362,22 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
     if any(t.synthetic for t in traces.values()):
         notes.insert(0, "synthetic traces: routing and predictions are generated, not recorded")
     return WhatIf(sweep, goal, rows, best(rows, goal), by_hw, any(t.synthetic for t in traces.values()), notes)
+
+
+def profile_notes(policy: str, eviction: str, given: set[str], cached: bool, hardware: bool) -> list[str]:
+    """``moesim profile``: a note for each option typed that the run does not use (the
+    :func:`unused_options` wording)."""
+    from moesim.policy import get_policy
+
+    if hardware:
+        return []
+    pol = get_policy(policy)
+    notes = unused_options([pol], None, None, None, None, None, verb="chosen",
+                           eviction=eviction if "--eviction" in given else None, cached=cached,
+                           link_given="--link-gbps" in given)
+    if "--predictor" in given and not pol.prefetch:
+        notes.append("--predictor was given, but none of the chosen policies uses it (only the prefetching "
+                     "policies): it changed nothing")
+    if "--name" in given:
+        notes.append("--name was given, but only --hardware uses it: it changed nothing")
+    return notes

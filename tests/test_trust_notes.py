@@ -299,3 +299,13 @@ def test_one_lambda_rule_for_every_command():
         with pytest.raises(MoesimError):
             parse_selections(f"ecospec:lagrangian:{bad}")
     assert parse_selections("ecospec:lagrangian:1e308")[0].lam_per_layer_k == 1e308
+
+
+def test_profile_notes_what_changed_nothing(tmp_path):
+    """Round 9: profile notes --eviction, --predictor, --link-gbps and --name it did not use."""
+    r = in_process("profile", "--model", "tiny", "--tokens", "2", "--policy", "all-resident", "--eviction", "lfu",
+                   "--predictor", "stale", "--link-gbps", "1", "--name", "x", "--out", "p.npz", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    said = " ".join(notes(r))
+    for o in ("--eviction", "--predictor", "--link-gbps", "--name"):
+        assert f"{o} was given" in said and "changed nothing" in said, r.stderr[-2000:]

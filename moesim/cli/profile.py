@@ -20,6 +20,7 @@ from moesim.policy import check_eviction
 @app.command()
 @keeps_finished_work
 def profile(
+    ctx: typer.Context,
     model: Annotated[str, typer.Option(help="A checkpoint directory, 'moe-stdlib' (the shipped learned-routing model) "
                                             "or a catalogue name (seeded random weights: synthetic).")] = SHIPPED_MODEL,
     policy: Annotated[str, typer.Option(help="all-resident, on-demand, prefetch-spec, prefetch-fom (alias prefetch), oracle; "
@@ -87,7 +88,12 @@ def profile(
     Examples: `moesim profile --model tiny --policy prefetch-fom --link-gbps 0.5 --tokens 4 --out run.npz`,
     then `moesim replay run.npz --validate`; `moesim profile --hardware --name mybox` (long-running) writes ./mybox.toml.
     """
+    from moesim.cli.options import given_options
+    from moesim.sim.sweep import profile_notes
+
     check_eviction(eviction)  # before torch loads, as sweeps check it
+    for note in profile_notes(policy, eviction, given_options(ctx), cache_gib > 0 or cache_experts > 0, hardware):
+        err.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     if hardware:
         from moesim.executor.hwbench import MEASURE_STEPS, measure_to_file
         from moesim.hardware import FIGURES
