@@ -44,7 +44,6 @@ def notes(r) -> list[str]:
      ("--score", "ecospec selection")),
     (("synth", "--model", "tiny", "--tokens", "2", "--early-layers", "1000", "--out", "s.npz"),
      ("--early-layers 1000", "4 MoE layers")),
-    (("validate", "--published", "--repeats", "2"), ("--repeats", "--published")),
     (("replay", "t.npz", "--policy", "weight-streaming", "--offload-gib", "1e9"), ("--offload-gib 1e+09", "every layer")),
 ]))
 def test_an_option_that_changes_nothing_says_so(run, traces, args, words):
