@@ -65,10 +65,16 @@ def test_docs_have_json_examples():
         assert any(c.split()[1] == command for c in cmds), command
 
 
+#: Examples that run for minutes in full: with -m slow, and in the default run in-process
+#: over a cut-down input (test_json_output_of_the_long_examples_is_strict).
+LONG = ("moesim validate --published --json",)
+
+
 def _cases():
     for setup, cmd in documented() + [([], c) for c in EXTRA]:
-        # reading configs through transformers costs a subprocess ~15 s of imports: with -m slow
-        yield pytest.param(setup, cmd, marks=[pytest.mark.slow] if str(CONFIGS) in cmd else [])
+        # reading configs through transformers costs a subprocess ~15 s of imports, and
+        # validate --published fits engine figures once per source (over two minutes): with -m slow
+        yield pytest.param(setup, cmd, marks=[pytest.mark.slow] if str(CONFIGS) in cmd or cmd in LONG else [])
 
 
 @pytest.mark.parametrize("setup, cmd", list(_cases()),
@@ -80,6 +86,20 @@ def test_json_output_is_strict(tmp_path, setup, cmd):
     r = _run(cmd, tmp_path)
     assert r.returncode == 0, r.stderr[-600:]
     strict_loads(r.stdout)  # one strict JSON value, nothing before or after it
+
+
+def test_json_output_of_the_long_examples_is_strict(tmp_path, monkeypatch):
+    """validate --published --json over the published entries of two sources whose engines
+    no other source measures (nothing to fit): the same printing path, in seconds."""
+    from moesim.sim import engine_fit
+
+    assert [c for _, c in documented() if c in LONG] == list(LONG)  # still documented
+    few = [e for e in engine_fit.entries() if e.setting["engine"] in ("vllm", "moe-infinity")]
+    assert few
+    monkeypatch.setattr(engine_fit, "entries", lambda: tuple(few))
+    r = in_process("validate", "--published", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-600:]
+    assert len(strict_loads(r.stdout)["rows"]) == len(few)
 
 
 def test_non_finite_numbers_become_null_with_a_reason():
