@@ -366,9 +366,10 @@ def test_replay_refuses_a_device_profile_at_once(work, run, option):
     assert time.time() - t0 < 30
 
 
-def test_stats_on_a_silent_fifo_is_refused_not_missing(work, tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_stats_on_a_silent_fifo_is_refused_not_missing(work, tmp_path, run, quick):
     os.mkfifo(tmp_path / "f.npz")
-    line = one_line(moesim("stats", "f.npz", cwd=tmp_path, timeout=60), "named pipe (FIFO)")
+    line = one_line(run("stats", "f.npz", cwd=tmp_path, timeout=60), "named pipe (FIFO)")
     assert "does not exist" not in line
 
 
@@ -415,10 +416,10 @@ def test_import_of_a_plain_npy_and_hostile_jsonl_is_one_line(tmp_path, run):
 
 
 @pytest.mark.parametrize("run", BOTH_WAYS)
-def test_record_prompts_file_is_checked(tmp_path, run):
+def test_record_prompts_file_is_checked(tmp_path, run, quick):
     pytest.importorskip("torch")
     os.mkfifo(tmp_path / "p.txt")
-    one_line(moesim("record", "moe-stdlib", "--prompts-file", "p.txt", "--tokens", "1", cwd=tmp_path), "named pipe")
+    one_line(run("record", "moe-stdlib", "--prompts-file", "p.txt", "--tokens", "1", cwd=tmp_path), "named pipe")
     one_line(run("record", "moe-stdlib", "--prompts-file", "/dev/zero", "--tokens", "1", cwd=tmp_path),
              "is a device")
     (tmp_path / "e.txt").write_text("\n\n")
@@ -440,7 +441,8 @@ def r4(refusal_dir):
     return refusal_dir
 
 
-def test_whole_number_and_finite_options_are_one_line_not_a_traceback_or_cut(r4):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_whole_number_and_finite_options_are_one_line_not_a_traceback_or_cut(r4, run):
     eco = ("ecospec", "--model", "qwen3-235b-a22b", "--deployment", "1xh200-offload", "--steps", 2, "--gamma")
     cases = [(("stats", "t.npz", "--sizes", "nan"), "whole numbers"),  # was ValueError
              (("stats", "t.npz", "--sizes", "inf"), "whole numbers"),  # was OverflowError
@@ -455,32 +457,35 @@ def test_whole_number_and_finite_options_are_one_line_not_a_traceback_or_cut(r4)
               "--cpu-layers -1"),  # was TypeError
              (("replay", "t.npz", "--hw", "", "--sim", "fast"), "--hw ''")]  # was "hardware profile . is a directory"
     for args, words in cases:
-        one_line(moesim(*args, cwd=r4), words)
+        one_line(run(*args, cwd=r4), words)
     assert not (r4 / "s.npz").exists()
 
 
-def test_record_refuses_batch_0_and_a_temperature_that_is_not_finite_and_positive(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_record_refuses_batch_0_and_a_temperature_that_is_not_finite_and_positive(tmp_path, run):
     for extra, words in (((("--batch", 0)), "--batch 0"), (("--temperature", -1), "--temperature -1"),
                          (("--temperature", "inf"), "--temperature inf")):
-        one_line(moesim("record", "moe-stdlib", "--tokens", 1, "--out", "r.npz", *extra, cwd=tmp_path, timeout=120),
+        one_line(run("record", "moe-stdlib", "--tokens", 1, "--out", "r.npz", *extra, cwd=tmp_path, timeout=120),
                        words)
     assert not list(tmp_path.glob("r.npz*"))
 
 
-def test_whatif_out_dot_writes_here_and_a_symlink_loop_is_one_line(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_whatif_out_dot_writes_here_and_a_symlink_loop_is_one_line(tmp_path, run):
     (tmp_path / "loop").symlink_to("loop2")
     (tmp_path / "loop2").symlink_to("loop")
     w = ("whatif", "--model", "tiny", "--hw", "a6000", "--tokens", 4, "--jobs", 1, "--policy", "on-demand",
          "--cache-gib", 0, "--json")
-    one_line(moesim(*w, "--out", "loop/x", cwd=tmp_path), "--out loop/x", "cannot resolve")  # was RuntimeError
+    one_line(run(*w, "--out", "loop/x", cwd=tmp_path), "--out loop/x", "cannot resolve")  # was RuntimeError
     here = tmp_path / "here"
     here.mkdir()
-    r = moesim(*w, "--out", ".", cwd=here)  # was ValueError: PosixPath('.') has an empty name
+    r = run(*w, "--out", ".", cwd=here)  # was ValueError: PosixPath('.') has an empty name
     assert r.returncode == 0, r.stderr[-2000:]
     assert (here / "report.html").exists() and not list(tmp_path.rglob("*.lock"))
 
 
-def test_options_that_change_nothing_say_so_in_stats_synth_like_import_and_ecospec(r4):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_options_that_change_nothing_say_so_in_stats_synth_like_import_and_ecospec(r4, run):
     jsonl = ROOT / "traces" / "examples" / "routing-moe-stdlib.jsonl"
     ck = ROOT / "executor" / "checkpoints" / "moe-stdlib"
     for args, words in ((("stats", "t.npz", "--policy", "prefetch"), "--policy"),
@@ -489,88 +494,95 @@ def test_options_that_change_nothing_say_so_in_stats_synth_like_import_and_ecosp
                          "--prompt-tokens"),
                         (("ecospec", "--model", "qwen3-235b-a22b", "--deployment", "1xh200-offload", "--steps", 2,
                           "--gamma", 2, "--selection", "confidence", "--recall", 0.5, "--json"), "--recall")):
-        r = moesim(*args, cwd=r4)
+        r = run(*args, cwd=r4)
         assert r.returncode == 0, r.stderr[-2000:]
         notes = [ln for ln in r.stderr.splitlines() if ln.startswith("note:")]
         assert len(notes) == 1 and words in notes[0] and "changed nothing" in notes[0], r.stderr
 
 
-def test_an_ecospec_budget_past_the_tree_says_it_verifies_the_whole_tree(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_an_ecospec_budget_past_the_tree_says_it_verifies_the_whole_tree(tmp_path, run):
     """--gamma 10^8 verified the whole 30-candidate tree with no word: a note names the tree's size, and the
     row is the whole tree's (the same as --gamma 30)."""
     base = ("ecospec", "--model", "olmoe-1b-7b", "--deployment", "1xh200-offload", "--steps", 2,
             "--selection", "confidence", "--json")
-    big, tree = (moesim(*base, "--gamma", g, cwd=tmp_path) for g in (100000000, 30))
+    big, tree = (run(*base, "--gamma", g, cwd=tmp_path) for g in (100000000, 30))
     assert big.returncode == 0 and tree.returncode == 0, big.stderr[-2000:]
     notes = [ln for ln in big.stderr.splitlines() if ln.startswith("note:")]
     assert notes == ["note: --gamma 100000000 is more than a draft tree's 30 candidates (--branch 2, --depth 4): "
                      "verifies the whole tree, as --gamma 30"], big.stderr
     assert not [ln for ln in tree.stderr.splitlines() if ln.startswith("note:")]
-    none = moesim(*base[:-1], "--gamma", 0, cwd=tmp_path)  # an empty table said nothing of why
+    none = run(*base[:-1], "--gamma", 0, cwd=tmp_path)  # an empty table said nothing of why
     assert none.returncode == 0 and "note: --gamma 0 alone is decoding without speculation" in none.stderr, none.stderr
     rows = [{k: v for k, v in r.items() if k != "gamma"} for r in json.loads(big.stdout)]
     assert rows == [{k: v for k, v in r.items() if k != "gamma"} for r in json.loads(tree.stdout)]
 
 
-def test_import_checks_its_output_before_reading_the_model(r4):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_import_checks_its_output_before_reading_the_model(r4, run):
     ck = ROOT / "executor" / "checkpoints" / "moe-stdlib"
     jsonl = ROOT / "traces" / "examples" / "routing-moe-stdlib.jsonl"
-    one_line(moesim("import", "jsonl", jsonl, "--model", ck, "--out", "adir", cwd=r4), "--out adir")
+    one_line(run("import", "jsonl", jsonl, "--model", ck, "--out", "adir", cwd=r4), "--out adir")
     # the output is refused even where the model could never be read: it is checked first
-    one_line(moesim("import", "jsonl", jsonl, "--model", "afile", "--out", "adir", cwd=r4), "--out adir")
+    one_line(run("import", "jsonl", jsonl, "--model", "afile", "--out", "adir", cwd=r4), "--out adir")
 
 
-def test_whatif_with_a_trace_says_the_synthetic_shape_options_changed_nothing(r4):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_whatif_with_a_trace_says_the_synthetic_shape_options_changed_nothing(r4, run):
     w = ("whatif", "--trace", "t.npz", "--hw", "a6000", "--jobs", 1, "--policy", "on-demand", "--cache-gib", 0, "--json",
          "--out", "w")
-    notes = json.loads(moesim(*w, "--model", "olmoe-1b-7b", "--tokens", 999, "--batch", 4, cwd=r4).stdout)["notes"]
+    notes = json.loads(run(*w, "--model", "olmoe-1b-7b", "--tokens", 999, "--batch", 4, cwd=r4).stdout)["notes"]
     assert any("--model, --tokens, --batch shape synthetic traces" in n and "changed nothing" in n for n in notes), notes
-    assert not any("shape" in n for n in json.loads(moesim(*w, cwd=r4).stdout)["notes"])
+    assert not any("shape" in n for n in json.loads(run(*w, cwd=r4).stdout)["notes"])
 
 
-def test_a_one_step_trace_is_one_step_and_its_reuse_distance_is_said_in_words(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_a_one_step_trace_is_one_step_and_its_reuse_distance_is_said_in_words(tmp_path, run):
     """A 1-step trace printed `1 steps` and `median reuse distance None steps`."""
     write_trace(synthetic_trace(get_model("olmoe-1b-7b"), SyntheticParams(tokens=1)), tmp_path / "one.npz")
-    r = moesim("stats", "one.npz", cwd=tmp_path)
+    r = run("stats", "one.npz", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "olmoe-1b-7b: 1 step, batch 1" in r.stdout and "no expert was used again" in r.stdout, r.stdout
     assert "None" not in r.stdout and "1 steps" not in r.stdout
-    r = moesim("replay", "one.npz", "--hw", "a6000", "--policy", "on-demand", cwd=tmp_path)
+    r = run("replay", "one.npz", "--hw", "a6000", "--policy", "on-demand", cwd=tmp_path)
     assert r.returncode == 0 and " 1 step (" in " ".join(r.stdout.split()), r.stdout
 
 
-def test_every_policy_reports_the_traces_prediction_recall(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_every_policy_reports_the_traces_prediction_recall(tmp_path, run):
     """The stranger's round 5: replay's `pred recall` was 0.708 for the copy policies and nan for the
     CPU-compute ones on the same trace. It is the trace's, whatever the policy (on-demand's said it too)."""
     write_trace(synthetic_trace(get_model("olmoe-1b-7b"), SyntheticParams(tokens=40, seed=4)), tmp_path / "t.npz")
-    r = moesim("replay", "t.npz", "--hw", "a6000", "--policy", "on-demand,cpu-static,cpu-on-miss", "--cache-gib", 1,
+    r = run("replay", "t.npz", "--hw", "a6000", "--policy", "on-demand,cpu-static,cpu-on-miss", "--cache-gib", 1,
                "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     recalls = {row["policy"]: row["pred_recall"] for row in json.loads(r.stdout)}
     assert len(recalls) == 3 and len(set(recalls.values())) == 1 and 0 < recalls["on-demand"] < 1, recalls
 
 
-def test_replay_says_when_a_deployment_does_not_fit_the_gpu(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_replay_says_when_a_deployment_does_not_fit_the_gpu(tmp_path, run):
     """The stranger's round 6: replay timed all-resident Qwen3-30B-A3B (61 GB) on a 48 GB A6000 with no
     word, where whatif marks the same row `fits: false`. Both read one figure (time_plan's)."""
     write_trace(synthetic_trace(get_model("qwen3-30b-a3b"), SyntheticParams(tokens=8, seed=2)), tmp_path / "q.npz")
-    r = moesim("replay", "q.npz", "--hw", "a6000", "--policy", "all-resident,on-demand", "--json", cwd=tmp_path)
+    r = run("replay", "q.npz", "--hw", "a6000", "--policy", "all-resident,on-demand", "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     fits = {row["policy"]: row["fits"] for row in json.loads(r.stdout)}
     assert fits == {"all-resident": False, "on-demand": True}, fits
     notes = [ln for ln in r.stderr.splitlines() if ln.startswith("note:")]
     assert len(notes) == 1 and "all-resident needs 61" in notes[0] and "does not fit" in notes[0], r.stderr
-    w = moesim("whatif", "--trace", "q.npz", "--hw", "a6000", "--policy", "all-resident", "--json", cwd=tmp_path)
+    w = run("whatif", "--trace", "q.npz", "--hw", "a6000", "--policy", "all-resident", "--json", cwd=tmp_path)
     assert w.returncode == 0, w.stderr[-2000:]
     answer = json.loads(w.stdout)
     assert answer["best"] is None and [row["fits"] for row in answer["rows"]] == [False], answer
 
 
-def test_weight_streaming_counts_the_bytes_it_reads_over_the_link(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_weight_streaming_counts_the_bytes_it_reads_over_the_link(tmp_path, run):
     """weight-streaming said 0.0 GB moved a token beside tens of ms of link time: the streamed layers'
     weights (dense, and the routed experts the kernels read) are what crosses the link."""
     write_trace(synthetic_trace(get_model("olmoe-1b-7b"), SyntheticParams(tokens=16, seed=5)), tmp_path / "o.npz")
-    r = moesim("replay", "o.npz", "--hw", "a6000", "--policy", "weight-streaming", "--offload-gib", 5, "--json",
+    r = run("replay", "o.npz", "--hw", "a6000", "--policy", "weight-streaming", "--offload-gib", 5, "--json",
                cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     (row,) = json.loads(r.stdout)
@@ -591,13 +603,14 @@ def test_a_sweep_value_given_twice_however_spelled_is_refused(tmp_path, args, wo
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"error: {args[-2]}: {words}"], r.stderr
 
 
-def test_lists_by_position_take_repeated_values(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_lists_by_position_take_repeated_values(tmp_path, run):
     """An equal --tensor-split 1,1 (llama.cpp's) and per-depth --accept 0.8,0.8,0.6 were refused as repeats."""
     write_trace(synthetic_trace(get_model("olmoe-1b-7b"), SyntheticParams(tokens=8, seed=6)), tmp_path / "o.npz")
-    r = moesim("replay", "o.npz", "--hw", "2xa6000", "--policy", "all-resident", "--tensor-split", "1,1", "--json",
+    r = run("replay", "o.npz", "--hw", "2xa6000", "--policy", "all-resident", "--tensor-split", "1,1", "--json",
                cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
-    r = moesim("ecospec", "--model", "olmoe-1b-7b", "--deployment", "1xh200-offload", "--steps", 2, "--gamma", 2,
+    r = run("ecospec", "--model", "olmoe-1b-7b", "--deployment", "1xh200-offload", "--steps", 2, "--gamma", 2,
                "--accept", "0.8,0.8,0.6", "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
 
@@ -614,25 +627,27 @@ def test_synth_refuses_an_output_another_run_holds_and_an_empty_prompt(tmp_path)
     assert r.returncode == 2 and r.stderr.strip() == "error: --prompt-len 0: a whole number >= 1", r.stderr
 
 
-def test_models_takes_a_llama_cpp_file_type_as_replay_does(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_models_takes_a_llama_cpp_file_type_as_replay_does(tmp_path, run):
     """`models --expert-dtype q4_k_m` said "unknown expert dtype" where whatif and replay take it."""
-    r = moesim("models", "qwen3-30b-a3b", "--expert-dtype", "q4_k_m", "--json", cwd=tmp_path)
+    r = run("models", "qwen3-30b-a3b", "--expert-dtype", "q4_k_m", "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     (row,) = json.loads(r.stdout)["models"]
     assert row["model"] == "qwen3-30b-a3b@q4_k_m" and row["expert_bytes"] < get_model("qwen3-30b-a3b").expert_bytes / 3
-    r = moesim("models", "--expert-dtype", "q4_k_m", "--json", cwd=tmp_path)
+    r = run("models", "--expert-dtype", "q4_k_m", "--json", cwd=tmp_path)
     assert r.returncode == 0 and len(json.loads(r.stdout)["models"]) > 10, r.stderr[-2000:]
 
 
-def test_a_speculative_replay_refuses_a_negative_lambda_as_ecospec_does(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_a_speculative_replay_refuses_a_negative_lambda_as_ecospec_does(tmp_path, run):
     """replay of a speculative trace used --lambda -1 (ecospec refuses a negative lambda) and a negative
     --acceptance."""
-    r = moesim("synth", "--speculative", "--model", "olmoe-1b-7b", "--tokens", 4, "--out", "sd.npz", cwd=tmp_path)
+    r = run("synth", "--speculative", "--model", "olmoe-1b-7b", "--tokens", 4, "--out", "sd.npz", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     base = ("replay", "sd.npz", "--gamma", 2, "--selection", "ecospec", "--score", "lagrangian")
     for extra, line in ((("--lambda", "-1"), "error: --lambda -1: the Lagrangian score's lambda must be a number >= 0"),
                         (("--lambda", "nan"), "error: --lambda nan: the Lagrangian score's lambda must be a number >= 0"),
                         (("--acceptance", "-1"), "error: --acceptance -1: a positive number (it scales the draft's "
                                                  "probabilities)")):
-        r = moesim(*base, *extra, cwd=tmp_path)
+        r = run(*base, *extra, cwd=tmp_path)
         assert r.returncode == 2 and r.stderr.strip() == line, r.stderr
