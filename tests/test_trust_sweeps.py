@@ -62,7 +62,8 @@ POOL = ["whatif", "--model", "qwen3-30b-a3b,olmoe-1b-7b", "--hw", "a6000,h100-sx
         "--out", "w"]
 
 
-@pytest.mark.parametrize("sig,count,word", [(signal.SIGINT, 2, "Ctrl-C"), (signal.SIGINT, 5, "Ctrl-C"),
+@pytest.mark.parametrize("sig,count,word", [(signal.SIGINT, 2, "Ctrl-C"),
+                                            pytest.param(signal.SIGINT, 5, "Ctrl-C", marks=pytest.mark.slow),
                                             (signal.SIGTERM, 3, "SIGTERM"), (signal.SIGHUP, 1, "SIGHUP")])
 def test_signals_to_a_pool_sweep_end_it_keep_rows_and_leave_no_worker(tmp_path, sig, count, word):
     """The issue's hang: two Ctrl-C 0.3 s apart printed `interrupted` and waited forever on
@@ -117,8 +118,8 @@ def test_a_group_is_written_whole_whatever_signal_arrives_meanwhile(tmp_path):
 # --rows resume: foreign files, edited rows, two runs at once
 # --------------------------------------------------------------------------------------
 
-def _sweep_once(tmp_path: Path, rows: str = "r.csv") -> dict:
-    r = moesim(*SMALL, "--rows", rows, "--out", "w", "--json", cwd=tmp_path)
+def _sweep_once(tmp_path: Path, rows: str = "r.csv", run=moesim) -> dict:
+    r = run(*SMALL, "--rows", rows, "--out", "w", "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -128,7 +129,7 @@ def swept(tmp_path_factory) -> tuple[Path, str]:
     """One finished sweep (r.csv, its manifest and digests, the report in w/) and its JSON,
     made once: the starting point every resume test edits."""
     d = tmp_path_factory.mktemp("swept")
-    return d, json.dumps(_sweep_once(d))
+    return d, json.dumps(_sweep_once(d, run=in_process))
 
 
 def _swept_into(tmp_path: Path, swept: tuple[Path, str]) -> dict:
@@ -150,55 +151,60 @@ def _edit(path: Path, column: str, value: str, row: int = 0) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-# One of each kind by default; the rest with -m slow (each is a sweep run twice in subprocesses).
+# One of each kind by default, in-process; the rest, and each in a subprocess, with -m slow.
+@pytest.mark.parametrize("run", BOTH_WAYS)
 @pytest.mark.parametrize("value", ["-5", *(pytest.param(v, marks=pytest.mark.slow) for v in ("nan", "0.0001", "inf",
                                                                                           "abc"))])
-def test_an_edited_row_is_recomputed_and_never_the_best(tmp_path, swept, value):
+def test_an_edited_row_is_recomputed_and_never_the_best(tmp_path, swept, value, run):
     first = _swept_into(tmp_path, swept)
     _edit(tmp_path / "r.csv", "tpot_ms", value)
-    again = _sweep_once(tmp_path)
+    again = _sweep_once(tmp_path, run=run)
     assert again["best"]["tpot_ms"] == first["best"]["tpot_ms"]  # recomputed, as the first run had it
     assert any("recomputed" in n for n in again["notes"]), again["notes"]
     assert all(r["tpot_ms"] > 0 for r in again["rows"] if r["fits"])
 
 
-def test_a_duplicated_group_is_recomputed_once(tmp_path, swept):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_a_duplicated_group_is_recomputed_once(tmp_path, swept, run):
     _swept_into(tmp_path, swept)
     lines = (tmp_path / "r.csv").read_text().splitlines()
     (tmp_path / "r.csv").write_text("\n".join(lines + lines[1:]) + "\n")  # every row twice (the old race)
-    res = _sweep_once(tmp_path)
+    res = _sweep_once(tmp_path, run=run)
     rows = list(csv.DictReader((tmp_path / "r.csv").open()))
     assert len(rows) == len(res["rows"]) == len({(r["group"], r["hw"], r["link_gbps"]) for r in rows})
 
 
+@pytest.mark.parametrize("run", BOTH_WAYS)
 @pytest.mark.parametrize("content", [b"a,b\n1,2\n", *(pytest.param(c, marks=pytest.mark.slow) for c in (
     b"\x00\x01binary", b"\xff\xfe not utf-8\n", b"model,hw\nx,y\n"))])
-def test_a_file_that_is_not_a_sweeps_csv_is_one_line(tmp_path, swept, content):
+def test_a_file_that_is_not_a_sweeps_csv_is_one_line(tmp_path, swept, content, run):
     _swept_into(tmp_path, swept)
     (tmp_path / "r.csv").write_bytes(content)
-    line = one_error(moesim(*SMALL, "--rows", "r.csv", "--out", "w", cwd=tmp_path))
+    line = one_error(run(*SMALL, "--rows", "r.csv", "--out", "w", cwd=tmp_path))
     assert "not a sweep's rows CSV" in line or "not a resumable" in line
     assert (tmp_path / "r.csv").read_bytes() == content  # never overwritten
 
 
-def test_a_foreign_column_set_or_a_manifest_mismatch_is_refused(tmp_path, swept):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_a_foreign_column_set_or_a_manifest_mismatch_is_refused(tmp_path, swept, run):
     _swept_into(tmp_path, swept)
     text = (tmp_path / "r.csv").read_text()
     (tmp_path / "r.csv").write_text(text.replace("tpot_ms", "tpot_us", 1))
-    assert "not a sweep's rows CSV" in one_error(moesim(*SMALL, "--rows", "r.csv", "--out", "w", cwd=tmp_path))
+    assert "not a sweep's rows CSV" in one_error(run(*SMALL, "--rows", "r.csv", "--out", "w", cwd=tmp_path))
     (tmp_path / "r.csv").write_text(text)
     (tmp_path / "r.csv.sweep.json").write_text(json.dumps({"fingerprint": "0" * 16}))
-    assert "different sweep" in one_error(moesim(*SMALL, "--rows", "r.csv", "--out", "w", cwd=tmp_path))
+    assert "different sweep" in one_error(run(*SMALL, "--rows", "r.csv", "--out", "w", cwd=tmp_path))
 
 
-def test_resume_digests_catch_a_plausible_edit(tmp_path, swept):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_resume_digests_catch_a_plausible_edit(tmp_path, swept, run):
     """A value edited to another plausible one (no range check could tell) fails its digest."""
     from moesim.sim.sweep_rows import _read_sums, sums_path
 
     first = _swept_into(tmp_path, swept)
     assert _read_sums(sums_path(tmp_path / "r.csv"))  # one digest a finished group
     _edit(tmp_path / "r.csv", "tpot_ms", str(first["best"]["tpot_ms"] / 3))
-    again = _sweep_once(tmp_path)
+    again = _sweep_once(tmp_path, run=run)
     assert again["best"]["tpot_ms"] == first["best"]["tpot_ms"]
 
 
@@ -214,7 +220,7 @@ def test_a_second_run_on_the_same_output_is_refused_in_one_line(tmp_path, flag):
         line = one_error(moesim(*args, cwd=tmp_path))
         assert "in use by another moesim run" in line and f"process {os.getpid()}" in line
     assert not list(tmp_path.glob("*.lock"))
-    _sweep_once(tmp_path)
+    _sweep_once(tmp_path, run=in_process)  # the lock released: a run in this process takes it
 
 
 def test_the_lock_is_dropped_when_its_holder_is_killed(tmp_path):
@@ -240,21 +246,23 @@ def test_the_lock_is_dropped_when_its_holder_is_killed(tmp_path):
 # Long file names
 # --------------------------------------------------------------------------------------
 
-def test_a_legal_249_byte_name_works_for_rows_out_and_traces(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_a_legal_249_byte_name_works_for_rows_out_and_traces(tmp_path, run):
     rows, out, trace = "r" * 245 + ".csv", "w" * 249, "t" * 245 + ".npz"
-    r = moesim(*SMALL, "--rows", rows, "--out", out, "--json", cwd=tmp_path)
+    r = run(*SMALL, "--rows", rows, "--out", out, "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / rows).exists() and (tmp_path / out / "report.html").exists()
-    r = moesim(*SMALL, "--rows", rows, "--out", out, "--json", cwd=tmp_path)  # resumes from the shortened manifest
+    r = run(*SMALL, "--rows", rows, "--out", out, "--json", cwd=tmp_path)  # resumes from the shortened manifest
     assert r.returncode == 0, r.stderr
-    r = moesim("synth", "--model", "tiny", "--tokens", "4", "--out", trace, cwd=tmp_path)
+    r = run("synth", "--model", "tiny", "--tokens", "4", "--out", trace, cwd=tmp_path)
     assert r.returncode == 0 and (tmp_path / trace).exists(), r.stderr
     assert not list(tmp_path.rglob("*.tmp"))
 
 
+@pytest.mark.parametrize("run", BOTH_WAYS)
 @pytest.mark.parametrize("flag", ["--rows", "--out"])
-def test_a_name_longer_than_the_file_system_allows_is_one_line(tmp_path, flag):
-    line = one_error(moesim(*SMALL, flag, "x" * 300, cwd=tmp_path))
+def test_a_name_longer_than_the_file_system_allows_is_one_line(tmp_path, flag, run):
+    line = one_error(run(*SMALL, flag, "x" * 300, cwd=tmp_path))
     assert "300 bytes" in line and "allows 255 at most" in line
 
 
@@ -329,8 +337,9 @@ def test_all_resident_says_that_the_link_and_the_cache_changed_nothing(traces, e
     assert r.returncode == 0 and "changed nothing" not in r.stderr, r.stderr
 
 
-def test_replay_is_silent_when_the_option_is_used(traces):
-    r = moesim("replay", "t.npz", "--hw", "a6000", "--policy", "cpu-static", "--cpu-layers", "2", "--no-amx", "--json",
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_replay_is_silent_when_the_option_is_used(traces, run):
+    r = run("replay", "t.npz", "--hw", "a6000", "--policy", "cpu-static", "--cpu-layers", "2", "--no-amx", "--json",
                "--sim", "fast", cwd=traces)
     assert r.returncode == 0, r.stderr
     assert "changed nothing" not in r.stderr
@@ -348,14 +357,15 @@ def test_one_definition_of_unused_options_for_replay_and_whatif():
     assert not hasattr(replay, "unused_options") or replay.unused_options is sweep.unused_options
 
 
-def test_synth_notes_an_option_of_the_other_kind(tmp_path):
-    r = moesim("synth", "--model", "tiny", "--tokens", "4", "--depth", "3", "--out", "x.npz", cwd=tmp_path)
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_synth_notes_an_option_of_the_other_kind(tmp_path, run):
+    r = run("synth", "--model", "tiny", "--tokens", "4", "--depth", "3", "--out", "x.npz", cwd=tmp_path)
     assert r.returncode == 0 and "note: --depth" in r.stderr and "changed nothing" in r.stderr
 
 
 @pytest.mark.parametrize("run", BOTH_WAYS)
 def test_step_out_of_range_says_the_valid_range_and_a_one_step_trace_replays(traces, run):
-    line = one_error(moesim("replay", "one.npz", "--sim", "fast", "--step", "1", cwd=traces))
+    line = one_error(run("replay", "one.npz", "--sim", "fast", "--step", "1", cwd=traces))
     assert "numbered from 0" in line and "give 0" in line
     r = run("replay", "one.npz", "--sim", "fast", "--json", cwd=traces)  # the default step fits a 1-step trace
     assert r.returncode == 0, r.stderr
@@ -467,7 +477,8 @@ def test_two_identical_sweeps_started_together_never_duplicate_or_lose_rows(tmp_
     assert not list(tmp_path.glob("*.lock"))
 
 
-def test_replay_keeps_the_policies_its_engine_runs_as_whatif_does(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_replay_keeps_the_policies_its_engine_runs_as_whatif_does(tmp_path, run):
     """`replay --engine llama.cpp --policy on-demand` timed on-demand as llama.cpp (which runs
     no copy policy) and exited 0; whatif refused the pairing. Both follow one rule now
     (EngineProfile.only_runs): none run, one line; some, the others left out with a note."""
@@ -483,7 +494,7 @@ def test_replay_keeps_the_policies_its_engine_runs_as_whatif_does(tmp_path):
     from moesim.traces.format import write_trace
 
     write_trace(t, tmp_path / "t.npz")
-    r = moesim("replay", "t.npz", "--hw", "a6000", "--engine", "llama.cpp", "--json", cwd=tmp_path)
+    r = run("replay", "t.npz", "--hw", "a6000", "--engine", "llama.cpp", "--json", cwd=tmp_path)
     assert r.returncode == 0 and {row["policy"] for row in json.loads(r.stdout)} <= {"all-resident", "cpu-static",
                                                                                         "gpu-layers"}
 
@@ -503,5 +514,5 @@ def test_stats_and_replay_refuse_a_report_folder_another_run_is_writing(tmp_path
             r = moesim(*command, "--out", rep, cwd=tmp_path)
         assert r.returncode == 2 and f"--out {rep} is in use by another moesim run" in r.stderr, r.stderr
         assert not (tmp_path / rep / "report.html").exists()
-        r = moesim(*command, "--out", rep, cwd=tmp_path)
+        r = in_process(*command, "--out", rep, cwd=tmp_path)  # the lock released: a run in this process takes it
         assert r.returncode == 0 and (tmp_path / rep / "report.html").exists(), r.stderr
