@@ -106,24 +106,17 @@ def _verdict(w: dict) -> str:
 
 
 def _published(as_json: bool, as_csv: bool) -> None:
+    from moesim.sim import published as pub
     from moesim.sim.engine_fit import leave_one_source_out
-    from moesim.sim.published import (
-        TARGET_MEDIAN_LN,
-        TARGET_WITHIN,
-        TARGET_WITHIN_PER_KIND,
-        excluded,
-        run_published,
-        summarise,
-    )
 
     with progress_bar("leave one source out", "sources") as update:
         rows = leave_one_source_out(progress=update)
-    summary, shipped = summarise(rows), summarise(run_published())
+    summary, shipped = pub.summarise(rows), pub.summarise(pub.run_published())
     if as_json:
         print_json({"summary": summary, "shipped_figures": shipped,
-                    "target": {"within_25": TARGET_WITHIN, "median_abs_ln": TARGET_MEDIAN_LN,
-                               "within_25_per_kind": TARGET_WITHIN_PER_KIND},
-                    "rows": rows, "excluded": excluded()})
+                    "target": {"within_25": pub.TARGET_WITHIN, "median_abs_ln": pub.TARGET_MEDIAN_LN,
+                               "within_25_per_kind": pub.TARGET_WITHIN_PER_KIND},
+                    "rows": rows, "excluded": pub.excluded()})
         return
     if as_csv:
         print_csv([{k: v for k, v in r.items() if k != "fitted_figures"} for r in rows])
@@ -143,11 +136,11 @@ def _published(as_json: bool, as_csv: bool) -> None:
                          for k, g in groups.items()], "right"))
     s, f = summary["overall"], shipped["overall"]
     out.print(f"[bold]leave one source out[/bold]: {s['entries']} entries from {s['sources']} sources, "
-              f"{s['within_25']:.0%} within +-25% (target {TARGET_WITHIN:.0%}, and {TARGET_WITHIN_PER_KIND:.0%} in "
-              f"every kind), median |ln(predicted / measured)| {s['median_abs_ln']:.3f} (target <= "
-              f"{TARGET_MEDIAN_LN}), worst {s['worst_abs_ln']:.2f}, {s['optimistic']} optimistic: target "
+              f"{s['within_25']:.0%} within +-25% (target {pub.TARGET_WITHIN:.0%}, and "
+              f"{pub.TARGET_WITHIN_PER_KIND:.0%} in every kind), median |ln(predicted / measured)| {s['median_abs_ln']:.3f} (target <= "
+              f"{pub.TARGET_MEDIAN_LN}), worst {s['worst_abs_ln']:.2f}, {s['optimistic']} optimistic: target "
               f"{'met' if summary['meets_target'] else 'NOT met'}")
     out.print(f"with the shipped engine figures (fitted on some of these very rows, so not a claim): "
               f"{f['within_25']:.0%} within +-25%, median |ln| {f['median_abs_ln']:.3f}")
-    out.print(f"{len(excluded())} more measurements are not expressed (hwprofiles/published/settings.toml says why); "
-              "sources: hwprofiles/published/README.md")
+    out.print(f"{len(pub.excluded())} more measurements are not expressed (hwprofiles/published/settings.toml says "
+              "why); sources: hwprofiles/published/README.md")
