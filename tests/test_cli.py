@@ -1,4 +1,8 @@
-"""The command line, run as a user runs it: a separate process, exit codes, stderr."""
+"""The command line, run as a user runs it: a separate process, exit codes, stderr.
+
+Tests that take ``run`` call the CLI in-process by default and in a subprocess with -m slow
+(cli_run.runners); the rest (--version, an unknown command, refusals, a missing optional
+dependency, the torch-free import) start ``python -m moesim`` in the default run."""
 
 import json
 import subprocess
@@ -27,7 +31,7 @@ def olmoe_trace(tmp_path_factory):
 
 @pytest.mark.parametrize("run", BOTH_WAYS)
 def test_help_teaches_with_examples(run):
-    top = moesim("--help")
+    top = run("--help")
     assert top.returncode == 0 and "moesim whatif" in top.stdout
     for cmd in ("models", "hw", "synth", "replay", "whatif"):
         r = run(cmd, "--help")
@@ -55,22 +59,25 @@ def test_typer_builds_the_invoked_command_alone_and_keeps_every_one_for_the_grou
     assert r.returncode == 2 and "No such command 'replayy'" in r.stderr and "\n" not in r.stderr.strip()
 
 
-def test_models_lists_the_catalogue_with_byte_accounting():
-    r = moesim("models", "--json")
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_models_lists_the_catalogue_with_byte_accounting(run):
+    r = run("models", "--json")
     rows = {m["model"]: m for m in json.loads(r.stdout)["models"]}
     assert rows["qwen3-30b-a3b"]["expert_bytes"] == 9_437_184
-    assert "mixtral-8x7b" in moesim("models").stdout
+    assert "mixtral-8x7b" in run("models").stdout
 
 
-def test_hw_shows_sources():
-    r = moesim("hw", "h100-sxm", "--json")
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_hw_shows_sources(run):
+    r = run("hw", "h100-sxm", "--json")
     figs = json.loads(r.stdout)["figures"]
     assert figs["h2d_pinned_gbs"]["value"] == 55.4 and figs["h2d_pinned_gbs"]["kind"] == "measured"
-    assert "gh200" in moesim("hw").stdout
+    assert "gh200" in run("hw").stdout
 
 
-def test_replay_json_and_report(olmoe_trace, tmp_path):
-    r = moesim("replay", olmoe_trace, "--hw", "a6000", "--policy", "on-demand,prefetch", "--json",
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_replay_json_and_report(olmoe_trace, tmp_path, run):
+    r = run("replay", olmoe_trace, "--hw", "a6000", "--policy", "on-demand,prefetch", "--json",
                "--out", tmp_path / "rep")
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
@@ -82,10 +89,11 @@ def test_replay_json_and_report(olmoe_trace, tmp_path):
     assert {e["tid"] for e in chrome["traceEvents"] if e["ph"] == "X"} == {1, 2}
 
 
-def test_synth_then_whatif_over_the_trace(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_synth_then_whatif_over_the_trace(tmp_path, run):
     trace = tmp_path / "t.npz"
-    assert moesim("synth", "--model", "tiny", "--tokens", 20, "--out", trace).returncode == 0
-    r = moesim("whatif", "--trace", trace, "--hw", "a6000,gh200", "--policy", "on-demand,prefetch,oracle",
+    assert run("synth", "--model", "tiny", "--tokens", 20, "--out", trace).returncode == 0
+    r = run("whatif", "--trace", trace, "--hw", "a6000,gh200", "--policy", "on-demand,prefetch,oracle",
                "--link-gbps", "16,32", "--cache-gib", "0,0.0001", "--json", "--out", tmp_path / "w", "--jobs", 1)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -138,13 +146,14 @@ def test_bad_inputs_get_one_line_errors(tmp_path, olmoe_trace, run):
         _assert_one_line_error((moesim if i == 0 else run)(*args), text)
 
 
-def test_profile_records_a_trace_that_replays(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_profile_records_a_trace_that_replays(tmp_path, run):
     trace = tmp_path / "run.npz"
-    r = moesim("profile", "--model", "tiny", "--policy", "prefetch-spec", "--predictor", "stale", "--link-gbps", "0.5",
+    r = run("profile", "--model", "tiny", "--policy", "prefetch-spec", "--predictor", "stale", "--link-gbps", "0.5",
                "--tokens", 6, "--fidelity-tokens", 8, "--out", trace)
     assert r.returncode == 0, r.stderr
     assert "fidelity: agreement" in r.stderr
-    rep = moesim("replay", trace, "--hw", "a6000", "--link-gbps", "0.5", "--policy", "prefetch-spec", "--json")
+    rep = run("replay", trace, "--hw", "a6000", "--link-gbps", "0.5", "--policy", "prefetch-spec", "--json")
     row = json.loads(rep.stdout)[0]
     assert row["timing"] == "measured (trace)" and row["tokens"] == 6
 
@@ -163,8 +172,8 @@ def test_profile_and_calibrate_errors_are_one_line(tmp_path, run):
 
     if not torch.cuda.is_available():
         cases.append((("profile", "--model", "tiny", "--device", "cuda"), "no CUDA device"))
-    for i, (args, text) in enumerate(cases):
-        _assert_one_line_error((moesim if i == 0 else run)(*args), text)
+    for args, text in cases:
+        _assert_one_line_error(run(*args), text)
 
 
 def test_importing_the_simulator_never_imports_torch():
@@ -185,8 +194,8 @@ def test_speculate_errors_are_one_line(tmp_path, run):
         (("speculate", "--gamma", "-1"), "gamma >= 0"),
         (("speculate", "--draft", tmp_path / "none"), "not a checkpoint directory"),
     ]
-    for i, (args, text) in enumerate(cases):
-        _assert_one_line_error((moesim if i == 0 else run)(*args), text)
+    for args, text in cases:
+        _assert_one_line_error(run(*args), text)
 
 
 @pytest.mark.slow
@@ -236,8 +245,8 @@ def test_no_command_overwrites_a_shipped_checkpoint_without_force(tmp_path, run)
 
     target, draft = shipped_model(), shipped_model("moe-stdlib-draft")
     before = (_tree_bytes(target), _tree_bytes(draft))
-    for i, args in enumerate([("calibrate", "--out", target), ("train-estimator", "--out", target)]):  # as a user sees it
-        _assert_one_line_error((moesim if i == 0 else run)(*args, cwd=tmp_path), "shipped checkpoint")
+    for args in [("calibrate", "--out", target), ("train-estimator", "--out", target)]:  # as a user sees it
+        _assert_one_line_error(run(*args, cwd=tmp_path), "shipped checkpoint")
     for args in [("calibrate", "--model", target, "--out", target, "--tokens", 64),
                  ("train-expert-predictor", "--out", draft),
                  ("train", "--out", target / "retrained", "--steps", 1)]:
@@ -283,13 +292,14 @@ def test_calibrate_writes_a_model_folder_in_the_current_directory(tmp_path):
     assert (tmp_path / "profile.npz").exists()
 
 
-def test_synthetic_trace_replays_on_the_named_default_profile(olmoe_trace):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_synthetic_trace_replays_on_the_named_default_profile(olmoe_trace, run):
     from moesim.hardware import DEFAULT_PROFILE
 
-    r = moesim("replay", olmoe_trace, "--policy", "on-demand")
+    r = run("replay", olmoe_trace, "--policy", "on-demand")
     assert r.returncode == 0, r.stderr
     assert f"on {DEFAULT_PROFILE} (default: the trace records no hardware), link" in r.stdout.replace("\n", " ")
-    row = json.loads(moesim("replay", olmoe_trace, "--policy", "on-demand", "--json").stdout)[0]
+    row = json.loads(run("replay", olmoe_trace, "--policy", "on-demand", "--json").stdout)[0]
     assert row["hw"] == DEFAULT_PROFILE
 
 
@@ -323,9 +333,13 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "traces" / "examples"
 STDLIB = Path(__file__).resolve().parents[1] / "executor" / "checkpoints" / "moe-stdlib"
 
 
-@pytest.mark.parametrize("run,fmt,name", both_ways([("vllm", "vllm-moe-stdlib.npz"),
-                                                  ("jsonl", "routing-moe-stdlib.jsonl"),
-                                                  ("npz", "routing-moe-stdlib.npz")]))
+DUMPS = [("vllm", "vllm-moe-stdlib.npz"), ("jsonl", "routing-moe-stdlib.jsonl"), ("npz", "routing-moe-stdlib.npz")]
+
+
+# every case in-process; in a subprocess with -m slow (reading the checkpoint's config there
+# imports transformers, 5 s a process)
+@pytest.mark.parametrize("run,fmt,name", [pytest.param(*p.values, id=p.id, marks=pytest.mark.slow)
+                                          if p.id.startswith("subprocess") else p for p in both_ways(DUMPS)])
 def test_import_reads_the_shipped_example_dumps(tmp_path, run, fmt, name):
     r = run("import", fmt, EXAMPLES / name, "--model", STDLIB, "--out", tmp_path / "t.npz")
     assert r.returncode == 0, r.stderr
@@ -335,8 +349,9 @@ def test_import_reads_the_shipped_example_dumps(tmp_path, run, fmt, name):
     assert t.model.n_experts == 32 and not t.synthetic and t.n_tokens >= 12
 
 
-def test_import_of_a_dump_for_another_model_is_one_line(tmp_path):
-    r = moesim("import", "jsonl", EXAMPLES / "routing-moe-stdlib.jsonl", "--model", "olmoe-1b-7b",
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_import_of_a_dump_for_another_model_is_one_line(tmp_path, run):
+    r = run("import", "jsonl", EXAMPLES / "routing-moe-stdlib.jsonl", "--model", "olmoe-1b-7b",
                "--out", tmp_path / "t.npz")
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and r.stderr.startswith("error:")
     assert not (tmp_path / "t.npz").exists()
@@ -344,7 +359,7 @@ def test_import_of_a_dump_for_another_model_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("run", BOTH_WAYS)
 def test_stats_and_synth_like_and_ecospec_from_the_command_line(tmp_path, run):
-    assert moesim("synth", "--model", "tiny", "--tokens", 24, "--out", tmp_path / "t.npz").returncode == 0
+    assert run("synth", "--model", "tiny", "--tokens", 24, "--out", tmp_path / "t.npz").returncode == 0
     r = run("stats", tmp_path / "t.npz", "--hw", "a6000", "--json")
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
