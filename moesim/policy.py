@@ -535,10 +535,14 @@ class Planner:
             try:
                 buf = free.get_nowait()
             except queue.Empty:
-                buf = np.empty((len(self.COUNTS), min(chunk, t), m), np.int32)
-            out = buf[:, : s1 - s0]
-            out[...] = 0
-            kern.plan_steps(tr[s0:s1], pr[s0:s1], out, offload, offload and self.policy.prefetch,
+                buf = None
+            if buf is None or buf.shape[1] != s1 - s0:
+                # A block the chunk's own length, never a slice of a longer one: the kernel then
+                # always sees a C-contiguous array and is compiled once (a slice compiled a second
+                # specialisation, about a third of a first run's 30 s).
+                buf = np.empty((len(self.COUNTS), s1 - s0, m), np.int32)
+            buf[...] = 0
+            kern.plan_steps(tr[s0:s1], pr[s0:s1], buf, offload, offload and self.policy.prefetch,
                             self.policy.executes_predicted, self.lookahead, cap, lfu, n_experts, state, resident, count,
                             last, prot, inuse, pos, *heap, self.per_layer, size_l, pinned)
             return s0, s1, buf
@@ -560,7 +564,7 @@ class Planner:
             pool = ThreadPoolExecutor(workers)
             try:
                 for s0, s1, buf in pool.map(lambda sp: run(*sp, np.zeros(5, np.int64)), spans):  # in step order
-                    rows.put(s0, s1, buf[:, : s1 - s0])
+                    rows.put(s0, s1, buf)
                     free.put(buf)
                     if progress is not None:
                         progress(s1, t)
@@ -569,7 +573,7 @@ class Planner:
             return rows.rows()
         for s0, s1 in spans:
             s0, s1, buf = run(s0, s1, state)
-            rows.put(s0, s1, buf[:, : s1 - s0])
+            rows.put(s0, s1, buf)
             free.put(buf)
             if progress is not None:
                 progress(s1, t)
