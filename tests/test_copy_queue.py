@@ -4,8 +4,6 @@ replaying what it recorded. CPU only: a CUDA copy stream is FIFO (refused, see
 docs/policies.md)."""
 
 import json
-import subprocess
-import sys
 import threading
 
 import numpy as np
@@ -13,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from cli_run import both_ways  # noqa: E402
+from cli_run import both_ways, in_process  # noqa: E402
 from tiny_models import sharp_tiny  # noqa: E402
 
 from moesim.errors import MoesimError  # noqa: E402
@@ -205,17 +203,18 @@ def test_a_replay_of_a_queued_run_times_it_with_the_recorded_queue(tiny, queue, 
 
     write_trace(trace, tmp_path / "q.npz")  # the CLI's --validate: the recorded queue, or the one asked for
     for asked, used in ((None, queue), ("fifo", "fifo")):
-        r = subprocess.run([sys.executable, "-m", "moesim", "replay", str(tmp_path / "q.npz"), "--validate", "--json",
-                            *(["--copy-queue", asked] if asked else [])], capture_output=True, text=True, timeout=300)
+        r = in_process("replay", tmp_path / "q.npz", "--validate", "--json", *(["--copy-queue", asked] if asked else []))
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["copy_queue"] == used
 
 
-@pytest.mark.parametrize("run, args, says", both_ways([
+# every case in-process; in a subprocess with -m slow (profile imports torch: 5 s a process)
+@pytest.mark.parametrize("run, args, says", [pytest.param(*p.values, id=p.id, marks=pytest.mark.slow)
+                                             if p.id.startswith("subprocess") else p for p in both_ways([
     (["--copy-queue", "lifo"], "unknown copy queue"),
     (["--copy-queue", "demand-first", "--policy", "all-resident"], "applies to the copy policies"),
     (["--copy-queue", "cancel-unstarted", "--policy", "cpu-on-miss", "--cache-experts", "8"], "applies to the copy policies"),
-]))
+])])
 def test_profile_refuses_a_queue_it_cannot_run_in_one_line(tmp_path, run, args, says):
     r = run("profile", "--tokens", "2", "--out", str(tmp_path / "x.npz"), *args, cwd=tmp_path, timeout=300)
     assert r.returncode == 2 and says in r.stderr and r.stderr.count("\n") == 1, r.stderr
