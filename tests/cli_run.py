@@ -179,11 +179,13 @@ def runners(sub=by_subprocess) -> list:
 BOTH_WAYS = runners()
 
 
-def both_ways(cases: list[tuple], sub=by_subprocess) -> list:
+def both_ways(cases: list[tuple], sub=by_subprocess, first: bool = True) -> list:
     """``pytest.param``s of ``(run, *case)``: every case in-process in the default run; the
-    first case also in a real subprocess (``sub``) there, every other case's with ``-m slow``."""
+    first case also in a real subprocess (``sub``) there, every other case's with ``-m slow``.
+    ``first=False``: every subprocess case with ``-m slow``, for a command whose process
+    start alone costs seconds (torch or transformers imported) and proves nothing more."""
     params = []
     for i, case in enumerate(cases):
         params.append(pytest.param(in_process, *case, id=f"in-process-{i}"))
-        params.append(pytest.param(sub, *case, id=f"subprocess-{i}", marks=() if i == 0 else pytest.mark.slow))
+        params.append(pytest.param(sub, *case, id=f"subprocess-{i}", marks=() if i == 0 and first else pytest.mark.slow))
     return params

@@ -336,10 +336,8 @@ STDLIB = Path(__file__).resolve().parents[1] / "executor" / "checkpoints" / "moe
 DUMPS = [("vllm", "vllm-moe-stdlib.npz"), ("jsonl", "routing-moe-stdlib.jsonl"), ("npz", "routing-moe-stdlib.npz")]
 
 
-# every case in-process; in a subprocess with -m slow (reading the checkpoint's config there
-# imports transformers, 5 s a process)
-@pytest.mark.parametrize("run,fmt,name", [pytest.param(*p.values, id=p.id, marks=pytest.mark.slow)
-                                          if p.id.startswith("subprocess") else p for p in both_ways(DUMPS)])
+# in a subprocess with -m slow: reading the checkpoint's config there imports transformers (5 s a process)
+@pytest.mark.parametrize("run,fmt,name", both_ways(DUMPS, first=False))
 def test_import_reads_the_shipped_example_dumps(tmp_path, run, fmt, name):
     r = run("import", fmt, EXAMPLES / name, "--model", STDLIB, "--out", tmp_path / "t.npz")
     assert r.returncode == 0, r.stderr
