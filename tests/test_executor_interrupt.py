@@ -36,7 +36,7 @@ def _interrupt_profile(out, when: str, delay: float) -> tuple[int, str]:
             fired.append(True)
         return bool(fired)
 
-    return signal_when(["profile", "--tokens", TOKENS, "--out", out], ready, signal.SIGINT)
+    return signal_when(["profile", "--model", "tiny", "--tokens", TOKENS, "--out", out], ready, signal.SIGINT)
 
 
 def test_sigint_to_moesim_profile_keeps_a_valid_trace(tmp_path):
