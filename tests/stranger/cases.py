@@ -146,7 +146,6 @@ def build_fixtures(d: Path, measured: bool = True) -> dict[str, str]:
     (d / "latin1.toml").write_bytes("name = \"caf\xe9\"\n".encode("latin-1"))
     (d / "bad.toml").write_text("name = [unclosed\n")
     (d / "empty.toml").write_text("")
-    r = run_moesim(["hw", "a6000", "--json"], d)
     prof = (ROOT / "hwprofiles" / "a6000.toml").read_text()
     (d / "a6000-copy.toml").write_text(prof)
     (d / "negative.toml").write_text(prof.replace("value = ", "value = -", 1))
