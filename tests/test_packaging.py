@@ -7,6 +7,7 @@ is outside the repository, so nothing from the checkout can be imported by accid
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -81,16 +82,12 @@ def test_installed_cli_runs(installed):
     assert "qwen3-30b-a3b" in r.stdout
 
 
-def test_compiled_kernels_are_cached_outside_the_package(tmp_path):
-    """numba's cache goes to the user cache folder (moesim.jit), not next to the source: in
-    an installed package those files outlived `pip uninstall` and shadowed the next install."""
+def _compile_in_a_fresh_cache(tmp_path: Path, code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` with numba's cache in ``tmp_path/cache`` (MOESIM_CACHE_DIR, empty) and check
+    that compiled kernels landed there and none next to the package's sources."""
     import time
 
     start = time.time() - 1
-    code = ("from moesim.models import get_model; from moesim.traces.synthetic import SyntheticParams, synthetic_trace; "
-            "from moesim.sim.simulate import simulate; from moesim.hardware import get_profile; "
-            "t = synthetic_trace(get_model('tiny'), SyntheticParams(tokens=4)); "
-            "simulate(t, get_profile('a6000'), 'prefetch-fom', sim='fast')")
     env = {**os.environ, "MOESIM_CACHE_DIR": str(tmp_path / "cache")}
     env.pop("NUMBA_CACHE_DIR", None)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
@@ -102,3 +99,31 @@ def test_compiled_kernels_are_cached_outside_the_package(tmp_path):
     fresh = [p for folder in (package, package.parent / "sim", package / "sim") if folder.is_dir()
              for p in folder.rglob("*.nbi") if p.stat().st_mtime > start]
     assert not fresh, fresh
+    return r
+
+
+def test_compiled_kernels_are_cached_outside_the_package(tmp_path):
+    """numba's cache goes to the user cache folder (moesim.jit), not next to the source: in
+    an installed package those files outlived `pip uninstall` and shadowed the next install.
+    Every kernel's cache folder is checked; one small kernel is compiled for real (compiling
+    them all, as a first simulate does, is the slow test below: 15 s)."""
+    code = ("import json, numpy as np; from moesim import policy_kernel; from moesim.sim import fastpath_kernel, stats; "
+            "from moesim.traces import synthetic\n"
+            "names = ['_routing_pass', '_recall_pass', '_lru_segments', '_online', '_distinct', '_next_uses', '_belady']\n"
+            "kernels = [policy_kernel.plan_steps, fastpath_kernel.recurrence, synthetic._kernel(), "
+            "*(stats._kernel(n) for n in names)]\n"
+            "assert stats._kernel('_distinct')(np.zeros((2, 2, 2), np.int16), 4) == 2\n"
+            "print(json.dumps([k._cache._cache_path for k in kernels]))")
+    r = _compile_in_a_fresh_cache(tmp_path, code)
+    cache = (tmp_path / "cache").resolve()
+    folders = json.loads(r.stdout)
+    assert len(folders) == 10 and all(Path(f).resolve().is_relative_to(cache) for f in folders), folders
+
+
+@pytest.mark.slow
+def test_a_first_simulate_caches_its_kernels_outside_the_package(tmp_path):
+    _compile_in_a_fresh_cache(tmp_path, (
+        "from moesim.models import get_model; from moesim.traces.synthetic import SyntheticParams, synthetic_trace; "
+        "from moesim.sim.simulate import simulate; from moesim.hardware import get_profile; "
+        "t = synthetic_trace(get_model('tiny'), SyntheticParams(tokens=4)); "
+        "simulate(t, get_profile('a6000'), 'prefetch-fom', sim='fast')"))
