@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from moesim.errors import MoesimError
+from moesim.host_detect import CpuFacts, description_isa, read_this_machine
 from moesim.inputs import TOML_CAP, check_name, kind_of, read_text
 from moesim.models import INTEGER_DTYPES  # models imports nothing from here; keep it that way
 
@@ -466,8 +467,56 @@ def builtin_hosts() -> dict[str, Path]:
     return {p.name[:-5]: Path(str(p)) for p in sorted(root.iterdir(), key=lambda p: p.name) if p.name.endswith(".toml")}
 
 
+#: ``--host this``: the machine moesim runs on (:func:`this_host`).
+THIS_HOST = "this"
+#: Figures scaled by a machine's cores over its nearest known part's: the cores' peak rates.
+PER_CORE = ("bf16_tflops", "int8_tops", "amx_bf16_tflops", "amx_int8_tops")
+
+
+def nearest_part(facts: CpuFacts) -> tuple[HostProfile, str]:
+    """The built-in host a machine's undetected figures come from, and why that one: the part
+    whose model number the model name holds, else the same instruction-set class with the
+    nearest core count."""
+    hosts = [load_host(p) for p in builtin_hosts().values()]
+    for h in hosts:
+        number = h.name.split("-")[-1]  # epyc-9654 -> 9654, xeon-gold-6454s -> 6454s
+        if re.search(rf"(?<![0-9a-z]){re.escape(number)}(?![0-9a-z])", facts.model.lower()):
+            return h, f"the model name {facts.model!r} names it"
+    same = [h for h in hosts if description_isa(h.description) == facts.isa]
+    best = min(same or hosts, key=lambda h: (abs(math.log(h.cores / facts.cores)), h.name))
+    how = f"the same instruction sets ({facts.isa})" if same else f"no built-in part has {facts.isa}"
+    return best, f"no built-in part is named {facts.model!r}; {best.name}: {how}, the nearest core count"
+
+
+def this_host(facts: CpuFacts | None = None) -> HostProfile:
+    """The host profile of this machine (``--host this``): cores, sockets and RAM as the OS
+    says (measured), the cores' peak rates scaled from the nearest known part, and its
+    memory system and the rest as that part's (moesim.host_detect says why)."""
+    facts = facts or read_this_machine()
+    base, why = nearest_part(facts)
+    figures = {k: Figure(f.value, "estimate", f"estimate: the nearest known part's, {base.name} ({why}): {f.source}")
+               for k, f in base.figures.items()}  # another part's datasheet is an estimate of this one
+    for k in PER_CORE:
+        if k in figures:
+            v = base.figures[k].value
+            figures[k] = Figure(v * facts.cores / base.cores, "estimate",
+                                f"estimate: {base.name}'s {v:g} for {base.cores} cores x {facts.cores} detected cores")
+    os_said = "detected on this machine (/proc/cpuinfo)"
+    figures["cores"] = Figure(facts.cores, "measured", f"{os_said}: physical cores of one socket")
+    figures["sockets"] = Figure(facts.sockets, "measured", os_said)
+    if facts.ram_gb is not None:
+        figures["ram_gb"] = Figure(round(facts.ram_gb, 1), "measured", "detected on this machine (/proc/meminfo)")
+    desc = (f"this machine: {facts.model}, {facts.sockets} x {facts.cores} cores, {facts.isa}"
+            + (f", {facts.ram_gb:.0f} GB RAM" if facts.ram_gb else "")
+            + f"; memory channels, bandwidth and rates from {base.name} ({why})")
+    return HostProfile(THIS_HOST, desc, figures, "/proc/cpuinfo")
+
+
 def get_host(name_or_path: str | None = None, gpu: HardwareProfile | None = None) -> HostProfile:
-    """A built-in host by name, a user's TOML by path, or (no name) the GPU profile's own host."""
+    """A built-in host by name, a user's TOML by path, ``this`` (:func:`this_host`), or (no
+    name) the GPU profile's own host."""
+    if name_or_path and name_or_path.strip().lower() == THIS_HOST:
+        return this_host()
     if not name_or_path:
         if gpu is None or not gpu.host:
             where = f"GPU profile {gpu.name!r} names no host" if gpu is not None else "no host given"
