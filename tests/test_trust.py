@@ -257,8 +257,9 @@ def test_budget_estimates_grow_with_the_run_and_refuse_what_cannot_fit():
     assert warned and "about" in warned[0]
 
 
-def test_a_huge_cache_in_profile_holds_every_expert_instead_of_allocating(work, tmp_path):
-    r = moesim("profile", "--model", "tiny", "--policy", "on-demand", "--cache-gib", "1e9", "--tokens", "2",
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_a_huge_cache_in_profile_holds_every_expert_instead_of_allocating(work, tmp_path, run):
+    r = run("profile", "--model", "tiny", "--policy", "on-demand", "--cache-gib", "1e9", "--tokens", "2",
                "--out", tmp_path / "p.npz", cwd=work)
     assert r.returncode == 0, r.stderr
     spec = get_model("tiny")
@@ -267,9 +268,10 @@ def test_a_huge_cache_in_profile_holds_every_expert_instead_of_allocating(work, 
 
 # -- duplicate names, fit names and warnings ---------------------------------------------
 
-def test_two_profiles_with_one_name_are_refused(work):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_two_profiles_with_one_name_are_refused(work, run):
     shutil.copy(ROOT / "hwprofiles" / "a6000.toml", work / "copy.toml")
-    one_line_error(moesim("whatif", "--model", "tiny", "--hw", "a6000,copy.toml", "--tokens", "2", "--out", "w",
+    one_line_error(run("whatif", "--model", "tiny", "--hw", "a6000,copy.toml", "--tokens", "2", "--out", "w",
                           cwd=work), "both named 'a6000'", "unique")
 
 
@@ -307,7 +309,7 @@ def test_replay_uses_the_link_the_trace_was_recorded_with():
 @pytest.mark.parametrize("run", BOTH_WAYS)
 def test_replay_uses_the_cache_the_trace_was_recorded_with(tmp_path, run):
     """A run recorded with an 8-expert LFU cache replays with that cache unless told otherwise."""
-    r = moesim("profile", "--model", "tiny", "--policy", "on-demand", "--tokens", 4, "--cache-experts", 8,
+    r = run("profile", "--model", "tiny", "--policy", "on-demand", "--tokens", 4, "--cache-experts", 8,
                "--eviction", "lfu", "--out", "c.npz", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     rec = run("replay", "c.npz", "--policy", "on-demand", "--json", cwd=tmp_path)
@@ -326,8 +328,9 @@ def test_signed_intercepts_never_read_plus_minus():
     assert signed_ms(-4.57) == "- 4.57 ms" and signed_ms(1.2) == "+ 1.2 ms"
 
 
-def test_json_of_a_replay_names_its_sources(work):
-    r = moesim("replay", "t.npz", "--policy", "on-demand", "--sim", "fast", "--json", cwd=work)
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_json_of_a_replay_names_its_sources(work, run):
+    r = run("replay", "t.npz", "--policy", "on-demand", "--sim", "fast", "--json", cwd=work)
     row = json.loads(r.stdout)[0]
     assert row["hw_source"].startswith("default") and row["link_source"] == "the profile's"
 
@@ -345,8 +348,8 @@ def test_record_refuses_what_cannot_run_in_one_line(tmp_path, run):
         (("record", "moe-stdlib", "--tokens", 100_000_000, "--out", "r.npz"), "refusing"),
         (("record", "moe-stdlib", "--draft", "moe-stdlib-draft", "--tokens", 100_000_000, "--out", "r.npz"), "refusing"),
     ]
-    for i, (args, words) in enumerate(cases):
-        one_line_error((moesim if i == 0 else run)(*args, cwd=tmp_path, timeout=120), words)
+    for args, words in cases:
+        one_line_error(run(*args, cwd=tmp_path, timeout=120), words)
     assert not list(tmp_path.glob("r.npz*"))
 
 
@@ -366,8 +369,8 @@ def test_deployment_options_refuse_bad_input_in_one_line(work, run):
         (("hw", "grace"), "is a host (CPU) profile"),
         ((*w, "--model", "olmoe-1b-7b", "--batch", 10_000_000), "refusing"),  # trace + its replay, before any work
     ]
-    for i, (args, words) in enumerate(cases):
-        one_line_error((moesim if i == 0 else run)(*args, cwd=work), words)
+    for args, words in cases:
+        one_line_error(run(*args, cwd=work), words)
     specs, skipped = catalogue_in("q4_k")  # the listing shows what the format can store, and says what it skipped
     assert specs and "gpt-oss-20b" in skipped and all(s.expert_dtype == "q4_k" for s in specs)
     r = run("models", "--expert-dtype", "q4_k", cwd=work)
@@ -377,11 +380,11 @@ def test_deployment_options_refuse_bad_input_in_one_line(work, run):
 @pytest.mark.parametrize("run", BOTH_WAYS)
 def test_list_options_refuse_repeats_and_empty_items_and_unused_knobs_are_named(work, run):
     w = ("whatif", "--model", "olmoe-1b-7b", "--hw", "a6000", "--tokens", 8, "--jobs", 1, "--out", "o")
-    for i, (args, words) in enumerate([((*w, "--policy", "cpu-static", "--host", "grace,grace"), "appears twice"),
+    for args, words in ([((*w, "--policy", "cpu-static", "--host", "grace,grace"), "appears twice"),
                                        ((*w, "--expert-dtype", "bf16,,q4_k"), "an empty item"),
                                        ((*w, "--policy", "cpu-static", "--host", ""), "give at least one value"),
                                        ((*w, "--policy", "On-demand,on-demand"), "appears twice")]):
-        one_line_error((moesim if i == 0 else run)(*args, cwd=work), words)
+        one_line_error(run(*args, cwd=work), words)
     r = run(*w, "--policy", "on-demand", "--cpu-layers", 2, cwd=work)
     assert r.returncode == 0 and "--cpu-layers was given, but none of the swept policies uses it" in r.stdout + r.stderr
 
