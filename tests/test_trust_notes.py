@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -225,19 +226,33 @@ def test_a_cache_past_every_expert_holds_every_expert(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-@pytest.mark.parametrize("args", [("ecospec", "--steps", "2", "--out", "held"),
-                                  ("profile", "--tokens", "2", "--out", "held"),
-                                  ("speculate", "--tokens", "2", "--out", "held"),
-                                  ("train", "--steps", "1", "--out", "held")])
-def test_a_second_run_on_one_out_is_refused(tmp_path, args):
+@contextmanager
+def held_by_another_process(path: Path):
+    """``path``'s --out lock held by a second process, as a first run holds it (the lock
+    allows nested holds within one process, so this process cannot play the first run for
+    a command run in-process)."""
+    code = ("import sys, time; from moesim.atomic import exclusive\n"
+            "with exclusive(sys.argv[1], '--out'):\n    print('held', flush=True); time.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    try:
+        assert p.stdout.readline().strip() == "held"  # the lock is taken
+        yield
+    finally:
+        p.kill()
+        p.wait(30)
+
+
+# in-process by default (the command checks the lock as a subprocess does); each in a
+# subprocess with -m slow (profile, speculate and train import torch: 2 s a process)
+@pytest.mark.parametrize("run, args", both_ways([(("ecospec", "--steps", "2", "--out", "held"),),
+                                                 (("profile", "--tokens", "2", "--out", "held"),),
+                                                 (("speculate", "--tokens", "2", "--out", "held"),),
+                                                 (("train", "--steps", "1", "--out", "held"),)], first=False))
+def test_a_second_run_on_one_out_is_refused(tmp_path, run, args):
     """Two ecospec runs on one --out left one report with the other's files; two profiles, one trace."""
-    from moesim.atomic import exclusive
-
-    with exclusive(tmp_path / "held", "--out"):
-        import subprocess
-
-        r = subprocess.run([sys.executable, "-m", "moesim", *args], capture_output=True, text=True, cwd=tmp_path,
-                           timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    with held_by_another_process(tmp_path / "held"):
+        r = run(*args, cwd=tmp_path, timeout=300)
     one_line_error(r, "--out", "held")
     assert not (tmp_path / "held").exists()
 
@@ -268,14 +283,12 @@ def test_a_report_stopped_while_written_says_its_folder_is_partial(tmp_path, cap
 def test_profile_refuses_an_unknown_eviction_before_any_work(tmp_path):
     """``profile --eviction mru`` decoded a token and exited 0 (no cache used it); now refused
     as sweeps refuse it, and before torch loads."""
-    from cli_run import by_subprocess
-
     probe = ("import sys, runpy; sys.argv = ['moesim', 'profile', '--model', 'tiny', '--eviction', 'mru', "
              "'--tokens', '1', '--out', 'p.npz']\ntry:\n    runpy.run_module('moesim', run_name='__main__')\n"
              "finally:\n    print('torch' in sys.modules, file=sys.stderr)")
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert r.returncode == 2 and r.stderr.splitlines()[-1] == "False", r.stderr[-2000:]
-    one_line_error(by_subprocess("profile", "--model", "tiny", "--eviction", "mru", "--out", "p.npz", cwd=tmp_path),
+    one_line_error(in_process("profile", "--model", "tiny", "--eviction", "mru", "--out", "p.npz", cwd=tmp_path),
                    "--eviction", "'mru'", "lru, lfu")
     assert not (tmp_path / "p.npz").exists()
 
