@@ -3,14 +3,13 @@ m + N (the shared planner's ``prefetch_target``); the decoder waits for that pre
 layer m + N and keeps its slots until that layer ran. Exact policies stay exact, the
 trace records N and ``pred_ids[:, m]`` is the prediction made N layers earlier."""
 
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from cli_run import BOTH_WAYS  # noqa: E402
 from tiny_models import sharp_tiny  # noqa: E402
 
 from moesim.errors import MoesimError  # noqa: E402
@@ -137,15 +136,14 @@ def test_a_lookahead_that_means_nothing_is_one_line_before_any_work(tmp_path, mo
     assert text in str(e.value) and "\n" not in str(e.value) and not (tmp_path / "x.npz").exists()
 
 
-def test_profile_lookahead_on_the_command_line(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_profile_lookahead_on_the_command_line(tmp_path, run):
     out = tmp_path / "la.npz"
-    r = subprocess.run([sys.executable, "-m", "moesim", "profile", "--model", "tiny", "--policy", "prefetch-fom",
-                        "--predictor", "stale", "--lookahead", "2", "--tokens", "3", "--link-gbps", "1",
-                        "--out", str(out)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    r = run("profile", "--model", "tiny", "--policy", "prefetch-fom", "--predictor", "stale", "--lookahead", "2",
+            "--tokens", "3", "--link-gbps", "1", "--out", out, cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "lookahead 2" in r.stderr and read_trace(out).header["lookahead"] == 2
-    bad = subprocess.run([sys.executable, "-m", "moesim", "profile", "--model", "tiny", "--policy", "on-demand",
-                          "--lookahead", "2", "--tokens", "2", "--out", str(tmp_path / "no.npz")],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    bad = run("profile", "--model", "tiny", "--policy", "on-demand", "--lookahead", "2", "--tokens", "2",
+              "--out", tmp_path / "no.npz", cwd=tmp_path, timeout=300)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--lookahead" in bad.stderr, bad.stderr
     assert not (tmp_path / "no.npz").exists()

@@ -256,13 +256,9 @@ def test_cuda_recording_needs_accelerate(monkeypatch):
 
 @pytest.mark.parametrize("run", BOTH_WAYS)
 def test_record_prompt_ids_on_the_command_line(checkpoints, tmp_path, run):
-    import subprocess
-    import sys
-
     out = tmp_path / "ids.npz"
-    r = subprocess.run([sys.executable, "-m", "moesim", "record", str(checkpoints["olmoe"]), "--prompt-ids", "5,6,7",
-                        "--prompt-ids", "1,2,3", "--tokens", "2", "--out", str(out)], capture_output=True, text=True,
-                       cwd=tmp_path, timeout=300)
+    r = run("record", checkpoints["olmoe"], "--prompt-ids", "5,6,7", "--prompt-ids", "1,2,3", "--tokens", "2",
+            "--out", out, cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr
     t = read_trace(out)
     assert t.prompt_ids.tolist() == [[5, 6, 7], [1, 2, 3]] and t.header["recorded"]["prompts"] == "--prompt-ids"
