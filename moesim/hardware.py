@@ -479,7 +479,7 @@ def nearest_part(facts: CpuFacts) -> tuple[HostProfile, str]:
     nearest core count."""
     hosts = [load_host(p) for p in builtin_hosts().values()]
     for h in hosts:
-        number = h.name.split("-")[-1]  # epyc-9654 -> 9654, xeon-gold-6454s -> 6454s
+        number = h.name.split("-")[-1].removesuffix("plus")  # epyc-9654 -> 9654, xeon-8592plus -> 8592
         if re.search(rf"(?<![0-9a-z]){re.escape(number)}(?![0-9a-z])", facts.model.lower()):
             return h, f"the model name {facts.model!r} names it"
     same = [h for h in hosts if description_isa(h.description) == facts.isa]

@@ -57,6 +57,8 @@ def test_an_unnamed_part_takes_the_nearest_of_its_class_with_rates_scaled_to_its
     base = h.description.split("from ")[1].split(" ")[0]
     assert description_isa(get_host(base).description) == "avx512-bf16" and not h.has_amx
     assert h.cores == 2 and h["bf16_tflops"] == pytest.approx(get_host(base)["bf16_tflops"] * 2 / get_host(base).cores)
+    assert "xeon-8592plus" in this_host(read_facts(cpuinfo("INTEL(R) XEON(R) PLATINUM 8592+", SPR, 2, 64))).description
+    assert "epyc-9575f" in this_host(read_facts(cpuinfo("AMD EPYC 9575F 64-Core Processor", ZEN4, 1, 64))).description
     big = this_host(read_facts(cpuinfo("AMD EPYC 9999 (an unreleased part)", ZEN4, 1, 96)))
     assert "epyc-9654" in big.description  # same class, 96 cores
     old = this_host(read_facts(cpuinfo("AMD EPYC 7000-something", "avx avx2", 1, 64)))
