@@ -1,9 +1,8 @@
 """Fuzz the real CLI with mutated inputs: traces (bytes, arrays' shapes, dtypes and values,
 header fields, encodings), hardware profiles (values, lines, encodings) and model configs.
 
-Every run is the real CLI, ``python -m moesim ...`` in a subprocess (the profile and config
-fuzzers run in-process by default, the same examples in subprocesses with ``-m slow``: see
-tests/cli_run.py), and must end in exit 2 with exactly
+Every run is the real CLI (in-process by default, the same examples as ``python -m moesim ...``
+in subprocesses with ``-m slow``: see tests/cli_run.py), and must end in exit 2 with exactly
 one ``error: ...`` line on stderr, or exit 0 with a valid result (JSON rows with positive
 finite TPOTs, a trace that reads back); never a traceback, never a changed input file.
 Deterministic (``derandomize=True``) and bounded (40 examples in all).
@@ -47,7 +46,7 @@ def by_subprocess(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return moesim(list(args), cwd)
 
 
-#: ``run`` for the profile and config fuzzers: in-process by default, subprocesses with -m slow
+#: ``run`` for the fuzzers: in-process by default, subprocesses with -m slow
 BOTH_WAYS = runners(by_subprocess)
 
 
@@ -150,9 +149,10 @@ trace_mutations = st.one_of(
 )
 
 
+@pytest.mark.parametrize("run", BOTH_WAYS)
 @settings(max_examples=8, **SETTINGS)
 @given(m=trace_mutations)
-def test_fuzz_trace(base_trace, m):
+def test_fuzz_trace(run, base_trace, m):
     if m[0] == "bytes":
         data = bytearray(base_trace)
         for pos, val in m[1]:
@@ -168,7 +168,7 @@ def test_fuzz_trace(base_trace, m):
         p = Path(d) / "mutated.npz"
         p.write_bytes(data)
         digests = [sha(p)]
-        r = moesim(["replay", p.name, "--policy", "on-demand", "--sim", "fast", "--json"], Path(d))
+        r = run("replay", p.name, "--policy", "on-demand", "--sim", "fast", "--json", cwd=Path(d))
         assert_clean(r, [p], digests, valid_rows)
 
 

@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from cli_run import runners  # noqa: E402
 from tiny_checkpoints import save_random_checkpoint  # noqa: E402
 
 from moesim.errors import MoesimError  # noqa: E402
@@ -178,8 +179,9 @@ def test_cli_records_and_every_consumer_reads_it(ckpt, tmp_path):
     assert like.synthetic and like.speculative and like.header["generator"]["fitted_from"] == "sd.npz"
 
 
-def test_draft_with_another_vocabulary_is_one_line_before_any_work(ckpt, tmp_path, monkeypatch):
-    r = _cli("record", ckpt["target"], "--draft", ckpt["other_vocab"], "--out", "x.npz", cwd=tmp_path)
+@pytest.mark.parametrize("run", runners(_cli))
+def test_draft_with_another_vocabulary_is_one_line_before_any_work(ckpt, tmp_path, monkeypatch, run):
+    r = run("record", ckpt["target"], "--draft", ckpt["other_vocab"], "--out", "x.npz", cwd=tmp_path)
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and "vocabulary of 80" in lines[0], r.stderr
