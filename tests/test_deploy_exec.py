@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from cli_run import runners
 
 from moesim.executor.model import ExecConfig, expert_forward, random_model
 from moesim.executor.profile import ProfileSettings, build_trace, generate
@@ -141,15 +142,20 @@ def moesim(*args, cwd=None):
                           timeout=300)
 
 
-def test_profile_cpu_static_writes_a_trace_that_replay_validates(tmp_path):
+#: ``run``: in-process by default, this module's subprocess with -m slow (see cli_run.runners)
+BOTH_WAYS = runners(moesim)
+
+
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_profile_cpu_static_writes_a_trace_that_replay_validates(tmp_path, run):
     trace = tmp_path / "cpu.npz"
-    r = moesim("profile", "--model", "tiny", "--policy", "cpu-static", "--cpu-layers", 3, "--tokens", 4,
+    r = run("profile", "--model", "tiny", "--policy", "cpu-static", "--cpu-layers", 3, "--tokens", 4,
                "--expert-dtype", "int8", "--out", trace)
     assert r.returncode == 0, r.stderr
     tr = read_trace(trace)
     assert tr.meta.policy == "cpu-static" and tr.meta.cpu_layers == 3 and tr.meta.expert_dtype == "int8"
     assert tr.model.expert_dtype == "int8" and (tr.timings["cpu_experts"][:, 3:] == 0).all()
-    v = moesim("replay", trace, "--validate", "--json")
+    v = run("replay", trace, "--validate", "--json")
     assert v.returncode == 0, v.stderr
     row = json.loads(v.stdout)
     row = row[0] if isinstance(row, list) else row
@@ -177,8 +183,9 @@ def test_bad_cpu_policy_options_fail_before_any_work(tmp_path, monkeypatch, kw, 
     assert text in str(e.value) and not (tmp_path / "x.npz").exists()
 
 
-def test_a_bad_expert_dtype_is_one_line_on_the_command_line(tmp_path):
-    r = moesim("profile", "--model", "tiny", "--tokens", 2, "--expert-dtype", "int3", "--out", tmp_path / "x.npz")
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_a_bad_expert_dtype_is_one_line_on_the_command_line(tmp_path, run):
+    r = run("profile", "--model", "tiny", "--tokens", 2, "--expert-dtype", "int3", "--out", tmp_path / "x.npz")
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "--expert-dtype 'int3'" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "x.npz").exists()
 

@@ -127,14 +127,37 @@ def test_interrupted_run_keeps_finished_steps(tiny, tmp_path):
     assert read_trace(write_trace(trace, tmp_path / "cut.npz")).n_tokens == 3
 
 
-def test_gpu_validation_script_runs_in_smoke_mode(tmp_path):
-    import json
+def _gpu_validate_in_process(*args):
+    import runpy
+    import sys
+    from unittest import mock
+
+    rng, threads = torch.get_rng_state(), torch.get_num_threads()  # its random_model seeds torch
+    try:
+        with mock.patch.object(sys, "argv", ["gpu_validate", *args]):
+            runpy.run_module("moesim.executor.gpu_validate", run_name="__main__")
+    finally:
+        torch.set_rng_state(rng)
+        torch.set_num_threads(threads)
+
+
+def _gpu_validate_by_subprocess(*args):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "moesim.executor.gpu_validate", "--smoke", "--tokens", "3", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "moesim.executor.gpu_validate", *args], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr
+
+
+# the script as `python -m` runs it, in this process (its torch import paid once); in a subprocess with -m slow
+@pytest.mark.parametrize("run", [_gpu_validate_in_process,
+                                 pytest.param(_gpu_validate_by_subprocess, marks=pytest.mark.slow)],
+                         ids=["in-process", "subprocess"])
+def test_gpu_validation_script_runs_in_smoke_mode(tmp_path, run):
+    import json
+
+    run("--smoke", "--tokens", "3", "--out", str(tmp_path))
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert len(summary["runs"]) == 8 and all(row["tpot_ms"] > 0 for row in summary["runs"])
     assert read_trace(tmp_path / "oracle-quasi-cache0.npz").measured
