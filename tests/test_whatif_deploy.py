@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_run import runners
 
 from moesim.errors import MoesimError
 from moesim.hardware import get_host, get_profile
@@ -26,6 +27,10 @@ def moesim(*args, cwd=None):
                           timeout=300)
 
 
+#: ``cli``: in-process by default, this module's subprocess with -m slow (see cli_run.runners)
+BOTH_WAYS = runners(moesim)
+
+
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
     """A synthetic olmoe trace and a separate calibration trace (another seed), on disk."""
@@ -40,16 +45,17 @@ def _by_policy(rows):
     return {r["policy"]: r for r in rows}
 
 
-def test_cpu_policy_rows_equal_replay(traces, tmp_path):
+@pytest.mark.parametrize("cli", BOTH_WAYS)
+def test_cpu_policy_rows_equal_replay(traces, tmp_path, cli):
     """The same configuration through `moesim replay` (SimPy reference) and `moesim whatif`
     (fast path) gives the same TPOT, TTFT, CPU time and memory verdict."""
     run, calib = traces
     common = ["--hw", "a6000", "--host", "xeon-8480", "--cpu-layers", "6", "--placement-from", calib,
               "--cache-gib", "1", "--link-gbps", "12", "--json"]
     pols = "cpu-static,hot-experts,cpu-on-miss"
-    rep = moesim("replay", run, "--policy", pols, "--sim", "simpy", *common)
+    rep = cli("replay", run, "--policy", pols, "--sim", "simpy", *common)
     assert rep.returncode == 0, rep.stderr
-    wi = moesim("whatif", "--trace", run, "--policy", pols, "--jobs", "1", "--out", tmp_path / "r", *common)
+    wi = cli("whatif", "--trace", run, "--policy", pols, "--jobs", "1", "--out", tmp_path / "r", *common)
     assert wi.returncode == 0, wi.stderr
     want, got = _by_policy(json.loads(rep.stdout)), _by_policy(json.loads(wi.stdout)["rows"])
     assert set(got) == set(pols.split(","))
@@ -133,7 +139,8 @@ def test_family_axes_make_one_row_per_configuration():
 
 
 @pytest.mark.slow
-def test_the_link_crossover_follows_from_the_cost_model(tmp_path):
+@pytest.mark.parametrize("cli", BOTH_WAYS)
+def test_the_link_crossover_follows_from_the_cost_model(tmp_path, cli):
     """Qwen3-30B-A3B on an A6000 (it does not fit whole: all-resident is out), cpu-static
     with every MoE layer on a desktop CPU against on-demand copying, along the link bandwidth. From the cost model alone (not the output's winner):
     - at 2 GB/s on-demand moves top_k x MoE layers experts per token (batch 1, no cache),
@@ -145,7 +152,7 @@ def test_the_link_crossover_follows_from_the_cost_model(tmp_path):
     So the winner changes from cpu-static to prefetching between the two links."""
     spec, hw, host = get_model("qwen3-30b-a3b"), get_profile("a6000"), get_host("ryzen-7950x")
     lo, hi = 2.0, 1e5
-    r = moesim("whatif", "--model", spec.name, "--hw", hw.name, "--host", host.name, "--policy",
+    r = cli("whatif", "--model", spec.name, "--hw", hw.name, "--host", host.name, "--policy",
                "on-demand,cpu-static,all-resident", "--cpu-layers", spec.n_moe_layers, "--cache-gib", "0",
                "--link-gbps", f"{lo:g},{hi:g}", "--tokens", "4", "--jobs", "1", "--out", tmp_path / "r")
     assert r.returncode == 0, r.stderr
@@ -216,8 +223,9 @@ def test_answer_table_fits_80_columns():
     (["--cpu-layers", "99"], "--cpu-layers 99"),
     (["--copy-queue", "lifo"], "unknown copy queue"),
 ])
-def test_bad_axes_are_one_line_exit_2(args, says, tmp_path):
-    r = moesim("whatif", "--model", "tiny", "--hw", "a6000", "--tokens", "4", "--jobs", "1", "--out", tmp_path / "r",
+@pytest.mark.parametrize("cli", BOTH_WAYS)
+def test_bad_axes_are_one_line_exit_2(args, says, tmp_path, cli):
+    r = cli("whatif", "--model", "tiny", "--hw", "a6000", "--tokens", "4", "--jobs", "1", "--out", tmp_path / "r",
                *args)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
@@ -244,9 +252,10 @@ def test_bad_axes_are_refused_before_any_work(kw, says, monkeypatch):
         whatif(**{"models": ["tiny"], "hws": ["a6000"], "tokens": 4, "jobs": 1, **kw})
 
 
-def test_recorded_trace_axes_and_calibration_are_checked(traces, tmp_path):
+@pytest.mark.parametrize("cli", BOTH_WAYS)
+def test_recorded_trace_axes_and_calibration_are_checked(traces, tmp_path, cli):
     run, calib = traces
-    r = moesim("whatif", "--trace", run, "--hw", "a6000", "--policy", "hot-experts", "--out", tmp_path / "r")
+    r = cli("whatif", "--trace", run, "--hw", "a6000", "--policy", "hot-experts", "--out", tmp_path / "r")
     assert r.returncode == 2 and r.stderr.startswith("error: hot-experts places experts") and len(
         r.stderr.strip().splitlines()) == 1
     # Among the default policies it is left out with a note, not the whole sweep refused (it was).
@@ -290,8 +299,9 @@ def test_rows_resume_with_cpu_policies(tmp_path):
     assert run_sweep(sweep, jobs=1, out=out) == whole  # resumed: CPU columns (words, None) read back exactly
 
 
-def test_models_expert_dtype(tmp_path):
-    r = moesim("models", "qwen3-30b-a3b", "--expert-dtype", "int4-g128", "--json")
+@pytest.mark.parametrize("cli", BOTH_WAYS)
+def test_models_expert_dtype(tmp_path, cli):
+    r = cli("models", "qwen3-30b-a3b", "--expert-dtype", "int4-g128", "--json")
     assert r.returncode == 0, r.stderr
     (row,) = json.loads(r.stdout)["models"]
     want = get_model("qwen3-30b-a3b").with_expert_dtype("int4-g128")
