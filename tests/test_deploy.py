@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from cli_run import BOTH_WAYS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -464,19 +465,16 @@ def test_the_copy_planner_refuses_cpu_policies(tiny_trace):
         build_plan(tiny_trace, "cpu-static")
 
 
-def test_replay_cli_reports_a_cpu_policy(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_replay_cli_reports_a_cpu_policy(tmp_path, run):
     """The real command: a CPU-compute policy replays, and its timeline has a CPU lane."""
     import json
-    import subprocess
-    import sys
 
-    env_run = dict(capture_output=True, text=True, timeout=300, cwd=tmp_path)
     trace = tmp_path / "t.npz"
-    r = subprocess.run([sys.executable, "-m", "moesim", "synth", "--model", "tiny", "--tokens", "4", "--out", str(trace)],
-                       **env_run)
+    r = run("synth", "--model", "tiny", "--tokens", "4", "--out", trace, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    r = subprocess.run([sys.executable, "-m", "moesim", "replay", str(trace), "--hw", "a6000", "--policy", "cpu-on-miss",
-                        "--cache-gib", "0.001", "--out", str(tmp_path / "rep")], **env_run)
+    r = run("replay", trace, "--hw", "a6000", "--policy", "cpu-on-miss", "--cache-gib", "0.001",
+            "--out", tmp_path / "rep", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     events = json.loads((tmp_path / "rep" / "simulated.trace.json").read_text())["traceEvents"]
     assert any(e.get("tid") == 3 and e["ph"] == "X" for e in events)  # the CPU lane

@@ -7,13 +7,11 @@ compares a fresh-seed synthetic sample's statistics with the recording's.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import replace
 
 import numpy as np
 import pytest
-from cli_run import in_process
+from cli_run import BOTH_WAYS, in_process
 
 from moesim.errors import MoesimError
 from moesim.models import get_model
@@ -372,14 +370,14 @@ def test_estimates_follow_the_work_within_3x_of_each_other(tmp_path):
     assert max(ratios.values()) <= 3 * min(ratios.values()), ratios
 
 
-def test_long_runs_are_refused_in_one_line_with_their_estimate(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_long_runs_are_refused_in_one_line_with_their_estimate(tmp_path, run):
     """A tree of 10^40 candidates, or a what-if of a billion steps, is refused before any
     work, in one line that gives the estimate."""
     import time
 
     def moesim(*args):
-        return subprocess.run([sys.executable, "-m", "moesim", *map(str, args)], capture_output=True, text=True,
-                              timeout=120, cwd=tmp_path)
+        return run(*args, timeout=120, cwd=tmp_path)
 
     t = time.time()
     r = moesim("synth", "--speculative", "--model", "tiny", "--depth", 40, "--branch", 10, "--out", tmp_path / "x.npz")

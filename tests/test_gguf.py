@@ -6,11 +6,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import shlex
-import subprocess
-import sys
 
 import gguf
 import pytest
+from cli_run import BOTH_WAYS
 from gguf_files import T, qwen3moe_gguf
 
 from moesim.errors import MoesimError
@@ -73,33 +72,35 @@ def test_split_files_are_followed(tmp_path):
         spec_from_gguf(parts[0])
 
 
-def test_models_command_reads_a_gguf_file_and_folder(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_models_command_reads_a_gguf_file_and_folder(tmp_path, run):
     (path,) = qwen3moe_gguf(tmp_path / "m.gguf")
     for arg in (str(path), str(tmp_path)):
-        r = subprocess.run([sys.executable, "-m", "moesim", "models", arg, "--json"], capture_output=True, text=True)
+        r = run("models", arg, "--json")
         assert r.returncode == 0, r.stderr
         row = json.loads(r.stdout)["models"][0]
         assert row["expert_dtype"] == "q4_k" and row["expert_bytes"] == spec_from_gguf(path).expert_bytes
     assert get_model(str(path)).moe_expert_bytes(0) == spec_from_gguf(path).moe_expert_bytes(0)
 
 
-def test_bad_gguf_is_one_line(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_bad_gguf_is_one_line(tmp_path, run):
     p = tmp_path / "x.gguf"
     p.write_bytes(b"GGUF\x03\x00\x00\x00garbage")
     with pytest.raises(MoesimError, match="not a readable GGUF") as e:
         spec_from_gguf(p)
     assert "\n" not in str(e.value)
-    r = subprocess.run([sys.executable, "-m", "moesim", "models", str(p)], capture_output=True, text=True)
+    r = run("models", p)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-def test_whatif_on_a_gguf_file_prints_the_engines_arguments(tmp_path):
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_whatif_on_a_gguf_file_prints_the_engines_arguments(tmp_path, run):
     """The deployment answer spells llama.cpp's arguments for a model read from a GGUF file
     (its rows name the file's model, which is not a catalogue name: that was a traceback)."""
     (path,) = qwen3moe_gguf(tmp_path / "my model.gguf")  # a space: the printed command quotes it
-    r = subprocess.run([sys.executable, "-m", "moesim", "whatif", "--model", str(path), "--hw", "none",
-                        "--host", "ryzen-7950x", "--policy", "all-resident", "--engine", "llama.cpp", "--tokens", "4",
-                        "--out", str(tmp_path / "w")], capture_output=True, text=True, cwd=tmp_path)
+    r = run("whatif", "--model", path, "--hw", "none", "--host", "ryzen-7950x", "--policy", "all-resident",
+            "--engine", "llama.cpp", "--tokens", "4", "--out", tmp_path / "w", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     line = next(ln.strip() for ln in r.stdout.splitlines() if ln.strip().startswith("llama-server"))
     args = shlex.split(line)  # the user's own file, as the shell reads the line back, not a placeholder

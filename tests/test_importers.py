@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_run import BOTH_WAYS
 
 from moesim.errors import MoesimError
 from moesim.hardware import get_profile
@@ -206,15 +207,12 @@ def test_hostile_vllm_dumps_are_one_line(tmp_path, make, message):
     assert "\n" not in str(e.value) and not (tmp_path / "o.npz").exists()
 
 
-def test_hostile_dumps_exit_2_with_one_line(tmp_path):
-    import subprocess
-    import sys
-
+@pytest.mark.parametrize("run", BOTH_WAYS)
+def test_hostile_dumps_exit_2_with_one_line(tmp_path, run):
     np.save(tmp_path / "p.npy", R)
     _npz(tmp_path, routed_experts=R.astype(np.float64) * np.nan, prompt_tokens=8)
     for f in (tmp_path / "p.npy", tmp_path / "h.npz"):
-        r = subprocess.run([sys.executable, "-m", "moesim", "import", "vllm", str(f), "--model", "deepseek-v2-lite",
-                            "--out", str(tmp_path / "o.npz")], capture_output=True, text=True)
+        r = run("import", "vllm", f, "--model", "deepseek-v2-lite", "--out", tmp_path / "o.npz")
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and r.stdout == "", r.stderr
     assert not (tmp_path / "o.npz").exists()
 
