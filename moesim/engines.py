@@ -64,7 +64,12 @@ RATE_TABLES = ("cpu_kernel_gmacs",)
 TABLES = EFFICIENCY_TABLES + RATE_TABLES
 ZERO_OK = {"fused_experts", "layer_overhead_us", "cpu_layer_overhead_us", "numa_efficiency", "pages_from_disk",
            "launch_overlap"}
-TOP_KEYS = {"name", "description", "runs_on", "policies", "figures", *TABLES}
+TOP_KEYS = {"name", "description", "runs_on", "policies", "figures", "expert_placement", *TABLES}
+#: Which experts an engine keeps on the GPU when it computes the rest on the CPU and is told
+#: only how many (hot-experts): ``frequency``, the most routed ones (by a calibration trace),
+#: or ``uniform``, the lowest-numbered ones of every layer, blind to popularity
+#: (:func:`moesim.placement.uniform_set`).
+PLACEMENTS = ("frequency", "uniform")
 RUNS_ON = ("gpu", "cpu")
 
 
@@ -81,6 +86,7 @@ class EngineProfile(_FigureLookup):
     gpu_weight_efficiency: dict[str, Figure] = field(default_factory=dict)
     cpu_kernel_gmacs: dict[str, Figure] = field(default_factory=dict)
     path: str = ""
+    expert_placement: str = "frequency"  # one of PLACEMENTS: the engine's default
 
     # The figures in the units the cost model uses.
     @property
@@ -198,8 +204,11 @@ def parse_engine(data: dict[str, Any], where: str) -> EngineProfile:
     from moesim.policy import get_policy  # policy imports the cost model, which imports this module
 
     pols = tuple(get_policy(p).name for p in pols)
+    placement = data.get("expert_placement", "frequency")
+    if placement not in PLACEMENTS:
+        raise MoesimError(f"{where}: expert_placement is one of {', '.join(PLACEMENTS)}, got {placement!r}")
     return EngineProfile(str(data["name"]), str(data.get("description", "")), tuple(runs), figures, pols, **tables,
-                         path=where)
+                         path=where, expert_placement=placement)
 
 
 def load_engine(path: str | Path) -> EngineProfile:

@@ -113,14 +113,41 @@ def hot_per_layer(counts: np.ndarray, spec: ModelSpec, per_layer: int, source: s
                      optimistic, tuple(hottest))
 
 
+#: How a uniform placement says where it came from (KTransformers' default: moesim.engines.PLACEMENTS).
+UNIFORM = "uniform placement: the lowest-numbered experts of every layer, blind to popularity (KTransformers' default)"
+
+
+def uniform_set(spec: ModelSpec, budget_bytes: int) -> Placement:
+    """The experts that fit ``budget_bytes``, taken round-robin over expert ordinals (expert 0
+    of every MoE layer, then expert 1, ...): KTransformers' ``--kt-expert-placement-strategy
+    uniform``, its default, which never looks at which experts are routed."""
+    m, e = spec.n_moe_layers, spec.n_experts
+    n = int(min(m * e, budget_bytes // spec.expert_bytes))
+    order = [(layer, x) for x in range(e) for layer in range(m)][:n]
+    resident = np.zeros((m, e), bool)
+    for layer, x in order:
+        resident[layer, x] = True
+    return Placement(resident, f"{n} experts ({n / (m * e):.0%}) by {UNIFORM}", False, tuple(order))
+
+
+def uniform_per_layer(spec: ModelSpec, per_layer: int) -> Placement:
+    """Experts ``0 .. per_layer - 1`` of every MoE layer (:func:`uniform_set` at a count a layer)."""
+    if isinstance(per_layer, bool) or not isinstance(per_layer, int) or not 0 <= per_layer <= spec.n_experts:
+        raise MoesimError(f"--gpu-experts-per-layer {per_layer!r}: a count from 0 to {spec.n_experts} ({spec.name})")
+    return uniform_set(spec, per_layer * spec.n_moe_layers * spec.expert_bytes)
+
+
 def make_placement(policy: str | Policy, spec: ModelSpec, device_memory: float, *, batch: int = 1, context: int = 0,
                    cpu_layers_n: int | str = "auto", calibration: np.ndarray | None = None,
-                   replay_ids: np.ndarray | None = None, calibrate_on_replay: bool = False) -> Placement | None:
+                   replay_ids: np.ndarray | None = None, calibrate_on_replay: bool = False,
+                   strategy: str = "frequency") -> Placement | None:
     """The static placement a CPU-compute policy starts from (None for other policies).
 
     ``calibration`` is ``[t, m, b, k]`` routing recorded separately (``--placement-from``);
     ``calibrate_on_replay`` counts ``replay_ids`` instead, marked optimistic. cpu-on-miss
-    uses the hot set, when a calibration is given, to warm its cache.
+    uses the hot set, when a calibration is given, to warm its cache. Without either,
+    hot-experts under an engine whose ``strategy`` (``EngineProfile.expert_placement``) is
+    ``uniform`` takes :func:`uniform_set`, as that engine does.
     """
     pol = get_policy(policy)
     if not pol.cpu:
@@ -135,6 +162,8 @@ def make_placement(policy: str | Policy, spec: ModelSpec, device_memory: float, 
         ids, source, optimistic = replay_ids, "the replayed trace", True
     elif pol.cpu == "miss":
         return None  # a cold cache
+    elif strategy == "uniform":
+        return uniform_set(spec, expert_budget(spec, device_memory, batch, context))
     else:
         raise MoesimError(f"{pol.name} needs expert frequencies: a calibration trace (--placement-from), or "
                           "counting on the replayed trace itself (an optimistic bound) when asked")

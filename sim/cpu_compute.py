@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from moesim.costmodel import CostModel, ExpertTimes
+from moesim.engines import get_engine
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile, HostProfile, get_host
 from moesim.memory import device_bytes
@@ -119,7 +120,8 @@ def simulate_cpu_compute(trace: Trace, hw: HardwareProfile, policy: str = "cpu-s
     context = trace.prompt_len + trace.n_tokens
     placement = placement or make_placement(pol, spec, hw["device_memory_gb"] * 1e9, batch=trace.batch, context=context,
                                cpu_layers_n=cpu_layers, calibration=calibration, replay_ids=trace.true_ids,
-                               calibrate_on_replay=calibrate_on_replay)
+                               calibrate_on_replay=calibrate_on_replay,
+                               strategy=get_engine(engine).expert_placement)
     if pol.cpu in STATIC_CPU and timing == "profile" and sim == "fast":
         return simulate_static(trace, hw, pol, host=host, engine=engine, threads=threads, cpu_layers=cpu_layers,
                                placement=placement, calibration=calibration, calibrate_on_replay=calibrate_on_replay,

@@ -56,7 +56,8 @@ def configuration(row: dict[str, Any]) -> str:
         what = f"{shown} GiB of weights read over the link"
     elif fam == "hot-experts":
         gib = row["resident_experts"] * _expert_bytes(row) / 2**30 if _ok(row["resident_experts"]) else None
-        what = f"{row['resident_experts']} hot experts on GPU" + (f" ({gib:.3g} GiB)" if gib is not None else "")
+        kind = "uniformly placed" if "uniform placement" in str(row.get("placement", "")) else "hot"
+        what = f"{row['resident_experts']} {kind} experts on GPU" + (f" ({gib:.3g} GiB)" if gib is not None else "")
     elif fam == "cpu-on-miss":
         what = f"cache {row['cache_gib']:g} GiB"
     elif fam == "all-resident":

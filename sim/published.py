@@ -28,7 +28,7 @@ from moesim.errors import MoesimError
 from moesim.hardware import get_host, get_machine
 from moesim.memory import WORKSPACE_BYTES, device_bytes
 from moesim.models import DTYPES, ModelSpec, get_model
-from moesim.placement import hot_per_layer, routing_counts
+from moesim.placement import hot_per_layer, routing_counts, uniform_per_layer
 from moesim.policy import get_policy
 from moesim.quant_recipes import ALIASES, RECIPES, apply_recipe
 from moesim.sim.simulate import simulate
@@ -156,10 +156,14 @@ def predict(entry: Entry, engines: dict[str, EngineProfile] | None = None) -> di
     kw = dict(host=host, engine=engine, threads=s.get("threads"))
     if pol.cpu or machine.n_gpus != 1:
         placement = None
-        if "gpu_experts_per_layer" in s:  # KTransformers' per-layer GPU experts, from a calibration twin
-            twin = _trace(spec, context, 64, 1)
-            placement = hot_per_layer(routing_counts(twin.true_ids, spec.n_experts), spec,
-                                      int(s["gpu_experts_per_layer"]), "a calibration twin of the trace", False)
+        if "gpu_experts_per_layer" in s:  # KTransformers' GPU experts a layer, placed as the engine places them
+            n = int(s["gpu_experts_per_layer"])
+            if s.get("placement", engine.expert_placement) == "uniform":
+                placement = uniform_per_layer(spec, n)
+            else:  # by frequency: the most routed experts of a calibration twin
+                twin = _trace(spec, context, 64, 1)
+                placement = hot_per_layer(routing_counts(twin.true_ids, spec.n_experts), spec, n,
+                                          "a calibration twin of the trace", False)
         cpu_layers = spec.n_moe_layers if s.get("cpu_layers") == "all" else s.get("cpu_layers", "auto")
         res = simulate_static(trace, machine, pol, cpu_layers=cpu_layers, gpu_layers=s.get("gpu_layers", "auto"),
                               placement=placement, **kw)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from moesim.costmodel import CostModel, device_expert_seconds
+from moesim.engines import get_engine
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile, HostProfile, Machine, get_host, get_machine
 from moesim.layout import CPU, Layout, layer_weight_bytes, make_layout, stream_layers
@@ -225,7 +226,8 @@ def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, poli
     if pol.cpu == "hot" and g == 1:
         hot = placement or make_placement(pol, spec, machine.gpus[0]["device_memory_gb"] * 1e9, batch=b,
                                           context=context, calibration=calibration, replay_ids=trace.true_ids,
-                                          calibrate_on_replay=calibrate_on_replay)
+                                          calibrate_on_replay=calibrate_on_replay,
+                                          strategy=get_engine(engine).expert_placement)
     layout = _layout_for(pol, spec, machine, batch=b, context=context, cpu_layers=cpu_layers, gpu_layers=gpu_layers,
                          split=split, ratios=ratios, hot_placement=hot, offload_gib=offload_gib)
     need = layout_bytes(spec, layout, b, context)

@@ -18,6 +18,7 @@ from moesim.engines import get_engine
 from moesim.errors import MoesimError
 from moesim.hardware import get_host, get_machine
 from moesim.models import get_model
+from moesim.placement import UNIFORM
 from moesim.policy import WHATIF_POLICIES, check_lookahead, get_policy
 from moesim.sim.cpu_compute import load_calibration, separate_calibration
 from moesim.sim.whatif import GOALS, Sweep, best, run_sweep
@@ -243,7 +244,9 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
     if placement_from is not None and calibrate_on_replay:
         raise MoesimError("give a calibration trace (--placement-from) or --calibrate-on-replay, not both")
     hot_left_out = None
-    if trace is not None and placement_from is None and not calibrate_on_replay and any(p.cpu == "hot" for p in pols):
+    uniform = eng.expert_placement == "uniform" and placement_from is None and not calibrate_on_replay
+    if trace is not None and placement_from is None and not calibrate_on_replay and not uniform \
+            and any(p.cpu == "hot" for p in pols):
         why = ("hot-experts places experts by a calibration trace's routing: give --placement-from TRACE (or "
                "--calibrate-on-replay for an optimistic bound)")
         if chosen:
@@ -312,7 +315,7 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
                         params = SyntheticParams(tokens=tokens, batch=b, prompt_len=p, lookahead=n)
                         key = spec.name if one_shape else f"{spec.name} b{b} p{p}" + (f" ahead{n}" if n != 1 else "")
                         traces[key] = synthetic_trace(spec, params)
-            if any(p.cpu in ("hot", "miss") for p in pols) and not calibrate_on_replay:
+            if any(p.cpu == "miss" or (p.cpu == "hot" and not uniform) for p in pols) and not calibrate_on_replay:
                 # The calibration twin: the replayed traces' expert popularity (one seed), other
                 # draws, so "the hottest experts" are the replayed routing's hot experts without
                 # the placement having seen the draws it is judged on.
@@ -322,9 +325,12 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
                 calibration[spec.name] = synthetic_trace(spec, params).true_ids
                 calibration_source = (f"a second synthetic trace (the same expert popularity, other draws: "
                                       f"draw seed {params.draw_seed})")
+    if uniform and any(p.cpu == "hot" for p in pols):
+        notes.append(f"hot-experts places experts as {eng.name} does by default, by {UNIFORM}; --calibrate-on-replay "
+                     "(or --placement-from with --trace) places them by routing frequency")
     if calibration:
-        notes.append(f"hot-experts and cpu-on-miss place experts by the routing of {calibration_source}, not the "
-                     "replayed trace")
+        who = "cpu-on-miss places" if uniform else "hot-experts and cpu-on-miss place"
+        notes.append(f"{who} experts by the routing of {calibration_source}, not the replayed trace")
     if calibrate_on_replay:
         notes.append("optimistic: hot-experts places experts by the replayed trace's own routing (it has seen the "
                      "future), an upper bound")

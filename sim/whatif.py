@@ -37,7 +37,7 @@ from moesim.engines import get_engine
 from moesim.errors import DoesNotFit, MoesimError
 from moesim.hardware import HardwareProfile, Machine, get_host, get_machine
 from moesim.models import DTYPES
-from moesim.placement import expert_budget, hot_set, routing_counts
+from moesim.placement import expert_budget, hot_set, routing_counts, uniform_set
 from moesim.policy import POLICIES, QUEUES, Planner, get_policy
 from moesim.quant_recipes import is_format, store_as
 from moesim.sim.cpu_compute import simulate_cpu_compute
@@ -365,11 +365,14 @@ def _hot_placement(sweep: Sweep, cfg: Config, trace: Trace, base: str, machine: 
         return None
     spec = trace.model
     calib, source, optimistic = _calibration(sweep, base, trace)
-    if calib is None:
+    uniform = calib is None and get_engine(sweep.engine).expert_placement == "uniform"
+    if calib is None and not uniform:
         return None  # simulate_cpu_compute explains what is missing
     if machine.n_gpus != 1:
         return None  # simulate_static refuses hot-experts on other than one GPU, in one line
     room = expert_budget(spec, machine.gpus[0]["device_memory_gb"] * 1e9, trace.batch, trace.prompt_len + trace.n_tokens)
+    if uniform:  # the engine's own placement, at the group's budget
+        return uniform_set(spec, min(room, int(float(cfg.gpu_expert_gib) * 2**30)))
     return hot_set(routing_counts(calib, spec.n_experts), spec, min(room, int(float(cfg.gpu_expert_gib) * 2**30)),
                    source, optimistic)
 
