@@ -93,15 +93,19 @@ def formats_from_config(raw: dict[str, Any], path: Path) -> tuple[str, str, str,
         method = "mlx"
     if not method:
         return base, base, base, base
-    if method == "fp8":
+    if method in ("fp8", "fbgemm_fp8"):
         block = quant.get("weight_block_size", [128, 128])
-        if block is None:
-            return "fp8-tensor", "fp8-tensor", base, base
-        if not isinstance(block, list) or block != [128, 128]:
+        if method == "fbgemm_fp8":
+            fmt = "fp8-channel"
+        elif block is None:
+            fmt = "fp8-tensor"
+        elif not isinstance(block, list) or block != [128, 128]:
             raise MoesimError(f"{path}: fp8 block size {block} not supported (only 128x128)")
-        return "fp8-block128", "fp8-block128", base, base
-    if method == "fbgemm_fp8":
-        return "fp8-channel", "fp8-channel", base, base
+        else:
+            fmt = "fp8-block128"
+        skip = quant.get("modules_to_not_convert") or []  # kept in the model's dtype, as transformers loads them
+        return (base if _ignored(skip, "experts") else fmt, base if _ignored(skip, "self_attn", "attn") else fmt,
+                base, base)
     if method == "mxfp4":
         return "mxfp4", base, base, base
     if method in ("gptq", "awq"):

@@ -141,6 +141,9 @@ class CostModel:
         self.spec, self.gpu, self.host, self.shards, self.amx = spec, gpu, host, shards, amx
         self.weights_over_link = weights_over_link
         self.engine = e = get_engine(engine)
+        if gpu is None and "cpu" not in e.runs_on:
+            raise MoesimError(f"{e.name} computes on GPUs only (its profile's runs_on); a deployment without a GPU "
+                              "cannot run on it")
         self.overlap = bool(e.get("launch_overlap"))
         if gpu is not None:
             self.launch = gpu.launch if e.kernel_launch_us is None else e.kernel_launch_us * 1e-6

@@ -14,7 +14,8 @@ One function per engine turns an answer into its arguments, so a new engine join
 - KTransformers: an optimize-rule YAML that keeps the chosen layers' experts on the CPU
   (its ``optimize_rules`` format: a ``match`` regex on module names and a ``replace``
   class) and ``--cpu_infer``, or ``--kt-num-gpu-experts`` for GPU experts per layer;
-- vLLM: ``--tensor-parallel-size``, ``--cpu-offload-gb``, ``--max-model-len``.
+- vLLM: ``--tensor-parallel-size`` or ``--pipeline-parallel-size`` (with
+  ``VLLM_PP_LAYER_PARTITION``), ``--cpu-offload-gb``, ``--max-model-len``.
 """
 
 from __future__ import annotations
@@ -135,22 +136,26 @@ def _whole_layers(layout: Layout) -> bool:
     return all(len(set(row.tolist())) == 1 for row in layout.expert_device)
 
 
-def ktransformers(spec: ModelSpec, layout: Layout, *, threads: int | None = None, context: int | None = None,
+def ktransformers(spec: ModelSpec, layout: Layout, *, threads: int | None = None, tokens: int | None = None,
                   model_path: str = "MODEL_DIR", gpu_experts_per_layer: int | None = None, **_: object) -> Invocation:
-    """KTransformers' command and optimize rule for ``layout``."""
+    """KTransformers' command and optimize rule for ``layout`` (``tokens``: the decode length,
+    its ``--max_new_tokens``; it takes no context length)."""
     if layout.n_gpus != 1:
         raise MoesimError("the KTransformers arguments here cover one GPU")
     cpu_layers = [spec.moe_layers[m] for m in range(spec.n_moe_layers) if (layout.expert_device[m] == CPU).any()]
-    args = ["python", "-m", "ktransformers.local_chat", "--model_path", model_path, "--gguf_path", "GGUF_DIR",
-            "--optimize_config_path", "moesim-rule.yaml"]
-    if threads:
+    args = ["python", "-m", "ktransformers.local_chat", "--model_path", model_path, "--gguf_path", "GGUF_DIR"]
+    if cpu_layers:  # a rule that names no layer would match nothing: none then, every expert on the GPU
+        args += ["--optimize_config_path", "moesim-rule.yaml"]
+    if threads and cpu_layers:
         args += ["--cpu_infer", str(threads + 1)]  # its convention: the cores used plus the main thread
-    if context:
-        args += ["--max_new_tokens", str(context)]
+    if tokens:
+        args += ["--max_new_tokens", str(tokens)]
     note = ""
     if gpu_experts_per_layer is not None:
         args += ["--kt-num-gpu-experts", str(gpu_experts_per_layer)]
         note = "--kt-num-gpu-experts is KTransformers' SGLang integration's flag (kt-kernel); its GPU experts per layer"
+    if not cpu_layers:
+        return Invocation("ktransformers", args, {}, note)
     rule = ("- match:\n"
             f"    name: \"^model\\\\.layers\\\\.({_ranges(cpu_layers)})\\\\.mlp\\\\.experts$\"\n"
             "  replace:\n"
@@ -167,13 +172,33 @@ def ktransformers(spec: ModelSpec, layout: Layout, *, threads: int | None = None
 
 def vllm(spec: ModelSpec, layout: Layout, *, context: int | None = None, model_path: str = "MODEL",
          **_: object) -> Invocation:
-    """vLLM's arguments for ``layout``: every layer on the GPUs, tensor-parallel, the streamed
-    layers' weights (:func:`moesim.layout.stream_layers`) as ``--cpu-offload-gb``, which
-    counts GiB per GPU (rounded up to a tenth, so every streamed layer is covered)."""
+    """vLLM's arguments for ``layout``: every layer on the GPUs; several GPUs sharing each layer
+    (a tensor split) as ``--tensor-parallel-size``, which must divide the attention heads and
+    the KV heads (or be a multiple of them: vLLM then copies the KV heads), or holding whole
+    layers (a layer split) as ``--pipeline-parallel-size`` with the plan's layers per GPU in
+    ``VLLM_PP_LAYER_PARTITION`` (vLLM splits evenly without it); the streamed layers' weights
+    (:func:`moesim.layout.stream_layers`) as ``--cpu-offload-gb``, GiB per GPU (rounded up to a
+    tenth, so every streamed layer is covered), on one GPU or a tensor split only: vLLM offloads
+    that much on every GPU, where a layer split streams the first layers, all on one GPU."""
     if (layout.layer_device == CPU).any() or (layout.expert_device == CPU).any():
         raise MoesimError("vLLM computes every layer on the GPUs; it cannot run experts on the CPU")
-    args = ["vllm", "serve", model_path, "--tensor-parallel-size", str(layout.n_gpus)]
-    gib = layout.streamed_gib(spec) / max(layout.n_gpus, 1)
+    n, env = max(layout.n_gpus, 1), []
+    if n > 1 and layout.split == "tensor":
+        heads, kv = spec.attention.n_heads, spec.attention.n_kv_heads or spec.attention.n_heads
+        if heads % n or (kv % n if kv >= n else n % kv):
+            raise MoesimError(f"vLLM's --tensor-parallel-size {n} must divide {spec.name}'s {heads} attention heads "
+                              f"and its {kv} KV heads (or be a multiple of them)")
+        parallel = ["--tensor-parallel-size", str(n)]
+    elif n > 1:
+        if layout.streamed is not None and layout.streamed.any():
+            raise MoesimError("vLLM's --cpu-offload-gb offloads as much on every GPU; this plan streams the first "
+                              "layers, all on the first GPU of a layer split")
+        env = ["env", f"VLLM_PP_LAYER_PARTITION={','.join(str(x) for x in layout.layers_per_gpu)}"]
+        parallel = ["--pipeline-parallel-size", str(n)]
+    else:
+        parallel = ["--tensor-parallel-size", "1"]
+    args = [*env, "vllm", "serve", model_path, *parallel]
+    gib = layout.streamed_gib(spec) / n
     if gib > 0:
         args += ["--cpu-offload-gb", f"{math.ceil(gib * 10) / 10:g}"]
     if context:

@@ -25,6 +25,7 @@ from moesim.inputs import check_name, kind_of, original_names, readable_path
 from moesim.models import DTYPES, Attention, LinearAttention, ModelSpec
 
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
 #: GGUF architectures whose attention is MLA (DeepSeek-V2/V3, Kimi-K2, GLM-4.7-Flash).
 MLA_ARCHS = ("deepseek2", "glm4moe_lite", "kimi_k2")
 #: ggml type names moesim knows under another name.
@@ -44,7 +45,10 @@ def parts_of(path: Path) -> list[Path]:
     m = _SPLIT.match(path.name)
     if not m:
         return [path]
-    count = int(m["count"])
+    count, no = int(m["count"]), int(m["no"])
+    if not 1 <= no <= count:
+        raise MoesimError(f"{path}: a split GGUF file's name says part {no} of {count}; parts count from 1 "
+                          "to their number")
     files = [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
     missing = [f.name for f in files if kind_of(f) == "missing"]
     if missing:
@@ -57,12 +61,35 @@ def _reader(path: Path):
     device, a socket or a silent named pipe is one line (moesim.inputs)."""
     gguf = _gguf()
     where, path = path, readable_path(path, "GGUF file")
+    _check_counts(path, where)
     try:
         return gguf.GGUFReader(str(path), "r")
     except (ValueError, OSError, IndexError, KeyError, TypeError, OverflowError, EOFError, UnicodeDecodeError,
             MemoryError) as e:
         raise MoesimError(f"{where}: not a readable GGUF file "
                           f"({original_names(str(e)).splitlines()[0][:120] if str(e) else type(e).__name__})") from None
+
+
+# The fewest bytes one tensor's description (name length, dimension count, one dimension, type,
+# offset) and one metadata pair (key length, value type, a one-byte value) take in a GGUF header.
+_TENSOR_INFO_MIN, _KV_MIN = 8 + 4 + 8 + 4 + 8, 8 + 4 + 1
+
+
+def _check_counts(path: Path, where: Path) -> None:
+    """One line for a header whose tensor or metadata count the file is too short to hold,
+    before gguf-py reads it (it would loop over 10^12 declared tensors for seconds, holding a
+    gigabyte, before failing). The header: magic, version (u32), then the two counts (u64),
+    little- or big-endian."""
+    with open(path, "rb") as f:
+        head = f.read(24)
+        size = f.seek(0, 2)
+    if len(head) < 24 or head[:4] != b"GGUF":
+        return  # gguf-py's own message says what it is not
+    order = "little" if int.from_bytes(head[4:8], "little") < 1 << 16 else "big"
+    n_tensors, n_kv = (int.from_bytes(head[i:i + 8], order) for i in (8, 16))
+    if 24 + n_tensors * _TENSOR_INFO_MIN + n_kv * _KV_MIN > size:
+        raise MoesimError(f"{where}: not a readable GGUF file (its header declares {n_tensors} tensors and {n_kv} "
+                          f"metadata keys, more than its {size} bytes can hold)")
 
 
 def _value(field) -> Any:
@@ -125,15 +152,25 @@ def spec_from_metadata(meta: dict[str, Any], tensors: dict[str, tuple[str, int, 
             raise MoesimError(f"{where}: {arch}.{name} differs between layers; not modelled")
         return v
 
-    n_experts = key("expert_count", required=True)
-    top_k = key("expert_used_count", required=True)
-    blocks = key("block_count", required=True)
+    def count(name: str, required: bool = True, default: Any = None) -> int:
+        v = key(name, default, required)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise MoesimError(f"{where}: GGUF metadata {arch}.{name} is {v!r}, not a positive whole number")
+        return v
+
+    n_experts = count("expert_count")
+    top_k = count("expert_used_count")
+    blocks = count("block_count")
     nextn = int(key("nextn_predict_layers", 0) or 0)
     n_layers = blocks - nextn
-    hidden = key("embedding_length", required=True)
-    expert_inter = key("expert_feed_forward_length") or key("feed_forward_length", required=True)
+    blk = {int(m[1]) for name in tensors if (m := _BLOCK.match(name))}
+    if n_layers < 1 or n_layers > len(blk):
+        raise MoesimError(f"{where}: GGUF metadata {arch}.block_count says {blocks} blocks ({nextn} of them MTP), "
+                          f"but its tensors describe {len(blk)}")
+    hidden = count("embedding_length")
+    expert_inter = key("expert_feed_forward_length") or count("feed_forward_length")
     dense_inter = key("feed_forward_length", 0) or 0
-    heads = key("attention.head_count", required=True)
+    heads = count("attention.head_count")
     kv_heads = key("attention.head_count_kv", heads)
     vocab = vocab or key("vocab_size") or tensors.get("token_embd.weight", ("", 0, (0, 0)))[2][-1]
     n_shared = int(key("expert_shared_count", 0) or 0)
@@ -143,6 +180,9 @@ def spec_from_metadata(meta: dict[str, Any], tensors: dict[str, tuple[str, int, 
     if not moe:
         raise MoesimError(f"{where}: no layer has a router (blk.N.ffn_gate_inp); not an MoE model")
     dense = [i for i in range(n_layers) if i not in moe]
+    if lost := [i for i in dense if any(f"blk.{i}.ffn_{p}_exps.weight" in tensors for p in ("up", "gate", "down"))]:
+        raise MoesimError(f"{where}: layer {lost[0]} has expert tensors (blk.{lost[0]}.ffn_*_exps) but no router "
+                          f"(blk.{lost[0]}.ffn_gate_inp); its experts could not be routed to")
     shexp = tensors.get(f"blk.{moe[0]}.ffn_up_shexp.weight")  # ggml shape: [hidden, n_shared x inter]
     if shexp and not n_shared:
         n_shared = 1

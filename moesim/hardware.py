@@ -248,6 +248,8 @@ def parse_figures(raw: Any, table: dict[str, tuple[str, bool, bool, str]], where
         if entry["kind"] not in FIGURE_KINDS:
             raise MoesimError(f"{where}: figure {key!r} kind {entry['kind']!r} not in {', '.join(FIGURE_KINDS)}")
         _check_value(where, key, entry["value"], zero_ok)
+        if table[key][0] == "fraction" and entry["value"] > 1:
+            raise MoesimError(f"{where}: figure {key!r} is a fraction (at most 1), got {entry['value']}")
         if table[key][2] and entry["value"] != int(entry["value"]):
             raise MoesimError(f"{where}: figure {key!r} must be a whole number, got {entry['value']}")
         figures[key] = Figure(float(entry["value"]), entry["kind"], str(entry["source"]))

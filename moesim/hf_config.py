@@ -486,6 +486,7 @@ def _check_counts(raw: dict[str, Any], path: Path) -> None:
     experts, k = _first_key(cfg, EXPERT_KEYS), _first_key(cfg, TOPK_KEYS)
     if experts and k and cfg[k] > cfg[experts]:
         raise MoesimError(f"{path}: {k} {cfg[k]} routes more experts than {experts} {cfg[experts]}")
+    formats_from_config(raw, path)  # the dtype and quantisation too: one line, not after the import
 
 
 def spec_from_config(path: str | Path) -> ModelSpec:

@@ -18,17 +18,21 @@ from __future__ import annotations
 
 import math
 import textwrap
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+import numpy as np
 
 from moesim import fmt
 from moesim.engine_args import invocation
 from moesim.errors import MoesimError
 from moesim.fmt import number
 from moesim.hardware import get_machine
-from moesim.layout import make_layout, stream_layers
+from moesim.layout import make_layout
 from moesim.models import model_file, model_named
+from moesim.policy import get_policy
 from moesim.quant_recipes import store_as
+from moesim.sim.static import layout_for
 from moesim.sim.whatif import BOUND, GOALS, NOT_RUN, policy_families, simplicity
 
 # The families and their tie order come from the policy registry (moesim.sim.whatif).
@@ -99,6 +103,7 @@ class FamilyBest:
     fitting: int
     run: int = -1  # rows the machine could run at all (-1: every row); the rest are whatif.NOT_RUN
     invocation: Any = None  # the engine's arguments for it (moesim.engine_args.Invocation), if the engine is named
+    no_invocation: str = ""  # why the named engine has no arguments for it (a layout it cannot spell or run)
 
     @property
     def status(self) -> str:
@@ -166,7 +171,7 @@ def _best(rows: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
 
 def _reason(winner: dict[str, Any] | None, families: list[FamilyBest], key: str, what: str) -> str:
     if winner is None:
-        return "no configuration of any family fits in device memory"
+        return "no configuration of any family fits in memory (each row's note says why)"
     others = sorted((f for f in families if f.row is not None and f.family != winner["family"]),
                     key=lambda f: _rank(f.row, key))
     unit = " ms" if key.endswith("_ms") else ""
@@ -236,25 +241,33 @@ def row_layout(row: dict[str, Any]):
     fam = row["family"]
     spec = store_as(model_named(row["base_model"]), row["expert_dtype"])
     machine = get_machine(row["hw"])
-    g = machine.n_gpus
-    if fam == "all-resident":
-        return spec, make_layout(spec, g)
-    if fam == "cpu-static" and _count(row["cpu_layers"]) is not None:
-        return spec, make_layout(spec, g, cpu_moe_layers=_count(row["cpu_layers"]))
-    if fam == "gpu-layers" and _count(row["gpu_layers"]) is not None:
-        return spec, make_layout(spec, g, gpu_layers=_count(row["gpu_layers"]))
-    if fam == "weight-streaming" and _count(row["offload_gib"], float) is not None:
-        return spec, stream_layers(spec, make_layout(spec, g), _count(row["offload_gib"], float))
-    return None
+    if fam == "hot-experts":  # the same count of GPU experts in every layer (KTransformers' --kt-num-gpu-experts)
+        hot = np.zeros((spec.n_moe_layers, spec.n_experts), bool)
+        hot[:, :int(row["resident_experts"]) // spec.n_moe_layers] = True
+        return spec, make_layout(spec, machine.n_gpus, hot=hot, source=row["placement"])
+    counts = {"all-resident": {}, "cpu-static": {"cpu_layers": _count(row["cpu_layers"])},
+              "gpu-layers": {"gpu_layers": _count(row["gpu_layers"])},
+              "weight-streaming": {"offload_gib": _count(row["offload_gib"], float)}}.get(fam)
+    if counts is None or None in counts.values():
+        return None
+    # The function the simulator laid the row out with (layers cut by their bytes over several
+    # GPUs), so that the arguments spell the deployment that was timed, not a re-derived one.
+    kw = {"cpu_layers": "auto", "gpu_layers": "auto", "offload_gib": "auto", **counts}
+    return spec, layout_for(get_policy(row["policy"]), spec, machine, batch=int(row["batch"]),
+                            context=int(row["prompt_len"]) + int(row["tokens"]), split="layer", ratios=None,
+                            hot_placement=None, **kw)
 
 
 def invocation_of(row: dict[str, Any], engine: str):
-    """The ``engine``'s arguments for a row (None where it cannot spell the row)."""
+    """(the ``engine``'s arguments for a row, or None; why None where the engine cannot run
+    the row's layout: "" where the row places no layout an engine argument can spell)."""
     found = row_layout(row)
     if found is None:
-        return None
+        return None, ""
     spec, layout = found
     kw: dict[str, Any] = {}
+    if row["family"] == "hot-experts":
+        kw["gpu_experts_per_layer"] = int(row["resident_experts"]) // spec.n_moe_layers
     given = model_file(row["base_model"])  # the user's own file: what the arguments load, not a placeholder
     if given is not None:
         if given.suffix == ".gguf":
@@ -263,10 +276,15 @@ def invocation_of(row: dict[str, Any], engine: str):
         elif engine in ("vllm", "ktransformers"):
             kw["model_path"] = str(given.parent)  # the checkpoint folder its config.json is in
     try:
-        return invocation(engine, spec, layout, threads=row.get("threads"),
-                          context=int(row["prompt_len"]) + int(row["tokens"]), **kw)
-    except MoesimError:
-        return None
+        inv = invocation(engine, spec, layout, threads=row.get("threads"), tokens=int(row["tokens"]),
+                         context=int(row["prompt_len"]) + int(row["tokens"]), **kw)
+    except MoesimError as e:
+        return None, str(e)
+    extra = int(row["resident_experts"]) % spec.n_moe_layers if row["family"] == "hot-experts" else 0
+    if inv is not None and extra:
+        inv = replace(inv, note=f"{inv.note}; the plan placed {extra} more experts than {kw['gpu_experts_per_layer']} "
+                                "a layer, which one count a layer cannot say (left on the CPU)")
+    return inv, ""
 
 
 def deployment_answer(rows: list[dict[str, Any]], goal: str = "tpot",
@@ -284,8 +302,9 @@ def deployment_answer(rows: list[dict[str, Any]], goal: str = "tpot",
         for fam in (*policy_families(), BOUND):
             mine = [r for r in here if r["family"] == fam]
             top = _best(mine, key)
-            inv = invocation_of(top, engine) if engine and top is not None and fam != BOUND else None
+            inv, why = invocation_of(top, engine) if engine and top is not None and fam != BOUND else (None, "")
             fams.append(FamilyBest(fam, top, len(mine), sum(bool(r["fits"]) for r in mine), invocation=inv,
+                                   no_invocation=why,
                                    run=sum(r["bound"] != NOT_RUN for r in mine)))
         bound, fams = fams[-1], fams[:-1]
         ranked = [f.row for f in fams if f.row is not None]
@@ -377,6 +396,9 @@ def format_answer(a: Answer, width: int = 80) -> str:
     lines += textwrap.wrap(("winner: " if a.winner else "") + a.reason, width)
     spelled: dict[tuple, str] = {}  # the same arguments (a cpu-static of 0 layers is all-resident) print once
     for f in a.families:
+        if f.no_invocation:
+            lines += textwrap.wrap(f"{f.family} with {f.row['engine']}: no command: {f.no_invocation}",
+                                   width)
         if f.invocation is not None:
             tps = f.row["tokens_per_s"]
             key = (f.invocation.engine, tuple(f.invocation.args), tuple(f.invocation.files.items()))

@@ -149,7 +149,7 @@ def _crossing(cms: list[CostModel], a: int, b: int, nbytes: float) -> float:
     return float(cms[gpu].copy(nbytes)) if gpu != CPU and cms else 0.0
 
 
-def _layout_for(pol, spec, machine, *, batch: int, context: int, cpu_layers, gpu_layers, split: str,
+def layout_for(pol, spec, machine, *, batch: int, context: int, cpu_layers, gpu_layers, split: str,
                 ratios, hot_placement, offload_gib="auto") -> Layout:
     """The layout ``pol`` gives on ``machine``, choosing ``auto`` counts to fit its GPUs."""
     g = machine.n_gpus
@@ -228,7 +228,7 @@ def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, poli
                                           context=context, calibration=calibration, replay_ids=trace.true_ids,
                                           calibrate_on_replay=calibrate_on_replay,
                                           strategy=get_engine(engine).expert_placement)
-    layout = _layout_for(pol, spec, machine, batch=b, context=context, cpu_layers=cpu_layers, gpu_layers=gpu_layers,
+    layout = layout_for(pol, spec, machine, batch=b, context=context, cpu_layers=cpu_layers, gpu_layers=gpu_layers,
                          split=split, ratios=ratios, hot_placement=hot, offload_gib=offload_gib)
     need = layout_bytes(spec, layout, b, context)
     kw = dict(engine=engine, amx=amx, threads=threads, host_weights=need.host_weights, host_other=need.host_kv)

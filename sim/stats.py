@@ -938,7 +938,9 @@ def fit_synthetic(trace: Trace, tokens: int | None = None, batch: int | None = N
     - ``layer_hit``: the layer's recall@k of the main prediction (0 where none), as the
       distance-1 rate: a trace whose header says ``lookahead`` N > 1 predicted N layers
       ahead, so its recall r gives ``r ** (1 / N)`` (the generator raises it back to the N);
-    - ``lookahead``: the trace's.
+    - ``lookahead``: the trace's;
+    - ``predicted``: False when the trace has no predictions (an imported vLLM dump): the
+      synthetic trace then has none either, rather than predictions that are always wrong.
 
     What it does not model: reuse at distances > 1 beyond popularity, correlation between
     layers and between sequences of a batch, the gate distribution.
@@ -949,7 +951,9 @@ def fit_synthetic(trace: Trace, tokens: int | None = None, batch: int | None = N
     pop = counts / counts.sum(1, keepdims=True)
     target = _reuse_from(summary)["reuse_prev_token"]
     lookahead = trace.meta.lookahead
-    recall = np.nan_to_num(_recall_from(summary), nan=0.0) ** (1.0 / lookahead)
+    measured_recall = _recall_from(summary)
+    predicted = not np.isnan(measured_recall).all()  # a trace without predictions (pred_ids all -1): none
+    recall = np.nan_to_num(measured_recall, nan=0.0) ** (1.0 / lookahead)
     popularity = tuple(tuple(float(p) for p in row) for row in pop)
     grid = np.linspace(0, 1, 11)
     calib_tokens = max(64, min(512, 4096 // max(spec.top_k, 1)))
@@ -963,7 +967,8 @@ def fit_synthetic(trace: Trace, tokens: int | None = None, batch: int | None = N
                         for m in range(spec.n_moe_layers))
     return SyntheticParams(tokens=tokens or trace.n_tokens, batch=batch or trace.batch, prompt_len=trace.prompt_len,
                            seed=seed, popularity=popularity, layer_reuse=layer_reuse,
-                           layer_hit=tuple(float(x) for x in recall), like=like or spec.name, lookahead=lookahead)
+                           layer_hit=tuple(float(x) for x in recall), like=like or spec.name, lookahead=lookahead,
+                           predicted=predicted)
 
 
 def like_params(trace: Trace, tokens: int, batch: int = 1, seed: int = 0, like: str = "",

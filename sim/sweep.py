@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,14 +48,26 @@ class WhatIf:
         return sorted(self.rows, key=lambda r: (not r["fits"], r[key] if r[key] is not None else float("inf")))
 
 
-def check_unique_names(given: list[str] | tuple[str, ...], profiles: list) -> None:
+def check_unique_names(given: list[str] | tuple[str, ...], profiles: list, option: str = "--hw") -> None:
     """Rows are keyed by profile name: two profiles with one name would report one's results twice."""
     seen: dict[str, str] = {}
     for g, p in zip(given, profiles):
-        if p.name in seen:
-            raise MoesimError(f"--hw: {seen[p.name]} and {g} are both named {p.name!r}; profile names must be unique in "
-                              "a run (change `name` in the .toml, or `moesim fit --name`)")
+        if p.name in seen and seen[p.name] != g:
+            raise MoesimError(f"{option}: {seen[p.name]} and {g} are both named {p.name!r}; profile names must be "
+                              "unique in a run (change `name` in the .toml, or `moesim fit --name`)")
         seen[p.name] = g
+
+
+def unique_model_names(given: list[str], specs: list) -> list:
+    """Rows are keyed by model name: two files of one model (a Q4_K_M and a Q8_0 GGUF share
+    ``general.name``) each keep their rows, under the name and the file's name as given.
+    A model given twice is swept once."""
+    first: list[tuple[str, Any]] = []
+    for g, s in zip(given, specs):
+        if all(s != t for _, t in first):
+            first.append((g, s))
+    names = [s.name for _, s in first]
+    return [replace(s, name=f"{s.name} ({Path(g).name})") if names.count(s.name) > 1 else s for g, s in first]
 
 
 def default_cpu_layers(specs: list) -> tuple[int | str, ...]:
@@ -298,7 +310,7 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
             raise MoesimError("--placement-from calibrates a recorded trace (--trace); synthetic traces are calibrated "
                               "on a second synthetic trace")
         traces = {}
-        specs = [get_model(m) for m in models]
+        specs = unique_model_names(list(models), [get_model(m) for m in models])
         for spec in specs:  # all sizes checked before any trace is made: the trace and one replay of it together
             for b in batches:
                 made = budget.synth_estimate(spec, tokens, b, max(prompts))
@@ -338,6 +350,7 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
     profiles = [get_machine(h) for h in hws]
     check_unique_names(hws, profiles)
     used_hosts = [get_host(h) for h in host_names if h]
+    check_unique_names([h for h in host_names if h], used_hosts, "--host")
     used_hosts += [get_host(None, m.gpus[0]) for m in profiles if not hosts and m.gpus and m.gpus[0].host]
     check_threads(threads, used_hosts)
     if address is not None and backend != "ray":

@@ -145,7 +145,8 @@ def resume(sweep, out: Path, notes: list[str] | None = None) -> dict[int, list[d
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
             old = None
         if old != fingerprint:
-            raise MoesimError(f"{out} holds a different sweep (other traces, hardware or settings), or its "
+            raise MoesimError(f"{out} holds a different sweep (other traces, hardware or settings, or a profile file "
+                              f"edited since), or its "
                               f"{manifest.name} was edited; choose another path or remove it to start over")
         records = _read(out, ROW_COLUMNS)
     else:

@@ -205,7 +205,10 @@ class Sweep:
         object.__setattr__(self, "hws", [get_machine(h) for h in self.hws])  # rows name machines
         if self.sim not in ("simpy", "fast"):
             raise MoesimError(f"unknown simulator {self.sim!r}; known: simpy, fast")
-        get_engine(self.engine)  # an unknown engine: one line, before any work
+        eng = get_engine(self.engine)  # an unknown engine: one line, before any work
+        if "cpu" not in eng.runs_on and (none := next((m for m in self.hws if m.n_gpus == 0), None)):
+            raise MoesimError(f"--hw {none.name}: {eng.name} computes on GPUs only (its profile's runs_on); a machine "
+                              "without a GPU cannot run it")
         for p in self.policies:
             get_policy(p)
         if any(g is not None and g <= 0 for g in self.link_gbps):
@@ -241,6 +244,9 @@ class Sweep:
             for n in self.cpu_layers:
                 if "cpu-static" in self.policies and n != "auto" and n > t.model.n_moe_layers:
                     raise MoesimError(f"--cpu-layers {n}: {t.model.name} has {t.model.n_moe_layers} MoE layers")
+            for n in self.gpu_layers:
+                if any(get_policy(p).cpu == "whole" for p in self.policies) and n != "auto" and n > t.model.n_layers:
+                    raise MoesimError(f"--gpu-layers {n}: {t.model.name} has {t.model.n_layers} layers")
             for m in self.prefetch_top:
                 if m is not None and m > t.model.top_k:
                     raise MoesimError(f"--prefetch-top {m}: {t.model.name} routes top-{t.model.top_k}")
@@ -328,7 +334,12 @@ class Sweep:
                 "expert_dtypes": self.expert_dtypes, "hosts": self.hosts, "cpu_layers": self.cpu_layers,
                 "gpu_expert_gib": self.gpu_expert_gib, "copy_queues": self.copy_queues,
                 "prefetch_top": self.prefetch_top, "calibration_source": self.calibration_source,
-                "calibrate_on_replay": self.calibrate_on_replay, "columns": ROW_COLUMNS}
+                "calibrate_on_replay": self.calibrate_on_replay, "columns": ROW_COLUMNS,
+                # The content of every profile file the rows depend on, not just its name: a host or
+                # engine TOML edited between two runs must not resume the first run's rows.
+                "profiles": [repr(get_host(h)) for h in self.hosts if h]
+                + [repr(get_host(None, m.gpus[0])) for m in self.hws if m.gpus and m.gpus[0].host]
+                + [repr(get_engine(self.engine))]}
         h.update(json.dumps(spec, sort_keys=True, default=str).encode())
         return h.hexdigest()[:16]
 
@@ -407,6 +418,20 @@ def _host(sweep: Sweep, cfg: Config, machine: Machine):
         return None  # simulate_static says, in one line, that a machine without GPUs needs --host
     host = get_host(cfg.host, machine.gpus[0] if machine.gpus else None)
     return host.with_figure("ram_gb", sweep.host_ram_gb, "estimate", "--host-ram-gb") if sweep.host_ram_gb else host
+
+
+def _host_ram_short(sweep: Sweep, cfg: Config, machine: Machine, spec) -> str | None:
+    """Why a copy policy's experts do not fit the host's RAM (every routed expert stays in host
+    memory, whence they are copied), judged by the cost model as the CPU layouts are; None
+    when they fit or the RAM is not known."""
+    host = _host(sweep, cfg, machine)
+    if host is None or host.ram_bytes is None:
+        return None
+    try:
+        CostModel(spec, machine.gpus[0], host, engine=sweep.engine, host_weights=spec.all_expert_bytes)
+    except DoesNotFit as e:
+        return str(e)
+    return None
 
 
 def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str) -> list[dict[str, Any]]:
@@ -496,6 +521,10 @@ def run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
                                         "one GPU")) for _ in sweep.link_gbps]
             continue
         hw = machine.gpus[0]
+        if why := _host_ram_short(sweep, cfg, machine, spec):
+            rows += [normalise(_not_run(sweep, index, cfg, trace, base, machine, why, bound="memory"))
+                     for _ in sweep.link_gbps]
+            continue
         if (cfg.trace, cfg.expert_dtype, hi) not in memo:
             memo[cfg.trace, cfg.expert_dtype, hi] = pick_costs(trace, CostModel(spec, hw, engine=sweep.engine),
                                                                sweep.timing)

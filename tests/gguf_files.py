@@ -30,9 +30,11 @@ def _add(w, name: str, shape: tuple[int, ...], qtype) -> None:
 def qwen3moe_gguf(path: Path, layers: int = 4, experts: int = 8, hidden: int = 256, inter: int = 256,
                   heads: int = 4, kv: int = 2, head_dim: int = 64, vocab: int = 512, top_k: int = 2,
                   gate_types=None, down_types=None, attn_type=T.Q4_K, embed_type=T.Q4_K, head_type=T.Q6_K,
-                  parts: int = 1) -> list[Path]:
+                  parts: int = 1, meta: dict | None = None, drop: tuple[str, ...] = ()) -> list[Path]:
     """A Qwen3-MoE-shaped GGUF ("Q4_K_M"-like by default: experts Q4_K, ffn_down Q6_K in
-    every other layer, output Q6_K), split into ``parts`` files when > 1."""
+    every other layer, output Q6_K), split into ``parts`` files when > 1. ``meta``: metadata
+    keys (without the architecture) whose u32 value replaces the geometry's, None leaving the
+    key out; ``drop``: tensors left out (broken files)."""
     gate_types = gate_types or [T.Q4_K] * layers
     down_types = down_types or [T.Q6_K if i % 2 == 0 else T.Q4_K for i in range(layers)]
     arch = "qwen3moe"
@@ -50,6 +52,7 @@ def qwen3moe_gguf(path: Path, layers: int = 4, experts: int = 8, hidden: int = 2
                     (b + "ffn_gate_exps.weight", (experts, inter, hidden), gate_types[i]),
                     (b + "ffn_up_exps.weight", (experts, inter, hidden), gate_types[i]),
                     (b + "ffn_down_exps.weight", (experts, hidden, inter), down_types[i])]
+    tensors = [t for t in tensors if t[0] not in drop]
     per_part = -(-len(tensors) // parts)
     paths = []
     for p in range(parts):
@@ -60,7 +63,9 @@ def qwen3moe_gguf(path: Path, layers: int = 4, experts: int = 8, hidden: int = 2
                          ("expert_feed_forward_length", inter), ("expert_count", experts), ("expert_used_count", top_k),
                          ("attention.head_count", heads), ("attention.head_count_kv", kv),
                          ("attention.key_length", head_dim), ("attention.value_length", head_dim)):
-                w.add_uint32(f"{arch}.{k}", v)
+                v = (meta or {}).get(k, v)
+                if v is not None:
+                    w.add_uint32(f"{arch}.{k}", v)
             w.add_string("general.name", "synthetic-qwen3moe")
             w.add_token_list([f"t{i}" for i in range(vocab)])
         if parts > 1:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import difflib
 import io
 import json
 import zipfile
@@ -109,13 +110,20 @@ def _text(path: Path, where: str, expected: str) -> str:
         raise MoesimError(f"{where}: not UTF-8 text ({expected} is expected)") from None
 
 
-def _load_npz(path: Path, where: str) -> dict[str, np.ndarray]:
+def _load_npz(path: Path, where: str, known: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The arrays of an .npz whose members are all among ``known``: a misspelt optional one
+    (``gate`` for ``gates``) would otherwise be silently left out."""
     try:
         z = np.load(path, allow_pickle=False)
         if not isinstance(z, np.lib.npyio.NpzFile):  # a .npy array: np.load returns it, not an archive
             raise MoesimError(f"{where}: a single .npy array, not an .npz archive of named arrays (docs/routing.md "
                               "names the arrays each format expects)")
         with z:
+            if unknown := [k for k in z.files if k not in known]:
+                near = difflib.get_close_matches(unknown[0], known, n=1)
+                raise MoesimError(f"{where}: unknown array {unknown[0]!r} in the .npz"
+                                  f"{f' (did you mean {near[0]!r}?)' if near else ''}; this format's arrays are "
+                                  f"{', '.join(known)} (docs/routing.md)")
             return {k: z[k] for k in z.files}
     except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
         raise MoesimError(f"{where}: not a readable .npz ({e})") from None
@@ -233,7 +241,7 @@ def _read_vllm(path: Path, where: str, spec: ModelSpec, prompt_tokens: int | Non
         r = _npy_bytes(read_bytes(path, "routing dump", _dump_cap()), where, "the file")
         p = prompt_tokens
     else:
-        d = _load_npz(path, where)
+        d = _load_npz(path, where, ("routed_experts", "prompt_tokens", "token_ids", "gates"))
         if "routed_experts" not in d or ("prompt_tokens" not in d and prompt_tokens is None):
             raise MoesimError(f"{where}: a vLLM dump needs arrays routed_experts and prompt_tokens")
         r = d["routed_experts"]
@@ -274,7 +282,7 @@ def _read_vllm(path: Path, where: str, spec: ModelSpec, prompt_tokens: int | Non
 
 
 def _read_npz(path: Path, where: str):
-    d = _load_npz(path, where)
+    d = _load_npz(path, where, ("experts", "gates", "token_ids"))
     if "experts" not in d:
         raise MoesimError(f"{where}: a routing .npz needs an array 'experts'")
     ids = d["experts"]

@@ -91,6 +91,9 @@ class SyntheticParams:
     lookahead: int = 1
     #: Seed of every draw (routing, reuse, gates, predictions, tokens); None: ``seed``. Popularity is ``seed``'s.
     draw_seed: int | None = None
+    #: False: no predictor, ``pred_ids`` all -1 (as a trace recorded or imported without one), so
+    #: a trace fitted to such a trace does not invent predictions that are always wrong.
+    predicted: bool = True
 
     def __post_init__(self) -> None:
         for name in ("tokens", "batch"):
@@ -584,6 +587,8 @@ class _Draws:
         gen["layer_hit"] = [round(float(v), 6) for v in params.layer_hit]
         gen["lookahead"] = int(params.lookahead)
         gen["draw_seed"] = None if params.draw_seed is None else int(params.draw_seed)
+        if params.predicted:
+            del gen["predicted"]  # said only when there are none: every other trace's header as before
         return make_header(
             self.spec, policy="none", prompt_len=params.prompt_len, n_tokens=t, batch=b, seed=params.seed,
             synthetic=True, recorded={"tool": f"moesim {__version__}", "how": "synthetic routing, no timings"
@@ -609,6 +614,8 @@ def synthetic_trace(spec: ModelSpec, params: SyntheticParams = SyntheticParams()
     for _, _, s1 in draws.run(lambda i, s0, s1: (true[s0:s1], gates[s0:s1], pred[s0:s1])):
         if progress is not None:
             progress(s1, params.tokens)
+    if not params.predicted:
+        pred.fill(-1)
     # A predicted slot's gate is the true gate of the same slot, where pred_ids is -1 (layers
     # before the lookahead) too: gates where nothing is predicted carry no meaning, and so the
     # file stores the gates once (format.repeated_members), 1/3 of a trace's bytes not written.
@@ -646,6 +653,8 @@ def write_synthetic_trace(spec: ModelSpec, params: SyntheticParams, path: str | 
             try:
                 while (chunk := nxt.result()) is not None:
                     i, s0, s1 = chunk
+                    if not params.predicted:
+                        scratch[i % 2][2][:s1 - s0].fill(-1)  # before the next chunk is drawn into the other set
                     nxt = ahead.submit(next, chunks, None)  # into the other set, while this one is written
                     if progress is not None:
                         progress(s1, params.tokens)

@@ -12,6 +12,9 @@ behind torch, and two circles that say so where they are.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
 import sys
 
 import typer
@@ -90,6 +93,10 @@ def main() -> None:
         _fail(line)
     except RecursionError:  # json and tomllib recurse per level of nesting: a file nested thousands deep
         _fail("an input file is nested too deeply to read (thousands of levels of JSON or TOML brackets)")
+    except OSError as e:
+        if e.errno not in _OUTPUT_ERRNOS:
+            raise
+        _output_lost(e)
     except MemoryError:
         _fail("out of memory (the run is larger than this machine can hold; ask for fewer tokens, layers or "
               "a smaller cache)")
@@ -116,6 +123,19 @@ def _click_exceptions():
     except ImportError:
         from click import exceptions
     return exceptions
+
+
+# A write to standard output that failed (`>/dev/full`, a full or vanished disk): the only OSErrors
+# that reach here, every file moesim reads or writes itself being checked where it is opened.
+_OUTPUT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG, errno.EBADF}
+
+
+def _output_lost(e: OSError) -> None:
+    """One line for an answer that could not be written, and standard output pointed at
+    /dev/null so the interpreter's own flush at exit does not print a second complaint."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    _fail(f"could not write to standard output: {e.strerror or e}", 1)
 
 
 def _fail(line: str, code: int = 2) -> None:

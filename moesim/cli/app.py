@@ -43,8 +43,22 @@ every policy and writes a report to ./moesim-whatif/.
 """
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown", help=HELP)
+
+
+def _columns() -> int | None:
+    """The width COLUMNS gives, or None when it gives none: unset, not a whole number, or under
+    20 (rich would print nothing at all at ``COLUMNS=0``)."""
+    try:
+        width = int(os.environ.get("COLUMNS", ""))
+    except ValueError:
+        return None
+    return width if width >= 20 else None
+
+
+if "COLUMNS" in os.environ and _columns() is None:
+    del os.environ["COLUMNS"]  # rich reads it too: a terminal's own width (or 200) instead
 # Pipes and files get whole tables (200 columns) unless COLUMNS says otherwise; a terminal its width.
-out = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200)
+out = Console(width=_columns() or (None if sys.stdout is not None and sys.stdout.isatty() else 200))
 err = Console(stderr=True)
 
 

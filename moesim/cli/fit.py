@@ -8,7 +8,9 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, err, out, table
-from moesim.hardware import DEFAULT_PROFILE
+from moesim.cli.options import holding
+from moesim.errors import MoesimError
+from moesim.hardware import DEFAULT_PROFILE, get_machine
 
 
 @app.command()
@@ -33,12 +35,16 @@ def fit(
 
     if out_path is not None:
         check_output_file(out_path, (".toml",))
-    trace = read_trace(trace_path)
-    base, source = trace_profile(trace, hw_name)
-    prof, quality = fit_profile(trace, base, name)
-    if out_path is not None:
-        atomic_write_text(out_path, f"# {prof.description}\n" + prof.to_toml())
-        err.print(f"wrote {out_path} (profile {prof.name!r})", markup=False, highlight=False)
+    if hw_name and (n := get_machine(hw_name).n_gpus) != 1:
+        raise MoesimError(f"fit needs one GPU profile to fit (the trace was measured on one GPU); --hw {hw_name} "
+                          f"names {n or 'no'} GPUs")
+    with holding(out_path, "--out"):  # two runs on one file: the second refused, not a profile lost
+        trace = read_trace(trace_path)
+        base, source = trace_profile(trace, hw_name)
+        prof, quality = fit_profile(trace, base, name)
+        if out_path is not None:
+            atomic_write_text(out_path, f"# {prof.description}\n" + prof.to_toml())
+            err.print(f"wrote {out_path} (profile {prof.name!r})", markup=False, highlight=False)
     for w in quality["warnings"]:
         err.print(f"warning: {w}", highlight=False, markup=False, soft_wrap=True)
     out.print(table(f"compute model fitted to {trace_path.name} ({quality['blocks']} blocks; base profile "

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, err
+from moesim.cli.options import holding
 from moesim.fmt import plural
 
 
@@ -37,6 +38,7 @@ def import_routing(
     if prompt_tokens is not None and fmt in ("jsonl", "npz", "sglang"):
         err.print(f"note: --prompt-tokens applies to vllm's plain .npy dumps; a {fmt} dump carries its own prompt: "
                   "changed nothing", markup=False, soft_wrap=True)
-    trace = run_import(fmt, path, model, out_path, prompt_tokens=prompt_tokens)
+    with holding(out_path, "--out"):  # two runs on one file: the second refused, not a trace lost
+        trace = run_import(fmt, path, model, out_path, prompt_tokens=prompt_tokens)
     err.print(f"wrote {out_path}: {plural(trace.n_tokens, 'step')} x {trace.model.n_moe_layers} MoE layers of "
               f"{trace.model.name}, batch {trace.batch} (imported from {fmt})")

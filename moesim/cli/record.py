@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, err
+from moesim.cli.options import holding
 from moesim.cli.running import keeps_finished_work, progress_bar
 from moesim.executor.defaults import RECORD_DRAFT as D  # torch-free: --help shows them
 from moesim.fmt import plural
@@ -84,28 +85,29 @@ def record(
     if draft is None and tree:
         raise MoesimError("--tree-depth, --tree-branch, --budget, --selection, --score and --lambda apply to "
                           "record --draft")
-    if draft is not None:
-        if temperature != 0 or (batch or 1) != 1:
-            raise MoesimError("record --draft decodes greedily at batch 1 (no --temperature, no --batch)")
-        from moesim.executor.record_speculative import DraftSettings, record_speculative_trace
+    with holding(out_path, "--out"):  # two runs on one file: the second refused, not a trace lost
+        if draft is not None:
+            if temperature != 0 or (batch or 1) != 1:
+                raise MoesimError("record --draft decodes greedily at batch 1 (no --temperature, no --batch)")
+            from moesim.executor.record_speculative import DraftSettings, record_speculative_trace
 
-        settings = DraftSettings(**tree)  # the defaults live there
-        with progress_bar("recording", "tokens") as update:
-            trace = record_speculative_trace(model_dir, draft, out_path, prompts, tokens=tokens, settings=settings,
-                                             device=device, seed=seed, progress=update, prompt_source=source)
-        acc = trace.timings["sd_accepted"]
-        cut = f" (interrupted: kept {trace.n_tokens} of {tokens} tokens)" if trace.n_tokens < tokens else ""
-        err.print(f"wrote {out_path}{cut}: {trace.n_tokens} tokens of {trace.model.name} routing in {len(acc)} verification "
-                  f"steps ({acc.mean():.2f} a step), {1 + settings.budget} rows verified a step at most (real pair, no "
-                  "timings)")
-        return
-    from moesim.executor.record import record_trace
+            settings = DraftSettings(**tree)  # the defaults live there
+            with progress_bar("recording", "tokens") as update:
+                trace = record_speculative_trace(model_dir, draft, out_path, prompts, tokens=tokens, settings=settings,
+                                                 device=device, seed=seed, progress=update, prompt_source=source)
+            acc = trace.timings["sd_accepted"]
+            cut = f" (interrupted: kept {trace.n_tokens} of {tokens} tokens)" if trace.n_tokens < tokens else ""
+            err.print(f"wrote {out_path}{cut}: {trace.n_tokens} tokens of {trace.model.name} routing in {len(acc)} verification "
+                      f"steps ({acc.mean():.2f} a step), {1 + settings.budget} rows verified a step at most (real pair, no "
+                      "timings)")
+            return
+        from moesim.executor.record import record_trace
 
-    with progress_bar("recording", "steps") as update:
-        trace = record_trace(model_dir, out_path, prompts, tokens=tokens, device=device, batch=batch,
-                             temperature=temperature, seed=seed, progress=update, prompt_source=source)
-    rec = {k: [x for x in v if x == x] for k, v in trace.meta.metrics.get("predictors", {}).items()}
-    cut = f" (interrupted: kept {trace.n_tokens} of {tokens} steps)" if trace.n_tokens < tokens else ""
-    err.print(f"wrote {out_path}{cut}: {plural(trace.n_tokens, 'step')} of {trace.model.name} routing, batch {trace.batch} (real "
-              "model, no timings); mean prediction recall@k "
-              + ", ".join(f"{k} {sum(v) / len(v):.3f}" for k, v in rec.items() if v))
+        with progress_bar("recording", "steps") as update:
+            trace = record_trace(model_dir, out_path, prompts, tokens=tokens, device=device, batch=batch,
+                                 temperature=temperature, seed=seed, progress=update, prompt_source=source)
+        rec = {k: [x for x in v if x == x] for k, v in trace.meta.metrics.get("predictors", {}).items()}
+        cut = f" (interrupted: kept {trace.n_tokens} of {tokens} steps)" if trace.n_tokens < tokens else ""
+        err.print(f"wrote {out_path}{cut}: {plural(trace.n_tokens, 'step')} of {trace.model.name} routing, batch {trace.batch} (real "
+                  "model, no timings); mean prediction recall@k "
+                  + ", ".join(f"{k} {sum(v) / len(v):.3f}" for k, v in rec.items() if v))

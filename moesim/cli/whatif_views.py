@@ -31,7 +31,11 @@ def print_whatif(res, answers, crosses, goal: str, top: int) -> None:
                       f" at {b['tpot_ms']:.3g} ms/token; {bound_words(b)}")
         else:
             mem = "+".join(f"{g:g}" for g in h.device_memory_gb()) or "no"
-            out.print(f"on {h.name}: no configuration fits in {mem} GB of device memory")
+            notes = [r["note"] for r in rows if r["hw"] == h.name and r.get("note") not in (None, "", "-")]
+            host = next((n for n in notes if "RAM" in n), None)  # the host's RAM, not the device, is short
+            out.print(f"on {h.name}: no configuration fits: {host}" if host else
+                      f"on {h.name}: no configuration fits in {mem} GB of device memory", markup=False,
+                      highlight=False, soft_wrap=True)
     for a in answers:
         out.print()
         out.print(format_answer(a), markup=False, highlight=False, soft_wrap=True)  # wrapped already; commands never
@@ -49,7 +53,7 @@ def print_whatif(res, answers, crosses, goal: str, top: int) -> None:
         cpu = get_policy(winner["policy"]).cpu or winner["bound"] == "CPU compute"
         out.print(f"why: {bound_words(winner)}" if cpu else f"why: {why(winner)}")
     else:
-        out.print("[bold red]no configuration fits in device memory[/bold red]")
+        out.print("[bold red]no configuration fits in memory[/bold red] (each row's note says why: --json / --csv)")
 
 
 def show_whatif(res, goal: str, engine: str | None, top: int, as_json: bool, as_csv: bool, out_dir) -> None:

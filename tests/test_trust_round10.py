@@ -1,0 +1,247 @@
+"""Issue "What the user sees is true", its input classes: each ends in one line and exit 2
+(or a true answer), never a traceback, a hang or a silent wrong answer (docs/robustness.md,
+round 10)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from cli_run import ENV, ROOT, in_process, one_line_error
+from gguf_files import qwen3moe_gguf
+
+
+def _gguf(tmp_path, name="m.gguf", **kw):
+    return qwen3moe_gguf(tmp_path / name, **kw)[0]
+
+
+@pytest.mark.parametrize("meta, words", [
+    ({"attention.head_count": 0, "attention.key_length": None}, ("head_count is 0", "positive whole number")),
+    ({"expert_count": 0}, ("expert_count is 0",)),
+    ({"embedding_length": None}, ("no qwen3moe.embedding_length",)),
+    ({"block_count": 4_000_000_000}, ("block_count says 4000000000 blocks", "tensors describe 4")),
+])
+def test_a_gguf_whose_geometry_cannot_be_is_refused_in_one_line(tmp_path, meta, words):
+    path = _gguf(tmp_path, meta=meta)
+    one_line_error(in_process("models", path), *words)
+
+
+def test_a_gguf_layer_with_experts_but_no_router_is_refused_not_counted_dense(tmp_path):
+    path = _gguf(tmp_path, drop=("blk.2.ffn_gate_inp.weight",))
+    one_line_error(in_process("models", path), "layer 2 has expert tensors", "no router")
+
+
+def test_a_gguf_header_declaring_more_tensors_than_its_bytes_is_refused_before_gguf_py_reads_it(tmp_path):
+    path = _gguf(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[8:16] = (10**12).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+    one_line_error(in_process("models", path), "declares 1000000000000 tensors", "more than its")
+
+
+def test_a_split_gguf_named_part_1_of_0_is_refused(tmp_path):
+    path = _gguf(tmp_path, name="m-00001-of-00000.gguf")
+    one_line_error(in_process("models", path), "part 1 of 0")
+
+
+@pytest.mark.parametrize("hw, words", [("none", "names no GPUs"), ("2xa6000", "names 2 GPUs")])
+def test_fit_on_a_machine_of_other_than_one_gpu_is_refused(tmp_path, hw, words):
+    one_line_error(in_process("fit", tmp_path / "never-read.npz", "--hw", hw), "fit needs one GPU profile", words)
+
+
+def _moesim(*args, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moesim", *args], env={**os.environ, **ENV}, cwd=ROOT,
+                          stderr=subprocess.PIPE, text=True, timeout=120, **kw)
+
+
+def test_stdout_closed_or_full_ends_in_one_line():
+    closed = _moesim("models", stdout=None, pass_fds=(), preexec_fn=lambda: os.close(1))
+    one_line_error(closed, "standard output is closed")
+    with open("/dev/full", "w") as full:
+        r = _moesim("models", stdout=full)
+    assert r.returncode == 1 and r.stderr.strip() == "error: could not write to standard output: No space left on " \
+        "device", r.stderr
+
+
+@pytest.mark.parametrize("columns", ["0", "-3", "abc", "5"])
+def test_a_columns_that_is_no_width_is_ignored_not_an_empty_answer(columns):
+    r = in_process("models", env={"COLUMNS": columns})
+    assert r.returncode == 0 and "qwen3-30b-a3b" in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("fmt, arrays, words", [
+    ("npz", {"experts": np.zeros((4, 2, 2), np.int64), "gate": np.ones((4, 2, 2), np.float32)},
+     ("unknown array 'gate'", "did you mean 'gates'?")),
+    ("vllm", {"routed_experts": np.zeros((6, 2, 2), np.int64), "prompt_tokens": 2, "tokenids": np.zeros(4, np.int64)},
+     ("unknown array 'tokenids'", "did you mean 'token_ids'?")),
+])
+def test_a_misspelt_npz_member_is_refused_not_silently_left_out(tmp_path, fmt, arrays, words):
+    np.savez(tmp_path / "r.npz", **arrays)
+    one_line_error(in_process("import", fmt, tmp_path / "r.npz", "--model", "tiny", "--out", tmp_path / "t.npz"), *words)
+    assert not (tmp_path / "t.npz").exists()
+
+
+def test_an_engine_fraction_above_one_is_refused(tmp_path):
+    from moesim.engines import builtin_engines
+
+    text = builtin_engines()["llama.cpp"].read_text()
+    bad = tmp_path / "e.toml"
+    assert "\ndefault = { value = 0.4545" in text  # [cpu_weight_efficiency]'s
+    bad.write_text(text.replace("\ndefault = { value = 0.4545", "\ndefault = { value = 50.4545", 1))
+    one_line_error(in_process("hw", bad, "--engines"), "'default'", "a fraction (at most 1), got 50.4545")
+
+
+def test_two_quantisations_of_one_model_in_one_sweep_each_keep_their_rows(tmp_path):
+    from gguf_files import T
+
+    a = _gguf(tmp_path, "m-Q4_K.gguf")
+    b = _gguf(tmp_path, "m-Q8_0.gguf", gate_types=[T.Q8_0] * 4, down_types=[T.Q8_0] * 4)
+    r = in_process("whatif", "--model", f"{a},{b}", "--hw", "a6000", "--policy", "on-demand", "--cache-gib", "0",
+                   "--tokens", "8", "--jobs", "1", "--json", "--out", tmp_path / "w", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["rows"]
+    assert sorted(row["model"] for row in rows) == ["synthetic-qwen3moe (m-Q4_K.gguf)",
+                                                     "synthetic-qwen3moe (m-Q8_0.gguf)"]
+    by = {row["model"]: row for row in rows}
+    assert by["synthetic-qwen3moe (m-Q8_0.gguf)"]["copy_ms"] > by["synthetic-qwen3moe (m-Q4_K.gguf)"]["copy_ms"]
+
+
+def test_two_host_profiles_with_one_name_in_one_sweep_are_refused(tmp_path):
+    from moesim.hardware import builtin_hosts
+
+    src = builtin_hosts()["epyc-9654"].read_text()
+    (tmp_path / "h.toml").write_text(src.replace("figures.", "figures.", 1))
+    r = in_process("whatif", "--model", "tiny", "--hw", "a6000", "--host", f"epyc-9654,{tmp_path / 'h.toml'}",
+                   "--policy", "cpu-static", "--tokens", "8", "--jobs", "1", "--out", tmp_path / "w", cwd=tmp_path)
+    one_line_error(r, "--host", "both named 'epyc-9654'")
+
+
+def test_copy_policies_hold_every_expert_in_host_ram_so_a_small_host_ram_does_not_fit(tmp_path):
+    """qwen3-30b-a3b's routed experts are about 58 GB in bf16: 8 GB of RAM cannot hold them, 200 GB can."""
+    def rows(ram):
+        r = in_process("whatif", "--model", "qwen3-30b-a3b", "--hw", "a6000", "--policy", "on-demand",
+                       "--cache-gib", "0", "--host-ram-gb", ram, "--tokens", "8", "--jobs", "1", "--json",
+                       "--out", tmp_path / f"w{ram}", cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["rows"]
+
+    small, = rows("8")
+    assert small["fits"] is False and small["bound"] == "memory" and "8 GB of RAM" in small["note"], small
+    large, = rows("200")
+    assert large["fits"] is True and large["tpot_ms"] > 0, large
+
+
+@pytest.mark.parametrize("edited", ["host", "engine"])
+def test_resumed_rows_are_refused_once_a_profile_file_they_depend_on_was_edited(tmp_path, edited):
+    from moesim.engines import builtin_engines
+    from moesim.hardware import builtin_hosts
+
+    host, engine = tmp_path / "h.toml", tmp_path / "e.toml"
+    host.write_text(builtin_hosts()["epyc-9654"].read_text().replace('name = "epyc-9654"', 'name = "mine"'))
+    engine.write_text(builtin_engines()["llama.cpp"].read_text().replace('name = "llama.cpp"', 'name = "mine"'))
+    args = ("whatif", "--model", "tiny", "--hw", "a6000", "--host", host, "--engine", engine, "--policy",
+            "cpu-static", "--cpu-layers", "2", "--tokens", "8", "--jobs", "1", "--rows", tmp_path / "r.csv",
+            "--out", tmp_path / "w")
+    first = in_process(*args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    again = in_process(*args, cwd=tmp_path)
+    assert again.returncode == 0 and again.stdout == first.stdout, again.stderr
+    f = host if edited == "host" else engine
+    text = f.read_text()
+    assert "{ value = " in text
+    f.write_text(text.replace("{ value = ", "{ value = 1", 1))  # one figure, now larger
+    one_line_error(in_process(*args, cwd=tmp_path), "holds a different sweep", "profile file edited")
+
+
+@pytest.mark.parametrize("command", [
+    ("import", "npz", ROOT / "traces/examples/routing-moe-stdlib.npz", "--model", "moe-stdlib"),
+    ("fit", "never-read.npz"),
+    ("record", "moe-stdlib", "--tokens", "2"),
+])
+def test_import_record_and_fit_refuse_an_out_another_run_is_writing(tmp_path, command):
+    out = tmp_path / ("p.toml" if command[0] == "fit" else "t.npz")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom moesim.atomic import exclusive\n"
+                               f"with exclusive({str(out)!r}):\n    print('held', flush=True)\n    time.sleep(60)"],
+                              env={**os.environ, **ENV}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        one_line_error(in_process(*command, "--out", out, cwd=tmp_path), "is in use by another moesim run")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not out.exists()
+
+
+def test_a_gpu_layers_count_past_the_model_is_refused_before_the_sweep(tmp_path):
+    r = in_process("whatif", "--model", "qwen3-30b-a3b", "--hw", "a6000", "--policy", "gpu-layers", "--gpu-layers",
+                   "1000", "--tokens", "8", "--jobs", "1", "--out", tmp_path / "w", cwd=tmp_path)
+    one_line_error(r, "--gpu-layers 1000", "has 48 layers")
+    assert not (tmp_path / "w").exists()
+
+
+def test_synth_like_a_trace_without_predictions_makes_none_rather_than_always_wrong_ones(tmp_path):
+    from moesim.sim.stats import synth_like
+    from moesim.traces.format import read_trace
+
+    imported = tmp_path / "imp.npz"
+    r = in_process("import", "npz", ROOT / "traces/examples/routing-moe-stdlib.npz", "--model", "moe-stdlib",
+                   "--out", imported)
+    assert r.returncode == 0, r.stderr
+    r = in_process("synth", "--like", imported, "--tokens", "16", "--out", tmp_path / "like.npz")  # streamed
+    assert r.returncode == 0, r.stderr
+    with np.load(tmp_path / "like.npz") as z:
+        assert (z["pred_ids"] == -1).all() and (z["true_ids"] >= 0).all()
+    stats = in_process("stats", tmp_path / "like.npz")
+    assert stats.returncode == 0 and "predictor" not in stats.stdout, stats.stdout
+    in_memory = synth_like(read_trace(imported), 16)  # the path whatif's synthetic traces take
+    assert (in_memory.pred_ids == -1).all()
+
+
+@pytest.mark.parametrize("skip, formats", [
+    ([], ("fp8-block128", "fp8-block128")),
+    (["lm_head", "model.layers.0.mlp.gate"], ("fp8-block128", "fp8-block128")),  # a router: still fp8
+    (["self_attn"], ("fp8-block128", "bf16")),
+    (["re:.*experts.*", "self_attn"], ("bf16", "bf16")),
+])
+def test_fp8_modules_to_not_convert_keep_the_models_dtype(tmp_path, skip, formats):
+    from moesim.artefacts import formats_from_config
+
+    raw = {"torch_dtype": "bfloat16", "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                                               "modules_to_not_convert": skip}}
+    assert formats_from_config(raw, tmp_path / "config.json")[:2] == formats
+
+
+@pytest.mark.parametrize("hw", ["2xrtx3090", "rtx5090+rtx3090", "3xrtx3090"])
+def test_the_printed_llama_cpp_split_is_the_timed_deployments(tmp_path, hw):
+    """The arguments' --tensor-split, -ngl and --n-cpu-moe, read back as llama.cpp reads them
+    (layers in proportion to the shares), hold on each GPU exactly the bytes the row was timed
+    with: the plan's split, not an even one (which put 31.6 GB on a 24 GB card)."""
+    from moesim.hardware import get_machine
+    from moesim.layout import make_layout
+    from moesim.memory import layout_bytes
+    from moesim.models import get_model
+
+    r = in_process("whatif", "--model", "qwen3-30b-a3b", "--hw", hw, "--engine", "llama.cpp", "--policy",
+                   "cpu-static,gpu-layers", "--tokens", "8", "--jobs", "1", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    spec, checked = get_model("qwen3-30b-a3b"), 0
+    mem = get_machine(hw).device_memory_gb()
+    for fam in json.loads(r.stdout)["deployment"][0]["families"]:
+        inv, row = fam.get("invocation"), fam.get("row")
+        if not inv or not row["fits"]:
+            continue
+        a = inv["args"]
+        shares = [float(x) for x in a[a.index("--tensor-split") + 1].split(",")]
+        ngl = int(a[a.index("-ngl") + 1])
+        cpu_moe = int(a[a.index("--n-cpu-moe") + 1]) if "--n-cpu-moe" in a else 0
+        assert len(shares) == len(mem), a
+        layout = make_layout(spec, len(mem), gpu_layers=min(ngl, spec.n_layers), cpu_moe_layers=cpu_moe, ratios=shares)
+        gpu = layout_bytes(spec, layout, 1, 136).gpu
+        assert max(gpu) / 1e9 == pytest.approx(row["device_gb_needed"], rel=1e-9), (a, gpu)
+        assert all(b <= m * 1e9 for b, m in zip(gpu, mem)), (a, gpu, mem)
+        checked += 1
+    assert checked >= 1
