@@ -12,6 +12,7 @@ Fiddler), multiply them. A GPU profile names its usual host (``host = "..."``).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import tomllib
@@ -330,9 +331,27 @@ def load_profile(path: str | Path) -> HardwareProfile:
 
 def builtin_profiles() -> dict[str, Path]:
     """Name -> path of the profiles shipped in ``hwprofiles/``."""
+    return dict(_shipped(""))
+
+
+@functools.cache
+def _shipped(folder: str) -> tuple[tuple[str, Path], ...]:
+    """(name, path) of the TOML files shipped in ``hwprofiles/<folder>``: read once a process
+    (the package's files do not change under it; a sweep or a fit looks them up thousands of times)."""
     root = resources.files("moesim.hwprofiles")
-    return {p.name[:-5]: Path(str(p)) for p in sorted(root.iterdir(), key=lambda p: p.name)
-            if p.name.endswith(".toml") and p.is_file()}
+    root = root.joinpath(folder) if folder else root
+    return tuple((p.name[:-5], Path(str(p))) for p in sorted(root.iterdir(), key=lambda p: p.name)
+                 if p.name.endswith(".toml") and p.is_file())
+
+
+@functools.lru_cache(maxsize=128)
+def _builtin_profile(name: str) -> HardwareProfile:
+    return load_profile(builtin_profiles()[name])  # parsed once a process: profiles are frozen values
+
+
+@functools.lru_cache(maxsize=128)
+def _builtin_host(name: str) -> HostProfile:
+    return load_host(builtin_hosts()[name])
 
 
 def get_profile(name_or_path: str) -> HardwareProfile:
@@ -341,7 +360,7 @@ def get_profile(name_or_path: str) -> HardwareProfile:
         raise MoesimError("--hw '': give a profile name (moesim hw) or a .toml path")
     builtin = builtin_profiles()
     if name_or_path.lower() in builtin:
-        return load_profile(builtin[name_or_path.lower()])
+        return _builtin_profile(name_or_path.lower())
     p = given_path(name_or_path, "hardware profile")
     if p is not None:
         return load_profile(p)
@@ -465,8 +484,7 @@ def load_host(path: str | Path) -> HostProfile:
 
 def builtin_hosts() -> dict[str, Path]:
     """Name -> path of the host profiles shipped in ``hwprofiles/hosts/``."""
-    root = resources.files("moesim.hwprofiles").joinpath("hosts")
-    return {p.name[:-5]: Path(str(p)) for p in sorted(root.iterdir(), key=lambda p: p.name) if p.name.endswith(".toml")}
+    return dict(_shipped("hosts"))
 
 
 #: ``--host this``: the machine moesim runs on (:func:`this_host`).
@@ -526,7 +544,7 @@ def get_host(name_or_path: str | None = None, gpu: HardwareProfile | None = None
         name_or_path = gpu.host
     builtin = builtin_hosts()
     if name_or_path.lower() in builtin:
-        return load_host(builtin[name_or_path.lower()])
+        return _builtin_host(name_or_path.lower())
     p = given_path(name_or_path, "host profile")
     if p is not None:
         return load_host(p)

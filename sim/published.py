@@ -108,15 +108,21 @@ def excluded() -> dict[str, str]:
 
 
 def _spec(s: dict[str, Any]) -> ModelSpec:
-    spec = get_model(s["model"])
-    q = s.get("quant")
+    return _spec_of(s["model"], s.get("quant"), s["id"])
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_of(model: str, q: str | None, sid: str) -> ModelSpec:
+    """The setting's model in its format (memoised: a fit predicts each entry thousands of
+    times, and :func:`_trace`'s memo is keyed by the spec)."""
+    spec = get_model(model)
     if q is None:
         return spec
     if q in RECIPES or q in ALIASES:
         return apply_recipe(spec, q)
     if q in DTYPES:
         return spec.with_expert_dtype(q)
-    raise MoesimError(f"published setting {s['id']}: unknown quant {q!r}")
+    raise MoesimError(f"published setting {sid}: unknown quant {q!r}")
 
 
 def _host(s: dict[str, Any]):
@@ -166,7 +172,7 @@ def predict(entry: Entry, engines: dict[str, EngineProfile] | None = None) -> di
                                           "a calibration twin of the trace", False)
         cpu_layers = spec.n_moe_layers if s.get("cpu_layers") == "all" else s.get("cpu_layers", "auto")
         res = simulate_static(trace, machine, pol, cpu_layers=cpu_layers, gpu_layers=s.get("gpu_layers", "auto"),
-                              placement=placement, **kw)
+                              placement=placement, ttft=False, **kw)
     else:
         hw = machine.gpus[0]
         cache = s.get("cache_experts", 0)

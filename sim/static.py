@@ -203,14 +203,15 @@ def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, poli
                     cpu_layers: int | str = "auto", gpu_layers: int | str = "auto",
                     calibration: np.ndarray | None = None, calibrate_on_replay: bool = False, split: str = "layer",
                     ratios: list[float] | None = None, amx: bool = True, placement=None,
-                    link_gbps: float | None = None, offload_gib: float | str = "auto") -> CpuResult:
+                    link_gbps: float | None = None, offload_gib: float | str = "auto", ttft: bool = True) -> CpuResult:
     """Simulate ``trace`` under a static layout (all-resident, cpu-static, hot-experts,
     gpu-layers, weight-streaming) on a machine of zero, one or several GPUs
     (:func:`moesim.hardware.get_machine`) and ``host``, run by ``engine`` with ``threads``
     CPU threads (:func:`time_static`). ``split`` and ``ratios`` spread the GPU layers over
     several GPUs (llama.cpp's ``--split-mode`` and ``--tensor-split``); ``placement``
     replaces hot-experts' own; ``offload_gib`` is weight-streaming's GiB (vLLM's
-    ``--cpu-offload-gb``; auto: the least that fits)."""
+    ``--cpu-offload-gb``; auto: the least that fits). ``ttft`` False leaves the prefill untimed
+    (NaN): a fit that predicts decode speed thousands of times spends a third of its time there."""
     pol = get_policy(policy)
     machine = get_machine(machine)
     if link_gbps is not None:
@@ -249,7 +250,7 @@ def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, poli
     n_exec = r.n_gpu + r.n_cpu
     plan = Plan(pol, 0, "lru", 1, zeros_m, zeros_m, n_exec, np.full_like(n_exec, b * spec.top_k), r.n_gpu, zeros_m,
                 zeros_m)
-    ttft = prefill_time_static(cms, cpu_cm, layout, trace.prompt_len, b, streams)
+    ttft = prefill_time_static(cms, cpu_cm, layout, trace.prompt_len, b, streams) if ttft else float("nan")
     mem = machine.device_memory_gb()
     eng = cpu_cm.engine
     config = {

@@ -90,7 +90,13 @@ class Trace:
 
     @property
     def model(self) -> ModelSpec:
-        return ModelSpec.from_dict(self.header["model"])
+        """The header's model, built once per header dict (a simulation asks for it per step
+        and layer; a spec's checks cost tens of microseconds each time)."""
+        raw = self.header["model"]
+        memo = self.__dict__.get("_model_memo")
+        if memo is None or memo[0] is not raw:
+            memo = self.__dict__["_model_memo"] = (raw, ModelSpec.from_dict(raw))
+        return memo[1]
 
     @property
     def n_tokens(self) -> int:
