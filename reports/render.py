@@ -45,20 +45,42 @@ def save_figure(fig: Figure, path: Path) -> Path:
     return atomic_write(path, lambda f: f.write(buf.getvalue()))
 
 
+#: Each part of :func:`moesim.sim.analysis.tpot_parts` as a chart draws it.
+PART_STYLE = {"GPU": (COLORS["compute"], "GPU compute"), "CPU": (CPU_COLOR, "waiting on the CPU"),
+              "copies": (COLORS["stall"], "stall (waiting for copies)"),
+              "other": ("#999999", "other (activations between devices)")}
+
+
 def breakdown_png(rows: Sequence[dict[str, Any]], labels: Sequence[str], path: Path, title: str) -> Path:
-    """Stacked compute + stall (= TPOT) per configuration, with copy time and the bounds."""
+    """Per configuration, its TPOT stacked from its parts (:func:`moesim.sim.analysis.tpot_parts`:
+    the bar's height is the row's TPOT), with the copy-engine time and the ideal-overlap bound;
+    a configuration that does not fit is hatched and says so. Rows without a TPOT (not run)
+    are the caller's to leave out, and to say so."""
+    from moesim.sim.analysis import PARTS, tpot_parts
+
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(rows) + 2), 3.8))
-    x = range(len(rows))
-    comp = [r["compute_ms"] for r in rows]
-    stall = [r["stall_ms"] for r in rows]
-    ax.bar(x, comp, color=COLORS["compute"], label="compute")
-    ax.bar(x, stall, bottom=comp, color=COLORS["stall"], label="stall (waiting for copies)")
-    ax.scatter(x, [r["copy_ms"] for r in rows], marker="_", s=600, color=COLORS["copy"], zorder=3,
-               label="copy-engine time")
-    ax.scatter(x, [r["overlap_bound_ms"] for r in rows], marker="v", color=COLORS["bound"], zorder=3,
+    x = list(range(len(rows)))
+    parts = [tpot_parts(r) for r in rows]
+    unfit = [r.get("fits") is False for r in rows]
+    bottom = [0.0] * len(rows)
+    for part in PARTS:
+        heights = [p[part] for p in parts]
+        if not any(heights):
+            continue
+        color, label = PART_STYLE[part]
+        for bar, u in zip(ax.bar(x, heights, bottom=bottom, color=color, label=label, edgecolor="white"), unfit):
+            if u:
+                bar.set_hatch("//")
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    for i in (i for i, u in enumerate(unfit) if u):
+        ax.annotate("does not fit", (i, bottom[i]), ha="center", va="bottom", fontsize=7, color=COLORS["stall"])
+    if any(r.get("copy_ms") for r in rows):
+        ax.scatter(x, [r.get("copy_ms") or 0.0 for r in rows], marker="_", s=600, color=COLORS["copy"], zorder=3,
+                   label="copy-engine time")
+    ax.scatter(x, [r.get("overlap_bound_ms") or 0.0 for r in rows], marker="v", color=COLORS["bound"], zorder=3,
                label="ideal-overlap bound")
-    ax.set_xticks(list(x), labels, rotation=30, ha="right", fontsize=8)
+    ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("ms per output token")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))

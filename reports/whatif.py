@@ -10,6 +10,7 @@ from typing import Any
 
 from moesim import fmt
 from moesim.atomic import atomic_write_text
+from moesim.engines import get_engine
 from moesim.fmt import duration_ms
 from moesim.policy import get_policy
 from moesim.reports.render import breakdown_png, heatmap_png, pyplot, save_figure, write_csv, write_html
@@ -108,14 +109,19 @@ def crossover_png(crosses: list, path: Path) -> Path:
 
 
 def _best_per(rows: list[dict[str, Any]], key: str, by: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Per value of ``by``, the row with the best ``key``: a fitting one if any fits."""
     bests: dict[tuple, dict[str, Any]] = {}
     for r in rows:
         if not _number(r[key]):
             continue
         k = tuple(r[b] for b in by)
-        if k not in bests or r[key] < bests[k][key]:
+        if k not in bests or (not r["fits"], r[key]) < (not bests[k]["fits"], bests[k][key]):
             bests[k] = r
     return list(bests.values())
+
+
+#: Bars the breakdown figure draws at most (the caption names what it leaves out).
+MAX_BARS = 24
 
 
 def write_whatif_report(rows: list[dict[str, Any]], winner: dict[str, Any] | None, goal: str, sweep: Sweep,
@@ -125,7 +131,7 @@ def write_whatif_report(rows: list[dict[str, Any]], winner: dict[str, Any] | Non
     synthetic = any(t.synthetic for t in sweep.traces.values())
     src = "synthetic traces" if synthetic else "recorded traces"
     models = sorted({t.model.name for t in sweep.traces.values()})
-    what = (f"All figures simulated ({sweep.engine} engine) from {src} of {', '.join(models)}; "
+    what = (f"All figures simulated ({get_engine(sweep.engine).name} engine) from {src} of {', '.join(models)}; "
             f"hardware figures from the profiles ({', '.join(h.name for h in sweep.hws)}); nothing here was measured")
     answers = deployment_answer(rows, goal, engine=sweep.engine)
     crosses = crossovers(rows)
@@ -135,7 +141,12 @@ def write_whatif_report(rows: list[dict[str, Any]], winner: dict[str, Any] | Non
                                                        "crossovers": [c.__dict__ for c in crosses], "rows": rows},
                                                       indent=2, default=str))
     # Per (model, hw, policy): its best row, for the breakdown figure.
-    shown = sorted(_best_per(rows, key, ("model", "hw", "policy")), key=lambda r: (r["model"], r["hw"], r["policy"]))[:24]
+    timed = sorted(_best_per(rows, key, ("model", "hw", "policy")), key=lambda r: (r["model"], r["hw"], r["policy"]))
+    shown = timed[:MAX_BARS]
+    drawn = {(r["model"], r["hw"], r["policy"]) for r in timed}
+    untimed = sorted({f"{r['policy']} on {r['hw']}" for r in rows if (r["model"], r["hw"], r["policy"]) not in drawn})
+    left_out = ([f"the first {MAX_BARS} of {len(timed)} shown"] if len(timed) > MAX_BARS else []) + (
+        [f"not drawn, as they did not run on the machine: {', '.join(untimed)}"] if untimed else [])
     if shown:
         breakdown_png(shown, [f"{r['hw']}\n{r['policy']}" for r in shown], out / "breakdown.png",
                       "TPOT breakdown, best setting per hardware and policy (simulated)")
@@ -168,7 +179,9 @@ def write_whatif_report(rows: list[dict[str, Any]], winner: dict[str, Any] | Non
                                     "first token."})
     if shown:
         sections.append({"heading": "TPOT breakdown", "image": out / "breakdown.png",
-                         "caption": f"Compute plus stall equals TPOT (CPU policies: plus the wait for the CPU). {what}."})
+                         "caption": "Each bar is the row's TPOT split into GPU compute, the wait on the CPU, the "
+                                    "stall waiting for copies and activations between devices; a hatched bar does "
+                                    f"not fit in memory{'; ' + '; '.join(left_out) if left_out else ''}. {what}."})
     copies = _best_per([r for r in rows if r["family"] in ("prefetching", "oracle (bound)")], key,
                        ("hw", "policy", "cache_gib", "link_gbps"))
     if copies and len({r["link_gbps"] for r in copies}) * len({r["cache_gib"] for r in copies}) > 1:

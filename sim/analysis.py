@@ -18,10 +18,45 @@ def bound(row: dict[str, Any]) -> str:
     return "copy" if row["copy_ms"] > row["compute_ms"] else "compute"
 
 
+#: The parts a TPOT is split into (:func:`tpot_parts`), in the order a chart stacks them.
+PARTS = ("GPU", "CPU", "copies", "other")
+
+
+def _ms(row: dict[str, Any], key: str) -> float:
+    v = row.get(key)
+    return float(v) if isinstance(v, int | float) and v == v else 0.0
+
+
+def tpot_parts(row: dict[str, Any]) -> dict[str, float]:
+    """The row's TPOT split into what the step waits on, summing to ``tpot_ms``: the GPU's own
+    work (``compute_ms``), expert copies it waits for (``stall_ms``), the CPU past both (its
+    layers, or its experts beyond the GPU's: the part of ``cpu_ms`` not hidden under the GPU's
+    work), and the rest (activations crossing between devices)."""
+    tpot = _ms(row, "tpot_ms")
+    gpu, copies = min(_ms(row, "compute_ms"), tpot), _ms(row, "stall_ms")
+    copies = min(copies, tpot - gpu)
+    rest = tpot - gpu - copies
+    cpu = min(_ms(row, "cpu_ms"), rest)
+    return {"GPU": gpu, "CPU": cpu, "copies": copies, "other": rest - cpu}
+
+
 def why(row: dict[str, Any]) -> str:
-    """One sentence on what bounds a configuration (and a caveat for speculative policies)."""
+    """One sentence on what bounds a configuration: the part of :func:`tpot_parts` that
+    dominates its TPOT (and a caveat for speculative policies)."""
     exact = get_policy(row["policy"]).exact
     caveat = "" if exact else " (speculative execution: outputs may differ from exact decoding)"
+    parts = tpot_parts(row)
+    top = max(PARTS, key=lambda p: parts[p])
+    tpot = row["tpot_ms"]
+    if top == "CPU":
+        return (f"CPU-bound: {parts['CPU']:.3g} of its {tpot:.3g} ms per token wait on the host CPU "
+                f"({_ms(row, 'cpu_ms'):.3g} ms of CPU work; the GPU's own {parts['GPU']:.3g} ms){caveat}")
+    if top == "other":
+        return (f"transfer-bound: {parts['other']:.3g} of its {tpot:.3g} ms per token move activations between "
+                f"devices{caveat}")
+    if row["copy_ms"] == 0 and parts["CPU"] + parts["other"] > 0.01 * tpot:
+        return (f"GPU-bound: {parts['GPU']:.3g} of its {tpot:.3g} ms per token are the GPU's own work (no expert "
+                f"copies; {parts['CPU'] + parts['other']:.3g} ms wait on the CPU and transfers){caveat}")
     if row["copy_ms"] == 0:
         return f"compute-bound: no expert copies; {row['compute_ms']:.3g} ms of compute per token{caveat}"
     share = row["stall_ms"] / row["tpot_ms"]

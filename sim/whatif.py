@@ -434,15 +434,23 @@ def _host_ram_short(sweep: Sweep, cfg: Config, machine: Machine, spec) -> str | 
     return None
 
 
-def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str) -> list[dict[str, Any]]:
+def _bounded(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` normalised, each with its bound."""
+    for r in rows:
+        r["bound"] = bound_of(normalise(r))
+    return [normalise(r) for r in rows]
+
+
+def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str,
+              machines: list[Machine]) -> list[dict[str, Any]]:
     """The rows of a CPU-compute or static-layout group (:func:`moesim.sim.static.simulate_static`
     or :func:`moesim.sim.cpu_compute.simulate_cpu_compute`, the paths ``moesim replay`` takes), one per
-    machine and link."""
+    machine of ``machines`` and link."""
     pol = get_policy(cfg.policy)
     capacity = cache_capacity(trace.model, cfg.cache_gib) if pol.cpu == "miss" else 0
     calib, source, optimistic = _calibration(sweep, base, trace)
     rows = []
-    for machine in sweep.hws:
+    for machine in machines:
         for g in sweep.link_gbps:
             h = machine if g is None else machine.with_figure("h2d_pinned_gbs", g)
             kw = dict(host=_host(sweep, cfg, h), calibration=None if optimistic else calib,
@@ -451,6 +459,10 @@ def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str) ->
                 if h.n_gpus == 0 and pol.offload:
                     rows.append(_not_run(sweep, index, cfg, trace, base, h, "without a GPU only all-resident applies "
                                          "(every weight in host memory, computed on the CPU)"))
+                    continue
+                if pol.cpu == "hot" and h.n_gpus != 1:
+                    rows.append(_not_run(sweep, index, cfg, trace, base, h, "hot-experts places experts on one GPU "
+                                         "(cpu-static places them on several)"))
                     continue
                 if _static(pol, h):
                     placement = _hot_placement(sweep, cfg, trace, base, h) if pol.cpu == "hot" else None
@@ -500,11 +512,8 @@ def run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
     spec = trace.model
     base = sweep.traces[cfg.trace].model.name
     pol = get_policy(cfg.policy)
-    if pol.cpu or any(_static(pol, m) for m in sweep.hws):
-        rows = _cpu_rows(sweep, index, cfg, trace, base)
-        for r in rows:
-            r["bound"] = bound_of(normalise(r))
-        return [normalise(r) for r in rows]
+    if pol.cpu:
+        return _bounded(_cpu_rows(sweep, index, cfg, trace, base, sweep.hws))
     capacity = cache_capacity(spec, cfg.cache_gib) if pol.offload else 0
     plan = build_plan(trace, pol, capacity, sweep.eviction, per_layer=sweep.cache_per_layer)
     recall = _recall(sweep, cfg, trace)
@@ -516,6 +525,9 @@ def run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
     # there, and their rows say sim "simpy" (never a silent substitute).
     sim = sweep.sim if cfg.copy_queue == "fifo" else "simpy"
     for hi, machine in enumerate(sweep.hws):
+        if _static(pol, machine):  # all-resident on several GPUs or none: a static layout, beside one GPU's rows
+            rows += _bounded(_cpu_rows(sweep, index, cfg, trace, base, [machine]))
+            continue
         if machine.n_gpus != 1:
             rows += [normalise(_not_run(sweep, index, cfg, trace, base, machine, f"{pol.name} copies experts to "
                                         "one GPU")) for _ in sweep.link_gbps]

@@ -245,3 +245,81 @@ def test_the_printed_llama_cpp_split_is_the_timed_deployments(tmp_path, hw):
         assert all(b <= m * 1e9 for b, m in zip(gpu, mem)), (a, gpu, mem)
         checked += 1
     assert checked >= 1
+
+
+def test_the_breakdown_chart_draws_each_rows_tpot_and_marks_what_does_not_fit(tmp_path, monkeypatch):
+    """Each bar is its row's TPOT (GPU, CPU, copies and transfers stacked), CPU families
+    included (gpu-layers was drawn at its GPU time alone: 2.5 ms of a 51.3 ms TPOT); an
+    unfit row is hatched; what is not drawn is named in the caption."""
+    from matplotlib.patches import Rectangle
+
+    from moesim.reports import render
+
+    figs = []
+    real = render.save_figure
+    monkeypatch.setattr(render, "save_figure", lambda fig, path: (figs.append((fig, path.name)), real(fig, path))[1])
+    r = in_process("whatif", "--model", "qwen3-30b-a3b", "--hw", "rtx4090,2xrtx3090", "--host", "epyc-9654",
+                   "--tokens", "8", "--jobs", "1", "--out", tmp_path / "w", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["rows"]
+    fig = next(f for f, name in figs if name == "breakdown.png")
+    ax = fig.axes[0]
+    heights: dict[int, float] = {}
+    hatched: dict[int, bool] = {}
+    for p in ax.patches:
+        if isinstance(p, Rectangle) and p.get_width() < 1:
+            i = round(p.get_x() + p.get_width() / 2)
+            heights[i] = heights.get(i, 0.0) + p.get_height()
+            hatched[i] = hatched.get(i, False) or bool(p.get_hatch())
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert len(labels) == len(heights) >= 8
+    for i, label in enumerate(labels):
+        hw, policy = label.split("\n")
+        mine = [x for x in rows if x["hw"] == hw and x["policy"] == policy and x["tpot_ms"] is not None]
+        fitting = [x for x in mine if x["fits"]]
+        best = min(fitting or mine, key=lambda x: x["tpot_ms"])
+        assert heights[i] == pytest.approx(best["tpot_ms"], rel=1e-9), label
+        assert hatched[i] == (not best["fits"]), label
+    assert any(x["policy"] == "gpu-layers" and x["cpu_ms"] > 1 for x in rows)  # a CPU family is among the bars
+    caption = (tmp_path / "w" / "report.html").read_text()
+    assert "not drawn, as they did not run on the machine: " in caption and "hot-experts on 2xrtx3090" in caption
+    assert "None engine" not in caption and "pytorch-eager engine" in caption
+
+
+@pytest.mark.parametrize("policy, words", [("gpu-layers", "CPU-bound: "), ("cpu-static", "CPU-bound: "),
+                                           ("all-resident", "compute-bound: no expert copies")])
+def test_replays_bound_sentence_names_the_part_that_dominates_its_tpot(tmp_path, policy, words):
+    trace = tmp_path / "q.npz"
+    assert in_process("synth", "--model", "qwen3-30b-a3b", "--tokens", "8", "--out", trace).returncode == 0
+    r = in_process("replay", trace, "--hw", "rtx4090", "--host", "epyc-9654", "--policy", policy, "--json")
+    assert r.returncode == 0, r.stderr
+    from moesim.sim.analysis import tpot_parts, why
+
+    row, = json.loads(r.stdout)["rows"] if isinstance(json.loads(r.stdout), dict) else json.loads(r.stdout)
+    assert sum(tpot_parts(row).values()) == pytest.approx(row["tpot_ms"], rel=1e-12)
+    assert why(row).startswith(words), why(row)
+    assert row["serial_bound_ms"] >= row["tpot_ms"] - 1e-9 >= row["overlap_bound_ms"] - 2e-9
+
+
+def test_the_whatif_table_shows_the_swept_knob_and_ecospec_every_selection(tmp_path):
+    r = in_process("whatif", "--model", "qwen3-30b-a3b", "--hw", "rtx4090", "--host", "epyc-9654", "--policy",
+                   "cpu-static", "--cpu-layers", "8,16,32", "--tokens", "8", "--jobs", "1", cwd=tmp_path,
+                   env={"COLUMNS": "300"})
+    assert r.returncode == 0, r.stderr
+    for n in (8, 16, 32):
+        assert f"{n} MoE layers on CPU, bf16" in r.stdout, r.stdout
+    r = in_process("ecospec", "--model", "qwen3-235b-a22b", "--deployment", "8xh200-tp,1xh200-offload", "--gamma",
+                   "2", "--steps", "8", "--selection", "ecospec,confidence,ecospec:lagrangian:0.5", cwd=tmp_path,
+                   env={"COLUMNS": "300"})
+    assert r.returncode == 0, r.stderr
+    rows = [ln for ln in r.stdout.splitlines() if "qwen3-235b-a22b" in ln and "│" in ln]
+    assert len(rows) == 6 and sum("lagrangian 0.5" in ln for ln in rows) == 2, r.stdout
+
+
+def test_the_help_uses_the_engines_own_words():
+    for command, words in (("whatif", ("--n-cpu-moe", "-ngl", "--kt-num-gpu-experts", "--cpu-offload-gb")),
+                           ("replay", ("--n-cpu-moe", "-ngl"))):
+        r = in_process(command, "--help", env={"COLUMNS": "400"})
+        text = " ".join(r.stdout.split())
+        for w in words:
+            assert w in text, (command, w)

@@ -96,8 +96,9 @@ def ecospec(
     for m in dict.fromkeys(r["model"] for r in rows):
         for d in deps:
             mine = [r for r in rows if r["model"] == m and r["deployment"] == d and r["gamma"] > 0]
-            best += [max((r for r in mine if r["strategy"] == s), key=lambda r: r["speedup_vs_none"])
-                     for s in ("confidence", "ecospec") if any(r["strategy"] == s for r in mine)]
+            # every selection asked for (two ecospec selections are two rows, not the better one)
+            best += [max((r for r in mine if r["selection"] == s), key=lambda r: r["speedup_vs_none"])
+                     for s in dict.fromkeys(r["selection"] for r in mine)]
     out.print(results_table(best, f"best gamma per model, deployment and selection (synthetic trees; draft "
                                   f"{prof.label}; x conf.: against confidence-only at the same gamma, x best conf.: "
                                   "at its own best gamma); every row: --json or --out", COLS))

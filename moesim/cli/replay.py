@@ -72,7 +72,8 @@ def replay(
                                                           "probability, instead of the recorded path.")] = None,
     host: Host = None,
     cpu_layers: Annotated[str, typer.Option(help="cpu-static: MoE layers whose experts run on the CPU, or auto "
-                                                 "(the fewest that fit device memory).")] = "auto",
+                                                 "(the fewest that fit device memory): llama.cpp's --n-cpu-moe (or "
+                                                 "-ot ...=CPU).")] = "auto",
     placement_from: Annotated[Path | None, typer.Option(help="hot-experts: calibration trace whose routing picks "
                                                              "the GPU-resident experts.")] = None,
     calibrate_on_replay: Annotated[bool, typer.Option("--calibrate-on-replay", help="hot-experts: place from the "

@@ -34,11 +34,13 @@ def whatif(
                                                           "int4-g128, q4_k, ... (default: the model's own).")] = None,
     host: Host = None,
     cpu_layers: Annotated[str | None, typer.Option(help="cpu-static: comma-separated MoE-layer counts on the CPU or "
-                                                        "auto (default: auto and 1/4, 1/2, all of them).")] = None,
+                                                        "auto (default: auto and 1/4, 1/2, all of them): llama.cpp's "
+                                                        "--n-cpu-moe (or -ot ...=CPU).")] = None,
     gpu_layers: GpuLayers = "auto",
     offload_gib: OffloadGib = "auto",
     gpu_expert_gib: Annotated[str, typer.Option(help="hot-experts: comma-separated GiB of experts kept on the GPU, "
-                                                     "or auto (all that fit).")] = "auto",
+                                                     "or auto (all that fit): KTransformers' --kt-num-gpu-experts "
+                                                     "(per layer).")] = "auto",
     copy_queue: Annotated[str, typer.Option(help="Prefetching policies: comma-separated copy queues: fifo, "
                                                  "demand-first, cancel-unstarted (non-fifo rows run on SimPy).")] = "fifo",
     prefetch_top: Annotated[str | None, typer.Option(help="Prefetching policies: comma-separated M, prefetch only "

@@ -7,10 +7,11 @@ from moesim import fmt
 from moesim.cli.app import err, out, print_csv, print_json, results_table
 from moesim.cli.running import writing_report
 
-WHATIF_COLS = (("model", "model"), ("hw", "hw"), ("host", "host"), ("policy", "policy"), ("link_gbps", "link GB/s"),
-               ("cache_gib", "cache GiB"), ("fits", "fits"), ("tpot_ms", "TPOT ms"), ("tokens_per_s", "tok/s"),
-               ("compute_ms", "compute ms"), ("copy_ms", "copy ms"), ("stall_ms", "stall ms"),
-               ("gb_moved_per_token", "GB/token"), ("ttft_ms", "TTFT ms"), ("bound", "bound"), ("timing", "compute from"))
+WHATIF_COLS = (("model", "model"), ("hw", "hw"), ("host", "host"), ("policy", "policy"), ("setting", "setting"),
+               ("fits", "fits"), ("tpot_ms", "TPOT ms"), ("tokens_per_s", "tok/s"), ("bound", "bound"),
+               ("link_gbps", "link GB/s"), ("cache_gib", "cache GiB"), ("compute_ms", "GPU ms"), ("cpu_ms", "CPU ms"),
+               ("copy_ms", "copy ms"), ("stall_ms", "stall ms"), ("gb_moved_per_token", "GB/token"),
+               ("ttft_ms", "TTFT ms"), ("timing", "compute from"))
 
 
 def print_whatif(res, answers, crosses, goal: str, top: int) -> None:
@@ -20,7 +21,10 @@ def print_whatif(res, answers, crosses, goal: str, top: int) -> None:
     from moesim.sim.whatif import GOALS
 
     rows, winner = res.rows, res.winner
-    out.print(results_table(res.ranked()[:top], f"what-if: {res.sweep.size} configurations, top "
+    from moesim.sim.deploy import configuration
+
+    shown = [{**r, "setting": configuration(r)} for r in res.ranked()[:top]]
+    out.print(results_table(shown, f"what-if: {res.sweep.size} configurations, top "
                             f"{min(top, len(rows))} by {goal} (oracle: a bound, never best)"
                             f"{' (synthetic traces)' if res.synthetic else ''}",
                             WHATIF_COLS))
