@@ -63,27 +63,33 @@ def breakdown_png(rows: Sequence[dict[str, Any]], labels: Sequence[str], path: P
     x = list(range(len(rows)))
     parts = [tpot_parts(r) for r in rows]
     unfit = [r.get("fits") is False for r in rows]
+    from matplotlib.patches import Patch
+
     bottom = [0.0] * len(rows)
+    handles = []
     for part in PARTS:
         heights = [p[part] for p in parts]
         if not any(heights):
             continue
         color, label = PART_STYLE[part]
-        for bar, u in zip(ax.bar(x, heights, bottom=bottom, color=color, label=label, edgecolor="white"), unfit):
+        for bar, u in zip(ax.bar(x, heights, bottom=bottom, color=color, edgecolor="white"), unfit):
             if u:
                 bar.set_hatch("//")
+        handles.append(Patch(facecolor=color, label=label))
         bottom = [b + h for b, h in zip(bottom, heights)]
     for i in (i for i, u in enumerate(unfit) if u):
         ax.annotate("does not fit", (i, bottom[i]), ha="center", va="bottom", fontsize=7, color=COLORS["stall"])
+    if any(unfit):
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="does not fit in memory"))
     if any(r.get("copy_ms") for r in rows):
-        ax.scatter(x, [r.get("copy_ms") or 0.0 for r in rows], marker="_", s=600, color=COLORS["copy"], zorder=3,
-                   label="copy-engine time")
-    ax.scatter(x, [r.get("overlap_bound_ms") or 0.0 for r in rows], marker="v", color=COLORS["bound"], zorder=3,
-               label="ideal-overlap bound")
+        handles.append(ax.scatter(x, [r.get("copy_ms") or 0.0 for r in rows], marker="_", s=600, color=COLORS["copy"],
+                                  zorder=3, label="copy-engine time"))
+    handles.append(ax.scatter(x, [r.get("overlap_bound_ms") or 0.0 for r in rows], marker="v", color=COLORS["bound"],
+                              zorder=3, label="ideal-overlap bound"))
     ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("ms per output token")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)
     return save_figure(fig, path)
 

@@ -44,7 +44,9 @@ def write_replay_report(trace: Trace, trace_path: Path, hw: HardwareProfile, res
         {"heading": "Summary", "text": "Means per output token; bounds are serial (copy + compute) and ideal "
                                        "overlap (max of the two).", "rows": rows, "cols": COLS},
         {"heading": "TPOT breakdown", "image": out / "breakdown.png",
-         "caption": f"Compute plus stall equals TPOT; copy-engine time and the ideal-overlap bound marked. {what}."},
+         "caption": "Each bar is the policy's TPOT split into GPU compute, the wait on the CPU, the stall waiting "
+                    f"for copies and activations between devices; copy-engine time and the ideal-overlap bound "
+                    f"marked. {what}."},
         {"heading": f"Timeline of step {step}", "image": out / "timeline.png",
          "caption": f"Compute stream and copy engine side by side for policy {cfg['policy']}; {what}. "
                     "The whole run as a Chrome/Perfetto trace: simulated.trace.json."},
