@@ -50,6 +50,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from moesim.costmodel import ExpertTimes
 from moesim.errors import MoesimError
 from moesim.executor.host_experts import HostExperts
 from moesim.executor.model import Hooks, MoEModel, TreeMask, expert_fn_for, mix_experts, quasi_hidden
@@ -59,7 +60,7 @@ from moesim.hardware import HostProfile, builtin_hosts, get_host
 from moesim.memory import device_bytes
 from moesim.placement import HostPlanner, Placement, expert_times, make_placement
 from moesim.placement import cpu_layers as resolve_cpu_layers
-from moesim.policy import QUEUES, ExpertTimes, Planner, check_lookahead, cpu_or_copy, expert_slots, get_policy
+from moesim.policy import QUEUES, Planner, check_lookahead, cpu_or_copy, expert_slots, get_policy
 
 PREDICTORS = ("quasi", "stale", "oracle", "estimator", "hybrid")
 

@@ -19,13 +19,13 @@ and, for the executor, generous costs of bytes over the (emulated) link and host
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from moesim.errors import MoesimError
 from moesim.fmt import plural
+from moesim.host_detect import available_memory  # noqa: F401 (part of this module's API)
 from moesim.models import ModelSpec
 from moesim.policy import get_policy
 
@@ -103,44 +103,6 @@ def human_seconds(s: float) -> str:
     if s >= 60:
         return f"{s / 60:.3g} min"
     return f"{s:.2g} s"
-
-
-def available_memory() -> float:
-    """Bytes this process can still allocate: MemAvailable, or the cgroup limit or what is left
-    of the address-space limit if lower."""
-    avail = float("inf")
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            with open(limit_file) as f:
-                raw = f.read().strip()
-            if raw != "max" and int(raw) < 2**60:
-                with open(usage_file) as f:
-                    avail = min(avail, int(raw) - int(f.read().strip()))
-                break
-        except (OSError, ValueError):
-            continue
-    if avail == float("inf"):
-        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    try:  # an address-space limit (ulimit -v): what is left of it
-        import resource
-
-        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-        if soft != resource.RLIM_INFINITY:
-            with open("/proc/self/statm") as f:
-                used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-            avail = min(avail, soft - used)
-    except (ImportError, OSError, ValueError):
-        pass
-    return float(avail)
 
 
 def _cells(spec: ModelSpec, tokens: int, batch: int) -> float:

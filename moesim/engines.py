@@ -21,6 +21,7 @@ from typing import Any
 from moesim.errors import MoesimError
 from moesim.hardware import Figure, _FigureLookup, given_path, parse_figures, read_toml
 from moesim.models import DTYPES
+from moesim.policy import get_policy
 
 #: Figure name -> (unit, required, whether an integer, description).
 ENGINE_FIGURES: dict[str, tuple[str, bool, bool, str]] = {
@@ -123,8 +124,6 @@ class EngineProfile(_FigureLookup):
 
     def runs(self, policy: str) -> bool:
         """Whether the engine runs ``policy`` (an engine that lists none runs every one)."""
-        from moesim.policy import get_policy  # policy imports the cost model, which imports this module
-
         return not self.policies or get_policy(policy).name in self.policies
 
     def default_policies(self, defaults) -> list[str]:
@@ -201,8 +200,6 @@ def parse_engine(data: dict[str, Any], where: str) -> EngineProfile:
     pols = data.get("policies", [])
     if not isinstance(pols, list) or not all(isinstance(p, str) for p in pols):
         raise MoesimError(f"{where}: policies must be a list of policy names")
-    from moesim.policy import get_policy  # policy imports the cost model, which imports this module
-
     pols = tuple(get_policy(p).name for p in pols)
     placement = data.get("expert_placement", "frequency")
     if placement not in PLACEMENTS:

@@ -15,6 +15,7 @@ machine" tools work: detect what the OS exposes, look the rest up by part.)
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,3 +81,41 @@ def read_this_machine() -> CpuFacts:
     except OSError as e:
         raise MoesimError(f"--host this reads /proc/cpuinfo and /proc/meminfo (Linux): {e.strerror or e}; "
                           "give a host profile (`moesim hw --hosts`)") from None
+
+
+def available_memory() -> float:
+    """Bytes this process can still allocate: MemAvailable, or the cgroup limit or what is left
+    of the address-space limit if lower."""
+    avail = float("inf")
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as f:
+                raw = f.read().strip()
+            if raw != "max" and int(raw) < 2**60:
+                with open(usage_file) as f:
+                    avail = min(avail, int(raw) - int(f.read().strip()))
+                break
+        except (OSError, ValueError):
+            continue
+    if avail == float("inf"):
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    try:  # an address-space limit (ulimit -v): what is left of it
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            with open("/proc/self/statm") as f:
+                used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+            avail = min(avail, soft - used)
+    except (ImportError, OSError, ValueError):
+        pass
+    return float(avail)

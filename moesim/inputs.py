@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 from moesim.errors import MoesimError
+from moesim.host_detect import available_memory
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 #: Caps per kind of input (bytes): far above any real file of the kind, far below memory.
@@ -225,8 +226,6 @@ def readable_path(path: str | os.PathLike, what: str, cap: float | None = None) 
     key = _pipe_id(path)
     if key in _spooled_pipes and Path(_spooled_pipes[key]).is_file():  # a pipe is read once: a second
         return Path(_spooled_pipes[key])  # reader in this process reads what it sent
-    from moesim.budget import available_memory
-
     data = _read_pipe(path, what, cap if cap is not None else available_memory() / 2)
     fd, tmp = tempfile.mkstemp(prefix="moesim-pipe-", suffix=path.suffix or ".bin")
     try:

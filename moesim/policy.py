@@ -22,12 +22,15 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from moesim.costmodel import ExpertTimes  # noqa: F401 (re-exported: the executor decides cpu-on-miss with it)
 from moesim.errors import MoesimError
 from moesim.models import ModelSpec
+
+if TYPE_CHECKING:  # a type only: the cost model imports the engines, whose profiles name policies
+    from moesim.costmodel import ExpertTimes
 
 
 @dataclass(frozen=True, kw_only=True)

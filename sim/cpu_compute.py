@@ -9,7 +9,7 @@ and CPU work concurrently; the layer ends when the later finishes:
     gpu_end = (copies landed, or now) + max(n_dev * (gpu_mem + launches), a_dev * gpu_tok)
     cpu_end = now + roundtrip + max(n_cpu * cpu_mem, a_cpu * cpu_tok) + n_cpu * dispatch
 
-with ``n`` experts serving ``a`` token-expert pairs (:class:`moesim.policy.ExpertTimes`):
+with ``n`` experts serving ``a`` token-expert pairs (:class:`moesim.costmodel.ExpertTimes`):
 CPU time grows with batch and prompt length once the math outweighs reading the weights.
 The SimPy reference (``sim.engine.run_simpy_cpu``) and the fast recurrence
 (``sim.fastpath_cpu.run_fast_cpu``) take the same :class:`CpuWork` and drive the

@@ -269,7 +269,9 @@ def invocation_of(row: dict[str, Any], engine: str):
     if row["family"] == "hot-experts":
         kw["gpu_experts_per_layer"] = int(row["resident_experts"]) // spec.n_moe_layers
     given = model_file(row["base_model"])  # the user's own file: what the arguments load, not a placeholder
-    if given is not None:
+    held = model_named(row["base_model"]).expert_dtype
+    converted = given is not None and row["expert_dtype"] != held  # a plan in a format the file does not hold
+    if given is not None and not converted:
         if given.suffix == ".gguf":
             if engine in ("llama.cpp", "ik_llama.cpp"):
                 kw["model_path"] = str(given)
@@ -280,10 +282,16 @@ def invocation_of(row: dict[str, Any], engine: str):
                          context=int(row["prompt_len"]) + int(row["tokens"]), **kw)
     except MoesimError as e:
         return None, str(e)
+    notes = [inv.note] if inv is not None and inv.note else []
     extra = int(row["resident_experts"]) % spec.n_moe_layers if row["family"] == "hot-experts" else 0
-    if inv is not None and extra:
-        inv = replace(inv, note=f"{inv.note}; the plan placed {extra} more experts than {kw['gpu_experts_per_layer']} "
-                                "a layer, which one count a layer cannot say (left on the CPU)")
+    if extra:
+        notes.append(f"the plan placed {extra} more experts than {kw['gpu_experts_per_layer']} a layer, which one "
+                     "count a layer cannot say (left on the CPU)")
+    if converted:
+        notes.append(f"the plan's experts are {row['expert_dtype']}, and {given.name} holds {held}: the arguments name "
+                     f"a placeholder for a copy of the model in {row['expert_dtype']}, not that file")
+    if inv is not None and notes:
+        inv = replace(inv, note="; ".join(notes))
     return inv, ""
 
 

@@ -18,7 +18,7 @@ writes the shipped figures (what ``whatif`` and ``replay`` use).
 
 from __future__ import annotations
 
-import functools
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -26,6 +26,7 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from moesim.engines import EngineProfile, get_engine
+from moesim.sim.pool import run_pool, worker_ignores_stops
 from moesim.sim.published import Entry, entries, run_published
 
 #: engine -> [(figure, lower bound, upper bound)]: what a fit may change, per engine. Only
@@ -82,10 +83,21 @@ def unfitted(name: str) -> EngineProfile:
                  "unfitted: no measurement of another source informs it (moesim.sim.engine_fit.UNFITTED)")
 
 
-@functools.lru_cache(maxsize=256)
+#: (engine, entry ids) -> its fit, for this process: leave-one-source-out fits an engine on the
+#: same entries for every source that has none of them, and a second run (``--json`` after the
+#: table) refits nothing. Workers send theirs back (:func:`leave_one_source_out`).
+_FITS: dict[tuple[str, tuple[str, ...]], Fitted] = {}
+
+
 def _fit_one(name: str, ids: tuple[str, ...]) -> Fitted:
-    """``name`` fitted on the entries ``ids`` (its own: memoised, as leave-one-source-out
-    fits an engine on the same entries for every source that has none of them)."""
+    """``name`` fitted on the entries ``ids`` (memoised in :data:`_FITS`)."""
+    if (name, ids) not in _FITS:
+        _FITS[name, ids] = _fit_uncached(name, ids)
+    return _FITS[name, ids]
+
+
+def _fit_uncached(name: str, ids: tuple[str, ...]) -> Fitted:
+    """``name`` fitted on the entries ``ids``."""
     by_id = {e.id: e for e in entries()}
     mine = tuple(by_id[i] for i in ids)
     figures = FIT.get(name, [])
@@ -136,25 +148,62 @@ def fit(train: Sequence[Entry], names: Iterable[str] | None = None) -> dict[str,
 
 
 def leave_one_source_out(which: Sequence[Entry] | None = None,
-                         progress: Callable[[int, int], None] | None = None) -> list[dict]:
+                         progress: Callable[[int, int], None] | None = None, jobs: int | None = None) -> list[dict]:
     """One row per entry (:func:`moesim.sim.published.run_published`'s), predicted with
     engine figures fitted on every entry of the other sources; each row adds how many
-    entries and sources those figures were fitted on (0: the unfitted defaults)."""
+    entries and sources those figures were fitted on (0: the unfitted defaults). The
+    sources' folds run on ``jobs`` worker processes (default: one a core, at most one a
+    source; 1: in this process), each fit made once and sent back to this process's memo."""
     every = entries()
     which = list(which) if which is not None else list(every)
     sources = list(dict.fromkeys(e.source for e in which))
-    rows = []
-    for i, src in enumerate(sources):
-        held = [e for e in which if e.source == src]
-        train = tuple(e for e in every if e.source != src)
-        fitted = fit(train, {e.setting["engine"] for e in held})
-        for row, e in zip(run_published({n: f.engine for n, f in fitted.items()}, held), held):
-            f = fitted[e.setting["engine"]]
-            row["fitted_on_entries"] = len(f.entries)
-            row["fitted_on_sources"] = len({t.source for t in train if t.id in set(f.entries)})
-            row["fitted_figures"] = dict(f.figures)
-            rows.append(row)
-        if progress:
-            progress(i + 1, len(sources))
+    jobs = min(len(sources), os.cpu_count() or 1) if jobs is None else jobs
+    rows: list[dict] = []
+    if jobs <= 1 or len(sources) <= 1:
+        for i, src in enumerate(sources):
+            rows += _fold(src, which, every)
+            if progress:
+                progress(i + 1, len(sources))
+    else:
+        for done, (_, out) in enumerate(run_pool(_fold_in_worker, sources, jobs, _init_fold, (which, every)), 1):
+            if isinstance(out, BaseException):
+                raise out
+            fold_rows, fits = out
+            rows += fold_rows
+            _FITS.update(fits)
+            if progress:
+                progress(done, len(sources))
     order = {e.id: k for k, e in enumerate(which)}
     return sorted(rows, key=lambda r: order[r["id"]])
+
+
+def _fold(src: str, which: Sequence[Entry], every: Sequence[Entry]) -> list[dict]:
+    """The rows of ``which`` from source ``src``, predicted with figures fitted without it."""
+    held = [e for e in which if e.source == src]
+    train = tuple(e for e in every if e.source != src)
+    fitted = fit(train, {e.setting["engine"] for e in held})
+    rows = []
+    for row, e in zip(run_published({n: f.engine for n, f in fitted.items()}, held), held):
+        f = fitted[e.setting["engine"]]
+        row["fitted_on_entries"] = len(f.entries)
+        row["fitted_on_sources"] = len({t.source for t in train if t.id in set(f.entries)})
+        row["fitted_figures"] = dict(f.figures)
+        rows.append(row)
+    return rows
+
+
+_FOLD_INPUT: tuple | None = None  # a worker's (which, every), set by its initializer
+
+
+def _init_fold(which: Sequence[Entry], every: Sequence[Entry]) -> None:
+    global _FOLD_INPUT
+    worker_ignores_stops()
+    _FOLD_INPUT = (which, every)
+
+
+def _fold_in_worker(src: str) -> tuple[list[dict], dict]:
+    """A worker's fold, and the fits it made (for the parent's memo)."""
+    assert _FOLD_INPUT is not None
+    before = set(_FITS)
+    rows = _fold(src, *_FOLD_INPUT)
+    return rows, {k: v for k, v in _FITS.items() if k not in before}

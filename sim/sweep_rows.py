@@ -127,11 +127,11 @@ def _read_sums(path: Path) -> dict[int, str]:
     return sums
 
 
-def resume(sweep, out: Path, notes: list[str] | None = None) -> dict[int, list[dict[str, Any]]]:
-    """Finished, verified groups of an earlier run of the same sweep in ``out``; the file
-    (and its digests) rewritten with only those (see the module docstring)."""
-    from moesim.sim.whatif import ROW_COLUMNS
-
+def resume(sweep, out: Path, columns: tuple[str, ...], notes: list[str] | None = None
+           ) -> dict[int, list[dict[str, Any]]]:
+    """Finished, verified groups of an earlier run of the same sweep in ``out`` (rows of
+    ``columns``: the what-if's row schema, passed in so this module needs nothing of the
+    what-if's); the file (and its digests) rewritten with only those (see the module docstring)."""
     manifest, sums_file = manifest_path(out), sums_path(out)
     fingerprint = sweep.fingerprint()
     groups, per_group = len(sweep.groups()), sweep.group_size
@@ -148,7 +148,7 @@ def resume(sweep, out: Path, notes: list[str] | None = None) -> dict[int, list[d
             raise MoesimError(f"{out} holds a different sweep (other traces, hardware or settings, or a profile file "
                               f"edited since), or its "
                               f"{manifest.name} was edited; choose another path or remove it to start over")
-        records = _read(out, ROW_COLUMNS)
+        records = _read(out, columns)
     else:
         records = []
     atomic_write_text(manifest, json.dumps({"fingerprint": fingerprint, "groups": groups,
@@ -169,7 +169,7 @@ def resume(sweep, out: Path, notes: list[str] | None = None) -> dict[int, list[d
                 refused.append(f"group {g}: {len(rows)} rows, a group has {per_group}")
             continue  # an incomplete group: the run died while writing it
         why = next((w for w in map(lambda r: _implausible(r, groups), rows) if w), None)
-        if why is None and sums.get(g) != digest(fingerprint, [[rec[c] for c in ROW_COLUMNS] for rec in recs]):
+        if why is None and sums.get(g) != digest(fingerprint, [[rec[c] for c in columns] for rec in recs]):
             why = "its rows do not match the digest written with them" if g in sums else "no digest was written for it"
         if why is not None:
             refused.append(f"group {g}: {why}")

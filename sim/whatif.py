@@ -24,14 +24,12 @@ import itertools
 import json
 import math
 import os
-import signal
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moesim.atomic import STOP_SIGNALS, exclusive
+from moesim.atomic import exclusive
 from moesim.costmodel import CostModel
 from moesim.engines import get_engine
 from moesim.errors import DoesNotFit, MoesimError
@@ -43,6 +41,7 @@ from moesim.quant_recipes import is_format, store_as
 from moesim.sim.cpu_compute import simulate_cpu_compute
 from moesim.sim.fastpath import run_fast_many
 from moesim.sim.plan import build_plan
+from moesim.sim.pool import run_pool, stop_pool, worker_ignores_stops  # noqa: F401 (stop_pool: the sweep's API)
 from moesim.sim.prefetch_top import keep_top_predictions
 from moesim.sim.quantised import with_expert_dtype
 from moesim.sim.simulate import cache_capacity, pick_costs, prediction_recall, time_plan
@@ -565,13 +564,10 @@ _WORKER_SWEEP: Sweep | None = None
 
 
 def _init_worker(sweep: Sweep) -> None:
-    """A worker leaves interrupts to the parent: it ignores SIGINT and SIGHUP (a terminal's
-    Ctrl-C or hangup reaches the whole process group) and dies on SIGTERM (how the parent stops it)."""
+    """A worker leaves interrupts to the parent (:func:`moesim.sim.pool.worker_ignores_stops`)
+    and keeps the sweep it runs groups of."""
     global _WORKER_SWEEP
-    for s in STOP_SIGNALS - {signal.SIGTERM}:  # a terminal's Ctrl-C or hangup reaches the whole group
-        signal.signal(s, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by the parent while it forked
+    worker_ignores_stops()
     _WORKER_SWEEP = sweep
 
 
@@ -601,65 +597,7 @@ def _local(sweep: Sweep, todo: list[int], jobs: int) -> Iterator[Outcome]:
                 yield i, e
         return
     _warm_kernels()
-    # Workers are forked with SIGINT and SIGTERM blocked, so none runs the parent's handlers
-    # before its initializer ignores them; the parent's own arrive when it unblocks them.
-    pool, finished = None, False
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        try:
-            pool = ProcessPoolExecutor(jobs, initializer=_init_worker, initargs=(sweep,))
-            pending = {pool.submit(_worker, i): i for i in todo}
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-        while pending:
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for fut in done:
-                i = pending.pop(fut)
-                exc = fut.exception()
-                yield i, exc if exc is not None else fut.result()
-        finished = True
-    finally:
-        if pool is None:
-            pass
-        elif finished:
-            pool.shutdown(wait=True)
-        else:  # interrupted (Ctrl-C, SIGTERM, an error in the caller): stop the workers, wait for none
-            stop_pool(pool)
-
-
-
-
-#: Seconds :func:`stop_pool` waits for the pool's manager thread to end (it ends within a
-#: second once the workers are gone; longer only on a machine busy with other work).
-MANAGER_JOIN_S = 60.0
-
-
-def stop_pool(pool: ProcessPoolExecutor) -> None:
-    """End ``pool`` now: queued work cancelled, running workers terminated (their groups
-    are lost; finished ones were already streamed). Further SIGINT/SIGTERM are ignored
-    while it does (a second Ctrl-C must not cut the cleanup short), then restored."""
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS}
-    try:
-        procs = list((getattr(pool, "_processes", None) or {}).values())
-        pool.shutdown(wait=False, cancel_futures=True)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join(1)
-        manager = getattr(pool, "_executor_manager_thread", None)
-        if manager is not None:  # else the interpreter's exit joins it, where a signal is a traceback
-            # Joined whole: at exit concurrent.futures wakes every manager still running, and one
-            # closing its pipe at that moment makes the wake-up an OSError (EBADF) printed after the
-            # `interrupted` line (seen once in 10 runs beside a CPU-bound process with a 5 s join;
-            # a manager still alive at exit is the only way to that race, so the join is the fix).
-            manager.join(MANAGER_JOIN_S)
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
+    yield from ((todo[k], out) for k, out in run_pool(_worker, todo, jobs, _init_worker, (sweep,)))
 
 
 def _ray(sweep: Sweep, todo: list[int], address: str | None) -> Iterator[Outcome]:
@@ -698,7 +636,7 @@ _parse = parse  # the names this module had; sim/sweep_rows.py holds the rows fi
 
 
 def _resume(sweep: Sweep, out: Path, notes: list[str] | None = None) -> dict[int, list[dict[str, Any]]]:
-    return resume(sweep, out, notes)
+    return resume(sweep, out, ROW_COLUMNS, notes)
 
 
 class SweepError(MoesimError):
@@ -739,7 +677,7 @@ def run_sweep(sweep: Sweep, jobs: int | None = None, progress: Callable[[int, in
 def _run_sweep(sweep: Sweep, jobs, progress, backend: str, address, out: Path | None, keep_rows: bool,
                notes: list[str] | None) -> list[dict[str, Any]]:
     groups = sweep.groups()
-    finished = resume(sweep, out, notes) if out is not None else {}
+    finished = resume(sweep, out, ROW_COLUMNS, notes) if out is not None else {}
     fingerprint = sweep.fingerprint() if out is not None else ""
     results: dict[int, list[dict[str, Any]]] = finished if keep_rows else {}
     todo = [i for i in range(len(groups)) if i not in finished]

@@ -12,13 +12,13 @@ from cli_run import BOTH_WAYS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moesim.costmodel import CostModel
+from moesim.costmodel import CostModel, ExpertTimes
 from moesim.engines import get_engine
 from moesim.errors import MoesimError
 from moesim.hardware import builtin_hosts, builtin_profiles, get_host, get_profile, load_profile
 from moesim.models import GGML_BLOCKS, get_model, matrix_bytes
 from moesim.placement import WORKSPACE_BYTES, cpu_layers, expert_budget, expert_times, make_placement, routing_counts
-from moesim.policy import POLICIES, ExpertTimes, Policy, cpu_or_copy, get_policy, register
+from moesim.policy import POLICIES, Policy, cpu_or_copy, get_policy, register
 from moesim.sim.cpu_compute import simulate_cpu_compute
 from moesim.sim.prefill import prefill_time, prefill_time_cpu_compute
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace

@@ -13,13 +13,13 @@ import pytest
 import torch
 from cli_run import runners
 
+from moesim.costmodel import ExpertTimes
 from moesim.executor.model import ExecConfig, expert_forward, random_model
 from moesim.executor.profile import ProfileSettings, build_trace, generate
 from moesim.executor.quant_experts import QuantExpert
 from moesim.executor.runtime import HostSetup, host_setup
 from moesim.hardware import DEFAULT_PROFILE, get_profile
 from moesim.models import get_model
-from moesim.policy import ExpertTimes
 from moesim.traces.format import read_trace, write_trace
 
 SPEC = get_model("tiny")

@@ -121,11 +121,11 @@ def test_the_decoders_host_layer_gives_the_all_resident_logits(policy):
     pool, summed) gives the all-resident logits, for a prefill and decode steps, with the
     CPU really running experts (cpu-on-miss: misses both copied into the cache and run on
     the CPU)."""
+    from moesim.costmodel import ExpertTimes
     from moesim.executor.model import ExecConfig, random_model
     from moesim.executor.runtime import HostSetup, OffloadedDecoder, host_setup
     from moesim.executor.transport import EmulatedLink
     from moesim.hardware import get_profile
-    from moesim.policy import ExpertTimes
 
     spec = get_model("tiny")
     model = random_model(ExecConfig(spec), seed=3)

@@ -63,19 +63,23 @@ def test_a_fit_leaves_a_figure_no_entry_informs_unfitted():
 
 def test_leave_one_source_out_never_fits_on_the_source_it_predicts(monkeypatch):
     fitted_on = []
-    real = engine_fit._fit_one.__wrapped__
+    real = engine_fit._fit_uncached
 
     def spy(name, ids):
         fitted_on.append(set(ids))
         return real(name, ids)
 
-    monkeypatch.setattr(engine_fit, "_fit_one", spy)
+    monkeypatch.setattr(engine_fit, "_fit_uncached", spy)
+    monkeypatch.setattr(engine_fit, "_FITS", {})  # every fit made again, through the spy
     # two sources whose engines no other source measures (cheap: nothing to fit), and one
     # ik_llama.cpp source, whose figures come from the other ik_llama.cpp and llama.cpp sources
     held = [e for e in entries() if e.setting["engine"] in ("vllm", "moe-infinity")
             or e.id == "ik-dsr1-q8-16x3090-all-gpu"]
-    rows = leave_one_source_out(held)
+    rows = leave_one_source_out(held, jobs=1)  # in this process, where the spy is
+    assert fitted_on
     assert [r["id"] for r in rows] == [e.id for e in held]
+    in_workers = leave_one_source_out(held, jobs=2)  # the folds on two worker processes: the same rows
+    assert in_workers == rows
     source = {e.id: e.source for e in entries()}
     for r in rows:
         assert r["source_id"] == source[r["id"]]

@@ -323,3 +323,20 @@ def test_the_help_uses_the_engines_own_words():
         text = " ".join(r.stdout.split())
         for w in words:
             assert w in text, (command, w)
+
+
+def test_a_plan_in_another_format_than_the_gguf_says_so_instead_of_loading_that_file(tmp_path):
+    path = _gguf(tmp_path, "m-Q4_K.gguf")
+
+    def command(*extra):
+        r = in_process("whatif", "--model", path, "--hw", "a6000", "--engine", "llama.cpp", "--policy",
+                       "all-resident", "--tokens", "8", "--jobs", "1", "--json", *extra, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        fam = next(f for f in json.loads(r.stdout)["deployment"][0]["families"] if f["family"] == "all-resident")
+        return fam["invocation"]
+
+    same = command()
+    assert str(path) in same["args"] and "placeholder" not in same["note"]
+    other = command("--expert-dtype", "bf16")
+    assert str(path) not in other["args"], other
+    assert "the plan's experts are bf16, and m-Q4_K.gguf holds q4_k" in other["note"], other

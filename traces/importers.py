@@ -44,6 +44,7 @@ import numpy as np
 
 from moesim import __version__
 from moesim.errors import MoesimError
+from moesim.host_detect import available_memory
 from moesim.inputs import check_name, kind_of, original_names, read_bytes, readable_path
 from moesim.models import ModelSpec, get_model
 from moesim.outputs import check_output_file
@@ -95,8 +96,6 @@ def import_routing(fmt: str, path: str | Path, model: str | ModelSpec, out: str 
 
 def _dump_cap() -> float:
     """The largest routing dump read: half of the memory this process can still allocate."""
-    from moesim.budget import available_memory
-
     return available_memory() / 2
 
 

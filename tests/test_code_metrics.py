@@ -1,0 +1,22 @@
+"""bench/code_metrics.py measures the code as issue "One deployment, resolved once" asks: its
+static part runs here, so that a new import circle fails the suite instead of waiting to be
+noticed (the whatif call count is the bench's alone: it runs a sweep)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import code_metrics  # noqa: E402
+
+
+def test_no_import_circle_beyond_the_one_left_and_the_scan_sees_the_code():
+    res = code_metrics.scan()
+    assert res["modules"] > 100
+    assert any(w["function"] == "moesim.cli.replay.replay" for w in res["wide_functions"])  # it reads parameters
+    assert [sorted(m.removeprefix("moesim.") for m in c) for c in res["circles"]] in (
+        [], [["artefacts", "gguf_file", "hf_config", "models"]]), res["circles"]
+
+
+def test_the_circle_finder_finds_a_planted_circle():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert code_metrics.circles(edges) == [["a", "b", "c"]]
