@@ -136,10 +136,18 @@ BOUND = "oracle (bound)"
 
 
 def policy_families() -> tuple[str, ...]:
-    """Every registered family but the oracle's bound, simplest first (read from the registry
-    each time, so a policy registered later joins the deployment answer)."""
-    fams = dict.fromkeys(policy_family(p) for p, pol in POLICIES.items() if not pol.oracle)
-    return tuple(sorted(fams, key=lambda f: min(_rank_of(POLICIES[p]) for p in POLICIES if policy_family(p) == f)))
+    """Every registered family but the oracle's bound, simplest first (keyed by the registry's
+    policies, so a policy registered later joins the deployment answer)."""
+    return _families(tuple(POLICIES.values()))
+
+
+@functools.lru_cache(maxsize=8)
+def _families(pols: tuple) -> tuple[str, ...]:
+    """:func:`policy_families` of the registry ``pols`` (once each: the deployment answer asks
+    for it per scenario and family, hundreds of times a sweep)."""
+    family = {p.name: policy_family(p.name) for p in pols}
+    fams = dict.fromkeys(family[p.name] for p in pols if not p.oracle)
+    return tuple(sorted(fams, key=lambda f: min(_rank_of(p) for p in pols if family[p.name] == f)))
 
 
 def simplicity(fam: str) -> int:

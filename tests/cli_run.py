@@ -179,13 +179,27 @@ def runners(sub=by_subprocess) -> list:
 BOTH_WAYS = runners()
 
 
-def both_ways(cases: list[tuple], sub=by_subprocess, first: bool = True) -> list:
+def sample(cases, run) -> list:
+    """A test's ``cases`` for ``run``: all of them in-process (the default run); in a real
+    subprocess (``-m slow``) the first and the last. What a real process adds is the same for
+    every case (its exit code, one line on stderr, no traceback: ``moesim.cli.main``), and each
+    of these subprocesses starts torch or transformers (seconds): the slow run's minutes went
+    there, not to anything a third case proves."""
+    cases = list(cases)
+    return cases if run is in_process or len(cases) <= 2 else [cases[0], cases[-1]]
+
+
+def both_ways(cases: list[tuple], sub=by_subprocess, first: bool = True, subprocesses: int | None = None) -> list:
     """``pytest.param``s of ``(run, *case)``: every case in-process in the default run; the
     first case also in a real subprocess (``sub``) there, every other case's with ``-m slow``.
     ``first=False``: every subprocess case with ``-m slow``, for a command whose process
-    start alone costs seconds (torch or transformers imported) and proves nothing more."""
+    start alone costs seconds (torch or transformers imported) and proves nothing more.
+    ``subprocesses``: only the first that many cases in a subprocess at all (what a real
+    process adds is the same for each: :func:`sample`)."""
     params = []
     for i, case in enumerate(cases):
         params.append(pytest.param(in_process, *case, id=f"in-process-{i}"))
-        params.append(pytest.param(sub, *case, id=f"subprocess-{i}", marks=() if i == 0 and first else pytest.mark.slow))
+        if subprocesses is None or i < subprocesses:
+            params.append(pytest.param(sub, *case, id=f"subprocess-{i}",
+                                       marks=() if i == 0 and first else pytest.mark.slow))
     return params

@@ -213,7 +213,7 @@ def test_a_replay_of_a_queued_run_times_it_with_the_recorded_queue(tiny, queue, 
     (["--copy-queue", "lifo"], "unknown copy queue"),
     (["--copy-queue", "demand-first", "--policy", "all-resident"], "applies to the copy policies"),
     (["--copy-queue", "cancel-unstarted", "--policy", "cpu-on-miss", "--cache-experts", "8"], "applies to the copy policies"),
-], first=False))
+], first=False, subprocesses=1))
 def test_profile_refuses_a_queue_it_cannot_run_in_one_line(tmp_path, run, args, says):
     r = run("profile", "--tokens", "2", "--out", str(tmp_path / "x.npz"), *args, cwd=tmp_path, timeout=300)
     assert r.returncode == 2 and says in r.stderr and r.stderr.count("\n") == 1, r.stderr

@@ -115,7 +115,7 @@ def test_profile_records_a_trace_with_timings(pair, tmp_path):
 
 
 # in a subprocess with -m slow: the in-process run decodes the same checkpoint through the same command
-@pytest.mark.parametrize("run, name", both_ways([("gpt_oss",), ("deepseek_v3",)], first=False))
+@pytest.mark.parametrize("run, name", both_ways([("gpt_oss",), ("deepseek_v3",)], first=False, subprocesses=1))
 def test_moesim_profile_prompt_ids_gives_transformers_greedy_tokens(run, name, tmp_path):
     ref = save_tiny(name, tmp_path / "ckpt")
     prompt = [3, 1, 4, 1, 5, 9]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_run import both_ways, runners
+from cli_run import both_ways, runners, sample
 from cli_run import one_line_error as one_line
 
 from moesim import inputs
@@ -456,15 +456,15 @@ def test_whole_number_and_finite_options_are_one_line_not_a_traceback_or_cut(r4,
              (("replay", "t.npz", "--hw", "a6000", "--policy", "cpu-static", "--sim", "fast", "--cpu-layers", -1),
               "--cpu-layers -1"),  # was TypeError
              (("replay", "t.npz", "--hw", "", "--sim", "fast"), "--hw ''")]  # was "hardware profile . is a directory"
-    for args, words in cases:
+    for args, words in sample(cases, run):
         one_line(run(*args, cwd=r4), words)
     assert not (r4 / "s.npz").exists()
 
 
 @pytest.mark.parametrize("run", BOTH_WAYS)
 def test_record_refuses_batch_0_and_a_temperature_that_is_not_finite_and_positive(tmp_path, run):
-    for extra, words in (((("--batch", 0)), "--batch 0"), (("--temperature", -1), "--temperature -1"),
-                         (("--temperature", "inf"), "--temperature inf")):
+    for extra, words in sample((((("--batch", 0)), "--batch 0"), (("--temperature", -1), "--temperature -1"),
+                         (("--temperature", "inf"), "--temperature inf")), run):
         one_line(run("record", "moe-stdlib", "--tokens", 1, "--out", "r.npz", *extra, cwd=tmp_path, timeout=120),
                        words)
     assert not list(tmp_path.glob("r.npz*"))
@@ -488,12 +488,12 @@ def test_whatif_out_dot_writes_here_and_a_symlink_loop_is_one_line(tmp_path, run
 def test_options_that_change_nothing_say_so_in_stats_synth_like_import_and_ecospec(r4, run):
     jsonl = ROOT / "traces" / "examples" / "routing-moe-stdlib.jsonl"
     ck = ROOT / "executor" / "checkpoints" / "moe-stdlib"
-    for args, words in ((("stats", "t.npz", "--policy", "prefetch"), "--policy"),
+    for args, words in sample(((("stats", "t.npz", "--policy", "prefetch"), "--policy"),
                         (("synth", "--like", "t.npz", "--tokens", 4, "--skew", 2, "--out", "l.npz"), "--skew"),
                         (("import", "jsonl", jsonl, "--model", ck, "--prompt-tokens", 3, "--out", "i.npz"),
                          "--prompt-tokens"),
                         (("ecospec", "--model", "qwen3-235b-a22b", "--deployment", "1xh200-offload", "--steps", 2,
-                          "--gamma", 2, "--selection", "confidence", "--recall", 0.5, "--json"), "--recall")):
+                          "--gamma", 2, "--selection", "confidence", "--recall", 0.5, "--json"), "--recall")), run):
         r = run(*args, cwd=r4)
         assert r.returncode == 0, r.stderr[-2000:]
         notes = [ln for ln in r.stderr.splitlines() if ln.startswith("note:")]

@@ -25,7 +25,7 @@ from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "stranger"))
 from cases import make_readonly, undo_readonly  # noqa: E402
-from cli_run import BOTH_WAYS, both_ways, one_line_error  # noqa: E402
+from cli_run import BOTH_WAYS, both_ways, one_line_error, sample  # noqa: E402
 from cli_signals import signal_when  # noqa: E402
 
 
@@ -348,7 +348,7 @@ def test_record_refuses_what_cannot_run_in_one_line(tmp_path, run):
         (("record", "moe-stdlib", "--tokens", 100_000_000, "--out", "r.npz"), "refusing"),
         (("record", "moe-stdlib", "--draft", "moe-stdlib-draft", "--tokens", 100_000_000, "--out", "r.npz"), "refusing"),
     ]
-    for args, words in cases:
+    for args, words in sample(cases, run):
         one_line_error(run(*args, cwd=tmp_path, timeout=120), words)
     assert not list(tmp_path.glob("r.npz*"))
 
