@@ -63,8 +63,8 @@ def test_stdout_closed_or_full_ends_in_one_line():
     one_line_error(closed, "standard output is closed")
     with open("/dev/full", "w") as full:
         r = _moesim("models", stdout=full)
-    assert r.returncode == 1 and r.stderr.strip() == "error: could not write to standard output: No space left on " \
-        "device", r.stderr
+    assert r.returncode == 1 and r.stderr.strip() == "error: could not write the output: No space left on device", \
+        r.stderr
 
 
 @pytest.mark.parametrize("columns", ["0", "-3", "abc", "5"])

@@ -125,9 +125,9 @@ def _click_exceptions():
     return exceptions
 
 
-# A write to standard output that failed (`>/dev/full`, a full or vanished disk): the only OSErrors
-# that reach here, every file moesim reads or writes itself being checked where it is opened.
-_OUTPUT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG, errno.EBADF}
+# A write that failed for want of room (`>/dev/full`, a full disk or quota): errors only a write
+# raises, so a read's EIO or EBADF is never reported as an answer that could not be written.
+_OUTPUT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
 def _output_lost(e: OSError) -> None:
@@ -135,7 +135,7 @@ def _output_lost(e: OSError) -> None:
     /dev/null so the interpreter's own flush at exit does not print a second complaint."""
     with contextlib.suppress(OSError, ValueError, AttributeError):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    _fail(f"could not write to standard output: {e.strerror or e}", 1)
+    _fail(f"could not write the output: {e.strerror or e}", 1)
 
 
 def _fail(line: str, code: int = 2) -> None:
