@@ -261,13 +261,19 @@ class CostModel:
         attn_flops = np.asarray(s.layer_attention_flops(layer, ctx.astype(np.int64)), float)
         kv = seqs * (np.asarray(s.kv_tokens(layer, ctx.astype(np.int64)), float) * s.kv_bytes_per_token(layer)
                      + 2 * s.state_bytes(layer))  # a state is read and written back each token
+        # The engine's maturity on this kind of token mixer (moesim.engines.LAYER_TABLES): its
+        # weights, its KV cache or state and its math take 1 / efficiency of their roofline.
+        slow = 1.0 / self.engine.mixer_efficiency(self.mixer_kind(layer))
+        if slow != 1.0:
+            kv = kv * slow
+            attn_flops = attn_flops * slow
         flops = rows * (attn_flops + s.dense_flops_per_token(layer))
-        weights = s.layer_resident_bytes(layer)
+        weights = s.layer_resident_bytes(layer) + (slow - 1.0) * s.layer_attention_bytes(layer)
         if self._on_cpu(on):
             # Two kernels one after the other: the layer's matrices (its weights' format), then
             # attention over the KV cache (a bf16 cache, at the kernels' rate on bf16), so that a
             # long context slows CPU decoding by its math, not only by the bytes it reads.
-            ctx_flops = rows * (attn_flops - s.layer_attention_flops(layer, 0))  # scores and weighted sum
+            ctx_flops = rows * (attn_flops - slow * s.layer_attention_flops(layer, 0))  # scores and weighted sum
             t = self._cpu(weights, flops - ctx_flops, s.dense_dtype) \
                 + np.maximum(kv / self.host_bw, ctx_flops / self.cpu_rate("bf16"))
         else:
@@ -275,6 +281,14 @@ class CostModel:
             t = self._device(weights / sh, flops / sh, s.dense_dtype, self.engine.attention_kernels,
                              kv_s) + self.layer_overhead
         return t if t.ndim else float(t)
+
+    def mixer_kind(self, layer: int) -> str:
+        """The kind of layer ``layer``'s token mixer as engines' ``layer_efficiency`` names it:
+        the layer's kind (``full``, ``sliding``, ``chunked``, ``linear``), ``mla`` for the full
+        attention of a latent-attention model."""
+        kind = self.spec.layer_kind(layer)
+        attn = self.spec.attention
+        return "mla" if kind == "full" and attn is not None and attn.kind == "mla" else kind
 
     def attention_by_layer(self, context: np.ndarray, rows: float = 1) -> np.ndarray:
         """:meth:`attention` of every layer at each of ``context``'s contexts, ``[contexts,

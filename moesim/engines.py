@@ -62,7 +62,16 @@ EFFICIENCY_TABLES = ("cpu_weight_efficiency", "gpu_weight_efficiency")
 #: the memory (a format that is costly to unpack, few threads), this, not the bandwidth,
 #: sets the speed, and more threads help.
 RATE_TABLES = ("cpu_kernel_gmacs",)
-TABLES = EFFICIENCY_TABLES + RATE_TABLES
+#: Per layer kind, the share of the roofline the engine's kernels reach on a layer's token
+#: mixer (its attention or linear-attention weights, its KV cache or recurrent state, and
+#: their math): ``full`` (grouped-query attention), ``mla`` (DeepSeek's latent attention),
+#: ``sliding``, ``chunked``, ``linear`` (gated delta-net and other linear attention). An
+#: engine is not equally mature on every kind: a kind its version runs with unfused or
+#: CPU-fallback kernels says so here, with the version in the source ("not optimised in
+#: version X"). Absent: 1, the roofline.
+LAYER_TABLES = ("layer_efficiency",)
+LAYER_EFFICIENCY_KINDS = ("full", "mla", "sliding", "chunked", "linear")
+TABLES = EFFICIENCY_TABLES + RATE_TABLES + LAYER_TABLES
 ZERO_OK = {"fused_experts", "layer_overhead_us", "cpu_layer_overhead_us", "numa_efficiency", "pages_from_disk",
            "launch_overlap"}
 TOP_KEYS = {"name", "description", "runs_on", "policies", "figures", "expert_placement", *TABLES}
@@ -86,6 +95,7 @@ class EngineProfile(_FigureLookup):
     cpu_weight_efficiency: dict[str, Figure] = field(default_factory=dict)
     gpu_weight_efficiency: dict[str, Figure] = field(default_factory=dict)
     cpu_kernel_gmacs: dict[str, Figure] = field(default_factory=dict)
+    layer_efficiency: dict[str, Figure] = field(default_factory=dict)
     path: str = ""
     expert_placement: str = "frequency"  # one of PLACEMENTS: the engine's default
 
@@ -146,6 +156,12 @@ class EngineProfile(_FigureLookup):
         f = table.get(dtype) or table.get("default")
         return f.value if f is not None else 1.0
 
+    def mixer_efficiency(self, kind: str) -> float:
+        """Share of the roofline the engine reaches on a token mixer of ``kind`` (one of
+        :data:`LAYER_EFFICIENCY_KINDS`; 1 where its profile says nothing)."""
+        f = self.layer_efficiency.get(kind)
+        return f.value if f is not None else 1.0
+
     def cpu_kernel_flops(self, dtype: str) -> float | None:
         """FLOPs a second one CPU thread's kernels reach on ``dtype`` weights (``cpu_kernel_gmacs``
         x 2e9); None where the engine gives no rate for it."""
@@ -177,7 +193,8 @@ def _by_format(raw: Any, where: str, table: str) -> dict[str, Figure]:
     if not isinstance(raw, dict):
         raise MoesimError(f"{where}: [{table}] must be a table")
     unit = "GMAC/s" if table in RATE_TABLES else "fraction"
-    known = {k: (unit, False, False, "") for k in ("default", *DTYPES)}
+    keys = LAYER_EFFICIENCY_KINDS if table in LAYER_TABLES else ("default", *DTYPES)
+    known = {k: (unit, False, False, "") for k in keys}
     return parse_figures(raw, known, where, section=table)
 
 

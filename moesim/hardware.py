@@ -46,7 +46,9 @@ FIGURES: dict[str, tuple[str, bool, bool, str]] = {
     "transfer_latency_us": ("us", True, False, "fixed cost of one host-to-device transfer"),
     "kernel_launch_us": ("us", True, False, "fixed cost of one kernel launch"),
     "layer_overhead_us": ("us", False, False, "fixed framework cost per layer (calibration)"),
-    "copy_interference": ("fraction", False, False, "compute slowdown while host-to-device copies run (0 = none)"),
+    "copy_interference": ("ratio", False, False, "compute slowdown while host-to-device copies run: time with them / "
+                                                 "time alone - 1 (0 = none; above 1 where copies and compute share "
+                                                 "the cores)"),
     "copy_interference_gbs": ("GB/s", False, False, "link rate at which copy_interference was measured"),
     "wait_wakeup_us": ("us", False, False, "delay from a copy landing to a compute stream that waited on it resuming"),
     "peer_gbs": ("GB/s", False, False, "GPU-to-GPU bandwidth per direction, NVLink (absent: through the host's "
@@ -532,9 +534,51 @@ def this_host(facts: CpuFacts | None = None) -> HostProfile:
     return HostProfile(THIS_HOST, desc, figures, "/proc/cpuinfo")
 
 
+#: ``--host NAME@CxM[@Ns]``: what varies inside one machine, said after its host profile:
+#: C memory channels of one socket populated at M MT/s, N sockets.
+_VARIANT = re.compile(r"^(?:(?P<channels>\d+)x(?P<mts>\d+(?:\.\d+)?)|(?P<sockets>\d+)s)$")
+
+
+def host_variant(base: HostProfile, spec: str) -> HostProfile:
+    """``base`` with its memory system or sockets as ``spec`` says (``12x4800``: 12 channels
+    of one socket at 4800 MT/s; ``2s``: two sockets; several joined by ``@``). The peak is
+    channels x MT/s x 8 bytes (a DDR channel is 64 bits wide); the achievable bandwidth keeps
+    the profile's achievable share of its own peak, so a desktop with two DIMMs of DDR5-6400
+    is one figure away from the shipped profile, not a hand-edited TOML."""
+    figs, names = dict(base.figures), []
+    for item in spec.split("@"):
+        m = _VARIANT.match(item.strip().lower())
+        if m is None:
+            raise MoesimError(f"--host {base.name}@{spec}: after @, CHANNELSxMTS (12x4800: 12 memory channels at 4800 "
+                              "MT/s) or Ns (2s: two sockets), joined by @")
+        if m["sockets"]:
+            n = int(m["sockets"])
+            if not 1 <= n <= 16:
+                raise MoesimError(f"--host {base.name}@{spec}: {n} sockets; from 1 to 16")
+            figs["sockets"] = Figure(float(n), "estimate", f"--host ...@{item}: {n} sockets, each as the profile's one")
+        else:
+            ch, mts = int(m["channels"]), float(m["mts"])
+            if not (1 <= ch <= 24 and 800 <= mts <= 20000):
+                raise MoesimError(f"--host {base.name}@{spec}: {ch} channels at {mts:g} MT/s; 1 to 24 channels of a "
+                                  "socket, 800 to 20000 MT/s")
+            peak = ch * mts * 8 / 1000
+            share = base["mem_bw_achievable_gbs"] / base["mem_bw_peak_gbs"]
+            src = f"--host ...@{item}: {ch} channels x {mts:g} MT/s x 8 bytes"
+            figs["mem_bw_peak_gbs"] = Figure(peak, "estimate", src)
+            figs["mem_bw_achievable_gbs"] = Figure(peak * share, "estimate", f"{src}, at {base.name}'s achievable share "
+                                                                            f"of its own peak ({share:.2f})")
+        names.append(item.strip().lower())
+    return replace(base, name=f"{base.name}@{'@'.join(names)}", figures=figs,
+                   description=f"{base.description}; varied: {spec}")
+
+
 def get_host(name_or_path: str | None = None, gpu: HardwareProfile | None = None) -> HostProfile:
     """A built-in host by name, a user's TOML by path, ``this`` (:func:`this_host`), or (no
-    name) the GPU profile's own host."""
+    name) the GPU profile's own host; ``NAME@12x4800@2s`` varies its memory channels and speed
+    and its sockets (:func:`host_variant`)."""
+    if name_or_path and "@" in name_or_path and not Path(name_or_path).exists():
+        name, _, spec = name_or_path.partition("@")
+        return host_variant(get_host(name, gpu), spec)
     if name_or_path and name_or_path.strip().lower() == THIS_HOST:
         return this_host()
     if not name_or_path:

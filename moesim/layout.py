@@ -89,6 +89,17 @@ class Layout:
         return int((self.layer_device >= 0).sum())
 
 
+def check_ratios(ratios, gpu_counts) -> None:
+    """``--tensor-split`` shares checked before any work: non-negative numbers with a positive
+    sum, one a GPU of every machine of several GPUs in ``gpu_counts``."""
+    r = np.asarray(ratios, float)
+    if r.size == 0 or not np.isfinite(r).all() or (r < 0).any() or not r.sum() > 0:
+        raise MoesimError(f"--tensor-split {','.join(f'{x:g}' for x in ratios)}: non-negative shares with a positive sum")
+    for n in gpu_counts:
+        if n != r.size:
+            raise MoesimError(f"--tensor-split has {r.size} shares for {n} GPUs")
+
+
 def layer_shares(n_layers: int, ratios: list[float]) -> np.ndarray:
     """GPU index of each of ``n_layers`` consecutive layers split in proportion to
     ``ratios`` (llama.cpp's ``--tensor-split``: cumulative shares, each layer to the GPU

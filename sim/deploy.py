@@ -253,8 +253,10 @@ def row_layout(row: dict[str, Any]):
     # The function the simulator laid the row out with (layers cut by their bytes over several
     # GPUs), so that the arguments spell the deployment that was timed, not a re-derived one.
     kw = {"cpu_layers": "auto", "gpu_layers": "auto", "offload_gib": "auto", **counts}
+    shares = row.get("tensor_split", "-")
     return spec, layout_for(get_policy(row["policy"]), spec, machine, batch=int(row["batch"]),
-                            context=int(row["prompt_len"]) + int(row["tokens"]), split="layer", ratios=None,
+                            context=int(row["prompt_len"]) + int(row["tokens"]), split=row.get("split", "layer"),
+                            ratios=None if shares in ("-", None) else [float(x) for x in str(shares).split(",")],
                             hot_placement=None, **kw)
 
 

@@ -48,7 +48,7 @@ INHERIT = {"ik_llama.cpp": ("cpu_weight_efficiency.default", "llama.cpp")}
 #: bandwidth, KV reads at the full bandwidth, a second socket adding nothing, the link at its
 #: rate.
 UNFITTED = {"cpu_weight_efficiency": 1.0, "gpu_weight_efficiency": 1.0, "kv_read_efficiency": 1.0,
-            "numa_efficiency": 0.0, "link_efficiency": 1.0}
+            "numa_efficiency": 0.0, "link_efficiency": 1.0, "layer_efficiency": 1.0}
 LOSS_SCALE = 0.2
 #: Where each fit starts, as a share of each figure's range: a robust loss has local minima
 #: (it may "explain" the well-fitted points by calling the rest outliers), so the best of these.

@@ -195,7 +195,7 @@ def unused_notes(policies, hw: str | None, *, host=None, cpu_layers="auto", gpu_
     options as given (``None``: left out), the cache as the replay runs it (given, else
     recorded): no cache evicts nothing; a split other than layer needs several GPUs."""
     from moesim.policy import get_policy
-    from moesim.sim.sweep import unused_options
+    from moesim.sim.sweep import split_notes, unused_options
 
     gpus = get_machine(hw).n_gpus if hw is not None else 1
     cached = bool(cache_gib) or bool(cache_experts)
@@ -206,10 +206,5 @@ def unused_notes(policies, hw: str | None, *, host=None, cpu_layers="auto", gpu_
                            pinned_hot_set=True, no_gpu=gpus == 0, verb="replayed", eviction=eviction, cached=cached,
                            lookaheads=[lookahead] if lookahead is not None else None, threads=threads,
                            link_given=link_gbps is not None, cache_given=cache_given, cache_per_layer=cache_per_layer)
-    several = f"the machine has {gpus or 'no'} GPU{'s' if gpus != 1 else ''} (a split needs several)"
-    if split != "layer" and gpus < 2:
-        notes.append(f"--split {split} was given, but {several}: it changed nothing")
-    if ratios is not None and (gpus < 2 or split != "layer"):
-        notes.append("--tensor-split was given, but " + (several if gpus < 2 else f"--split {split} spreads every "
-                     "layer over all the GPUs (the shares are a layer split's)") + ": it changed nothing")
+    notes += split_notes(split, ratios, [gpus])
     return "; ".join(notes) if notes else None

@@ -198,14 +198,17 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
            placement_from: str | Path | None = None, calibrate_on_replay: bool = False,
            engine: str | None = None, threads: int | None = None, gpu_layers: list[int | str] | None = None,
            lookaheads: list[int] | None = None, host_ram_gb: float | None = None,
-           cache_per_layer: bool = False, offload_gib: list[float | str] | None = None) -> WhatIf:
+           cache_per_layer: bool = False, offload_gib: list[float | str] | None = None, split: str = "layer",
+           ratios: list[float] | None = None) -> WhatIf:
     """Sweep models x hardware x policies x link bandwidth (None: each profile's own) x cache
     size, and the axes each policy family has: ``expert_dtypes`` (every policy), ``hosts``
     (CPU policies; None: each GPU profile's own), ``cpu_layers`` (cpu-static; None:
     :func:`default_cpu_layers`), ``gpu_expert_gib`` (hot-experts; ``auto`` = all that fit),
     ``copy_queues`` and ``prefetch_top`` (the predicting copy policies), ``gpu_layers``
     (gpu-layers; None: auto, the most that fit), ``offload_gib`` (weight-streaming; None:
-    auto, the least that fits). ``batch``, ``prompt_len`` and
+    auto, the least that fits); ``split`` and ``ratios`` spread layers over the GPUs of a
+    machine of several (whole layers by bytes or in ``ratios``, llama.cpp's ``--tensor-split``;
+    or every layer over all, ``tensor``). ``batch``, ``prompt_len`` and
     ``lookaheads`` (how many MoE layers ahead the predictions are made) are axes of the
     synthetic traces (a recorded trace has its own). ``hws`` are machines
     (:func:`moesim.hardware.get_machine`: ``a6000``, ``2xrtx5090``, ``none``); ``engine``
@@ -243,7 +246,7 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
 def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens, prompt_len, batch, goal, sim, jobs,
             progress, backend, address, rows_csv, expert_dtypes, hosts, cpu_layers, gpu_expert_gib, copy_queues,
             prefetch_top, placement_from, calibrate_on_replay, engine, threads, gpu_layers, lookaheads, host_ram_gb,
-            cache_per_layer, offload_gib, **_: Any) -> WhatIf:
+            cache_per_layer, offload_gib, split, ratios, **_: Any) -> WhatIf:
     batches = _positive_ints([batch] if isinstance(batch, int) else list(batch), "--batch")
     prompts = _positive_ints([prompt_len] if isinstance(prompt_len, int) else list(prompt_len), "--prompt-len")
     eng = get_engine(engine)  # an unknown engine: one line, before any work
@@ -274,6 +277,7 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
                                       cached=any(isinstance(c, (int, float)) and c > 0 for c in cache_gib),
                                       lookaheads=lookaheads, threads=threads, link_given=link_gbps is not None,
                                       cache_per_layer=cache_per_layer)
+    notes += split_notes(split, ratios, [get_machine(h).n_gpus for h in hws])
     if engine_note:
         notes.append(engine_note)
     if hot_left_out:
@@ -369,7 +373,8 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
                   calibrate_on_replay=calibrate_on_replay, engine=engine, threads=threads, host_ram_gb=host_ram_gb,
                   cache_per_layer=cache_per_layer,
                   gpu_layers=tuple(gpu_layers) if gpu_layers else ("auto",),
-                  offload_gib=tuple(offload_gib) if offload_gib else ("auto",))
+                  offload_gib=tuple(offload_gib) if offload_gib else ("auto",), split=split,
+                  ratios=tuple(ratios) if ratios is not None else None)
     n_groups = len(sweep.groups())
     workers = 1 if backend != "local" else max(1, min(jobs or os.cpu_count() or 1, n_groups))
     per_trace = {k: max(1, n // max(1, len(traces))) for k, n in
@@ -381,6 +386,21 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
     if any(t.synthetic for t in traces.values()):
         notes.insert(0, "synthetic traces: routing and predictions are generated, not recorded")
     return WhatIf(sweep, goal, rows, best(rows, goal), by_hw, any(t.synthetic for t in traces.values()), notes)
+
+
+def split_notes(split: str, ratios, gpu_counts: list[int]) -> list[str]:
+    """A note for ``--split``/``--tensor-split`` given where they change nothing: no machine of
+    several GPUs, or shares with a tensor split (which spreads every layer evenly)."""
+    most = max(gpu_counts, default=1)
+    several = f"no machine has several GPUs ({'none' if most == 0 else 'one GPU at most'})" if len(gpu_counts) > 1 \
+        else f"the machine has {most or 'no'} GPU{'s' if most != 1 else ''} (a split needs several)"
+    notes = []
+    if split != "layer" and most < 2:
+        notes.append(f"--split {split} was given, but {several}: it changed nothing")
+    if ratios is not None and (most < 2 or split != "layer"):
+        notes.append("--tensor-split was given, but " + (several if most < 2 else f"--split {split} spreads every "
+                     "layer over all the GPUs (the shares are a layer split's)") + ": it changed nothing")
+    return notes
 
 
 def profile_notes(policy: str, eviction: str, given: set[str], cached: bool, hardware: bool) -> list[str]:

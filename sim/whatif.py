@@ -34,6 +34,7 @@ from moesim.costmodel import CostModel
 from moesim.engines import get_engine
 from moesim.errors import DoesNotFit, MoesimError
 from moesim.hardware import HardwareProfile, Machine, get_host, get_machine
+from moesim.layout import SPLITS, check_ratios
 from moesim.models import DTYPES
 from moesim.placement import expert_budget, hot_set, routing_counts, uniform_set
 from moesim.policy import POLICIES, QUEUES, Planner, get_policy
@@ -95,7 +96,7 @@ Group = Config
 ROW_COLUMNS = (
     "model", "base_model", "expert_dtype", "hw", "host", "policy", "family", "link_gbps", "cache_gib", "cache_experts",
     "eviction", "cpu_layers", "gpu_layers", "offload_gib", "gpu_expert_gib", "resident_experts", "copy_queue", "prefetch_top",
-    "lookahead", "batch", "prompt_len", "engine", "threads", "sim", "timing", "synthetic_trace", "placement", "optimistic_placement", "tokens", "tpot_ms",
+    "split", "tensor_split", "lookahead", "batch", "prompt_len", "engine", "threads", "sim", "timing", "synthetic_trace", "placement", "optimistic_placement", "tokens", "tpot_ms",
     "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms", "tokens_per_s", "compute_ms", "copy_ms", "stall_ms", "cpu_ms",
     "cpu_wait_ms", "overlap_ms", "serial_bound_ms", "overlap_bound_ms", "max_prefetch_gain",
     "experts_loaded_per_token", "gb_moved_per_token", "cache_hit_rate", "prefetch_hit_rate", "pred_recall",
@@ -104,7 +105,7 @@ ROW_COLUMNS = (
 )
 _WORDS = {"model", "base_model", "expert_dtype", "hw", "host", "policy", "family", "eviction", "copy_queue", "engine",
           "sim", "timing", "placement", "bound", "note", "cpu_layers", "gpu_layers", "offload_gib", "gpu_expert_gib",
-          "prefetch_top"}
+          "prefetch_top", "split", "tensor_split"}
 
 
 def policy_family(policy: str) -> str:
@@ -207,6 +208,8 @@ class Sweep:
     offload_gib: tuple[float | str, ...] = ("auto",)  # weight-streaming
     host_ram_gb: float | None = None  # the host's RAM (None: the host profile's, if it gives one)
     cache_per_layer: bool = False  # each cache size is each MoE layer's (copy policies)
+    split: str = "layer"  # several GPUs: whole layers per GPU (layer) or every layer over all (tensor)
+    ratios: tuple[float, ...] | None = None  # several GPUs, layer split: each GPU's share (--tensor-split)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hws", [get_machine(h) for h in self.hws])  # rows name machines
@@ -257,6 +260,10 @@ class Sweep:
             for m in self.prefetch_top:
                 if m is not None and m > t.model.top_k:
                     raise MoesimError(f"--prefetch-top {m}: {t.model.name} routes top-{t.model.top_k}")
+        if self.split not in SPLITS:
+            raise MoesimError(f"--split {self.split!r}: one of {', '.join(SPLITS)}")
+        if self.ratios is not None:
+            check_ratios(self.ratios, [m.n_gpus for m in self.hws if m.n_gpus > 1])
         names = [h.name for h in self.hws]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:  # rows are keyed by profile name: one name, two profiles would report one's result twice
@@ -337,7 +344,7 @@ class Sweep:
                 "policies": self.policies, "link_gbps": self.link_gbps, "cache_gib": self.cache_gib,
                 "eviction": self.eviction, "sim": self.sim, "engine": self.engine, "threads": self.threads,
                 "gpu_layers": self.gpu_layers, "offload_gib": self.offload_gib, "host_ram_gb": self.host_ram_gb, "timing": self.timing,
-                "cache_per_layer": self.cache_per_layer,
+                "cache_per_layer": self.cache_per_layer, "split": self.split, "ratios": self.ratios,
                 "expert_dtypes": self.expert_dtypes, "hosts": self.hosts, "cpu_layers": self.cpu_layers,
                 "gpu_expert_gib": self.gpu_expert_gib, "copy_queues": self.copy_queues,
                 "prefetch_top": self.prefetch_top, "calibration_source": self.calibration_source,
@@ -373,7 +380,14 @@ def _axes(sweep: Sweep, cfg: Config, trace: Trace, base: str) -> dict[str, Any]:
             "cpu_layers": cfg.cpu_layers, "gpu_expert_gib": cfg.gpu_expert_gib, "copy_queue": cfg.copy_queue,
             "prefetch_top": "-" if cfg.prefetch_top is None else cfg.prefetch_top, "batch": trace.batch,
             "prompt_len": trace.prompt_len, "gpu_layers": cfg.gpu_layers, "offload_gib": cfg.offload_gib,
-            "lookahead": trace.meta.lookahead}
+            "lookahead": trace.meta.lookahead, **_split_columns(sweep)}
+
+
+def _split_columns(sweep: Sweep) -> dict[str, str]:
+    """How the sweep spreads layers over several GPUs, as the rows say it (and the printed
+    arguments read it back: moesim.sim.deploy.row_layout)."""
+    shares = "-" if sweep.ratios is None else ",".join(f"{r:g}" for r in sweep.ratios)
+    return {"split": sweep.split, "tensor_split": shares}
 
 
 def _hot_placement(sweep: Sweep, cfg: Config, trace: Trace, base: str, machine: Machine):
@@ -462,6 +476,7 @@ def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str,
             h = machine if g is None else machine.with_figure("h2d_pinned_gbs", g)
             kw = dict(host=_host(sweep, cfg, h), calibration=None if optimistic else calib,
                       calibrate_on_replay=optimistic, engine=sweep.engine, threads=sweep.threads)
+            several = dict(split=sweep.split, ratios=list(sweep.ratios) if sweep.ratios else None)
             try:
                 if h.n_gpus == 0 and pol.offload:
                     rows.append(_not_run(sweep, index, cfg, trace, base, h, "without a GPU only all-resident applies "
@@ -476,7 +491,7 @@ def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str,
                     res = simulate_static(trace, h, pol, cpu_layers=cfg.cpu_layers if pol.cpu == "layers" else "auto",
                                           gpu_layers=cfg.gpu_layers if pol.cpu == "whole" else "auto",
                                           offload_gib=cfg.offload_gib if pol.cpu == "stream" else "auto",
-                                          placement=placement, **kw)
+                                          placement=placement, **several, **kw)
                 elif h.n_gpus != 1:
                     rows.append(_not_run(sweep, index, cfg, trace, base, h, f"{pol.name} runs on one GPU"))
                     continue

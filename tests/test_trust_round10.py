@@ -340,3 +340,54 @@ def test_a_plan_in_another_format_than_the_gguf_says_so_instead_of_loading_that_
     other = command("--expert-dtype", "bf16")
     assert str(path) not in other["args"], other
     assert "the plan's experts are bf16, and m-Q4_K.gguf holds q4_k" in other["note"], other
+
+
+@pytest.mark.parametrize("split,shares", [("layer", "3,1"), ("tensor", None)])
+def test_whatif_takes_the_split_options_replay_takes_and_prints_that_split(tmp_path, split, shares):
+    """`whatif --hw 2xrtx3090 --tensor-split 3,1` (the README shows the options beside a multi-GPU
+    --hw) was refused as an unknown option; now the timed layout is the one asked for, the rows
+    say it, and the printed llama.cpp arguments spell it (read back, the same bytes per GPU)."""
+    from moesim.layout import make_layout
+    from moesim.memory import layout_bytes
+    from moesim.models import get_model
+
+    extra = ["--split", split] + (["--tensor-split", shares] if shares else [])
+    r = in_process("whatif", "--model", "qwen3-30b-a3b", "--hw", "2xrtx3090", "--host", "epyc-7742", "--engine",
+                   "llama.cpp", "--policy", "cpu-static", "--cpu-layers", "30", "--tokens", "8", "--jobs", "1",
+                   "--json", *extra, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    row = next(x for x in out["rows"] if x["policy"] == "cpu-static")
+    assert row["split"] == split and row["tensor_split"] == (shares or "-")
+    a = next(f["invocation"]["args"] for f in out["deployment"][0]["families"] if f.get("invocation"))
+    assert ("--split-mode" in a) == (split == "tensor")
+    if split == "layer":
+        got = [float(x) for x in a[a.index("--tensor-split") + 1].split(",")]
+        assert got[0] == 3 * got[1]  # 3:1 of the 48 layers: 36,12
+        spec = get_model("qwen3-30b-a3b")
+        layout = make_layout(spec, 2, cpu_moe_layers=30, ratios=got)
+        assert max(layout_bytes(spec, layout, 1, 136).gpu) / 1e9 == pytest.approx(row["device_gb_needed"], rel=1e-9)
+    plain = in_process("whatif", "--model", "qwen3-30b-a3b", "--hw", "2xrtx3090", "--host", "epyc-7742", "--engine",
+                       "llama.cpp", "--policy", "cpu-static", "--cpu-layers", "30", "--tokens", "8", "--jobs", "1",
+                       "--json", cwd=tmp_path)
+    other = next(x for x in json.loads(plain.stdout)["rows"] if x["policy"] == "cpu-static")
+    # The split is planned, not only printed: 3:1 loads the first card more than the byte cut;
+    # a tensor split shards every layer (two all-reduces a layer: another TPOT). Two alike
+    # GPUs running whole layers one after the other take the same time however they are cut.
+    changed = "tpot_ms" if split == "tensor" else "device_gb_needed"
+    assert other[changed] != row[changed]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--tensor-split", "1,1,1"], "3 shares for 2 GPUs"), (["--tensor-split", "1,-1"], "non-negative shares"),
+    (["--tensor-split", "nan,1"], "non-negative shares"), (["--split", "rows"], "--split 'rows'")])
+def test_whatif_refuses_a_bad_split_before_any_work(tmp_path, extra, message):
+    r = in_process("whatif", "--hw", "2xrtx3090", "--tokens", "8", "--jobs", "1", *extra, cwd=tmp_path)
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_whatif_says_when_a_split_changed_nothing(tmp_path):
+    r = in_process("whatif", "--hw", "a6000", "--policy", "all-resident", "--model", "olmoe-1b-7b",
+                   "--tensor-split", "1,1", "--tokens", "8", "--jobs", "1", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert any("--tensor-split" in n and "changed nothing" in n for n in json.loads(r.stdout)["notes"]), r.stdout

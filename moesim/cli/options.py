@@ -38,6 +38,10 @@ def _profile_files(what: str):
 
 Engine = Annotated[str | None, typer.Option(callback=_profile_files("engine profile"), help=f"The inference engine whose figures time the work: {ENGINES} or "
                                                  "a .toml (`moesim hw --engines`).")]
+SplitMode = Annotated[str, typer.Option("--split", help="Several GPUs: layer (whole layers per GPU, llama.cpp's "
+                                                      "default) or tensor (every layer split over all).")]
+TensorSplit = Annotated[str | None, typer.Option(help="Several GPUs, layer split: comma-separated shares of the layers "
+                                                      "per GPU (llama.cpp --tensor-split; default: cut by bytes).")]
 Threads = Annotated[int | None, typer.Option(help="CPU threads the engine uses (default: every core of the host).")]
 GpuLayers = Annotated[str, typer.Option(help="gpu-layers: model layers on the GPU(s) (llama.cpp -ngl), or auto (the "
                                              "most that fit); whatif: comma-separated.")]

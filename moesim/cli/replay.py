@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from moesim.cli import options as opt
 from moesim.cli.app import app, auto_or, err, floats, print_csv, print_json
 from moesim.cli.lists import policies
 from moesim.cli.options import CachePerLayer, Engine, GpuLayers, Host, OffloadGib, Threads, given_options, holding, one
@@ -48,10 +49,8 @@ def replay(
     threads: Threads = None,
     gpu_layers: GpuLayers = "auto",
     offload_gib: OffloadGib = "auto",
-    split_mode: Annotated[str, typer.Option("--split", help="Several GPUs: layer (whole layers per GPU, llama.cpp's "
-                                                            "default) or tensor (every layer split over all).")] = "layer",
-    tensor_split: Annotated[str | None, typer.Option(help="Several GPUs, layer split: comma-separated shares of the "
-                                                          "layers per GPU (llama.cpp --tensor-split; default equal).")] = None,
+    split_mode: opt.SplitMode = "layer",
+    tensor_split: opt.TensorSplit = None,
     lookahead: Annotated[int | None, typer.Option(help="Prefetch the experts predicted this many MoE layers ahead "
                                                        "(default: the trace's; 1 = the next layer).")] = None,
     timing: Annotated[str, typer.Option(help="Compute times: auto (measured if the trace has them for this hw), "

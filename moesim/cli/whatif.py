@@ -9,7 +9,18 @@ import typer
 
 from moesim.cli.app import app, auto_or, floats, ints, split
 from moesim.cli.lists import policies
-from moesim.cli.options import CachePerLayer, Engine, GpuLayers, Host, OffloadGib, Threads, ends_on_interrupt, holding
+from moesim.cli.options import (
+    CachePerLayer,
+    Engine,
+    GpuLayers,
+    Host,
+    OffloadGib,
+    SplitMode,
+    TensorSplit,
+    Threads,
+    ends_on_interrupt,
+    holding,
+)
 from moesim.cli.running import progress_bar
 from moesim.errors import MoesimError
 from moesim.policy import WHATIF_POLICIES as DEFAULT_POLICIES
@@ -52,6 +63,8 @@ def whatif(
     goal: Annotated[str, typer.Option(help="What 'best' means: tpot, p99, ttft or bytes.")] = "tpot",
     engine: Engine = None,
     threads: Threads = None,
+    split_mode: SplitMode = "layer",
+    tensor_split: TensorSplit = None,
     host_ram_gb: Annotated[float | None, typer.Option(help="The host's RAM, GB (default: the host profile's, if it "
                                                            "gives one): weights beyond it page from disk or do not "
                                                            "fit.")] = None,
@@ -110,5 +123,7 @@ def whatif(
                              engine=engine, threads=threads, gpu_layers=auto_or(gpu_layers, "--gpu-layers", int),
                              host_ram_gb=host_ram_gb, cache_per_layer=cache_per_layer,
                              offload_gib=auto_or(offload_gib, "--offload-gib", float),
-                             lookaheads=ints(lookahead, "--lookahead") if lookahead is not None else None)
+                             lookaheads=ints(lookahead, "--lookahead") if lookahead is not None else None,
+                             split=split_mode,
+                             ratios=floats(tensor_split, "--tensor-split", repeats=True) if tensor_split is not None else None)
         show_whatif(res, goal, engine, top, as_json, as_csv, out_dir)

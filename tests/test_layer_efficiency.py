@@ -1,0 +1,53 @@
+"""An engine's maturity per layer kind (``[layer_efficiency]`` of an engine profile): a token
+mixer of a kind the engine runs with unfused kernels takes 1 / efficiency of its roofline,
+and nothing else changes (issue "Predictions that hold where nothing was fitted")."""
+
+from __future__ import annotations
+
+import pytest
+
+from moesim.costmodel import CostModel
+from moesim.engines import get_engine, parse_engine
+from moesim.errors import MoesimError
+from moesim.hardware import get_host, get_profile
+from moesim.models import get_model
+
+
+def _engine(**table):
+    base = get_engine("llama.cpp")
+    for kind, v in table.items():
+        base = base.with_figure(f"layer_efficiency.{kind}", v, "estimate", "not optimised in version X (test)")
+    return base
+
+
+@pytest.mark.parametrize("on", ["gpu", "cpu"])
+def test_a_linear_mixer_at_a_quarter_of_the_roofline_costs_its_mixer_four_times(on):
+    spec = get_model("qwen3-next-80b-a3b")
+    gpu, host = get_profile("h100-sxm"), get_host("epyc-9654")
+    plain, slow = CostModel(spec, gpu, host, _engine()), CostModel(spec, gpu, host, _engine(linear=0.25))
+    linear = next(i for i in range(spec.n_layers) if spec.layer_kind(i) == "linear")
+    full = next(i for i in range(spec.n_layers) if spec.layer_kind(i) == "full")
+    assert slow.mixer_kind(linear) == "linear" and slow.mixer_kind(full) == "full"
+    assert slow.attention(full, 4096, on=on) == plain.attention(full, 4096, on=on)  # another kind: unchanged
+    t0, t1 = plain.attention(linear, 4096, on=on), slow.attention(linear, 4096, on=on)
+    assert t1 > t0 * 1.5
+    # Only the mixer is slowed: the layer's router and shared expert keep their time.
+    nothing = CostModel(spec, gpu, host, _engine(linear=1.0))
+    assert nothing.attention(linear, 4096, on=on) == t0
+
+
+def test_latent_attention_is_its_own_kind():
+    spec = get_model("deepseek-v3")
+    cm = CostModel(spec, get_profile("h100-sxm"), None, _engine(mla=0.5))
+    assert cm.mixer_kind(0) == "mla"
+    assert cm.attention(0, 1024) > CostModel(spec, get_profile("h100-sxm"), None, _engine()).attention(0, 1024)
+
+
+@pytest.mark.parametrize("table,message", [({"linear": {"value": 1.5, "kind": "estimate", "source": "x"}}, "at most 1"),
+                                           ({"delta": {"value": 0.5, "kind": "estimate", "source": "x"}}, "delta")])
+def test_a_bad_layer_efficiency_is_one_line(table, message):
+    raw = {"name": "e", "runs_on": ["gpu"], "figures": {k: {"value": 1, "kind": "estimate", "source": "x"} for k in
+           ("attention_kernels", "expert_kernels", "fused_experts", "head_kernels", "predict_kernels")},
+           "layer_efficiency": table}
+    with pytest.raises(MoesimError, match=message):
+        parse_engine(raw, "e.toml")
