@@ -42,8 +42,10 @@ FIT: dict[str, list[tuple[str, float, float]]] = {
     "vllm": [("gpu_weight_efficiency.default", 0.05, 1.0), ("kv_read_efficiency", 0.002, 1.0)],
 }
 #: engine -> (figure, the engine whose fitted figure it takes): ik_llama.cpp's CPU kernels
-#: are llama.cpp's lineage, and it has too few CPU entries of its own.
-INHERIT = {"ik_llama.cpp": ("cpu_weight_efficiency.default", "llama.cpp")}
+#: are llama.cpp's lineage, and it has too few CPU entries of its own; SGLang's fused MoE
+#: kernel is adapted from vLLM's (hwprofiles/engines/sglang.toml says where).
+INHERIT = {"ik_llama.cpp": (("cpu_weight_efficiency.default", "llama.cpp"),),
+           "sglang": (("gpu_weight_efficiency.default", "vllm"), ("kv_read_efficiency", "vllm"))}
 #: What the cost model assumes of a fitted figure that no entry informs: kernels at the full
 #: bandwidth, KV reads at the full bandwidth, a second socket adding nothing, the link at its
 #: rate.
@@ -78,7 +80,7 @@ def _with(engine: EngineProfile, values: dict[str, float], kind: str, source: st
 def unfitted(name: str) -> EngineProfile:
     """The engine's profile with every figure of :data:`FIT` (and :data:`INHERIT`) at its
     :data:`UNFITTED` value: what a prediction has where no other source informs a figure."""
-    keys = [k for k, _, _ in FIT.get(name, ())] + ([INHERIT[name][0]] if name in INHERIT else [])
+    keys = [k for k, _, _ in FIT.get(name, ())] + [k for k, _ in INHERIT.get(name, ())]
     return _with(get_engine(name), {k: unfitted_value(k) for k in keys}, "estimate",
                  "unfitted: no measurement of another source informs it (moesim.sim.engine_fit.UNFITTED)")
 
@@ -135,14 +137,13 @@ def fit(train: Sequence[Entry], names: Iterable[str] | None = None) -> dict[str,
     out = {}
     for name in names if names is not None else dict.fromkeys([*FIT, *INHERIT]):
         f = _fit_one(name, ids(name))
-        if name in INHERIT:
-            key, donor = INHERIT[name]
+        for key, donor in INHERIT.get(name, ()):
             d = _fit_one(donor, ids(donor))
             if key in d.figures:
-                src = (f"fitted: {donor}'s figure, the same CPU kernel lineage (fitted on {len(d.entries)} "
+                src = (f"fitted: {donor}'s figure, the same kernel lineage (fitted on {len(d.entries)} "
                        f"{donor} entries: {', '.join(d.entries)})")
                 f = Fitted(f.engine.with_figure(key, d.figures[key], "fitted", src), {**f.figures, key: d.figures[key]},
-                           f.entries + d.entries, f.uninformed)
+                           f.entries + tuple(e for e in d.entries if e not in f.entries), f.uninformed)
         out[name] = f
     return out
 

@@ -15,7 +15,7 @@ import typer
 from moesim.errors import MoesimError
 from moesim.stop import ignore_further
 
-ENGINES = "llama.cpp, ik_llama.cpp, ktransformers, vllm, moe-infinity, mixtral-offloading, pytorch-eager (default)"
+ENGINES = "llama.cpp, ik_llama.cpp, ktransformers, vllm, sglang, moe-infinity, mixtral-offloading, pytorch-eager (default)"
 
 
 

@@ -43,7 +43,7 @@ def validate(
     the CPU-compute policies and the copy queues (which wins, measured and predicted).
 
     With `--published`, it instead predicts every published batch-1 decode measurement of
-    a real engine that moesim can express (llama.cpp, ik_llama.cpp, KTransformers, vLLM,
+    a real engine that moesim can express (llama.cpp, ik_llama.cpp, KTransformers, vLLM, SGLang,
     MoE-Infinity, mixtral-offloading; hwprofiles/published), leaving one source out: each
     measurement is predicted with engine figures fitted on the measurements of every other
     source (an issue thread, an article), and scored overall, by deployment kind and by
