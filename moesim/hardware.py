@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from moesim.errors import MoesimError
+from moesim.gpu_detect import PCIE_LANE_GBS, GpuFacts, name_key, read_gpus
 from moesim.host_detect import CpuFacts, description_isa, read_this_machine
 from moesim.inputs import TOML_CAP, check_name, kind_of, read_text
 from moesim.models import INTEGER_DTYPES  # models imports nothing from here; keep it that way
@@ -363,6 +364,12 @@ def get_profile(name_or_path: str) -> HardwareProfile:
     builtin = builtin_profiles()
     if name_or_path.lower() in builtin:
         return _builtin_profile(name_or_path.lower())
+    if name_or_path.strip().lower() == THIS_HOST:  # one GPU profile: this machine's only GPU
+        gpus = this_machine().gpus
+        if len(gpus) != 1:
+            raise MoesimError(f"this machine has {len(gpus)} GPUs; where one GPU profile is asked for, give its name "
+                              "(`moesim hw this` shows them)")
+        return gpus[0]
     p = given_path(name_or_path, "hardware profile")
     if p is not None:
         return load_profile(p)
@@ -534,6 +541,61 @@ def this_host(facts: CpuFacts | None = None) -> HostProfile:
     return HostProfile(THIS_HOST, desc, figures, "/proc/cpuinfo")
 
 
+def nearest_gpu(facts: GpuFacts) -> tuple[HardwareProfile, str, bool]:
+    """The built-in GPU profile a detected GPU's other figures come from, why that one, and
+    whether it is the same part: the profile whose name the GPU's name holds (the nearest in
+    memory where several do: an RTX 4090 of 48 GB), else the nearest in memory bandwidth."""
+    profiles = [_builtin_profile(n) for n in builtin_profiles()]
+    key = name_key(facts.name)
+    named = [p for p in profiles if name_key(re.sub(r"-\d+gb$", "", p.name)) in key]  # rtx4090-48gb: an rtx4090
+    if named:
+        best = min(named, key=lambda p: (abs(p["device_memory_gb"] - facts.memory_gb), p.name))
+        return best, f"the GPU's name {facts.name!r} names it", True
+    bw = facts.mem_bw_peak_gbs
+    best = min(profiles, key=lambda p: (abs(math.log(p["mem_bw_peak_gbs"] / bw)) if bw else
+                                        abs(math.log(p["device_memory_gb"] / facts.memory_gb)), p.name))
+    return best, (f"no built-in profile is named {facts.name!r}; {best.name}: the nearest "
+                  + ("memory bandwidth" if bw else "memory size")), False
+
+
+def this_gpu(facts: GpuFacts, index: int = 0) -> HardwareProfile:
+    """One detected GPU's profile (``--hw this``): its memory as NVML says (measured), its
+    peak bandwidth and link from NVML's bus width, memory clock and PCIe link (derived), the
+    rest from the nearest known part (moesim.gpu_detect says why)."""
+    base, why, same = nearest_gpu(facts)
+    figures = dict(base.figures) if same else {
+        k: Figure(f.value, "estimate", f"estimate: the nearest known part's, {base.name} ({why}): {f.source}")
+        for k, f in base.figures.items()}
+    nvml = f"detected on this machine (NVML, GPU {index}: {facts.name})"
+    figures["device_memory_gb"] = Figure(round(facts.memory_gb, 2), "measured", nvml)
+    if (bw := facts.mem_bw_peak_gbs) is not None:
+        share = base["mem_bw_achievable_gbs"] / base["mem_bw_peak_gbs"]
+        src = f"{nvml}: {facts.bus_bits}-bit bus x {facts.mem_clock_mhz} MHz x 2"
+        figures["mem_bw_peak_gbs"] = Figure(round(bw, 1), "measured", src)
+        figures["mem_bw_achievable_gbs"] = Figure(round(bw * share, 1), "estimate",
+                                                  f"estimate: {src}, at {base.name}'s achievable share ({share:.2f})")
+    link = base.link
+    if (peak := facts.link_peak_gbs) is not None and base.link.startswith("pcie"):
+        base_peak = PCIE_LANE_GBS[int(base.link[-1])] * 16
+        link = f"pcie{facts.pcie_gen}" if f"pcie{facts.pcie_gen}" in LINK_KINDS else base.link
+        figures["h2d_pinned_gbs"] = Figure(round(base["h2d_pinned_gbs"] * peak / base_peak, 2), "estimate",
+                                           f"estimate: {nvml}: PCIe {facts.pcie_gen}.0 x{facts.pcie_width} "
+                                           f"({peak:.1f} GB/s peak), at {base.name}'s pinned-copy share of its "
+                                           f"x16 {base.link} link")
+    desc = (f"this machine's GPU {index}: {facts.name}, {facts.memory_gb:.0f} GB"
+            + (f", PCIe {facts.pcie_gen}.0 x{facts.pcie_width}" if facts.link_peak_gbs else "")
+            + ("" if same else f"; rates from {base.name} ({why})"))
+    return HardwareProfile(f"this-{base.name}" if same else "this-gpu", desc, link, figures, "NVML", THIS_HOST)
+
+
+def this_machine(facts: list[GpuFacts] | None = None) -> Machine:
+    """``--hw this``: every GPU NVML sees (:func:`this_gpu`), on this machine's host (``--host this``)."""
+    gpus = tuple(this_gpu(f, i) for i, f in enumerate(facts if facts is not None else read_gpus()))
+    names = [g.name for g in gpus]  # named as get_machine names machines: this-rtx4090, 2xthis-rtx4090, A+B
+    name = names[0] if len(gpus) == 1 else f"{len(gpus)}x{names[0]}" if len(set(names)) == 1 else "+".join(names)
+    return Machine(gpus, name)
+
+
 #: ``--host NAME@CxM[@Ns]``: what varies inside one machine, said after its host profile:
 #: C memory channels of one socket populated at M MT/s, N sockets.
 _VARIANT = re.compile(r"^(?:(?P<channels>\d+)x(?P<mts>\d+(?:\.\d+)?)|(?P<sockets>\d+)s)$")
@@ -576,16 +638,16 @@ def get_host(name_or_path: str | None = None, gpu: HardwareProfile | None = None
     """A built-in host by name, a user's TOML by path, ``this`` (:func:`this_host`), or (no
     name) the GPU profile's own host; ``NAME@12x4800@2s`` varies its memory channels and speed
     and its sockets (:func:`host_variant`)."""
-    if name_or_path and "@" in name_or_path and not Path(name_or_path).exists():
-        name, _, spec = name_or_path.partition("@")
-        return host_variant(get_host(name, gpu), spec)
-    if name_or_path and name_or_path.strip().lower() == THIS_HOST:
-        return this_host()
     if not name_or_path:
         if gpu is None or not gpu.host:
             where = f"GPU profile {gpu.name!r} names no host" if gpu is not None else "no host given"
             raise MoesimError(f"{where}; pick one with --host (built-in: {', '.join(builtin_hosts())})")
-        name_or_path = gpu.host
+        name_or_path = gpu.host  # `--hw this`: `this` too
+    if "@" in name_or_path and not Path(name_or_path).exists():
+        name, _, spec = name_or_path.partition("@")
+        return host_variant(get_host(name, gpu), spec)
+    if name_or_path.strip().lower() == THIS_HOST:
+        return this_host()
     builtin = builtin_hosts()
     if name_or_path.lower() in builtin:
         return _builtin_host(name_or_path.lower())
@@ -640,6 +702,8 @@ def get_machine(text: str | HardwareProfile | Machine) -> Machine:
     t = text.strip()
     if t.lower() == NO_GPU:
         return Machine((), NO_GPU)
+    if t.lower() == THIS_HOST:
+        return this_machine()
     if "+" in t:
         parts = [p.strip() for p in t.split("+")]
         if not all(parts):

@@ -38,10 +38,12 @@ def hw(
         DEFAULT_PROFILE,
         FIGURES,
         HOST_FIGURES,
+        THIS_HOST,
         builtin_hosts,
         builtin_profiles,
         get_host,
         get_profile,
+        this_machine,
     )
 
     if hosts:
@@ -62,17 +64,20 @@ def hw(
                             [[h.name, f"{h['cores']:g}", f"{h['mem_bw_achievable_gbs']:g}", f"{h.flops('bf16') / 1e12:.3g}",
                               "yes" if h.has_amx else "no", h.description] for h in found]))
         return
-    if profile:
-        p = get_profile(profile)
+    if profile:  # `this`: every GPU NVML sees on this machine, each with the source of every figure
+        gpus = this_machine().gpus if profile.strip().lower() == THIS_HOST else (get_profile(profile),)
+        docs = [{"name": p.name, "description": p.description, "link": p.link,
+                 "figures": {k: vars(f) for k, f in p.figures.items()}} for p in gpus]
         if as_json:
-            print_json({"name": p.name, "description": p.description, "link": p.link,
-                        "figures": {k: vars(f) for k, f in p.figures.items()}})
-            return
-        if as_csv:
-            print_csv([{"figure": k, "unit": FIGURES[k][0], **vars(f)} for k, f in p.figures.items()])
-            return
-        out.print(table(f"{p.name}: {p.description} (link: {p.link})", ("figure", "value", "unit", "kind", "source"),
-                        [[k, f"{f.value:g}", FIGURES[k][0], f.kind, f.source] for k, f in p.figures.items()]))
+            print_json(docs[0] if len(docs) == 1 else docs)
+        elif as_csv:
+            print_csv([{**({"gpu": p.name} if len(gpus) > 1 else {}), "figure": k, "unit": FIGURES[k][0], **vars(f)}
+                       for p in gpus for k, f in p.figures.items()])
+        else:
+            for p in gpus:
+                out.print(table(f"{p.name}: {p.description} (link: {p.link})",
+                                ("figure", "value", "unit", "kind", "source"),
+                                [[k, f"{f.value:g}", FIGURES[k][0], f.kind, f.source] for k, f in p.figures.items()]))
         return
     profiles = [get_profile(n) for n in builtin_profiles()]
     listing = [{"name": p.name, "link": p.link, **{k: f.value for k, f in p.figures.items()},
