@@ -127,13 +127,15 @@ class CostModel:
     rest of what host RAM must hold (a KV cache there): what paging is judged on, when the
     host profile gives its RAM. ``weights_over_link``: the device reads its weights from
     host memory over the link as its kernels run (vLLM's ``--cpu-offload-gb``, zero-copy
-    pinned memory), its KV cache still from device memory.
+    pinned memory), its KV cache still from device memory. ``cpu_part``: some of the model
+    runs on the CPU (partial offload), where an engine that gives ``partial_offload_launch_us``
+    launches its GPU kernels one by one at that cost instead of replaying a CUDA graph.
     """
 
     def __init__(self, spec: ModelSpec, gpu: HardwareProfile | None, host: HostProfile | None = None,
                  engine: str | EngineProfile | None = None, *, shards: int = 1, amx: bool = True,
                  threads: int | None = None, host_weights: float = 0.0, host_other: float = 0.0,
-                 weights_over_link: bool = False) -> None:
+                 weights_over_link: bool = False, cpu_part: bool = False) -> None:
         if shards < 1:
             raise MoesimError(f"shards must be >= 1, got {shards}")
         if gpu is None and host is None:
@@ -148,6 +150,8 @@ class CostModel:
         if gpu is not None:
             self.launch = gpu.launch if e.kernel_launch_us is None else e.kernel_launch_us * 1e-6
             self.layer_overhead = gpu.layer_overhead if e.layer_overhead_us is None else e.layer_overhead_us * 1e-6
+            if cpu_part and "partial_offload_launch_us" in e.figures:  # no graph replay beside CPU work
+                self.launch = e["partial_offload_launch_us"] * 1e-6
         if host is not None:
             self._host_setup(threads, host_weights, host_other)
         elif threads is not None:
@@ -277,10 +281,19 @@ class CostModel:
             t = self._cpu(weights, flops - ctx_flops, s.dense_dtype) \
                 + np.maximum(kv / self.host_bw, ctx_flops / self.cpu_rate("bf16"))
         else:
-            kv_s = kv / sh / (self.gpu.mem_bw * self.engine.get("kv_read_efficiency", 1.0))
+            kv_s = kv / sh / (self.gpu.mem_bw * self.kv_efficiency)
             t = self._device(weights / sh, flops / sh, s.dense_dtype, self.engine.attention_kernels,
                              kv_s) + self.layer_overhead
         return t if t.ndim else float(t)
+
+    @property
+    def kv_efficiency(self) -> float:
+        """Share of the device's bandwidth attention reaches reading the KV cache: the engine's
+        ``kv_read_efficiency`` where its profile gives one, else what its kernels reach on
+        bf16 weights (the cache's format): the bytes actually read, through the same memory
+        system, not a figure fitted to whatever else slows long contexts."""
+        e = self.engine
+        return e["kv_read_efficiency"] if "kv_read_efficiency" in e.figures else e.weight_efficiency("gpu", "bf16")
 
     def mixer_kind(self, layer: int) -> str:
         """The kind of layer ``layer``'s token mixer as engines' ``layer_efficiency`` names it:

@@ -36,8 +36,12 @@ ENGINE_FIGURES: dict[str, tuple[str, bool, bool, str]] = {
                                           "block takes max(work, launches); 0: they add up (absent: 0)"),
     "layer_overhead_us": ("us", False, False, "fixed framework cost per layer on the GPU (absent: the GPU "
                                               "profile's layer_overhead_us)"),
+    "partial_offload_launch_us": ("us", False, False, "cost of one GPU kernel when some of the model runs on the "
+                                                      "CPU (partial offload), where the engine launches kernels one "
+                                                      "by one instead of replaying a CUDA graph (absent: "
+                                                      "kernel_launch_us)"),
     "kv_read_efficiency": ("fraction", False, False, "share of the device bandwidth attention reaches reading the "
-                                                     "KV cache (absent: 1)"),
+                                                     "KV cache (absent: its kernels' share on bf16 weights)"),
     "link_efficiency": ("fraction", False, False, "share of the GPU profile's pinned host-to-device bandwidth the "
                                                   "engine's expert copies reach (absent: 1; pageable or small copies "
                                                   "reach less)"),

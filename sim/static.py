@@ -232,7 +232,8 @@ def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, poli
     layout = layout_for(pol, spec, machine, batch=b, context=context, cpu_layers=cpu_layers, gpu_layers=gpu_layers,
                          split=split, ratios=ratios, hot_placement=hot, offload_gib=offload_gib)
     need = layout_bytes(spec, layout, b, context)
-    kw = dict(engine=engine, amx=amx, threads=threads, host_weights=need.host_weights, host_other=need.host_kv)
+    kw = dict(engine=engine, amx=amx, threads=threads, host_weights=need.host_weights, host_other=need.host_kv,
+              cpu_part=bool((layout.layer_device == CPU).any() or (layout.expert_device == CPU).any()))
     shards = g if split == "tensor" and g > 1 else 1
     cms = [CostModel(spec, gpu, host, shards=shards, **kw) for gpu in machine.gpus]
     cpu_cm = cms[0] if cms else CostModel(spec, None, host, **kw)

@@ -85,8 +85,13 @@ class Trace:
 
     @property
     def meta(self) -> TraceMeta:
-        """The header as typed attributes (recorded policy, hardware, link, ...)."""
-        return TraceMeta.from_header(self.header)
+        """The header as typed attributes (recorded policy, hardware, link, ...), parsed once
+        per header content (a fit of the published suite asks for it thousands
+        of times; the header's model spec alone costs tens of microseconds to build)."""
+        memo = self.__dict__.get("_meta_memo")
+        if memo is None or memo[0] != self.header:  # a header edited in place is parsed again
+            memo = self.__dict__["_meta_memo"] = (dict(self.header), TraceMeta.from_header(self.header))
+        return memo[1]
 
     @property
     def model(self) -> ModelSpec:
