@@ -47,7 +47,7 @@ def validate(
     MoE-Infinity, mixtral-offloading; hwprofiles/published), leaving one source out: each
     measurement is predicted with engine figures fitted on the measurements of every other
     source (an issue thread, an article), and scored overall, by deployment kind and by
-    engine. Its sources' folds run on every core (about 40 s on 2 cores).
+    engine. Its sources' folds run on every core (about 2 minutes on 2 cores).
 
     Examples: `moesim validate --out validation-report` (long-running), `moesim validate --published`,
     `moesim validate --published --json`
