@@ -28,7 +28,7 @@ from moesim.engine_args import invocation
 from moesim.errors import MoesimError
 from moesim.fmt import number
 from moesim.hardware import get_machine
-from moesim.layout import make_layout
+from moesim.layout import SPLITS, make_layout
 from moesim.models import model_file, model_named
 from moesim.policy import get_policy
 from moesim.quant_recipes import store_as
@@ -253,9 +253,10 @@ def row_layout(row: dict[str, Any]):
     # The function the simulator laid the row out with (layers cut by their bytes over several
     # GPUs), so that the arguments spell the deployment that was timed, not a re-derived one.
     kw = {"cpu_layers": "auto", "gpu_layers": "auto", "offload_gib": "auto", **counts}
-    shares = row.get("tensor_split", "-")
+    shares, split = row.get("tensor_split", "-"), row.get("split", "-")
     return spec, layout_for(get_policy(row["policy"]), spec, machine, batch=int(row["batch"]),
-                            context=int(row["prompt_len"]) + int(row["tokens"]), split=row.get("split", "layer"),
+                            context=int(row["prompt_len"]) + int(row["tokens"]),
+                            split=split if split in SPLITS else "layer",  # "-": one GPU or none
                             ratios=None if shares in ("-", None) else [float(x) for x in str(shares).split(",")],
                             hot_placement=None, **kw)
 

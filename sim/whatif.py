@@ -380,13 +380,15 @@ def _axes(sweep: Sweep, cfg: Config, trace: Trace, base: str) -> dict[str, Any]:
             "cpu_layers": cfg.cpu_layers, "gpu_expert_gib": cfg.gpu_expert_gib, "copy_queue": cfg.copy_queue,
             "prefetch_top": "-" if cfg.prefetch_top is None else cfg.prefetch_top, "batch": trace.batch,
             "prompt_len": trace.prompt_len, "gpu_layers": cfg.gpu_layers, "offload_gib": cfg.offload_gib,
-            "lookahead": trace.meta.lookahead, **_split_columns(sweep)}
+            "lookahead": trace.meta.lookahead}
 
 
-def _split_columns(sweep: Sweep) -> dict[str, str]:
-    """How the sweep spreads layers over several GPUs, as the rows say it (and the printed
-    arguments read it back: moesim.sim.deploy.row_layout)."""
-    shares = "-" if sweep.ratios is None else ",".join(f"{r:g}" for r in sweep.ratios)
+def _split_columns(sweep: Sweep, machine: Machine) -> dict[str, str]:
+    """How the sweep spreads layers over ``machine``'s GPUs, as its rows say it (and the printed
+    arguments read it back: moesim.sim.deploy.row_layout); ``-`` on a machine of one GPU or none."""
+    if machine.n_gpus < 2:
+        return {"split": "-", "tensor_split": "-"}
+    shares = "-" if sweep.ratios is None else ",".join(f"{r:.12g}" for r in sweep.ratios)
     return {"split": sweep.split, "tensor_split": shares}
 
 
@@ -430,7 +432,8 @@ def _not_run(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str, mac
     the model fits it): it says why, never a best."""
     return {"model": trace.model.name, "hw": machine.name, "policy": cfg.policy, "link_gbps": machine.link_gbps(),
             "cache_gib": cfg.cache_gib, "fits": False, "note": why, "bound": bound, "synthetic_trace": trace.synthetic,
-            "sim": sweep.sim, "group": index, "host": cfg.host or machine.host or "-", **_axes(sweep, cfg, trace, base)}
+            "sim": sweep.sim, "group": index, "host": cfg.host or machine.host or "-", **_axes(sweep, cfg, trace, base),
+            **_split_columns(sweep, machine)}
 
 
 def _host(sweep: Sweep, cfg: Config, machine: Machine):
@@ -476,7 +479,8 @@ def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str,
             h = machine if g is None else machine.with_figure("h2d_pinned_gbs", g)
             kw = dict(host=_host(sweep, cfg, h), calibration=None if optimistic else calib,
                       calibrate_on_replay=optimistic, engine=sweep.engine, threads=sweep.threads)
-            several = dict(split=sweep.split, ratios=list(sweep.ratios) if sweep.ratios else None)
+            several = dict(split=sweep.split, ratios=list(sweep.ratios) if sweep.ratios else None) \
+                if h.n_gpus > 1 else {}  # the shares are a machine of several GPUs' (one count, checked)
             try:
                 if h.n_gpus == 0 and pol.offload:
                     rows.append(_not_run(sweep, index, cfg, trace, base, h, "without a GPU only all-resident applies "
@@ -504,7 +508,7 @@ def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str,
                 continue
             res.pred_recall = _recall(sweep, cfg, trace)
             row = res.summary()
-            row.update(_axes(sweep, cfg, trace, base))
+            row.update(_axes(sweep, cfg, trace, base), **_split_columns(sweep, h))
             if pol.cpu == "layers":  # the count "auto" resolved to on this device, for the answer
                 n = res.config["cpu_layers"] if "cpu_layers" in res.config else int(
                     (~res.placement.resident).all(1).sum())

@@ -391,3 +391,17 @@ def test_whatif_says_when_a_split_changed_nothing(tmp_path):
                    "--tensor-split", "1,1", "--tokens", "8", "--jobs", "1", "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert any("--tensor-split" in n and "changed nothing" in n for n in json.loads(r.stdout)["notes"]), r.stdout
+
+
+def test_a_split_over_one_and_several_gpu_machines_applies_where_there_are_several(tmp_path):
+    """`--hw a6000,2xrtx3090 --tensor-split 1,3` failed 4 of 5 groups ("2 shares for 1 GPUs"):
+    the shares are the two-GPU machine's; the one-GPU rows say `-` and print no split."""
+    r = in_process("whatif", "--model", "olmoe-1b-7b", "--hw", "a6000,2xrtx3090", "--host", "epyc-7742", "--engine",
+                   "llama.cpp", "--policy", "cpu-static,all-resident", "--tensor-split", "1,3", "--tokens", "4",
+                   "--jobs", "1", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert {(x["hw"], x["split"], x["tensor_split"]) for x in out["rows"]} == {("a6000", "-", "-"),
+                                                                              ("2xrtx3090", "layer", "1,3")}
+    args = [" ".join(f["invocation"]["args"]) for d in out["deployment"] for f in d["families"] if f.get("invocation")]
+    assert any("--tensor-split 4,12" in a for a in args) and any("--tensor-split" not in a for a in args)
