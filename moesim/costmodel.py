@@ -146,6 +146,8 @@ class CostModel:
         if gpu is None and "cpu" not in e.runs_on:
             raise MoesimError(f"{e.name} computes on GPUs only (its profile's runs_on); a deployment without a GPU "
                               "cannot run on it")
+        if gpu is not None and "gpu" not in e.runs_on:
+            raise MoesimError(f"{e.name} computes on CPUs only (its profile's runs_on); give --hw none")
         self.overlap = bool(e.get("launch_overlap"))
         if gpu is not None:
             self.launch = gpu.launch if e.kernel_launch_us is None else e.kernel_launch_us * 1e-6

@@ -75,6 +75,7 @@ RATE_TABLES = ("cpu_kernel_gmacs",)
 #: version X"). Absent: 1, the roofline.
 LAYER_TABLES = ("layer_efficiency",)
 LAYER_EFFICIENCY_KINDS = ("full", "mla", "sliding", "chunked", "linear")
+MIN_LAYER_EFFICIENCY = 1e-3
 TABLES = EFFICIENCY_TABLES + RATE_TABLES + LAYER_TABLES
 ZERO_OK = {"fused_experts", "layer_overhead_us", "cpu_layer_overhead_us", "numa_efficiency", "pages_from_disk",
            "launch_overlap"}
@@ -218,9 +219,15 @@ def parse_engine(data: dict[str, Any], where: str) -> EngineProfile:
         if flag in figures and figures[flag].value not in (0, 1):
             raise MoesimError(f"{where}: {flag} is 0 or 1, got {figures[flag].value:g}")
     tables = {t: _by_format(data.get(t, {}), where, t) for t in TABLES}
+    for kind, f in tables["layer_efficiency"].items():
+        if f.value < MIN_LAYER_EFFICIENCY:
+            raise MoesimError(f"{where}: layer_efficiency.{kind} {f.value:g}: at least {MIN_LAYER_EFFICIENCY:g} (a "
+                              f"thousandth of the roofline; below that no kernel runs)")
     pols = data.get("policies", [])
     if not isinstance(pols, list) or not all(isinstance(p, str) for p in pols):
         raise MoesimError(f"{where}: policies must be a list of policy names")
+    if "policies" in data and not pols:  # absent means every policy; an empty list would say the same silently
+        raise MoesimError(f"{where}: policies must name at least one policy (leave it out: the engine runs every one)")
     pols = tuple(get_policy(p).name for p in pols)
     placement = data.get("expert_placement", "frequency")
     if placement not in PLACEMENTS:

@@ -610,6 +610,10 @@ def host_variant(base: HostProfile, spec: str) -> HostProfile:
     figs, names = dict(base.figures), []
     for item in spec.split("@"):
         m = _VARIANT.match(item.strip().lower())
+        said = [n for n in names if (m is not None) and (n.endswith("s") == bool(m["sockets"]))]
+        if said:
+            raise MoesimError(f"--host {base.name}@{spec}: {said[0]} and {item.strip()} both set the "
+                              + ("sockets" if said[0].endswith("s") else "memory channels and speed") + "; give one")
         if m is None:
             raise MoesimError(f"--host {base.name}@{spec}: after @, CHANNELSxMTS (12x4800: 12 memory channels at 4800 "
                               "MT/s) or Ns (2s: two sockets), joined by @")
@@ -630,8 +634,11 @@ def host_variant(base: HostProfile, spec: str) -> HostProfile:
             figs["mem_bw_achievable_gbs"] = Figure(peak * share, "estimate", f"{src}, at {base.name}'s achievable share "
                                                                             f"of its own peak ({share:.2f})")
         names.append(item.strip().lower())
+    sockets = int(figs["sockets"].value) if "sockets" in figs else 1
     return replace(base, name=f"{base.name}@{'@'.join(names)}", figures=figs,
-                   description=f"{base.description}; varied: {spec}")
+                   description=f"{base.description}; as varied by @{'@'.join(names)}: {sockets} socket"
+                               f"{'s' if sockets != 1 else ''}, memory {figs['mem_bw_peak_gbs'].value:g} GB/s peak "
+                               "a socket (the figures below say which were given)")
 
 
 def get_host(name_or_path: str | None = None, gpu: HardwareProfile | None = None) -> HostProfile:

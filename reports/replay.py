@@ -34,12 +34,6 @@ def write_replay_report(trace: Trace, trace_path: Path, hw: HardwareProfile, res
 
     first = next((r for r in results if get_policy(r.config["policy"]).offload), results[0])
     cfg = first.config
-    recorded = simulate(trace.head(min(trace.n_tokens, max(step + 1, CHROME_STEPS))), hw, cfg["policy"],
-                        cache_experts=cfg["cache_experts"], eviction=cfg["eviction"] if cfg["cache_experts"] else "lru",
-                        sim="simpy", link_gbps=cfg["link_gbps"], record=True)
-    timeline_png(recorded.spans, step, out / "timeline.png",
-                 f"step {step}, {cfg['policy']}: compute stream and copy engine (simulated)")
-    chrome_trace(recorded.spans, out / "simulated.trace.json", f"moesim simulated: {cfg['policy']} on {hw.name}")
     sections = [
         {"heading": "Summary", "text": "Means per output token; bounds are serial (copy + compute) and ideal "
                                        "overlap (max of the two).", "rows": rows, "cols": COLS},
@@ -47,6 +41,18 @@ def write_replay_report(trace: Trace, trace_path: Path, hw: HardwareProfile, res
          "caption": "Each bar is the policy's TPOT split into GPU compute, the wait on the CPU, the stall waiting "
                     f"for copies and activations between devices; copy-engine time and the ideal-overlap bound "
                     f"marked. {what}."},
+    ]
+    if cfg.get("sim") == "static":  # a static layout (no GPU, several GPUs, CPU experts): no copy engine to draw
+        sections[0]["text"] += (" No timeline: these deployments place their weights once (moesim.sim.static), "
+                                "so no copy engine runs beside the compute stream.")
+        return write_html(out / "report.html", f"moesim replay: {trace.model.name} on {hw.name}", what + ".", sections)
+    recorded = simulate(trace.head(min(trace.n_tokens, max(step + 1, CHROME_STEPS))), hw, cfg["policy"],
+                        cache_experts=cfg["cache_experts"], eviction=cfg["eviction"] if cfg["cache_experts"] else "lru",
+                        sim="simpy", link_gbps=cfg["link_gbps"], record=True)
+    timeline_png(recorded.spans, step, out / "timeline.png",
+                 f"step {step}, {cfg['policy']}: compute stream and copy engine (simulated)")
+    chrome_trace(recorded.spans, out / "simulated.trace.json", f"moesim simulated: {cfg['policy']} on {hw.name}")
+    sections += [
         {"heading": f"Timeline of step {step}", "image": out / "timeline.png",
          "caption": f"Compute stream and copy engine side by side for policy {cfg['policy']}; {what}. "
                     "The whole run as a Chrome/Perfetto trace: simulated.trace.json."},

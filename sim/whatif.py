@@ -219,6 +219,8 @@ class Sweep:
         if "cpu" not in eng.runs_on and (none := next((m for m in self.hws if m.n_gpus == 0), None)):
             raise MoesimError(f"--hw {none.name}: {eng.name} computes on GPUs only (its profile's runs_on); a machine "
                               "without a GPU cannot run it")
+        if "gpu" not in eng.runs_on and (gpu := next((m for m in self.hws if m.n_gpus), None)):
+            raise MoesimError(f"--hw {gpu.name}: {eng.name} computes on CPUs only (its profile's runs_on); give --hw none")
         for p in self.policies:
             get_policy(p)
         if any(g is not None and g <= 0 for g in self.link_gbps):

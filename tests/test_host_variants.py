@@ -44,3 +44,10 @@ def test_whatif_sweeps_ram_speed_as_an_axis_and_faster_ram_is_faster_on_the_cpu(
     rows = {x["host"]: x["tpot_ms"] for x in json.loads(r.stdout)["rows"]}
     assert set(rows) == {"ryzen-9950x@2x4800", "ryzen-9950x@2x6400"}
     assert rows["ryzen-9950x@2x6400"] < rows["ryzen-9950x@2x4800"]
+
+
+@pytest.mark.parametrize("given,message", [("ryzen-9950x@2x6400@2x8000", "both set the memory channels and speed"),
+                                           ("epyc-9654@2s@3s", "both set the sockets")])
+def test_a_variant_says_each_thing_once(given, message):
+    with pytest.raises(MoesimError, match=message):
+        get_host(given)

@@ -51,3 +51,19 @@ def test_a_bad_layer_efficiency_is_one_line(table, message):
            "layer_efficiency": table}
     with pytest.raises(MoesimError, match=message):
         parse_engine(raw, "e.toml")
+
+
+def test_a_vanishing_layer_efficiency_and_an_empty_policy_list_are_refused():
+    raw = {"name": "e", "runs_on": ["gpu"], "figures": {k: {"value": 1, "kind": "estimate", "source": "x"} for k in
+           ("attention_kernels", "expert_kernels", "fused_experts", "head_kernels", "predict_kernels")}}
+    with pytest.raises(MoesimError, match="at least 0.001"):
+        parse_engine({**raw, "layer_efficiency": {"full": {"value": 1e-300, "kind": "estimate", "source": "x"}}}, "e")
+    with pytest.raises(MoesimError, match="at least one policy"):
+        parse_engine({**raw, "policies": []}, "e.toml")
+
+
+def test_a_cpu_only_engine_is_refused_on_a_gpu():
+    raw = {"name": "cpuonly", "runs_on": ["cpu"], "figures": {k: {"value": 1, "kind": "estimate", "source": "x"} for k
+           in ("attention_kernels", "expert_kernels", "fused_experts", "head_kernels", "predict_kernels")}}
+    with pytest.raises(MoesimError, match="computes on CPUs only"):
+        CostModel(get_model("olmoe-1b-7b"), get_profile("a6000"), None, parse_engine(raw, "e.toml"))

@@ -405,3 +405,14 @@ def test_a_split_over_one_and_several_gpu_machines_applies_where_there_are_sever
                                                                               ("2xrtx3090", "layer", "1,3")}
     args = [" ".join(f["invocation"]["args"]) for d in out["deployment"] for f in d["families"] if f.get("invocation")]
     assert any("--tensor-split 4,12" in a for a in args) and any("--tensor-split" not in a for a in args)
+
+
+def test_replay_without_a_gpu_writes_its_report(tmp_path):
+    """`replay --hw none --host H --out DIR` printed its table, wrote half a report, then failed
+    with "name the host" (exit 2): the report's timeline re-ran a static layout without the host."""
+    r = in_process("synth", "--model", "olmoe-1b-7b", "--tokens", "4", "--out", "t.npz", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    r = in_process("replay", "t.npz", "--hw", "none", "--host", "ryzen-9950x", "--policy", "all-resident", "--out",
+                   "rp", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "rp" / "report.html").exists() and "No timeline" in (tmp_path / "rp" / "report.html").read_text()
