@@ -104,9 +104,8 @@ def layer_shares(n_layers: int, ratios: list[float]) -> np.ndarray:
     """GPU index of each of ``n_layers`` consecutive layers split in proportion to
     ``ratios`` (llama.cpp's ``--tensor-split``: cumulative shares, each layer to the GPU
     whose share its index falls in)."""
+    check_ratios(ratios, ())
     r = np.asarray(ratios, float)
-    if r.size == 0 or (r < 0).any() or not r.sum() > 0:
-        raise MoesimError(f"--tensor-split {','.join(f'{x:g}' for x in ratios)}: non-negative shares with a positive sum")
     bounds = np.cumsum(r) / r.sum()
     return np.minimum(np.searchsorted(bounds, (np.arange(n_layers) + 0.5) / n_layers), r.size - 1).astype(np.int64)
 
