@@ -651,8 +651,11 @@ def get_host(name_or_path: str | None = None, gpu: HardwareProfile | None = None
             raise MoesimError(f"{where}; pick one with --host (built-in: {', '.join(builtin_hosts())})")
         name_or_path = gpu.host  # `--hw this`: `this` too
     if "@" in name_or_path and not Path(name_or_path).exists():
-        name, _, spec = name_or_path.partition("@")
-        return host_variant(get_host(name, gpu), spec)
+        if Path(name_or_path).suffix == ".toml":  # a file named with @ that is not there, not a variant
+            given_path(name_or_path, "host profile")
+        parts = name_or_path.split("@")
+        cut = next((i for i in range(len(parts) - 1, 0, -1) if Path("@".join(parts[:i])).exists()), 1)
+        return host_variant(get_host("@".join(parts[:cut]), gpu), "@".join(parts[cut:]))  # the base: a file with @ too
     if name_or_path.strip().lower() == THIS_HOST:
         return this_host()
     builtin = builtin_hosts()

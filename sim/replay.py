@@ -22,7 +22,7 @@ from typing import Any
 from moesim import budget
 from moesim.engines import get_engine
 from moesim.errors import MoesimError
-from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, Machine, get_machine, get_profile
+from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, Machine, get_host, get_machine, get_profile
 from moesim.models import ModelSpec, get_model
 from moesim.policy import get_policy
 from moesim.sim.cpu_compute import load_calibration, separate_calibration
@@ -195,7 +195,7 @@ def unused_notes(policies, hw: str | None, *, host=None, cpu_layers="auto", gpu_
     options as given (``None``: left out), the cache as the replay runs it (given, else
     recorded): no cache evicts nothing; a split other than layer needs several GPUs."""
     from moesim.policy import get_policy
-    from moesim.sim.sweep import split_notes, unused_options
+    from moesim.sim.sweep import split_notes, threads_notes, unused_options
 
     gpus = get_machine(hw).n_gpus if hw is not None else 1
     cached = bool(cache_gib) or bool(cache_experts)
@@ -207,4 +207,8 @@ def unused_notes(policies, hw: str | None, *, host=None, cpu_layers="auto", gpu_
                            lookaheads=[lookahead] if lookahead is not None else None, threads=threads,
                            link_given=link_gbps is not None, cache_given=cache_given, cache_per_layer=cache_per_layer)
     notes += split_notes(split, ratios, [gpus])
+    machine = get_machine(hw) if hw is not None else None
+    default = machine.gpus[0] if machine is not None and machine.gpus and machine.gpus[0].host else None
+    if threads is not None and (host or default):
+        notes += threads_notes(threads, [get_host(host, default)])
     return "; ".join(notes) if notes else None

@@ -135,6 +135,28 @@ def check_threads(threads: int | None, hosts) -> None:
             raise MoesimError(f"--threads {threads}: a count from 1 to {4 * total} ({h.name} has {total} cores)")
 
 
+def threads_notes(threads: int | None, hosts) -> list[str]:
+    """A note for each host whose cores ``--threads`` exceeds (up to 4x is taken: SMT threads):
+    the cost model counts a core's work once (:meth:`moesim.costmodel.CostModel.cpu_rate`), so
+    the threads beyond the cores change nothing and the user should know."""
+    notes = []
+    for h in hosts:
+        total = h.cores * h.sockets
+        if threads is not None and threads > total:
+            notes.append(f"--threads {threads} is above {h.name}'s {total} cores: timed as {total} threads (the "
+                         "threads beyond one a core share its units and add no compute in the cost model)")
+    return notes
+
+
+def sockets_notes(hosts, engine) -> list[str]:
+    """A note for each host of several sockets whose second socket's memory the engine does
+    not read (``numa_efficiency`` 0, its default): only the compute of the further sockets
+    counts, so a memory-bound answer is that of one socket and the user should know."""
+    return [f"{h.name} has {int(h.sockets)} sockets, but {engine.name} reads the experts from one socket's memory "
+            "(its numa_efficiency is 0): the further sockets add compute, not bandwidth"
+            for h in hosts if h.sockets > 1 and engine.get("numa_efficiency") == 0]
+
+
 def unused_options(pols: list, hosts, cpu_layers, gpu_expert_gib, copy_queues, prefetch_top, gpu_layers=None,
                    offload_gib=None, *, placement_from=None, amx: bool = True, calibrate_on_replay: bool = False,
                    pinned_hot_set: bool = False, no_gpu: bool = False, verb: str = "swept",
@@ -283,7 +305,8 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
     if hot_left_out:
         notes.append(hot_left_out)
     if host_ram_gb is not None and not (isinstance(host_ram_gb, (int, float)) and 0 < host_ram_gb < 1e7):
-        raise MoesimError(f"--host-ram-gb {host_ram_gb!r}: the host's RAM in GB, a positive number")
+        raise MoesimError(f"--host-ram-gb {host_ram_gb!r}: the host's RAM in GB, above 0 and below 10,000,000 "
+                          "(10 PB)")
     calibration: dict[str, Any] = {}
     calibration_source = "-"
     aheads = _positive_ints(list(lookaheads), "--lookahead") if lookaheads else [1]
@@ -357,6 +380,10 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
     check_unique_names([h for h in host_names if h], used_hosts, "--host")
     used_hosts += [get_host(None, m.gpus[0]) for m in profiles if not hosts and m.gpus and m.gpus[0].host]
     check_threads(threads, used_hosts)
+    distinct_hosts = list({h.name: h for h in used_hosts}.values())
+    notes.extend(threads_notes(threads, distinct_hosts))
+    if any(p.cpu for p in pols):
+        notes.extend(sockets_notes(distinct_hosts, eng))
     if address is not None and backend != "ray":
         notes.append("--address was given, but the backend is local: it changed nothing")
     if any(p.cpu for p in pols) and not hosts or any(m.n_gpus == 0 for m in profiles) and not hosts:

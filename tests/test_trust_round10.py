@@ -416,3 +416,57 @@ def test_replay_without_a_gpu_writes_its_report(tmp_path):
                    "rp", "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "rp" / "report.html").exists() and "No timeline" in (tmp_path / "rp" / "report.html").read_text()
+
+
+def test_a_value_a_row_does_not_have_is_a_dash_in_the_table_not_none(tmp_path):
+    """All-resident rows have no CPU time (None in --json): the table printed the word None."""
+    r = in_process("whatif", "--model", "olmoe-1b-7b", "--hw", "a6000", "--host", "epyc-7742", "--policy",
+                   "all-resident,cpu-static", "--tokens", "4", "--jobs", "1", cwd=tmp_path, env={"COLUMNS": "300"})
+    assert r.returncode == 0, r.stderr
+    table = r.stdout.split("\n\n")[0]
+    assert "CPU ms" in table and "None" not in table and " - │" in table, table
+
+
+@pytest.mark.parametrize("command", ["whatif", "replay"])
+def test_threads_above_the_cores_are_said_to_change_nothing(tmp_path, command):
+    """`--threads 100` on a 64-core host was timed as 64 threads without a word."""
+    if command == "replay":
+        assert in_process("synth", "--model", "olmoe-1b-7b", "--tokens", "4", "--out", "t.npz",
+                          cwd=tmp_path).returncode == 0
+    head = ["whatif", "--model", "olmoe-1b-7b", "--tokens", "4", "--jobs", "1"] if command == "whatif" else ["replay",
+                                                                                                          "t.npz"]
+    rows = {}
+    for threads in ("64", "100"):
+        r = in_process(*head, "--hw", "a6000", "--host", "epyc-7742", "--policy", "cpu-static", "--threads", threads,
+                       "--json", cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        rows[threads] = [x["tpot_ms"] for x in (out["rows"] if command == "whatif" else out)]
+        notes = " ".join(out.get("notes") or [out.get("note") or ""]) if command == "whatif" else r.stderr
+        assert ("--threads 100 is above epyc-7742's 64 cores: timed as 64 threads" in notes) == (threads == "100"), notes
+    assert rows["64"] == rows["100"]  # the note is true: the same answer
+
+
+def test_a_second_socket_the_engine_does_not_read_is_said(tmp_path):
+    r = in_process("whatif", "--model", "olmoe-1b-7b", "--hw", "a6000", "--host", "epyc-7742@2s", "--policy",
+                   "cpu-static", "--tokens", "4", "--jobs", "1", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert any("2 sockets, but pytorch-eager reads the experts from one socket's memory" in n
+               for n in json.loads(r.stdout)["notes"]), r.stdout
+
+
+def test_a_host_file_whose_name_holds_an_at_sign(tmp_path):
+    """`--host my@host.toml` was read as the variant `host.toml` of a host `my`."""
+    one_line_error(in_process("whatif", "--host", "my@host.toml", cwd=tmp_path),
+                   "host profile file my@host.toml does not exist")
+    (tmp_path / "my@host.toml").write_text((ROOT / "hwprofiles" / "hosts" / "epyc-7742.toml").read_text())
+    for host in ("my@host.toml", "my@host.toml@2x3200"):
+        r = in_process("whatif", "--model", "olmoe-1b-7b", "--hw", "a6000", "--host", host, "--policy", "cpu-static",
+                       "--tokens", "4", "--jobs", "1", "--json", cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        assert {x["host"] for x in json.loads(r.stdout)["rows"]} == {"epyc-7742" + host[len("my@host.toml"):]}
+
+
+def test_a_host_ram_beyond_the_range_names_the_range(tmp_path):
+    one_line_error(in_process("whatif", "--host-ram-gb", "1e308", "--tokens", "4", cwd=tmp_path),
+                   "above 0 and below 10,000,000")
