@@ -62,6 +62,25 @@ def _ct_format(group: dict[str, Any], path: Path) -> str:
     raise MoesimError(f"{path}: compressed-tensors weights {kind} {bits}-bit by {strategy} are not sized")
 
 
+def _skip_list(quant: dict[str, Any], key: str, path: Path) -> list[str]:
+    """``quant[key]``, the modules a quantisation leaves alone: a list of names or ``re:``
+    patterns (a string alone was read a letter at a time: ``"self_attn"``'s ``s`` matched
+    the experts; a pattern that is no regular expression was a traceback)."""
+    skip = quant.get(key)
+    if skip is None:
+        return []
+    if not isinstance(skip, list) or not all(isinstance(p, str) for p in skip):
+        raise MoesimError(f"{path}: quantization_config.{key} is {skip!r}: a list of module names")
+    for p in skip:
+        if p.startswith("re:"):
+            try:
+                re.compile(p[3:])
+            except re.error as e:
+                raise MoesimError(f"{path}: quantization_config.{key} pattern {p!r} is not a regular expression "
+                                  f"({e})") from None
+    return skip
+
+
 def _ignored(patterns: list[str], *names: str) -> bool:
     """Whether any module name matches an ignore / skip list (plain names or ``re:`` patterns)."""
     for p in patterns or []:
@@ -76,8 +95,9 @@ def formats_from_config(raw: dict[str, Any], path: Path) -> tuple[str, str, str,
     """(expert, dense, embedding, head) formats of a config (its top level: a multimodal
     wrapper's ``quantization_config`` and dtype apply to its decoder)."""
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
-    dtype = raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype") or "bfloat16"
-    if dtype not in HF_DTYPES:
+    given = [d for src in (raw, text) for d in (src.get("dtype"), src.get("torch_dtype")) if d is not None]
+    dtype = given[0] if given else "bfloat16"  # "" or [] is a wrong dtype, not an absent one
+    if not isinstance(dtype, str) or dtype not in HF_DTYPES:
         raise MoesimError(f"{path}: torch_dtype {dtype!r} not supported ({', '.join(HF_DTYPES)})")
     base = HF_DTYPES[dtype]
     quant = raw.get("quantization_config")
@@ -103,7 +123,7 @@ def formats_from_config(raw: dict[str, Any], path: Path) -> tuple[str, str, str,
             raise MoesimError(f"{path}: fp8 block size {block} not supported (only 128x128)")
         else:
             fmt = "fp8-block128"
-        skip = quant.get("modules_to_not_convert") or []  # kept in the model's dtype, as transformers loads them
+        skip = _skip_list(quant, "modules_to_not_convert", path)  # kept in the model's dtype, as transformers loads them
         return (base if _ignored(skip, "experts") else fmt, base if _ignored(skip, "self_attn", "attn") else fmt,
                 base, base)
     if method == "mxfp4":
@@ -114,7 +134,7 @@ def formats_from_config(raw: dict[str, Any], path: Path) -> tuple[str, str, str,
         if method == "awq" and not quant.get("zero_point", True):
             raise MoesimError(f"{path}: AWQ without zero points is not sized")
         fmt = _repack(bits, group, method, path, method.upper())
-        skip = quant.get("modules_to_not_convert") or []
+        skip = _skip_list(quant, "modules_to_not_convert", path)
         dense = base if _ignored(skip, "self_attn", "attn") else fmt
         return fmt, dense, base, base
     if method == "bitsandbytes":
@@ -124,7 +144,7 @@ def formats_from_config(raw: dict[str, Any], path: Path) -> tuple[str, str, str,
             fmt = "int8-bnb"
         else:
             raise MoesimError(f"{path}: bitsandbytes config loads neither 4-bit nor 8-bit")
-        skip = quant.get("llm_int8_skip_modules") or []
+        skip = _skip_list(quant, "llm_int8_skip_modules", path)
         return fmt, base if _ignored(skip, "self_attn") else fmt, base, base
     if method == "mlx":
         fmt = _repack(quant.get("bits"), quant.get("group_size"), "mlx", path, "mlx")
@@ -138,7 +158,7 @@ def formats_from_config(raw: dict[str, Any], path: Path) -> tuple[str, str, str,
             raise MoesimError(f"{path}: compressed-tensors mixes formats {sorted(fmts)}; per-module formats need "
                               "the safetensors files")
         fmt = fmts.pop()
-        ignore = quant.get("ignore") or []
+        ignore = _skip_list(quant, "ignore", path)
         dense = base if _ignored(ignore, "model.layers.0.self_attn.q_proj", "self_attn") else fmt
         return fmt, dense, base, base
     if method == "modelopt":

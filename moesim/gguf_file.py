@@ -164,11 +164,12 @@ def spec_from_metadata(meta: dict[str, Any], tensors: dict[str, tuple[str, int, 
     nextn = int(key("nextn_predict_layers", 0) or 0)
     n_layers = blocks - nextn
     blk = {int(m[1]) for name in tensors if (m := _BLOCK.match(name))}
-    if n_layers < 1 or n_layers > len(blk):
+    if n_layers < 1 or n_layers > len(blk) or max(blk, default=-1) >= blocks:  # fewer blocks, or tensors beyond them
         raise MoesimError(f"{where}: GGUF metadata {arch}.block_count says {blocks} blocks ({nextn} of them MTP), "
-                          f"but its tensors describe {len(blk)}")
+                          f"but its tensors describe {len(blk)}" + (f" (up to blk.{max(blk)})" if blk else ""))
     hidden = count("embedding_length")
-    expert_inter = key("expert_feed_forward_length") or count("feed_forward_length")
+    given = key("expert_feed_forward_length") is not None  # given, it must be valid: not 0 read as "absent"
+    expert_inter = count("expert_feed_forward_length") if given else count("feed_forward_length")
     dense_inter = key("feed_forward_length", 0) or 0
     heads = count("attention.head_count")
     kv_heads = key("attention.head_count_kv", heads)
@@ -183,6 +184,12 @@ def spec_from_metadata(meta: dict[str, Any], tensors: dict[str, tuple[str, int, 
     if lost := [i for i in dense if any(f"blk.{i}.ffn_{p}_exps.weight" in tensors for p in ("up", "gate", "down"))]:
         raise MoesimError(f"{where}: layer {lost[0]} has expert tensors (blk.{lost[0]}.ffn_*_exps) but no router "
                           f"(blk.{lost[0]}.ffn_gate_inp); its experts could not be routed to")
+    parts = ("up", "gate", "down", "gate_up")
+    have = {p for i in moe for p in parts if f"blk.{i}.ffn_{p}_exps.weight" in tensors}
+    for i in moe:  # a MoE layer short of an expert tensor the others have: its bytes would vanish
+        if missing := [p for p in parts if p in have and f"blk.{i}.ffn_{p}_exps.weight" not in tensors]:
+            raise MoesimError(f"{where}: layer {i} has no blk.{i}.ffn_{missing[0]}_exps.weight, which the other MoE "
+                              "layers have; a truncated or damaged file")
     shexp = tensors.get(f"blk.{moe[0]}.ffn_up_shexp.weight")  # ggml shape: [hidden, n_shared x inter]
     if shexp and not n_shared:
         n_shared = 1

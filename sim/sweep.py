@@ -21,7 +21,7 @@ from moesim.models import get_model
 from moesim.placement import UNIFORM
 from moesim.policy import WHATIF_POLICIES, check_lookahead, get_policy
 from moesim.sim.cpu_compute import load_calibration, separate_calibration
-from moesim.sim.whatif import GOALS, Sweep, best, run_sweep
+from moesim.sim.whatif import GOALS, Sweep, best, compile_kernels_aside, run_sweep
 from moesim.traces.format import read_trace
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
@@ -67,7 +67,10 @@ def unique_model_names(given: list[str], specs: list) -> list:
         if all(s != t for _, t in first):
             first.append((g, s))
     names = [s.name for _, s in first]
-    return [replace(s, name=f"{s.name} ({Path(g).name})") if names.count(s.name) > 1 else s for g, s in first]
+    files = [Path(g).name for g, s in first if names.count(s.name) > 1]
+    # The file's name tells them apart; two files of one name in other folders, the path as given.
+    return [replace(s, name=f"{s.name} ({Path(g).name if files.count(Path(g).name) == 1 else g})")
+            if names.count(s.name) > 1 else s for g, s in first]
 
 
 def default_cpu_layers(specs: list) -> tuple[int | str, ...]:
@@ -307,6 +310,8 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
     if host_ram_gb is not None and not (isinstance(host_ram_gb, (int, float)) and 0 < host_ram_gb < 1e7):
         raise MoesimError(f"--host-ram-gb {host_ram_gb!r}: the host's RAM in GB, above 0 and below 10,000,000 "
                           "(10 PB)")
+    if backend == "local":
+        compile_kernels_aside(jobs)  # a first run: the sweep's kernels compile on another core while traces are drawn
     calibration: dict[str, Any] = {}
     calibration_source = "-"
     aheads = _positive_ints(list(lookaheads), "--lookahead") if lookaheads else [1]

@@ -24,12 +24,14 @@ import itertools
 import json
 import math
 import os
+import signal
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moesim.atomic import exclusive
+from moesim.atomic import STOP_SIGNALS, exclusive
 from moesim.costmodel import CostModel
 from moesim.engines import get_engine
 from moesim.errors import DoesNotFit, MoesimError
@@ -610,15 +612,68 @@ def _warm_kernels() -> None:
     workers, so each worker inherits them instead of loading them again."""
     import numpy as np
 
+    z = np.zeros((1, 1))
+    run_fast_many(Workload.build(z, z, z, np.zeros(1), "warm-up"), [Link(1.0)])
+    join_kernels_aside()  # the planner, compiled aside meanwhile: loaded from numba's cache now
+    _warm_planner()
+
+
+def _warm_planner() -> None:
+    import numpy as np
 
     ids = np.zeros((1, 1, 1, 1), np.int16)
     Planner("on-demand", 1).plan_trace(ids, ids, 1)
-    z = np.zeros((1, 1))
-    run_fast_many(Workload.build(z, z, z, np.zeros(1), "warm-up"), [Link(1.0)])
+
+
+_ASIDE: Any = None  # the process compiling the sweep's kernels aside (compile_kernels_aside), until joined
+
+
+def _compile_aside() -> None:
+    worker_ignores_stops()
+    _warm_planner()
+
+
+def compile_kernels_aside(jobs: int | None) -> None:
+    """On a first run numba compiles the planner's kernel (~7 s on one core of the 2-core
+    machine), the synthetic traces' (~5 s) and the fast path's (~1 s), one after the other.
+    With a second core and workers to come, a forked process compiles the planner's into
+    numba's cache while this one draws the traces and compiles the fast path's, and
+    :func:`_warm_kernels` loads it from there (issue "The first answer in seconds": the
+    default whatif's first run 17 s -> 11 s, measured). Nothing is started where this process
+    has them already (a second sweep in one process), for one worker or one core; if the
+    cache cannot be written, :func:`_warm_kernels` compiles them itself, as before."""
+    global _ASIDE
+    import multiprocessing
+
+    from moesim import policy_kernel
+
+    if _ASIDE is not None or policy_kernel.plan_steps.signatures or (os.cpu_count() or 1) < 2 or jobs == 1:
+        return
+    for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice by the child
+        stream.flush()
+    signal_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # the child unblocks them (pool.py's rule)
+    try:
+        proc = multiprocessing.get_context("fork").Process(target=_compile_aside, daemon=True)
+        proc.start()  # daemon: ended with this process (an interrupt, an error) if still compiling
+        _ASIDE = proc
+    except (AssertionError, OSError):  # a daemon's child (a pool worker), no process to spare: compiled here later
+        pass
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, signal_mask)
+
+
+def join_kernels_aside() -> None:
+    """Wait for :func:`compile_kernels_aside`'s process, if one runs (its exit status is not
+    read: a failed compile there is compiled here)."""
+    global _ASIDE
+    if _ASIDE is not None:
+        proc, _ASIDE = _ASIDE, None
+        proc.join()
 
 
 def _local(sweep: Sweep, todo: list[int], jobs: int) -> Iterator[Outcome]:
     if jobs <= 1:
+        join_kernels_aside()  # one group after all: its planner comes from the cache, not a second compile
         for i in todo:
             try:
                 yield i, run_group(sweep, i)

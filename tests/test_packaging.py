@@ -127,3 +127,25 @@ def test_a_first_simulate_caches_its_kernels_outside_the_package(tmp_path):
         "from moesim.sim.simulate import simulate; from moesim.hardware import get_profile; "
         "t = synthetic_trace(get_model('tiny'), SyntheticParams(tokens=4)); "
         "simulate(t, get_profile('a6000'), 'prefetch-fom', sim='fast')"))
+
+
+@pytest.mark.slow
+def test_a_first_whatif_compiles_the_planner_aside_and_loads_it_from_the_cache(tmp_path):
+    """The first run's planner kernel is compiled by a forked process while the traces are
+    drawn (sim/whatif.compile_kernels_aside): the sweep then loads it from numba's cache (a
+    hit, no compile of its own) and gives the rows a run without it gives."""
+    r = _compile_in_a_fresh_cache(tmp_path, (
+        "import json; from moesim import policy_kernel; from moesim.sim.sweep import whatif\n"
+        "kw = dict(models=['olmoe-1b-7b'], hws=['a6000'], policies=['on-demand', 'prefetch-fom'], tokens=4, jobs=2)\n"
+        "res = whatif(**kw)\n"
+        "stats = policy_kernel.plan_steps.stats\n"
+        "print(json.dumps([sum(stats.cache_hits.values()), sum(stats.cache_misses.values()), "
+        "[x['tpot_ms'] for x in res.rows]]))"))
+    hits, misses, rows = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (hits, misses) == (1, 0), r.stdout
+    import numpy as np
+
+    from moesim.sim.sweep import whatif
+
+    same = whatif(models=["olmoe-1b-7b"], hws=["a6000"], policies=["on-demand", "prefetch-fom"], tokens=4, jobs=1)
+    assert np.allclose(rows, [x["tpot_ms"] for x in same.rows], rtol=1e-12)

@@ -470,3 +470,56 @@ def test_a_host_file_whose_name_holds_an_at_sign(tmp_path):
 def test_a_host_ram_beyond_the_range_names_the_range(tmp_path):
     one_line_error(in_process("whatif", "--host-ram-gb", "1e308", "--tokens", "4", cwd=tmp_path),
                    "above 0 and below 10,000,000")
+
+
+@pytest.mark.parametrize("quant, words", [
+    ({"modules_to_not_convert": "self_attn"}, ("modules_to_not_convert is 'self_attn'", "a list of module names")),
+    ({"modules_to_not_convert": ["re:("]}, ("pattern 're:(' is not a regular expression",)),
+    ({"modules_to_not_convert": [3]}, ("a list of module names",)),
+])
+def test_a_skip_list_that_is_no_list_of_names_is_refused(tmp_path, quant, words):
+    """A string was read a letter at a time (its 's' matched the experts: sized bf16, not fp8);
+    a pattern that is no regular expression was a re.error traceback (stranger round 12)."""
+    from moesim.artefacts import formats_from_config
+    from moesim.errors import MoesimError
+
+    raw = {"torch_dtype": "bfloat16", "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                                               **quant}}
+    with pytest.raises(MoesimError) as e:
+        formats_from_config(raw, tmp_path / "config.json")
+    assert all(w in str(e.value) for w in words), e.value
+
+
+@pytest.mark.parametrize("dtype", ["", ["bfloat16"], 16])
+def test_a_dtype_that_is_no_dtype_is_refused_not_read_as_absent(tmp_path, dtype):
+    """`"torch_dtype": ""` ran as bf16 (an empty string read as no dtype); a list was a TypeError."""
+    from moesim.artefacts import formats_from_config
+    from moesim.errors import MoesimError
+
+    with pytest.raises(MoesimError, match="not supported"):
+        formats_from_config({"torch_dtype": dtype}, tmp_path / "config.json")
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"meta": {"block_count": 3}}, ("block_count says 3 blocks", "tensors describe 4 (up to blk.3)")),
+    ({"meta": {"expert_feed_forward_length": 0}}, ("expert_feed_forward_length is 0", "positive whole number")),
+    ({"drop": ("blk.1.ffn_up_exps.weight",)}, ("layer 1 has no blk.1.ffn_up_exps.weight",)),
+])
+def test_a_gguf_whose_tensors_the_metadata_does_not_cover_is_refused(tmp_path, kw, words):
+    """Fewer blocks than the tensors describe, an expert width of 0 (read as absent: the dense
+    width was used) and a MoE layer short of one expert tensor: each lost bytes silently."""
+    one_line_error(in_process("models", _gguf(tmp_path, **kw)), *words)
+
+
+def test_two_files_of_one_name_in_two_folders_are_both_swept(tmp_path):
+    """`--model m-Q4_K.gguf,sub/m-Q4_K.gguf` (other quantisations, one file name): one was dropped."""
+    from gguf import GGMLQuantizationType as T
+
+    a = qwen3moe_gguf(tmp_path / "m-Q4_K.gguf")[0]
+    (tmp_path / "sub").mkdir()
+    qwen3moe_gguf(tmp_path / "sub" / "m-Q4_K.gguf", gate_types=[T.Q8_0] * 4, down_types=[T.Q8_0] * 4)
+    r = in_process("whatif", "--model", f"{a.name},sub/{a.name}", "--hw", "a6000", "--policy", "on-demand",
+                   "--cache-gib", "0", "--tokens", "4", "--jobs", "1", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    models = {x["model"] for x in json.loads(r.stdout)["rows"]}
+    assert len(models) == 2 and any("(sub/m-Q4_K.gguf)" in m for m in models), models
