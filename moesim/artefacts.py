@@ -25,7 +25,7 @@ from typing import Any
 
 from moesim.errors import MoesimError
 from moesim.inputs import JSON_CAP, check_input, read_bytes
-from moesim.models import DTYPES, HF_DTYPES, ModelSpec
+from moesim.spec import DTYPES, HF_DTYPES, ModelSpec
 
 #: quantization_config methods moesim sizes (others are refused in one line).
 QUANT_METHODS = ("fp8", "fbgemm_fp8", "mxfp4", "gptq", "awq", "compressed-tensors", "bitsandbytes", "mlx", "modelopt")

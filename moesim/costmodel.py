@@ -208,6 +208,11 @@ class CostModel:
             return nbytes / (gpu.link_bw * self.engine.get("link_efficiency", 1.0))
         return nbytes / (gpu.mem_bw * self.engine.weight_efficiency("gpu", dtype))
 
+    def _device_kv(self, nbytes):
+        """Seconds the device takes to read ``nbytes`` of KV cache (or recurrent state): at
+        :attr:`kv_efficiency` of its memory bandwidth."""
+        return nbytes / (self._gpu().mem_bw * self.kv_efficiency)
+
     def _device(self, nbytes, flops, dtype: str, kernels: float = 0.0, extra_mem=0.0):
         """A block on the device: ``max(bytes / bandwidth + extra, FLOPs / rate)`` and its
         kernels' launches (:func:`with_launches`: added, or overlapped under a graph)."""
@@ -228,6 +233,12 @@ class CostModel:
         if self.page_miss:
             t = t + nbytes * self.page_miss / h.disk_bw
         return t
+
+    def _cpu_kv(self, nbytes):
+        """Seconds the CPU threads take to read ``nbytes`` of KV cache (a bf16 cache in RAM, at
+        the threads' bandwidth)."""
+        self._host()
+        return nbytes / self.host_bw
 
     def cpu_rate(self, dtype: str) -> float:
         """Multiply-adds x 2 a second the deployment's CPU threads reach on ``dtype`` weights: the
@@ -281,11 +292,10 @@ class CostModel:
             # long context slows CPU decoding by its math, not only by the bytes it reads.
             ctx_flops = rows * (attn_flops - slow * s.layer_attention_flops(layer, 0))  # scores and weighted sum
             t = self._cpu(weights, flops - ctx_flops, s.dense_dtype) \
-                + np.maximum(kv / self.host_bw, ctx_flops / self.cpu_rate("bf16"))
+                + np.maximum(self._cpu_kv(kv), ctx_flops / self.cpu_rate("bf16"))
         else:
-            kv_s = kv / sh / (self.gpu.mem_bw * self.kv_efficiency)
             t = self._device(weights / sh, flops / sh, s.dense_dtype, self.engine.attention_kernels,
-                             kv_s) + self.layer_overhead
+                             self._device_kv(kv / sh)) + self.layer_overhead
         return t if t.ndim else float(t)
 
     @property

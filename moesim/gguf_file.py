@@ -22,7 +22,7 @@ from typing import Any
 from moesim.artefacts import apply_tensor_bytes
 from moesim.errors import MoesimError
 from moesim.inputs import check_name, kind_of, original_names, readable_path
-from moesim.models import DTYPES, Attention, LinearAttention, ModelSpec
+from moesim.spec import DTYPES, Attention, LinearAttention, ModelSpec
 
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 _BLOCK = re.compile(r"^blk\.(\d+)\.")

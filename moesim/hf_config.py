@@ -28,7 +28,7 @@ from typing import Any
 from moesim.artefacts import exact_bytes, formats_from_config
 from moesim.errors import MoesimError
 from moesim.inputs import kind_of
-from moesim.models import HF_FAMILIES, SIZE_LIMITS, Attention, LinearAttention, ModelSpec, _int, read_config
+from moesim.spec import HF_FAMILIES, SIZE_LIMITS, Attention, LinearAttention, ModelSpec, _int, read_config
 
 #: Families whose keys the hand parser knows (model_type values, after an ``architectures``
 #: fallback: Kimi-K2's ``kimi_k2`` is DeepseekV3ForCausalLM).

@@ -6,8 +6,16 @@ import numpy as np
 from numba import njit
 
 from moesim.jit import use_user_cache
+from moesim.sim.workload import compute_end
 
 use_user_cache()  # before the decorators: compiled code goes to the user cache, not the package
+
+#: The interference formula, the SimPy engine's own (moesim.sim.workload.compute_end), inlined.
+#: numba keys a cached kernel to this file, not to the functions it calls: this hash of that
+#: function's source (held by tests/test_sim.py) makes a change there a change here, so the
+#: cached recurrence is compiled again.
+COMPUTE_END_SHA256 = "aeda1592d2457d166517f5ba7f434246bdaa8c9ebb1efda2bcd5222792ca6c2e"
+_compute_end = njit(inline="always")(compute_end)
 
 
 @njit(cache=True)
@@ -20,15 +28,6 @@ def recurrence(attn, demand, prefetch, target, experts, other, per, slow, wake, 
     experts."""
     steps, layers = attn.shape
     C = per.size
-
-    def run(t, work, link_free, sl):
-        """When ``work`` seconds of compute started at ``t`` end (``Link.compute_end``)."""
-        if sl == 1.0 or link_free <= t:
-            return t + work
-        busy = link_free - t
-        if work * sl <= busy:
-            return t + work * sl
-        return link_free + work - busy / sl
 
     # Per link: compute-stream clock, copy-engine clock, when each layer's prefetch lands,
     # this step's stall and copy seconds. Links are the innermost loop: their recurrences are
@@ -47,7 +46,7 @@ def recurrence(attn, demand, prefetch, target, experts, other, per, slow, wake, 
             nd, nf, to = demand[s, layer], prefetch[s, layer], target[layer]
             for c in range(C):
                 p, sl = per[c], slow[c]
-                t = run(T[c], a, LF[c], sl)
+                t = _compute_end(T[c], a, LF[c], sl)
                 link_free = LF[c]
                 ready = RN[layer, c]
                 d = nd * p
@@ -67,10 +66,10 @@ def recurrence(attn, demand, prefetch, target, experts, other, per, slow, wake, 
                 if ready > t:  # wait for this layer's copies
                     ST[c] += ready + wake[c] - t
                     t = ready + wake[c]
-                T[c] = run(t, g, link_free, sl)
+                T[c] = _compute_end(t, g, link_free, sl)
                 LF[c] = link_free
         for c in range(C):
-            T[c] = run(T[c], other[s], LF[c], slow[c])
+            T[c] = _compute_end(T[c], other[s], LF[c], slow[c])
             ends[c, s] = T[c]
             copied[c, s] = IS[c]
             stalls[c, s] = ST[c]

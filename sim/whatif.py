@@ -645,9 +645,8 @@ def compile_kernels_aside(jobs: int | None) -> None:
     global _ASIDE
     import multiprocessing
 
-    from moesim import policy_kernel
-
-    if _ASIDE is not None or policy_kernel.plan_steps.signatures or (os.cpu_count() or 1) < 2 or jobs == 1:
+    kernel = sys.modules.get("moesim.policy_kernel")  # imported: perhaps compiled or loaded in this process already
+    if _ASIDE is not None or (kernel and kernel.plan_steps.signatures) or (os.cpu_count() or 1) < 2 or jobs == 1:
         return
     for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice by the child
         stream.flush()

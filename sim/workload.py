@@ -45,16 +45,22 @@ class Link:
         return cls.of(CostModel(spec, hw))
 
     def compute_end(self, t: float, work: float, link_free: float) -> float:
-        """When ``work`` seconds of compute started at ``t`` end, if it runs slower while the
-        link is busy until ``link_free`` (no copy is issued in between, so the link is busy
-        on [t, link_free) and idle after)."""
-        slow = 1.0 + self.interference
-        if slow == 1.0 or link_free <= t:
-            return t + work
-        busy = link_free - t
-        if work * slow <= busy:
-            return t + work * slow
-        return link_free + work - busy / slow
+        """:func:`compute_end` on this link."""
+        return compute_end(t, work, link_free, 1.0 + self.interference)
+
+
+def compute_end(t: float, work: float, link_free: float, slow: float) -> float:
+    """When ``work`` seconds of compute started at ``t`` end, if it runs ``slow`` times slower
+    while the link is busy until ``link_free`` (no copy is issued in between, so the link is
+    busy on [t, link_free) and idle after). The one definition: the SimPy engine calls it
+    through :meth:`Link.compute_end`, the compiled fast path as a jitted copy of this function
+    (:mod:`moesim.sim.fastpath_kernel`)."""
+    if slow == 1.0 or link_free <= t:
+        return t + work
+    busy = link_free - t
+    if work * slow <= busy:
+        return t + work * slow
+    return link_free + work - busy / slow
 
 
 @dataclass(frozen=True)

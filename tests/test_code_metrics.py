@@ -9,12 +9,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import code_metrics  # noqa: E402
 
 
-def test_no_import_circle_beyond_the_one_left_and_the_scan_sees_the_code():
+def test_no_import_circle_and_the_scan_sees_the_code():
+    """The last circle (models -> the GGUF and config.json readers -> models) ended when the
+    spec moved below the readers (moesim.spec): function-level imports count as edges."""
     res = code_metrics.scan()
     assert res["modules"] > 100
     assert any(w["function"] == "moesim.cli.replay.replay" for w in res["wide_functions"])  # it reads parameters
-    assert [sorted(m.removeprefix("moesim.") for m in c) for c in res["circles"]] in (
-        [], [["artefacts", "gguf_file", "hf_config", "models"]]), res["circles"]
+    assert res["circles"] == [], res["circles"]
 
 
 def test_the_circle_finder_finds_a_planted_circle():

@@ -67,3 +67,17 @@ def test_a_cpu_only_engine_is_refused_on_a_gpu():
            in ("attention_kernels", "expert_kernels", "fused_experts", "head_kernels", "predict_kernels")}}
     with pytest.raises(MoesimError, match="computes on CPUs only"):
         CostModel(get_model("olmoe-1b-7b"), get_profile("a6000"), None, parse_engine(raw, "e.toml"))
+
+
+def test_a_cost_on_a_processor_the_deployment_lacks_is_one_line():
+    """attention(on="gpu") with no GPU read the GPU's bandwidth past the cost model's own
+    helpers (a raw AttributeError); on="cpu" with no host likewise: both say what is missing."""
+    spec = get_model("olmoe-1b-7b")
+    no_gpu = CostModel(spec, None, host=get_host("epyc-7742"))
+    assert no_gpu.attention(0, 100, on="cpu") > 0
+    with pytest.raises(MoesimError, match="needs a GPU"):
+        no_gpu.attention(0, 100, on="gpu")
+    no_host = CostModel(spec, get_profile("a6000"))
+    assert no_host.attention(0, 100, on="gpu") > 0
+    with pytest.raises(MoesimError, match="needs a host"):
+        no_host.attention(0, 100, on="cpu")

@@ -289,3 +289,17 @@ def test_attention_by_layer_is_each_layers_own_attention(name):
     alone = np.stack([np.broadcast_to(cm.attention(layer, ctx, rows=2), ctx.shape) for layer in range(spec.n_layers)],
                      axis=1)
     assert np.array_equal(cm.attention_by_layer(ctx, rows=2), alone)
+
+
+def test_the_compiled_fast_path_is_compiled_again_when_the_interference_formula_changes():
+    """The fast path inlines moesim.sim.workload.compute_end, but numba keys its cached kernel to
+    fastpath_kernel.py alone: the hash of the formula's source kept there must follow it, so an
+    edit of the formula is an edit of the kernel's file (and its cached code is not reused)."""
+    import hashlib
+    import inspect
+
+    from moesim.sim import fastpath_kernel
+    from moesim.sim.workload import compute_end
+
+    assert hashlib.sha256(inspect.getsource(compute_end).encode()).hexdigest() == fastpath_kernel.COMPUTE_END_SHA256, \
+        "compute_end changed: update COMPUTE_END_SHA256 in sim/fastpath_kernel.py"
