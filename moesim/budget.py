@@ -27,7 +27,7 @@ from moesim.errors import MoesimError
 from moesim.fmt import plural
 from moesim.host_detect import available_memory  # noqa: F401 (part of this module's API)
 from moesim.models import ModelSpec
-from moesim.policy import get_policy
+from moesim.policy import as_policy
 
 REPLAY_BYTES_PER_CELL = 64  # per policy simulated at once, plus the trace itself
 TRACE_BYTES_PER_CELL = 8  # true ids (int16), gates (float32), predicted ids (int16)
@@ -130,11 +130,12 @@ def row_kind(cpu: str | None) -> str:
     return "miss" if cpu == "miss" else "static" if cpu else "copy"
 
 
-def runs_by_kind(policies: list[str] | tuple[str, ...]) -> dict[str, int]:
-    """How many of ``policies`` are timed each way (:func:`row_kind`)."""
+def runs_by_kind(policies) -> dict[str, int]:
+    """How many of ``policies`` (names or :class:`~moesim.policy.Policy` objects) are timed each way
+    (:func:`row_kind`)."""
     kinds: dict[str, int] = {}
-    for name in policies:
-        k = row_kind(get_policy(name).cpu)
+    for policy in policies:
+        k = row_kind(as_policy(policy).cpu)
         kinds[k] = kinds.get(k, 0) + 1
     return kinds
 

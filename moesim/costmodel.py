@@ -142,7 +142,7 @@ class CostModel:
             raise MoesimError("a deployment needs a GPU profile or a host profile")
         self.spec, self.gpu, self.host, self.shards, self.amx = spec, gpu, host, shards, amx
         self.weights_over_link = weights_over_link
-        self.engine = e = get_engine(engine)
+        self.engine = e = engine if isinstance(engine, EngineProfile) else get_engine(engine)  # resolved once, above
         if gpu is None and "cpu" not in e.runs_on:
             raise MoesimError(f"{e.name} computes on GPUs only (its profile's runs_on); a deployment without a GPU "
                               "cannot run on it")

@@ -18,7 +18,7 @@ import numpy as np
 from moesim.errors import DoesNotFit
 from moesim.layout import CPU
 from moesim.models import ModelSpec
-from moesim.policy import Policy, expert_slots, get_policy
+from moesim.policy import Policy, as_policy, expert_slots
 
 #: Device memory held back for activations, workspace and the CUDA context (an estimate;
 #: llama.cpp users leave about this much free, and vLLM's default gpu_memory_utilization
@@ -38,7 +38,7 @@ def device_bytes(spec: ModelSpec, policy: str | Policy, *, cache_experts: int = 
     ``resident_experts`` is a static CPU placement's resident set (or a copy policy's pinned
     hot set), ``cache_experts`` a cache's total capacity, ``shards`` the GPUs that split weights and KV cache evenly (each keeps
     its own workspace)."""
-    pol = get_policy(policy)
+    pol = as_policy(policy)
     if not pol.offload:
         experts = spec.n_moe_layers * spec.n_experts
     elif pol.cpu and pol.cpu != "miss":

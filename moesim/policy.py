@@ -146,6 +146,11 @@ def get_policy(name: str | Policy) -> Policy:
     return _REGISTRY[key]
 
 
+def as_policy(policy: str | Policy) -> Policy:
+    """``policy`` itself when it is one (resolved once, above), else :func:`get_policy` of its name."""
+    return policy if isinstance(policy, Policy) else get_policy(policy)
+
+
 def check_lookahead(lookahead: int, n_moe_layers: int | None = None) -> int:
     """``lookahead`` if it is a whole number >= 1 that leaves some MoE layer to prefetch
     (below ``n_moe_layers`` when given), else a one-line error."""
@@ -173,7 +178,7 @@ def expert_slots(spec: ModelSpec, policy: str | Policy, cache_experts: int = 0, 
     """
     if cache_experts < 0:
         raise MoesimError(f"cache capacity must be >= 0 experts, got {cache_experts}")
-    pol = get_policy(policy)
+    pol = as_policy(policy)
     if not pol.offload:
         return 0
     if pol.cpu == "miss":  # misses it copies land in the cache's own buffers, plus one layer to stage them

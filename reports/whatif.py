@@ -10,9 +10,7 @@ from typing import Any
 
 from moesim import fmt
 from moesim.atomic import atomic_write_text
-from moesim.engines import get_engine
 from moesim.fmt import duration_ms
-from moesim.policy import get_policy
 from moesim.reports.render import breakdown_png, heatmap_png, pyplot, save_figure, write_csv, write_html
 from moesim.sim.deploy import AXES, crossovers, deployment_answer, describe_change, format_answer
 from moesim.sim.simulate import simulate
@@ -43,12 +41,12 @@ def prompt_png(sweep: Sweep, winner: dict[str, Any], path: Path) -> Path:
     trace = next(t for t in sweep.traces.values() if t.model.name == winner["base_model"])
     base = trace.head(min(32, trace.n_tokens))
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for policy in [p for p in sweep.policies if not get_policy(p).cpu]:
+    for policy in [p for p in sweep.policies if not sweep.resolved[p].cpu]:
         tpot, ttft = [], []
         for p in PROMPT_LENGTHS:
             tr = replace(base, header={**base.header, "prompt_len": p})
-            r = simulate(tr, hw, policy, cache_gib=winner["cache_gib"], link_gbps=winner["link_gbps"], sim="fast",
-                         engine=sweep.engine, cache_per_layer=sweep.cache_per_layer)
+            r = simulate(tr, hw, sweep.resolved[policy], cache_gib=winner["cache_gib"], link_gbps=winner["link_gbps"], sim="fast",
+                         engine=sweep.engine_profile, cache_per_layer=sweep.cache_per_layer)
             tpot.append(r.tpot.mean() * 1e3)
             ttft.append(r.ttft * 1e3)
         a1.plot(PROMPT_LENGTHS, tpot, "o-", label=policy)
@@ -131,7 +129,7 @@ def write_whatif_report(rows: list[dict[str, Any]], winner: dict[str, Any] | Non
     synthetic = any(t.synthetic for t in sweep.traces.values())
     src = "synthetic traces" if synthetic else "recorded traces"
     models = sorted({t.model.name for t in sweep.traces.values()})
-    what = (f"All figures simulated ({get_engine(sweep.engine).name} engine) from {src} of {', '.join(models)}; "
+    what = (f"All figures simulated ({sweep.engine_profile.name} engine) from {src} of {', '.join(models)}; "
             f"hardware figures from the profiles ({', '.join(h.name for h in sweep.hws)}); nothing here was measured")
     answers = deployment_answer(rows, goal, engine=sweep.engine)
     crosses = crossovers(rows)
@@ -189,7 +187,7 @@ def write_whatif_report(rows: list[dict[str, Any]], winner: dict[str, Any] | Non
         sections.append({"heading": "Link bandwidth x cache size", "image": out / "heatmap.png",
                          "caption": f"{key} per cell, the best of the other settings; a gold star marks the best "
                                     f"configuration (oracle is a bound, never chosen). {what}."})
-    copy_policies = [p for p in sweep.policies if not get_policy(p).cpu]
+    copy_policies = [p for p in sweep.policies if not sweep.resolved[p].cpu]
     one_gpu = winner and next(h for h in sweep.hws if h.name == winner["hw"]).n_gpus == 1  # copies go to one GPU
     if one_gpu and copy_policies and len({r["prompt_len"] for r in rows}) == 1:
         prompt_png(sweep, winner, out / "prompt_length.png")

@@ -26,12 +26,12 @@ from __future__ import annotations
 import numpy as np
 
 from moesim.costmodel import CostModel, ExpertTimes
-from moesim.engines import get_engine
+from moesim.engines import EngineProfile, get_engine
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile, HostProfile, get_host
 from moesim.memory import device_bytes
 from moesim.placement import HostPlanner, Placement, make_placement
-from moesim.policy import EVICTIONS, get_policy
+from moesim.policy import EVICTIONS, as_policy
 from moesim.sim.costs import roofline_costs
 from moesim.sim.cpu_run import CpuResult, CpuWork, routed_sets, token_counts  # noqa: F401 (re-exported)
 from moesim.sim.engine import run_simpy_cpu
@@ -95,7 +95,7 @@ def simulate_cpu_compute(trace: Trace, hw: HardwareProfile, policy: str = "cpu-s
                     calibrate_on_replay: bool = False, cache_experts: int = 0, eviction: str = "lru",
                     sim: str = "simpy", link_gbps: float | None = None, amx: bool = True,
                     record: bool = False, placement: Placement | None = None,
-                    timing: str = "profile", engine: str | None = None, threads: int | None = None) -> CpuResult:
+                    timing: str = "profile", engine: str | EngineProfile | None = None, threads: int | None = None) -> CpuResult:
     """Simulate ``trace`` under a CPU-compute policy on GPU ``hw`` and ``host`` (default:
     the GPU profile's host). ``calibration`` is the ``[t, m, b, k]`` routing of a separate
     calibration trace (hot-experts; warms cpu-on-miss's cache). ``placement`` replaces the
@@ -104,7 +104,7 @@ def simulate_cpu_compute(trace: Trace, hw: HardwareProfile, policy: str = "cpu-s
     (:func:`measured_work`; the fast path). A static placement timed by the cost model on
     the fast path is :func:`moesim.sim.static.simulate_static` (its one step model; the
     SimPy run here is its reference); ``engine`` and ``threads`` as there."""
-    pol = get_policy(policy)
+    pol = as_policy(policy)
     if not pol.cpu:
         raise MoesimError(f"policy {pol.name!r} computes no experts on the CPU; use moesim.sim.simulate.simulate")
     if sim not in ("simpy", "fast"):
@@ -115,13 +115,14 @@ def simulate_cpu_compute(trace: Trace, hw: HardwareProfile, policy: str = "cpu-s
     if pol.cpu != "miss":
         cache_experts = 0  # static placements keep no cache: their resident set is the placement
     host = host if isinstance(host, HostProfile) else get_host(host, hw)
+    engine = engine if isinstance(engine, EngineProfile) else get_engine(engine)
     if link_gbps is not None:
         hw = hw.with_figure("h2d_pinned_gbs", link_gbps)
     context = trace.prompt_len + trace.n_tokens
     placement = placement or make_placement(pol, spec, hw["device_memory_gb"] * 1e9, batch=trace.batch, context=context,
                                cpu_layers_n=cpu_layers, calibration=calibration, replay_ids=trace.true_ids,
                                calibrate_on_replay=calibrate_on_replay,
-                               strategy=get_engine(engine).expert_placement)
+                               strategy=engine.expert_placement)
     if pol.cpu in STATIC_CPU and timing == "profile" and sim == "fast":
         return simulate_static(trace, hw, pol, host=host, engine=engine, threads=threads, cpu_layers=cpu_layers,
                                placement=placement, calibration=calibration, calibrate_on_replay=calibrate_on_replay,

@@ -15,7 +15,7 @@ from moesim.hardware import HardwareProfile, Machine, get_machine
 from moesim.memory import device_bytes
 from moesim.models import ModelSpec, cache_capacity  # noqa: F401 (cache_capacity: defined with the byte accounting)
 from moesim.placement import expert_budget, hot_set, routing_counts
-from moesim.policy import EVICTIONS, QUEUES, Policy, get_policy
+from moesim.policy import EVICTIONS, QUEUES, Policy, as_policy, get_policy
 from moesim.sim.costs import Costs, charge_prediction, measured_costs, roofline_costs
 from moesim.sim.cpu_compute import CpuResult, simulate_cpu_compute
 from moesim.sim.engine import Span, run_simpy, run_simpy_queued
@@ -179,7 +179,7 @@ def simulate(
     """
     if sim not in SIMS:
         raise MoesimError(f"unknown simulator {sim!r}; known: {', '.join(SIMS)}")
-    pol = get_policy(policy)
+    pol = as_policy(policy)
     if copy_queue is None:  # as recorded
         copy_queue = "fifo" if pol.cpu else trace.header.get("copy_queue", "fifo")
         if copy_queue != "fifo" and sim != "simpy":

@@ -21,14 +21,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from moesim.costmodel import CostModel, device_expert_seconds
-from moesim.engines import get_engine
+from moesim.engines import EngineProfile, get_engine
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile, HostProfile, Machine, get_host, get_machine
 from moesim.layout import CPU, Layout, layer_weight_bytes, make_layout, stream_layers
 from moesim.memory import layout_bytes
 from moesim.models import ModelSpec
 from moesim.placement import make_placement
-from moesim.policy import get_policy
+from moesim.policy import as_policy
 from moesim.sim.cpu_run import CpuResult, CpuRun, token_counts
 from moesim.sim.plan import Plan
 from moesim.sim.prefill import prefill_time_static
@@ -199,8 +199,8 @@ def _first_gib(spec: ModelSpec, n: int) -> float:
 
 
 def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, policy: str, *,
-                    host: str | HostProfile | None = None, engine: str | None = None, threads: int | None = None,
-                    cpu_layers: int | str = "auto", gpu_layers: int | str = "auto",
+                    host: str | HostProfile | None = None, engine: str | EngineProfile | None = None,
+                    threads: int | None = None, cpu_layers: int | str = "auto", gpu_layers: int | str = "auto",
                     calibration: np.ndarray | None = None, calibrate_on_replay: bool = False, split: str = "layer",
                     ratios: list[float] | None = None, amx: bool = True, placement=None,
                     link_gbps: float | None = None, offload_gib: float | str = "auto", ttft: bool = True) -> CpuResult:
@@ -212,7 +212,7 @@ def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, poli
     replaces hot-experts' own; ``offload_gib`` is weight-streaming's GiB (vLLM's
     ``--cpu-offload-gb``; auto: the least that fits). ``ttft`` False leaves the prefill untimed
     (NaN): a fit that predicts decode speed thousands of times spends a third of its time there."""
-    pol = get_policy(policy)
+    pol = as_policy(policy)
     machine = get_machine(machine)
     if link_gbps is not None:
         machine = machine.with_figure("h2d_pinned_gbs", link_gbps)
@@ -221,6 +221,7 @@ def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, poli
     if host is None and g == 0:
         raise MoesimError("--hw none: name the host that runs everything (--host; `moesim hw --hosts`)")
     host = host if isinstance(host, HostProfile) else get_host(host, machine.gpus[0] if g else None)
+    engine = engine if isinstance(engine, EngineProfile) else get_engine(engine)
     b, T = trace.batch, trace.n_tokens
     context = trace.prompt_len + T
     hot = None
@@ -228,7 +229,7 @@ def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, poli
         hot = placement or make_placement(pol, spec, machine.gpus[0]["device_memory_gb"] * 1e9, batch=b,
                                           context=context, calibration=calibration, replay_ids=trace.true_ids,
                                           calibrate_on_replay=calibrate_on_replay,
-                                          strategy=get_engine(engine).expert_placement)
+                                          strategy=engine.expert_placement)
     layout = layout_for(pol, spec, machine, batch=b, context=context, cpu_layers=cpu_layers, gpu_layers=gpu_layers,
                          split=split, ratios=ratios, hot_placement=hot, offload_gib=offload_gib)
     need = layout_bytes(spec, layout, b, context)

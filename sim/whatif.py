@@ -27,19 +27,19 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from moesim.atomic import STOP_SIGNALS, exclusive
 from moesim.costmodel import CostModel
-from moesim.engines import get_engine
+from moesim.engines import EngineProfile, get_engine
 from moesim.errors import DoesNotFit, MoesimError
 from moesim.hardware import HardwareProfile, Machine, get_host, get_machine
 from moesim.layout import SPLITS, check_ratios
 from moesim.models import DTYPES
 from moesim.placement import expert_budget, hot_set, routing_counts, uniform_set
-from moesim.policy import POLICIES, QUEUES, Planner, get_policy
+from moesim.policy import POLICIES, QUEUES, Planner, Policy, as_policy, get_policy
 from moesim.quant_recipes import is_format, store_as
 from moesim.sim.cpu_compute import simulate_cpu_compute
 from moesim.sim.fastpath import run_fast_many
@@ -110,11 +110,11 @@ _WORDS = {"model", "base_model", "expert_dtype", "hw", "host", "policy", "family
           "prefetch_top", "split", "tensor_split"}
 
 
-def policy_family(policy: str) -> str:
+def policy_family(policy: str | Policy) -> str:
     """The deployment family a policy belongs to (docs/policies.md): the copy policies are
     one family, ``prefetching``, with the oracle as its bound; each CPU policy and
     all-resident are their own."""
-    pol = get_policy(policy)
+    pol = as_policy(policy)
     if pol.cpu:
         return pol.name
     if not pol.offload:
@@ -148,7 +148,7 @@ def policy_families() -> tuple[str, ...]:
 def _families(pols: tuple) -> tuple[str, ...]:
     """:func:`policy_families` of the registry ``pols`` (once each: the deployment answer asks
     for it per scenario and family, hundreds of times a sweep)."""
-    family = {p.name: policy_family(p.name) for p in pols}
+    family = {p.name: policy_family(p) for p in pols}
     fams = dict.fromkeys(family[p.name] for p in pols if not p.oracle)
     return tuple(sorted(fams, key=lambda f: min(_rank_of(p) for p in pols if family[p.name] == f)))
 
@@ -205,6 +205,8 @@ class Sweep:
     calibration_source: str = "-"  # said in every row that uses it
     calibrate_on_replay: bool = False  # hot-experts counts the replayed trace: rows marked optimistic
     engine: str | None = None  # the inference engine (moesim.engines); None: PyTorch eager
+    engine_profile: EngineProfile | None = field(default=None, compare=False, repr=False)  # resolved: set once
+    resolved: dict[str, Policy] = field(default_factory=dict, compare=False, repr=False)  # policy name -> Policy
     threads: int | None = None  # its CPU threads; None: every core
     gpu_layers: tuple[int | str, ...] = ("auto",)  # gpu-layers
     offload_gib: tuple[float | str, ...] = ("auto",)  # weight-streaming
@@ -217,14 +219,15 @@ class Sweep:
         object.__setattr__(self, "hws", [get_machine(h) for h in self.hws])  # rows name machines
         if self.sim not in ("simpy", "fast"):
             raise MoesimError(f"unknown simulator {self.sim!r}; known: simpy, fast")
-        eng = get_engine(self.engine)  # an unknown engine: one line, before any work
+        eng = self.engine_profile or get_engine(self.engine)  # an unknown engine: one line, before any work
+        object.__setattr__(self, "engine_profile", eng)  # what every group's cost model is given, not the name
         if "cpu" not in eng.runs_on and (none := next((m for m in self.hws if m.n_gpus == 0), None)):
             raise MoesimError(f"--hw {none.name}: {eng.name} computes on GPUs only (its profile's runs_on); a machine "
                               "without a GPU cannot run it")
         if "gpu" not in eng.runs_on and (gpu := next((m for m in self.hws if m.n_gpus), None)):
             raise MoesimError(f"--hw {gpu.name}: {eng.name} computes on CPUs only (its profile's runs_on); give --hw none")
-        for p in self.policies:
-            get_policy(p)
+        if set(self.resolved) != set(self.policies):  # resolved by the caller already, or each name once here
+            object.__setattr__(self, "resolved", {p: get_policy(p) for p in self.policies})
         if any(g is not None and g <= 0 for g in self.link_gbps):
             raise MoesimError("link bandwidths must be positive GB/s")
         if any(c < 0 for c in self.cache_gib):
@@ -259,7 +262,7 @@ class Sweep:
                 if "cpu-static" in self.policies and n != "auto" and n > t.model.n_moe_layers:
                     raise MoesimError(f"--cpu-layers {n}: {t.model.name} has {t.model.n_moe_layers} MoE layers")
             for n in self.gpu_layers:
-                if any(get_policy(p).cpu == "whole" for p in self.policies) and n != "auto" and n > t.model.n_layers:
+                if any(p.cpu == "whole" for p in self.resolved.values()) and n != "auto" and n > t.model.n_layers:
                     raise MoesimError(f"--gpu-layers {n}: {t.model.name} has {t.model.n_layers} layers")
             for m in self.prefetch_top:
                 if m is not None and m > t.model.top_k:
@@ -293,7 +296,7 @@ class Sweep:
         not a configuration)."""
         out = []
         for key, dtype, policy in itertools.product(self.traces, self.expert_dtypes, self.policies):
-            pol = get_policy(policy)
+            pol = self.resolved[policy]
             if pol.cpu == "layers":
                 out += [Config(key, policy, 0.0, dtype, h, n) for h in self.hosts for n in self.cpu_layers]
             elif pol.cpu == "whole":
@@ -380,7 +383,8 @@ def _group_trace(sweep: Sweep, cfg: Config) -> Trace:
 
 
 def _axes(sweep: Sweep, cfg: Config, trace: Trace, base: str) -> dict[str, Any]:
-    return {"base_model": base, "expert_dtype": cfg.expert_dtype or trace.model.expert_dtype, "family": policy_family(cfg.policy),
+    return {"base_model": base, "expert_dtype": cfg.expert_dtype or trace.model.expert_dtype,
+            "family": policy_family(sweep.resolved[cfg.policy]),
             "cpu_layers": cfg.cpu_layers, "gpu_expert_gib": cfg.gpu_expert_gib, "copy_queue": cfg.copy_queue,
             "prefetch_top": "-" if cfg.prefetch_top is None else cfg.prefetch_top, "batch": trace.batch,
             "prompt_len": trace.prompt_len, "gpu_layers": cfg.gpu_layers, "offload_gib": cfg.offload_gib,
@@ -403,7 +407,7 @@ def _hot_placement(sweep: Sweep, cfg: Config, trace: Trace, base: str, machine: 
         return None
     spec = trace.model
     calib, source, optimistic = _calibration(sweep, base, trace)
-    uniform = calib is None and get_engine(sweep.engine).expert_placement == "uniform"
+    uniform = calib is None and sweep.engine_profile.expert_placement == "uniform"
     if calib is None and not uniform:
         return None  # simulate_cpu_compute explains what is missing
     if machine.n_gpus != 1:
@@ -456,7 +460,7 @@ def _host_ram_short(sweep: Sweep, cfg: Config, machine: Machine, spec) -> str | 
     if host is None or host.ram_bytes is None:
         return None
     try:
-        CostModel(spec, machine.gpus[0], host, engine=sweep.engine, host_weights=spec.all_expert_bytes)
+        CostModel(spec, machine.gpus[0], host, engine=sweep.engine_profile, host_weights=spec.all_expert_bytes)
     except DoesNotFit as e:
         return str(e)
     return None
@@ -474,7 +478,7 @@ def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str,
     """The rows of a CPU-compute or static-layout group (:func:`moesim.sim.static.simulate_static`
     or :func:`moesim.sim.cpu_compute.simulate_cpu_compute`, the paths ``moesim replay`` takes), one per
     machine of ``machines`` and link."""
-    pol = get_policy(cfg.policy)
+    pol = sweep.resolved[cfg.policy]
     capacity = cache_capacity(trace.model, cfg.cache_gib) if pol.cpu == "miss" else 0
     calib, source, optimistic = _calibration(sweep, base, trace)
     rows = []
@@ -482,7 +486,7 @@ def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str,
         for g in sweep.link_gbps:
             h = machine if g is None else machine.with_figure("h2d_pinned_gbs", g)
             kw = dict(host=_host(sweep, cfg, h), calibration=None if optimistic else calib,
-                      calibrate_on_replay=optimistic, engine=sweep.engine, threads=sweep.threads)
+                      calibrate_on_replay=optimistic, engine=sweep.engine_profile, threads=sweep.threads)
             several = dict(split=sweep.split, ratios=list(sweep.ratios) if sweep.ratios else None) \
                 if h.n_gpus > 1 else {}  # the shares are a machine of several GPUs' (one count, checked)
             try:
@@ -541,7 +545,7 @@ def run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
     trace = _group_trace(sweep, cfg)
     spec = trace.model
     base = sweep.traces[cfg.trace].model.name
-    pol = get_policy(cfg.policy)
+    pol = sweep.resolved[cfg.policy]
     if pol.cpu:
         return _bounded(_cpu_rows(sweep, index, cfg, trace, base, sweep.hws))
     capacity = cache_capacity(spec, cfg.cache_gib) if pol.offload else 0
@@ -568,12 +572,12 @@ def run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
                      for _ in sweep.link_gbps]
             continue
         if (cfg.trace, cfg.expert_dtype, hi) not in memo:
-            memo[cfg.trace, cfg.expert_dtype, hi] = pick_costs(trace, CostModel(spec, hw, engine=sweep.engine),
+            memo[cfg.trace, cfg.expert_dtype, hi] = pick_costs(trace, CostModel(spec, hw, engine=sweep.engine_profile),
                                                                sweep.timing)
         profiles = [hw if g is None else hw.with_figure("h2d_pinned_gbs", g) for g in sweep.link_gbps]
         # The path replay takes (moesim.sim.simulate.time_plan): one deployment, one number.
         results = time_plan(trace, pol, plan, memo[cfg.trace, cfg.expert_dtype, hi], profiles, sim=sim,
-                            engine=sweep.engine, copy_queue=cfg.copy_queue, pred_recall=recall,
+                            engine=sweep.engine_profile, copy_queue=cfg.copy_queue, pred_recall=recall,
                             ttfts=sweep._ttft_memo, spec=spec)
         for res in results:
             row = res.summary()
@@ -806,5 +810,6 @@ def best(rows: list[dict[str, Any]], goal: str = "tpot") -> dict[str, Any] | Non
     if goal not in GOALS:
         raise MoesimError(f"unknown goal {goal!r}; known: {', '.join(GOALS)}")
     key = GOALS[goal][0]
-    fitting = [r for r in rows if r["fits"] and not get_policy(r["policy"]).oracle and _number(r[key])]
+    oracles = {n for n, p in POLICIES.items() if p.oracle}  # a row's policy is a registered name
+    fitting = [r for r in rows if r["fits"] and r["policy"] not in oracles and _number(r[key])]
     return min(fitting, key=lambda r: (float(f"{r[key]:.6g}"), simplicity(r.get("family")))) if fitting else None

@@ -15,7 +15,6 @@ WHATIF_COLS = (("model", "model"), ("hw", "hw"), ("host", "host"), ("policy", "p
 
 
 def print_whatif(res, answers, crosses, goal: str, top: int) -> None:
-    from moesim.policy import get_policy
     from moesim.sim.analysis import why
     from moesim.sim.deploy import bound_words, describe_change, format_answer
     from moesim.sim.whatif import GOALS
@@ -54,7 +53,7 @@ def print_whatif(res, answers, crosses, goal: str, top: int) -> None:
         out.print(f"[bold green]best for {GOALS[goal][1]}:[/bold green] {winner['model']} on {winner['hw']}, "
                   f"{winner['policy']}, {fmt.link(winner['link_gbps'])}, cache {winner['cache_gib']:g} GiB: "
                   f"{winner['tpot_ms']:.3g} ms/token ({winner['tokens_per_s']:.3g} tok/s); compute: {winner['timing']}")
-        cpu = get_policy(winner["policy"]).cpu or winner["bound"] == "CPU compute"
+        cpu = res.sweep.resolved[winner["policy"]].cpu or winner["bound"] == "CPU compute"
         out.print(f"why: {bound_words(winner)}" if cpu else f"why: {why(winner)}")
     else:
         out.print("[bold red]no configuration fits in memory[/bold red] (each row's note says why: --json / --csv)")
