@@ -18,7 +18,7 @@ def run() -> None:
         sys.stderr.write("error: standard output is closed: give it a file, or >/dev/null to discard it\n")
         sys.exit(2)
     try:
-        from moesim.cli import main
+        from moesim.cli import main  # here, so a Ctrl-C while it imports ends as one line
     except KeyboardInterrupt:
         sys.stderr.write(interrupted_line() + "\n")
         sys.exit(exit_code())

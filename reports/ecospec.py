@@ -15,19 +15,14 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-from moesim.outputs import check_output_dir
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from moesim import budget  # noqa: E402
 from moesim.atomic import atomic_write_text  # noqa: E402
 from moesim.budget import Estimate  # noqa: E402
 from moesim.models import get_model  # noqa: E402
-from moesim.reports.render import save_figure, write_csv, write_html  # noqa: E402
+from moesim.outputs import check_output_dir
+from moesim.reports.render import pyplot, save_figure, write_csv, write_html  # noqa: E402
 from moesim.sim.deployment import get_deployment  # noqa: E402
 from moesim.sim.draft import DraftProfile  # noqa: E402
 from moesim.sim.ecospec import (  # noqa: E402
@@ -55,7 +50,7 @@ SYNTHETIC = ("synthetic verification steps (moesim.traces.synthetic_speculative,
 
 
 def _distinct_png(rows: list[dict[str, Any]], models: tuple[str, ...], dep: str, path: Path) -> Path:
-    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.6), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(models), figsize=(4.2 * len(models), 3.6), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
         mine = [r for r in rows if r["model"] == model and r["deployment"] == dep and r["gamma"] > 0]
         for label in dict.fromkeys(r["selection"] for r in mine):
@@ -71,7 +66,7 @@ def _distinct_png(rows: list[dict[str, Any]], models: tuple[str, ...], dep: str,
 
 
 def _latency_png(fits: list[dict[str, Any]], path: Path) -> Path:
-    fig, axes = plt.subplots(1, len(fits), figsize=(4.2 * len(fits), 3.6), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(fits), figsize=(4.2 * len(fits), 3.6), squeeze=False)
     for ax, f in zip(axes[0], fits, strict=True):
         ax.scatter(f["x"], np.asarray(f["y"]) * 1e3, s=4, alpha=0.4)
         xs = np.linspace(min(f["x"]), max(f["x"]), 10)
@@ -89,7 +84,7 @@ def _latency_png(fits: list[dict[str, Any]], path: Path) -> Path:
 
 
 def _offload_png(rows: list[dict[str, Any]], models: tuple[str, ...], deps: tuple[str, ...], path: Path) -> Path:
-    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.6), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(models), figsize=(4.2 * len(models), 3.6), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
         for dep in deps:
             for label, ls in (("confidence", "--"), ("ecospec ratio", "-")):

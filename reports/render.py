@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from moesim.atomic import atomic_write, atomic_write_text
 from moesim.fmt import duration_ms, number
+from moesim.sim.analysis import PARTS, tpot_parts
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -56,7 +57,6 @@ def breakdown_png(rows: Sequence[dict[str, Any]], labels: Sequence[str], path: P
     the bar's height is the row's TPOT), with the copy-engine time and the ideal-overlap bound;
     a configuration that does not fit is hatched and says so. Rows without a TPOT (not run)
     are the caller's to leave out, and to say so."""
-    from moesim.sim.analysis import PARTS, tpot_parts
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(rows) + 2), 3.8))

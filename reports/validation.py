@@ -8,25 +8,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+import numpy as np  # noqa: E402
 
 from moesim import budget
+from moesim.atomic import atomic_write_text  # noqa: E402
 from moesim.errors import MoesimError
 from moesim.executor.validation_plan import check_suite_model
+from moesim.hardware import HardwareProfile  # noqa: E402
 from moesim.models import get_model
 from moesim.outputs import check_output_dir
 from moesim.policy import QUEUES
-from moesim.sim.validate import recorded_profile
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from moesim.atomic import atomic_write_text  # noqa: E402
-from moesim.hardware import HardwareProfile  # noqa: E402
-from moesim.reports.render import COLORS, breakdown_png, save_figure, write_csv, write_html  # noqa: E402
+from moesim.reports.render import COLORS, breakdown_png, pyplot, save_figure, write_csv, write_html  # noqa: E402
 from moesim.sim.engine import Span  # noqa: E402
 from moesim.sim.simulate import SimResult, simulate  # noqa: E402
+from moesim.sim.validate import recorded_profile
 from moesim.traces.format import COPY_KINDS, Trace  # noqa: E402
 
 
@@ -57,7 +52,7 @@ def timeline_pair_png(measured: list[Span], simulated: list[Span], path: Path, t
     """Measured (top pair of lanes) and simulated (bottom pair) timelines of the same step."""
     step = measured[0].step
     simulated = [s for s in simulated if s.step == step]
-    fig, ax = plt.subplots(figsize=(11, 3.4))
+    fig, ax = pyplot().subplots(figsize=(11, 3.4))
     t0_sim = min(s.start for s in simulated)
     lanes = {("measured", "compute"): 3, ("measured", "copy"): 2, ("simulated", "compute"): 1, ("simulated", "copy"): 0}
     for source, spans, t0 in (("measured", measured, 0.0), ("simulated", simulated, t0_sim)):
@@ -74,7 +69,7 @@ def timeline_pair_png(measured: list[Span], simulated: list[Span], path: Path, t
 
 def scatter_png(points: list[dict[str, Any]], path: Path, title: str, key: str = "kind") -> Path:
     """Predicted against measured TPOT with the identity line and +-5% band."""
-    fig, ax = plt.subplots(figsize=(5.2, 4.6))
+    fig, ax = pyplot().subplots(figsize=(5.2, 4.6))
     kinds = sorted({p[key] for p in points})
     for kind, marker in zip(kinds, "os^Dv<>", strict=False):
         pts = [p for p in points if p[key] == kind]
@@ -95,7 +90,7 @@ def scatter_png(points: list[dict[str, Any]], path: Path, title: str, key: str =
 
 
 def per_token_png(measured: np.ndarray, predicted: np.ndarray, path: Path, title: str) -> Path:
-    fig, ax = plt.subplots(figsize=(8, 3))
+    fig, ax = pyplot().subplots(figsize=(8, 3))
     ax.plot(measured * 1e3, label="measured", lw=1.2)
     ax.plot(predicted * 1e3, label="simulated", lw=1.2, ls="--")
     ax.set_xlabel("decode step")
@@ -108,7 +103,7 @@ def per_token_png(measured: np.ndarray, predicted: np.ndarray, path: Path, title
 
 def hit_rate_png(traces: dict[str, Trace], path: Path, title: str) -> Path:
     """Per-layer prediction recall@k and rank alignment, from the traces' metrics."""
-    fig, ax = plt.subplots(figsize=(7, 3.4))
+    fig, ax = pyplot().subplots(figsize=(7, 3.4))
     for label, tr in traces.items():
         met = tr.meta.metrics
         rec, al = met.get("recall_at_k"), met.get("rank_alignment")
@@ -173,7 +168,7 @@ def queues_png(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     whisker) with the simulator's prediction from the FIFO run (marker)."""
     settings = list(dict.fromkeys((r["link_gbps"], r["predictor"]) for r in rows))
     queues = list(dict.fromkeys(r["queue"] for r in rows))
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(settings) + 2), 3.8))
+    fig, ax = pyplot().subplots(figsize=(max(5.0, 1.6 * len(settings) + 2), 3.8))
     width = 0.8 / len(queues)
     for i, q in enumerate(queues):
         sel = [next(r for r in rows if (r["link_gbps"], r["predictor"], r["queue"]) == (*s, q)) for s in settings]
@@ -317,11 +312,12 @@ def validation_suite(out: Path, tokens: int = 32, model: str | None = None, repe
         raise MoesimError("--tokens must be >= 3 (the first step is warm-up) and --repeats >= 1")
     _check_budget(tokens, repeats, model)
     from moesim.executor.loading import shipped_model  # the executor needs torch: only the suite imports it
-    from moesim.executor.validation import CPU_CASES, SYNTHETIC_SPEC, machine, run_cpu_suite, run_suite
+    from moesim.executor.validation import CPU_CASES, SYNTHETIC_SPEC, machine, run_cpu_suite, run_suite  # torch
 
     check_output_dir(out)
+    # torch, as above (interrupt itself does not import it, but belongs to the suite's run)
     from moesim.executor.interrupt import stop_on_interrupt, stop_requested
-    from moesim.executor.validation_queues import QUEUE_LINKS, QUEUE_PREDICTORS, run_queue_suite
+    from moesim.executor.validation_queues import QUEUE_LINKS, QUEUE_PREDICTORS, run_queue_suite  # torch
 
     cpu_policies = cpu_policies and model in (None, SYNTHETIC_SPEC.name)
     copy_queues = copy_queues and model in (None, SYNTHETIC_SPEC.name)

@@ -19,7 +19,6 @@ import re
 from typing import Any
 
 import numpy as np
-from scipy.optimize import nnls
 
 from moesim.engines import get_engine
 from moesim.errors import MoesimError
@@ -34,6 +33,8 @@ def fit_profile(trace: Trace, base: HardwareProfile, name: str | None = None) ->
         raise MoesimError("the trace has no measured timings to fit (record one with moesim profile)")
     if trace.batch != 1:
         raise MoesimError("fitting uses batch-1 traces (every block memory-bound)")
+    from scipy.optimize import nnls  # scipy.optimize takes 0.4 s to import: only a fit pays it
+
     spec = trace.model
     tm = trace.timings
     eager = get_engine()  # the executor's engine: PyTorch eager
@@ -104,6 +105,7 @@ MAX_TPOT_ERROR = 0.10
 
 def fit_warnings(quality: dict[str, Any]) -> list[str]:
     """Why a fitted profile should not be trusted, one sentence each (empty: the fit is fine)."""
+
     w = []
     if not quality["r2"] >= MIN_R2:
         w.append(f"poor fit: R^2 {quality['r2']:.3f} < {MIN_R2} (the model explains little of the measured block times)")

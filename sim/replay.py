@@ -29,6 +29,7 @@ from moesim.sim.cpu_compute import load_calibration, separate_calibration
 from moesim.sim.prefetch_top import keep_top_predictions
 from moesim.sim.quantised import with_expert_dtype
 from moesim.sim.simulate import SimResult, simulate_policies
+from moesim.sim.sweep import split_notes, threads_notes, unused_options
 from moesim.traces.format import Trace, read_trace
 
 DEFAULT_POLICIES = ("on-demand", "prefetch-fom", "prefetch-spec", "oracle")
@@ -194,8 +195,6 @@ def unused_notes(policies, hw: str | None, *, host=None, cpu_layers="auto", gpu_
     (:func:`moesim.sim.sweep.unused_options`, the definition whatif uses), or None. The
     options as given (``None``: left out), the cache as the replay runs it (given, else
     recorded): no cache evicts nothing; a split other than layer needs several GPUs."""
-    from moesim.policy import get_policy
-    from moesim.sim.sweep import split_notes, threads_notes, unused_options
 
     gpus = get_machine(hw).n_gpus if hw is not None else 1
     cached = bool(cache_gib) or bool(cache_experts)

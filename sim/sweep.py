@@ -7,6 +7,7 @@ memory and is never the oracle (:func:`moesim.sim.whatif.best`).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -14,14 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from moesim import budget
+from moesim.atomic import exclusive
 from moesim.engines import get_engine
 from moesim.errors import MoesimError
 from moesim.hardware import get_host, get_machine
-from moesim.models import get_model
+from moesim.models import DTYPES, get_model
 from moesim.placement import UNIFORM
-from moesim.policy import WHATIF_POLICIES, check_lookahead, get_policy
+from moesim.policy import QUEUES, WHATIF_POLICIES, check_eviction, check_lookahead, get_policy
+from moesim.quant_recipes import is_format
 from moesim.sim.cpu_compute import load_calibration, separate_calibration
-from moesim.sim.whatif import GOALS, Sweep, best, compile_kernels_aside, run_sweep
+from moesim.sim.sweep_rows import check_rows_path
+from moesim.sim.whatif import BACKENDS, GOALS, Sweep, best, compile_kernels_aside, run_sweep
 from moesim.traces.format import read_trace
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
@@ -96,12 +100,7 @@ def check_values(*, eviction: str, sim: str, backend: str, link_gbps, cache_gib,
                  threads, jobs, lookaheads) -> None:
     """Every value the CLI can check, checked in one line before any work (a bad one found
     per configuration group would end, after the work, in "2 of 4 groups failed")."""
-    import math
 
-    from moesim.models import DTYPES
-    from moesim.policy import QUEUES, check_eviction
-    from moesim.quant_recipes import is_format
-    from moesim.sim.whatif import BACKENDS
 
     check_eviction(eviction)
     if sim not in ("fast", "simpy"):
@@ -260,8 +259,6 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
                  lookaheads=lookaheads)
     if rows_csv is None:
         return _whatif(**locals())
-    from moesim.atomic import exclusive
-    from moesim.sim.sweep_rows import check_rows_path
 
     check_rows_path(Path(rows_csv))
     with exclusive(rows_csv, "--rows"):  # a second identical sweep on these rows: one line, before any work
@@ -438,7 +435,6 @@ def split_notes(split: str, ratios, gpu_counts: list[int]) -> list[str]:
 def profile_notes(policy: str, eviction: str, given: set[str], cached: bool, hardware: bool) -> list[str]:
     """``moesim profile``: a note for each option typed that the run does not use (the
     :func:`unused_options` wording)."""
-    from moesim.policy import get_policy
 
     if hardware:
         return []

@@ -27,6 +27,7 @@ from typing import Any
 
 from moesim.atomic import atomic_write_text, sidecar, signals_held
 from moesim.errors import MoesimError
+from moesim.outputs import check_output_file
 
 #: Figures that a run writes as a number >= 0 or leaves empty (None); anything else is an edit.
 NON_NEGATIVE = ("tpot_ms", "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms", "tokens_per_s", "compute_ms", "copy_ms",
@@ -231,7 +232,6 @@ def write_rows(out: Path, rows: list[dict[str, Any]], fingerprint: str, fresh: b
 def check_rows_path(out: Path) -> None:
     """``--rows`` checked before any work: a file (or a place one can be made) with names
     that fit, and, if it exists, one this moesim could have written."""
-    from moesim.outputs import check_output_file
 
     check_output_file(out, what="--rows")
     for p in (manifest_path(out), sums_path(out)):

@@ -203,3 +203,15 @@ def both_ways(cases: list[tuple], sub=by_subprocess, first: bool = True, subproc
             params.append(pytest.param(sub, *case, id=f"subprocess-{i}",
                                        marks=() if i == 0 and first else pytest.mark.slow))
     return params
+
+
+def hide(*packages: str) -> str:
+    """Python that makes ``packages`` not installed, as a machine without them has it: their
+    import raises ModuleNotFoundError and ``sys.modules`` holds no entry (an entry of None,
+    the usual trick, is not what such a machine has: scipy's array-API check reads it)."""
+    return ("import importlib.abc, sys\n"
+            "class _NotInstalled(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            f"        if name.split('.')[0] in {set(packages)!r}:\n"
+            "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+            "sys.meta_path.insert(0, _NotInstalled())\n")

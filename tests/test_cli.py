@@ -43,7 +43,9 @@ def test_typer_builds_the_invoked_command_alone_and_keeps_every_one_for_the_grou
     """moesim.cli.argv.only_command: a command's run sees that command registered alone;
     the group's help, --version and an unknown name see all seventeen, and so does the app
     after any run (in-process callers, the suite's runner, invoke one after another)."""
-    from moesim.cli import app
+    from moesim.cli import every_command
+
+    app = every_command()
     from moesim.cli.argv import only_command
 
     every = list(app.registered_commands)
@@ -227,7 +229,9 @@ def invoke(*args, cwd):
     import torch
     from typer.testing import CliRunner
 
-    from moesim.cli import app
+    from moesim.cli import every_command
+
+    app = every_command()
 
     threads, here = torch.get_num_threads(), os.getcwd()
     os.chdir(cwd)

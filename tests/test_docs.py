@@ -8,7 +8,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from moesim.cli import app
+from moesim.cli import every_command
+
+app = every_command()  # every command registered (a run registers the one it runs)
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG = "long-running"

@@ -267,7 +267,9 @@ def test_every_family_is_read(families, family, tmp_path):
     from moe_families import quiet
     from typer.testing import CliRunner
 
-    from moesim.cli import app
+    from moesim.cli import every_command
+
+    app = every_command()
     from moesim.hf_config import meta_model, stored_params
 
     d = _checkpoint(families, family, tmp_path)
@@ -290,7 +292,9 @@ def test_every_family_is_read(families, family, tmp_path):
 def test_every_family_is_recorded(families, family, tmp_path):
     from typer.testing import CliRunner
 
-    from moesim.cli import app
+    from moesim.cli import every_command
+
+    app = every_command()
     from moesim.traces.format import read_trace
 
     d = _checkpoint(families, family, tmp_path)

@@ -199,7 +199,9 @@ def test_draft_with_another_vocabulary_is_one_line_before_any_work(ckpt, tmp_pat
         rs.DraftSettings(depth=0)
     from typer.testing import CliRunner
 
-    from moesim.cli import app
+    from moesim.cli import every_command
+
+    app = every_command()
 
     for args, says in [(["--draft", str(ckpt["dense"]), "--temperature", "1"], "greedily"),
                        (["--budget", "2"], "apply to record --draft"),

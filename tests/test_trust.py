@@ -25,7 +25,7 @@ from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "stranger"))
 from cases import make_readonly, undo_readonly  # noqa: E402
-from cli_run import BOTH_WAYS, both_ways, one_line_error, sample  # noqa: E402
+from cli_run import BOTH_WAYS, both_ways, hide, one_line_error, sample  # noqa: E402
 from cli_signals import signal_when  # noqa: E402
 
 
@@ -197,7 +197,7 @@ def test_an_empty_option_value_is_one_line_before_any_work(tmp_path, args):
 
 @pytest.mark.parametrize("args", [("profile", "--model", "tiny", "--tokens", "2"), ("validate",), ("calibrate",)])
 def test_missing_torch_is_one_line_naming_the_extra(work, args):
-    r = moesim(*args, cwd=work, pre="import sys; sys.modules['torch'] = None; sys.modules['safetensors'] = None")
+    r = moesim(*args, cwd=work, pre=hide("torch", "safetensors"))
     one_line_error(r, 'pip install "moesim[executor]"', "download.pytorch.org/whl/cpu")
 
 

@@ -19,7 +19,7 @@ from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 from moesim.traces.synthetic_speculative import synth_speculative
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_run import both_ways, in_process, one_line_error  # noqa: E402
+from cli_run import both_ways, hide, in_process, one_line_error  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,7 @@ def test_the_expert_predictors_counts_are_refused_before_torch(tmp_path, args):
     with torch hidden the line must still be the counts' own, not "needs torch"."""
     import subprocess
 
-    code = ("import sys; sys.modules['torch'] = None; sys.argv = ['moesim', 'train-expert-predictor', *sys.argv[1:]]\n"
+    code = (hide("torch") + "import sys; sys.argv = ['moesim', 'train-expert-predictor', *sys.argv[1:]]\n"
             "from moesim.cli import main\nmain()")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=tmp_path, env=env,

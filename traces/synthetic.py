@@ -61,7 +61,7 @@ from moesim import __version__, budget
 from moesim.errors import MoesimError
 from moesim.models import ModelSpec
 from moesim.outputs import check_free_space
-from moesim.traces.format import Trace
+from moesim.traces.format import Streamed, Trace, write_trace_streamed
 from moesim.traces.header import make_header
 
 #: Expert slots drawn per call of the compiled kernel (progress is reported between calls).
@@ -634,7 +634,6 @@ def write_synthetic_trace(spec: ModelSpec, params: SyntheticParams, path: str | 
     length, and the trace is touched once, in the file's pages, not first in memory (at ~0.4 GB/s
     for memory new to a process on this project's virtual machine, the larger cost for 100,000
     Qwen3-235B-A22B tokens: 600 MB)."""
-    from moesim.traces.format import Streamed, write_trace_streamed
 
     per_step = spec.n_moe_layers * params.batch * spec.top_k
     rows = min(params.tokens, _chunk_rows(per_step))

@@ -2,12 +2,12 @@
 
 Every user error ends as one line on stderr and exit code 2 (see :func:`main`).
 
-Each command imports the library it calls inside its function, not at the top of its
-module: all command modules are imported to build the app, so a top-level import would
-make ``moesim --help`` (and every command) pay for every other command's libraries, and
-a simulator command would import torch. These are the only function-level imports of
-moesim's own modules besides the numba kernels (compiled on first use), the executor
-behind torch, and two circles that say so where they are.
+A run imports the module of the command it runs and no other (:data:`COMMANDS`,
+:func:`load_commands`): each command module imports the library it calls at its top, and
+``moesim whatif`` never pays for ``record``'s. The group's help (``moesim``, ``--help``, a
+name that is no command) imports them all, as does :func:`every_command`, the whole app
+(for typer's test runner). Imports inside functions are left for torch (the executor) and
+the numba kernels, each saying so.
 """
 
 from __future__ import annotations
@@ -19,32 +19,14 @@ import sys
 
 import typer
 
-from moesim.cli import (  # noqa: F401  (each module registers its command on the app)
-    calibrate,
-    ecospec,
-    fit,
-    hw,
-    import_routing,
-    models,
-    profile,
-    record,
-    replay,
-    speculate,
-    stats,
-    synth,
-    train,
-    train_estimator,
-    train_expert_predictor,
-    validate,
-    whatif,
-)
 from moesim.cli.app import app, err
-from moesim.cli.argv import clashing_flags, empty_option, only_command
+from moesim.cli.argv import COMMANDS, clashing_flags, empty_option, every_command, load_commands, only_command
 from moesim.errors import MoesimError
+from moesim.executor.interrupt import Interrupted
 from moesim.stop import catch_sigterm, exit_code, ignore_further, interrupted_line
 from moesim.stop import reset as reset_stop
 
-__all__ = ["app", "main"]
+__all__ = ["COMMANDS", "app", "every_command", "load_commands", "main"]
 
 OPTIONAL = {"torch": "executor", "safetensors": "executor", "pynvml": "executor", "transformers": "record",
             "ray": "distributed", "gguf": "gguf"}
@@ -75,6 +57,7 @@ def main() -> None:
     if clash := clashing_flags(sys.argv[1:]):
         _fail(clash)
     try:
+        load_commands(sys.argv[1:])
         with only_command(sys.argv[1:]):
             code = app(standalone_mode=False)
     except click.NoArgsIsHelpError as e:  # `moesim CMD` alone: its help, as click shows it
@@ -102,7 +85,6 @@ def main() -> None:
               "a smaller cache)")
     except MoesimError as e:
         ignore_further()  # exiting either way: a signal now must not interrupt the import below
-        from moesim.executor.interrupt import Interrupted  # no torch: errors only
 
         if isinstance(e, Interrupted):
             err.print(str(e), highlight=False, markup=False, soft_wrap=True)

@@ -19,6 +19,7 @@ from rich.text import Text
 
 from moesim import __version__
 from moesim.cli.lists import auto_or, floats, ints, split  # noqa: F401 (re-exported: every command imports them from here)
+from moesim.fmt import number
 from moesim.jsonout import print_json as print_json  # strict JSON (no NaN or Infinity); re-exported
 
 HELP = """How fast will this MoE decode on this hardware, with which offloading policy, and why?
@@ -119,7 +120,6 @@ def table(title: str, columns: tuple[str, ...] | list[str], rows: list[list[str]
 def results_table(rows: list[dict[str, Any]], title: str, cols: tuple[tuple[str, str], ...]) -> Table:
     """Result rows, floats to 3 significant digits without exponents (moesim.fmt.number); a
     value a row does not have (None: no CPU in an all-GPU layout) is shown as ``-``."""
-    from moesim.fmt import number
 
     def cell(v: Any) -> str:
         return "-" if v is None else number(v) if isinstance(v, float) else str(v)

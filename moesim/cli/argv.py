@@ -1,9 +1,10 @@
 """What :func:`moesim.cli.main` reads of the command line before typer does: an option
-given an empty value (refused in one line), and which command runs (the only one typer
-then builds)."""
+given an empty value (refused in one line), and which command runs (the only one whose
+module is imported, :func:`load_commands`, and that typer then builds)."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -54,3 +55,27 @@ def only_command(argv: list[str]) -> Iterator[None]:
         yield
     finally:
         app.registered_commands = every
+
+
+#: Each command's name and the module (moesim.cli.NAME) that registers it, in the order the
+#: group's help lists them.
+COMMANDS = {"calibrate": "calibrate", "ecospec": "ecospec", "fit": "fit", "hw": "hw", "import": "import_routing",
+            "models": "models", "profile": "profile", "record": "record", "replay": "replay",
+            "speculate": "speculate", "stats": "stats", "synth": "synth", "train": "train",
+            "train-estimator": "train_estimator", "train-expert-predictor": "train_expert_predictor",
+            "validate": "validate", "whatif": "whatif"}
+
+
+def load_commands(argv: list[str] | None = None) -> None:
+    """Register the command ``argv`` runs (its module imported), or every command when
+    ``argv`` names none (``moesim``, ``--help``, ``--version``, a name that is no command:
+    the group's help and its "no such command" list them all)."""
+    name = argv[0] if argv else None
+    for module in [COMMANDS[name]] if name in COMMANDS else COMMANDS.values():
+        importlib.import_module(f"moesim.cli.{module}")
+
+
+def every_command() -> typer.Typer:
+    """The app with every command registered (typer's test runner invokes it directly)."""
+    load_commands()
+    return app

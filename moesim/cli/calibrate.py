@@ -34,7 +34,7 @@ def calibrate(
     Example: `moesim calibrate --model moe-stdlib --tokens 512` (writes ./moe-stdlib-calibrated/)
     """
     check_calibrate_tokens(tokens)  # before torch loads
-    from moesim.executor.derive import calibrate_checkpoint
+    from moesim.executor.derive import calibrate_checkpoint  # torch: loaded when the command runs
 
     with holding(out_dir, "--out"), progress_bar("calibrating", "tokens") as update:  # given: a second run refused
         path, n, what = calibrate_checkpoint(model, out_dir, text, tokens, force, threads, update)

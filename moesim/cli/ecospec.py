@@ -8,10 +8,18 @@ from typing import Annotated
 
 import typer
 
+from moesim import budget
 from moesim.cli.app import app, err, floats, ints, out, print_json, results_table, split
 from moesim.cli.options import holding
 from moesim.cli.running import writing_report
+from moesim.errors import MoesimError
+from moesim.models import get_model
 from moesim.outputs import check_output_dir
+from moesim.reports.ecospec import ecospec_report
+from moesim.sim.deployment import get_deployment
+from moesim.sim.draft import parse_draft
+from moesim.sim.ecospec import ecospec_whatif, parse_selections, whatif_estimate
+from moesim.traces.synthetic_speculative import SpecSynthParams
 
 COLS = (("model", "model"), ("deployment", "deployment"), ("selection", "selection"), ("gamma", "gamma"),
         ("tokens_per_step", "tok/step"), ("distinct_experts_per_step", "experts/step"), ("verify_ms", "verify ms"),
@@ -47,16 +55,8 @@ def ecospec(
 
     Example: `moesim ecospec --model qwen3-235b-a22b --deployment 8xh200-tp,1xh200-offload --gamma 2,8 --steps 16`
     """
-    from moesim import budget
-    from moesim.models import get_model
-    from moesim.reports.ecospec import ecospec_report
-    from moesim.sim.deployment import get_deployment
-    from moesim.sim.draft import parse_draft
-    from moesim.sim.ecospec import ecospec_whatif, parse_selections, whatif_estimate
-    from moesim.traces.synthetic_speculative import SpecSynthParams
 
     if seed < 0:
-        from moesim.errors import MoesimError
 
         raise MoesimError(f"--seed {seed}: a whole number >= 0")
     params = SpecSynthParams(steps=steps, branch=branch, depth=depth, accept=tuple(floats(accept, "--accept", repeats=True)),

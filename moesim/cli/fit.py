@@ -7,10 +7,15 @@ from typing import Annotated
 
 import typer
 
+from moesim.atomic import atomic_write_text
 from moesim.cli.app import app, err, out, table
 from moesim.cli.options import holding
 from moesim.errors import MoesimError
 from moesim.hardware import DEFAULT_PROFILE, get_machine
+from moesim.outputs import check_output_file
+from moesim.sim.fit import fit_profile
+from moesim.sim.replay import trace_profile
+from moesim.traces.format import read_trace
 
 
 @app.command()
@@ -27,11 +32,6 @@ def fit(
     Example: `moesim fit run.npz --out mybox-fitted.toml`, then `--hw mybox-fitted.toml`
     makes any command predict for this machine without measured times.
     """
-    from moesim.atomic import atomic_write_text
-    from moesim.outputs import check_output_file
-    from moesim.sim.fit import fit_profile
-    from moesim.sim.replay import trace_profile
-    from moesim.traces.format import read_trace
 
     if out_path is not None:
         check_output_file(out_path, (".toml",))

@@ -7,7 +7,19 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, out, print_csv, print_json, table
+from moesim.engines import DEFAULT_ENGINE, ENGINE_FIGURES, builtin_engines, get_engine
 from moesim.errors import MoesimError
+from moesim.hardware import (
+    DEFAULT_PROFILE,
+    FIGURES,
+    HOST_FIGURES,
+    THIS_HOST,
+    builtin_hosts,
+    builtin_profiles,
+    get_host,
+    get_profile,
+    this_machine,
+)
 
 
 @app.command()
@@ -34,17 +46,6 @@ def hw(
     if engines:
         _engines(profile, as_json, as_csv)
         return
-    from moesim.hardware import (
-        DEFAULT_PROFILE,
-        FIGURES,
-        HOST_FIGURES,
-        THIS_HOST,
-        builtin_hosts,
-        builtin_profiles,
-        get_host,
-        get_profile,
-        this_machine,
-    )
 
     if hosts:
         found = [get_host(profile)] if profile else [get_host(n) for n in builtin_hosts()]
@@ -94,7 +95,6 @@ def hw(
 
 
 def _engines(name: str | None, as_json: bool, as_csv: bool) -> None:
-    from moesim.engines import DEFAULT_ENGINE, ENGINE_FIGURES, builtin_engines, get_engine
 
     found = [get_engine(name)] if name else [get_engine(n) for n in builtin_engines()]
     if as_json:

@@ -10,6 +10,8 @@ import typer
 from moesim.cli.app import app, err
 from moesim.cli.options import holding
 from moesim.fmt import plural
+from moesim.outputs import check_output_file
+from moesim.traces.importers import import_routing as run_import
 
 
 @app.command("import")
@@ -31,8 +33,6 @@ def import_routing(
     Example: `moesim import vllm vllm-synthetic-deepseek-v2-lite.json --model deepseek-v2-lite --out imported.npz`
     (needs a dump file: traces/examples/ in the source tree has one file of each format)
     """
-    from moesim.outputs import check_output_file
-    from moesim.traces.importers import import_routing as run_import
 
     check_output_file(out_path, (".npz",))  # before the model's config.json (transformers: seconds), not after
     if prompt_tokens is not None and fmt in ("jsonl", "npz", "sglang"):

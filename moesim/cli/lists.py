@@ -5,6 +5,7 @@ except the lists that go by position (shares per GPU, rates per depth)."""
 from __future__ import annotations
 
 from moesim.errors import MoesimError
+from moesim.policy import get_policy
 
 
 def split(value: str, option: str, repeats: bool = False) -> list[str]:
@@ -68,7 +69,6 @@ def auto_or(value: str, option: str, kind: type) -> list:
 def policies(value: str, option: str = "--policy") -> list[str]:
     """Policy names as given, none twice once aliases are resolved (``prefetch,prefetch-fom``
     would time prefetch-fom twice); an unknown name is the policy table's one line."""
-    from moesim.policy import get_policy
 
     items = split(value, option)
     _once([get_policy(v).name for v in items], items, option)

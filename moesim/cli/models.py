@@ -7,6 +7,8 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, err, out, print_csv, print_json, table
+from moesim.models import catalogue_in, get_model
+from moesim.quant_recipes import store_as  # a weight format or a llama.cpp file type (q4_k_m), as replay takes
 
 COLUMNS = ("model", "layers (MoE)", "experts + shared", "top-k", "hidden / inter", "expert dtype",
            "MB / expert", "GB / layer", "GB experts", "GB non-expert", "GB / token", "B params (active)", "layers by kind")
@@ -58,8 +60,6 @@ def models(
     `moesim models qwen3-30b-a3b --expert-dtype int4-g128`; a model directory
     (a Hugging Face folder with its config.json) works as a name too.
     """
-    from moesim.models import catalogue_in, get_model
-    from moesim.quant_recipes import store_as  # a weight format or a llama.cpp file type (q4_k_m), as replay takes
 
     skipped: dict[str, str] = {}
     if model:

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Annotated
 
 import typer
 
+from moesim.atomic import exclusive
 from moesim.errors import MoesimError
+from moesim.hardware import given_path
+from moesim.inputs import TOML_CAP, check_input
 from moesim.stop import ignore_further
 
 ENGINES = "llama.cpp, ik_llama.cpp, ktransformers, vllm, sglang, moe-infinity, mixtral-offloading, pytorch-eager (default)"
@@ -25,8 +28,6 @@ def _profile_files(what: str):
     at once, even where the run would not read it (``--host`` under a GPU-only policy)."""
     def check(value: str | None) -> str | None:
         if value:
-            from moesim.hardware import given_path
-            from moesim.inputs import TOML_CAP, check_input
 
             for item in value.split(","):
                 p = given_path(item.strip(), what) if item.strip() else None
@@ -85,9 +86,7 @@ def ends_on_interrupt() -> Iterator[None]:
 
 def holding(path, what: str):
     """``path``'s lock while within (:func:`moesim.atomic.exclusive`); nothing for None."""
-    from contextlib import nullcontext
 
-    from moesim.atomic import exclusive
 
     return nullcontext() if path is None else exclusive(path, what)
 

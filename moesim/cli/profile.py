@@ -8,13 +8,16 @@ from typing import Annotated
 
 import numpy as np
 import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from moesim.cli.app import app, err, out, table
-from moesim.cli.options import holding, torch_threads
+from moesim.cli.options import given_options, holding, torch_threads
 from moesim.cli.running import keeps_finished_work, progress_bar
 from moesim.executor.defaults import DECODE_THREADS, SHIPPED_MODEL
-from moesim.hardware import DEFAULT_PROFILE
+from moesim.hardware import DEFAULT_PROFILE, FIGURES
+from moesim.outputs import check_output_file
 from moesim.policy import check_eviction
+from moesim.sim.sweep import profile_notes
 
 
 @app.command()
@@ -88,15 +91,12 @@ def profile(
     Examples: `moesim profile --model tiny --policy prefetch-fom --link-gbps 0.5 --tokens 4 --out run.npz`,
     then `moesim replay run.npz --validate`; `moesim profile --hardware --name mybox` (long-running) writes ./mybox.toml.
     """
-    from moesim.cli.options import given_options
-    from moesim.sim.sweep import profile_notes
 
     check_eviction(eviction)  # before torch loads, as sweeps check it
     for note in profile_notes(policy, eviction, given_options(ctx), cache_gib > 0 or cache_experts > 0, hardware):
         err.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     if hardware:
-        from moesim.executor.hwbench import MEASURE_STEPS, measure_to_file
-        from moesim.hardware import FIGURES
+        from moesim.executor.hwbench import MEASURE_STEPS, measure_to_file  # torch: loaded when the command runs
 
         total, done = MEASURE_STEPS["cuda" if device.startswith("cuda") else "cpu"], [0]
         with progress_bar("measuring", "steps") as update:
@@ -111,10 +111,8 @@ def profile(
             host = path.with_name(f"{path.stem}-host.toml")
             out.print(f"this machine as a host (for --host, e.g. --hw none --host {host}): {host}")
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from moesim.executor.runs import DecodeRequest, record_decode
-    from moesim.outputs import check_output_file
+    from moesim.executor.runs import DecodeRequest, record_decode  # torch: loaded when the command runs
 
     check_output_file(out_path or Path("profile.npz"))  # before the progress bar: an error is then one line
 

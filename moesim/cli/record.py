@@ -11,8 +11,10 @@ import typer
 from moesim.cli.app import app, err
 from moesim.cli.options import holding
 from moesim.cli.running import keeps_finished_work, progress_bar
+from moesim.errors import MoesimError
 from moesim.executor.defaults import RECORD_DRAFT as D  # torch-free: --help shows them
 from moesim.fmt import plural
+from moesim.inputs import read_text
 
 
 @app.command()
@@ -61,18 +63,16 @@ def record(
     `moesim record moe-stdlib --draft moe-stdlib-draft --tokens 8 --out real-sd.npz`, then
     `moesim replay real-sd.npz --gamma 2,4`
     """
-    from moesim.errors import MoesimError
 
     prompts: object = list(prompt) if prompt else None
     source = "--prompt" if prompt else ""
     if prompt_ids and (prompt or prompts_file is not None):
         raise MoesimError("--prompt-ids and --prompt / --prompts-file: give one (token ids, or text)")
     if prompt_ids:
-        from moesim.executor.loading import parse_prompt_ids
+        from moesim.executor.loading import parse_prompt_ids  # torch: loaded when the command runs
 
         prompts, source = [parse_prompt_ids(text) for text in prompt_ids], "--prompt-ids"
     if prompts_file is not None:
-        from moesim.inputs import read_text  # a device, a silent FIFO, a folder, not UTF-8: one line, unread
 
         prompts = [line for line in read_text(prompts_file, "prompts file", expected="text, one prompt a line")
                    .splitlines() if line.strip()]
@@ -89,6 +89,7 @@ def record(
         if draft is not None:
             if temperature != 0 or (batch or 1) != 1:
                 raise MoesimError("record --draft decodes greedily at batch 1 (no --temperature, no --batch)")
+            # torch: loaded when the command runs
             from moesim.executor.record_speculative import DraftSettings, record_speculative_trace
 
             settings = DraftSettings(**tree)  # the defaults live there
@@ -101,7 +102,7 @@ def record(
                       f"steps ({acc.mean():.2f} a step), {1 + settings.budget} rows verified a step at most (real pair, no "
                       "timings)")
             return
-        from moesim.executor.record import record_trace
+        from moesim.executor.record import record_trace  # torch: loaded when the command runs
 
         with progress_bar("recording", "steps") as update:
             trace = record_trace(model_dir, out_path, prompts, tokens=tokens, device=device, batch=batch,

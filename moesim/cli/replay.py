@@ -13,11 +13,15 @@ from moesim.cli import options as opt
 from moesim.cli.app import app, auto_or, err, floats, print_csv, print_json
 from moesim.cli.lists import policies
 from moesim.cli.options import CachePerLayer, Engine, GpuLayers, Host, OffloadGib, Threads, given_options, holding, one
+from moesim.cli.replay_views import SD_WHATIF_OPTIONS, print_replay, print_validation, speculative_replay
 from moesim.cli.running import progress_bar, writing_report
 from moesim.engines import get_engine  # imported with the CLI anyway (moesim.policy's cost model)
 from moesim.errors import MoesimError
 from moesim.hardware import DEFAULT_PROFILE
 from moesim.outputs import check_output_dir  # light (2 ms to import): checked before the lock
+from moesim.reports.replay import write_replay_report
+from moesim.sim.replay import replay as run_replay
+from moesim.traces.format import read_trace
 
 REPLAY_POLICIES = "on-demand,prefetch-fom,prefetch-spec,oracle"
 SD = "Speculative traces, with --gamma: "
@@ -97,9 +101,6 @@ def replay(
 
     Example: `moesim replay run.npz --hw h100-sxm --policy on-demand,prefetch --cache-gib 8 --out run-report`
     """
-    from moesim.cli.replay_views import SD_WHATIF_OPTIONS, print_replay, print_validation, speculative_replay
-    from moesim.sim.replay import replay as run_replay
-    from moesim.traces.format import read_trace
 
     if out_dir is not None:
         check_output_dir(out_dir)  # before its lock file is made
@@ -134,7 +135,6 @@ def replay(
         else:
             print_replay(rep, trace, sim)
         if out_dir is not None:
-            from moesim.reports.replay import write_replay_report
 
             with writing_report(out_dir):
                 page = write_replay_report(trace, trace_path, rep.profile, rep.results, out_dir, rep.step)

@@ -5,8 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from moesim.cli.app import err, out, print_csv, print_json, results_table, table
+from moesim.cli.app import err, floats, ints, out, print_csv, print_json, results_table, split, table
 from moesim.fmt import plural
+from moesim.hardware import get_profile
+from moesim.reports.validation import write_single_validation
+from moesim.sim.analysis import why
+from moesim.sim.speculative import speculative_whatif
+from moesim.sim.validate import recorded_profile, validate_trace
 
 SUMMARY_COLS = (("policy", "policy"), ("tpot_ms", "TPOT ms"), ("tpot_p99_ms", "p99 ms"), ("tokens_per_s", "tok/s"),
                 ("compute_ms", "compute ms"), ("copy_ms", "copy ms"), ("stall_ms", "stall ms"),
@@ -25,7 +30,6 @@ def cache_text(row: dict, source: str) -> str:
 def print_replay(rep, trace, sim: str) -> None:
     """The replay's table, titled with the profile, link, cache, trace and compute source it
     used, and one line per policy on what bounds it."""
-    from moesim.sim.analysis import why
 
     rows = rep.rows
     src = ("measured run, synthetic routing" if trace.measured else "synthetic trace") if trace.synthetic else "trace"
@@ -70,9 +74,6 @@ def speculative_replay(trace, trace_path: Path, hw_name: str | None, policy: lis
                        selection: str, score: str, lam: str, link_gbps: float | None, timing: str, shape: tuple,
                        as_json: bool, as_csv: bool, given: set[str]) -> None:
     """``moesim replay`` of a speculative-decoding trace (``shape``: --depth, --branch, --acceptance)."""
-    from moesim.cli.app import floats, ints, split
-    from moesim.hardware import get_profile
-    from moesim.sim.speculative import speculative_whatif
 
     gammas = ints(gamma, "--gamma") if gamma is not None else None  # whole numbers: 1.5 was cut to 1, nan a traceback
     selections = tuple(split(selection, "--selection"))
@@ -106,8 +107,6 @@ def print_speculative(res: dict[str, Any], trace_path: Path) -> None:
 
 def print_validation(trace, trace_path: Path, hw_name: str | None, sim: str, as_json: bool,
                      out_dir: Path | None, as_csv: bool = False, copy_queue: str | None = None) -> None:
-    from moesim.hardware import get_profile
-    from moesim.sim.validate import recorded_profile, validate_trace
 
     hw_profile = get_profile(hw_name) if hw_name else None
     s, result = validate_trace(trace, hw_profile, sim=sim, **({"copy_queue": copy_queue} if copy_queue else {}))
@@ -132,7 +131,6 @@ def print_validation(trace, trace_path: Path, hw_name: str | None, sim: str, as_
                   f"compute: {cfg['timing']}{queue}. A plain `moesim replay` uses the set link and predicts every policy, "
                   "so its numbers can differ from these.")
     if out_dir is not None:
-        from moesim.reports.validation import write_single_validation
 
         page = write_single_validation(trace, trace_path, recorded_profile(trace, hw_profile), s, result, out_dir)
         err.print(f"report: {page}")

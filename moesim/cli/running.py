@@ -3,6 +3,7 @@ and Ctrl-C that keeps finished work."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 from collections.abc import Callable, Iterator
@@ -10,7 +11,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
 from moesim.cli.app import err
+from moesim.executor.interrupt import stop_on_interrupt
 from moesim.stop import exit_code, interrupted_line, stop_received
 
 
@@ -19,7 +23,6 @@ def progress_bar(what: str, unit: str, disable: bool = False) -> Iterator[Callab
     """A transient progress bar with the time left on stderr; yields ``update(done, total)``
     for a library call's ``progress`` callback (``update(done, total, doing)`` also says
     what is running now)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
                   TimeRemainingColumn(), console=err, transient=True, disable=disable or not err.is_terminal) as bar:
@@ -53,11 +56,9 @@ def keeps_finished_work(command: Callable) -> Callable:
     129), even when the signal came after its last step. Without this, a SIGINT
     that lands before the library's own loop begins took another path (a KeyboardInterrupt
     through imports), and under load it was once lost: the run went on to the end."""
-    import functools
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from moesim.executor.interrupt import stop_on_interrupt  # no torch: signals and errors only
 
         with stop_on_interrupt():
             result = command(*args, **kwargs)

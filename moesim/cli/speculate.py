@@ -43,7 +43,7 @@ def speculate(
     Example: `moesim speculate --selection ecospec --gamma 2 --tokens 8 --link-gbps 0.5 --out sd.npz`,
     then `moesim replay sd.npz` replays it.
     """
-    from moesim.executor.runs import SpeculateRequest, record_speculative
+    from moesim.executor.runs import SpeculateRequest, record_speculative  # torch: loaded when the command runs
 
     req = SpeculateRequest(model, draft, policy, selection, score, lam, gamma, branch, depth, tokens, hw_name, link_gbps,
                            cache_experts, prompt, threads)

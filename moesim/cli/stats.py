@@ -14,6 +14,8 @@ from moesim.cli.running import writing_report
 from moesim.errors import MoesimError
 from moesim.outputs import check_output_dir
 from moesim.policy import get_policy  # light: the CLI imports it anyway (the cost model's policies)
+from moesim.reports.stats import stats_report
+from moesim.sim.stats import summary_lines
 
 
 @app.command()
@@ -36,8 +38,6 @@ def stats(
     Example: `moesim synth --model olmoe-1b-7b --tokens 64 --out olmoe.npz`, then
     `moesim stats olmoe.npz --hw a6000 --out olmoe-stats`
     """
-    from moesim.reports.stats import stats_report
-    from moesim.sim.stats import summary_lines
 
     if hw_name is None and "--policy" in given_options(ctx):
         err.print("note: --policy sets the TPOT-against-cache curve, which only --hw draws: changed nothing",

@@ -13,7 +13,12 @@ from moesim.cli.options import given_options, holding
 from moesim.cli.running import progress_bar
 from moesim.errors import MoesimError
 from moesim.fmt import plural
+from moesim.models import get_model
 from moesim.outputs import check_output_file
+from moesim.sim.stats import synth_like_file
+from moesim.traces.format import read_trace
+from moesim.traces.synthetic import SyntheticParams, write_synthetic_trace
+from moesim.traces.synthetic_speculative import synth_speculative
 
 
 @app.command()
@@ -88,22 +93,18 @@ def synth(
     check_output_file(out_path)  # before its lock: a path that cannot be written is that one line
     with holding(out_path, "--out"):  # two runs on one file: the second refused (its trace would replace the first's)
         if like is not None and speculative:  # acceptance, overlap and skew fitted to a speculative trace
-            from moesim.traces.format import read_trace
-            from moesim.traces.synthetic_speculative import synth_speculative
 
             trace, _ = synth_speculative(read_trace(like).model, out_path, like=like, steps=tokens, seed=seed)
             err.print(f"wrote synthetic speculative trace {out_path} ({tokens} verification steps of {trace.model.name}, "
                       f"{trace.n_tokens} tokens accepted, parameters fitted to {like})")
             return
         if like is not None:
-            from moesim.sim.stats import synth_like_file
 
             spec = synth_like_file(like, out_path, tokens, batch, seed, lookahead=lookahead)
             err.print(f"wrote synthetic trace {out_path} ({plural(tokens, 'step')} of {spec.name}, batch {batch}, "
                       f"parameters fitted to {like})")
             return
         if speculative:
-            from moesim.traces.synthetic_speculative import synth_speculative
 
             # Routing defaults are the calibrated ones (docs/speculative.md); --skew other than its
             # default sets the Zipf exponent itself instead of the calibrated load ratio.
@@ -117,8 +118,6 @@ def synth(
             err.print(f"wrote synthetic speculative trace {out_path} ({tokens} verification steps of {trace.model.name}, "
                       f"{trace.n_tokens} tokens accepted)")
             return
-        from moesim.models import get_model
-        from moesim.traces.synthetic import SyntheticParams, write_synthetic_trace
 
         params = SyntheticParams(tokens, batch, prompt_len, skew, reuse, hit_rate, early_hit_rate, early_layers, seed,
                                  lookahead=1 if lookahead is None else lookahead, draw_seed=draw_seed)

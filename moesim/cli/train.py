@@ -6,12 +6,15 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from moesim import budget
 from moesim.cli.app import app, err
 from moesim.cli.options import holding, torch_threads
 from moesim.cli.running import keeps_finished_work
 from moesim.errors import MoesimError
-from moesim.executor.defaults import DECODE_THREADS, SHIPPED_MODEL
+from moesim.executor.defaults import DECODE_THREADS, SHIPPED_MODEL, stdlib_spec
+from moesim.outputs import check_output_dir
 
 
 @app.command()
@@ -41,11 +44,7 @@ def train(
     the loss curve) and loss.png. The shipped checkpoint took about 25 minutes on 2 cores.
     Example: `moesim train --steps 2 --batch 2 --seq 16 --out tiny-trained`
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from moesim import budget
-    from moesim.executor.defaults import stdlib_spec
-    from moesim.outputs import check_output_dir
 
     if min(steps, batch, seq, threads) < 1 or not 0 < lr < float("inf") or not 0 <= aux_coef < float("inf"):
         raise MoesimError("steps, batch, seq and threads must be >= 1, lr a positive number, aux-coef >= 0")
@@ -53,8 +52,8 @@ def train(
         raise MoesimError("--hidden must be a multiple of --heads (>= 2)")
     spec = stdlib_spec(name, layers, experts, top_k, hidden, inter, heads)
     budget.check(budget.train_estimate(spec, steps, batch, seq), warn=None)  # before torch loads (train warns)
-    from moesim.executor.loading import refuse_shipped
-    from moesim.executor.train import train as run_train
+    from moesim.executor.loading import refuse_shipped  # torch: loaded when the command runs
+    from moesim.executor.train import train as run_train  # torch: loaded when the command runs
 
     out_dir = out_dir or Path(f"{name}-trained")
     refuse_shipped(out_dir, force)

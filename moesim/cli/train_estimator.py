@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from moesim.cli.app import app, err, out, table
 from moesim.cli.options import holding, torch_threads
@@ -42,9 +43,8 @@ def train_estimator(
     Example: `moesim train-estimator --model moe-stdlib --tokens 512 --eval-tokens 256 --epochs 1 --width 16`
     """
     check_estimator_counts(tokens, eval_tokens, epochs, width, lr)  # before torch loads
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from moesim.executor.derive import train_estimator_into
+    from moesim.executor.derive import train_estimator_into  # torch: loaded when the command runs
 
     bar = Progress(TextColumn("training estimator"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[kl]}"),
                    TimeRemainingColumn(), console=err, disable=not err.is_terminal)

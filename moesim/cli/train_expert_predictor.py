@@ -33,7 +33,7 @@ def train_expert_predictor(
     Example: `moesim train-expert-predictor --tokens 512 --eval-tokens 256 --epochs 1`
     """
     check_predictor_counts(tokens, eval_tokens, epochs)  # before torch loads
-    from moesim.executor.derive import train_predictor_into
+    from moesim.executor.derive import train_predictor_into  # torch: loaded when the command runs
 
     with holding(out_dir, "--out"), progress_bar("training the expert predictor", "chunks and batches") as update:
         path, rec, k = train_predictor_into(draft, model, out_dir, tokens, eval_tokens, epochs, force, threads, update)

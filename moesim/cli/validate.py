@@ -11,7 +11,11 @@ import typer
 from moesim.cli.app import app, err, out, print_csv, print_json, table
 from moesim.cli.options import given_options
 from moesim.cli.running import keeps_finished_work, need_executor, progress_bar
+from moesim.errors import MoesimError
 from moesim.executor.validation_plan import check_suite_model
+from moesim.reports.validation import validation_suite
+from moesim.sim import published as pub
+from moesim.sim.engine_fit import leave_one_source_out
 
 CASE_SHORT = {"same-policy": "same", "transfer from on-demand": "transfer"}
 
@@ -60,13 +64,11 @@ def validate(
         _published(as_json, as_csv)
         return
     if as_json or as_csv:
-        from moesim.errors import MoesimError
 
         raise MoesimError("--json and --csv print the published suite (--published); the executor suite writes its "
                           "tables to --out")
     check_suite_model(model)  # before torch loads
     need_executor()
-    from moesim.reports.validation import validation_suite
 
     with progress_bar("validating", "runs") as update:
         rows, cpu_rows, (queue_rows, winners), summary, machine, page = validation_suite(
@@ -106,8 +108,6 @@ def _verdict(w: dict) -> str:
 
 
 def _published(as_json: bool, as_csv: bool) -> None:
-    from moesim.sim import published as pub
-    from moesim.sim.engine_fit import leave_one_source_out
 
     with progress_bar("leave one source out", "sources") as update:
         rows = leave_one_source_out(progress=update)

@@ -22,8 +22,11 @@ from moesim.cli.options import (
     holding,
 )
 from moesim.cli.running import progress_bar
+from moesim.cli.whatif_views import show_whatif
 from moesim.errors import MoesimError
+from moesim.outputs import check_output_dir
 from moesim.policy import WHATIF_POLICIES as DEFAULT_POLICIES
+from moesim.sim.sweep import whatif as run_whatif
 
 
 @app.command()
@@ -96,13 +99,10 @@ def whatif(
     Example: `moesim whatif --model olmoe-1b-7b --hw a6000,gh200 --policy on-demand,prefetch,oracle,cpu-static
     --link-gbps 16,32 --cache-gib 0,1 --tokens 32 --jobs 1`
     """
-    from moesim.cli.whatif_views import show_whatif
-    from moesim.sim.sweep import whatif as run_whatif
 
     if top < 1:
         raise MoesimError(f"--top {top}: print at least one row")
     if out_dir is not None:
-        from moesim.outputs import check_output_dir
 
         check_output_dir(out_dir)
 

@@ -6,6 +6,10 @@ from __future__ import annotations
 from moesim import fmt
 from moesim.cli.app import err, out, print_csv, print_json, results_table
 from moesim.cli.running import writing_report
+from moesim.reports.whatif import write_whatif_report
+from moesim.sim.analysis import why
+from moesim.sim.deploy import bound_words, configuration, crossovers, deployment_answer, describe_change, format_answer
+from moesim.sim.whatif import GOALS
 
 WHATIF_COLS = (("model", "model"), ("hw", "hw"), ("host", "host"), ("policy", "policy"), ("setting", "setting"),
                ("fits", "fits"), ("tpot_ms", "TPOT ms"), ("tokens_per_s", "tok/s"), ("bound", "bound"),
@@ -15,12 +19,8 @@ WHATIF_COLS = (("model", "model"), ("hw", "hw"), ("host", "host"), ("policy", "p
 
 
 def print_whatif(res, answers, crosses, goal: str, top: int) -> None:
-    from moesim.sim.analysis import why
-    from moesim.sim.deploy import bound_words, describe_change, format_answer
-    from moesim.sim.whatif import GOALS
 
     rows, winner = res.rows, res.winner
-    from moesim.sim.deploy import configuration
 
     shown = [{**r, "setting": configuration(r)} for r in res.ranked()[:top]]
     out.print(results_table(shown, f"what-if: {res.sweep.size} configurations, top "
@@ -61,7 +61,6 @@ def print_whatif(res, answers, crosses, goal: str, top: int) -> None:
 
 def show_whatif(res, goal: str, engine: str | None, top: int, as_json: bool, as_csv: bool, out_dir) -> None:
     """The answer as JSON, CSV or text, then the report folder (``out_dir``, unless None)."""
-    from moesim.sim.deploy import crossovers, deployment_answer
 
     rows, winner = res.rows, res.winner
     answers = deployment_answer(rows, goal, engine=engine)
@@ -72,7 +71,6 @@ def show_whatif(res, goal: str, engine: str | None, top: int, as_json: bool, as_
     else:
         print_whatif(res, answers, crosses, goal, top)
     if out_dir is not None:
-        from moesim.reports.whatif import write_whatif_report
 
         with writing_report(out_dir):
             page = write_whatif_report(rows, winner, goal, res.sweep, out_dir, res.notes)
