@@ -160,6 +160,8 @@ def parse_prompt_ids(text: str | list[int] | None, vocab: int | None = None, opt
     if text is None:
         return None
     parts = [p.strip() for p in text.split(",")] if isinstance(text, str) else list(text)
+    if "" in parts and len(parts) > 1:  # "1,2,,3" ran as 1,2,3: an empty item is refused, as every list option does
+        raise MoesimError(f"{option} {text!r}: an empty item; comma-separated token ids, e.g. 1,2,3")
     try:
         ids = [int(p) if isinstance(p, str) else p for p in parts if p != ""]
     except ValueError:

@@ -384,6 +384,9 @@ class ModelSpec:
             problems.append("expert_bytes_by_layer needs one entry per MoE layer")
         if self.artefact_layer_bytes and len(self.artefact_layer_bytes) != self.n_layers:
             problems.append("artefact_layer_bytes needs one entry per layer")
+        for name in ("expert_bytes_by_layer", "artefact_layer_bytes"):  # a byte count per layer: a whole number >= 0
+            if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in getattr(self, name)):
+                problems.append(f"{name} must hold whole numbers of bytes >= 0")
         if self.extra_params < 0 or self.n_mtp_layers < 0:
             problems.append("extra_params and n_mtp_layers must be >= 0")
         problems += [f"{name} must be >= 0 (got {v})" for part in (self, self.attention, self.linear) if part is not None

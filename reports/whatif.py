@@ -12,7 +12,7 @@ from moesim import fmt
 from moesim.atomic import atomic_write_text
 from moesim.fmt import duration_ms
 from moesim.reports.render import breakdown_png, heatmap_png, pyplot, save_figure, write_csv, write_html
-from moesim.sim.deploy import AXES, crossovers, deployment_answer, describe_change, format_answer
+from moesim.sim.deploy import AXES, Timed, crossovers, deployment_answer, describe_change, format_answer
 from moesim.sim.simulate import simulate
 from moesim.sim.whatif import GOALS, Sweep
 
@@ -122,16 +122,23 @@ def _best_per(rows: list[dict[str, Any]], key: str, by: tuple[str, ...]) -> list
 MAX_BARS = 24
 
 
+#: The report's figures that only some sweeps draw (several values of an axis; copy policies
+#: on one GPU), removed from a folder reused for a sweep that draws none.
+OPTIONAL_FIGURES = ("crossovers.png", "prompt_length.png")
+
+
 def write_whatif_report(rows: list[dict[str, Any]], winner: dict[str, Any] | None, goal: str, sweep: Sweep,
                         out: Path, notes: list[str] | None = None) -> Path:
     out = Path(out)
+    for name in OPTIONAL_FIGURES:  # drawn only for some sweeps: an earlier run's must not sit beside this report
+        (out / name).unlink(missing_ok=True)
     key = GOALS[goal][0]
     synthetic = any(t.synthetic for t in sweep.traces.values())
     src = "synthetic traces" if synthetic else "recorded traces"
     models = sorted({t.model.name for t in sweep.traces.values()})
     what = (f"All figures simulated ({sweep.engine_profile.name} engine) from {src} of {', '.join(models)}; "
             f"hardware figures from the profiles ({', '.join(h.name for h in sweep.hws)}); nothing here was measured")
-    answers = deployment_answer(rows, goal, engine=sweep.engine)
+    answers = deployment_answer(rows, goal, engine=sweep.engine and sweep.engine_profile.name, timed=Timed.of(sweep))
     crosses = crossovers(rows)
     write_csv(rows, out / "whatif.csv")
     atomic_write_text(out / "whatif.json", json.dumps({"goal": goal, "best": winner, "notes": notes or [],

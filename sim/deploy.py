@@ -24,12 +24,13 @@ from typing import Any
 import numpy as np
 
 from moesim import fmt
-from moesim.engine_args import invocation
+from moesim.engine_args import FORMATTERS, invocation
+from moesim.engines import DEFAULT_ENGINE
 from moesim.errors import MoesimError
 from moesim.fmt import number
-from moesim.hardware import get_machine
+from moesim.hardware import Machine, get_machine
 from moesim.layout import SPLITS, make_layout
-from moesim.models import model_file, model_named
+from moesim.models import ModelSpec, model_file, model_named
 from moesim.policy import get_policy
 from moesim.quant_recipes import store_as
 from moesim.sim.static import layout_for
@@ -61,7 +62,7 @@ def configuration(row: dict[str, Any]) -> str:
     elif fam == "hot-experts":
         gib = row["resident_experts"] * _expert_bytes(row) / 2**30 if _ok(row["resident_experts"]) else None
         kind = "uniformly placed" if "uniform placement" in str(row.get("placement", "")) else "hot"
-        what = f"{row['resident_experts']} {kind} experts on GPU" + (f" ({gib:.3g} GiB)" if gib is not None else "")
+        what = f"{row['resident_experts']} {kind} experts on GPU" + (f" ({gib:.3g} GiB)" if _ok(gib) else "")
     elif fam == "cpu-on-miss":
         what = f"cache {row['cache_gib']:g} GiB"
     elif fam == "all-resident":
@@ -72,6 +73,10 @@ def configuration(row: dict[str, Any]) -> str:
             what += f", {row['copy_queue']}"
         if row["prefetch_top"] != "-":
             what += f", top {row['prefetch_top']}"
+    if row.get("split") == "tensor":  # the multi-GPU knobs, where they were given (the table had no column)
+        what += ", tensor split"
+    elif row.get("tensor_split") not in (None, "-"):
+        what += f", split {row['tensor_split']}"
     return f"{what}, {dtype}"
 
 
@@ -211,13 +216,20 @@ def scenarios(rows: list[dict[str, Any]]) -> list[Scenario]:
     return list(out)
 
 
+def _firsts(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Each (model, GPU)'s first batch, prompt length and link in the sweep: the link is each
+    machine's own unless one was given, so one first value for all left the others out."""
+    firsts: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in rows:
+        firsts.setdefault((r["base_model"], r["hw"]), {a: r[a] for a in AXES})
+    return firsts
+
+
 def base_scenarios(rows: list[dict[str, Any]]) -> list[Scenario]:
     """One scenario per (model, GPU, host): batch, prompt length and link at their first
-    values in the sweep (the crossovers show what changes along each)."""
-    if not rows:
-        return []
-    first = {a: rows[0][a] for a in AXES}
-    return [s for s in scenarios(rows) if (s[3], s[4], s[5]) == (first["batch"], first["prompt_len"], first["link_gbps"])]
+    values for that model and GPU (the crossovers show what changes along each)."""
+    firsts = _firsts(rows)
+    return [s for s in scenarios(rows) if (s[3], s[4], s[5]) == tuple(firsts[s[0], s[1]].values())]
 
 
 def _in(rows: list[dict[str, Any]], model: str, hw: str, host: str, **fixed: Any) -> list[dict[str, Any]]:
@@ -234,13 +246,38 @@ def _count(value: Any, kind: type = int) -> Any:
     return None
 
 
-def row_layout(row: dict[str, Any]):
-    """(spec, :class:`moesim.layout.Layout`) a what-if row of a static layout ran: what an
-    engine's arguments spell. None for a row that copies experts (no engine argument
-    places a cache)."""
+@dataclass(frozen=True)
+class Timed:
+    """The machines and models a sweep's rows were timed on, by the names the rows carry:
+    a user's GPU file or a GGUF's model is what its row ran, never a built-in or catalogue
+    entry of the same name (:meth:`of` a :class:`moesim.sim.whatif.Sweep`)."""
+
+    machines: dict[str, Machine]
+    specs: dict[str, ModelSpec]
+
+    @classmethod
+    def of(cls, sweep) -> Timed:
+        return cls({m.name: m for m in sweep.hws}, {t.model.name: t.model for t in sweep.traces.values()})
+
+    def machine(self, row: dict[str, Any]) -> Machine:
+        return self.machines[row["hw"]] if row["hw"] in self.machines else get_machine(row["hw"])
+
+    def spec(self, row: dict[str, Any]) -> ModelSpec:
+        base = row["base_model"]
+        return self.specs[base] if base in self.specs else model_named(base)
+
+
+#: Rows of no known sweep: their names resolved as built-in and catalogue names.
+BY_NAME = Timed({}, {})
+
+
+def row_layout(row: dict[str, Any], timed: Timed = BY_NAME):
+    """(spec, :class:`moesim.layout.Layout`) a what-if row of a static layout ran (on
+    ``timed``'s machine and model): what an engine's arguments spell. None for a row that
+    copies experts (no engine argument places a cache)."""
     fam = row["family"]
-    spec = store_as(model_named(row["base_model"]), row["expert_dtype"])
-    machine = get_machine(row["hw"])
+    spec = store_as(timed.spec(row), row["expert_dtype"])
+    machine = timed.machine(row)
     if fam == "hot-experts":  # the same count of GPU experts in every layer (KTransformers' --kt-num-gpu-experts)
         hot = np.zeros((spec.n_moe_layers, spec.n_experts), bool)
         hot[:, :int(row["resident_experts"]) // spec.n_moe_layers] = True
@@ -261,18 +298,21 @@ def row_layout(row: dict[str, Any]):
                             hot_placement=None, **kw)
 
 
-def invocation_of(row: dict[str, Any], engine: str):
+def invocation_of(row: dict[str, Any], engine: str, timed: Timed = BY_NAME):
     """(the ``engine``'s arguments for a row, or None; why None where the engine cannot run
     the row's layout: "" where the row places no layout an engine argument can spell)."""
-    found = row_layout(row)
+    found = row_layout(row, timed)
     if found is None:
         return None, ""
+    if engine not in FORMATTERS:  # SGLang, a user's engine: said, not left blank
+        return None, (f"moesim writes the arguments of {', '.join(FORMATTERS)}, not {engine}'s"
+                      if engine != DEFAULT_ENGINE else "")
     spec, layout = found
     kw: dict[str, Any] = {}
     if row["family"] == "hot-experts":
         kw["gpu_experts_per_layer"] = int(row["resident_experts"]) // spec.n_moe_layers
     given = model_file(row["base_model"])  # the user's own file: what the arguments load, not a placeholder
-    held = model_named(row["base_model"]).expert_dtype
+    held = timed.spec(row).expert_dtype
     converted = given is not None and row["expert_dtype"] != held  # a plan in a format the file does not hold
     if given is not None and not converted:
         if given.suffix == ".gguf":
@@ -282,7 +322,7 @@ def invocation_of(row: dict[str, Any], engine: str):
             kw["model_path"] = str(given.parent)  # the checkpoint folder its config.json is in
     try:
         inv = invocation(engine, spec, layout, threads=row.get("threads"), tokens=int(row["tokens"]),
-                         context=int(row["prompt_len"]) + int(row["tokens"]), **kw)
+                         context=int(row["prompt_len"]) + int(row["tokens"]), batch=int(row["batch"]), **kw)
     except MoesimError as e:
         return None, str(e)
     notes = [inv.note] if inv is not None and inv.note else []
@@ -299,10 +339,12 @@ def invocation_of(row: dict[str, Any], engine: str):
 
 
 def deployment_answer(rows: list[dict[str, Any]], goal: str = "tpot",
-                      which: list[Scenario] | None = None, engine: str | None = None) -> list[Answer]:
+                      which: list[Scenario] | None = None, engine: str | None = None,
+                      timed: Timed = BY_NAME) -> list[Answer]:
     """Per scenario (default: :func:`base_scenarios`), each family's best fitting
     configuration for ``goal`` and the overall winner with the reason in words; with
-    ``engine``, each best configuration's arguments for it (:mod:`moesim.engine_args`)."""
+    ``engine``, each best configuration's arguments for it (:mod:`moesim.engine_args`), for
+    the machines and models the rows were ``timed`` on."""
     if goal not in GOALS:
         raise MoesimError(f"unknown goal {goal!r}; known: {', '.join(GOALS)}")
     key, what = GOALS[goal]
@@ -313,7 +355,7 @@ def deployment_answer(rows: list[dict[str, Any]], goal: str = "tpot",
         for fam in (*policy_families(), BOUND):
             mine = [r for r in here if r["family"] == fam]
             top = _best(mine, key)
-            inv, why = invocation_of(top, engine) if engine and top is not None and fam != BOUND else (None, "")
+            inv, why = invocation_of(top, engine, timed) if engine and top is not None and fam != BOUND else (None, "")
             fams.append(FamilyBest(fam, top, len(mine), sum(bool(r["fits"]) for r in mine), invocation=inv,
                                    no_invocation=why,
                                    run=sum(r["bound"] != NOT_RUN for r in mine)))
@@ -332,12 +374,11 @@ def crossovers(rows: list[dict[str, Any]], metrics: dict[str, tuple[str, ...]] |
     the two families' curves cross, interpolated linearly in log(x) (an estimate between
     two simulated points). Default metrics: TPOT on every axis, TTFT too on prompt length."""
     metrics = metrics or {"batch": ("tpot_ms",), "prompt_len": ("tpot_ms", "ttft_ms"), "link_gbps": ("tpot_ms",)}
-    if not rows:
-        return []
-    first = {a: rows[0][a] for a in AXES}
+    firsts = _firsts(rows)
     out = []
     for model, hw, host, *_ in base_scenarios(rows):
         mine = _in(rows, model, hw, host)
+        first = firsts[model, hw]
         for axis, keys in metrics.items():
             xs = sorted({r[axis] for r in mine})
             if len(xs) < 2:

@@ -35,6 +35,12 @@ from moesim.models import ModelSpec, matrix_bytes
 DRAFT_KINDS = ("none", "eagle", "dense", "recorded")
 
 
+#: The largest draft the options take: a dense draft of 100,000 billion parameters (1e308 made
+#: every time NaN), an eagle head of 1,000 target layers.
+MAX_DRAFT_B = 1e5
+MAX_HEAD_LAYERS = 1000
+
+
 @dataclass(frozen=True)
 class DraftProfile:
     kind: str = "eagle"
@@ -49,8 +55,12 @@ class DraftProfile:
         if not (0 <= self.layer_fraction < math.inf and 0 <= self.params_b < math.inf):  # NaN fails too
             raise MoesimError(f"draft layer_fraction and params_b must be finite and >= 0, got {self.layer_fraction:g} "
                               f"and {self.params_b:g}")
-        if self.kind == "dense" and self.params_b <= 0:
-            raise MoesimError("a dense draft needs params_b > 0 (billions of parameters)")
+        if self.kind == "dense" and not 0 < self.params_b <= MAX_DRAFT_B:
+            raise MoesimError(f"a dense draft needs params_b above 0 and at most {MAX_DRAFT_B:g} (billions of "
+                              f"parameters), got {self.params_b:g}")
+        if self.kind == "eagle" and not 0 < self.layer_fraction <= MAX_HEAD_LAYERS:  # eagle:0 was timed as a head
+            raise MoesimError(f"an eagle head needs a size above 0 and at most {MAX_HEAD_LAYERS} target layers "
+                              f"(eagle:F), got {self.layer_fraction:g}")
 
     @property
     def label(self) -> str:

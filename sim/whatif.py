@@ -251,6 +251,8 @@ class Sweep:
         for g in self.offload_gib:
             if g != "auto" and (isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g < float("inf")):
                 raise MoesimError(f"--offload-gib: 'auto' or a finite GB >= 0, got {g!r}")
+        for axis in ("gpu_expert_gib", "offload_gib"):  # -0 is 0 (a row said -0.0)
+            object.__setattr__(self, axis, tuple(g if g == "auto" or g != 0 else type(g)(0) for g in getattr(self, axis)))
         for m in self.prefetch_top:
             if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
                 raise MoesimError(f"--prefetch-top: a count of experts >= 1, got {m!r}")
@@ -413,10 +415,10 @@ def _hot_placement(sweep: Sweep, cfg: Config, trace: Trace, base: str, machine: 
     if machine.n_gpus != 1:
         return None  # simulate_static refuses hot-experts on other than one GPU, in one line
     room = expert_budget(spec, machine.gpus[0]["device_memory_gb"] * 1e9, trace.batch, trace.prompt_len + trace.n_tokens)
+    budget = int(min(room, float(cfg.gpu_expert_gib) * 2**30))  # 1e308 GiB: all that fit (int(inf) raised)
     if uniform:  # the engine's own placement, at the group's budget
-        return uniform_set(spec, min(room, int(float(cfg.gpu_expert_gib) * 2**30)))
-    return hot_set(routing_counts(calib, spec.n_experts), spec, min(room, int(float(cfg.gpu_expert_gib) * 2**30)),
-                   source, optimistic)
+        return uniform_set(spec, budget)
+    return hot_set(routing_counts(calib, spec.n_experts), spec, budget, source, optimistic)
 
 
 def _calibration(sweep: Sweep, base: str, trace: Trace):

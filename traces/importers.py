@@ -301,6 +301,10 @@ def _read_npz(path: Path, where: str):
     return ids, gates, tokens, 0
 
 
+#: The fields of a ``jsonl`` routing record (docs/routing.md).
+JSONL_FIELDS = ("token", "layer", "experts", "gates", "seq")
+
+
 def _read_jsonl(path: Path, spec: ModelSpec, where: str):
     moe_index = {layer: j for j, layer in enumerate(spec.moe_layers)}
     rows = []
@@ -312,6 +316,11 @@ def _read_jsonl(path: Path, spec: ModelSpec, where: str):
             r = json.loads(line, parse_constant=_no_constant)
             if not isinstance(r, dict):
                 raise TypeError("not an object")
+            for key in r:  # a misspelt field ("gate") was silently left out; other fields are the file's own
+                near = difflib.get_close_matches(key, JSONL_FIELDS, n=1, cutoff=0.75)
+                if key not in JSONL_FIELDS and near:
+                    raise MoesimError(f"{where}:{n}: unknown field {key!r} (did you mean {near[0]!r}?); a record's "
+                                      f"fields are {', '.join(JSONL_FIELDS)} (docs/routing.md)")
             seq, tok, layer = (_whole(r.get("seq", 0), "seq", f"{where}:{n}"),
                                _whole(r["token"], "token", f"{where}:{n}"), _whole(r["layer"], "layer", f"{where}:{n}"))
             experts = r["experts"]

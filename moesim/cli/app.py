@@ -119,10 +119,11 @@ def table(title: str, columns: tuple[str, ...] | list[str], rows: list[list[str]
 
 def results_table(rows: list[dict[str, Any]], title: str, cols: tuple[tuple[str, str], ...]) -> Table:
     """Result rows, floats to 3 significant digits without exponents (moesim.fmt.number); a
-    value a row does not have (None: no CPU in an all-GPU layout) is shown as ``-``."""
+    value a row does not have (None: no CPU in an all-GPU layout; NaN: a selection without a
+    confidence threshold has none) is shown as ``-``."""
 
     def cell(v: Any) -> str:
-        return "-" if v is None else number(v) if isinstance(v, float) else str(v)
+        return "-" if v is None or v != v else number(v) if isinstance(v, float) else str(v)
 
     return table(title, [label for _, label in cols], [[cell(r[k]) for k, _ in cols] for r in rows], "right")
 

@@ -8,7 +8,15 @@ from moesim.cli.app import err, out, print_csv, print_json, results_table
 from moesim.cli.running import writing_report
 from moesim.reports.whatif import write_whatif_report
 from moesim.sim.analysis import why
-from moesim.sim.deploy import bound_words, configuration, crossovers, deployment_answer, describe_change, format_answer
+from moesim.sim.deploy import (
+    Timed,
+    bound_words,
+    configuration,
+    crossovers,
+    deployment_answer,
+    describe_change,
+    format_answer,
+)
 from moesim.sim.whatif import GOALS
 
 WHATIF_COLS = (("model", "model"), ("hw", "hw"), ("host", "host"), ("policy", "policy"), ("setting", "setting"),
@@ -63,7 +71,7 @@ def show_whatif(res, goal: str, engine: str | None, top: int, as_json: bool, as_
     """The answer as JSON, CSV or text, then the report folder (``out_dir``, unless None)."""
 
     rows, winner = res.rows, res.winner
-    answers = deployment_answer(rows, goal, engine=engine)
+    answers = deployment_answer(rows, goal, engine=engine and res.sweep.engine_profile.name, timed=Timed.of(res.sweep))
     crosses = crossovers(rows)
     if as_json or as_csv:
         print_json({"goal": goal, "best": winner, "notes": res.notes, "deployment": [a.to_dict() for a in answers],
