@@ -12,6 +12,7 @@ Fiddler), multiply them. A GPU profile names its usual host (``host = "..."``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import re
@@ -76,6 +77,9 @@ RETIRED_FIGURES = {
 }
 
 #: Host figures: name -> (unit, required, whether an integer, description).
+#: The most a profile's count figure (cores, sockets, kernels a block) may say: beyond any machine.
+MAX_COUNT = 65536
+
 HOST_FIGURES: dict[str, tuple[str, bool, bool, str]] = {
     "cores": ("count", True, True, "physical cores of the socket that computes experts"),
     "mem_bw_peak_gbs": ("GB/s", True, False, "host memory bandwidth of one socket, theoretical peak"),
@@ -256,6 +260,8 @@ def parse_figures(raw: Any, table: dict[str, tuple[str, bool, bool, str]], where
             raise MoesimError(f"{where}: figure {key!r} is a fraction (at most 1), got {entry['value']}")
         if table[key][2] and entry["value"] != int(entry["value"]):
             raise MoesimError(f"{where}: figure {key!r} must be a whole number, got {entry['value']}")
+        if table[key][0] == "count" and entry["value"] > MAX_COUNT:  # cores = 1e8 was printed as `-t 100000000`
+            raise MoesimError(f"{where}: figure {key!r} is a count of at most {MAX_COUNT:,}, got {entry['value']:g}")
         figures[key] = Figure(float(entry["value"]), entry["kind"], str(entry["source"]))
     missing = [k for k, (_, req, _, _) in table.items() if req and k not in figures]
     if missing:
@@ -376,6 +382,13 @@ def get_profile(name_or_path: str) -> HardwareProfile:
     if name_or_path.lower() in builtin_hosts():
         raise MoesimError(f"{name_or_path!r} is a host (CPU) profile, not a GPU one: `moesim hw {name_or_path} --hosts` "
                           "shows it, and --host picks it")
+    n = None
+    if re.fullmatch(r"none|\d+x.+|.+\+.+", name_or_path.strip().lower()):  # `2xa6000`, `a+b`, `none`: a machine
+        with contextlib.suppress(MoesimError):  # not a machine either: the unknown name below
+            n = get_machine(name_or_path).n_gpus
+    if n is not None:
+        raise MoesimError(f"{name_or_path!r} is a machine of {n or 'no'} GPU{'s' if n != 1 else ''}; this command "
+                          f"takes one GPU profile (built-in: {', '.join(builtin)}, or a .toml path)")
     raise MoesimError(f"unknown hardware profile {name_or_path!r}; built-in: {', '.join(builtin)} (or a .toml path)")
 
 

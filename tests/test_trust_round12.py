@@ -189,3 +189,20 @@ def test_a_given_split_is_in_the_setting_and_a_reused_report_keeps_no_stale_figu
                    "--jobs", "1", "--out", "rep", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert not (tmp_path / "rep" / "crossovers.png").exists()
+
+
+def test_a_count_figure_beyond_any_machine_is_refused(tmp_path):
+    """A host file saying `cores = 100000000` was taken (the printed command said `-t 100000000`)."""
+    text = (ROOT / "hwprofiles" / "hosts" / "ryzen-9950x.toml").read_text()
+    start = text.index("cores = { value = ") + len("cores = { value = ")
+    (tmp_path / "huge.toml").write_text(text[:start] + "100000000" + text[text.index(",", start):])
+    one_line_error(in_process("whatif", "--model", "olmoe-1b-7b", "--hw", "a6000", "--host", "huge.toml", "--policy",
+                              "cpu-static", "--tokens", "4", cwd=tmp_path), "'cores' is a count of at most 65,536")
+
+
+@pytest.mark.parametrize("hw, words", [("2xa6000", "a machine of 2 GPUs; this command takes one GPU profile"),
+                                       ("none", "a machine of no GPUs"), ("nope", "unknown hardware profile 'nope'")])
+def test_a_machine_where_one_gpu_is_asked_for_is_named_so(tmp_path, hw, words):
+    """`stats --hw 2xa6000` said "unknown hardware profile" of a name every sweep takes."""
+    assert in_process("synth", "--model", "olmoe-1b-7b", "--tokens", "4", "--out", "t.npz", cwd=tmp_path).returncode == 0
+    one_line_error(in_process("stats", "t.npz", "--hw", hw, cwd=tmp_path), words)
