@@ -667,13 +667,22 @@ def compile_kernels_aside(jobs: int | None) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, signal_mask)
 
 
+#: Seconds :func:`join_kernels_aside` waits for the compiling process (it takes ~7 s on one
+#: core of this project's 2-core machine); past that it is stopped and this process compiles.
+ASIDE_WAIT_S = 300.0
+
+
 def join_kernels_aside() -> None:
     """Wait for :func:`compile_kernels_aside`'s process, if one runs (its exit status is not
-    read: a failed compile there is compiled here)."""
+    read: a failed compile there is compiled here). A process forked beside a thread that held
+    a lock could wait for it forever: it is given :data:`ASIDE_WAIT_S`, then stopped."""
     global _ASIDE
     if _ASIDE is not None:
         proc, _ASIDE = _ASIDE, None
-        proc.join()
+        proc.join(ASIDE_WAIT_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
 
 
 def _local(sweep: Sweep, todo: list[int], jobs: int) -> Iterator[Outcome]:

@@ -84,8 +84,7 @@ def main() -> None:
         _fail("out of memory (the run is larger than this machine can hold; ask for fewer tokens, layers or "
               "a smaller cache)")
     except MoesimError as e:
-        ignore_further()  # exiting either way: a signal now must not interrupt the import below
-
+        ignore_further()  # exiting either way: a signal now must not interrupt the line below
         if isinstance(e, Interrupted):
             err.print(str(e), highlight=False, markup=False, soft_wrap=True)
             sys.exit(exit_code())
