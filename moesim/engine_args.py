@@ -52,10 +52,12 @@ def _ranges(layers: list[int]) -> str:
 
 def llama_cpp(spec: ModelSpec, layout: Layout, *, threads: int | None = None, context: int | None = None,
               model_path: str = "MODEL.gguf", ratios: list[float] | None = None, program: str = "llama-server",
-              batch: int = 1, **_: object) -> Invocation:
+              batch: int = 1, numa: bool = False, **_: object) -> Invocation:
     """llama.cpp's arguments for ``layout`` (see the module docstring); ``batch`` sequences at
     once are llama-server's slots (``-np``), and ``-c`` is the context of them all (the KV
-    cache it allocates is shared by its slots), as the row was timed and fitted."""
+    cache it allocates is shared by its slots), as the row was timed and fitted; ``numa``: the
+    threads span several sockets, whose memory llama.cpp reads as ``--numa distribute`` places
+    it (the engine profile's ``numa_efficiency`` is that mode's)."""
     if layout.n_resident and (layout.expert_device >= 0).any() and not _whole_layers(layout):
         raise MoesimError("llama.cpp places experts a whole layer at a time (one tensor per layer): it cannot hold "
                           "a per-expert hot set; use cpu-static or KTransformers")
@@ -81,6 +83,8 @@ def llama_cpp(spec: ModelSpec, layout: Layout, *, threads: int | None = None, co
     uses_cpu = (layout.layer_device == CPU).any() or (layout.expert_device == CPU).any()
     if threads and uses_cpu:
         args += ["-t", str(threads)]
+    if numa and uses_cpu:
+        args += ["--numa", "distribute"]
     if batch > 1 and program != "llama-bench":
         args += ["-np", str(batch)]
     if context:

@@ -16,6 +16,7 @@ the CLI prints :func:`format_answer`, the report plots :func:`crossovers`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import textwrap
 from dataclasses import asdict, dataclass, field, replace
@@ -28,7 +29,7 @@ from moesim.engine_args import FORMATTERS, invocation
 from moesim.engines import DEFAULT_ENGINE
 from moesim.errors import MoesimError
 from moesim.fmt import number
-from moesim.hardware import Machine, get_machine
+from moesim.hardware import HostProfile, Machine, get_host, get_machine
 from moesim.layout import SPLITS, make_layout
 from moesim.models import ModelSpec, model_file, model_named
 from moesim.policy import get_policy
@@ -254,10 +255,17 @@ class Timed:
 
     machines: dict[str, Machine]
     specs: dict[str, ModelSpec]
+    hosts: dict[str, HostProfile] = field(default_factory=dict)
 
     @classmethod
     def of(cls, sweep) -> Timed:
-        return cls({m.name: m for m in sweep.hws}, {t.model.name: t.model for t in sweep.traces.values()})
+        hosts = {}
+        for name in sweep.hosts:
+            for m in sweep.hws:
+                with contextlib.suppress(MoesimError):  # a machine without a host: its rows say so already
+                    h = get_host(name, m.gpus[0] if m.gpus else None)
+                    hosts[h.name] = h
+        return cls({m.name: m for m in sweep.hws}, {t.model.name: t.model for t in sweep.traces.values()}, hosts)
 
     def machine(self, row: dict[str, Any]) -> Machine:
         return self.machines[row["hw"]] if row["hw"] in self.machines else get_machine(row["hw"])
@@ -321,8 +329,10 @@ def invocation_of(row: dict[str, Any], engine: str, timed: Timed = BY_NAME):
         elif engine in ("vllm", "ktransformers"):
             kw["model_path"] = str(given.parent)  # the checkpoint folder its config.json is in
     try:
-        inv = invocation(engine, spec, layout, threads=row.get("threads"), tokens=int(row["tokens"]),
-                         context=int(row["prompt_len"]) + int(row["tokens"]), batch=int(row["batch"]), **kw)
+        host, threads = timed.hosts.get(row["host"]), row.get("threads")
+        numa = host is not None and isinstance(threads, int) and host.sockets > 1 and threads > host.cores
+        inv = invocation(engine, spec, layout, threads=threads, tokens=int(row["tokens"]),
+                         context=int(row["prompt_len"]) + int(row["tokens"]), batch=int(row["batch"]), numa=numa, **kw)
     except MoesimError as e:
         return None, str(e)
     notes = [inv.note] if inv is not None and inv.note else []

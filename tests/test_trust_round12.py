@@ -206,3 +206,16 @@ def test_a_machine_where_one_gpu_is_asked_for_is_named_so(tmp_path, hw, words):
     """`stats --hw 2xa6000` said "unknown hardware profile" of a name every sweep takes."""
     assert in_process("synth", "--model", "olmoe-1b-7b", "--tokens", "4", "--out", "t.npz", cwd=tmp_path).returncode == 0
     one_line_error(in_process("stats", "t.npz", "--hw", hw, cwd=tmp_path), words)
+
+
+def test_llama_cpp_threads_over_two_sockets_read_memory_as_the_timing_assumes(tmp_path):
+    """`--host epyc-9654@2s --engine llama.cpp`: timed with the figure of `--numa distribute`
+    (its numa_efficiency), printed without it."""
+    base = ["whatif", "--model", "qwen3-30b-a3b", "--hw", "rtx4090", "--engine", "llama.cpp", "--policy", "cpu-static",
+            "--tokens", "4", "--jobs", "1", "--json"]
+    for host, extra, numa in (("epyc-9654@2s", [], True), ("epyc-9654", [], False), ("epyc-9654@2s", ["--threads", "64"],
+                                                                                          False)):
+        r = in_process(*base, "--host", host, *extra, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        args = _args(json.loads(r.stdout))
+        assert args and all(("--numa distribute" in a) == numa for a in args), (host, extra, args)
