@@ -76,10 +76,10 @@ RETIRED_FIGURES = {
     "host_mem_bw_gbs": "host memory bandwidth is the host profile's mem_bw_achievable_gbs (--host)",
 }
 
-#: Host figures: name -> (unit, required, whether an integer, description).
 #: The most a profile's count figure (cores, sockets, kernels a block) may say: beyond any machine.
 MAX_COUNT = 65536
 
+#: Host figures: name -> (unit, required, whether an integer, description).
 HOST_FIGURES: dict[str, tuple[str, bool, bool, str]] = {
     "cores": ("count", True, True, "physical cores of the socket that computes experts"),
     "mem_bw_peak_gbs": ("GB/s", True, False, "host memory bandwidth of one socket, theoretical peak"),

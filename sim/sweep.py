@@ -399,15 +399,16 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
                   copy_queues=tuple(copy_queues) if copy_queues else ("fifo",),
                   prefetch_top=tuple(prefetch_top) if prefetch_top else (None,),
                   calibration=calibration or None, calibration_source=calibration_source,
-                  calibrate_on_replay=calibrate_on_replay, engine=engine, engine_profile=eng, resolved={p.name: p for p in pols}, threads=threads,
-                  host_ram_gb=host_ram_gb, cache_per_layer=cache_per_layer,
+                  calibrate_on_replay=calibrate_on_replay, engine=engine, engine_profile=eng,
+                  resolved={p.name: p for p in pols}, threads=threads, host_ram_gb=host_ram_gb,
+                  cache_per_layer=cache_per_layer,
                   gpu_layers=tuple(gpu_layers) if gpu_layers else ("auto",),
                   offload_gib=tuple(offload_gib) if offload_gib else ("auto",), split=split,
                   ratios=tuple(ratios) if ratios is not None else None)
     n_groups = len(sweep.groups())
     workers = 1 if backend != "local" else max(1, min(jobs or os.cpu_count() or 1, n_groups))
     per_trace = {k: max(1, n // max(1, len(traces))) for k, n in
-                 budget.runs_by_kind([sweep.resolved[g.policy] for g in sweep.groups()]).items()}  # every trace has the same groups
+                 budget.runs_by_kind([sweep.resolved[g.policy] for g in sweep.groups()]).items()}  # alike per trace
     budget.check(budget.sweep_estimate([(t.model, t.n_tokens, t.batch) for t in traces.values()], per_trace,
                                        sweep.group_size, sim, workers))
     rows = run_sweep(sweep, jobs, progress, backend=backend, address=address, out=rows_csv, notes=notes)
