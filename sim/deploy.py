@@ -230,7 +230,8 @@ def base_scenarios(rows: list[dict[str, Any]]) -> list[Scenario]:
     """One scenario per (model, GPU, host): batch, prompt length and link at their first
     values for that model and GPU (the crossovers show what changes along each)."""
     firsts = _firsts(rows)
-    return [s for s in scenarios(rows) if (s[3], s[4], s[5]) == tuple(firsts[s[0], s[1]].values())]
+    first = {key: tuple(f[a] for a in ("batch", "prompt_len", "link_gbps")) for key, f in firsts.items()}
+    return [s for s in scenarios(rows) if s[3:] == first[s[0], s[1]]]
 
 
 def _in(rows: list[dict[str, Any]], model: str, hw: str, host: str, **fixed: Any) -> list[dict[str, Any]]:

@@ -29,7 +29,7 @@ from moesim.sim.cpu_compute import load_calibration, separate_calibration
 from moesim.sim.prefetch_top import keep_top_predictions
 from moesim.sim.quantised import with_expert_dtype
 from moesim.sim.simulate import SimResult, simulate_policies
-from moesim.sim.sweep import split_notes, threads_notes, unused_options
+from moesim.sim.sweep import check_threads, split_notes, unused_options
 from moesim.traces.format import Trace, read_trace
 
 DEFAULT_POLICIES = ("on-demand", "prefetch-fom", "prefetch-spec", "oracle")
@@ -209,5 +209,5 @@ def unused_notes(policies, hw: str | None, *, host=None, cpu_layers="auto", gpu_
     machine = get_machine(hw) if hw is not None else None
     default = machine.gpus[0] if machine is not None and machine.gpus and machine.gpus[0].host else None
     if threads is not None and (host or default):
-        notes += threads_notes(threads, [get_host(host, default)])
+        notes += check_threads(threads, [get_host(host, default)])
     return "; ".join(notes) if notes else None

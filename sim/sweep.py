@@ -129,21 +129,15 @@ def check_values(*, eviction: str, sim: str, backend: str, link_gbps, cache_gib,
     _positive_ints(list(lookaheads or ()), "--lookahead")
 
 
-def check_threads(threads: int | None, hosts) -> None:
-    """``--threads`` against every host the sweep may run on (a count above 4x its cores is a typo)."""
+def check_threads(threads: int | None, hosts) -> list[str]:
+    """``--threads`` against every host the run may use: above 4x a host's cores it is a typo
+    (one line); above its cores (SMT threads) a note each, for the cost model counts a core's
+    work once (:meth:`moesim.costmodel.CostModel.cpu_rate`) and the threads beyond change nothing."""
+    notes = []
     for h in hosts:
         total = h.cores * h.sockets
         if threads is not None and threads > 4 * total:
             raise MoesimError(f"--threads {threads}: a count from 1 to {4 * total} ({h.name} has {total} cores)")
-
-
-def threads_notes(threads: int | None, hosts) -> list[str]:
-    """A note for each host whose cores ``--threads`` exceeds (up to 4x is taken: SMT threads):
-    the cost model counts a core's work once (:meth:`moesim.costmodel.CostModel.cpu_rate`), so
-    the threads beyond the cores change nothing and the user should know."""
-    notes = []
-    for h in hosts:
-        total = h.cores * h.sockets
         if threads is not None and threads > total:
             notes.append(f"--threads {threads} is above {h.name}'s {total} cores: timed as {total} threads (the "
                          "threads beyond one a core share its units and add no compute in the cost model)")
@@ -381,9 +375,8 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
     used_hosts = [get_host(h) for h in host_names if h]
     check_unique_names([h for h in host_names if h], used_hosts, "--host")
     used_hosts += [get_host(None, m.gpus[0]) for m in profiles if not hosts and m.gpus and m.gpus[0].host]
-    check_threads(threads, used_hosts)
     distinct_hosts = list({h.name: h for h in used_hosts}.values())
-    notes.extend(threads_notes(threads, distinct_hosts))
+    notes.extend(check_threads(threads, distinct_hosts))
     if any(p.cpu for p in pols):
         notes.extend(sockets_notes(distinct_hosts, eng))
     if address is not None and backend != "ray":

@@ -5,6 +5,7 @@ Tests that take ``run`` call the CLI in-process by default and in a subprocess w
 dependency, the torch-free import) start ``python -m moesim`` in the default run."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -39,15 +40,30 @@ def test_help_teaches_with_examples(run):
         assert "Example" in r.stdout, cmd
 
 
+def test_each_command_is_registered_by_the_module_commands_names():
+    """moesim.cli.COMMANDS is how a run finds the one module to import: in a fresh process, each
+    name's module registers that command and no module registers a command missing from it."""
+    code = ("import json, typer\nfrom moesim.cli import COMMANDS, app, load_commands\nout = {}\n"
+            "for name in COMMANDS:\n    load_commands([name])\n"
+            "    out[name] = [c.name or typer.main.get_command_name(c.callback.__name__) for c in app.registered_commands]\n"
+            "print(json.dumps(out))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert r.returncode == 0, r.stderr
+    seen = json.loads(r.stdout)
+    names = list(seen)
+    for i, name in enumerate(names):  # each load adds its own command, in the order COMMANDS lists
+        assert seen[name] == names[:i + 1], (name, seen[name])
+
+
 def test_typer_builds_the_invoked_command_alone_and_keeps_every_one_for_the_group():
     """moesim.cli.argv.only_command: a command's run sees that command registered alone;
     the group's help, --version and an unknown name see all seventeen, and so does the app
     after any run (in-process callers, the suite's runner, invoke one after another)."""
     from moesim.cli import every_command
-
-    app = every_command()
     from moesim.cli.argv import only_command
 
+    app = every_command()
     every = list(app.registered_commands)
     assert len(every) >= 17
     for argv in (["replay", "t.npz", "--hw", "a6000"], ["train-estimator", "--help"]):

@@ -4,6 +4,7 @@ invocations): each bad ending it found, held here (docs/robustness.md, round 12)
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -82,11 +83,9 @@ def test_a_batch_deployments_llama_cpp_command_holds_every_sequence(tmp_path):
     assert any("-np 4 -c 4032" in a for a in _args(json.loads(r.stdout))), _args(json.loads(r.stdout))
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--gpu-expert-gib", "1e308", "--policy", "hot-experts"], None),
-    (["--offload-gib", "-0", "--policy", "weight-streaming"], None),
-])
-def test_huge_and_negative_zero_budgets_are_answered(tmp_path, args, words):
+@pytest.mark.parametrize("args", [["--gpu-expert-gib", "1e308", "--policy", "hot-experts"],
+                                  ["--offload-gib", "-0", "--policy", "weight-streaming"]])
+def test_huge_and_negative_zero_budgets_are_answered(tmp_path, args):
     """1e308 GiB of hot experts was an OverflowError in a failed group; -0 GiB a row saying -0.0."""
     r = in_process("whatif", "--model", "olmoe-1b-7b", "--hw", "a6000", "--host", "epyc-7742", "--tokens", "4",
                    "--jobs", "1", "--json", *args, cwd=tmp_path)
@@ -109,7 +108,7 @@ def test_a_read_only_standard_output_is_one_line(tmp_path):
     """`moesim models 1</dev/null`: a traceback ending in EBADF, after the work."""
     with open("/dev/null") as f:
         r = subprocess.run([sys.executable, "-m", "moesim", "models"], stdout=f, stderr=subprocess.PIPE, text=True,
-                           env={**__import__("os").environ, **ENV}, cwd=tmp_path, timeout=120)
+                           env={**os.environ, **ENV}, cwd=tmp_path, timeout=120)
     assert r.returncode == 2 and r.stderr.strip() == ("error: standard output is open for reading only: give it a file, "
                                                        "or >/dev/null to discard it"), r.stderr
 
