@@ -102,20 +102,20 @@ def synth(tokens: int) -> Callable[[], Any]:
 def _replay(sim: str, policies: tuple[str, ...]) -> Callable[[int], Callable[[], Any]]:
     def make(tokens: int) -> Callable[[], Any]:
         from moesim.models import get_model
-        from moesim.sim.replay import replay
+        from moesim.sim.replay import replay, replay_setting
         from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
         trace = synthetic_trace(get_model(MODEL), SyntheticParams(tokens=tokens))
-        return lambda: replay(trace, "a6000", list(policies), sim=sim)
+        return lambda: replay(trace, "a6000", list(policies), replay_setting(sim=sim))
     return make
 
 
 def _whatif(sim: str) -> Callable[[int], Callable[[], Any]]:
     def make(tokens: int) -> Callable[[], Any]:
-        from moesim.sim.sweep import whatif
+        from moesim.sim.sweep import WhatifOptions, whatif
 
-        return lambda: whatif(models=["olmoe-1b-7b"], hws=["a6000", "h100-sxm", "gh200"], link_gbps=[8, 16, 32, 64],
-                              cache_gib=[0, 1], tokens=tokens, sim=sim, jobs=1)
+        return lambda: whatif(WhatifOptions(models=["olmoe-1b-7b"], hws=["a6000", "h100-sxm", "gh200"], link_gbps=[8, 16, 32, 64],
+                              cache_gib=[0, 1], tokens=tokens, sim=sim, jobs=1))
     return make
 
 

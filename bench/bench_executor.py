@@ -24,6 +24,7 @@ from moesim.executor.model import ExecConfig, random_model
 from moesim.executor.profile import ProfileSettings, build_trace, generate
 from moesim.hardware import get_profile
 from moesim.models import Attention, ModelSpec
+from moesim.sim.setting import Setting
 from moesim.sim.simulate import simulate
 from moesim.sim.workload import Link
 
@@ -53,7 +54,7 @@ def main() -> None:
         measured = tm["tpot_s"][steps].mean()
         compute = (tm["attn_s"].sum(1) + tm["expert_s"].sum(1) + tm["other_s"])[steps].mean()
         copy = Link.of(CostModel(model.spec, hw)).copy_time(len(tm["copy_bytes"]) / trace.n_tokens)
-        sim = simulate(trace, hw, policy, sim="fast", timing="measured")
+        sim = simulate(trace, hw, policy, Setting(sim="fast", timing="measured"))
         pipeline = sim.tpot[steps].mean()
         ideal = compute + copy if policy == "on-demand" else pipeline
         print(f"{policy:9s} measured {measured * 1e3:7.2f} ms/token | compute {compute * 1e3:6.2f} + copy "

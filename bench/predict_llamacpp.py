@@ -40,6 +40,8 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from moesim.sim.setting import Setting
+
 ENGINE = "llama.cpp"
 HOST_NAME = "this-machine-host"
 
@@ -130,8 +132,7 @@ def predict_tps(path: str | Path, threads: int, depth: int, n_gen: int, host, en
     the all-CPU deployment (machine ``none``, all-resident) through simulate_static."""
     from moesim.sim.static import simulate_static
 
-    res = simulate_static(_trace(str(path), depth, n_gen), "none", "all-resident", host=host, engine=engine,
-                          threads=threads)
+    res = simulate_static(_trace(str(path), depth, n_gen), "none", "all-resident", Setting(host=host, engine=engine, threads=threads))
     return 1.0 / float(res.tpot.mean())
 
 
@@ -139,10 +140,10 @@ def whatif_tps(path: str | Path, threads: int, depth: int, n_gen: int, host_path
     """The same prediction through `moesim whatif`'s own library call (moesim.sim.sweep.whatif: --model FILE --hw
     none --policy all-resident --host HOST --engine llama.cpp --threads T --prompt-len D --tokens n_gen): a check
     that predict_tps() takes the CLI's path."""
-    from moesim.sim.sweep import whatif
+    from moesim.sim.sweep import WhatifOptions, whatif
 
-    res = whatif(None, [str(path)], ["none"], ["all-resident"], None, [0], tokens=n_gen, prompt_len=[max(depth, 1)],
-                 jobs=1, hosts=[host_path], engine=ENGINE, threads=threads)
+    res = whatif(WhatifOptions(None, [str(path)], ["none"], ["all-resident"], None, [0], tokens=n_gen, prompt_len=[max(depth, 1)],
+                 jobs=1, hosts=[host_path], engine=ENGINE, threads=threads))
     (row,) = res.rows
     return 1e3 / row["tpot_ms"]
 

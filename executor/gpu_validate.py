@@ -23,6 +23,7 @@ from moesim.executor.model import ExecConfig, MoEModel, random_model
 from moesim.executor.profile import ProfileSettings, build_trace, calibrate, generate
 from moesim.hardware import get_profile
 from moesim.models import get_model
+from moesim.sim.setting import Setting
 from moesim.sim.simulate import simulate
 from moesim.traces.format import write_trace
 
@@ -84,7 +85,7 @@ def main() -> None:
         name = f"{policy}-{predictor}-cache{cache_gib:g}"
         write_trace(trace, args.out / f"{name}.npz")
         measured = float(trace.timings["tpot_s"][1:].mean())
-        predicted = float(simulate(trace, hw, policy, cache_experts=cache, sim="fast", timing="measured").tpot[1:].mean())
+        predicted = float(simulate(trace, hw, policy, Setting(cache_experts=cache, sim="fast", timing="measured")).tpot[1:].mean())
         row = {"run": name, "tpot_ms": measured * 1e3, "sim_tpot_ms": predicted * 1e3,
                "error": predicted / measured - 1, "ttft_ms": prefill * 1e3, "copies_per_token": len(trace.timings["copy_bytes"]) / trace.n_tokens}
         summary.append(row)

@@ -40,6 +40,7 @@ from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, HostProfile, get_h
 from moesim.models import SHIPPED_MODEL
 from moesim.policy import get_policy
 from moesim.sim.cpu_compute import simulate_cpu_compute
+from moesim.sim.setting import Setting
 from moesim.sim.simulate import simulate
 from moesim.sim.validate import error_stats, recorded_profile, validate_trace
 from moesim.sim.workload import Link
@@ -185,7 +186,7 @@ def _score(name: str, gbps: float, hw: HardwareProfile, runs: dict[str, list[Tra
         rows.append(_case_row(name, gbps, policy, "same-policy", same, hw, model))
         if policy == "on-demand" or not base:
             continue
-        preds = sorted((simulate(b, recorded_profile(b, machine_hw), policy, timing="measured").tpot[1:] for b in base),
+        preds = sorted((simulate(b, recorded_profile(b, machine_hw), policy, Setting(timing="measured")).tpot[1:] for b in base),
                        key=lambda p: float(p.mean()))
         pred = preds[(len(preds) - 1) // 2]
         tr = _median_run(trs)
@@ -348,9 +349,7 @@ def run_cpu_suite(out: Path, tokens: int = 16, gbps: float = 4.0, repeats: int =
                 base = bases[fmt]
                 base_hw = recorded_profile(base, machine_hw).with_figure(
                     "device_memory_gb", setup.device_memory_gb, "estimate", "the recorded run's placement")
-                pred = simulate_cpu_compute(base, base_hw, policy, host=hosts[fmt], cpu_layers=spec.n_moe_layers // 2,
-                                       calibration=calibration, cache_experts=tr.meta.cache_experts,
-                                       sim="fast", timing="measured").tpot[1:]
+                pred = simulate_cpu_compute(base, base_hw, policy, Setting(host=hosts[fmt], cpu_layers=spec.n_moe_layers // 2, calibration=calibration, cache_experts=tr.meta.cache_experts, sim="fast", timing="measured")).tpot[1:]
                 stats_ = error_stats(tr.timings["tpot_s"][1:], pred[: tr.n_tokens - 1])
                 rows.append({**case, "case": "transfer from on-demand", **_short(stats_)})
     summary = summarise(rows, "CPU-compute policies, ")

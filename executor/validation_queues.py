@@ -37,6 +37,7 @@ from moesim.executor.steady import SteadyMachine
 from moesim.executor.validation import PROMPT, _median_run, machine_profile, suite_models
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, get_profile
 from moesim.policy import QUEUES
+from moesim.sim.setting import Setting
 from moesim.sim.simulate import simulate
 from moesim.sim.validate import recorded_profile, validate_trace
 from moesim.traces.format import Trace, write_trace
@@ -116,8 +117,7 @@ def _score(name: str, gbps: float, predictor: str, runs: dict[str, list[Trace]],
         measured = sorted(_mean_tpot(t) for t in trs)
         median = measured[(len(measured) - 1) // 2]
         same, _ = validate_trace(_median_run(trs), machine_hw)
-        preds = sorted(float(simulate(b, recorded_profile(b, machine_hw), POLICY, timing="measured", copy_queue=q,
-                                      as_recorded=True).tpot[1:].mean()) for b in runs["fifo"])
+        preds = sorted(float(simulate(b, recorded_profile(b, machine_hw), POLICY, Setting(timing="measured", copy_queue=q), as_recorded=True).tpot[1:].mean()) for b in runs["fifo"])
         from_fifo = preds[(len(preds) - 1) // 2]
         copies = np.mean([(t.timings["copy_kind"] == 0).sum() / t.n_tokens for t in trs])
         rows.append({"model": name, "link_gbps": gbps, "predictor": predictor, "queue": q, "runs": len(trs),

@@ -10,6 +10,7 @@ from moesim.fmt import plural
 from moesim.hardware import HardwareProfile
 from moesim.policy import get_policy
 from moesim.reports.render import breakdown_png, chrome_trace, timeline_png, write_csv, write_html
+from moesim.sim.setting import Setting
 from moesim.sim.simulate import SimResult, simulate
 from moesim.traces.format import Trace
 
@@ -46,9 +47,7 @@ def write_replay_report(trace: Trace, trace_path: Path, hw: HardwareProfile, res
         sections[0]["text"] += (" No timeline: these deployments place their weights once (moesim.sim.static), "
                                 "so no copy engine runs beside the compute stream.")
         return write_html(out / "report.html", f"moesim replay: {trace.model.name} on {hw.name}", what + ".", sections)
-    recorded = simulate(trace.head(min(trace.n_tokens, max(step + 1, CHROME_STEPS))), hw, cfg["policy"],
-                        cache_experts=cfg["cache_experts"], eviction=cfg["eviction"] if cfg["cache_experts"] else "lru",
-                        sim="simpy", link_gbps=cfg["link_gbps"], record=True)
+    recorded = simulate(trace.head(min(trace.n_tokens, max(step + 1, CHROME_STEPS))), hw, cfg["policy"], Setting(cache_experts=cfg["cache_experts"], eviction=cfg["eviction"] if cfg["cache_experts"] else "lru", sim="simpy", link_gbps=cfg["link_gbps"]), record=True)
     timeline_png(recorded.spans, step, out / "timeline.png",
                  f"step {step}, {cfg['policy']}: compute stream and copy engine (simulated)")
     chrome_trace(recorded.spans, out / "simulated.trace.json", f"moesim simulated: {cfg['policy']} on {hw.name}")

@@ -20,6 +20,7 @@ from moesim.outputs import check_output_dir
 from moesim.policy import QUEUES
 from moesim.reports.render import COLORS, breakdown_png, pyplot, save_figure, write_csv, write_html  # noqa: E402
 from moesim.sim.engine import Span  # noqa: E402
+from moesim.sim.setting import Setting
 from moesim.sim.simulate import SimResult, simulate  # noqa: E402
 from moesim.sim.validate import recorded_profile
 from moesim.traces.format import COPY_KINDS, Trace  # noqa: E402
@@ -143,8 +144,7 @@ def write_single_validation(trace: Trace, trace_path: Path, hw: HardwareProfile,
     per_token_png(trace.timings["tpot_s"], result.tpot, out / "per_token.png",
                   f"{trace.model.name}, {stats_['policy']}: measured vs simulated per step")
     cfg = result.config
-    sim = simulate(trace.head(step + 1), hw, cfg["policy"], cache_experts=cfg["cache_experts"],
-                   eviction=cfg["eviction"] if cfg["cache_experts"] else "lru", timing="measured", record=True)
+    sim = simulate(trace.head(step + 1), hw, cfg["policy"], Setting(cache_experts=cfg["cache_experts"], eviction=cfg["eviction"] if cfg["cache_experts"] else "lru", timing="measured"), record=True)
     meas = measured_spans(trace, step)
     timeline_pair_png(meas, sim.spans, out / "timeline.png", f"step {step}: measured and simulated")
     chrome_pair(meas, [s for s in sim.spans if s.step == step], out / "timelines.trace.json")
@@ -231,7 +231,7 @@ def write_suite_report(rows: list[dict[str, Any]], traces: dict[str, Trace], sum
     if example is not None:
         tr, hw = example
         step = min(1, tr.n_tokens - 1)
-        sim = simulate(tr.head(step + 1), hw, tr.meta.replay_policy, timing="measured", record=True)
+        sim = simulate(tr.head(step + 1), hw, tr.meta.replay_policy, Setting(timing="measured"), record=True)
         meas = measured_spans(tr, step)
         timeline_pair_png(meas, sim.spans, out / "timeline.png", f"{tr.model.name}, {tr.meta.policy}, step {step}")
         chrome_pair(meas, [s for s in sim.spans if s.step == step], out / "timelines.trace.json")

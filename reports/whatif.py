@@ -13,6 +13,7 @@ from moesim.atomic import atomic_write_text
 from moesim.fmt import duration_ms
 from moesim.reports.render import breakdown_png, heatmap_png, pyplot, save_figure, write_csv, write_html
 from moesim.sim.deploy import AXES, Timed, crossovers, deployment_answer, describe_change, format_answer
+from moesim.sim.setting import Setting
 from moesim.sim.simulate import simulate
 from moesim.sim.whatif import GOALS, Sweep
 
@@ -45,8 +46,7 @@ def prompt_png(sweep: Sweep, winner: dict[str, Any], path: Path) -> Path:
         tpot, ttft = [], []
         for p in PROMPT_LENGTHS:
             tr = replace(base, header={**base.header, "prompt_len": p})
-            r = simulate(tr, hw, sweep.resolved[policy], cache_gib=winner["cache_gib"], link_gbps=winner["link_gbps"], sim="fast",
-                         engine=sweep.engine_profile, cache_per_layer=sweep.cache_per_layer)
+            r = simulate(tr, hw, sweep.resolved[policy], Setting(cache_gib=winner["cache_gib"], link_gbps=winner["link_gbps"], sim="fast", engine=sweep.engine_profile, cache_per_layer=sweep.cache_per_layer))
             tpot.append(r.tpot.mean() * 1e3)
             ttft.append(r.ttft * 1e3)
         a1.plot(PROMPT_LENGTHS, tpot, "o-", label=policy)

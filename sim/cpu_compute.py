@@ -23,6 +23,8 @@ are device times and say nothing about the CPU.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from moesim.costmodel import CostModel, ExpertTimes
@@ -31,13 +33,14 @@ from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile, HostProfile, get_host
 from moesim.memory import device_bytes
 from moesim.placement import HostPlanner, Placement, make_placement
-from moesim.policy import EVICTIONS, as_policy
+from moesim.policy import EVICTIONS, Policy, as_policy
 from moesim.sim.costs import roofline_costs
 from moesim.sim.cpu_run import CpuResult, CpuWork, routed_sets, token_counts  # noqa: F401 (re-exported)
 from moesim.sim.engine import run_simpy_cpu
 from moesim.sim.fastpath_cpu import run_fast_cpu
 from moesim.sim.plan import Plan
 from moesim.sim.prefill import prefill_time_cpu_compute
+from moesim.sim.setting import DEFAULT_SETTING, Setting
 from moesim.sim.static import STATIC_CPU, simulate_static
 from moesim.sim.workload import Link
 from moesim.traces.format import Trace, load_calibration, read_trace  # noqa: F401 (load_calibration re-exported)
@@ -90,12 +93,9 @@ def measured_work(trace: Trace, times: ExpertTimes) -> CpuWork:
                       routed_sets(trace.true_ids), times, None, dev_per, cpu_per)
 
 
-def simulate_cpu_compute(trace: Trace, hw: HardwareProfile, policy: str = "cpu-static", *, host: str | HostProfile | None = None,
-                    cpu_layers: int | str = "auto", calibration: np.ndarray | None = None,
-                    calibrate_on_replay: bool = False, cache_experts: int = 0, eviction: str = "lru",
-                    sim: str = "simpy", link_gbps: float | None = None, amx: bool = True,
-                    record: bool = False, placement: Placement | None = None,
-                    timing: str = "profile", engine: str | EngineProfile | None = None, threads: int | None = None) -> CpuResult:
+def simulate_cpu_compute(trace: Trace, hw: HardwareProfile, policy: str | Policy = "cpu-static",
+                         s: Setting = DEFAULT_SETTING, *, record: bool = False,
+                         placement: Placement | None = None) -> CpuResult:
     """Simulate ``trace`` under a CPU-compute policy on GPU ``hw`` and ``host`` (default:
     the GPU profile's host). ``calibration`` is the ``[t, m, b, k]`` routing of a separate
     calibration trace (hot-experts; warms cpu-on-miss's cache). ``placement`` replaces the
@@ -107,33 +107,33 @@ def simulate_cpu_compute(trace: Trace, hw: HardwareProfile, policy: str = "cpu-s
     pol = as_policy(policy)
     if not pol.cpu:
         raise MoesimError(f"policy {pol.name!r} computes no experts on the CPU; use moesim.sim.simulate.simulate")
+    sim, cache_experts = s.sim, s.cache_experts
+    timing = "profile" if s.timing == "auto" else s.timing  # the cost model's, unless measured times are asked for
     if sim not in ("simpy", "fast"):
         raise MoesimError(f"unknown simulator {sim!r}; known: simpy, fast")
-    if eviction not in EVICTIONS:
-        raise MoesimError(f"unknown eviction policy {eviction!r}; known: {', '.join(EVICTIONS)}")
+    if s.eviction not in EVICTIONS:
+        raise MoesimError(f"unknown eviction policy {s.eviction!r}; known: {', '.join(EVICTIONS)}")
     spec = trace.model
     if pol.cpu != "miss":
         cache_experts = 0  # static placements keep no cache: their resident set is the placement
-    host = host if isinstance(host, HostProfile) else get_host(host, hw)
-    engine = engine if isinstance(engine, EngineProfile) else get_engine(engine)
-    if link_gbps is not None:
-        hw = hw.with_figure("h2d_pinned_gbs", link_gbps)
+    host = s.host if isinstance(s.host, HostProfile) else get_host(s.host, hw)
+    engine = s.engine if isinstance(s.engine, EngineProfile) else get_engine(s.engine)
+    if s.link_gbps is not None:
+        hw = hw.with_figure("h2d_pinned_gbs", s.link_gbps)
     context = trace.prompt_len + trace.n_tokens
     placement = placement or make_placement(pol, spec, hw["device_memory_gb"] * 1e9, batch=trace.batch, context=context,
-                               cpu_layers_n=cpu_layers, calibration=calibration, replay_ids=trace.true_ids,
-                               calibrate_on_replay=calibrate_on_replay,
+                               cpu_layers_n=s.cpu_layers, calibration=s.calibration, replay_ids=trace.true_ids,
+                               calibrate_on_replay=s.calibrate_on_replay,
                                strategy=engine.expert_placement)
     if pol.cpu in STATIC_CPU and timing == "profile" and sim == "fast":
-        return simulate_static(trace, hw, pol, host=host, engine=engine, threads=threads, cpu_layers=cpu_layers,
-                               placement=placement, calibration=calibration, calibrate_on_replay=calibrate_on_replay,
-                               amx=amx)
-    cm = CostModel(spec, hw, host, engine=engine, amx=amx, threads=threads)
+        return simulate_static(trace, hw, pol, replace(s, host=host, engine=engine), placement=placement)
+    cm = CostModel(spec, hw, host, engine=engine, amx=s.amx, threads=s.threads)
     link = Link.of(cm)
     times = cm.expert_times(trace.batch)
     if timing not in ("profile", "measured"):
         raise MoesimError(f"unknown timing {timing!r} for {pol.name}; known: profile, measured")
     work = measured_work(trace, times) if timing == "measured" else build_work(trace, cm, times)
-    planner = HostPlanner(pol, spec, placement, cache_experts, eviction)
+    planner = HostPlanner(pol, spec, placement, cache_experts, s.eviction)
     if timing == "measured":
         sim = "fast"  # per-(step, layer) measured times: the recurrence reads them
     run = run_simpy_cpu(work, planner, link, record) if sim == "simpy" else run_fast_cpu(work, planner)
@@ -141,16 +141,16 @@ def simulate_cpu_compute(trace: Trace, hw: HardwareProfile, policy: str = "cpu-s
     b, k = trace.batch, spec.top_k
     n_exec = run.n_gpu + run.n_cpu
     zeros = np.zeros_like(n_exec)
-    plan = Plan(pol, cache_experts, eviction, 1, zeros, run.n_copied, n_exec, np.full_like(n_exec, b * k), run.n_hits,
+    plan = Plan(pol, cache_experts, s.eviction, 1, zeros, run.n_copied, n_exec, np.full_like(n_exec, b * k), run.n_hits,
                 zeros, zeros)
     resident = placement.resident if placement is not None else None
     ttft = prefill_time_cpu_compute(cm, times, resident, trace.prompt_len, b)
     config = {
         "model": spec.name, "hw": hw.name, "host": host.name, "policy": pol.name, "cache_experts": cache_experts,
-        "eviction": eviction if cache_experts else "-", "link_gbps": hw["h2d_pinned_gbs"], "batch": b,
+        "eviction": s.eviction if cache_experts else "-", "link_gbps": hw["h2d_pinned_gbs"], "batch": b,
         "sim": sim, "engine": cm.engine.name, "threads": cm.threads,
         "timing": ("measured (trace); decisions by the roofline" if timing == "measured" else
-                   f"roofline ({hw.name} + {host.name}, {cm.engine.name}{'' if amx and host.has_amx else ', no AMX'})"),
+                   f"roofline ({hw.name} + {host.name}, {cm.engine.name}{'' if s.amx and host.has_amx else ', no AMX'})"),
         "placement": placement.source if placement is not None else "cold cache",
         "optimistic_placement": bool(placement is not None and placement.optimistic),
         "resident_experts": placement.n_resident if placement is not None else 0,

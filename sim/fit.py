@@ -24,6 +24,7 @@ from moesim.engines import get_engine
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile
 from moesim.sim.plan import build_plan
+from moesim.sim.setting import Setting
 from moesim.sim.simulate import simulate
 from moesim.traces.format import Trace
 
@@ -83,8 +84,7 @@ def fit_profile(trace: Trace, base: HardwareProfile, name: str | None = None) ->
     name = name or fitted_name(trace, base)
     prof = replace(prof, name=name, description=f"{base.description}; compute model fitted to a trace of "
                                                  f"{meta.device or 'an unnamed machine'}")
-    replay = simulate(trace, prof, meta.replay_policy, timing="profile", cache_experts=meta.cache_experts,
-                      link_gbps=meta.link_gbps)
+    replay = simulate(trace, prof, meta.replay_policy, Setting(timing="profile", cache_experts=meta.cache_experts, link_gbps=meta.link_gbps))
     measured = tm["tpot_s"][1:]
     quality = {
         "blocks": int(y.size), "r2": float(r2),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any
 
@@ -31,6 +31,7 @@ from moesim.models import DTYPES, ModelSpec, get_model
 from moesim.placement import hot_per_layer, routing_counts, uniform_per_layer
 from moesim.policy import get_policy
 from moesim.quant_recipes import ALIASES, RECIPES, apply_recipe
+from moesim.sim.setting import Setting
 from moesim.sim.simulate import simulate
 from moesim.sim.static import simulate_static
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
@@ -159,7 +160,7 @@ def predict(entry: Entry, engines: dict[str, EngineProfile] | None = None) -> di
     machine = get_machine(s["hw"])
     host = _host(s)
     pol = get_policy(s["policy"])
-    kw = dict(host=host, engine=engine, threads=s.get("threads"))
+    setting = Setting(host=host, engine=engine, threads=s.get("threads"))
     if pol.cpu or machine.n_gpus != 1:
         placement = None
         if "gpu_experts_per_layer" in s:  # KTransformers' GPU experts a layer, placed as the engine places them
@@ -171,16 +172,17 @@ def predict(entry: Entry, engines: dict[str, EngineProfile] | None = None) -> di
                 placement = hot_per_layer(routing_counts(twin.true_ids, spec.n_experts), spec, n,
                                           "a calibration twin of the trace", False)
         cpu_layers = spec.n_moe_layers if s.get("cpu_layers") == "all" else s.get("cpu_layers", "auto")
-        res = simulate_static(trace, machine, pol, cpu_layers=cpu_layers, gpu_layers=s.get("gpu_layers", "auto"),
-                              placement=placement, ttft=False, **kw)
+        res = simulate_static(trace, machine, pol, replace(setting, cpu_layers=cpu_layers,
+                                                           gpu_layers=s.get("gpu_layers", "auto")),
+                              placement=placement, ttft=False)
     else:
         hw = machine.gpus[0]
         cache = s.get("cache_experts", 0)
         if s.get("cache_gib") == "fill":  # the device memory an engine leaves for its expert cache
             free = 0.75 * hw["device_memory_gb"] * 1e9 - device_bytes(spec, pol, context=context) + WORKSPACE_BYTES
             cache = max(0, int(free // spec.expert_bytes))
-        res = simulate(trace, hw, pol, cache_experts=cache, eviction=s.get("eviction", "lru"), sim="fast",
-                       engine=engine, host=host, cache_per_layer=bool(s.get("cache_per_layer")))
+        res = simulate(trace, hw, pol, replace(setting, cache_experts=cache, eviction=s.get("eviction", "lru"),
+                                               sim="fast", cache_per_layer=bool(s.get("cache_per_layer"))))
     tpot = float(res.tpot.mean())
     return {"predicted_tps": 1.0 / tpot, "result": res}
 

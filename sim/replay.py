@@ -15,7 +15,7 @@ why its prediction can differ from a plain replay's; both say which link they us
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +28,9 @@ from moesim.policy import get_policy
 from moesim.sim.cpu_compute import load_calibration, separate_calibration
 from moesim.sim.prefetch_top import keep_top_predictions
 from moesim.sim.quantised import with_expert_dtype
+from moesim.sim.setting import Setting
 from moesim.sim.simulate import SimResult, simulate_policies
-from moesim.sim.sweep import check_threads, split_notes, unused_options
+from moesim.sim.sweep import Given, check_threads, split_notes, unused_options
 from moesim.traces.format import Trace, read_trace
 
 DEFAULT_POLICIES = ("on-demand", "prefetch-fom", "prefetch-spec", "oracle")
@@ -88,26 +89,46 @@ def replay_link(trace: Trace, profile: HardwareProfile, profile_source: str,
     return profile, "the profile's"
 
 
+@dataclass(frozen=True)
+class TraceChanges:
+    """What-ifs on the replayed trace itself (each None: none): ``expert_dtype`` stores the
+    routed experts in another format (moesim.sim.quantised), ``prefetch_top`` prefetches only
+    each sequence's ``m`` most confident predicted experts (moesim.sim.prefetch_top; None: as
+    recorded), and ``placement_from`` names the calibration trace whose routing places the
+    hot experts (docs/policies.md)."""
+
+    expert_dtype: str | None = None
+    prefetch_top: int | None = None
+    placement_from: str | Path | None = None
+
+
+NO_CHANGES = TraceChanges()
+#: A replay's default setting: the cache, eviction and copy queue the trace was recorded
+#: with (a field left None: as recorded), every other knob at its default.
+REPLAY_DEFAULT = Setting(cache_gib=None, cache_experts=None, eviction=None, copy_queue=None)
+
+
+def replay_setting(**given: Any) -> Setting:
+    """A replay's setting: the knobs ``given`` (fields of :class:`~moesim.sim.setting.Setting`),
+    the cache, eviction and copy queue left out as the trace was recorded."""
+    return replace(REPLAY_DEFAULT, **given)
+
+
 def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str] | tuple[str, ...] = DEFAULT_POLICIES,
-           *, model: str | None = None, step: int | None = None, where: str | Path | None = None,
-           progress: Callable[[int, int], None] | None = None, expert_dtype: str | None = None,
-           prefetch_top: int | None = None, placement_from: str | Path | None = None, **kw: Any) -> Replay:
-    """Simulate a (non-speculative) trace under each policy; ``kw`` goes to
-    :func:`moesim.sim.simulate.simulate` (cache, eviction, sim, engine, timing, link_gbps, ...).
-    ``model`` checks the trace against a model; ``step`` must be one of the trace's steps
-    (the report's timeline shows it); ``where`` names the trace in errors; ``progress(done,
-    total)`` counts layer-steps planned and timed, for a progress bar on long traces.
-    What-ifs on the trace itself: ``expert_dtype`` stores the routed experts in another
-    format (moesim.sim.quantised), ``prefetch_top`` prefetches only each sequence's ``m``
-    most confident predicted experts (moesim.sim.prefetch_top), and ``placement_from``
-    names the calibration trace whose routing places the hot experts (docs/policies.md)."""
+           given: Setting = REPLAY_DEFAULT, changes: TraceChanges = NO_CHANGES, *, step: int | None = None,
+           where: str | Path | None = None, progress: Callable[[int, int], None] | None = None,
+           as_recorded: bool = False) -> Replay:
+    """Simulate a (non-speculative) trace under each policy, set up as ``given``
+    (:func:`as_recorded`: the knobs given, the cache left out as recorded) with the what-ifs
+    ``changes`` on the trace itself. ``step`` must be one of the trace's steps (the report's
+    timeline shows it); ``where`` names the trace in errors; ``progress(done, total)`` counts
+    layer-steps planned and timed, for a progress bar on long traces; ``as_recorded`` keeps
+    the recorded predictor time in every policy's measured compute
+    (:func:`moesim.sim.simulate.simulate`'s, as validation replays the measured run)."""
     where = where or ("the trace" if isinstance(trace, Trace) else trace)
-    given_top = prefetch_top  # as given (a recorded one may fill it below): what a note names
     trace = trace if isinstance(trace, Trace) else read_trace(trace)
     if trace.speculative:
         raise MoesimError("a speculative-decoding trace: replay it with moesim.sim.speculative.speculative_whatif")
-    if model is not None:
-        check_trace_model(trace, model, where)
     profile, source = trace_profile(trace, hw)
     if step is None:
         step = min(1, trace.n_tokens - 1)  # the report's timeline: the second step (the first warms the cache)
@@ -116,30 +137,27 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
         raise MoesimError(f"--step {step}: the trace has {trace.n_tokens} decode step(s), numbered from 0: give "
                           + ("0" if last == 0 else f"0 to {last}"))
     engine_note = None
-    if kw.get("engine") is not None:  # the policies the engine runs, as whatif keeps them
-        policies, engine_note = get_engine(kw["engine"]).only_runs([get_policy(p).name for p in policies])
+    if given.engine is not None:  # the policies the engine runs, as whatif keeps them
+        policies, engine_note = get_engine(given.engine).only_runs([get_policy(p).name for p in policies])
     budget.check(budget.replay_estimate(trace.model, trace.n_tokens, trace.batch, budget.runs_by_kind(policies),
-                                        kw.get("sim", "simpy")))
-    given_link = kw.pop("link_gbps", None)
-    profile, link_source = replay_link(trace, profile, source, given_link)
-    if expert_dtype is not None:
-        trace = with_expert_dtype(trace, expert_dtype)
+                                        given.sim))
+    profile, link_source = replay_link(trace, profile, source, given.link_gbps)
+    setting = replace(given, link_gbps=None)  # the profile carries the link now
+    if changes.expert_dtype is not None:
+        trace = with_expert_dtype(trace, changes.expert_dtype)
+    prefetch_top = changes.prefetch_top
     if prefetch_top is None and trace.header.get("prefetch_top_m"):
         prefetch_top = int(trace.header["prefetch_top_m"])  # as recorded (moesim profile --prefetch-top)
     if prefetch_top is not None:
         trace = keep_top_predictions(trace, prefetch_top)
-    if placement_from is not None:
-        kw["calibration"] = separate_calibration(load_calibration(str(placement_from), trace.model), trace,
-                                                 placement_from)
-    given_eviction = kw.get("eviction")
-    given_cache = bool(kw.get("cache_gib")) or bool(kw.get("cache_experts"))  # by the user, not the recorded one
-    kw, cache_source = recorded_cache(trace, kw)  # the cache as given, else as recorded: what an eviction needs
-    note = unused_notes(policies, hw, prefetch_top=given_top, placement_from=placement_from,
-                        **{**kw, "eviction": given_eviction, "link_gbps": given_link, "cache_given": given_cache})
+    if changes.placement_from is not None:
+        setting = replace(setting, calibration=separate_calibration(
+            load_calibration(str(changes.placement_from), trace.model), trace, changes.placement_from))
+    setting, cache_source = recorded_cache(trace, setting)  # the cache as given, else as recorded
+    note = unused_notes(policies, hw, given, changes, cached=bool(setting.cache_gib) or bool(setting.cache_experts))
     note = "; ".join(n for n in (engine_note, note) if n) or None
-    kw.setdefault("copy_queue", None)  # None: as recorded (moesim profile --copy-queue), else FIFO
-    results = simulate_policies(trace, profile, list(policies), progress=progress, **kw)
-    note = "; ".join(n for n in (note, fit_note(results), capped_note(results, kw.get("offload_gib"))) if n) or None
+    results = simulate_policies(trace, profile, list(policies), setting, progress=progress, as_recorded=as_recorded)
+    note = "; ".join(n for n in (note, fit_note(results), capped_note(results, setting.offload_gib)) if n) or None
     return Replay(trace, profile, source, results, link_source, cache_source, step, note)
 
 
@@ -169,45 +187,41 @@ def capped_note(results: list, offload_gib: float | str | None) -> str | None:
                      f"{r['offload_gib']:.3g} GiB, are read over the link" for r in capped) or None
 
 
-def recorded_cache(trace: Trace, kw: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """``kw`` with the cross-token cache and eviction the trace was recorded with wherever
-    the caller left them unset (None), and where the cache came from. Why: a trace recorded
+def recorded_cache(trace: Trace, s: Setting) -> tuple[Setting, str]:
+    """``s`` with the cross-token cache and eviction the trace was recorded with wherever the
+    caller left them unset (None), and where the cache came from. Why: a trace recorded
     with a 32-expert LRU cache replayed with no cache predicts a different run than the one
     measured; the recorded configuration is the default, like the recorded link."""
-    kw = dict(kw)
     source = "given"
-    if kw.get("cache_gib") is None and kw.get("cache_experts") is None:
-        kw["cache_gib"], kw["cache_experts"] = 0.0, trace.meta.cache_experts
+    if s.cache_gib is None and s.cache_experts is None:
+        s = replace(s, cache_gib=0.0, cache_experts=trace.meta.cache_experts)
         source = "recorded in the trace"
-    if kw.get("eviction") is None:
-        kw["eviction"] = trace.meta.eviction
-    kw["cache_gib"] = kw.get("cache_gib") or 0.0
-    kw["cache_experts"] = kw.get("cache_experts") or 0
-    return kw, source
+    if s.eviction is None:
+        s = replace(s, eviction=trace.meta.eviction)
+    return replace(s, cache_gib=s.cache_gib or 0.0, cache_experts=s.cache_experts or 0), source
 
 
-def unused_notes(policies, hw: str | None, *, host=None, cpu_layers="auto", gpu_expert_gib=None, copy_queue=None,
-                 prefetch_top=None, gpu_layers="auto", offload_gib="auto", placement_from=None, amx=True,
-                 calibrate_on_replay=False, eviction=None, cache_gib=None, cache_experts=None, lookahead=None,
-                 split="layer", threads=None, link_gbps=None, cache_given=False, cache_per_layer=False, ratios=None,
-                 **_: Any) -> str | None:
+def unused_notes(policies, hw: str | None, given: Setting, changes: TraceChanges = NO_CHANGES, *,
+                 cached: bool = False) -> str | None:
     """One line naming every option given that none of the replayed policies uses
-    (:func:`moesim.sim.sweep.unused_options`, the definition whatif uses), or None. The
-    options as given (``None``: left out), the cache as the replay runs it (given, else
-    recorded): no cache evicts nothing; a split other than layer needs several GPUs."""
-
+    (:func:`moesim.sim.sweep.unused_options`, the definition whatif uses), or None. ``given``
+    and ``changes`` as given (``None``: left out); ``cached``: the cache the replay runs
+    (given, else recorded) is above 0, for no cache evicts nothing; a split other than layer
+    needs several GPUs."""
     gpus = get_machine(hw).n_gpus if hw is not None else 1
-    cached = bool(cache_gib) or bool(cache_experts)
-    notes = unused_options([get_policy(p) for p in policies], [host] if host else None, [cpu_layers],
-                           [gpu_expert_gib] if gpu_expert_gib is not None else None, [copy_queue],
-                           [prefetch_top] if prefetch_top is not None else None, [gpu_layers], [offload_gib],
-                           placement_from=placement_from, amx=amx, calibrate_on_replay=calibrate_on_replay,
-                           pinned_hot_set=True, no_gpu=gpus == 0, verb="replayed", eviction=eviction, cached=cached,
-                           lookaheads=[lookahead] if lookahead is not None else None, threads=threads,
-                           link_given=link_gbps is not None, cache_given=cache_given, cache_per_layer=cache_per_layer)
-    notes += split_notes(split, ratios, [gpus])
+    typed = Given([given.host] if given.host else None, [given.cpu_layers],
+                  [given.gpu_expert_gib] if given.gpu_expert_gib is not None else None, [given.copy_queue],
+                  [changes.prefetch_top] if changes.prefetch_top is not None else None, [given.gpu_layers],
+                  [given.offload_gib], [given.lookahead] if given.lookahead is not None else None,
+                  placement_from=changes.placement_from, calibrate_on_replay=given.calibrate_on_replay,
+                  amx=given.amx, eviction=given.eviction, cached=cached, threads=given.threads,
+                  link_given=given.link_gbps is not None, cache_given=bool(given.cache_gib) or bool(given.cache_experts),
+                  cache_per_layer=given.cache_per_layer)
+    notes = unused_options([get_policy(p) for p in policies], typed, pinned_hot_set=True, no_gpu=gpus == 0,
+                           verb="replayed")
+    notes += split_notes(given.split, given.ratios, [gpus])
     machine = get_machine(hw) if hw is not None else None
     default = machine.gpus[0] if machine is not None and machine.gpus and machine.gpus[0].host else None
-    if threads is not None and (host or default):
-        notes += check_threads(threads, [get_host(host, default)])
+    if given.threads is not None and (given.host or default):
+        notes += check_threads(given.threads, [get_host(given.host, default)])
     return "; ".join(notes) if notes else None

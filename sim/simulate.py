@@ -22,6 +22,7 @@ from moesim.sim.engine import Span, run_simpy, run_simpy_queued
 from moesim.sim.fastpath import run_fast_many
 from moesim.sim.plan import Plan, build_plan
 from moesim.sim.prefill import prefill_time
+from moesim.sim.setting import DEFAULT_SETTING, Setting
 from moesim.sim.static import STATIC_CPU, simulate_static
 from moesim.sim.stats_kernels import recall_counts
 from moesim.sim.workload import Link, Workload, make_workload
@@ -114,127 +115,83 @@ class SimResult:
         }
 
 
-def simulate(
-    trace: Trace,
-    hw: HardwareProfile | Machine | str,
-    policy: str = "on-demand",
-    *,
-    cache_gib: float = 0.0,
-    cache_experts: int = 0,
-    eviction: str = "lru",
-    sim: str = "simpy",
-    engine: str | None = None,
-    timing: str = "auto",
-    link_gbps: float | None = None,
-    record: bool = False,
-    plan: Plan | None = None,
-    costs: Costs | None = None,
-    progress: Callable[[int, int], None] | None = None,
-    pred_recall: float | None = None,
-    copy_queue: str | None = "fifo",
-    host: Any = None,
-    cpu_layers: int | str = "auto",
-    calibration: np.ndarray | None = None,
-    calibrate_on_replay: bool = False,
-    amx: bool = True,
-    as_recorded: bool = False,
-    lookahead: int | None = None,
-    threads: int | None = None,
-    gpu_layers: int | str = "auto",
-    split: str = "layer",
-    ratios: list[float] | None = None,
-    cache_per_layer: bool = False,
-    gpu_expert_gib: float | None = None,
-    offload_gib: float | str = "auto",
-) -> SimResult:
-    """Simulate ``trace`` under ``policy`` on ``hw``.
+def simulate(trace: Trace, hw: HardwareProfile | Machine | str, policy: str | Policy = "on-demand",
+             s: Setting = DEFAULT_SETTING, *, record: bool = False, plan: Plan | None = None, costs: Costs | None = None,
+             progress: Callable[[int, int], None] | None = None, pred_recall: float | None = None,
+             as_recorded: bool = False) -> SimResult:
+    """Simulate ``trace`` under ``policy`` (a name or the resolved object) on ``hw``, set up as
+    ``s`` (:class:`~moesim.sim.setting.Setting`: the cache, link, engine, host and layout
+    knobs, each described there).
+
+    ``hw`` is a GPU profile or a machine (:func:`moesim.hardware.get_machine`: ``none``,
+    ``2xrtx5090``, ``rtx4090+rtx3090``; several GPUs or none take the static layouts of
+    :mod:`moesim.sim.static`; the CPU-compute policies (docs/policies.md) go to
+    :func:`moesim.sim.cpu_compute.simulate_cpu_compute`). ``plan`` and ``costs`` may be
+    passed in when a sweep reuses them; ``progress(steps_planned, steps)`` reports planning,
+    the part that grows with the trace (see :func:`simulate_policies` for a whole replay);
+    ``record`` keeps the timeline's spans. A copy queue of None is the trace's own
+    (``moesim profile --copy-queue`` records it), else FIFO, and FIFO for the CPU-compute
+    policies, which copy at most their misses.
 
     ``as_recorded`` (validation: replaying the run the trace measured) keeps the recorded
     prediction time in the measured compute whatever ``policy`` is: the executor ran its
     predictor under every offloading policy (an on-demand trace records predictions so it
     can stand in for the prefetching policies), so the measured run paid for it. A what-if
     of a policy that predicts nothing takes it back out.
-
-    ``hw`` is a GPU profile or a machine (:func:`moesim.hardware.get_machine`: ``none``,
-    ``2xrtx5090``, ``rtx4090+rtx3090``; several GPUs or none take the static layouts of
-    :mod:`moesim.sim.static`). ``link_gbps`` overrides the profile's pinned host-to-device
-    bandwidth (what-if); ``sim`` picks the SimPy reference or the fast path; ``engine`` the
-    inference engine whose figures time the work (:mod:`moesim.engines`; default PyTorch
-    eager); ``threads`` its CPU threads; ``plan`` and ``costs`` may be
-    passed in when a sweep reuses them; ``progress(steps_planned, steps)`` reports planning,
-    the part that grows with the trace (see :func:`simulate_policies` for a whole replay);
-    ``copy_queue`` picks a copy-queue discipline (SimPy only); None: the trace's own
-    (``moesim profile --copy-queue`` records it), else FIFO, and FIFO for the CPU-compute
-    policies, which copy at most their misses. The CPU-compute policies
-    (docs/policies.md) go to :func:`moesim.sim.cpu_compute.simulate_cpu_compute` with ``host`` (name,
-    path or profile; default: the GPU profile's), ``cpu_layers``, ``calibration`` routing,
-    ``calibrate_on_replay`` and ``amx``. ``lookahead``: how many MoE layers ahead a
-    prefetch is issued (None: the trace's; :func:`moesim.sim.plan.plan_lookahead`).
-    ``gpu_layers``, ``split`` and ``ratios``: the gpu-layers policy's count and how GPU
-    layers spread over several GPUs. ``cache_per_layer``: the cache size is each MoE layer's
-    (a cache per layer, as mixtral-offloading keeps). ``gpu_expert_gib``: GiB of the hottest
-    experts (counted on ``calibration``) kept on the GPU: hot-experts' budget, or a copy
-    policy's pinned hot set. ``offload_gib``: weight-streaming's GiB of weights read over the
-    link (vLLM's ``--cpu-offload-gb``; auto: the least that fits).
     """
-    if sim not in SIMS:
-        raise MoesimError(f"unknown simulator {sim!r}; known: {', '.join(SIMS)}")
+    if s.sim not in SIMS:
+        raise MoesimError(f"unknown simulator {s.sim!r}; known: {', '.join(SIMS)}")
     pol = as_policy(policy)
+    copy_queue = s.copy_queue
     if copy_queue is None:  # as recorded
         copy_queue = "fifo" if pol.cpu else trace.header.get("copy_queue", "fifo")
-        if copy_queue != "fifo" and sim != "simpy":
+        if copy_queue != "fifo" and s.sim != "simpy":
             raise MoesimError(f"the trace was recorded with copy queue {copy_queue!r}, which only the SimPy simulator "
                               "models: use --sim simpy, or --copy-queue fifo to time it as FIFO")
     if copy_queue not in QUEUES:
         raise MoesimError(f"unknown copy queue {copy_queue!r}; known: {', '.join(QUEUES)}")
-    if copy_queue != "fifo" and sim != "simpy":
+    if copy_queue != "fifo" and s.sim != "simpy":
         raise MoesimError(f"copy queue {copy_queue!r} is modelled by the SimPy simulator only (--sim simpy)")
-    if eviction not in EVICTIONS:
-        raise MoesimError(f"unknown eviction policy {eviction!r}; known: {', '.join(EVICTIONS)}")
+    if s.eviction not in EVICTIONS:
+        raise MoesimError(f"unknown eviction policy {s.eviction!r}; known: {', '.join(EVICTIONS)}")
     machine = get_machine(hw)
     # Static layouts go to the static step model; on one GPU the SimPy simulator times the
     # static CPU policies as the reference the static model is held to (tests/test_deploy.py).
     static = pol.cpu in STATIC_CPU or (not pol.offload and machine.n_gpus != 1)
-    if static and sim == "simpy" and machine.n_gpus == 1 and pol.cpu in ("layers", "hot"):
+    if static and s.sim == "simpy" and machine.n_gpus == 1 and pol.cpu in ("layers", "hot"):
         static = False
     if machine.n_gpus != 1 and not static:
         where = "no GPU" if not machine.n_gpus else f"{machine.n_gpus} GPUs"
         raise MoesimError(f"{pol.name} copies experts to one GPU; on a machine with {where} only the static layouts "
                           "apply (all-resident, cpu-static, hot-experts, gpu-layers, weight-streaming)")
-    if static and timing == "measured" and (pol.cpu in ("whole", "stream") or machine.n_gpus != 1):
+    if static and s.timing == "measured" and (pol.cpu in ("whole", "stream") or machine.n_gpus != 1):
         raise MoesimError(f"{pol.name} on {machine.name} is timed from the profiles only (--timing profile): a trace's "
                           "measured times belong to the one GPU that recorded it")
-    hot = _hot_set(trace, machine, pol, gpu_expert_gib, calibration, calibrate_on_replay)
-    if static and timing != "measured":
+    hot = _hot_set(trace, machine, pol, s.gpu_expert_gib, s.calibration, s.calibrate_on_replay)
+    if static and s.timing != "measured":
         if copy_queue != "fifo":
             raise MoesimError(f"{pol.name} copies nothing; copy queues apply to the copy policies")
-        res = simulate_static(trace, machine, pol, host=host, engine=engine, threads=threads, cpu_layers=cpu_layers,
-                              gpu_layers=gpu_layers, calibration=calibration, calibrate_on_replay=calibrate_on_replay,
-                              split=split, ratios=ratios, amx=amx, link_gbps=link_gbps,
-                              placement=hot if pol.cpu == "hot" else None, offload_gib=offload_gib)
+        res = simulate_static(trace, machine, pol, s, placement=hot if pol.cpu == "hot" else None)
         return _with_recall(res, trace, pred_recall)
     hw = machine.gpus[0]
     if pol.cpu:  # experts computed on the CPU: the CPU-compute step model (moesim.sim.cpu_compute)
-        if timing == "measured" and not trace.measured:
+        if s.timing == "measured" and not trace.measured:
             raise MoesimError("the trace has no measured timings (--timing profile)")
         if copy_queue != "fifo":
             raise MoesimError(f"{pol.name} copies at most its misses; copy queues apply to the copy policies")
-        capacity = cache_capacity(trace.model, cache_gib, cache_experts)
-        res = simulate_cpu_compute(trace, hw, pol, host=host, cpu_layers=cpu_layers, calibration=calibration,
-                                   calibrate_on_replay=calibrate_on_replay, cache_experts=capacity, eviction=eviction,
-                                   sim=sim, engine=engine, link_gbps=link_gbps, amx=amx, record=record,
-                                   timing="measured" if timing == "measured" else "profile", threads=threads,
-                                   placement=hot if pol.cpu == "hot" else None)
+        capacity = cache_capacity(trace.model, s.cache_gib, s.cache_experts)
+        timed = replace(s, cache_gib=0.0, cache_experts=capacity, timing="measured" if s.timing == "measured" else "profile")
+        res = simulate_cpu_compute(trace, hw, pol, timed, record=record, placement=hot if pol.cpu == "hot" else None)
         return _with_recall(res, trace, pred_recall)
     spec = trace.model
-    if link_gbps is not None:
-        hw = hw.with_figure("h2d_pinned_gbs", link_gbps)
-    capacity = cache_capacity(spec, cache_gib, cache_experts) if pol.offload else 0
+    if s.link_gbps is not None:
+        hw = hw.with_figure("h2d_pinned_gbs", s.link_gbps)
+    capacity = cache_capacity(spec, s.cache_gib, s.cache_experts) if pol.offload else 0
     pinned = hot.hottest if hot is not None and pol.offload else ()
-    plan = plan or build_plan(trace, pol, capacity, eviction, progress, lookahead, cache_per_layer, pinned)
-    cm = CostModel(spec, hw, engine=engine)
-    costs = costs or pick_costs(trace, cm, timing)
-    (result,) = time_plan(trace, pol, plan, costs, [hw], sim=sim, engine=engine, copy_queue=copy_queue,
+    plan = plan or build_plan(trace, pol, capacity, s.eviction, progress, s.lookahead, s.cache_per_layer, pinned)
+    cm = CostModel(spec, hw, engine=s.engine)
+    costs = costs or pick_costs(trace, cm, s.timing)
+    (result,) = time_plan(trace, pol, plan, costs, [hw], sim=s.sim, engine=s.engine, copy_queue=copy_queue,
                           record=record, pred_recall=pred_recall, as_recorded=as_recorded)
     return result
 
@@ -387,22 +344,23 @@ def _prediction_recall_numpy(trace: Trace) -> float:
     return hits_sum / rows if rows else float("nan")
 
 
-def simulate_policies(trace: Trace, hw: HardwareProfile, policies: list[str], *,
-                      progress: Callable[[int, int], None] | None = None, **kw: Any) -> list[SimResult]:
-    """:func:`simulate` for each policy, sharing the compute times and the prediction recall
-    (they do not depend on the policy). ``progress(done, total)`` counts layer-steps
-    planned and timed over all policies, for a progress bar on long traces."""
+def simulate_policies(trace: Trace, hw: HardwareProfile | Machine | str, policies: list[str],
+                      s: Setting = DEFAULT_SETTING, *,
+                      progress: Callable[[int, int], None] | None = None, as_recorded: bool = False
+                      ) -> list[SimResult]:
+    """:func:`simulate` for each policy, set up as ``s``, sharing the compute times and the
+    prediction recall (they do not depend on the policy). ``progress(done, total)`` counts
+    layer-steps planned and timed over all policies, for a progress bar on long traces."""
     for p in policies:
         get_policy(p)  # every name checked before any work
     per_policy = trace.n_tokens * trace.model.n_moe_layers
     total = 2 * per_policy * len(policies)  # planning, then timing, per policy
-    link_gbps = kw.get("link_gbps")
     machine = get_machine(hw)
-    costs = kw.pop("costs", None)
-    if machine.n_gpus == 1 and costs is None:
+    costs = None
+    if machine.n_gpus == 1:
         profile = machine.gpus[0]
-        profile = profile.with_figure("h2d_pinned_gbs", link_gbps) if link_gbps is not None else profile
-        costs = pick_costs(trace, CostModel(trace.model, profile, engine=kw.get("engine")), kw.get("timing", "auto"))
+        profile = profile.with_figure("h2d_pinned_gbs", s.link_gbps) if s.link_gbps is not None else profile
+        costs = pick_costs(trace, CostModel(trace.model, profile, engine=s.engine), s.timing)
     recall = prediction_recall(trace)
     results = []
     for i, p in enumerate(policies):
@@ -412,7 +370,8 @@ def simulate_policies(trace: Trace, hw: HardwareProfile, policies: list[str], *,
             if progress is not None:
                 progress(done + steps * trace.model.n_moe_layers, total)
 
-        results.append(simulate(trace, hw, p, costs=costs, progress=planned, pred_recall=recall, **kw))
+        results.append(simulate(trace, hw, p, s, costs=costs, progress=planned, pred_recall=recall,
+                                as_recorded=as_recorded))
         if progress is not None:
             progress(done + 2 * per_policy, total)
     return results

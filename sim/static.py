@@ -28,10 +28,11 @@ from moesim.layout import CPU, Layout, layer_weight_bytes, make_layout, stream_l
 from moesim.memory import layout_bytes
 from moesim.models import ModelSpec
 from moesim.placement import make_placement
-from moesim.policy import as_policy
+from moesim.policy import Policy, as_policy
 from moesim.sim.cpu_run import CpuResult, CpuRun, token_counts
 from moesim.sim.plan import Plan
 from moesim.sim.prefill import prefill_time_static
+from moesim.sim.setting import DEFAULT_SETTING, Setting
 from moesim.traces.format import Trace
 
 #: The CPU-compute policies whose layouts are static (nothing copied): timed here.
@@ -198,12 +199,8 @@ def _first_gib(spec: ModelSpec, n: int) -> float:
     return sum(layer_weight_bytes(spec, x) for x in range(n)) / 2**30
 
 
-def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, policy: str, *,
-                    host: str | HostProfile | None = None, engine: str | EngineProfile | None = None,
-                    threads: int | None = None, cpu_layers: int | str = "auto", gpu_layers: int | str = "auto",
-                    calibration: np.ndarray | None = None, calibrate_on_replay: bool = False, split: str = "layer",
-                    ratios: list[float] | None = None, amx: bool = True, placement=None,
-                    link_gbps: float | None = None, offload_gib: float | str = "auto", ttft: bool = True) -> CpuResult:
+def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, policy: str | Policy,
+                    s: Setting = DEFAULT_SETTING, *, placement=None, ttft: bool = True) -> CpuResult:
     """Simulate ``trace`` under a static layout (all-resident, cpu-static, hot-experts,
     gpu-layers, weight-streaming) on a machine of zero, one or several GPUs
     (:func:`moesim.hardware.get_machine`) and ``host``, run by ``engine`` with ``threads``
@@ -214,28 +211,28 @@ def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, poli
     (NaN): a fit that predicts decode speed thousands of times spends a third of its time there."""
     pol = as_policy(policy)
     machine = get_machine(machine)
-    if link_gbps is not None:
-        machine = machine.with_figure("h2d_pinned_gbs", link_gbps)
+    if s.link_gbps is not None:
+        machine = machine.with_figure("h2d_pinned_gbs", s.link_gbps)
     spec = trace.model
     g = machine.n_gpus
-    if host is None and g == 0:
+    if s.host is None and g == 0:
         raise MoesimError("--hw none: name the host that runs everything (--host; `moesim hw --hosts`)")
-    host = host if isinstance(host, HostProfile) else get_host(host, machine.gpus[0] if g else None)
-    engine = engine if isinstance(engine, EngineProfile) else get_engine(engine)
+    host = s.host if isinstance(s.host, HostProfile) else get_host(s.host, machine.gpus[0] if g else None)
+    engine = s.engine if isinstance(s.engine, EngineProfile) else get_engine(s.engine)
     b, T = trace.batch, trace.n_tokens
     context = trace.prompt_len + T
     hot = None
     if pol.cpu == "hot" and g == 1:
         hot = placement or make_placement(pol, spec, machine.gpus[0]["device_memory_gb"] * 1e9, batch=b,
-                                          context=context, calibration=calibration, replay_ids=trace.true_ids,
-                                          calibrate_on_replay=calibrate_on_replay,
+                                          context=context, calibration=s.calibration, replay_ids=trace.true_ids,
+                                          calibrate_on_replay=s.calibrate_on_replay,
                                           strategy=engine.expert_placement)
-    layout = layout_for(pol, spec, machine, batch=b, context=context, cpu_layers=cpu_layers, gpu_layers=gpu_layers,
-                         split=split, ratios=ratios, hot_placement=hot, offload_gib=offload_gib)
+    layout = layout_for(pol, spec, machine, batch=b, context=context, cpu_layers=s.cpu_layers, gpu_layers=s.gpu_layers,
+                         split=s.split, ratios=s.ratios, hot_placement=hot, offload_gib=s.offload_gib)
     need = layout_bytes(spec, layout, b, context)
-    kw = dict(engine=engine, amx=amx, threads=threads, host_weights=need.host_weights, host_other=need.host_kv,
+    kw = dict(engine=engine, amx=s.amx, threads=s.threads, host_weights=need.host_weights, host_other=need.host_kv,
               cpu_part=bool((layout.layer_device == CPU).any() or (layout.expert_device == CPU).any()))
-    shards = g if split == "tensor" and g > 1 else 1
+    shards = g if s.split == "tensor" and g > 1 else 1
     cms = [CostModel(spec, gpu, host, shards=shards, **kw) for gpu in machine.gpus]
     cpu_cm = cms[0] if cms else CostModel(spec, None, host, **kw)
     streams = None
@@ -259,7 +256,7 @@ def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, poli
         "model": spec.name, "hw": machine.name, "host": host.name, "policy": pol.name, "cache_experts": 0,
         "eviction": "-", "link_gbps": machine.link_gbps(), "batch": b, "sim": "static", "engine": eng.name,
         "threads": cpu_cm.threads,
-        "timing": f"roofline ({machine.name} + {host.name}, {eng.name}{'' if amx and host.has_amx else ', no AMX'})",
+        "timing": f"roofline ({machine.name} + {host.name}, {eng.name}{'' if s.amx and host.has_amx else ', no AMX'})",
         "placement": layout.source, "optimistic_placement": layout.optimistic,
         "resident_experts": int((layout.expert_device >= 0).sum()), "gpu_layers": layout.gpu_layers(),
         "cpu_layers": layout.cpu_moe_layers(), "offload_gib": layout.streamed_gib(spec), "expert_bytes": spec.expert_bytes, "synthetic_trace": trace.synthetic,

@@ -71,6 +71,7 @@ from moesim.errors import MoesimError
 from moesim.fmt import plural
 from moesim.hardware import HardwareProfile
 from moesim.models import ModelSpec
+from moesim.sim.setting import Setting
 from moesim.sim.simulate import prediction_recall, simulate
 from moesim.sim.stats_kernels import _kernel, recall_counts  # noqa: F401 (recall_counts: this module's API too)
 from moesim.traces.format import Trace, read_trace
@@ -312,17 +313,21 @@ def _curve(trace: Trace, sizes: Sequence[int] | None, summary: bool = False) -> 
     replay = sorted({s for s in sizes if 0 < s < used})
     stack = [s for s in replay if s >= group_max]
     small = [s for s in replay if s < group_max]
+    # Longest first (Belady's one pass is the longest, then the LRU stack, the summary, and the
+    # LFU replays, larger caches replaying faster), so no long task starts last on a core.
     tasks: list[Callable[[], Any]] = [lambda: _belady_layer_hits(ids, e, replay),
                                       lambda: _lru_layer_hits(ids, e, stack)]
-    tasks += [lambda s=s: _online_layer_hits(ids, e, s, "lfu") for s in replay]
-    tasks += [lambda s=s: _online_layer_hits(ids, e, s, "lru") for s in small]
     if summary:
         tasks.append(lambda: _routing_summary(trace))
+    tasks += [lambda s=s: _online_layer_hits(ids, e, s, "lfu") for s in replay]
+    tasks += [lambda s=s: _online_layer_hits(ids, e, s, "lru") for s in small]
     out = _run_all(tasks)
     belady, (lru_stack, layer_acc, layer_cold) = out[0], out[1]
-    lfu = dict(zip(replay, out[2:2 + len(replay)], strict=True))
+    routing = out[2] if summary else None
+    first = 3 if summary else 2
+    lfu = dict(zip(replay, out[first:first + len(replay)], strict=True))
     lru = {**dict(zip(stack, lru_stack.T, strict=True)),
-           **dict(zip(small, out[2 + len(replay):2 + len(replay) + len(small)], strict=True))}
+           **dict(zip(small, out[first + len(replay):], strict=True))}
     accesses = int(layer_acc.sum())
     per: dict[str, list[np.ndarray]] = {"lru": [], "lfu": [], "belady": []}
     for s in sizes:
@@ -344,7 +349,7 @@ def _curve(trace: Trace, sizes: Sequence[int] | None, summary: bool = False) -> 
         curve["per_layer"] = {"accesses": layer_acc.tolist(),
                               **{name: (np.stack(rows, 1) / layer_acc[:, None]).tolist() if rows else
                                  [[] for _ in layer_acc] for name, rows in per.items()}}
-    return curve, (out[-1] if summary else None)
+    return curve, routing
 
 
 def hit_rate_curve(trace: Trace, sizes: Sequence[int] | None = None) -> dict[str, Any]:
@@ -363,8 +368,7 @@ def tpot_curve(trace: Trace, hw: HardwareProfile, sizes: Sequence[int], policy: 
     """Simulated TPOT (fast engine, profile timing) per cache size, and the knee.
     ``pred_recall`` (the trace's, computed once) only saves each simulation recomputing it."""
     recall = prediction_recall(trace) if pred_recall is None else pred_recall
-    tpot = [simulate(trace, hw, policy, cache_experts=int(s), eviction=eviction, sim="fast",
-                     timing="profile", pred_recall=recall).summary()["tpot_ms"] for s in sizes]
+    tpot = [simulate(trace, hw, policy, Setting(cache_experts=int(s), eviction=eviction, sim="fast", timing="profile"), pred_recall=recall).summary()["tpot_ms"] for s in sizes]
     return {"policy": policy, "eviction": eviction, "hw": hw.name, "sizes": list(sizes), "tpot_ms": tpot,
             **knee(sizes, tpot)}
 

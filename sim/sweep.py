@@ -153,71 +153,119 @@ def sockets_notes(hosts, engine) -> list[str]:
             for h in hosts if h.sockets > 1 and engine.get("numa_efficiency") == 0]
 
 
-def unused_options(pols: list, hosts, cpu_layers, gpu_expert_gib, copy_queues, prefetch_top, gpu_layers=None,
-                   offload_gib=None, *, placement_from=None, amx: bool = True, calibrate_on_replay: bool = False,
-                   pinned_hot_set: bool = False, no_gpu: bool = False, verb: str = "swept",
-                   eviction: str | None = None, cached: bool = True, lookaheads=None, threads=None,
-                   link_given: bool = False, cache_given: bool = False, cache_per_layer: bool = False) -> list[str]:
-    """A note for each option given that no policy of the run uses (``--cpu-layers`` with no
-    cpu-static, ...): the run is still valid, but the user should not believe the knob was
-    tried. ``auto`` is every count's default, so only other values are noted. One
-    definition for every command (whatif sweeps lists, replay takes one value each):
-    ``pinned_hot_set``: ``--gpu-expert-gib`` also pins a copy policy's hot set (replay);
-    ``no_gpu``: the machine has no GPU, where ``--host`` always applies; ``eviction`` the one
-    given (only a cache evicts: ``cached`` says whether any cache size of the run is above 0);
-    ``lookaheads`` those given (only a policy that prefetches looks ahead); ``threads`` the
-    CPU threads given (only the CPU computes with them); ``link_given``: a link bandwidth was
-    given (all-resident moves nothing over it); ``cache_given``: a cache above 0 was given
-    (only the copy policies and cpu-on-miss keep one); ``cache_per_layer``: the cache is split
-    by layer (only a cache above 0 is)."""
+@dataclass(frozen=True)
+class Given:
+    """The options a run was given, as :func:`unused_options` reads them: each knob a list of
+    the values given (None or empty: left out; whatif sweeps several, replay gives one), and
+    what was typed at all. ``eviction`` the one given (only a cache evicts: ``cached`` says
+    whether any cache size of the run is above 0); ``link_given``: a link bandwidth was given
+    (all-resident moves nothing over it); ``cache_given``: a cache above 0 was given (only the
+    copy policies and cpu-on-miss keep one); ``cache_per_layer``: the cache is split by layer
+    (only a cache above 0 is). ``auto`` is every count's default, so only other values count."""
+
+    hosts: list | tuple | None = None
+    cpu_layers: list | tuple | None = None
+    gpu_expert_gib: list | tuple | None = None
+    copy_queues: list | tuple | None = None
+    prefetch_top: list | tuple | None = None
+    gpu_layers: list | tuple | None = None
+    offload_gib: list | tuple | None = None
+    lookaheads: list | tuple | None = None
+    placement_from: str | Path | None = None
+    calibrate_on_replay: bool = False
+    amx: bool = True
+    eviction: str | None = None
+    cached: bool = True
+    threads: int | None = None
+    link_given: bool = False
+    cache_given: bool = False
+    cache_per_layer: bool = False
+
+
+def unused_options(pols: list, g: Given, *, pinned_hot_set: bool = False, no_gpu: bool = False,
+                   verb: str = "swept") -> list[str]:
+    """A note for each option given (``g``) that no policy of the run uses (``--cpu-layers``
+    with no cpu-static, ...): the run is still valid, but the user should not believe the knob
+    was tried. One definition for every command (whatif sweeps lists, replay takes one value
+    each): ``pinned_hot_set``: ``--gpu-expert-gib`` also pins a copy policy's hot set (replay);
+    ``no_gpu``: the machine has no GPU, where ``--host`` always applies; ``verb`` names the
+    run's policies (swept, replayed, chosen)."""
     hot = lambda p: p.cpu in ("hot", "miss")  # noqa: E731
-    caching = lambda p: cached and p.caches  # noqa: E731
-    uses = [(hosts, "--host", "the CPU-compute policies", lambda p: bool(p.cpu) or no_gpu),
-            ([n for n in gpu_layers or () if n != "auto"], "--gpu-layers", "gpu-layers", lambda p: p.cpu == "whole"),
-            ([g for g in offload_gib or () if g != "auto"], "--offload-gib", "weight-streaming",
+    caching = lambda p: g.cached and p.caches  # noqa: E731
+    uses = [(g.hosts, "--host", "the CPU-compute policies", lambda p: bool(p.cpu) or no_gpu),
+            ([n for n in g.gpu_layers or () if n != "auto"], "--gpu-layers", "gpu-layers", lambda p: p.cpu == "whole"),
+            ([v for v in g.offload_gib or () if v != "auto"], "--offload-gib", "weight-streaming",
              lambda p: p.cpu == "stream"),
-            ([n for n in cpu_layers or () if n != "auto"], "--cpu-layers", "cpu-static", lambda p: p.cpu == "layers"),
-            ([g for g in gpu_expert_gib or () if g != "auto"], "--gpu-expert-gib",
+            ([n for n in g.cpu_layers or () if n != "auto"], "--cpu-layers", "cpu-static", lambda p: p.cpu == "layers"),
+            ([v for v in g.gpu_expert_gib or () if v != "auto"], "--gpu-expert-gib",
              "hot-experts and the copy policies" if pinned_hot_set else "hot-experts",
              lambda p: p.cpu == "hot" or (pinned_hot_set and p.offload and not p.cpu)),
-            ([q for q in copy_queues or () if q not in ("fifo", None)], "--copy-queue", "the copy policies",
+            ([q for q in g.copy_queues or () if q not in ("fifo", None)], "--copy-queue", "the copy policies",
              lambda p: p.offload and not p.cpu),
-            (prefetch_top, "--prefetch-top", "the prefetching policies", lambda p: p.prefetch),
-            ([placement_from] if placement_from is not None else [], "--placement-from", "hot-experts and cpu-on-miss",
+            (g.prefetch_top, "--prefetch-top", "the prefetching policies", lambda p: p.prefetch),
+            ([g.placement_from] if g.placement_from is not None else [], "--placement-from", "hot-experts and cpu-on-miss",
              hot),
-            ([True] if calibrate_on_replay else [], "--calibrate-on-replay", "hot-experts and cpu-on-miss", hot),
-            ([True] if not amx else [], "--no-amx", "the CPU-compute policies", lambda p: bool(p.cpu) or no_gpu),
-            ([eviction] if eviction not in (None, "lru") else [], "--eviction",
+            ([True] if g.calibrate_on_replay else [], "--calibrate-on-replay", "hot-experts and cpu-on-miss", hot),
+            ([True] if not g.amx else [], "--no-amx", "the CPU-compute policies", lambda p: bool(p.cpu) or no_gpu),
+            ([g.eviction] if g.eviction not in (None, "lru") else [], "--eviction",
              "the copy policies and cpu-on-miss, with a cache above 0", caching),
-            (lookaheads or [], "--lookahead", "the prefetching policies", lambda p: p.prefetch),
-            ([threads] if threads is not None else [], "--threads", "the CPU-compute policies",
+            (g.lookaheads or [], "--lookahead", "the prefetching policies", lambda p: p.prefetch),
+            ([g.threads] if g.threads is not None else [], "--threads", "the CPU-compute policies",
              lambda p: bool(p.cpu) or no_gpu),
-            ([True] if link_given else [], "--link-gbps", "the policies that copy experts or activations",
+            ([True] if g.link_given else [], "--link-gbps", "the policies that copy experts or activations",
              lambda p: p.offload or bool(p.cpu)),
-            ([True] if cache_given else [], "--cache-gib", "the copy policies and cpu-on-miss",
+            ([True] if g.cache_given else [], "--cache-gib", "the copy policies and cpu-on-miss",
              lambda p: p.caches),
-            ([True] if cache_per_layer else [], "--cache-per-layer",
+            ([True] if g.cache_per_layer else [], "--cache-per-layer",
              "the copy policies and cpu-on-miss, with a cache above 0", caching)]
     return [f"{name} was given, but none of the {verb} policies "
             f"uses it (only {who}): it changed nothing"
             for given, name, who, applies in uses if given and not any(applies(p) for p in pols)]
 
 
-def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] = DEFAULT_MODELS,
-           hws: tuple[str, ...] | list[str] = DEFAULT_HWS, policies: tuple[str, ...] | list[str] | None = None,
-           link_gbps: list[float] | None = None, cache_gib: tuple[float, ...] | list[float] = DEFAULT_CACHE_GIB,
-           eviction: str = "lru", tokens: int = 256, prompt_len: int | list[int] = 128, batch: int | list[int] = 1,
-           goal: str = "tpot", sim: str = "fast", jobs: int | None = None,
-           progress: Callable[[int, int], None] | None = None, *, backend: str = "local",
-           address: str | None = None, rows_csv: str | Path | None = None,
-           expert_dtypes: list[str] | None = None, hosts: list[str] | None = None,
-           cpu_layers: list[int | str] | None = None, gpu_expert_gib: list[float | str] | None = None,
-           copy_queues: list[str] | None = None, prefetch_top: list[int] | None = None,
-           placement_from: str | Path | None = None, calibrate_on_replay: bool = False,
-           engine: str | None = None, threads: int | None = None, gpu_layers: list[int | str] | None = None,
-           lookaheads: list[int] | None = None, host_ram_gb: float | None = None,
-           cache_per_layer: bool = False, offload_gib: list[float | str] | None = None, split: str = "layer",
-           ratios: list[float] | None = None) -> WhatIf:
+@dataclass(frozen=True)
+class WhatifOptions:
+    """What one ``whatif`` sweeps, as the CLI (``moesim.cli.whatif.WhatifArgs``) or a Python
+    caller gives it: names and values, checked by :func:`whatif` before any work and resolved
+    there once into the :class:`~moesim.sim.whatif.Sweep` every layer below takes. The fields
+    are :func:`whatif`'s axes, each one described there."""
+
+    trace: str | Path | None = None
+    models: tuple[str, ...] | list[str] = DEFAULT_MODELS
+    hws: tuple[str, ...] | list[str] = DEFAULT_HWS
+    policies: tuple[str, ...] | list[str] | None = None
+    link_gbps: list[float] | None = None
+    cache_gib: tuple[float, ...] | list[float] = DEFAULT_CACHE_GIB
+    eviction: str = "lru"
+    tokens: int = 256
+    prompt_len: int | list[int] = 128
+    batch: int | list[int] = 1
+    goal: str = "tpot"
+    sim: str = "fast"
+    jobs: int | None = None
+    backend: str = "local"
+    address: str | None = None
+    rows_csv: str | Path | None = None
+    expert_dtypes: list[str] | None = None
+    hosts: list[str] | None = None
+    cpu_layers: list[int | str] | None = None
+    gpu_expert_gib: list[float | str] | None = None
+    copy_queues: list[str] | None = None
+    prefetch_top: list[int] | None = None
+    placement_from: str | Path | None = None
+    calibrate_on_replay: bool = False
+    engine: str | None = None
+    threads: int | None = None
+    gpu_layers: list[int | str] | None = None
+    lookaheads: list[int] | None = None
+    host_ram_gb: float | None = None
+    cache_per_layer: bool = False
+    offload_gib: list[float | str] | None = None
+    split: str = "layer"
+    ratios: list[float] | None = None
+
+
+def whatif(o: WhatifOptions = WhatifOptions(), progress: Callable[[int, int], None] | None = None) -> WhatIf:
     """Sweep models x hardware x policies x link bandwidth (None: each profile's own) x cache
     size, and the axes each policy family has: ``expert_dtypes`` (every policy), ``hosts``
     (CPU policies; None: each GPU profile's own), ``cpu_layers`` (cpu-static; None:
@@ -242,41 +290,39 @@ def whatif(trace: str | Path | None = None, models: tuple[str, ...] | list[str] 
     ``rows_csv``: stream every row to this CSV as its group finishes, and resume an
     interrupted sweep from it (the same sweep run again skips the finished groups).
     """
-    if jobs is not None and jobs < 0:
-        raise MoesimError(f"--jobs {jobs}: a number of worker processes (0 = all cores)")
-    if goal not in GOALS:
-        raise MoesimError(f"unknown goal {goal!r}; known: {', '.join(GOALS)}")
-    _positive_ints([batch] if isinstance(batch, int) else list(batch), "--batch")
-    _positive_ints([prompt_len] if isinstance(prompt_len, int) else list(prompt_len), "--prompt-len")
-    check_values(eviction=eviction, sim=sim, backend=backend, link_gbps=link_gbps, cache_gib=cache_gib,
-                 copy_queues=copy_queues, expert_dtypes=expert_dtypes, threads=threads, jobs=jobs,
-                 lookaheads=lookaheads)
-    if rows_csv is None:
-        return _whatif(**locals())
+    if o.jobs is not None and o.jobs < 0:
+        raise MoesimError(f"--jobs {o.jobs}: a number of worker processes (0 = all cores)")
+    if o.goal not in GOALS:
+        raise MoesimError(f"unknown goal {o.goal!r}; known: {', '.join(GOALS)}")
+    _positive_ints([o.batch] if isinstance(o.batch, int) else list(o.batch), "--batch")
+    _positive_ints([o.prompt_len] if isinstance(o.prompt_len, int) else list(o.prompt_len), "--prompt-len")
+    check_values(eviction=o.eviction, sim=o.sim, backend=o.backend, link_gbps=o.link_gbps, cache_gib=o.cache_gib,
+                 copy_queues=o.copy_queues, expert_dtypes=o.expert_dtypes, threads=o.threads, jobs=o.jobs,
+                 lookaheads=o.lookaheads)
+    if o.rows_csv is None:
+        return _whatif(o, progress)
 
-    check_rows_path(Path(rows_csv))
-    with exclusive(rows_csv, "--rows"):  # a second identical sweep on these rows: one line, before any work
-        return _whatif(**locals())
+    check_rows_path(Path(o.rows_csv))
+    with exclusive(o.rows_csv, "--rows"):  # a second identical sweep on these rows: one line, before any work
+        return _whatif(o, progress)
 
 
-def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens, prompt_len, batch, goal, sim, jobs,
-            progress, backend, address, rows_csv, expert_dtypes, hosts, cpu_layers, gpu_expert_gib, copy_queues,
-            prefetch_top, placement_from, calibrate_on_replay, engine, threads, gpu_layers, lookaheads, host_ram_gb,
-            cache_per_layer, offload_gib, split, ratios, **_: Any) -> WhatIf:
-    batches = _positive_ints([batch] if isinstance(batch, int) else list(batch), "--batch")
-    prompts = _positive_ints([prompt_len] if isinstance(prompt_len, int) else list(prompt_len), "--prompt-len")
-    eng = get_engine(engine)  # an unknown engine: one line, before any work
+def _whatif(o: WhatifOptions, progress: Callable[[int, int], None] | None) -> WhatIf:
+    policies = o.policies
+    batches = _positive_ints([o.batch] if isinstance(o.batch, int) else list(o.batch), "--batch")
+    prompts = _positive_ints([o.prompt_len] if isinstance(o.prompt_len, int) else list(o.prompt_len), "--prompt-len")
+    eng = get_engine(o.engine)  # an unknown engine: one line, before any work
     chosen = policies is not None
     if not chosen:  # the policies the engine runs (moesim's own defaults for PyTorch eager)
         policies = eng.default_policies(DEFAULT_POLICIES)
     pols = [get_policy(p) for p in policies]  # names checked before any work
     policies, engine_note = eng.only_runs([p.name for p in pols])
     pols = [p for p in pols if p.name in policies]
-    if placement_from is not None and calibrate_on_replay:
+    if o.placement_from is not None and o.calibrate_on_replay:
         raise MoesimError("give a calibration trace (--placement-from) or --calibrate-on-replay, not both")
     hot_left_out = None
-    uniform = eng.expert_placement == "uniform" and placement_from is None and not calibrate_on_replay
-    if trace is not None and placement_from is None and not calibrate_on_replay and not uniform \
+    uniform = eng.expert_placement == "uniform" and o.placement_from is None and not o.calibrate_on_replay
+    if o.trace is not None and o.placement_from is None and not o.calibrate_on_replay and not uniform \
             and any(p.cpu == "hot" for p in pols):
         why = ("hot-experts places experts by a calibration trace's routing: give --placement-from TRACE (or "
                "--calibrate-on-replay for an optimistic bound)")
@@ -287,58 +333,58 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
         pols = [p for p in pols if p.cpu != "hot"]
         policies = [p.name for p in pols]
         hot_left_out = f"{why} to sweep it: left out"
-    no_gpu = any(get_machine(h).n_gpus == 0 for h in hws)  # --hw none: the host runs every layer
-    notes: list[str] = unused_options(pols, hosts, cpu_layers, gpu_expert_gib, copy_queues, prefetch_top, gpu_layers,
-                                      offload_gib, no_gpu=no_gpu, eviction=eviction,
-                                      cached=any(isinstance(c, (int, float)) and c > 0 for c in cache_gib),
-                                      lookaheads=lookaheads, threads=threads, link_given=link_gbps is not None,
-                                      cache_per_layer=cache_per_layer)
-    notes += split_notes(split, ratios, [get_machine(h).n_gpus for h in hws])
+    no_gpu = any(get_machine(h).n_gpus == 0 for h in o.hws)  # --hw none: the host runs every layer
+    given = Given(o.hosts, o.cpu_layers, o.gpu_expert_gib, o.copy_queues, o.prefetch_top, o.gpu_layers,
+                  o.offload_gib, o.lookaheads, eviction=o.eviction, threads=o.threads,
+                  cached=any(isinstance(c, (int, float)) and c > 0 for c in o.cache_gib),
+                  link_given=o.link_gbps is not None, cache_per_layer=o.cache_per_layer)
+    notes: list[str] = unused_options(pols, given, no_gpu=no_gpu)
+    notes += split_notes(o.split, o.ratios, [get_machine(h).n_gpus for h in o.hws])
     if engine_note:
         notes.append(engine_note)
     if hot_left_out:
         notes.append(hot_left_out)
-    if host_ram_gb is not None and not (isinstance(host_ram_gb, (int, float)) and 0 < host_ram_gb < 1e7):
-        raise MoesimError(f"--host-ram-gb {host_ram_gb!r}: the host's RAM in GB, above 0 and below 10,000,000 "
+    if o.host_ram_gb is not None and not (isinstance(o.host_ram_gb, (int, float)) and 0 < o.host_ram_gb < 1e7):
+        raise MoesimError(f"--host-ram-gb {o.host_ram_gb!r}: the host's RAM in GB, above 0 and below 10,000,000 "
                           "(10 PB)")
-    if backend == "local":
-        compile_kernels_aside(jobs)  # a first run: the sweep's kernels compile on another core while traces are drawn
+    if o.backend == "local":
+        compile_kernels_aside(o.jobs)  # a first run: the sweep's kernels compile on another core while traces are drawn
     calibration: dict[str, Any] = {}
     calibration_source = "-"
-    aheads = _positive_ints(list(lookaheads), "--lookahead") if lookaheads else [1]
-    if trace is not None:
+    aheads = _positive_ints(list(o.lookaheads), "--lookahead") if o.lookaheads else [1]
+    if o.trace is not None:
         if len(batches) > 1 or len(prompts) > 1:
             raise MoesimError("--batch and --prompt-len axes shape synthetic traces; a recorded trace (--trace) has its "
                               "own batch size and prompt length")
-        t = read_trace(trace)
-        shaped = [k for k, v in (("--model", tuple(models) != DEFAULT_MODELS), ("--tokens", tokens != 256),
+        t = read_trace(o.trace)
+        shaped = [k for k, v in (("--model", tuple(o.models) != DEFAULT_MODELS), ("--tokens", o.tokens != 256),
                                  ("--batch", batches != [1]), ("--prompt-len", prompts != [128])) if v]
         if shaped:  # the trace's own model, steps, batch and prompt length are what is replayed
-            notes.append(f"{', '.join(shaped)} shape{'s' if len(shaped) == 1 else ''} synthetic traces; --trace {trace} "
+            notes.append(f"{', '.join(shaped)} shape{'s' if len(shaped) == 1 else ''} synthetic traces; --trace {o.trace} "
                          "has its own: changed nothing")
         if t.speculative:
-            raise MoesimError(f"{trace} records speculative decoding: sweep it with "
+            raise MoesimError(f"{o.trace} records speculative decoding: sweep it with "
                               "`moesim replay TRACE --gamma ... --policy ...`")
         traces = {t.model.name: t}
         for n in aheads:
             if n != t.meta.lookahead:
-                raise MoesimError(f"--lookahead {n}: {trace} holds predictions made {t.meta.lookahead} MoE layer(s) "
+                raise MoesimError(f"--lookahead {n}: {o.trace} holds predictions made {t.meta.lookahead} MoE layer(s) "
                                   f"ahead; record or synthesise it with --lookahead {n}")
-        if placement_from is not None:
-            calibration[t.model.name] = separate_calibration(load_calibration(str(placement_from), t.model), t,
-                                                             placement_from)
-            calibration_source = f"the calibration trace {placement_from}"
+        if o.placement_from is not None:
+            calibration[t.model.name] = separate_calibration(load_calibration(str(o.placement_from), t.model), t,
+                                                             o.placement_from)
+            calibration_source = f"the calibration trace {o.placement_from}"
     else:
-        if placement_from is not None:
+        if o.placement_from is not None:
             raise MoesimError("--placement-from calibrates a recorded trace (--trace); synthetic traces are calibrated "
                               "on a second synthetic trace")
         traces = {}
-        specs = unique_model_names(list(models), [get_model(m) for m in models])
+        specs = unique_model_names(list(o.models), [get_model(m) for m in o.models])
         for spec in specs:  # all sizes checked before any trace is made: the trace and one replay of it together
             for b in batches:
-                made = budget.synth_estimate(spec, tokens, b, max(prompts))
-                run = budget.replay_estimate(spec, tokens, b, 1, sim)
-                budget.check(budget.Estimate(f"a synthetic trace of {tokens} steps x batch {b} of {spec.name} and one "
+                made = budget.synth_estimate(spec, o.tokens, b, max(prompts))
+                run = budget.replay_estimate(spec, o.tokens, b, 1, o.sim)
+                budget.check(budget.Estimate(f"a synthetic trace of {o.tokens} steps x batch {b} of {spec.name} and one "
                                              "simulation of it", made.bytes + run.bytes, made.seconds + run.seconds))
         one_shape = len(batches) == 1 and len(prompts) == 1 and len(aheads) == 1
         for spec in specs:
@@ -347,15 +393,15 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
             for b in batches:
                 for p in prompts:
                     for n in aheads:
-                        params = SyntheticParams(tokens=tokens, batch=b, prompt_len=p, lookahead=n)
+                        params = SyntheticParams(tokens=o.tokens, batch=b, prompt_len=p, lookahead=n)
                         key = spec.name if one_shape else f"{spec.name} b{b} p{p}" + (f" ahead{n}" if n != 1 else "")
                         traces[key] = synthetic_trace(spec, params)
-            if any(p.cpu == "miss" or (p.cpu == "hot" and not uniform) for p in pols) and not calibrate_on_replay:
+            if any(p.cpu == "miss" or (p.cpu == "hot" and not uniform) for p in pols) and not o.calibrate_on_replay:
                 # The calibration twin: the replayed traces' expert popularity (one seed), other
                 # draws, so "the hottest experts" are the replayed routing's hot experts without
                 # the placement having seen the draws it is judged on.
                 base = SyntheticParams()
-                params = SyntheticParams(tokens=tokens, batch=batches[0], prompt_len=prompts[0],
+                params = SyntheticParams(tokens=o.tokens, batch=batches[0], prompt_len=prompts[0],
                                          draw_seed=base.seed + CALIBRATION_SEED_OFFSET)
                 calibration[spec.name] = synthetic_trace(spec, params).true_ids
                 calibration_source = (f"a second synthetic trace (the same expert popularity, other draws: "
@@ -366,49 +412,49 @@ def _whatif(trace, models, hws, policies, link_gbps, cache_gib, eviction, tokens
     if calibration:
         who = "cpu-on-miss places" if uniform else "hot-experts and cpu-on-miss place"
         notes.append(f"{who} experts by the routing of {calibration_source}, not the replayed trace")
-    if calibrate_on_replay:
+    if o.calibrate_on_replay:
         notes.append("optimistic: hot-experts places experts by the replayed trace's own routing (it has seen the "
                      "future), an upper bound")
-    host_names = tuple(hosts) if hosts else (None,)
-    profiles = [get_machine(h) for h in hws]
-    check_unique_names(hws, profiles)
+    host_names = tuple(o.hosts) if o.hosts else (None,)
+    profiles = [get_machine(h) for h in o.hws]
+    check_unique_names(o.hws, profiles)
     used_hosts = [get_host(h) for h in host_names if h]
     check_unique_names([h for h in host_names if h], used_hosts, "--host")
-    used_hosts += [get_host(None, m.gpus[0]) for m in profiles if not hosts and m.gpus and m.gpus[0].host]
+    used_hosts += [get_host(None, m.gpus[0]) for m in profiles if not o.hosts and m.gpus and m.gpus[0].host]
     distinct_hosts = list({h.name: h for h in used_hosts}.values())
-    notes.extend(check_threads(threads, distinct_hosts))
+    notes.extend(check_threads(o.threads, distinct_hosts))
     if any(p.cpu for p in pols):
         notes.extend(sockets_notes(distinct_hosts, eng))
-    if address is not None and backend != "ray":
+    if o.address is not None and o.backend != "ray":
         notes.append("--address was given, but the backend is local: it changed nothing")
-    if any(p.cpu for p in pols) and not hosts or any(m.n_gpus == 0 for m in profiles) and not hosts:
+    if any(p.cpu for p in pols) and not o.hosts or any(m.n_gpus == 0 for m in profiles) and not o.hosts:
         for prof in profiles:
             get_host(None, prof.gpus[0] if prof.gpus else None)  # a machine without a host: one line, first
-    layers = tuple(cpu_layers) if cpu_layers else default_cpu_layers([t.model for t in traces.values()])
-    sweep = Sweep(traces, profiles, list(policies), list(link_gbps) if link_gbps else [None],
-                  list(cache_gib), eviction, sim, expert_dtypes=tuple(expert_dtypes) if expert_dtypes else (None,),
+    layers = tuple(o.cpu_layers) if o.cpu_layers else default_cpu_layers([t.model for t in traces.values()])
+    sweep = Sweep(traces, profiles, list(policies), list(o.link_gbps) if o.link_gbps else [None],
+                  list(o.cache_gib), o.eviction, o.sim, expert_dtypes=tuple(o.expert_dtypes) if o.expert_dtypes else (None,),
                   hosts=host_names, cpu_layers=layers,
-                  gpu_expert_gib=tuple(gpu_expert_gib) if gpu_expert_gib else ("auto",),
-                  copy_queues=tuple(copy_queues) if copy_queues else ("fifo",),
-                  prefetch_top=tuple(prefetch_top) if prefetch_top else (None,),
+                  gpu_expert_gib=tuple(o.gpu_expert_gib) if o.gpu_expert_gib else ("auto",),
+                  copy_queues=tuple(o.copy_queues) if o.copy_queues else ("fifo",),
+                  prefetch_top=tuple(o.prefetch_top) if o.prefetch_top else (None,),
                   calibration=calibration or None, calibration_source=calibration_source,
-                  calibrate_on_replay=calibrate_on_replay, engine=engine, engine_profile=eng,
-                  resolved={p.name: p for p in pols}, threads=threads, host_ram_gb=host_ram_gb,
-                  cache_per_layer=cache_per_layer,
-                  gpu_layers=tuple(gpu_layers) if gpu_layers else ("auto",),
-                  offload_gib=tuple(offload_gib) if offload_gib else ("auto",), split=split,
-                  ratios=tuple(ratios) if ratios is not None else None)
+                  calibrate_on_replay=o.calibrate_on_replay, engine=o.engine, engine_profile=eng,
+                  resolved={p.name: p for p in pols}, threads=o.threads, host_ram_gb=o.host_ram_gb,
+                  cache_per_layer=o.cache_per_layer,
+                  gpu_layers=tuple(o.gpu_layers) if o.gpu_layers else ("auto",),
+                  offload_gib=tuple(o.offload_gib) if o.offload_gib else ("auto",), split=o.split,
+                  ratios=tuple(o.ratios) if o.ratios is not None else None)
     n_groups = len(sweep.groups())
-    workers = 1 if backend != "local" else max(1, min(jobs or os.cpu_count() or 1, n_groups))
+    workers = 1 if o.backend != "local" else max(1, min(o.jobs or os.cpu_count() or 1, n_groups))
     per_trace = {k: max(1, n // max(1, len(traces))) for k, n in
                  budget.runs_by_kind([sweep.resolved[g.policy] for g in sweep.groups()]).items()}  # alike per trace
     budget.check(budget.sweep_estimate([(t.model, t.n_tokens, t.batch) for t in traces.values()], per_trace,
-                                       sweep.group_size, sim, workers))
-    rows = run_sweep(sweep, jobs, progress, backend=backend, address=address, out=rows_csv, notes=notes)
-    by_hw = {h.name: best([r for r in rows if r["hw"] == h.name], goal) for h in sweep.hws}
+                                       sweep.group_size, o.sim, workers))
+    rows = run_sweep(sweep, o.jobs, progress, backend=o.backend, address=o.address, out=o.rows_csv, notes=notes)
+    by_hw = {h.name: best([r for r in rows if r["hw"] == h.name], o.goal) for h in sweep.hws}
     if any(t.synthetic for t in traces.values()):
         notes.insert(0, "synthetic traces: routing and predictions are generated, not recorded")
-    return WhatIf(sweep, goal, rows, best(rows, goal), by_hw, any(t.synthetic for t in traces.values()), notes)
+    return WhatIf(sweep, o.goal, rows, best(rows, o.goal), by_hw, any(t.synthetic for t in traces.values()), notes)
 
 
 def split_notes(split: str, ratios, gpu_counts: list[int]) -> list[str]:
@@ -433,9 +479,9 @@ def profile_notes(policy: str, eviction: str, given: set[str], cached: bool, har
     if hardware:
         return []
     pol = get_policy(policy)
-    notes = unused_options([pol], None, None, None, None, None, verb="chosen",
-                           eviction=eviction if "--eviction" in given else None, cached=cached,
-                           link_given="--link-gbps" in given)
+    typed = Given(eviction=eviction if "--eviction" in given else None, cached=cached,
+                  link_given="--link-gbps" in given)
+    notes = unused_options([pol], typed, verb="chosen")
     if "--predictor" in given and not pol.prefetch:
         notes.append("--predictor was given, but none of the chosen policies uses it (only the prefetching "
                      "policies): it changed nothing")

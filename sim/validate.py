@@ -18,6 +18,7 @@ from moesim.hardware import HardwareProfile, get_profile
 from moesim.policy import POLICIES
 from moesim.sim.cpu_compute import load_calibration
 from moesim.sim.prefetch_top import keep_top_predictions
+from moesim.sim.setting import Setting
 from moesim.sim.simulate import SimResult, simulate
 from moesim.traces.format import Trace
 
@@ -89,7 +90,8 @@ def validate_trace(trace: Trace, hw: HardwareProfile | None = None, policy: str 
                    sim: str = "simpy", skip: int = 1, **kw) -> tuple[dict[str, Any], SimResult]:
     """Replay a measured trace on the profile that recorded it (same policy unless
     ``policy``) on the ``sim`` simulator and compare per token. ``skip`` first steps are
-    warm-up and not scored."""
+    warm-up and not scored. ``kw``: :class:`~moesim.sim.setting.Setting` fields that replace
+    the recorded run's (its cache, eviction, copy queue and CPU-compute setup)."""
     if not trace.measured:
         raise MoesimError("the trace has no measured timings to validate against (record one with moesim profile)")
     meta = trace.meta
@@ -105,8 +107,8 @@ def validate_trace(trace: Trace, hw: HardwareProfile | None = None, policy: str 
     if policy == meta.policy and POLICIES[policy].cpu:  # the recorded CPU-compute setup (executor/runs.py)
         profile, more = recorded_cpu_setup(trace, profile)
         kw = {**more, **kw}
-    kw.setdefault("as_recorded", policy == meta.replay_policy)  # the measured run's predictor time stays in
-    result = simulate(trace, profile, policy, sim=sim, timing="measured", **kw)
+    as_recorded = kw.pop("as_recorded", policy == meta.replay_policy)  # the measured run's predictor time stays in
+    result = simulate(trace, profile, policy, Setting(sim=sim, timing="measured", **kw), as_recorded=as_recorded)
     skip = min(skip, trace.n_tokens - 1)
     stats_ = error_stats(trace.timings["tpot_s"][skip:], result.tpot[skip:])
     cfg = result.config

@@ -27,7 +27,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ from moesim.sim.plan import build_plan
 from moesim.sim.pool import run_pool, stop_pool, worker_ignores_stops  # noqa: F401 (stop_pool: the sweep's API)
 from moesim.sim.prefetch_top import keep_top_predictions
 from moesim.sim.quantised import with_expert_dtype
+from moesim.sim.setting import DEFAULT_SETTING, Setting
 from moesim.sim.simulate import cache_capacity, pick_costs, prediction_recall, time_plan
 from moesim.sim.static import STATIC_CPU, simulate_static
 from moesim.sim.sweep_rows import parse, resume, write_rows
@@ -487,10 +488,10 @@ def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str,
     for machine in machines:
         for g in sweep.link_gbps:
             h = machine if g is None else machine.with_figure("h2d_pinned_gbs", g)
-            kw = dict(host=_host(sweep, cfg, h), calibration=None if optimistic else calib,
-                      calibrate_on_replay=optimistic, engine=sweep.engine_profile, threads=sweep.threads)
-            several = dict(split=sweep.split, ratios=list(sweep.ratios) if sweep.ratios else None) \
-                if h.n_gpus > 1 else {}  # the shares are a machine of several GPUs' (one count, checked)
+            setting = Setting(sim=sweep.sim, host=_host(sweep, cfg, h), calibration=None if optimistic else calib,
+                              calibrate_on_replay=optimistic, engine=sweep.engine_profile, threads=sweep.threads)
+            several = Setting(split=sweep.split, ratios=list(sweep.ratios) if sweep.ratios else None) \
+                if h.n_gpus > 1 else DEFAULT_SETTING  # the shares are a machine of several GPUs' (one count, checked)
             try:
                 if h.n_gpus == 0 and pol.offload:
                     rows.append(_not_run(sweep, index, cfg, trace, base, h, "without a GPU only all-resident applies "
@@ -502,16 +503,17 @@ def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str,
                     continue
                 if _static(pol, h):
                     placement = _hot_placement(sweep, cfg, trace, base, h) if pol.cpu == "hot" else None
-                    res = simulate_static(trace, h, pol, cpu_layers=cfg.cpu_layers if pol.cpu == "layers" else "auto",
-                                          gpu_layers=cfg.gpu_layers if pol.cpu == "whole" else "auto",
-                                          offload_gib=cfg.offload_gib if pol.cpu == "stream" else "auto",
-                                          placement=placement, **several, **kw)
+                    layout = replace(setting, cpu_layers=cfg.cpu_layers if pol.cpu == "layers" else "auto",
+                                     gpu_layers=cfg.gpu_layers if pol.cpu == "whole" else "auto",
+                                     offload_gib=cfg.offload_gib if pol.cpu == "stream" else "auto",
+                                     split=several.split, ratios=several.ratios)
+                    res = simulate_static(trace, h, pol, layout, placement=placement)
                 elif h.n_gpus != 1:
                     rows.append(_not_run(sweep, index, cfg, trace, base, h, f"{pol.name} runs on one GPU"))
                     continue
                 else:
-                    res = simulate_cpu_compute(trace, h.gpus[0], pol, cache_experts=capacity, eviction=sweep.eviction,
-                                          sim=sweep.sim, **kw)
+                    res = simulate_cpu_compute(trace, h.gpus[0], pol, replace(setting, cache_experts=capacity,
+                                                                              eviction=sweep.eviction))
             except DoesNotFit as e:
                 # Nothing of this model fits this machine: a row that says so, never a best.
                 rows.append(_not_run(sweep, index, cfg, trace, base, h, str(e), bound="memory"))

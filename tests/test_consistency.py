@@ -22,7 +22,8 @@ from moesim.hardware import get_profile
 from moesim.models import DTYPES, get_model
 from moesim.policy import EVICTIONS, POLICIES, QUEUES
 from moesim.sim.deploy import deployment_answer
-from moesim.sim.replay import replay
+from moesim.sim.replay import TraceChanges, replay, replay_setting
+from moesim.sim.setting import Setting
 from moesim.sim.simulate import simulate
 from moesim.sim.whatif import Sweep, run_sweep
 from moesim.traces.format import read_trace, write_trace
@@ -104,11 +105,11 @@ def test_copy_policies_get_one_number_from_every_path(trace, policy, cache, evic
             t = with_expert_dtype(trace, dtype)
         except MoesimError:
             pytest.skip(f"{trace.model.name} cannot store its experts in {dtype}")
-    ref = simulate(t, hw, policy, sim="simpy", **kw)
+    ref = simulate(t, hw, policy, Setting(sim="simpy", **kw))
     want = _tpot(ref)
     if queue == "fifo":  # the compiled fast path times FIFO queues (copy queues: SimPy only)
-        assert _tpot(simulate(t, hw, policy, sim="fast", **kw)) == pytest.approx(want, rel=RTOL)
-    rep = replay(trace, HW, [policy], expert_dtype=dtype, sim="simpy", **kw)
+        assert _tpot(simulate(t, hw, policy, Setting(sim="fast", **kw))) == pytest.approx(want, rel=RTOL)
+    rep = replay(trace, HW, [policy], replay_setting(sim="simpy", **kw), TraceChanges(expert_dtype=dtype))
     assert rep.rows[0]["tpot_ms"] * 1e-3 == pytest.approx(want, rel=RTOL)
     row, rows = _sweep_row(trace, policy, cache, eviction, queue, dtype)
     assert row["tpot_ms"] * 1e-3 == pytest.approx(want, rel=RTOL)
@@ -126,9 +127,9 @@ def test_cpu_policies_get_one_number_from_every_path(trace, calibration, policy)
     layers = 3 if pol.cpu == "layers" else "auto"
     kw = dict(cache_gib=cache, link_gbps=LINK, cpu_layers=layers)
     calib = ids if pol.cpu in ("hot", "miss") else None
-    want = _tpot(simulate(trace, hw, policy, sim="simpy", calibration=calib, **kw))
-    assert _tpot(simulate(trace, hw, policy, sim="fast", calibration=calib, **kw)) == pytest.approx(want, rel=RTOL)
-    rep = replay(trace, HW, [policy], sim="simpy", placement_from=path if calib is not None else None, **kw)
+    want = _tpot(simulate(trace, hw, policy, Setting(sim="simpy", calibration=calib, **kw)))
+    assert _tpot(simulate(trace, hw, policy, Setting(sim="fast", calibration=calib, **kw))) == pytest.approx(want, rel=RTOL)
+    rep = replay(trace, HW, [policy], replay_setting(sim="simpy", **kw), TraceChanges(placement_from=path if calib is not None else None))
     assert rep.rows[0]["tpot_ms"] * 1e-3 == pytest.approx(want, rel=RTOL)
     axes = dict(cpu_layers=(layers,), calibration={trace.model.name: ids} if calib is not None else None,
                 calibration_source="a calibration trace")
@@ -166,7 +167,8 @@ def test_validations_predictor_is_replays_number(trace, policy):
 
     measured = _measured(trace)
     _, predicted = validate_trace(measured, policy=policy, sim="simpy")
-    rep = replay(measured, None, [policy], sim="simpy", timing="measured", as_recorded=policy == "on-demand")
+    rep = replay(measured, None, [policy], replay_setting(sim="simpy", timing="measured"),
+                 as_recorded=policy == "on-demand")
     assert rep.rows[0]["tpot_ms"] * 1e-3 == pytest.approx(_tpot(predicted), rel=RTOL)
 
 
@@ -177,13 +179,13 @@ def test_machines_of_several_gpus_or_none_get_one_number(trace, machine, policy)
     """A static layout on a machine of several GPUs, or none: replay and the sweep agree."""
     if machine == "none" and policy != "all-resident":
         with pytest.raises(MoesimError, match="only all-resident"):
-            replay(trace, machine, [policy], host="ryzen-7950x")
+            replay(trace, machine, [policy], replay_setting(host="ryzen-7950x"))
         return
     from moesim.engines import get_engine
 
     engine = "llama.cpp" if get_engine("llama.cpp").runs(policy) else "pytorch-eager"  # replay keeps what it runs
     kw = dict(host="ryzen-7950x", engine=engine, threads=8)
-    rep = replay(trace, machine, [policy], sim="fast", link_gbps=LINK, **kw).rows[0]
+    rep = replay(trace, machine, [policy], replay_setting(sim="fast", link_gbps=LINK, **kw)).rows[0]
     sweep = Sweep({trace.model.name: trace}, [machine], [policy], [LINK], [0.0], hosts=("ryzen-7950x",),
                   engine=engine, threads=8)
     (row,) = run_sweep(sweep, jobs=1)
@@ -199,7 +201,7 @@ def test_a_static_layout_on_one_gpu_is_the_copy_paths_all_resident(trace):
     from moesim.sim.static import simulate_static
 
     hw = get_profile(HW)
-    copy_path = simulate(trace, hw, "all-resident", sim="fast")
+    copy_path = simulate(trace, hw, "all-resident", Setting(sim="fast"))
     static = simulate_static(trace, hw, "all-resident")
     assert _tpot(static) == pytest.approx(_tpot(copy_path), rel=RTOL)
     spec = trace.model

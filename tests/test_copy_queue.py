@@ -180,7 +180,7 @@ def test_cancel_unstarted_copies_fewer_prefetched_experts_and_records_none_it_dr
 def test_a_replay_of_a_queued_run_times_it_with_the_recorded_queue(tiny, queue, tmp_path):
     """The header records the discipline; replay --validate and a plain replay use it, and
     the simulator plans exactly the copies the run made (cancelled ones excepted)."""
-    from moesim.sim.replay import replay
+    from moesim.sim.replay import replay, replay_setting
     from moesim.sim.validate import validate_trace
 
     model, dv = tiny
@@ -196,9 +196,9 @@ def test_a_replay_of_a_queued_run_times_it_with_the_recorded_queue(tiny, queue, 
     assert planned == int((kinds == 0).sum()) if queue == "demand-first" else planned >= int((kinds == 0).sum())
     rows = replay(trace, policies=["prefetch-fom"]).rows
     assert rows[0]["copy_queue"] == queue
-    assert "copy_queue" not in replay(trace, policies=["prefetch-fom"], copy_queue="fifo").rows[0]
+    assert "copy_queue" not in replay(trace, None, ["prefetch-fom"], replay_setting(copy_queue="fifo")).rows[0]
     with pytest.raises(MoesimError, match=f"recorded with copy queue '{queue}'.*(?i:simpy)"):
-        replay(trace, policies=["prefetch-fom"], sim="fast")
+        replay(trace, None, ["prefetch-fom"], replay_setting(sim="fast"))
     from moesim.traces.format import write_trace
 
     write_trace(trace, tmp_path / "q.npz")  # the CLI's --validate: the recorded queue, or the one asked for

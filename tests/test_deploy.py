@@ -21,6 +21,7 @@ from moesim.placement import WORKSPACE_BYTES, cpu_layers, expert_budget, expert_
 from moesim.policy import POLICIES, Policy, cpu_or_copy, get_policy, register
 from moesim.sim.cpu_compute import simulate_cpu_compute
 from moesim.sim.prefill import prefill_time, prefill_time_cpu_compute
+from moesim.sim.setting import Setting
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
 # -- quantised expert formats ------------------------------------------------------------
@@ -198,8 +199,8 @@ def test_fast_path_equals_simpy(policy, batch, seed, link, host_bw, cache, evict
     host = get_host("ryzen-7950x").with_figure("mem_bw_achievable_gbs", host_bw)
     kw = dict(host=host, link_gbps=link, cpu_layers=n_cpu, calibration=cal, eviction=eviction,
               cache_experts=cache if policy == "cpu-on-miss" else 0)
-    a = simulate_cpu_compute(trace, hw, policy, sim="simpy", **kw)
-    b = simulate_cpu_compute(trace, hw, policy, sim="fast", **kw)
+    a = simulate_cpu_compute(trace, hw, policy, Setting(sim="simpy", **kw))
+    b = simulate_cpu_compute(trace, hw, policy, Setting(sim="fast", **kw))
     np.testing.assert_allclose(a.tpot, b.tpot, rtol=1e-12, atol=1e-15)
     for name in ("n_gpu", "n_cpu", "n_copied", "n_hits"):
         np.testing.assert_array_equal(getattr(a.run, name), getattr(b.run, name))
@@ -210,10 +211,10 @@ def test_fast_path_equals_simpy(policy, batch, seed, link, host_bw, cache, evict
 
 def test_static_layers_put_exactly_those_layers_on_the_cpu(tiny_trace):
     hw = get_profile("a6000")
-    r = simulate_cpu_compute(tiny_trace, hw, "cpu-static", cpu_layers=2, sim="fast")
+    r = simulate_cpu_compute(tiny_trace, hw, "cpu-static", Setting(cpu_layers=2, sim="fast"))
     assert (r.run.n_cpu[:, :2] > 0).all() and (r.run.n_gpu[:, :2] == 0).all()
     assert (r.run.n_cpu[:, 2:] == 0).all() and r.run.copy.sum() == 0
-    none = simulate_cpu_compute(tiny_trace, hw, "cpu-static", cpu_layers=0, sim="fast")
+    none = simulate_cpu_compute(tiny_trace, hw, "cpu-static", Setting(cpu_layers=0, sim="fast"))
     assert none.run.cpu_busy.sum() == 0 and none.tpot.mean() < r.tpot.mean()
 
 
@@ -224,7 +225,7 @@ def test_cpu_time_grows_with_batch_once_compute_bound():
     per_expert = []
     for batch in (1, 2048):
         tr = synthetic_trace(spec, SyntheticParams(tokens=3, prompt_len=8, batch=batch, seed=1))
-        r = simulate_cpu_compute(tr, hw, "cpu-static", host=host, cpu_layers=4, sim="fast")
+        r = simulate_cpu_compute(tr, hw, "cpu-static", Setting(host=host, cpu_layers=4, sim="fast"))
         per_expert.append(r.run.cpu_busy.sum() / r.run.n_cpu.sum())
     assert per_expert[1] > 2 * per_expert[0]  # math, not the weight read, dominates at 128 tokens an expert
 
@@ -250,7 +251,7 @@ def test_cpu_on_miss_needs_a_cache_and_optimistic_is_marked(tiny_trace):
     hw = get_profile("a6000")
     with pytest.raises(MoesimError, match="cache"):
         simulate_cpu_compute(tiny_trace, hw, "cpu-on-miss")
-    r = simulate_cpu_compute(tiny_trace, hw, "hot-experts", calibrate_on_replay=True, sim="fast").summary()
+    r = simulate_cpu_compute(tiny_trace, hw, "hot-experts", Setting(calibrate_on_replay=True, sim="fast")).summary()
     assert r["optimistic_placement"] is True and r["synthetic_trace"] is True
     with pytest.raises(MoesimError, match="computes no experts on the CPU"):
         simulate_cpu_compute(tiny_trace, hw, "on-demand")
@@ -284,7 +285,7 @@ def test_predicting_policies_pay_for_the_predictor(tiny_trace):
 
     hw = get_profile("a6000")
     extra = prediction_seconds(CostModel(tiny_trace.model, hw)).sum()
-    rows = {p: simulate(tiny_trace, hw, p, sim="fast") for p in ("prefetch-fom", "oracle", "on-demand")}
+    rows = {p: simulate(tiny_trace, hw, p, Setting(sim="fast")) for p in ("prefetch-fom", "oracle", "on-demand")}
     assert rows["prefetch-fom"].config["timing"].endswith("+ predictor")
     assert rows["oracle"].config["timing"] == rows["on-demand"].config["timing"] == "roofline (a6000)"
     assert rows["prefetch-fom"].compute.mean() == pytest.approx(rows["oracle"].compute.mean() + extra, rel=1e-12)
@@ -296,9 +297,9 @@ def test_measured_prediction_time_is_removed_for_policies_without_one(tiny_trace
     t, hw = tiny_trace, get_profile("a6000")
     t.timings = {"attn_s": np.full((t.n_tokens, 4), 1e-3), "expert_s": np.full((t.n_tokens, 4), 2e-3),
                  "other_s": np.full(t.n_tokens, 5e-4), "predict_s": np.full((t.n_tokens, 4), 2e-4)}
-    resident = simulate(t, hw, "all-resident", timing="measured")
+    resident = simulate(t, hw, "all-resident", Setting(timing="measured"))
     assert resident.tpot.mean() == pytest.approx(4 * 0.8e-3 + 4 * 2e-3 + 5e-4)
-    assert simulate(t, hw, "prefetch-fom", timing="measured").compute.mean() == pytest.approx(4 * 1e-3 + 4 * 2e-3 + 5e-4)
+    assert simulate(t, hw, "prefetch-fom", Setting(timing="measured")).compute.mean() == pytest.approx(4 * 1e-3 + 4 * 2e-3 + 5e-4)
 
 
 # -- sharper copy model: demand before prefetch ---------------------------------------------
@@ -311,7 +312,7 @@ def test_queued_engine_is_fifo_when_nothing_competes(tiny_trace):
     # The oracle never copies on demand and uses every prefetched expert: no order to change.
     fifo = simulate(tiny_trace, hw, "oracle")
     for queue in ("demand-first", "cancel-unstarted"):
-        q = simulate(tiny_trace, hw, "oracle", copy_queue=queue)
+        q = simulate(tiny_trace, hw, "oracle", Setting(copy_queue=queue))
         np.testing.assert_allclose(q.tpot, fifo.tpot, rtol=1e-9)
         assert q.config["copy_queue"] == queue
 
@@ -325,9 +326,9 @@ def test_demand_first_and_cancelling_never_hurt(seed, hit, link, cache):
     trace = synthetic_trace(get_model("tiny"), SyntheticParams(tokens=8, prompt_len=4, seed=seed, hit_rate=hit))
     hw = get_profile("a6000")
     kw = dict(link_gbps=link, cache_experts=cache)
-    fifo = simulate(trace, hw, "prefetch-fom", **kw).tpot.sum()
-    first = simulate(trace, hw, "prefetch-fom", copy_queue="demand-first", **kw)
-    cancel = simulate(trace, hw, "prefetch-fom", copy_queue="cancel-unstarted", **kw)
+    fifo = simulate(trace, hw, "prefetch-fom", Setting(**kw)).tpot.sum()
+    first = simulate(trace, hw, "prefetch-fom", Setting(copy_queue="demand-first", **kw))
+    cancel = simulate(trace, hw, "prefetch-fom", Setting(copy_queue="cancel-unstarted", **kw))
     assert first.tpot.sum() <= fifo * (1 + 1e-9)
     assert cancel.tpot.sum() <= first.tpot.sum() * (1 + 1e-9)
     assert cancel.copy.sum() <= first.copy.sum() + 1e-12  # cancelled copies are not issued work
@@ -337,9 +338,9 @@ def test_queues_other_than_fifo_need_simpy(tiny_trace):
     from moesim.sim.simulate import simulate
 
     with pytest.raises(MoesimError, match="SimPy simulator only"):
-        simulate(tiny_trace, get_profile("a6000"), "prefetch-fom", sim="fast", copy_queue="demand-first")
+        simulate(tiny_trace, get_profile("a6000"), "prefetch-fom", Setting(sim="fast", copy_queue="demand-first"))
     with pytest.raises(MoesimError, match="unknown copy queue"):
-        simulate(tiny_trace, get_profile("a6000"), "prefetch-fom", copy_queue="lifo")
+        simulate(tiny_trace, get_profile("a6000"), "prefetch-fom", Setting(copy_queue="lifo"))
 
 
 def test_memory_check_and_calibration_file(tmp_path, tiny_trace):
@@ -351,7 +352,7 @@ def test_memory_check_and_calibration_file(tmp_path, tiny_trace):
     spec = tiny_trace.model
     assert expert_slots(spec, "cpu-static") == 0 and expert_slots(spec, "cpu-on-miss", 5) == spec.n_experts + 5
     hw = get_profile("a6000")
-    r = simulate_cpu_compute(tiny_trace, hw, "cpu-static", cpu_layers=1, sim="fast")
+    r = simulate_cpu_compute(tiny_trace, hw, "cpu-static", Setting(cpu_layers=1, sim="fast"))
     assert r.config["device_gb_needed"] * 1e9 == device_bytes(spec, "cpu-static", resident_experts=r.placement.n_resident,
                                                                context=tiny_trace.prompt_len + tiny_trace.n_tokens)
     assert r.placement.n_resident == 3 * spec.n_experts and r.config["fits"]
@@ -380,8 +381,8 @@ def test_no_cpu_layers_is_the_all_resident_model(batch):
 
     trace = synthetic_trace(get_model("tiny"), SyntheticParams(tokens=6, prompt_len=4, batch=batch, seed=2))
     hw = get_profile("h100-sxm")
-    hybrid = simulate_cpu_compute(trace, hw, "cpu-static", cpu_layers=0, sim="fast")
-    resident = simulate(trace, hw, "all-resident", sim="fast")
+    hybrid = simulate_cpu_compute(trace, hw, "cpu-static", Setting(cpu_layers=0, sim="fast"))
+    resident = simulate(trace, hw, "all-resident", Setting(sim="fast"))
     np.testing.assert_allclose(hybrid.tpot, resident.tpot, rtol=1e-12)
 
 
@@ -389,13 +390,12 @@ def test_simulate_is_the_one_front_door_for_cpu_policies(tiny_trace):
     from moesim.sim.simulate import simulate
 
     hw = get_profile("a6000")
-    via = simulate(tiny_trace, hw, "hot-experts", host="xeon-8480", calibration=tiny_trace.true_ids, sim="fast")
-    direct = simulate_cpu_compute(tiny_trace, hw, "hot-experts", host="xeon-8480", calibration=tiny_trace.true_ids,
-                             sim="fast")
+    via = simulate(tiny_trace, hw, "hot-experts", Setting(host="xeon-8480", calibration=tiny_trace.true_ids, sim="fast"))
+    direct = simulate_cpu_compute(tiny_trace, hw, "hot-experts", Setting(host="xeon-8480", calibration=tiny_trace.true_ids, sim="fast"))
     np.testing.assert_array_equal(via.tpot, direct.tpot)
     assert via.config["host"] == "xeon-8480"
     with pytest.raises(MoesimError, match="measured"):
-        simulate(tiny_trace, hw, "cpu-static", timing="measured")
+        simulate(tiny_trace, hw, "cpu-static", Setting(timing="measured"))
 
 
 def test_a_quantised_replay_moves_fewer_bytes(tiny_trace):
@@ -410,8 +410,8 @@ def test_a_quantised_replay_moves_fewer_bytes(tiny_trace):
     assert q.timings == {} and t.timings  # measured at bf16: not reused
     assert (q.true_ids == t.true_ids).all()
     hw = get_profile("a6000")
-    bf16 = simulate(t, hw, "on-demand", timing="profile", sim="fast").summary()
-    int4 = simulate(q, hw, "on-demand", sim="fast").summary()
+    bf16 = simulate(t, hw, "on-demand", Setting(timing="profile", sim="fast")).summary()
+    int4 = simulate(q, hw, "on-demand", Setting(sim="fast")).summary()
     assert int4["gb_moved_per_token"] == pytest.approx(bf16["gb_moved_per_token"] * q.model.expert_bytes
                                                        / t.model.expert_bytes)
     assert int4["tpot_ms"] < bf16["tpot_ms"]

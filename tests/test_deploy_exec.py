@@ -20,6 +20,7 @@ from moesim.executor.quant_experts import QuantExpert
 from moesim.executor.runtime import HostSetup, host_setup
 from moesim.hardware import DEFAULT_PROFILE, get_profile
 from moesim.models import get_model
+from moesim.sim.setting import Setting
 from moesim.traces.format import read_trace, write_trace
 
 SPEC = get_model("tiny")
@@ -226,11 +227,11 @@ def test_measured_replay_of_a_static_placement_is_the_step_model_on_the_recorded
     tr.timings.update(attn_s=attn, expert_s=dev * 2e-3, stall_s=np.zeros((t, m)), other_s=np.full(t, 5e-4),
                       predict_s=np.zeros((t, SPEC.n_layers)), cpu_s=cpu * 3e-3, cpu_wait_s=np.zeros((t, m)),
                       cpu_experts=cpu, tpot_s=np.ones(t))
-    r = simulate_cpu_compute(tr, HW, "cpu-static", cpu_layers=2, timing="measured")
+    r = simulate_cpu_compute(tr, HW, "cpu-static", Setting(cpu_layers=2, timing="measured"))
     want = attn.sum(1) + np.maximum(dev * 2e-3, cpu * 3e-3).sum(1) + 5e-4
     np.testing.assert_allclose(r.tpot, want, rtol=1e-9)
     assert np.array_equal(r.run.n_cpu, cpu)
     # Without CPU times (a copy policy's trace) the CPU's share falls back to the roofline.
     del tr.timings["cpu_s"], tr.timings["cpu_experts"], tr.timings["cpu_wait_s"]
-    fallback = simulate_cpu_compute(tr, HW, "cpu-static", cpu_layers=2, timing="measured", host="epyc-7742")
+    fallback = simulate_cpu_compute(tr, HW, "cpu-static", Setting(cpu_layers=2, timing="measured", host="epyc-7742"))
     assert np.isfinite(fallback.tpot).all() and not np.allclose(fallback.tpot, want)

@@ -11,6 +11,7 @@ from tiny_models import sharp_tiny  # noqa: E402
 from moesim.executor.profile import ProfileSettings, build_trace, calibrate, generate  # noqa: E402
 from moesim.executor.transport import EmulatedLink, Transfer  # noqa: E402
 from moesim.hardware import get_profile  # noqa: E402
+from moesim.sim.setting import Setting  # noqa: E402
 from moesim.traces.format import read_trace, write_trace  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -178,7 +179,7 @@ def test_replaying_an_on_demand_run_keeps_the_prediction_it_paid_for(tiny):
     predict = trace.timings["predict_s"].sum(1)
     assert (predict[1:] > 0).all()
     _, as_run = validate_trace(trace)
-    what_if = simulate(trace, recorded_profile(trace), "on-demand", timing="measured")
+    what_if = simulate(trace, recorded_profile(trace), "on-demand", Setting(timing="measured"))
     np.testing.assert_allclose(as_run.tpot - what_if.tpot, predict, rtol=1e-6, atol=1e-9)
 
 

@@ -8,6 +8,7 @@ transformers = pytest.importorskip("transformers")
 from moesim.errors import MoesimError  # noqa: E402
 from moesim.executor.model import ExecConfig, load_checkpoint, random_model, save_checkpoint  # noqa: E402
 from moesim.models import get_model  # noqa: E402
+from moesim.sim.setting import Setting  # noqa: E402
 
 # YaRN with factor 4 = max_position_embeddings 32 / 8; pass copies (transformers' configs edit the dict).
 YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 8,
@@ -212,7 +213,7 @@ def test_dense_layers_decode_offloaded_and_their_trace_replays(tmp_path, dense):
     np.testing.assert_allclose(parts, tm["tpot_s"], rtol=1e-6)  # the dense layer's time is in its attn_s
     # The simulator plans the recorded routing with the same planner: per step and MoE layer
     # it copies exactly what the executor copied (copy records name model layers).
-    sim = simulate(back, hw, "prefetch-fom", timing="measured")
+    sim = simulate(back, hw, "prefetch-fom", Setting(timing="measured"))
     for kind, want_counts in ((1, sim.plan.demand), (0, sim.plan.prefetch)):
         got = np.zeros_like(want_counts)
         for t, layer, k in zip(tm["copy_token"], tm["copy_layer"], tm["copy_kind"], strict=True):

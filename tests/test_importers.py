@@ -10,6 +10,7 @@ from cli_run import BOTH_WAYS
 
 from moesim.errors import MoesimError
 from moesim.hardware import get_profile
+from moesim.sim.setting import Setting
 from moesim.sim.simulate import simulate
 from moesim.traces import importers
 from moesim.traces.format import read_trace
@@ -30,7 +31,7 @@ def test_vllm_dump_drops_prefill_rows(tmp_path, recorded):
     assert back.prompt_len == 16 and back.n_tokens == 240 and not back.synthetic
     np.testing.assert_array_equal(back.token_ids[0], recorded.token_ids[0, 16:])
     assert "uniform 1/k" in back.header["recorded"]["how"] and (back.pred_ids == -1).all()
-    assert simulate(t, get_profile("a6000"), "on-demand", cache_experts=32, sim="fast").summary()["tpot_ms"] > 0
+    assert simulate(t, get_profile("a6000"), "on-demand", Setting(cache_experts=32, sim="fast")).summary()["tpot_ms"] > 0
 
 
 @pytest.mark.parametrize("fmt, name, steps", [("npz", "routing-moe-stdlib.npz", 64),

@@ -20,6 +20,7 @@ from moesim.hardware import Machine, get_machine, get_profile
 from moesim.layout import CPU, layer_weight_bytes, make_layout, stream_layers
 from moesim.memory import WORKSPACE_BYTES, kv_bytes, layout_bytes
 from moesim.models import get_model
+from moesim.sim.setting import Setting
 from moesim.sim.simulate import simulate
 from moesim.sim.static import simulate_static
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
@@ -66,7 +67,7 @@ def test_every_layout_holds_every_byte_once(name):
 
 def test_streaming_nothing_is_all_resident(trace):
     resident = simulate_static(trace, "h100-sxm", "all-resident")
-    none = simulate(trace, "h100-sxm", "weight-streaming", offload_gib=0)
+    none = simulate(trace, "h100-sxm", "weight-streaming", Setting(offload_gib=0))
     assert _tpot(none) == pytest.approx(_tpot(resident), rel=1e-12)
     assert none.config["offload_gib"] == 0.0 and float(none.copy.mean()) == 0.0
 
@@ -78,7 +79,7 @@ def test_every_streamed_byte_crosses_the_link(trace):
     gpu = get_profile("h100-sxm")
     prev = None
     for gib in (2.0, 8.0, 20.0):
-        r = simulate(trace, gpu, "weight-streaming", offload_gib=gib)
+        r = simulate(trace, gpu, "weight-streaming", Setting(offload_gib=gib))
         assert r.config["offload_gib"] >= gib
         if prev is not None:
             assert _tpot(r) > _tpot(prev) and float(r.copy.mean()) > float(prev.copy.mean())
@@ -109,7 +110,7 @@ def test_vllm_arguments_offload_at_least_the_streamed_layers(trace):
     modelled layers in host memory and at most part of the next."""
     spec = trace.model
     for machine in ("rtx4090", "2xrtx4090"):
-        lay = simulate(trace, machine, "weight-streaming", split="tensor").placement
+        lay = simulate(trace, machine, "weight-streaming", Setting(split="tensor")).placement
         inv = invocation("vllm", spec, lay, context=4096)
         g = get_machine(machine).n_gpus
         assert inv.args[inv.args.index("--tensor-parallel-size") + 1] == str(g)
@@ -126,15 +127,15 @@ def test_vllm_refuses_cpu_experts():
 
 def test_more_gpu_layers_never_slow_a_decode(trace):
     kw = dict(host="ryzen-7950x", engine="llama.cpp")
-    times = [_tpot(simulate(trace, "a6000", "gpu-layers", gpu_layers=n, **kw)) for n in (0, 12, 24, 36, 48)]
+    times = [_tpot(simulate(trace, "a6000", "gpu-layers", Setting(gpu_layers=n, **kw))) for n in (0, 12, 24, 36, 48)]
     assert all(a > b for a, b in zip(times, times[1:]))
 
 
 def test_no_gpu_layers_is_the_machine_without_a_gpu(trace):
     """-ngl 0 runs every layer and the head on the CPU: the machine without a GPU's time."""
     kw = dict(host="ryzen-7950x", engine="llama.cpp", threads=16)
-    ngl0 = simulate(trace, "a6000", "gpu-layers", gpu_layers=0, **kw)
-    none = simulate(trace, "none", "all-resident", **kw)
+    ngl0 = simulate(trace, "a6000", "gpu-layers", Setting(gpu_layers=0, **kw))
+    none = simulate(trace, "none", "all-resident", Setting(**kw))
     assert _tpot(ngl0) == pytest.approx(_tpot(none), rel=1e-12)
 
 
@@ -159,14 +160,14 @@ def test_tensor_split_shares_weights_and_pays_collectives():
     all-reduces a layer: on Mixtral (13B active parameters a token) the halving wins over
     NVLink, and the all-reduces cost more over PCIe than over NVLink."""
     mixtral = synthetic_trace(get_model("mixtral-8x7b"), SyntheticParams(tokens=4, prompt_len=64, seed=3))
-    layer = simulate(mixtral, "2xh100-sxm", "all-resident", split="layer")
-    tensor = simulate(mixtral, "2xh100-sxm", "all-resident", split="tensor")
+    layer = simulate(mixtral, "2xh100-sxm", "all-resident", Setting(split="layer"))
+    tensor = simulate(mixtral, "2xh100-sxm", "all-resident", Setting(split="tensor"))
     assert _tpot(tensor) < 0.75 * _tpot(layer)
     one = simulate(mixtral, "h100-sxm", "all-resident")
     assert _tpot(layer) == pytest.approx(_tpot(one), rel=0.05)  # layer split: the GPUs take turns
     pcie = get_profile("h100-sxm")
     pcie = replace(pcie, figures={k: v for k, v in pcie.figures.items() if k != "peer_gbs"})
-    over_pcie = simulate(mixtral, Machine((pcie, pcie), "2xh100-over-pcie"), "all-resident", split="tensor")
+    over_pcie = simulate(mixtral, Machine((pcie, pcie), "2xh100-over-pcie"), "all-resident", Setting(split="tensor"))
     assert _tpot(over_pcie) > _tpot(tensor)
 
 
@@ -176,26 +177,26 @@ def test_host_ram_smaller_than_the_model_pages_or_refuses(trace):
     host = get_host("ryzen-7950x")
     small = host.with_figure("ram_gb", 32)  # qwen3-30b-a3b in bf16 is ~61 GB; the disk: the default NVMe
     big = host.with_figure("ram_gb", 128)
-    roomy = simulate(trace, "none", "all-resident", host=big, engine="llama.cpp")
-    paged = simulate(trace, "none", "all-resident", host=small, engine="llama.cpp")
+    roomy = simulate(trace, "none", "all-resident", Setting(host=big, engine="llama.cpp"))
+    paged = simulate(trace, "none", "all-resident", Setting(host=small, engine="llama.cpp"))
     assert roomy.config["page_miss"] == 0 and 0 < paged.config["page_miss"] < 1
     assert _tpot(paged) > 2 * _tpot(roomy)  # a disk is far slower than DRAM
     with pytest.raises(DoesNotFit, match="loads its weights into RAM"):
-        simulate(trace, "none", "all-resident", host=small, engine="ktransformers")
+        simulate(trace, "none", "all-resident", Setting(host=small, engine="ktransformers"))
 
 
 def test_threads_and_sockets(trace):
     """Fewer threads: slower on the CPU; a second socket adds less than its share (NUMA)."""
     kw = dict(engine="llama.cpp")
-    few = simulate(trace, "none", "all-resident", host="xeon-8480", threads=8, **kw)
-    all_ = simulate(trace, "none", "all-resident", host="xeon-8480", **kw)
+    few = simulate(trace, "none", "all-resident", Setting(host="xeon-8480", threads=8, **kw))
+    all_ = simulate(trace, "none", "all-resident", Setting(host="xeon-8480", **kw))
     assert _tpot(few) > _tpot(all_)
     from moesim.hardware import get_host
 
     one = get_host("xeon-8480")
     two = one.with_figure("sockets", 2)
-    t1 = _tpot(simulate(trace, "none", "all-resident", host=one, **kw))
-    t2 = _tpot(simulate(trace, "none", "all-resident", host=two, **kw))
+    t1 = _tpot(simulate(trace, "none", "all-resident", Setting(host=one, **kw)))
+    t2 = _tpot(simulate(trace, "none", "all-resident", Setting(host=two, **kw)))
     assert t1 / 2 < t2 < t1
 
 
@@ -214,7 +215,7 @@ def test_a_kernel_rate_makes_threads_and_context_matter_where_one_thread_cannot_
 
     def tpot(engine, threads, prompt=64):
         tr = trace if prompt == 64 else synthetic_trace(trace.model, SyntheticParams(tokens=4, prompt_len=prompt))
-        return _tpot(simulate(tr, "none", "all-resident", host=host, engine=engine, threads=threads))
+        return _tpot(simulate(tr, "none", "all-resident", Setting(host=host, engine=engine, threads=threads)))
 
     assert 1.8 < tpot(slow, 1) / tpot(slow, 2) <= 2.0  # compute-bound: threads divide the math
     assert tpot(fast, 1) == pytest.approx(tpot(base, 1)) and tpot(fast, 2) == pytest.approx(tpot(base, 2))
@@ -233,8 +234,8 @@ def test_a_kernel_rate_makes_threads_and_context_matter_where_one_thread_cannot_
 
 def test_every_layout_refuses_what_does_not_fit(trace):
     with pytest.raises(MoesimError, match="--offload-gib"):
-        simulate(trace, "a6000", "weight-streaming", offload_gib=-1.0)
-    assert not simulate(trace, "rtx4090", "weight-streaming", offload_gib=1.0).config["fits"]
+        simulate(trace, "a6000", "weight-streaming", Setting(offload_gib=-1.0))
+    assert not simulate(trace, "rtx4090", "weight-streaming", Setting(offload_gib=1.0)).config["fits"]
     assert (make_layout(trace.model, 0).layer_device == CPU).all()
 
 
@@ -243,8 +244,8 @@ def test_a_warm_cache_needs_no_more_memory_than_a_cold_one(trace):
     cache's, so the memory fit is the cold cache's (it once added the whole hot set)."""
     calib = synthetic_trace(trace.model, SyntheticParams(tokens=8, prompt_len=64, seed=3, draw_seed=9)).true_ids
     kw = dict(cache_gib=4.0, host="ryzen-7950x")
-    cold = simulate(trace, "a6000", "cpu-on-miss", **kw)
-    warm = simulate(trace, "a6000", "cpu-on-miss", calibration=calib, **kw)
+    cold = simulate(trace, "a6000", "cpu-on-miss", Setting(**kw))
+    warm = simulate(trace, "a6000", "cpu-on-miss", Setting(calibration=calib, **kw))
     assert warm.config["resident_experts"] > 0
     assert warm.config["device_gb_needed"] == cold.config["device_gb_needed"]
     assert warm.config["fits"]

@@ -11,6 +11,7 @@ from moesim.engines import get_engine
 from moesim.hardware import get_host, get_machine, get_profile
 from moesim.models import get_model
 from moesim.policy import get_policy
+from moesim.sim.setting import Setting
 from moesim.sim.static import simulate_static
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
@@ -43,8 +44,8 @@ def test_the_static_planner_says_when_part_of_the_model_is_on_the_cpu(monkeypatc
     monkeypatch.setattr(CostModel, "__init__", spy)
     trace = synthetic_trace(get_model("olmoe-1b-7b"), SyntheticParams(tokens=4))
     machine, host = get_machine("rtx4090"), get_host("ryzen-7950x")
-    simulate_static(trace, machine, get_policy("cpu-static"), cpu_layers=4, host=host, engine="llama.cpp", ttft=False)
+    simulate_static(trace, machine, get_policy("cpu-static"), Setting(cpu_layers=4, host=host, engine="llama.cpp"), ttft=False)
     assert seen and all(seen)
     seen.clear()
-    simulate_static(trace, machine, get_policy("cpu-static"), cpu_layers=0, host=host, engine="llama.cpp", ttft=False)
+    simulate_static(trace, machine, get_policy("cpu-static"), Setting(cpu_layers=0, host=host, engine="llama.cpp"), ttft=False)
     assert seen and not any(seen)

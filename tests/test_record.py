@@ -15,6 +15,7 @@ from tiny_checkpoints import save_random_checkpoint  # noqa: E402
 from moesim.errors import MoesimError  # noqa: E402
 from moesim.executor import record as rec  # noqa: E402
 from moesim.hardware import get_profile  # noqa: E402
+from moesim.sim.setting import Setting  # noqa: E402
 from moesim.sim.simulate import simulate  # noqa: E402
 from moesim.traces.format import read_trace, write_trace  # noqa: E402
 
@@ -122,7 +123,7 @@ def test_recorded_routing_is_the_models_own(checkpoints, tmp_path, name):
     assert all(0 <= v <= 1 for name_ in ("quasi", "stale") for v in preds[name_][1:])
     assert (back.pred_ids[:, 0] == -1).all() and (back.pred_ids[:, 1:] >= 0).all()
     # Replays: the simulator reads the trace and reports the quasi predictor's recall.
-    res = simulate(back, get_profile("a6000"), "prefetch-fom", cache_experts=4, sim="fast").summary()
+    res = simulate(back, get_profile("a6000"), "prefetch-fom", Setting(cache_experts=4, sim="fast")).summary()
     assert res["synthetic_trace"] is False and res["tpot_ms"] > 0
     assert res["pred_recall"] == pytest.approx(np.mean(preds["quasi"][1:]), abs=1e-9)
 

@@ -15,6 +15,7 @@ from moesim.sim.costs import Costs
 from moesim.sim.engine import run_simpy
 from moesim.sim.fastpath import run_fast
 from moesim.sim.plan import build_plan
+from moesim.sim.setting import Setting
 from moesim.sim.simulate import simulate
 from moesim.sim.workload import Link, make_workload
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
@@ -94,7 +95,7 @@ def _run(trace, c, policy, sim="fast", **kw):
         hw = hw.with_figure("copy_interference", c["interference"])
     if c.get("wakeup"):
         hw = hw.with_figure("wait_wakeup_us", c["wakeup"])
-    return simulate(trace, hw, policy, eviction=c["eviction"], sim=sim, **kw)
+    return simulate(trace, hw, policy, Setting(eviction=c["eviction"], sim=sim, **kw))
 
 
 @SETTINGS
@@ -189,8 +190,8 @@ def test_bytes_are_conserved(c):
 def test_a_cache_cuts_copies_when_routing_repeats():
     trace = synthetic_trace(get_model("olmoe-1b-7b"), SyntheticParams(tokens=64, reuse=0.7))
     hw = get_profile("a6000")
-    none = simulate(trace, hw, "on-demand", sim="fast")
-    cached = simulate(trace, hw, "on-demand", cache_gib=2, sim="fast")
+    none = simulate(trace, hw, "on-demand", Setting(sim="fast"))
+    cached = simulate(trace, hw, "on-demand", Setting(cache_gib=2, sim="fast"))
     assert cached.summary()["cache_hit_rate"] > 0.5
     assert cached.plan.loads.sum() < 0.5 * none.plan.loads.sum()
     assert cached.tpot.mean() < none.tpot.mean()
@@ -201,7 +202,7 @@ def test_measured_compute_times_are_used_and_said(tiny_trace):
     t = tiny_trace
     t.timings = {"attn_s": np.full((t.n_tokens, 4), 1e-3), "expert_s": np.full((t.n_tokens, 4), 2e-3),
                  "other_s": np.full(t.n_tokens, 5e-4)}
-    r = simulate(t, hw, "all-resident", timing="measured")
+    r = simulate(t, hw, "all-resident", Setting(timing="measured"))
     assert r.config["timing"] == "measured (trace)"
     assert r.tpot.mean() == pytest.approx(4 * 1e-3 + 4 * 2e-3 + 5e-4)
     assert simulate(t, hw, "all-resident").config["timing"].startswith("roofline")  # recorded on another machine

@@ -11,6 +11,7 @@ from conftest import hand_trace, two_layer_spec
 from moesim.hardware import get_profile
 from moesim.models import get_model
 from moesim.sim import stats
+from moesim.sim.setting import Setting
 from moesim.sim.simulate import simulate
 from moesim.traces.format import read_trace
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
@@ -43,7 +44,7 @@ def test_lru_and_lfu_curves_equal_the_simulators_cache():
     sizes = [0, 100, 300, 700]
     curve = stats.hit_rate_curve(trace, sizes)
     for ev in ("lru", "lfu"):
-        sim = [simulate(trace, get_profile("a6000"), "on-demand", cache_experts=s, eviction=ev, sim="fast")
+        sim = [simulate(trace, get_profile("a6000"), "on-demand", Setting(cache_experts=s, eviction=ev, sim="fast"))
                .summary()["cache_hit_rate"] if s else 0.0 for s in sizes]
         np.testing.assert_allclose(curve[ev], sim, atol=1e-12)
     assert curve["bytes"][1] == 100 * get_model("olmoe-1b-7b").expert_bytes
@@ -91,8 +92,8 @@ def test_fitted_synthetic_reproduces_the_recorded_hit_rates_and_tpot():
         np.testing.assert_allclose(b[ev], a[ev], atol=0.08)
     hw = get_profile("a6000")
     for s in (16, 64):
-        ta = simulate(real, hw, "prefetch-fom", cache_experts=s, sim="fast", timing="profile").summary()
-        tb = simulate(fake, hw, "prefetch-fom", cache_experts=s, sim="fast", timing="profile").summary()
+        ta = simulate(real, hw, "prefetch-fom", Setting(cache_experts=s, sim="fast", timing="profile")).summary()
+        tb = simulate(fake, hw, "prefetch-fom", Setting(cache_experts=s, sim="fast", timing="profile")).summary()
         assert tb["tpot_ms"] == pytest.approx(ta["tpot_ms"], rel=0.03)
         assert tb["pred_recall"] == pytest.approx(ta["pred_recall"], abs=0.03)
     longer = stats.synth_like(real, 600, 3)

@@ -291,17 +291,17 @@ def test_fit_names_its_profile_and_warns_on_a_poor_fit():
 # -- the recorded link ---------------------------------------------------------------------
 
 def test_replay_uses_the_link_the_trace_was_recorded_with():
-    from moesim.sim.replay import replay
+    from moesim.sim.replay import replay, replay_setting
 
     trace = synthetic_trace(get_model("tiny"), SyntheticParams(tokens=6))
     trace.header["recorded"] = {**trace.header.get("recorded", {}), "hw_profile": "a6000", "link_gbps": 0.5,
                                 "latency_us": 10.0}
     assert trace.meta.link_gbps == 0.5
-    rec = replay(trace, None, ["on-demand"], sim="fast")
+    rec = replay(trace, None, ["on-demand"], replay_setting(sim="fast"))
     assert rec.rows[0]["link_gbps"] == 0.5 and rec.link_source == "recorded in the trace"
-    named = replay(trace, "a6000", ["on-demand"], sim="fast")  # another profile named: its own link
+    named = replay(trace, "a6000", ["on-demand"], replay_setting(sim="fast"))  # another profile named: its own link
     assert named.link_source == "the profile's" and named.rows[0]["link_gbps"] == named.profile["h2d_pinned_gbs"] != 0.5
-    given = replay(trace, None, ["on-demand"], sim="fast", link_gbps=2.0)
+    given = replay(trace, None, ["on-demand"], replay_setting(sim="fast", link_gbps=2.0))
     assert given.rows[0]["link_gbps"] == 2.0 and given.link_source == "given"
     assert rec.rows[0]["tpot_ms"] > given.rows[0]["tpot_ms"]  # a slower link is not ignored
 

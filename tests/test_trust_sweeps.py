@@ -419,8 +419,8 @@ def test_the_pool_sweeps_estimate_counts_each_policy_family_and_is_within_3x_of_
 
     monkeypatch.setattr(sweep_module, "run_sweep", stop)
     with pytest.raises(Estimated):
-        sweep_module.whatif(models=["qwen3-30b-a3b", "olmoe-1b-7b"], hws=["a6000", "h100-sxm", "gh200"], tokens=256,
-                            link_gbps=[8, 16, 32, 64], cache_gib=[0, 4, 8, 16], jobs=2, sim="simpy")
+        sweep_module.whatif(sweep_module.WhatifOptions(models=["qwen3-30b-a3b", "olmoe-1b-7b"], hws=["a6000", "h100-sxm", "gh200"], tokens=256,
+                            link_gbps=[8, 16, 32, 64], cache_gib=[0, 4, 8, 16], jobs=2, sim="simpy"))
     est = seen[-1]
     assert est.what.startswith("648 configurations") and 67 / 3 <= est.seconds <= 67 * 3
     assert budget.runs_by_kind(["on-demand", "cpu-static", "hot-experts", "cpu-on-miss"]) == {
@@ -483,13 +483,13 @@ def test_replay_keeps_the_policies_its_engine_runs_as_whatif_does(tmp_path, run)
     no copy policy) and exited 0; whatif refused the pairing. Both follow one rule now
     (EngineProfile.only_runs): none run, one line; some, the others left out with a note."""
     from moesim.models import get_model
-    from moesim.sim.replay import replay
+    from moesim.sim.replay import replay, replay_setting
     from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
     t = synthetic_trace(get_model("tiny"), SyntheticParams(tokens=4))
     with pytest.raises(MoesimError, match="llama.cpp runs none of on-demand"):
-        replay(t, "a6000", ["on-demand"], engine="llama.cpp")
-    rep = replay(t, "a6000", ["on-demand", "cpu-static"], engine="llama.cpp", sim="fast")
+        replay(t, "a6000", ["on-demand"], replay_setting(engine="llama.cpp"))
+    rep = replay(t, "a6000", ["on-demand", "cpu-static"], replay_setting(engine="llama.cpp", sim="fast"))
     assert [r["policy"] for r in rep.rows] == ["cpu-static"] and "does not run on-demand" in rep.note
     from moesim.traces.format import write_trace
 

@@ -5,6 +5,7 @@ from moesim.errors import MoesimError
 from moesim.hardware import get_profile
 from moesim.memory import device_bytes
 from moesim.models import get_model
+from moesim.sim.setting import Setting
 from moesim.sim.whatif import Sweep, best, run_sweep
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
@@ -29,8 +30,7 @@ def test_sweep_rows_match_single_replays(sweep):
     rows = run_sweep(sweep, jobs=1)
     row = next(r for r in rows if (r["model"], r["hw"], r["policy"], r["link_gbps"], r["cache_gib"]) ==
                ("olmoe-1b-7b", "rtx4090", "prefetch-fom", 8.0, 1.0))
-    direct = simulate(sweep.traces["olmoe-1b-7b"], get_profile("rtx4090"), "prefetch", cache_gib=1, link_gbps=8,
-                      sim="simpy").summary()
+    direct = simulate(sweep.traces["olmoe-1b-7b"], get_profile("rtx4090"), "prefetch", Setting(cache_gib=1, link_gbps=8, sim="simpy")).summary()
     assert row["tpot_ms"] == pytest.approx(direct["tpot_ms"], rel=1e-9)
 
 
@@ -42,7 +42,7 @@ def test_each_models_rows_carry_its_own_time_to_first_token(sweep):
     rows = [r for r in run_sweep(sweep, jobs=1) if r["policy"] == "on-demand" and r["cache_gib"] == 0.0]
     assert len(rows) == 8
     for r in rows:
-        direct = simulate(sweep.traces[r["model"]], get_profile(r["hw"]), "on-demand", link_gbps=r["link_gbps"])
+        direct = simulate(sweep.traces[r["model"]], get_profile(r["hw"]), "on-demand", Setting(link_gbps=r["link_gbps"]))
         assert r["ttft_ms"] == pytest.approx(direct.summary()["ttft_ms"], rel=1e-9), r["model"]
 
 
@@ -201,12 +201,11 @@ def test_replay_of_several_policies_reports_progress_and_equals_single_replays()
     hw = get_profile("a6000")
     policies = ["on-demand", "prefetch-fom", "oracle"]
     seen = []
-    results = simulate_policies(trace, hw, policies, sim="fast", cache_gib=1, link_gbps=16,
-                                progress=lambda done, total: seen.append((done, total)))
+    results = simulate_policies(trace, hw, policies, Setting(sim="fast", cache_gib=1, link_gbps=16), progress=lambda done, total: seen.append((done, total)))
     total = 2 * 40 * trace.model.n_moe_layers * len(policies)
     assert seen[-1] == (total, total) and all(b >= a for (a, _), (b, _) in zip(seen, seen[1:]))
     for p, r in zip(policies, results):
-        assert r.summary() == simulate(trace, hw, p, sim="fast", cache_gib=1, link_gbps=16).summary()
+        assert r.summary() == simulate(trace, hw, p, Setting(sim="fast", cache_gib=1, link_gbps=16)).summary()
     with pytest.raises(MoesimError, match="unknown policy"):
         simulate_policies(trace, hw, ["on-demand", "nope"])
 
@@ -223,13 +222,12 @@ def test_replay_memory_grows_linearly_with_the_trace():
     policies = ["on-demand", "prefetch-fom", "oracle", "prefetch-spec"]
     # One untraced run first: loading the compiled kernels and the thread pools is a one-time
     # cost that the first traced run would otherwise charge to the trace.
-    simulate_policies(synthetic_trace(spec, SyntheticParams(tokens=40, seed=1)), get_profile("a6000"), policies,
-                      sim="fast", cache_gib=1)
+    simulate_policies(synthetic_trace(spec, SyntheticParams(tokens=40, seed=1)), get_profile("a6000"), policies, Setting(sim="fast", cache_gib=1))
     sizes, peaks = (1200, 2400, 4800), []
     for tokens in sizes:
         trace = synthetic_trace(spec, SyntheticParams(tokens=tokens, seed=1))
         tracemalloc.start()
-        simulate_policies(trace, get_profile("a6000"), policies, sim="fast", cache_gib=1)
+        simulate_policies(trace, get_profile("a6000"), policies, Setting(sim="fast", cache_gib=1))
         peaks.append(tracemalloc.get_traced_memory()[1])
         tracemalloc.stop()
     unit = spec.n_moe_layers * spec.top_k  # expert accesses a token

@@ -14,7 +14,7 @@ from moesim.errors import MoesimError
 from moesim.hardware import get_host, get_profile
 from moesim.models import get_model
 from moesim.sim.deploy import crossovers, deployment_answer, format_answer
-from moesim.sim.sweep import whatif
+from moesim.sim.sweep import WhatifOptions, whatif
 from moesim.sim.whatif import ROW_COLUMNS, Sweep, run_sweep
 from moesim.traces.format import write_trace
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
@@ -73,13 +73,12 @@ def test_cpu_policy_rows_equal_replay(traces, tmp_path, cli):
 def test_copy_axes_equal_replay(traces):
     """A non-fifo copy queue runs on SimPy (the row says so) and equals replay's; an expert
     format and a prefetch top-M transform the trace as replay does."""
-    from moesim.sim.replay import replay
+    from moesim.sim.replay import TraceChanges, replay, replay_setting
 
     run, _ = traces
-    want = replay(run, "h100-sxm", ["prefetch-fom"], sim="simpy", expert_dtype="int8", prefetch_top=4,
-                  copy_queue="demand-first").rows[0]
-    (got,) = whatif(run, hws=["h100-sxm"], policies=["prefetch-fom"], cache_gib=[0], expert_dtypes=["int8"],
-                    prefetch_top=[4], copy_queues=["demand-first"], jobs=1).rows
+    want = replay(run, "h100-sxm", ["prefetch-fom"], replay_setting(sim="simpy", copy_queue="demand-first"), TraceChanges(expert_dtype="int8", prefetch_top=4)).rows[0]
+    (got,) = whatif(WhatifOptions(run, hws=["h100-sxm"], policies=["prefetch-fom"], cache_gib=[0], expert_dtypes=["int8"],
+                    prefetch_top=[4], copy_queues=["demand-first"], jobs=1)).rows
     assert got["sim"] == "simpy"  # the fast path has no copy queues: never a silent substitute
     assert (got["copy_queue"], got["prefetch_top"], got["expert_dtype"]) == ("demand-first", 4, "int8")
     assert got["model"] == want["model"] == "olmoe-1b-7b@int8"
@@ -93,7 +92,7 @@ def test_synthetic_hot_experts_place_from_a_second_synthetic_trace(tmp_path):
     experts, the row equals `replay --placement-from` that twin and differs from placing by
     the swept trace itself; and the placement finds the popular experts, so the device hit
     rate beats the resident share (a random placement's: the bug this fixes)."""
-    from moesim.sim.replay import replay
+    from moesim.sim.replay import TraceChanges, replay, replay_setting
     from moesim.sim.sweep import CALIBRATION_SEED_OFFSET
 
     spec = get_model("qwen3-30b-a3b")
@@ -101,24 +100,24 @@ def test_synthetic_hot_experts_place_from_a_second_synthetic_trace(tmp_path):
     calib = write_trace(synthetic_trace(spec, SyntheticParams(tokens=4, prompt_len=16,
                                                               draw_seed=params.seed + CALIBRATION_SEED_OFFSET)),
                         tmp_path / "calib.npz")
-    (got,) = whatif(models=[spec.name], hws=["rtx4090"], policies=["hot-experts"], tokens=4, prompt_len=16,
-                    jobs=1).rows
+    (got,) = whatif(WhatifOptions(models=[spec.name], hws=["rtx4090"], policies=["hot-experts"], tokens=4, prompt_len=16,
+                    jobs=1)).rows
     swept = synthetic_trace(spec, params)
-    want = replay(swept, "rtx4090", ["hot-experts"], sim="simpy", placement_from=calib).rows[0]
+    want = replay(swept, "rtx4090", ["hot-experts"], replay_setting(sim="simpy"), TraceChanges(placement_from=calib)).rows[0]
     assert 0 < got["resident_experts"] == want["resident_experts"] < spec.n_moe_layers * spec.n_experts
     assert got["tpot_ms"] == pytest.approx(want["tpot_ms"], rel=RTOL) and not got["optimistic_placement"]
-    peek = replay(swept, "rtx4090", ["hot-experts"], sim="simpy", calibrate_on_replay=True).rows[0]
+    peek = replay(swept, "rtx4090", ["hot-experts"], replay_setting(sim="simpy", calibrate_on_replay=True)).rows[0]
     assert peek["tpot_ms"] != pytest.approx(got["tpot_ms"], rel=1e-3)
     share = got["resident_experts"] / (spec.n_moe_layers * spec.n_experts)
     assert got["device_hit_rate"] > share + 0.1
 
 
 def test_family_axes_make_one_row_per_configuration():
-    res = whatif(models=["olmoe-1b-7b"], hws=["a6000"], policies=["on-demand", "prefetch-fom", "cpu-static",
+    res = whatif(WhatifOptions(models=["olmoe-1b-7b"], hws=["a6000"], policies=["on-demand", "prefetch-fom", "cpu-static",
                                                                  "hot-experts", "cpu-on-miss", "all-resident"],
                  cache_gib=[0, 1], tokens=6, batch=[1, 4], prompt_len=[16], jobs=1, cpu_layers=["auto", 2],
                  gpu_expert_gib=["auto", 0.5], copy_queues=["fifo", "cancel-unstarted"], prefetch_top=[2, 8],
-                 expert_dtypes=["bf16", "int8"])
+                 expert_dtypes=["bf16", "int8"]))
     rows = res.rows
     assert all(list(r) == list(ROW_COLUMNS) for r in rows)
     per_shape = {(r["batch"], r["expert_dtype"]) for r in rows}
@@ -207,8 +206,8 @@ def test_crossovers_on_constructed_rows():
 
 
 def test_answer_table_fits_80_columns():
-    res = whatif(models=["qwen3-30b-a3b"], hws=["a6000"], tokens=4, cache_gib=[0, 8], jobs=1,
-                 expert_dtypes=["int4-g128"], copy_queues=["cancel-unstarted"], prefetch_top=[2])
+    res = whatif(WhatifOptions(models=["qwen3-30b-a3b"], hws=["a6000"], tokens=4, cache_gib=[0, 8], jobs=1,
+                 expert_dtypes=["int4-g128"], copy_queues=["cancel-unstarted"], prefetch_top=[2]))
     (a,) = deployment_answer(res.rows)
     text = format_answer(a)
     assert max(len(line) for line in text.splitlines()) <= 80
@@ -249,7 +248,7 @@ def test_bad_axes_are_refused_before_any_work(kw, says, monkeypatch):
 
     monkeypatch.setattr(sweep_module, "run_group", lambda *a: pytest.fail("a group ran"))
     with pytest.raises(MoesimError, match=says.replace("-", r"\-")):
-        whatif(**{"models": ["tiny"], "hws": ["a6000"], "tokens": 4, "jobs": 1, **kw})
+        whatif(WhatifOptions(**{"models": ["tiny"], "hws": ["a6000"], "tokens": 4, "jobs": 1, **kw}))
 
 
 @pytest.mark.parametrize("cli", BOTH_WAYS)
@@ -259,18 +258,18 @@ def test_recorded_trace_axes_and_calibration_are_checked(traces, tmp_path, cli):
     assert r.returncode == 2 and r.stderr.startswith("error: hot-experts places experts") and len(
         r.stderr.strip().splitlines()) == 1
     # Among the default policies it is left out with a note, not the whole sweep refused (it was).
-    res = whatif(run, hws=["a6000"], cache_gib=[0], jobs=1)
+    res = whatif(WhatifOptions(run, hws=["a6000"], cache_gib=[0], jobs=1))
     assert res.rows and "hot-experts" not in {r["policy"] for r in res.rows} and "cpu-static" in {
         r["policy"] for r in res.rows}
     assert any(n.startswith("hot-experts places experts") and n.endswith("to sweep it: left out") for n in res.notes)
     # and an option only hot-experts reads is then noted as changing nothing (it was silent)
-    res = whatif(run, hws=["a6000"], cache_gib=[0], jobs=1, gpu_expert_gib=[1.0])
+    res = whatif(WhatifOptions(run, hws=["a6000"], cache_gib=[0], jobs=1, gpu_expert_gib=[1.0]))
     assert any(n.startswith("--gpu-expert-gib was given") and n.endswith("it changed nothing") for n in res.notes)
     with pytest.raises(MoesimError, match="recorded trace"):
-        whatif(run, hws=["a6000"], batch=[1, 4])
+        whatif(WhatifOptions(run, hws=["a6000"], batch=[1, 4]))
     with pytest.raises(MoesimError, match="not both"):
-        whatif(run, hws=["a6000"], placement_from=calib, calibrate_on_replay=True)
-    res = whatif(run, hws=["a6000"], policies=["hot-experts"], cache_gib=[0], calibrate_on_replay=True, jobs=1)
+        whatif(WhatifOptions(run, hws=["a6000"], placement_from=calib, calibrate_on_replay=True))
+    res = whatif(WhatifOptions(run, hws=["a6000"], policies=["hot-experts"], cache_gib=[0], calibrate_on_replay=True, jobs=1))
     assert all(r["optimistic_placement"] and r["note"].startswith("optimistic") for r in res.rows)
     assert any(n.startswith("optimistic") for n in res.notes)
 

@@ -1,22 +1,55 @@
-"""The deployment options ``moesim replay`` and ``moesim whatif`` share: one help text each.
+"""Commands whose options are a dataclass's fields (:func:`command_of`), and the deployment
+options ``moesim replay`` and ``moesim whatif`` share: one help text each.
 
 ``whatif`` takes comma-separated lists where ``replay`` takes one value; the words say
 so once, here."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import os
-from collections.abc import Iterator
+import typing
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Annotated
+from typing import Annotated, Any, TypeVar
 
 import typer
 
 from moesim.atomic import exclusive
+from moesim.cli.app import app
 from moesim.errors import MoesimError
 from moesim.hardware import given_path
 from moesim.inputs import TOML_CAP, check_input
 from moesim.stop import ignore_further
+
+A = TypeVar("A")
+
+
+def command_of(args: type[A], name: str | None = None) -> Callable[[Callable[[A], None]], Callable[..., None]]:
+    """Register ``handler(a: args)`` as a ``moesim`` command whose options are the fields of the
+    dataclass ``args``, in their order (typer reads a function's parameters; it is given one
+    whose signature is the fields'). The handler takes one typed object, not dozens of
+    parameters: Vidur's config dataclasses flattened into its command line are the model.
+    A field's annotation carries its ``typer.Option``/``typer.Argument``, as a parameter's did."""
+    hints = typing.get_type_hints(args, include_extras=True)  # the module's names resolve the string annotations
+    params = [inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=hints[f.name],
+                                default=inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default)
+              for f in dataclasses.fields(args)]
+
+    def register(handler: Callable[[A], None]) -> Callable[..., None]:
+        @functools.wraps(handler)
+        def command(**values: Any) -> None:
+            return handler(args(**values))
+
+        del command.__wrapped__  # typer would read the handler's one parameter through it
+        command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return app.command(name)(command)
+
+    return register
+
 
 ENGINES = "llama.cpp, ik_llama.cpp, ktransformers, vllm, sglang, moe-infinity, mixtral-offloading, pytorch-eager (default)"
 

@@ -6,6 +6,9 @@ from pathlib import Path
 from typing import Any
 
 from moesim.cli.app import err, floats, ints, out, print_csv, print_json, results_table, split, table
+from moesim.cli.lists import policies
+from moesim.cli.options import given_options
+from moesim.cli.replay_args import REPLAY_POLICIES, ReplayArgs
 from moesim.fmt import plural
 from moesim.hardware import get_profile
 from moesim.reports.validation import write_single_validation
@@ -70,17 +73,16 @@ def unused_sd_options(given: set[str], gammas: list[int] | None, selections: tup
     return notes
 
 
-def speculative_replay(trace, trace_path: Path, hw_name: str | None, policy: list[str] | None, gamma: str | None,
-                       selection: str, score: str, lam: str, link_gbps: float | None, timing: str, shape: tuple,
-                       as_json: bool, as_csv: bool, given: set[str]) -> None:
-    """``moesim replay`` of a speculative-decoding trace (``shape``: --depth, --branch, --acceptance)."""
+def speculative_replay(trace, a: ReplayArgs) -> None:
+    """``moesim replay`` of a speculative-decoding trace, with the command's options ``a``."""
 
-    gammas = ints(gamma, "--gamma") if gamma is not None else None  # whole numbers: 1.5 was cut to 1, nan a traceback
-    selections = tuple(split(selection, "--selection"))
-    res = speculative_whatif(trace, get_profile(hw_name) if hw_name else None, policy, gammas, selections, score,
-                             tuple(floats(lam, "--lambda")), link_gbps, timing, *shape)
-    print_json(res) if as_json else print_csv(res["rows"]) if as_csv else print_speculative(res, trace_path)
-    for note in unused_sd_options(given, gammas, selections, score):
+    gammas = ints(a.gamma, "--gamma") if a.gamma is not None else None  # whole numbers: 1.5 was cut to 1, nan a traceback
+    selections = tuple(split(a.selection, "--selection"))
+    policy = policies(a.policy) if a.policy != REPLAY_POLICIES else None
+    res = speculative_whatif(trace, get_profile(a.hw_name) if a.hw_name else None, policy, gammas, selections, a.score,
+                             tuple(floats(a.lam, "--lambda")), a.link_gbps, a.timing, a.depth, a.branch, a.acceptance)
+    print_json(res) if a.as_json else print_csv(res["rows"]) if a.as_csv else print_speculative(res, a.trace_path)
+    for note in unused_sd_options(given_options(a.ctx), gammas, selections, a.score):
         err.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
 
 

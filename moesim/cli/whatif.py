@@ -1,13 +1,14 @@
-"""``moesim whatif``. Python: ``moesim.sim.sweep.whatif(trace, models, hws, policies, ...)``."""
+"""``moesim whatif``. Python: ``moesim.sim.sweep.whatif(WhatifOptions(models=..., hws=..., policies=...))``."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, auto_or, floats, ints, split
+from moesim.cli.app import auto_or, floats, ints, split
 from moesim.cli.lists import policies
 from moesim.cli.options import (
     CachePerLayer,
@@ -18,6 +19,7 @@ from moesim.cli.options import (
     SplitMode,
     TensorSplit,
     Threads,
+    command_of,
     ends_on_interrupt,
     holding,
 )
@@ -26,67 +28,96 @@ from moesim.cli.whatif_views import show_whatif
 from moesim.errors import MoesimError
 from moesim.outputs import check_output_dir
 from moesim.policy import WHATIF_POLICIES as DEFAULT_POLICIES
+from moesim.sim.sweep import WhatifOptions
 from moesim.sim.sweep import whatif as run_whatif
 
 
-@app.command()
-def whatif(
-    trace_path: Annotated[Path | None, typer.Option("--trace", help="Sweep over this trace (else a synthetic one per model).")] = None,
-    model: Annotated[str, typer.Option(help="Comma-separated models (ignored with --trace: the trace's model).")] = "qwen3-30b-a3b",
+@dataclass
+class WhatifArgs:
+    """``moesim whatif``'s options as typed (comma-separated lists as strings);
+    :meth:`options` parses them into the sweep's :class:`~moesim.sim.sweep.WhatifOptions`."""
+
+    trace_path: Annotated[Path | None, typer.Option("--trace", help="Sweep over this trace (else a synthetic one per model).")] = None
+    model: Annotated[str, typer.Option(help="Comma-separated models (ignored with --trace: the trace's model).")] = "qwen3-30b-a3b"
     hw_names: Annotated[str, typer.Option("--hw", help="Comma-separated machines: a GPU profile or .toml path, "
-                                                       "NxPROFILE or A+B for several GPUs, none for no GPU.")] = "a6000,h100-sxm,gh200",
+                                                       "NxPROFILE or A+B for several GPUs, none for no GPU.")] = "a6000,h100-sxm,gh200"
     policy: Annotated[str | None, typer.Option(help="Comma-separated policies (default: "
-                                                    f"{','.join(DEFAULT_POLICIES)}; with --engine, those it runs).")] = None,
-    link_gbps: Annotated[str | None, typer.Option(help="Comma-separated host-to-device GB/s (default: each profile's own).")] = None,
-    cache_gib: Annotated[str, typer.Option(help="Comma-separated cross-token cache sizes, GiB.")] = "0,8,16",
-    eviction: Annotated[str, typer.Option(help="Cache eviction: lru or lfu.")] = "lru",
-    cache_per_layer: CachePerLayer = False,
-    tokens: Annotated[int, typer.Option(help="Decode steps of the synthetic trace.")] = 256,
-    prompt_len: Annotated[str, typer.Option(help="Comma-separated prompt lengths of the synthetic traces (an axis).")] = "128",
-    batch: Annotated[str, typer.Option(help="Comma-separated batch sizes of the synthetic traces (an axis).")] = "1",
+                                                    f"{','.join(DEFAULT_POLICIES)}; with --engine, those it runs).")] = None
+    link_gbps: Annotated[str | None, typer.Option(help="Comma-separated host-to-device GB/s (default: each profile's own).")] = None
+    cache_gib: Annotated[str, typer.Option(help="Comma-separated cross-token cache sizes, GiB.")] = "0,8,16"
+    eviction: Annotated[str, typer.Option(help="Cache eviction: lru or lfu.")] = "lru"
+    cache_per_layer: CachePerLayer = False
+    tokens: Annotated[int, typer.Option(help="Decode steps of the synthetic trace.")] = 256
+    prompt_len: Annotated[str, typer.Option(help="Comma-separated prompt lengths of the synthetic traces (an axis).")] = "128"
+    batch: Annotated[str, typer.Option(help="Comma-separated batch sizes of the synthetic traces (an axis).")] = "1"
     expert_dtype: Annotated[str | None, typer.Option(help="Comma-separated expert formats (an axis): bf16, fp8-block128, int8, "
-                                                          "int4-g128, q4_k, ... (default: the model's own).")] = None,
-    host: Host = None,
+                                                          "int4-g128, q4_k, ... (default: the model's own).")] = None
+    host: Host = None
     cpu_layers: Annotated[str | None, typer.Option(help="cpu-static: comma-separated MoE-layer counts on the CPU or "
                                                         "auto (default: auto and 1/4, 1/2, all of them): llama.cpp's "
-                                                        "--n-cpu-moe (or -ot ...=CPU).")] = None,
-    gpu_layers: GpuLayers = "auto",
-    offload_gib: OffloadGib = "auto",
+                                                        "--n-cpu-moe (or -ot ...=CPU).")] = None
+    gpu_layers: GpuLayers = "auto"
+    offload_gib: OffloadGib = "auto"
     gpu_expert_gib: Annotated[str, typer.Option(help="hot-experts: comma-separated GiB of experts kept on the GPU, "
                                                      "or auto (all that fit): KTransformers' --kt-num-gpu-experts "
-                                                     "(per layer).")] = "auto",
+                                                     "(per layer).")] = "auto"
     copy_queue: Annotated[str, typer.Option(help="Prefetching policies: comma-separated copy queues: fifo, "
-                                                 "demand-first, cancel-unstarted (non-fifo rows run on SimPy).")] = "fifo",
+                                                 "demand-first, cancel-unstarted (non-fifo rows run on SimPy).")] = "fifo"
     prefetch_top: Annotated[str | None, typer.Option(help="Prefetching policies: comma-separated M, prefetch only "
-                                                          "the M most confident predicted experts.")] = None,
+                                                          "the M most confident predicted experts.")] = None
     placement_from: Annotated[Path | None, typer.Option(help="With --trace: calibration trace whose routing places "
-                                                             "hot-experts (and warms cpu-on-miss).")] = None,
+                                                             "hot-experts (and warms cpu-on-miss).")] = None
     calibrate_on_replay: Annotated[bool, typer.Option("--calibrate-on-replay", help="hot-experts: place from the "
-                                                      "swept trace itself (rows marked optimistic).")] = False,
-    goal: Annotated[str, typer.Option(help="What 'best' means: tpot, p99, ttft or bytes.")] = "tpot",
-    engine: Engine = None,
-    threads: Threads = None,
-    split_mode: SplitMode = "layer",
-    tensor_split: TensorSplit = None,
+                                                      "swept trace itself (rows marked optimistic).")] = False
+    goal: Annotated[str, typer.Option(help="What 'best' means: tpot, p99, ttft or bytes.")] = "tpot"
+    engine: Engine = None
+    threads: Threads = None
+    split_mode: SplitMode = "layer"
+    tensor_split: TensorSplit = None
     host_ram_gb: Annotated[float | None, typer.Option(help="The host's RAM, GB (default: the host profile's, if it "
                                                            "gives one): weights beyond it page from disk or do not "
-                                                           "fit.")] = None,
+                                                           "fit.")] = None
     lookahead: Annotated[str | None, typer.Option(help="Prefetching: comma-separated MoE layers ahead the "
                                                        "predictions are made (an axis of the synthetic traces; "
-                                                       "default 1).")] = None,
-    sim: Annotated[str, typer.Option(help="The simulator: fast (default for sweeps) or simpy.")] = "fast",
-    jobs: Annotated[int, typer.Option(help="Worker processes (0 = all cores; local backend).")] = 0,
+                                                       "default 1).")] = None
+    sim: Annotated[str, typer.Option(help="The simulator: fast (default for sweeps) or simpy.")] = "fast"
+    jobs: Annotated[int, typer.Option(help="Worker processes (0 = all cores; local backend).")] = 0
     backend: Annotated[str, typer.Option(help="local (process pool on this machine) or ray (a Ray cluster: "
-                                              "docs/cluster.md).")] = "local",
+                                              "docs/cluster.md).")] = "local"
     address: Annotated[str | None, typer.Option(help="Ray cluster address (default: RAY_ADDRESS, else a new local "
-                                                     "Ray).")] = None,
+                                                     "Ray).")] = None
     rows_csv: Annotated[Path | None, typer.Option("--rows", help="Stream every row to this CSV as it finishes; run "
-                                                                 "the same sweep again to resume from it.")] = None,
-    top: Annotated[int, typer.Option(help="Rows to print (all go to the CSV).")] = 15,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")] = False,
-    as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV (every field) instead of a table.")] = False,
-    out_dir: Annotated[Path | None, typer.Option("--out", help="Report folder: HTML, PNG heatmaps and breakdown, CSV.")] = Path("moesim-whatif"),
-) -> None:
+                                                                 "the same sweep again to resume from it.")] = None
+    top: Annotated[int, typer.Option(help="Rows to print (all go to the CSV).")] = 15
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")] = False
+    as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV (every field) instead of a table.")] = False
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Report folder: HTML, PNG heatmaps and breakdown, CSV.")] = Path("moesim-whatif")
+
+    def options(self) -> WhatifOptions:
+        """The sweep these options ask for, each list parsed (a bad item: one line naming its option)."""
+        return WhatifOptions(
+            self.trace_path, split(self.model, "--model"), split(self.hw_names, "--hw"),
+            policies(self.policy) if self.policy is not None else None,
+            floats(self.link_gbps, "--link-gbps") if self.link_gbps is not None else None,
+            floats(self.cache_gib, "--cache-gib"), self.eviction, self.tokens, ints(self.prompt_len, "--prompt-len"),
+            ints(self.batch, "--batch"), self.goal, self.sim, self.jobs or None, backend=self.backend,
+            address=self.address, rows_csv=self.rows_csv,
+            expert_dtypes=split(self.expert_dtype, "--expert-dtype") if self.expert_dtype is not None else None,
+            hosts=split(self.host, "--host") if self.host is not None else None,
+            cpu_layers=auto_or(self.cpu_layers, "--cpu-layers", int) if self.cpu_layers is not None else None,
+            gpu_expert_gib=auto_or(self.gpu_expert_gib, "--gpu-expert-gib", float),
+            copy_queues=split(self.copy_queue, "--copy-queue"),
+            prefetch_top=ints(self.prefetch_top, "--prefetch-top") if self.prefetch_top is not None else None,
+            placement_from=self.placement_from, calibrate_on_replay=self.calibrate_on_replay, engine=self.engine,
+            threads=self.threads, gpu_layers=auto_or(self.gpu_layers, "--gpu-layers", int),
+            lookaheads=ints(self.lookahead, "--lookahead") if self.lookahead is not None else None,
+            host_ram_gb=self.host_ram_gb, cache_per_layer=self.cache_per_layer,
+            offload_gib=auto_or(self.offload_gib, "--offload-gib", float), split=self.split_mode,
+            ratios=floats(self.tensor_split, "--tensor-split", repeats=True) if self.tensor_split is not None else None)
+
+
+@command_of(WhatifArgs)
+def whatif(a: WhatifArgs) -> None:
     """Answer the deployment question: each policy family's best configuration, the winner and why.
 
     Sweeps models x hardware x policies x link bandwidth x cache size, and each family's
@@ -100,30 +131,13 @@ def whatif(
     --link-gbps 16,32 --cache-gib 0,1 --tokens 32 --jobs 1`
     """
 
-    if top < 1:
-        raise MoesimError(f"--top {top}: print at least one row")
-    if out_dir is not None:
+    if a.top < 1:
+        raise MoesimError(f"--top {a.top}: print at least one row")
+    if a.out_dir is not None:
 
-        check_output_dir(out_dir)
+        check_output_dir(a.out_dir)
 
-    with holding(out_dir, "--out"):  # two runs on one report folder: the second refused in one line
-        with progress_bar("simulating", "configurations", disable=as_json or as_csv) as update, ends_on_interrupt():
-            res = run_whatif(trace_path, split(model, "--model"), split(hw_names, "--hw"),
-                             policies(policy) if policy is not None else None,
-                             floats(link_gbps, "--link-gbps") if link_gbps is not None else None, floats(cache_gib, "--cache-gib"),
-                             eviction, tokens, ints(prompt_len, "--prompt-len"), ints(batch, "--batch"), goal, sim,
-                             jobs or None, update, backend=backend, address=address, rows_csv=rows_csv,
-                             expert_dtypes=split(expert_dtype, "--expert-dtype") if expert_dtype is not None else None,
-                             hosts=split(host, "--host") if host is not None else None,
-                             cpu_layers=auto_or(cpu_layers, "--cpu-layers", int) if cpu_layers is not None else None,
-                             gpu_expert_gib=auto_or(gpu_expert_gib, "--gpu-expert-gib", float),
-                             copy_queues=split(copy_queue, "--copy-queue"),
-                             prefetch_top=ints(prefetch_top, "--prefetch-top") if prefetch_top is not None else None,
-                             placement_from=placement_from, calibrate_on_replay=calibrate_on_replay,
-                             engine=engine, threads=threads, gpu_layers=auto_or(gpu_layers, "--gpu-layers", int),
-                             host_ram_gb=host_ram_gb, cache_per_layer=cache_per_layer,
-                             offload_gib=auto_or(offload_gib, "--offload-gib", float),
-                             lookaheads=ints(lookahead, "--lookahead") if lookahead is not None else None,
-                             split=split_mode,
-                             ratios=floats(tensor_split, "--tensor-split", repeats=True) if tensor_split is not None else None)
-        show_whatif(res, goal, engine, top, as_json, as_csv, out_dir)
+    with holding(a.out_dir, "--out"):  # two runs on one report folder: the second refused in one line
+        with progress_bar("simulating", "configurations", disable=a.as_json or a.as_csv) as update, ends_on_interrupt():
+            res = run_whatif(a.options(), update)
+        show_whatif(res, a.goal, a.engine, a.top, a.as_json, a.as_csv, a.out_dir)
