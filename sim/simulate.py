@@ -9,7 +9,6 @@ from typing import Any
 import numpy as np
 
 from moesim.costmodel import CostModel
-from moesim.engines import DEFAULT_ENGINE
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile, Machine, get_machine
 from moesim.memory import device_bytes
@@ -191,8 +190,8 @@ def simulate(trace: Trace, hw: HardwareProfile | Machine | str, policy: str | Po
     plan = plan or build_plan(trace, pol, capacity, s.eviction, progress, s.lookahead, s.cache_per_layer, pinned)
     cm = CostModel(spec, hw, engine=s.engine)
     costs = costs or pick_costs(trace, cm, s.timing)
-    (result,) = time_plan(trace, pol, plan, costs, [hw], sim=s.sim, engine=s.engine, copy_queue=copy_queue,
-                          record=record, pred_recall=pred_recall, as_recorded=as_recorded)
+    (result,) = time_plan(trace, pol, plan, costs, [hw], replace(s, copy_queue=copy_queue), record=record,
+                          as_recorded=as_recorded, shared=PerTrace(pred_recall=pred_recall))
     return result
 
 
@@ -227,38 +226,48 @@ def _with_recall(res: CpuResult, trace: Trace, pred_recall: float | None) -> Cpu
     return res
 
 
-def time_plan(trace: Trace, pol: Policy, plan: Plan, costs: Costs, profiles: list[HardwareProfile], *,
-              sim: str = "fast", engine: str | None = None, copy_queue: str = "fifo", record: bool = False,
-              pred_recall: float | None = None, as_recorded: bool = False, ttfts: dict | None = None,
-              spec: ModelSpec | None = None) -> list[SimResult]:
+@dataclass
+class PerTrace:
+    """What is computed once per trace and shared by the configurations timed on it (a sweep's
+    groups, a replay's policies): the model as the rows name it (``spec``; None: the
+    trace's), the trace's prediction recall (None: counted when needed) and a memo of the
+    time to first token by profile (``ttfts``)."""
+
+    spec: ModelSpec | None = None
+    pred_recall: float | None = None
+    ttfts: dict[tuple, float] = field(default_factory=dict)
+
+
+def time_plan(trace: Trace, pol: Policy, plan: Plan, costs: Costs, profiles: list[HardwareProfile],
+              s: Setting = DEFAULT_SETTING, *, record: bool = False, as_recorded: bool = False,
+              shared: PerTrace | None = None) -> list[SimResult]:
     """The results of one plan of a copy policy on each of ``profiles`` (one GPU whose link
-    figures differ: ``costs`` are its compute times, computed once): the path ``replay``
-    and ``whatif`` share, so one deployment gets one number from both. ``ttfts`` memoises
-    the time to first token by profile (a sweep's groups share it)."""
-    spec = spec or trace.model
-    cm = CostModel(spec, profiles[0], engine=engine)
+    figures differ: ``costs`` are its compute times, computed once), timed by ``s.sim`` with
+    ``s.engine``'s figures and ``s.copy_queue``: the path ``replay`` and ``whatif`` share, so
+    one deployment gets one number from both. ``shared``: what its trace's other
+    configurations computed already (:class:`PerTrace`)."""
+    shared = shared or PerTrace()
+    spec = shared.spec or trace.model
+    copy_queue = s.copy_queue or "fifo"
+    cm = CostModel(spec, profiles[0], engine=s.engine)
     # A predicting policy pays for its predictor (the recorded one, replaying the run as measured).
     costs = charge_prediction(costs, cm, (pol.prefetch and not pol.oracle) or as_recorded, trace.batch,
                               trace.timings.get("predict_s"), plan.lookahead)
     work = make_workload(spec, plan, costs)
-    cms = [CostModel(spec, h, engine=engine) for h in profiles]
+    cms = [CostModel(spec, h, engine=s.engine) for h in profiles]
     links = [sim_link(trace, c, costs) for c in cms]
     held = plan.cache_experts * spec.n_moe_layers if plan.per_layer else plan.cache_experts
     need = device_bytes(spec, pol, cache_experts=held, batch=trace.batch, context=trace.prompt_len + trace.n_tokens,
                         lookahead=plan.lookahead)  # what the GPU holds: weights, KV cache, expert slots and cache
     results = []
-    for c, (ends, copy, stall, spans) in zip(cms, time_workload(work, links, copy_queue, sim, record)):
+    for c, timed in zip(cms, time_workload(work, links, copy_queue, s.sim, record)):
         # Everything ttft_of reads: the model and prompt of the trace, the GPU and its link, the engine.
         key = (spec, trace.prompt_len, trace.batch, costs.source, trace.meta.prefill_s, c.gpu.name, c.gpu.path,
                c.gpu["h2d_pinned_gbs"], c.gpu["transfer_latency_us"], pol.offload, c.engine.name)
-        if ttfts is not None and key in ttfts:
-            ttft = ttfts[key]
-        else:
-            ttft = ttft_of(trace, c, pol, costs)
-            if ttfts is not None:
-                ttfts[key] = ttft
-        result = make_result(trace, c.gpu, pol, plan.eviction, "simpy" if copy_queue != "fifo" else sim,
-                             plan, costs, work, ends, copy, stall, spans, pred_recall, ttft, spec, c.engine.name)
+        if key not in shared.ttfts:
+            shared.ttfts[key] = ttft_of(trace, c, pol, costs)
+        result = make_result(trace, c, pol, plan, costs, work, timed, sim="simpy" if copy_queue != "fifo" else s.sim,
+                             ttft=shared.ttfts[key], shared=shared)
         if copy_queue != "fifo":
             result.config["copy_queue"] = copy_queue
         if plan.lookahead != 1:
@@ -292,24 +301,26 @@ def ttft_of(trace: Trace, cm: CostModel, pol: Policy, costs: Costs) -> float:
     return float(ttft)
 
 
-def make_result(trace: Trace, hw: HardwareProfile, pol: Policy, eviction: str, sim: str, plan: Plan, costs: Costs,
-                work: Workload, ends: np.ndarray, copy: np.ndarray, stall: np.ndarray, spans: list[Span] | None = None,
-                pred_recall: float | None = None, ttft: float | None = None,
-                spec: ModelSpec | None = None, engine: str = DEFAULT_ENGINE) -> SimResult:
-    """The :class:`SimResult` of one timed configuration (``hw`` already carries any link
-    override); sweeps pass ``pred_recall``, ``ttft`` and ``spec`` computed once per trace and link."""
-    spec = spec or trace.model
+def make_result(trace: Trace, cm: CostModel, pol: Policy, plan: Plan, costs: Costs, work: Workload,
+                timed: tuple[np.ndarray, np.ndarray, np.ndarray, list[Span]], *, sim: str, ttft: float | None = None,
+                shared: PerTrace | None = None) -> SimResult:
+    """The :class:`SimResult` of one timed configuration on ``cm``'s GPU (which carries any
+    link override) and engine: ``timed`` is :func:`time_workload`'s (end times, copy seconds,
+    stalls, spans); ``ttft`` and ``shared`` (:class:`PerTrace`) computed once per trace and link."""
+    shared = shared or PerTrace()
+    spec, hw = shared.spec or trace.model, cm.gpu
+    ends, copy, stall, spans = timed
     capacity = plan.cache_experts
     tpot = np.diff(ends, prepend=0.0)
     config = {
         "model": spec.name, "hw": hw.name, "policy": pol.name, "cache_experts": capacity,
-        "cache_gib": float(f"{capacity * spec.expert_bytes / 2**30:.4g}"), "eviction": eviction if capacity else "-",
-        "link_gbps": hw["h2d_pinned_gbs"], "batch": trace.batch, "sim": sim, "engine": engine, "timing": costs.source,
-        "synthetic_trace": trace.synthetic,
+        "cache_gib": float(f"{capacity * spec.expert_bytes / 2**30:.4g}"),
+        "eviction": plan.eviction if capacity else "-", "link_gbps": hw["h2d_pinned_gbs"], "batch": trace.batch,
+        "sim": sim, "engine": cm.engine.name, "timing": costs.source, "synthetic_trace": trace.synthetic,
     }
     if ttft is None:
-        ttft = ttft_of(trace, CostModel(spec, hw, engine=engine), pol, costs)
-    recall = prediction_recall(trace) if pred_recall is None else pred_recall
+        ttft = ttft_of(trace, cm, pol, costs)
+    recall = prediction_recall(trace) if shared.pred_recall is None else shared.pred_recall
     return SimResult(config, tpot, work.compute_per_token, copy, stall, plan, spec.expert_bytes, float(ttft),
                      recall, spans or [])
 

@@ -21,7 +21,7 @@ from moesim.errors import MoesimError
 from moesim.hardware import get_host, get_machine
 from moesim.models import DTYPES, get_model
 from moesim.placement import UNIFORM
-from moesim.policy import QUEUES, WHATIF_POLICIES, check_eviction, check_lookahead, get_policy
+from moesim.policy import QUEUES, WHATIF_POLICIES, Policy, as_policy, check_eviction, check_lookahead, get_policy
 from moesim.quant_recipes import is_format
 from moesim.sim.cpu_compute import load_calibration, separate_calibration
 from moesim.sim.sweep_rows import check_rows_path
@@ -233,7 +233,7 @@ class WhatifOptions:
     trace: str | Path | None = None
     models: tuple[str, ...] | list[str] = DEFAULT_MODELS
     hws: tuple[str, ...] | list[str] = DEFAULT_HWS
-    policies: tuple[str, ...] | list[str] | None = None
+    policies: tuple[str | Policy, ...] | list[str | Policy] | None = None  # names or the resolved policies
     link_gbps: list[float] | None = None
     cache_gib: tuple[float, ...] | list[float] = DEFAULT_CACHE_GIB
     eviction: str = "lru"
@@ -315,7 +315,7 @@ def _whatif(o: WhatifOptions, progress: Callable[[int, int], None] | None) -> Wh
     chosen = policies is not None
     if not chosen:  # the policies the engine runs (moesim's own defaults for PyTorch eager)
         policies = eng.default_policies(DEFAULT_POLICIES)
-    pols = [get_policy(p) for p in policies]  # names checked before any work
+    pols = [as_policy(p) for p in policies]  # names checked before any work (the CLI's: resolved already)
     policies, engine_note = eng.only_runs([p.name for p in pols])
     pols = [p for p in pols if p.name in policies]
     if o.placement_from is not None and o.calibrate_on_replay:

@@ -48,7 +48,7 @@ from moesim.sim.pool import run_pool, stop_pool, worker_ignores_stops  # noqa: F
 from moesim.sim.prefetch_top import keep_top_predictions
 from moesim.sim.quantised import with_expert_dtype
 from moesim.sim.setting import DEFAULT_SETTING, Setting
-from moesim.sim.simulate import cache_capacity, pick_costs, prediction_recall, time_plan
+from moesim.sim.simulate import PerTrace, cache_capacity, pick_costs, prediction_recall, time_plan
 from moesim.sim.static import STATIC_CPU, simulate_static
 from moesim.sim.sweep_rows import parse, resume, write_rows
 from moesim.sim.workload import Link, Workload
@@ -580,9 +580,9 @@ def run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
                                                                sweep.timing)
         profiles = [hw if g is None else hw.with_figure("h2d_pinned_gbs", g) for g in sweep.link_gbps]
         # The path replay takes (moesim.sim.simulate.time_plan): one deployment, one number.
-        results = time_plan(trace, pol, plan, memo[cfg.trace, cfg.expert_dtype, hi], profiles, sim=sim,
-                            engine=sweep.engine_profile, copy_queue=cfg.copy_queue, pred_recall=recall,
-                            ttfts=sweep._ttft_memo, spec=spec)
+        setting = Setting(sim=sim, engine=sweep.engine_profile, copy_queue=cfg.copy_queue)
+        results = time_plan(trace, pol, plan, memo[cfg.trace, cfg.expert_dtype, hi], profiles, setting,
+                            shared=PerTrace(spec, recall, sweep._ttft_memo))
         for res in results:
             row = res.summary()
             row.update(_axes(sweep, cfg, trace, base))

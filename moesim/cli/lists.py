@@ -5,7 +5,7 @@ except the lists that go by position (shares per GPU, rates per depth)."""
 from __future__ import annotations
 
 from moesim.errors import MoesimError
-from moesim.policy import get_policy
+from moesim.policy import Policy, get_policy
 
 
 def split(value: str, option: str, repeats: bool = False) -> list[str]:
@@ -66,10 +66,17 @@ def auto_or(value: str, option: str, kind: type) -> list:
     return out
 
 
-def policies(value: str, option: str = "--policy") -> list[str]:
-    """Policy names as given, none twice once aliases are resolved (``prefetch,prefetch-fom``
-    would time prefetch-fom twice); an unknown name is the policy table's one line."""
-
+def policy_objects(value: str, option: str = "--policy") -> list[Policy]:
+    """The policies named, resolved once here (the sweep takes the objects), none twice once
+    aliases are resolved (``prefetch,prefetch-fom`` would time prefetch-fom twice); an
+    unknown name is the policy table's one line."""
     items = split(value, option)
-    _once([get_policy(v).name for v in items], items, option)
-    return items
+    pols = [get_policy(v) for v in items]
+    _once([p.name for p in pols], items, option)
+    return pols
+
+
+def policies(value: str, option: str = "--policy") -> list[str]:
+    """Policy names as given, checked as :func:`policy_objects` checks them."""
+    policy_objects(value, option)
+    return split(value, option)

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import auto_or, floats, ints, split
-from moesim.cli.lists import policies
+from moesim.cli.lists import policy_objects
 from moesim.cli.options import (
     CachePerLayer,
     Engine,
@@ -97,7 +97,7 @@ class WhatifArgs:
         """The sweep these options ask for, each list parsed (a bad item: one line naming its option)."""
         return WhatifOptions(
             self.trace_path, split(self.model, "--model"), split(self.hw_names, "--hw"),
-            policies(self.policy) if self.policy is not None else None,
+            policy_objects(self.policy) if self.policy is not None else None,
             floats(self.link_gbps, "--link-gbps") if self.link_gbps is not None else None,
             floats(self.cache_gib, "--cache-gib"), self.eviction, self.tokens, ints(self.prompt_len, "--prompt-len"),
             ints(self.batch, "--batch"), self.goal, self.sim, self.jobs or None, backend=self.backend,
