@@ -112,6 +112,26 @@ class ExpertTimes:
 HOST_RESERVE_BYTES = 4 * 10**9
 
 
+@dataclass(frozen=True)
+class Residence:
+    """Where a static layout keeps the model, as the cost model prices it: ``host_weights``
+    the weight bytes kept in host memory and ``host_other`` the rest of what host RAM must
+    hold (a KV cache there): what paging is judged on, when the host profile gives its RAM.
+    ``weights_over_link``: the device reads its weights from host memory over the link as its
+    kernels run (vLLM's ``--cpu-offload-gb``, zero-copy pinned memory), its KV cache still
+    from device memory. ``cpu_part``: some of the model runs on the CPU (partial offload),
+    where an engine that gives ``partial_offload_launch_us`` launches its GPU kernels one by
+    one at that cost instead of replaying a CUDA graph."""
+
+    host_weights: float = 0.0
+    host_other: float = 0.0
+    weights_over_link: bool = False
+    cpu_part: bool = False
+
+
+ON_DEVICE = Residence()  # every weight in device memory: nothing paged, nothing read over the link
+
+
 class CostModel:
     """Seconds of every piece of decode and prefill work for one deployment.
 
@@ -123,25 +143,18 @@ class CostModel:
     ``shards`` splits the dense weights (and under tensor parallelism the experts) over
     that many devices; ``amx`` lets the host's AMX matrix units run expert math where it
     has them; ``threads`` the CPU threads the engine uses (default: every core of every
-    socket); ``host_weights`` the weight bytes kept in host memory and ``host_other`` the
-    rest of what host RAM must hold (a KV cache there): what paging is judged on, when the
-    host profile gives its RAM. ``weights_over_link``: the device reads its weights from
-    host memory over the link as its kernels run (vLLM's ``--cpu-offload-gb``, zero-copy
-    pinned memory), its KV cache still from device memory. ``cpu_part``: some of the model
-    runs on the CPU (partial offload), where an engine that gives ``partial_offload_launch_us``
-    launches its GPU kernels one by one at that cost instead of replaying a CUDA graph.
+    socket); ``residence`` where a static layout keeps the weights (:class:`Residence`).
     """
 
     def __init__(self, spec: ModelSpec, gpu: HardwareProfile | None, host: HostProfile | None = None,
                  engine: str | EngineProfile | None = None, *, shards: int = 1, amx: bool = True,
-                 threads: int | None = None, host_weights: float = 0.0, host_other: float = 0.0,
-                 weights_over_link: bool = False, cpu_part: bool = False) -> None:
+                 threads: int | None = None, residence: Residence = ON_DEVICE) -> None:
         if shards < 1:
             raise MoesimError(f"shards must be >= 1, got {shards}")
         if gpu is None and host is None:
             raise MoesimError("a deployment needs a GPU profile or a host profile")
         self.spec, self.gpu, self.host, self.shards, self.amx = spec, gpu, host, shards, amx
-        self.weights_over_link = weights_over_link
+        self.weights_over_link = residence.weights_over_link
         self.engine = e = engine if isinstance(engine, EngineProfile) else get_engine(engine)  # resolved once, above
         if gpu is None and "cpu" not in e.runs_on:
             raise MoesimError(f"{e.name} computes on GPUs only (its profile's runs_on); a deployment without a GPU "
@@ -152,10 +165,10 @@ class CostModel:
         if gpu is not None:
             self.launch = gpu.launch if e.kernel_launch_us is None else e.kernel_launch_us * 1e-6
             self.layer_overhead = gpu.layer_overhead if e.layer_overhead_us is None else e.layer_overhead_us * 1e-6
-            if cpu_part and "partial_offload_launch_us" in e.figures:  # no graph replay beside CPU work
+            if residence.cpu_part and "partial_offload_launch_us" in e.figures:  # no graph replay beside CPU work
                 self.launch = e["partial_offload_launch_us"] * 1e-6
         if host is not None:
-            self._host_setup(threads, host_weights, host_other)
+            self._host_setup(threads, residence.host_weights, residence.host_other)
         elif threads is not None:
             raise MoesimError("--threads sets the host's CPU threads: give a host profile")
 

@@ -34,6 +34,7 @@ from moesim.layout import SPLITS, make_layout
 from moesim.models import ModelSpec, model_file, model_named
 from moesim.policy import get_policy
 from moesim.quant_recipes import store_as
+from moesim.sim.setting import Setting
 from moesim.sim.static import layout_for
 from moesim.sim.whatif import BOUND, GOALS, NOT_RUN, policy_families, simplicity
 
@@ -298,13 +299,11 @@ def row_layout(row: dict[str, Any], timed: Timed = BY_NAME):
         return None
     # The function the simulator laid the row out with (layers cut by their bytes over several
     # GPUs), so that the arguments spell the deployment that was timed, not a re-derived one.
-    kw = {"cpu_layers": "auto", "gpu_layers": "auto", "offload_gib": "auto", **counts}
     shares, split = row.get("tensor_split", "-"), row.get("split", "-")
-    return spec, layout_for(get_policy(row["policy"]), spec, machine, batch=int(row["batch"]),
-                            context=int(row["prompt_len"]) + int(row["tokens"]),
-                            split=split if split in SPLITS else "layer",  # "-": one GPU or none
-                            ratios=None if shares in ("-", None) else [float(x) for x in str(shares).split(",")],
-                            hot_placement=None, **kw)
+    setting = Setting(split=split if split in SPLITS else "layer",  # "-": one GPU or none
+                      ratios=None if shares in ("-", None) else [float(x) for x in str(shares).split(",")], **counts)
+    return spec, layout_for(get_policy(row["policy"]), spec, machine, setting, batch=int(row["batch"]),
+                            context=int(row["prompt_len"]) + int(row["tokens"]))
 
 
 def invocation_of(row: dict[str, Any], engine: str, timed: Timed = BY_NAME):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from moesim.costmodel import CostModel, device_expert_seconds
+from moesim.costmodel import CostModel, Residence, device_expert_seconds
 from moesim.engines import EngineProfile, get_engine
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile, HostProfile, Machine, get_host, get_machine
@@ -150,9 +150,11 @@ def _crossing(cms: list[CostModel], a: int, b: int, nbytes: float) -> float:
     return float(cms[gpu].copy(nbytes)) if gpu != CPU and cms else 0.0
 
 
-def layout_for(pol, spec, machine, *, batch: int, context: int, cpu_layers, gpu_layers, split: str,
-                ratios, hot_placement, offload_gib="auto") -> Layout:
-    """The layout ``pol`` gives on ``machine``, choosing ``auto`` counts to fit its GPUs."""
+def layout_for(pol, spec, machine, s: Setting, *, batch: int, context: int, hot_placement=None) -> Layout:
+    """The layout ``pol`` gives on ``machine`` with the counts and split of ``s``, choosing
+    ``auto`` counts to fit its GPUs."""
+    cpu_layers, gpu_layers, offload_gib = s.cpu_layers, s.gpu_layers, s.offload_gib
+    split, ratios = s.split, s.ratios
     g = machine.n_gpus
     mem = [x * 1e9 for x in machine.device_memory_gb()]
 
@@ -227,17 +229,19 @@ def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, poli
                                           context=context, calibration=s.calibration, replay_ids=trace.true_ids,
                                           calibrate_on_replay=s.calibrate_on_replay,
                                           strategy=engine.expert_placement)
-    layout = layout_for(pol, spec, machine, batch=b, context=context, cpu_layers=s.cpu_layers, gpu_layers=s.gpu_layers,
-                         split=s.split, ratios=s.ratios, hot_placement=hot, offload_gib=s.offload_gib)
+    layout = layout_for(pol, spec, machine, s, batch=b, context=context, hot_placement=hot)
     need = layout_bytes(spec, layout, b, context)
-    kw = dict(engine=engine, amx=s.amx, threads=s.threads, host_weights=need.host_weights, host_other=need.host_kv,
-              cpu_part=bool((layout.layer_device == CPU).any() or (layout.expert_device == CPU).any()))
+    where = Residence(need.host_weights, need.host_kv,
+                      cpu_part=bool((layout.layer_device == CPU).any() or (layout.expert_device == CPU).any()))
     shards = g if s.split == "tensor" and g > 1 else 1
-    cms = [CostModel(spec, gpu, host, shards=shards, **kw) for gpu in machine.gpus]
-    cpu_cm = cms[0] if cms else CostModel(spec, None, host, **kw)
+    cms = [CostModel(spec, gpu, host, engine, shards=shards, amx=s.amx, threads=s.threads, residence=where)
+           for gpu in machine.gpus]
+    cpu_cm = cms[0] if cms else CostModel(spec, None, host, engine, amx=s.amx, threads=s.threads, residence=where)
     streams = None
     if layout.streamed is not None and layout.streamed.any():
-        streams = [CostModel(spec, gpu, host, shards=shards, weights_over_link=True, **kw) for gpu in machine.gpus]
+        over_link = replace(where, weights_over_link=True)
+        streams = [CostModel(spec, gpu, host, engine, shards=shards, amx=s.amx, threads=s.threads,
+                             residence=over_link) for gpu in machine.gpus]
     ctx = trace.prompt_len + np.arange(T)
     counts = token_counts(trace.true_ids, spec.n_experts)
     r = time_static(spec, layout, counts, ctx, b, cms, cpu_cm, streams)

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from moesim.atomic import STOP_SIGNALS, exclusive
-from moesim.costmodel import CostModel
+from moesim.costmodel import CostModel, Residence
 from moesim.engines import EngineProfile, get_engine
 from moesim.errors import DoesNotFit, MoesimError
 from moesim.hardware import HardwareProfile, Machine, get_host, get_machine
@@ -463,7 +463,8 @@ def _host_ram_short(sweep: Sweep, cfg: Config, machine: Machine, spec) -> str | 
     if host is None or host.ram_bytes is None:
         return None
     try:
-        CostModel(spec, machine.gpus[0], host, engine=sweep.engine_profile, host_weights=spec.all_expert_bytes)
+        CostModel(spec, machine.gpus[0], host, engine=sweep.engine_profile,
+                  residence=Residence(host_weights=spec.all_expert_bytes))
     except DoesNotFit as e:
         return str(e)
     return None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from moesim.costmodel import CostModel
+from moesim.costmodel import CostModel, Residence
 from moesim.engines import get_engine
 from moesim.hardware import get_host, get_machine, get_profile
 from moesim.models import get_model
@@ -21,7 +21,7 @@ def test_a_cpu_part_launches_at_the_engines_partial_offload_cost(engine):
     spec, gpu, host = get_model("olmoe-1b-7b"), get_profile("rtx4090"), get_host("ryzen-7950x")
     e = get_engine(engine)
     full = CostModel(spec, gpu, host, engine)
-    part = CostModel(spec, gpu, host, engine, cpu_part=True)
+    part = CostModel(spec, gpu, host, engine, residence=Residence(cpu_part=True))
     assert full.launch == pytest.approx(e["kernel_launch_us"] * 1e-6)
     assert part.launch == pytest.approx(e["partial_offload_launch_us"] * 1e-6) and part.launch > full.launch
     # A small block is launch-bound (a replayed graph overlaps launches with the work): it slows.
@@ -30,7 +30,7 @@ def test_a_cpu_part_launches_at_the_engines_partial_offload_cost(engine):
 
 def test_an_engine_without_the_figure_keeps_its_graph_launches():
     spec, gpu = get_model("qwen3-30b-a3b"), get_profile("rtx4090")
-    assert CostModel(spec, gpu, None, "vllm", cpu_part=True).launch == CostModel(spec, gpu, None, "vllm").launch
+    assert CostModel(spec, gpu, None, "vllm", residence=Residence(cpu_part=True)).launch == CostModel(spec, gpu, None, "vllm").launch
 
 
 def test_the_static_planner_says_when_part_of_the_model_is_on_the_cpu(monkeypatch):
@@ -38,7 +38,7 @@ def test_the_static_planner_says_when_part_of_the_model_is_on_the_cpu(monkeypatc
     real = CostModel.__init__
 
     def spy(self, *a, **kw):
-        seen.append(kw.get("cpu_part"))
+        seen.append(kw["residence"].cpu_part)
         real(self, *a, **kw)
 
     monkeypatch.setattr(CostModel, "__init__", spy)
