@@ -32,7 +32,7 @@ from moesim import budget
 from moesim.atomic import atomic_write_text
 from moesim.budget import Estimate
 from moesim.models import get_model
-from moesim.reports.ecospec import DEPLOYMENTS, GAMMAS, MODELS, baseline_table, ecospec_report
+from moesim.reports.ecospec import DEPLOYMENTS, GAMMAS, MODELS, Extras, baseline_table, ecospec_report
 from moesim.sim.draft import DraftProfile
 from moesim.sim.ecospec import Selection, ecospec_whatif, whatif_estimate
 from moesim.traces.synthetic_speculative import (
@@ -299,8 +299,8 @@ def main() -> None:
                                  f"({asdict(replace(params, **EAGLE))['branch']}-ary, depth {EAGLE['depth']}, the "
                                  f"{EAGLE['expand']} best grown a level). Pre-calibration routing: {PRE_CALIBRATION}."})
     eagle = replace(params, steps=args.eagle_steps, **EAGLE)
-    res = ecospec_report(args.out, MODELS, DEPLOYMENTS, GAMMAS, params, SELECTIONS, variants=variants,
-                         trees=(("eagle", eagle, EAGLE_GAMMAS, SD_GAMMA),), extra_sections=tuple(extra))
+    res = ecospec_report(args.out, MODELS, DEPLOYMENTS, GAMMAS, params, SELECTIONS,
+                         extras=Extras(variants, (("eagle", eagle, EAGLE_GAMMAS, SD_GAMMA),), tuple(extra)))
     for f in res["latency_fits"]:
         print(f"{f['model']:>16} {f['deployment']:>15}: {f['slope_ms_per_expert'] * 1e3:8.3f} us/expert fitted, "
               f"{f['analytic_ms_per_expert'] * 1e3:8.3f} us analytic, intercept {f['intercept_ms']:.3f} ms, "

@@ -21,10 +21,10 @@ import torch
 
 from moesim.costmodel import CostModel
 from moesim.executor.model import ExecConfig, random_model
-from moesim.executor.profile import ProfileSettings, build_trace, generate
+from moesim.executor.profile import Origin, ProfileSettings, build_trace, generate
 from moesim.hardware import get_profile
 from moesim.models import Attention, ModelSpec
-from moesim.sim.setting import Setting
+from moesim.setting import Setting
 from moesim.sim.simulate import simulate
 from moesim.sim.workload import Link
 
@@ -48,7 +48,7 @@ def main() -> None:
         st = ProfileSettings(policy=policy, tokens=args.tokens)
         generate(model, prompt, ProfileSettings(policy=policy, tokens=2), hw)  # warm-up
         prefill, records, out = generate(model, prompt, st, hw)
-        trace = build_trace(model, prompt, st, hw, prefill, records, out, "cpu", True, "bench")
+        trace = build_trace(model, prompt, st, hw, prefill, records, out, Origin("cpu", True, "bench"))
         tm = trace.timings
         steps = slice(1, None)  # the first step still warms caches
         measured = tm["tpot_s"][steps].mean()

@@ -28,6 +28,7 @@ from moesim.executor.estimator import RECORD_FILE, load_estimator  # noqa: E402
 from moesim.executor.model import load_checkpoint  # noqa: E402
 from moesim.executor.profile import (  # noqa: E402
     DEFAULT_PROMPT,
+    Origin,
     ProfileSettings,
     build_trace,
     eval_text,
@@ -67,7 +68,7 @@ def main() -> None:
             generate(model, prompt, ProfileSettings(policy=policy, predictor=predictor, tokens=2), hw, dv, estimator=est)
             prefill, recs, out = generate(model, prompt, st, hw, dv, estimator=est)
             extra = {"fidelity": fidelity(model, st, hw, dv, text, est)} if policy == "prefetch-spec" else {}
-            tr = build_trace(model, prompt, st, hw, prefill, recs, out, "cpu", False, str(path), extra)
+            tr = build_trace(model, prompt, st, hw, prefill, recs, out, Origin("cpu", False, str(path)), extra)
             write_trace(tr, args.out / "traces" / f"{policy}-{predictor}.npz")
             met = tr.meta.metrics
             val, _ = validate_trace(tr)

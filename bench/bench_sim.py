@@ -66,11 +66,12 @@ from moesim.costmodel import CostModel
 from moesim.hardware import builtin_profiles, get_profile
 from moesim.models import CATALOGUE, get_model
 from moesim.policy import get_policy
+from moesim.setting import Setting  # noqa: E402
 from moesim.sim.costs import roofline_costs
 from moesim.sim.engine import run_simpy
 from moesim.sim.fastpath import run_fast
 from moesim.sim.plan import build_plan
-from moesim.sim.simulate import pick_costs, prediction_recall, time_plan
+from moesim.sim.simulate import PerTrace, pick_costs, prediction_recall, time_plan
 from moesim.sim.whatif import Sweep, run_sweep
 from moesim.sim.workload import Link, make_workload
 from moesim.traces.format import Trace, read_trace
@@ -407,8 +408,9 @@ def long_commands(report: dict[str, Any], args: argparse.Namespace, ref_s: float
         held["plans"] = [build_plan(held["trace"], p, 0, "lru") for p in pols]
 
     def time_them() -> None:
-        held["results"] = [time_plan(held["trace"], p, pl, held["costs"], [hw], sim="fast",
-                                     pred_recall=held["recall"])[0] for p, pl in zip(pols, held.pop("plans"))]
+        held["results"] = [time_plan(held["trace"], p, pl, held["costs"], [hw], Setting(sim="fast"),
+                                     shared=PerTrace(pred_recall=held["recall"]))[0]
+                           for p, pl in zip(pols, held.pop("plans"))]
 
     parts = timed_parts([("read_trace", lambda: held.update(trace=read_trace(path))),
                          ("costs_and_recall", setup), ("plan", plan), ("time", time_them),

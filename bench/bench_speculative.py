@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 from moesim.atomic import atomic_write_text  # noqa: E402
 from moesim.executor.model import load_checkpoint  # noqa: E402
-from moesim.executor.profile import DEFAULT_PROMPT, ProfileSettings, build_trace, generate, shipped_model  # noqa: E402
+from moesim.executor.profile import DEFAULT_PROMPT, Origin, ProfileSettings, build_trace, generate, shipped_model  # noqa: E402
 from moesim.executor.runtime import OffloadedDecoder, make_transport  # noqa: E402
 from moesim.executor.speculative import SpecSettings, build_sd_trace, load_expert_predictor, speculative_generate  # noqa: E402
 from moesim.hardware import get_profile  # noqa: E402
@@ -52,7 +52,7 @@ def main() -> None:
         st = ProfileSettings(policy=policy, predictor="stale", tokens=args.tokens)
         generate(target, prompt, ProfileSettings(policy=policy, predictor="stale", tokens=2), hw)
         pre, recs, out = generate(target, prompt, st, hw)
-        base = build_trace(target, prompt, st, hw, pre, recs, out, "cpu", False, str(tpath))
+        base = build_trace(target, prompt, st, hw, pre, recs, out, Origin("cpu", False, str(tpath)))
         write_trace(base, args.out / "traces" / f"{policy}-no-speculation.npz")
         val, _ = validate_trace(base)
         base_ms = val["measured_ms"]
@@ -67,7 +67,7 @@ def main() -> None:
                 dec = OffloadedDecoder(target, policy, make_transport(torch.device("cpu"), hw.link_bw, hw.transfer_latency),
                                        predictor="stale")
                 pre, recs, out = speculative_generate(dec, draft, predictor, prompt, spec)
-                tr = build_sd_trace(target, prompt, recs, pre, hw, spec, policy, 0, "cpu", False, str(tpath), str(dpath))
+                tr = build_sd_trace(target, prompt, recs, pre, hw, spec, policy, 0, Origin("cpu", False, str(tpath), str(dpath)))
                 name = f"{policy}-g{gamma}-{strategy}-{score}-{lam:g}"
                 write_trace(tr, args.out / "traces" / f"{name}.npz")
                 r = replay_sd(tr, recorded_profile(tr))

@@ -40,7 +40,7 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from moesim.sim.setting import Setting
+from moesim.setting import Setting
 
 ENGINE = "llama.cpp"
 HOST_NAME = "this-machine-host"

@@ -25,7 +25,7 @@ from moesim.executor.defaults import (
     check_estimator_counts,
     check_predictor_counts,
 )
-from moesim.executor.estimator import train_estimator
+from moesim.executor.estimator import DEFAULT_ESTIMATOR_TRAINING, EstimatorTraining, train_estimator
 from moesim.executor.loading import check_derived_out, checkpoint_dir, derived_checkpoint
 from moesim.executor.model import load_checkpoint
 from moesim.executor.speculative import train_expert_predictor
@@ -77,11 +77,13 @@ def calibrate_checkpoint(model: str, out: Path | None = None, text: Path | None 
 
 
 def train_estimator_into(model: str, out: Path | None = None, tokens: int = 65536, eval_tokens: int = 16384,
-                         epochs: int = 6, width: int = 256, lr: float = 3e-3, seed: int = 0, force: bool = False,
+                         cfg: EstimatorTraining = DEFAULT_ESTIMATOR_TRAINING, *, force: bool = False,
                          threads: int = OFFLINE_THREADS,
                          progress: Callable[[int, int, float], None] | None = None) -> tuple[Path, dict, int]:
-    """Train the neural estimator (distillation on the training split, held-out evaluation)
-    into ``out``; returns (folder, the record, the model's top-k)."""
+    """Train the neural estimator (distillation on the training split of ``tokens``, held-out
+    evaluation on ``eval_tokens``) as ``cfg`` says into ``out``; returns (folder, the record,
+    the model's top-k)."""
+    epochs, width, lr = cfg.epochs, cfg.width, cfg.lr
     path = checkpoint_dir(model)
     out = out or default_out(path, "estimator")
     check_estimator_counts(tokens, eval_tokens, epochs, width, lr)
@@ -99,7 +101,7 @@ def train_estimator_into(model: str, out: Path | None = None, tokens: int = 6553
     train_ids = torch.tensor(list(train[:tokens]), dtype=torch.long)
     eval_ids = torch.tensor(list(held_out[:eval_tokens]), dtype=torch.long)
     out = derived_checkpoint(path, out, force)
-    rec = train_estimator(m, dv, train_ids, eval_ids, out, epochs, width, lr, seed=seed, progress=progress)
+    rec = train_estimator(m, dv, train_ids, eval_ids, out, cfg, progress=progress)
     return out, rec, m.spec.top_k
 
 

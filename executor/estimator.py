@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -79,12 +80,29 @@ def recall_by_layer(pred_logits: Tensor, true_probs: Tensor, layers: Tensor, n_l
     return [float(hit[layers == layer].mean()) for layer in range(n_layers - 1)]
 
 
+@dataclass(frozen=True)
+class EstimatorTraining:
+    """How the estimator is distilled: ``epochs`` over the collected activations in batches
+    of ``batch`` rows, a hidden ``width``, AdamW at ``lr``, ``seed`` for the weights and the
+    order (``moesim train-estimator``'s options)."""
+
+    epochs: int = 6
+    width: int = 256
+    lr: float = 3e-3
+    batch: int = 1024
+    seed: int = 0
+
+
+DEFAULT_ESTIMATOR_TRAINING = EstimatorTraining()
+
+
 def train_estimator(model: MoEModel, dv: Tensor, train_tokens: Tensor, eval_tokens: Tensor, out_dir: Path,
-                    epochs: int = 6, width: int = 256, lr: float = 3e-3, batch: int = 1024, seed: int = 0,
+                    cfg: EstimatorTraining = DEFAULT_ESTIMATOR_TRAINING,
                     progress: Callable[[int, int, float], None] | None = None) -> dict:
-    """Distil the routers into an estimator; evaluate on held-out text and checkpoint (the
-    estimator and its record, with the hybrid choice) after every epoch and on Ctrl-C, so an
-    interrupted run keeps a loadable estimator that says how far it trained."""
+    """Distil the routers into an estimator as ``cfg`` says; evaluate on held-out text and
+    checkpoint (the estimator and its record, with the hybrid choice) after every epoch and
+    on Ctrl-C, so an interrupted run keeps a loadable estimator that says how far it trained."""
+    epochs, width, lr, batch, seed = cfg.epochs, cfg.width, cfg.lr, cfg.batch, cfg.seed
     torch.manual_seed(seed)
     s = model.spec
     t0 = time.time()

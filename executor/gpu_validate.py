@@ -20,10 +20,10 @@ import torch
 
 from moesim.atomic import atomic_write_text
 from moesim.executor.model import ExecConfig, MoEModel, random_model
-from moesim.executor.profile import ProfileSettings, build_trace, calibrate, generate
+from moesim.executor.profile import Origin, ProfileSettings, build_trace, calibrate, generate
 from moesim.hardware import get_profile
 from moesim.models import get_model
-from moesim.sim.setting import Setting
+from moesim.setting import Setting
 from moesim.sim.simulate import simulate
 from moesim.traces.format import write_trace
 
@@ -81,7 +81,7 @@ def main() -> None:
         cache = int(cache_gib * 2**30 // model.spec.expert_bytes)
         st = ProfileSettings(policy=policy, predictor=predictor, cache_experts=cache, tokens=args.tokens)
         prefill, records, out = generate(model, prompt, st, hw, dv)
-        trace = build_trace(model, prompt, st, hw, prefill, records, out, str(device), True, "synthetic qwen3-30b-a3b")
+        trace = build_trace(model, prompt, st, hw, prefill, records, out, Origin(str(device), True, "synthetic qwen3-30b-a3b"))
         name = f"{policy}-{predictor}-cache{cache_gib:g}"
         write_trace(trace, args.out / f"{name}.npz")
         measured = float(trace.timings["tpot_s"][1:].mean())

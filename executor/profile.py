@@ -31,7 +31,7 @@ from moesim.executor.default_vectors import (  # noqa: F401 (re-exported: their 
 from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
 from moesim.executor.loading import shipped_model  # noqa: F401 (re-exported for bench/ scripts)
 from moesim.executor.model import MoEModel, log_softmax_kl
-from moesim.executor.runtime import OffloadedDecoder, StepRecord, make_transport
+from moesim.executor.runtime import Offload, OffloadedDecoder, Origin, StepRecord, make_transport
 from moesim.hardware import HardwareProfile
 from moesim.traces.format import COPY_KINDS, Trace
 from moesim.traces.header import make_header
@@ -86,11 +86,10 @@ def _decoder(model: MoEModel, st: ProfileSettings, hw: HardwareProfile, batch: i
     own = policy == st.policy  # a pre-pass or reference run is a plain copy policy: FIFO, one layer ahead
     queue = st.copy_queue if own else "fifo"
     transport = make_transport(model.embed_tokens.weight.device, hw.link_bw, hw.transfer_latency, queue)
-    return OffloadedDecoder(model, policy, transport, predictor=st.predictor, default_vectors=dv,
-                            cache_experts=st.cache_experts, eviction=st.eviction, batch=batch, estimator=estimator,
-                            host_setup=st.host_setup if own else None, expert_dtype=st.expert_dtype,
-                            prefetch_top=st.prefetch_top if own else None, copy_queue=queue,
-                            lookahead=st.lookahead if own else 1)
+    offload = Offload(st.cache_experts, st.eviction, queue, st.lookahead if own else 1,
+                      st.prefetch_top if own else None, st.expert_dtype)
+    return OffloadedDecoder(model, policy, transport, offload, predictor=st.predictor, default_vectors=dv,
+                            batch=batch, estimator=estimator, host_setup=st.host_setup if own else None)
 
 
 @contextmanager
@@ -176,8 +175,9 @@ def fidelity(model: MoEModel, st: ProfileSettings, hw: HardwareProfile, dv, eval
 
 
 def build_trace(model: MoEModel, prompt: torch.Tensor, st: ProfileSettings, hw: HardwareProfile,
-                prefill_s: float, records: list[StepRecord], out: list[torch.Tensor], device: str,
-                synthetic: bool, model_source: str, extra: dict | None = None) -> Trace:
+                prefill_s: float, records: list[StepRecord], out: list[torch.Tensor], origin: Origin,
+                extra: dict | None = None) -> Trace:
+    device, synthetic, model_source = origin.device, origin.synthetic, origin.source
     s = model.spec
     b = prompt.shape[0]
 

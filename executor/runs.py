@@ -41,13 +41,14 @@ from moesim.executor.profile import (
     generate,
 )
 from moesim.executor.quant_experts import FORMATS
-from moesim.executor.runtime import OffloadedDecoder, check_lookahead_for, host_setup, make_transport
+from moesim.executor.runtime import Offload, OffloadedDecoder, Origin, check_lookahead_for, host_setup, make_transport
 from moesim.executor.speculative import SDSettings, build_sd_trace, load_expert_predictor, sd_generate
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, get_host, get_profile
 from moesim.models import cache_capacity
 from moesim.outputs import check_output_file
 from moesim.placement import cpu_layers as check_layers
 from moesim.policy import QUEUES, get_policy
+from moesim.setting import Setting
 from moesim.traces.format import Trace, load_calibration, write_trace
 
 
@@ -234,9 +235,9 @@ def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], 
     ids = prompt_ids(m, req.prompt if req.prompt is not None else DEFAULT_PROMPT, req.prompt_len, req.batch, req.seed,
                      given_ids)
     if pol.cpu:
-        setup = host_setup(spec, pol.name, hw_profile, host_profile, batch=req.batch,
-                           context=ids.shape[1] + req.tokens, cpu_layers=n_cpu, calibration=calibration,
-                           gpu_experts=req.gpu_experts)
+        setup = host_setup(spec, pol.name, hw_profile, Setting(host=host_profile, cpu_layers=n_cpu,
+                                                               calibration=calibration),
+                           batch=req.batch, context=ids.shape[1] + req.tokens, gpu_experts=req.gpu_experts)
         st.host_setup = setup
         st.host_params = setup.params(req.placement_from, req.gpu_experts)
     dv, est = predictor_files(loaded, req.model, pol.name, req.predictor, req.seed, dev)
@@ -248,8 +249,7 @@ def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], 
             fid = fidelity(m, st, hw_profile, dv, text, est)
             if fid is not None:
                 extra["fidelity"] = fid
-        trace = build_trace(m, ids, st, hw_profile, prefill_s, records, produced, req.device, loaded.synthetic,
-                            loaded.source, extra)
+        trace = build_trace(m, ids, st, hw_profile, prefill_s, records, produced, Origin(req.device, loaded.synthetic, loaded.source), extra)
         write_trace(trace, out)
     return Recorded(trace, out, len(records), req.tokens, extra)
 
@@ -302,13 +302,11 @@ def record_speculative(req: SpeculateRequest, out: Path,
         raise MoesimError(f"{req.draft} has no expert predictor; run `moesim train-expert-predictor` first")
     hw = link_profile(req.hw, req.link_gbps)
     dec = OffloadedDecoder(target, pol.name, make_transport(torch.device("cpu"), hw.link_bw, hw.transfer_latency),
-                           predictor="stale", default_vectors=load_default_vectors(tpath),
-                           cache_experts=req.cache_experts)
+                           Offload(req.cache_experts), predictor="stale", default_vectors=load_default_vectors(tpath))
     ids = torch.tensor(list((req.prompt if req.prompt is not None else DEFAULT_PROMPT).encode())).view(1, -1)
     with stop_on_interrupt():  # Ctrl-C keeps and writes the finished verification steps
         prefill, records, produced = sd_generate(dec, d, predictor, ids, st, progress)
-        trace = build_sd_trace(target, ids, records, prefill, hw, st, pol.name, req.cache_experts, "cpu", False,
-                               str(tpath), str(dpath))
+        trace = build_sd_trace(target, ids, records, prefill, hw, st, pol.name, req.cache_experts, Origin("cpu", False, str(tpath), str(dpath)))
         write_trace(trace, out)
     steps = len(records)
     wall = sum(r.draft_s + r.verify.tpot_s for r in records)

@@ -61,6 +61,7 @@ from moesim.memory import device_bytes
 from moesim.placement import HostPlanner, Placement, expert_times, make_placement
 from moesim.placement import cpu_layers as resolve_cpu_layers
 from moesim.policy import QUEUES, Planner, check_lookahead, cpu_or_copy, expert_slots, get_policy
+from moesim.setting import DEFAULT_SETTING, Setting
 
 PREDICTORS = ("quasi", "stale", "oracle", "estimator", "hybrid")
 
@@ -138,13 +139,14 @@ class HostSetup:
                 "gpu_experts": gpu_experts}
 
 
-def host_setup(spec, policy: str, hw, host=None, *, batch: int = 1, context: int = 0, cpu_layers: int | str = "auto",
-               calibration: np.ndarray | None = None, gpu_experts: int | None = None, amx: bool = True,
-               workers: int | None = None) -> HostSetup:
+def host_setup(spec, policy: str, hw, s: Setting = DEFAULT_SETTING, *, batch: int = 1, context: int = 0,
+               gpu_experts: int | None = None, workers: int | None = None) -> HostSetup:
     """The placement (``moesim.placement.make_placement``, device memory from ``hw``) and the
-    roofline expert times (``moesim.placement.expert_times`` on ``hw``'s link and ``host``)
-    exactly as ``moesim.sim.cpu_compute.simulate_cpu_compute`` builds them, so the executor and the
-    simulator start from the same placement and decide cpu-on-miss with the same figures.
+    roofline expert times (``moesim.placement.expert_times`` on ``hw``'s link and ``s.host``)
+    exactly as ``moesim.sim.cpu_compute.simulate_cpu_compute`` builds them from the same
+    :class:`~moesim.setting.Setting` (its ``host``, ``cpu_layers``, ``calibration`` and
+    ``amx``), so the executor and the simulator start from the same placement and decide
+    cpu-on-miss with the same figures.
 
     ``gpu_experts`` (KTransformers' ``--kt-num-gpu-experts``) sizes the device memory so
     that exactly that many routed experts fit beside the resident weights, the KV cache
@@ -152,6 +154,7 @@ def host_setup(spec, policy: str, hw, host=None, *, batch: int = 1, context: int
     pol = get_policy(policy)
     if not pol.cpu:
         raise MoesimError(f"policy {pol.name!r} computes no experts on the CPU")
+    host, cpu_layers, calibration, amx = s.host, s.cpu_layers, s.calibration, s.amx
     host_p = host if isinstance(host, HostProfile) else get_host(host, hw)
     mem = hw["device_memory_gb"] * 1e9
     if gpu_experts is not None:
@@ -187,8 +190,39 @@ class Timer:
         return a.elapsed_time(b) / 1e3 if self.cuda else b - a
 
 
+@dataclass(frozen=True)
+class Offload:
+    """How an :class:`OffloadedDecoder` keeps its offloaded experts: a cross-token cache of
+    ``cache_experts`` with ``eviction``, the link's ``copy_queue``, prefetches ``lookahead``
+    MoE layers ahead of at most ``prefetch_top`` predicted experts a sequence, and the routed
+    experts stored as ``expert_dtype`` (None: the model's own), each described on the class."""
+
+    cache_experts: int = 0
+    eviction: str = "lru"
+    copy_queue: str = "fifo"
+    lookahead: int = 1
+    prefetch_top: int | None = None
+    expert_dtype: str | None = None
+
+
+PLAIN = Offload()  # no cache, FIFO copies one layer ahead, the model's own expert format
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a recorded run came from, as its trace's header says: the ``device`` it ran on,
+    whether its model is ``synthetic`` (random weights), the model's ``source`` (a path or a
+    name) and, for speculative decoding, the ``draft``'s."""
+
+    device: str
+    synthetic: bool
+    source: str
+    draft: str | None = None
+
+
 class OffloadedDecoder:
-    """Runs a model under a policy, with experts in host memory moved by ``transport``.
+    """Runs a model under a policy, with experts in host memory moved by ``transport`` and
+    kept as ``offload`` says (:class:`Offload`).
 
     ``policy`` is a simulator policy name; ``predictor`` feeds the prefetching policies:
     ``quasi`` (needs ``default_vectors`` [layers, experts, hidden]), ``stale``, or ``oracle``
@@ -208,11 +242,12 @@ class OffloadedDecoder:
     ``host_setup`` (:func:`host_setup`): the CPU-compute policies' placement and expert times.
     """
 
-    def __init__(self, model: MoEModel, policy: str, transport, *, predictor: str = "quasi",
-                 default_vectors: Tensor | None = None, cache_experts: int = 0, eviction: str = "lru",
-                 batch: int = 1, estimator: tuple[torch.nn.Module, list[str]] | None = None,
-                 host_setup: HostSetup | None = None, expert_dtype: str | None = None,
-                 prefetch_top: int | None = None, copy_queue: str = "fifo", lookahead: int = 1) -> None:
+    def __init__(self, model: MoEModel, policy: str, transport, offload: Offload = PLAIN, *,
+                 predictor: str = "quasi", default_vectors: Tensor | None = None, batch: int = 1,
+                 estimator: tuple[torch.nn.Module, list[str]] | None = None,
+                 host_setup: HostSetup | None = None) -> None:
+        cache_experts, eviction, copy_queue = offload.cache_experts, offload.eviction, offload.copy_queue
+        lookahead, prefetch_top, expert_dtype = offload.lookahead, offload.prefetch_top, offload.expert_dtype
         self.model, self.policy, self.transport = model, get_policy(policy), transport
         s = model.spec
         if copy_queue not in QUEUES:

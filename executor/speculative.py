@@ -37,7 +37,7 @@ from moesim.errors import MoesimError
 from moesim.executor.defaults import PREDICTOR_CHUNK
 from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
 from moesim.executor.model import Hooks, MoEModel, ResidentExperts, TreeMask, read_tensors
-from moesim.executor.runtime import OffloadedDecoder
+from moesim.executor.runtime import OffloadedDecoder, Origin
 from moesim.selection import SCORES, SELECTIONS, Tree, accept, check_lambda, select
 from moesim.traces.format import Trace
 from moesim.traces.header import make_header
@@ -350,10 +350,11 @@ def greedy_reference(target: MoEModel, prompt: Tensor, n: int) -> list[int]:
 
 
 def build_sd_trace(target: MoEModel, prompt: Tensor, records: list[VerifyRecord], prefill_s: float, hw,
-                   st: SDSettings, policy: str, cache_experts: int, device: str, synthetic: bool, source: str,
-                   draft_source: str, extra: dict | None = None):
+                   st: SDSettings, policy: str, cache_experts: int, origin: Origin, extra: dict | None = None):
     """A version-2 trace: the routing of every accepted row as the main arrays, and one
-    record per verification step (tree, choice, acceptance, experts, timings)."""
+    record per verification step (tree, choice, acceptance, experts, timings); ``origin``
+    names the target's source and the draft's."""
+    device, synthetic, source, draft_source = origin.device, origin.synthetic, origin.source, origin.draft
     s = target.spec
     L, E, k = s.n_layers, s.n_experts, s.top_k
     steps, true_rows, token_rows = [], [], []

@@ -14,6 +14,7 @@ import math
 import os
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,11 +53,33 @@ def forward_train(model: MoEModel, experts: list[torch.nn.Parameter], tokens: to
 STDLIB_SPEC = stdlib_spec()  # the shipped learned-routing model
 
 
-def train(out: Path, steps: int = 3000, batch: int = 16, seq: int = 128, lr: float = 3e-3, aux_coef: float = 0.01,
-          seed: int = 0, threads: int = 1, progress=None, spec: ModelSpec = STDLIB_SPEC, save_every: int = 500) -> dict:
-    """Train and write the checkpoint to ``out``: every ``save_every`` steps (with a held-out
-    evaluation), at the end, and on Ctrl-C (whatever step it reached), each file atomically,
-    so an interrupted run keeps a loadable checkpoint and an honest training.json."""
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run's schedule (``moesim train``'s options): ``steps`` of AdamW at peak
+    ``lr`` (100 steps of warm-up, then a cosine), ``batch`` windows of ``seq`` bytes, the
+    load-balancing loss at ``aux_coef``, ``seed`` for the weights and the batches, a
+    checkpoint every ``save_every`` steps, ``threads`` torch threads."""
+
+    steps: int = 3000
+    batch: int = 16
+    seq: int = 128
+    lr: float = 3e-3
+    aux_coef: float = 0.01
+    seed: int = 0
+    threads: int = 1
+    save_every: int = 500
+
+
+DEFAULT_TRAINING = TrainConfig()  # the shipped checkpoint's schedule
+
+
+def train(out: Path, cfg: TrainConfig = DEFAULT_TRAINING, spec: ModelSpec = STDLIB_SPEC, progress=None) -> dict:
+    """Train ``spec`` as ``cfg`` says and write the checkpoint to ``out``: every
+    ``cfg.save_every`` steps (with a held-out evaluation), at the end, and on Ctrl-C (whatever
+    step it reached), each file atomically, so an interrupted run keeps a loadable checkpoint
+    and an honest training.json. ``progress(step, steps, loss)`` after each step."""
+    steps, batch, seq, lr, aux_coef = cfg.steps, cfg.batch, cfg.seq, cfg.lr, cfg.aux_coef
+    seed, threads, save_every = cfg.seed, cfg.threads, cfg.save_every
     check_output_dir(out)  # before minutes of training, not after
     budget.check(budget.train_estimate(spec, steps, batch, seq))
     torch.manual_seed(seed)
@@ -65,12 +88,12 @@ def train(out: Path, steps: int = 3000, batch: int = 16, seq: int = 128, lr: flo
     ids = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     split = split_index(ids.numel())
     train_ids, eval_ids = ids[:split], ids[split:]
-    cfg = ExecConfig(spec, rope_theta=1e4, rms_eps=1e-6, max_seq_len=1024)
-    model = MoEModel(cfg)
+    exec_cfg = ExecConfig(spec, rope_theta=1e4, rms_eps=1e-6, max_seq_len=1024)
+    model = MoEModel(exec_cfg)
     for p in model.parameters():
         if p.dim() > 1:
             torch.nn.init.normal_(p, std=0.02)
-    s = cfg.spec
+    s = exec_cfg.spec
     experts = [torch.nn.Parameter(torch.randn(s.n_experts, s.expert_weights) * 0.02) for _ in range(s.n_layers)]
     params = list(model.parameters()) + experts
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, betas=(0.9, 0.95))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import platform
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from moesim.executor.host_experts import HostExperts
 from moesim.executor.hwbench import cpu_interference, cpu_wakeup
 from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
 from moesim.executor.model import ExecConfig, MoEModel, expert_forward, load_checkpoint, random_model
-from moesim.executor.profile import ProfileSettings, build_trace, calibrate, generate, load_default_vectors
+from moesim.executor.profile import Origin, ProfileSettings, build_trace, calibrate, generate, load_default_vectors
 from moesim.executor.quant_experts import QuantExpert
 from moesim.executor.runtime import host_setup
 from moesim.executor.steady import SteadyMachine
@@ -39,8 +39,8 @@ from moesim.executor.validation_plan import POLICIES, PROMPT, SUITE, SYNTHETIC_S
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, HostProfile, get_host, get_profile
 from moesim.models import SHIPPED_MODEL
 from moesim.policy import get_policy
+from moesim.setting import Setting
 from moesim.sim.cpu_compute import simulate_cpu_compute
-from moesim.sim.setting import Setting
 from moesim.sim.simulate import simulate
 from moesim.sim.validate import error_stats, recorded_profile, validate_trace
 from moesim.sim.workload import Link
@@ -110,8 +110,8 @@ def run_suite(out: Path, shipped: Path, tokens: int = 32, models: list[str] | No
             prompt = torch.tensor([b % model.spec.vocab for b in PROMPT]).view(1, -1)
             for gbps in links:
                 hw = get_profile(DEFAULT_PROFILE).with_figure("h2d_pinned_gbs", gbps, "estimate", "validation suite link")
-                runs = _run_link(model, dv, prompt, tokens * scale, hw, repeats, synthetic, name, gbps, out, traces,
-                                 counted, steady)
+                bench = Bench(model, dv, prompt, tokens * scale, hw, repeats, synthetic, name, steady)
+                runs = _run_link(bench, gbps, out, traces, counted)
                 rows += _score(name, gbps, hw, runs, model, machine_hw)
                 if stop_requested():
                     break
@@ -128,9 +128,26 @@ def run_suite(out: Path, shipped: Path, tokens: int = 32, models: list[str] | No
     return rows, traces, summary
 
 
-def _run_link(model: MoEModel, dv, prompt: torch.Tensor, tokens: int, hw: HardwareProfile, repeats: int,
-              synthetic: bool, name: str, gbps: float, out: Path, traces: dict[str, Trace],
-              progress: Callable[[str], None], steady: SteadyMachine) -> dict[str, list[Trace]]:
+@dataclass(frozen=True)
+class Bench:
+    """A suite model on one link, as every run of a validation suite takes it: the model and
+    its default vectors (``dv``), the prompt, ``tokens`` to decode, the profile ``hw`` (its
+    link set to the suite's), ``repeats`` a case, whether the model is ``synthetic``, its
+    ``name`` in the rows, and the ``steady`` check of the machine's speed."""
+
+    model: MoEModel
+    dv: Any
+    prompt: torch.Tensor
+    tokens: int
+    hw: HardwareProfile
+    repeats: int
+    synthetic: bool
+    name: str
+    steady: SteadyMachine
+
+
+def _run_link(b: Bench, gbps: float, out: Path, traces: dict[str, Trace],
+              progress: Callable[[str], None]) -> dict[str, list[Trace]]:
     """Every policy on one link, ``repeats`` rounds, the policies interleaved within a round.
 
     Why interleaved: on a shared or throttling machine the speed of the CPU drifts over
@@ -141,20 +158,20 @@ def _run_link(model: MoEModel, dv, prompt: torch.Tensor, tokens: int, hw: Hardwa
     so far, rewritten (atomically) as runs finish, so Ctrl-C keeps it. ``steady`` probes
     the machine's speed around each run (moesim.executor.steady)."""
     runs: dict[str, list[Trace]] = {p: [] for p in POLICIES}
-    for r in range(repeats):
+    for r in range(b.repeats):
         for policy in POLICIES:
-            progress(f"{name}, {gbps:g} GB/s, {policy}" + (f", run {r + 1}/{repeats}" if repeats > 1 else ""))
-            st = ProfileSettings(policy=policy, predictor="quasi", tokens=tokens)
+            progress(f"{b.name}, {gbps:g} GB/s, {policy}" + (f", run {r + 1}/{b.repeats}" if b.repeats > 1 else ""))
+            st = ProfileSettings(policy=policy, predictor="quasi", tokens=b.tokens)
             try:
                 if r == 0:
-                    generate(model, prompt, ProfileSettings(policy=policy, tokens=2), hw, dv)  # warm-up
-                prefill, records, out_tokens = steady.run(lambda st=st: generate(model, prompt, st, hw, dv))
+                    generate(b.model, b.prompt, ProfileSettings(policy=policy, tokens=2), b.hw, b.dv)  # warm-up
+                prefill, records, out_tokens = b.steady.run(lambda st=st: generate(b.model, b.prompt, st, b.hw, b.dv))
             except Interrupted:
                 return runs
-            if len(records) < tokens:  # Ctrl-C cut the run short
+            if len(records) < b.tokens:  # Ctrl-C cut the run short
                 return runs
-            runs[policy].append(build_trace(model, prompt, st, hw, prefill, records, out_tokens, "cpu", synthetic, name))
-            key = f"{name}-{gbps:g}gbps-{policy}"
+            runs[policy].append(build_trace(b.model, b.prompt, st, b.hw, prefill, records, out_tokens, Origin("cpu", b.synthetic, b.name)))
+            key = f"{b.name}-{gbps:g}gbps-{policy}"
             traces[key] = _median_run(runs[policy])
             write_trace(traces[key], out / "traces" / f"{key}.npz")
             if stop_requested():
@@ -307,11 +324,12 @@ def run_cpu_suite(out: Path, tokens: int = 16, gbps: float = 4.0, repeats: int =
     traces: dict[str, Trace] = {}
     bases: dict[str | None, Trace] = {}
     hosts = {fmt: machine_host(model, fmt) for fmt in {f for _, f in CPU_CASES}}
+    bench = Bench(model, dv, prompt, tokens, hw, repeats, synthetic, name, steady)
     with stop_on_interrupt():
         for fmt in dict.fromkeys(f for _, f in CPU_CASES):  # the on-demand base of each format first
             if progress:
                 progress(f"{name}, {gbps:g} GB/s, on-demand{'-' + fmt if fmt else ''} (base)")
-            tr = _run_cpu_case(model, dv, prompt, "on-demand", fmt, None, tokens, hw, repeats, synthetic, name, 0, steady)
+            tr = _run_cpu_case(bench, "on-demand", fmt, None, 0)
             if tr is None:
                 break
             bases[fmt] = traces[f"on-demand{'-' + fmt if fmt else ''}"] = tr
@@ -327,14 +345,13 @@ def run_cpu_suite(out: Path, tokens: int = 16, gbps: float = 4.0, repeats: int =
                 gpu_experts = spec.n_moe_layers * spec.n_experts // 2
             if pol.cpu:
                 qspec = spec.with_expert_dtype(fmt) if fmt else spec
-                setup = host_setup(qspec, policy, hw, hosts[fmt], context=prompt.shape[1] + tokens,
-                                   cpu_layers=spec.n_moe_layers // 2, calibration=calibration,
+                placed = Setting(host=hosts[fmt], cpu_layers=spec.n_moe_layers // 2, calibration=calibration)
+                setup = host_setup(qspec, policy, hw, placed, context=prompt.shape[1] + tokens,
                                    gpu_experts=gpu_experts)
                 cache = spec.n_experts * spec.n_moe_layers // 4 if pol.cpu == "miss" else 0
                 if progress:
                     progress(f"{name}, {gbps:g} GB/s, {key}")
-                tr = _run_cpu_case(model, dv, prompt, policy, fmt, setup, tokens, hw, repeats, synthetic, name, cache,
-                                   steady)
+                tr = _run_cpu_case(bench, policy, fmt, setup, cache)
                 if tr is None:
                     break
                 traces[key] = tr
@@ -371,23 +388,21 @@ def _calibration_ids(model: MoEModel, dv, tokens: int, hw: HardwareProfile, fmt:
     return np.stack([r.true_ids for r in records])
 
 
-def _run_cpu_case(model: MoEModel, dv, prompt: torch.Tensor, policy: str, fmt: str | None, setup, tokens: int,
-                  hw: HardwareProfile, repeats: int, synthetic: bool, name: str, cache: int,
-                  steady: SteadyMachine) -> Trace | None:
+def _run_cpu_case(b: Bench, policy: str, fmt: str | None, setup, cache: int) -> Trace | None:
     """A case's median-TPOT run of ``repeats`` after a warm-up, with a CPU-compute setup and
     an expert format; None if Ctrl-C."""
     params = setup.params() if setup is not None else {}
-    st = ProfileSettings(policy=policy, predictor="quasi", tokens=tokens, cache_experts=cache, host_setup=setup,
+    st = ProfileSettings(policy=policy, predictor="quasi", tokens=b.tokens, cache_experts=cache, host_setup=setup,
                          expert_dtype=fmt, host_params=params)
     warm = ProfileSettings(policy=policy, tokens=2, cache_experts=cache, host_setup=setup, expert_dtype=fmt)
     candidates = []
     try:
-        generate(model, prompt, warm, hw, dv)
-        for _ in range(repeats):
-            prefill, records, out_tokens = steady.run(lambda: generate(model, prompt, st, hw, dv))
-            if len(records) < tokens:
+        generate(b.model, b.prompt, warm, b.hw, b.dv)
+        for _ in range(b.repeats):
+            prefill, records, out_tokens = b.steady.run(lambda: generate(b.model, b.prompt, st, b.hw, b.dv))
+            if len(records) < b.tokens:
                 return None
-            candidates.append(build_trace(model, prompt, st, hw, prefill, records, out_tokens, "cpu", synthetic, name))
+            candidates.append(build_trace(b.model, b.prompt, st, b.hw, prefill, records, out_tokens, Origin("cpu", b.synthetic, b.name)))
     except Interrupted:
         return None
     return _median_run(candidates)

@@ -32,12 +32,12 @@ import numpy as np
 import torch
 
 from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
-from moesim.executor.profile import ProfileSettings, build_trace, generate
+from moesim.executor.profile import Origin, ProfileSettings, build_trace, generate
 from moesim.executor.steady import SteadyMachine
-from moesim.executor.validation import PROMPT, _median_run, machine_profile, suite_models
+from moesim.executor.validation import PROMPT, Bench, _median_run, machine_profile, suite_models
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, get_profile
 from moesim.policy import QUEUES
-from moesim.sim.setting import Setting
+from moesim.setting import Setting
 from moesim.sim.simulate import simulate
 from moesim.sim.validate import recorded_profile, validate_trace
 from moesim.traces.format import Trace, write_trace
@@ -65,8 +65,8 @@ def run_queue_suite(out: Path, shipped: Path, tokens: int = 16, repeats: int = 3
         for gbps in QUEUE_LINKS:
             hw = get_profile(DEFAULT_PROFILE).with_figure("h2d_pinned_gbs", gbps, "estimate", "validation suite link")
             for predictor in QUEUE_PREDICTORS:
-                runs = _run_setting(model, dv, prompt, tokens, hw, repeats, synthetic, name, predictor, progress,
-                                    steady)
+                bench = Bench(model, dv, prompt, tokens, hw, repeats, synthetic, name, steady)
+                runs = _run_setting(bench, predictor, progress)
                 if runs is None:
                     break
                 for q, trs in runs.items():
@@ -81,28 +81,26 @@ def run_queue_suite(out: Path, shipped: Path, tokens: int = 16, repeats: int = 3
     return rows, winners, summary
 
 
-def _run_setting(model, dv, prompt: torch.Tensor, tokens: int, hw: HardwareProfile, repeats: int, synthetic: bool,
-                 name: str, predictor: str, progress: Callable[[str], None] | None,
-                 steady: SteadyMachine) -> dict[str, list[Trace]] | None:
+def _run_setting(b: Bench, predictor: str, progress: Callable[[str], None] | None) -> dict[str, list[Trace]] | None:
     """Every queue at one link and predictor, ``repeats`` interleaved rounds; None if Ctrl-C
     cut it (a setting is scored whole or not at all: its winner needs every queue)."""
     runs: dict[str, list[Trace]] = {q: [] for q in QUEUES}
-    gbps = hw["h2d_pinned_gbs"]
-    for r in range(repeats):
+    gbps = b.hw["h2d_pinned_gbs"]
+    for r in range(b.repeats):
         for q in QUEUES:
             if progress:
-                progress(f"{name}, {gbps:g} GB/s, {predictor} predictor, {q}, run {r + 1}/{repeats}")
-            st = ProfileSettings(policy=POLICY, predictor=predictor, tokens=tokens, copy_queue=q)
+                progress(f"{b.name}, {gbps:g} GB/s, {predictor} predictor, {q}, run {r + 1}/{b.repeats}")
+            st = ProfileSettings(policy=POLICY, predictor=predictor, tokens=b.tokens, copy_queue=q)
             try:
                 if r == 0:
-                    generate(model, prompt, ProfileSettings(policy=POLICY, predictor=predictor, tokens=2, copy_queue=q),
-                             hw, dv)  # warm-up
-                prefill, records, out_tokens = steady.run(lambda st=st: generate(model, prompt, st, hw, dv))
+                    generate(b.model, b.prompt, ProfileSettings(policy=POLICY, predictor=predictor, tokens=2, copy_queue=q),
+                             b.hw, b.dv)  # warm-up
+                prefill, records, out_tokens = b.steady.run(lambda st=st: generate(b.model, b.prompt, st, b.hw, b.dv))
             except Interrupted:
                 return None
-            if len(records) < tokens or stop_requested():
+            if len(records) < b.tokens or stop_requested():
                 return None
-            runs[q].append(build_trace(model, prompt, st, hw, prefill, records, out_tokens, "cpu", synthetic, name))
+            runs[q].append(build_trace(b.model, b.prompt, st, b.hw, prefill, records, out_tokens, Origin("cpu", b.synthetic, b.name)))
     return runs
 
 

@@ -11,7 +11,7 @@ seed) and says so.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -131,21 +131,32 @@ def baseline_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+@dataclass(frozen=True)
+class Extras:
+    """What a benchmark adds to the default report: ``variants`` (other tree shapes or
+    acceptance models) swept on the resident deployment into a sensitivity table; ``trees``,
+    more (label, params, gammas, SD-baseline gamma) tree settings run on every deployment,
+    such as an EAGLE-sized dynamic tree; ``sections`` of text and tables of its own."""
+
+    variants: tuple[SpecSynthParams, ...] = ()
+    trees: tuple[tuple[str, SpecSynthParams, tuple[int, ...], int | None], ...] = ()
+    sections: tuple[dict[str, Any], ...] = ()
+
+
+NO_EXTRAS = Extras()
+
+
 def ecospec_report(out: Path, models: tuple[str, ...] = MODELS, deployments: tuple[str, ...] = DEPLOYMENTS,
                    gammas: tuple[int, ...] = GAMMAS, params: SpecSynthParams = DEFAULT_PARAMS,
                    selections: tuple[Selection, ...] = SELECTIONS_DEFAULT, draft: DraftProfile = DEFAULT_DRAFT,
-                   resident: str = RESIDENT, context: int = 1024,
-                   variants: tuple[SpecSynthParams, ...] = (),
-                   trees: tuple[tuple[str, SpecSynthParams, tuple[int, ...], int | None], ...] = (),
-                   extra_sections: tuple[dict[str, Any], ...] = ()) -> dict[str, Any]:
+                   resident: str = RESIDENT, context: int = 1024, extras: Extras = NO_EXTRAS) -> dict[str, Any]:
     """Run the what-if for every model and write the report into ``out``; returns the rows
-    and latency fits (what the report shows). ``variants`` (other tree shapes or acceptance
-    models) are swept on the resident deployment into a sensitivity table. ``trees``: more
-    (label, params, gammas, SD-baseline gamma) tree settings run on every deployment, such as
-    an EAGLE-sized dynamic tree; the first tree is always ``params`` over ``gammas``
-    ("default"). Refused up front when this machine cannot do it (:mod:`moesim.budget`)."""
+    and latency fits (what the report shows). The first tree is always ``params`` over
+    ``gammas`` ("default"); ``extras`` adds a benchmark's (:class:`Extras`). Refused up front
+    when this machine cannot do it (:mod:`moesim.budget`)."""
+    variants, extra_sections = extras.variants, extras.sections
     out = check_output_dir(out)  # before the sweep, not after
-    trees = (("default", params, tuple(gammas), None), *trees)
+    trees = (("default", params, tuple(gammas), None), *extras.trees)
     specs = [get_model(m) for m in models]
     fit_deps = list(dict.fromkeys((resident, *[d for d in deployments if get_deployment(d).offload])))
     est = [whatif_estimate(specs, len(deployments), list(g), selections, p) for _, p, g, _ in trees]

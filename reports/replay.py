@@ -10,7 +10,7 @@ from moesim.fmt import plural
 from moesim.hardware import HardwareProfile
 from moesim.policy import get_policy
 from moesim.reports.render import breakdown_png, chrome_trace, timeline_png, write_csv, write_html
-from moesim.sim.setting import Setting
+from moesim.setting import Setting
 from moesim.sim.simulate import SimResult, simulate
 from moesim.traces.format import Trace
 

@@ -19,8 +19,8 @@ from moesim.models import get_model
 from moesim.outputs import check_output_dir
 from moesim.policy import QUEUES
 from moesim.reports.render import COLORS, breakdown_png, pyplot, save_figure, write_csv, write_html  # noqa: E402
+from moesim.setting import Setting
 from moesim.sim.engine import Span  # noqa: E402
-from moesim.sim.setting import Setting
 from moesim.sim.simulate import SimResult, simulate  # noqa: E402
 from moesim.sim.validate import recorded_profile
 from moesim.traces.format import COPY_KINDS, Trace  # noqa: E402

@@ -12,8 +12,8 @@ from moesim import fmt
 from moesim.atomic import atomic_write_text
 from moesim.fmt import duration_ms
 from moesim.reports.render import breakdown_png, heatmap_png, pyplot, save_figure, write_csv, write_html
+from moesim.setting import Setting
 from moesim.sim.deploy import AXES, Timed, crossovers, deployment_answer, describe_change, format_answer
-from moesim.sim.setting import Setting
 from moesim.sim.simulate import simulate
 from moesim.sim.whatif import GOALS, Sweep
 

@@ -34,13 +34,13 @@ from moesim.hardware import HardwareProfile, HostProfile, get_host
 from moesim.memory import device_bytes
 from moesim.placement import HostPlanner, Placement, make_placement
 from moesim.policy import EVICTIONS, Policy, as_policy
+from moesim.setting import DEFAULT_SETTING, Setting
 from moesim.sim.costs import roofline_costs
 from moesim.sim.cpu_run import CpuResult, CpuWork, routed_sets, token_counts  # noqa: F401 (re-exported)
 from moesim.sim.engine import run_simpy_cpu
 from moesim.sim.fastpath_cpu import run_fast_cpu
 from moesim.sim.plan import Plan
 from moesim.sim.prefill import prefill_time_cpu_compute
-from moesim.sim.setting import DEFAULT_SETTING, Setting
 from moesim.sim.static import STATIC_CPU, simulate_static
 from moesim.sim.workload import Link
 from moesim.traces.format import Trace, load_calibration, read_trace  # noqa: F401 (load_calibration re-exported)

@@ -34,7 +34,7 @@ from moesim.layout import SPLITS, make_layout
 from moesim.models import ModelSpec, model_file, model_named
 from moesim.policy import get_policy
 from moesim.quant_recipes import store_as
-from moesim.sim.setting import Setting
+from moesim.setting import Setting
 from moesim.sim.static import layout_for
 from moesim.sim.whatif import BOUND, GOALS, NOT_RUN, policy_families, simplicity
 

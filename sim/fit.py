@@ -23,8 +23,8 @@ import numpy as np
 from moesim.engines import get_engine
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile
+from moesim.setting import Setting
 from moesim.sim.plan import build_plan
-from moesim.sim.setting import Setting
 from moesim.sim.simulate import simulate
 from moesim.traces.format import Trace
 

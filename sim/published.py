@@ -31,7 +31,7 @@ from moesim.models import DTYPES, ModelSpec, get_model
 from moesim.placement import hot_per_layer, routing_counts, uniform_per_layer
 from moesim.policy import get_policy
 from moesim.quant_recipes import ALIASES, RECIPES, apply_recipe
-from moesim.sim.setting import Setting
+from moesim.setting import Setting
 from moesim.sim.simulate import simulate
 from moesim.sim.static import simulate_static
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace

@@ -25,10 +25,10 @@ from moesim.errors import MoesimError
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, Machine, get_host, get_machine, get_profile
 from moesim.models import ModelSpec, get_model
 from moesim.policy import get_policy
+from moesim.setting import Setting
 from moesim.sim.cpu_compute import load_calibration, separate_calibration
 from moesim.sim.prefetch_top import keep_top_predictions
 from moesim.sim.quantised import with_expert_dtype
-from moesim.sim.setting import Setting
 from moesim.sim.simulate import SimResult, simulate_policies
 from moesim.sim.sweep import Given, check_threads, split_notes, unused_options
 from moesim.traces.format import Trace, read_trace
@@ -109,7 +109,7 @@ REPLAY_DEFAULT = Setting(cache_gib=None, cache_experts=None, eviction=None, copy
 
 
 def replay_setting(**given: Any) -> Setting:
-    """A replay's setting: the knobs ``given`` (fields of :class:`~moesim.sim.setting.Setting`),
+    """A replay's setting: the knobs ``given`` (fields of :class:`~moesim.setting.Setting`),
     the cache, eviction and copy queue left out as the trace was recorded."""
     return replace(REPLAY_DEFAULT, **given)
 

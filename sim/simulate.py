@@ -15,13 +15,13 @@ from moesim.memory import device_bytes
 from moesim.models import ModelSpec, cache_capacity  # noqa: F401 (cache_capacity: defined with the byte accounting)
 from moesim.placement import expert_budget, hot_set, routing_counts
 from moesim.policy import EVICTIONS, QUEUES, Policy, as_policy, get_policy
+from moesim.setting import DEFAULT_SETTING, Setting
 from moesim.sim.costs import Costs, charge_prediction, measured_costs, roofline_costs
 from moesim.sim.cpu_compute import CpuResult, simulate_cpu_compute
 from moesim.sim.engine import Span, run_simpy, run_simpy_queued
 from moesim.sim.fastpath import run_fast_many
 from moesim.sim.plan import Plan, build_plan
 from moesim.sim.prefill import prefill_time
-from moesim.sim.setting import DEFAULT_SETTING, Setting
 from moesim.sim.static import STATIC_CPU, simulate_static
 from moesim.sim.stats_kernels import recall_counts
 from moesim.sim.workload import Link, Workload, make_workload
@@ -119,7 +119,7 @@ def simulate(trace: Trace, hw: HardwareProfile | Machine | str, policy: str | Po
              progress: Callable[[int, int], None] | None = None, pred_recall: float | None = None,
              as_recorded: bool = False) -> SimResult:
     """Simulate ``trace`` under ``policy`` (a name or the resolved object) on ``hw``, set up as
-    ``s`` (:class:`~moesim.sim.setting.Setting`: the cache, link, engine, host and layout
+    ``s`` (:class:`~moesim.setting.Setting`: the cache, link, engine, host and layout
     knobs, each described there).
 
     ``hw`` is a GPU profile or a machine (:func:`moesim.hardware.get_machine`: ``none``,

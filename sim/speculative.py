@@ -16,6 +16,7 @@ Draft probabilities are stored in float32, so near-ties may order differently th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -217,11 +218,24 @@ def replay_sd(trace: Trace, hw: HardwareProfile, policy: str | None = None, **kw
     return {"simulated": sim, "measured": meas, "error": sim["tpot_ms"] / meas["tpot_ms"] - 1}
 
 
+@dataclass(frozen=True)
+class TreeCut:
+    """How a what-if re-reads the recorded draft trees (each None: as recorded): cut to
+    ``depth``, keep ``branch`` children a node, and take a node's expected acceptance as
+    ``acceptance`` x its draft probability instead of the recorded path."""
+
+    depth: int | None = None
+    branch: int | None = None
+    acceptance: float | None = None
+
+
+AS_DRAFTED = TreeCut()
+
+
 def speculative_whatif(trace: Trace, hw: HardwareProfile | None = None, policies: list[str] | None = None,
                        gammas: list[int] | None = None, selections: tuple[str, ...] = ("confidence", "ecospec"),
                        score: str = "ratio", lambdas: tuple[float, ...] = (0.05,), link_gbps: float | None = None,
-                       timing: str = "measured", depth: int | None = None, branch: int | None = None,
-                       acceptance: float | None = None) -> dict[str, Any]:
+                       timing: str = "measured", cut: TreeCut = AS_DRAFTED) -> dict[str, Any]:
     """``moesim replay`` of a speculative trace: measured against simulated as recorded
     (under each policy; ``error`` compares the measurement with the recorded policy's simulation), then, with
     ``gammas``, the selection re-run on the recorded trees for every policy x gamma x
@@ -230,7 +244,8 @@ def speculative_whatif(trace: Trace, hw: HardwareProfile | None = None, policies
     trace that names none (synthetic, or routing recorded without timings); ``timing``
     ``auto`` is measured when the trace holds measured times, else profile. Returns
     ``measured`` and ``error`` (of the first policy as recorded; None without measured
-    times) and ``rows`` (each with its ``case``)."""
+    times) and ``rows`` (each with its ``case``); ``cut``: how the what-ifs re-read the trees."""
+    depth, branch, acceptance = cut.depth, cut.branch, cut.acceptance
     for lam in lambdas:  # as ecospec's --selection ecospec:lagrangian:LAMBDA
         check_lambda(lam)
     if bad := [g for g in gammas or () if isinstance(g, bool) or not isinstance(g, int) or g < 0]:

@@ -29,10 +29,10 @@ from moesim.memory import layout_bytes
 from moesim.models import ModelSpec
 from moesim.placement import make_placement
 from moesim.policy import Policy, as_policy
+from moesim.setting import DEFAULT_SETTING, Setting
 from moesim.sim.cpu_run import CpuResult, CpuRun, token_counts
 from moesim.sim.plan import Plan
 from moesim.sim.prefill import prefill_time_static
-from moesim.sim.setting import DEFAULT_SETTING, Setting
 from moesim.traces.format import Trace
 
 #: The CPU-compute policies whose layouts are static (nothing copied): timed here.

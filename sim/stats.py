@@ -71,7 +71,7 @@ from moesim.errors import MoesimError
 from moesim.fmt import plural
 from moesim.hardware import HardwareProfile
 from moesim.models import ModelSpec
-from moesim.sim.setting import Setting
+from moesim.setting import Setting
 from moesim.sim.simulate import prediction_recall, simulate
 from moesim.sim.stats_kernels import _kernel, recall_counts  # noqa: F401 (recall_counts: this module's API too)
 from moesim.traces.format import Trace, read_trace

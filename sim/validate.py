@@ -16,9 +16,9 @@ from scipy import stats
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile, get_profile
 from moesim.policy import POLICIES
+from moesim.setting import Setting
 from moesim.sim.cpu_compute import load_calibration
 from moesim.sim.prefetch_top import keep_top_predictions
-from moesim.sim.setting import Setting
 from moesim.sim.simulate import SimResult, simulate
 from moesim.traces.format import Trace
 
@@ -90,7 +90,7 @@ def validate_trace(trace: Trace, hw: HardwareProfile | None = None, policy: str 
                    sim: str = "simpy", skip: int = 1, **kw) -> tuple[dict[str, Any], SimResult]:
     """Replay a measured trace on the profile that recorded it (same policy unless
     ``policy``) on the ``sim`` simulator and compare per token. ``skip`` first steps are
-    warm-up and not scored. ``kw``: :class:`~moesim.sim.setting.Setting` fields that replace
+    warm-up and not scored. ``kw``: :class:`~moesim.setting.Setting` fields that replace
     the recorded run's (its cache, eviction, copy queue and CPU-compute setup)."""
     if not trace.measured:
         raise MoesimError("the trace has no measured timings to validate against (record one with moesim profile)")

@@ -41,13 +41,13 @@ from moesim.models import DTYPES
 from moesim.placement import expert_budget, hot_set, routing_counts, uniform_set
 from moesim.policy import POLICIES, QUEUES, Planner, Policy, as_policy, get_policy
 from moesim.quant_recipes import is_format, store_as
+from moesim.setting import DEFAULT_SETTING, Setting
 from moesim.sim.cpu_compute import simulate_cpu_compute
 from moesim.sim.fastpath import run_fast_many
 from moesim.sim.plan import build_plan
 from moesim.sim.pool import run_pool, stop_pool, worker_ignores_stops  # noqa: F401 (stop_pool: the sweep's API)
 from moesim.sim.prefetch_top import keep_top_predictions
 from moesim.sim.quantised import with_expert_dtype
-from moesim.sim.setting import DEFAULT_SETTING, Setting
 from moesim.sim.simulate import PerTrace, cache_capacity, pick_costs, prediction_recall, time_plan
 from moesim.sim.static import STATIC_CPU, simulate_static
 from moesim.sim.sweep_rows import parse, resume, write_rows

@@ -21,9 +21,9 @@ from moesim.errors import MoesimError
 from moesim.hardware import get_profile
 from moesim.models import DTYPES, get_model
 from moesim.policy import EVICTIONS, POLICIES, QUEUES
+from moesim.setting import Setting
 from moesim.sim.deploy import deployment_answer
 from moesim.sim.replay import TraceChanges, replay, replay_setting
-from moesim.sim.setting import Setting
 from moesim.sim.simulate import simulate
 from moesim.sim.whatif import Sweep, run_sweep
 from moesim.traces.format import read_trace, write_trace

@@ -15,7 +15,7 @@ from cli_run import both_ways, in_process  # noqa: E402
 from tiny_models import sharp_tiny  # noqa: E402
 
 from moesim.errors import MoesimError  # noqa: E402
-from moesim.executor.profile import ProfileSettings, build_trace, calibrate, generate  # noqa: E402
+from moesim.executor.profile import Origin, ProfileSettings, build_trace, calibrate, generate  # noqa: E402
 from moesim.executor.transport import QueuedEmulatedLink, Transfer  # noqa: E402
 from moesim.hardware import get_profile  # noqa: E402
 
@@ -185,7 +185,7 @@ def test_a_replay_of_a_queued_run_times_it_with_the_recorded_queue(tiny, queue, 
 
     model, dv = tiny
     _, records, (st, prefill, out) = _run(model, dv, policy="prefetch-fom", predictor="stale", copy_queue=queue)
-    trace = build_trace(model, PROMPT, st, SLOW, prefill, records, out, "cpu", True, "test model")
+    trace = build_trace(model, PROMPT, st, SLOW, prefill, records, out, Origin("cpu", True, "test model"))
     assert trace.header["copy_queue"] == queue
     stats, sim = validate_trace(trace)
     assert sim.config["copy_queue"] == queue

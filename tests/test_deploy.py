@@ -19,9 +19,9 @@ from moesim.hardware import builtin_hosts, builtin_profiles, get_host, get_profi
 from moesim.models import GGML_BLOCKS, get_model, matrix_bytes
 from moesim.placement import WORKSPACE_BYTES, cpu_layers, expert_budget, expert_times, make_placement, routing_counts
 from moesim.policy import POLICIES, Policy, cpu_or_copy, get_policy, register
+from moesim.setting import Setting
 from moesim.sim.cpu_compute import simulate_cpu_compute
 from moesim.sim.prefill import prefill_time, prefill_time_cpu_compute
-from moesim.sim.setting import Setting
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
 # -- quantised expert formats ------------------------------------------------------------

@@ -15,12 +15,12 @@ from cli_run import runners
 
 from moesim.costmodel import ExpertTimes
 from moesim.executor.model import ExecConfig, expert_forward, random_model
-from moesim.executor.profile import ProfileSettings, build_trace, generate
+from moesim.executor.profile import Origin, ProfileSettings, build_trace, generate
 from moesim.executor.quant_experts import QuantExpert
 from moesim.executor.runtime import HostSetup, host_setup
 from moesim.hardware import DEFAULT_PROFILE, get_profile
 from moesim.models import get_model
-from moesim.sim.setting import Setting
+from moesim.setting import Setting
 from moesim.traces.format import read_trace, write_trace
 
 SPEC = get_model("tiny")
@@ -60,9 +60,9 @@ def _miss_times() -> ExpertTimes:
 
 def _setup(policy: str) -> tuple[HostSetup, int]:
     if policy == "cpu-static":
-        return host_setup(SPEC, policy, HW, cpu_layers=2), 0
+        return host_setup(SPEC, policy, HW, Setting(cpu_layers=2)), 0
     if policy == "hot-experts":
-        return host_setup(SPEC, policy, HW, calibration=_calibration(), gpu_experts=20), 0
+        return host_setup(SPEC, policy, HW, Setting(calibration=_calibration()), gpu_experts=20), 0
     return HostSetup(None, _miss_times(), "test figures", 0.0), 6
 
 
@@ -96,7 +96,7 @@ def test_a_cpu_compute_trace_records_its_setup_and_replays(model, prompt, tmp_pa
                          host_params={"host_profile": setup.host, "cpu_layers": setup.cpu_layers,
                                         "device_memory_gb": setup.device_memory_gb})
     pre, recs, toks = generate(model, prompt, st, HW)
-    path = write_trace(build_trace(model, prompt, st, HW, pre, recs, toks, "cpu", True, "test"), tmp_path / "t.npz")
+    path = write_trace(build_trace(model, prompt, st, HW, pre, recs, toks, Origin("cpu", True, "test")), tmp_path / "t.npz")
     tr = read_trace(path)
     assert tr.meta.policy == "cpu-static" and tr.meta.cpu_layers == 2 and tr.meta.host_profile == setup.host
     assert tr.timings["cpu_s"].shape == tr.timings["cpu_wait_s"].shape == (TOKENS, SPEC.n_moe_layers)
@@ -123,7 +123,7 @@ def test_quantised_experts_copy_their_accounted_bytes_and_match_the_dequantised_
     for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a.logits, b.logits, rtol=1e-4, atol=1e-4)
     # The host pool runs the same quantised experts (cpu-static, every layer on the CPU).
-    setup = host_setup(SPEC, "cpu-static", HW, cpu_layers=SPEC.n_moe_layers)
+    setup = host_setup(SPEC, "cpu-static", HW, Setting(cpu_layers=SPEC.n_moe_layers))
     _, cpu, _ = generate(model, prompt, ProfileSettings("cpu-static", tokens=TOKENS, expert_dtype=fmt, host_setup=setup),
                          HW, forced=forced)
     for a, b in zip(cpu, ref, strict=True):

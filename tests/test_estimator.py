@@ -9,7 +9,14 @@ torch = pytest.importorskip("torch")
 
 from tiny_models import sharp_tiny  # noqa: E402
 
-from moesim.executor.estimator import Estimator, collect, load_estimator, recall_by_layer, train_estimator  # noqa: E402
+from moesim.executor.estimator import (  # noqa: E402
+    Estimator,
+    EstimatorTraining,
+    collect,
+    load_estimator,
+    recall_by_layer,
+    train_estimator,
+)
 from moesim.executor.profile import ProfileSettings, calibrate, generate  # noqa: E402
 from moesim.hardware import get_profile  # noqa: E402
 
@@ -22,7 +29,8 @@ def trained(tmp_path_factory):
     dv = calibrate(model, torch.randint(0, 256, (512,), generator=gen))
     out = tmp_path_factory.mktemp("est")
     rec = train_estimator(model, dv, torch.randint(0, 256, (4096,), generator=gen),
-                          torch.randint(0, 256, (1024,), generator=gen), out, epochs=8, width=64, batch=256)
+                          torch.randint(0, 256, (1024,), generator=gen), out,
+                          EstimatorTraining(epochs=8, width=64, batch=256))
     return model, dv, out, rec
 
 
@@ -77,8 +85,8 @@ def test_interrupted_training_keeps_a_loadable_estimator_that_says_so(trained, t
 
     gen = torch.Generator().manual_seed(3)
     rec = train_estimator(model, dv, torch.randint(0, 256, (2048,), generator=gen),
-                          torch.randint(0, 256, (512,), generator=gen), tmp_path, epochs=8, width=32, batch=256,
-                          progress=stop_at_five)
+                          torch.randint(0, 256, (512,), generator=gen), tmp_path,
+                          EstimatorTraining(epochs=8, width=32, batch=256), progress=stop_at_five)
     assert rec["curve"][-1]["steps"] == 5 and "after 5 of" in rec["status"]  # 2048 * 3 / 256 = 24 steps an epoch
     est, hybrid = load_estimator(tmp_path)
     assert hybrid == rec["hybrid"] and json.loads((tmp_path / "estimator.json").read_text())["status"] == rec["status"]

@@ -8,10 +8,10 @@ torch = pytest.importorskip("torch")
 
 from tiny_models import sharp_tiny  # noqa: E402
 
-from moesim.executor.profile import ProfileSettings, build_trace, calibrate, generate  # noqa: E402
+from moesim.executor.profile import Origin, ProfileSettings, build_trace, calibrate, generate  # noqa: E402
 from moesim.executor.transport import EmulatedLink, Transfer  # noqa: E402
 from moesim.hardware import get_profile  # noqa: E402
-from moesim.sim.setting import Setting  # noqa: E402
+from moesim.setting import Setting  # noqa: E402
 from moesim.traces.format import read_trace, write_trace  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -99,7 +99,7 @@ def test_trace_records_timings_and_round_trips(tiny, tmp_path):
     model, dv = tiny
     st = ProfileSettings(policy="prefetch-fom", tokens=6)
     prefill, records, out = generate(model, PROMPT, st, HW, dv)
-    trace = build_trace(model, PROMPT, st, HW, prefill, records, out, "cpu", True, "test model")
+    trace = build_trace(model, PROMPT, st, HW, prefill, records, out, Origin("cpu", True, "test model"))
     back = read_trace(write_trace(trace, tmp_path / "run.npz"))
     assert back.measured and back.n_tokens == 6 and back.batch == 2
     tm = back.timings
@@ -124,7 +124,7 @@ def test_interrupted_run_keeps_finished_steps(tiny, tmp_path):
     st = ProfileSettings(policy="on-demand", tokens=10)
     prefill, records, out = generate(model, PROMPT, st, HW, dv, progress=stop_after_three)
     assert len(records) == 3
-    trace = build_trace(model, PROMPT, st, HW, prefill, records, out, "cpu", True, "test model")
+    trace = build_trace(model, PROMPT, st, HW, prefill, records, out, Origin("cpu", True, "test model"))
     assert read_trace(write_trace(trace, tmp_path / "cut.npz")).n_tokens == 3
 
 
@@ -175,7 +175,7 @@ def test_replaying_an_on_demand_run_keeps_the_prediction_it_paid_for(tiny):
     model, dv = tiny
     st = ProfileSettings(policy="on-demand", predictor="quasi", tokens=6)
     prefill, records, out = generate(model, PROMPT, st, HW, dv)
-    trace = build_trace(model, PROMPT, st, HW, prefill, records, out, "cpu", True, "test model")
+    trace = build_trace(model, PROMPT, st, HW, prefill, records, out, Origin("cpu", True, "test model"))
     predict = trace.timings["predict_s"].sum(1)
     assert (predict[1:] > 0).all()
     _, as_run = validate_trace(trace)
@@ -200,7 +200,7 @@ def test_prefetching_only_the_top_m_predictions_stays_exact_and_copies_ahead_les
     assert 0 < n_top < n_full
     st = ProfileSettings(policy="prefetch-fom", tokens=10, prefetch_top=1)
     prefill, records, out = generate(model, PROMPT, st, HW, dv)
-    trace = build_trace(model, PROMPT, st, HW, prefill, records, out, "cpu", True, "test model")
+    trace = build_trace(model, PROMPT, st, HW, prefill, records, out, Origin("cpu", True, "test model"))
     assert trace.header["prefetch_top_m"] == 1
     _, sim = validate_trace(trace)
     assert int(sim.plan.prefetch.sum()) == int((trace.timings["copy_kind"] == 0).sum())

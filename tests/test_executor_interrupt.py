@@ -14,7 +14,7 @@ from cli_signals import signal_when  # noqa: E402
 
 from moesim.executor.interrupt import Interrupted, request_stop, stop_on_interrupt  # noqa: E402
 from moesim.executor.model import ExecConfig, load_checkpoint, random_model  # noqa: E402
-from moesim.executor.profile import ProfileSettings, build_trace, generate  # noqa: E402
+from moesim.executor.profile import Origin, ProfileSettings, build_trace, generate  # noqa: E402
 from moesim.hardware import get_profile  # noqa: E402
 from moesim.models import get_model  # noqa: E402
 from moesim.traces.format import read_trace, write_trace  # noqa: E402
@@ -81,7 +81,7 @@ def test_stop_request_finishes_the_step_in_flight_and_keeps_tokens_and_records_e
 
     pre, records, out = generate(model, prompt, st, HW, progress=stop_at_four)
     assert len(records) == len(out) == 4
-    trace = build_trace(model, prompt, st, HW, pre, records, out, "cpu", True, "test")
+    trace = build_trace(model, prompt, st, HW, pre, records, out, Origin("cpu", True, "test"))
     back = read_trace(write_trace(trace, tmp_path / "t.npz"))
     assert back.n_tokens == back.token_ids.shape[1] == 4
     # A stop requested before the first step: one clear error, not an empty trace.
@@ -119,14 +119,14 @@ def test_speculative_decoding_stopped_keeps_finished_verification_steps(monkeypa
 def test_training_stopped_keeps_a_loadable_checkpoint(tmp_path):
     import json
 
-    from moesim.executor.train import stdlib_spec, train
+    from moesim.executor.train import TrainConfig, stdlib_spec, train
 
     def stop_at_three(step, n, loss):
         if step == 3:
             request_stop()
 
     spec = stdlib_spec("t", layers=2, experts=4, top_k=2, hidden=16, inter=8, heads=2)
-    rec = train(tmp_path, steps=50, batch=2, seq=16, progress=stop_at_three, spec=spec, save_every=2)
+    rec = train(tmp_path, TrainConfig(steps=50, batch=2, seq=16, save_every=2), spec, progress=stop_at_three)
     assert rec["steps"] == 3 and "stopped by Ctrl-C after 3 of 50" in rec["status"]
     stored = json.loads((tmp_path / "training.json").read_text())
     assert stored["steps"] == 3 and [e["step"] for e in stored["evals"]] == [2, 3]

@@ -15,7 +15,7 @@ from tiny_models import sharp_tiny  # noqa: E402
 from moesim.errors import MoesimError  # noqa: E402
 from moesim.executor import runs  # noqa: E402
 from moesim.executor.model import Hooks, ResidentExperts, quasi_hidden  # noqa: E402
-from moesim.executor.profile import ProfileSettings, build_trace, calibrate, generate  # noqa: E402
+from moesim.executor.profile import Origin, ProfileSettings, build_trace, calibrate, generate  # noqa: E402
 from moesim.hardware import get_profile  # noqa: E402
 from moesim.policy import Planner  # noqa: E402
 from moesim.traces.format import read_trace, write_trace  # noqa: E402
@@ -65,7 +65,7 @@ def test_the_trace_records_n_and_each_prefetch_is_issued_n_layers_ahead(tiny, tm
     model, dv = tiny
     s = model.spec
     _, records, (st, prefill, out) = _run(model, dv, policy="prefetch-fom", predictor="stale", lookahead=2)
-    back = read_trace(write_trace(build_trace(model, PROMPT, st, HW, prefill, records, out, "cpu", True, "t"),
+    back = read_trace(write_trace(build_trace(model, PROMPT, st, HW, prefill, records, out, Origin("cpu", True, "t")),
                                   tmp_path / "la.npz"))
     assert back.header["lookahead"] == 2 and back.meta.lookahead == 2
     tm = back.timings
@@ -83,7 +83,7 @@ def test_the_trace_records_n_and_each_prefetch_is_issued_n_layers_ahead(tiny, tm
         got = np.zeros((back.n_tokens, s.n_moe_layers), np.int32)
         np.add.at(got, (steps[kinds == kind], moe[kinds == kind]), 1)
         np.testing.assert_array_equal(got, counts[row])
-    one = build_trace(model, PROMPT, ProfileSettings(tokens=2), HW, prefill, records[:2], out[:2], "cpu", True, "t")
+    one = build_trace(model, PROMPT, ProfileSettings(tokens=2), HW, prefill, records[:2], out[:2], Origin("cpu", True, "t"))
     assert "lookahead" not in one.header  # N = 1 is the default: not written
 
 

@@ -8,7 +8,7 @@ transformers = pytest.importorskip("transformers")
 from moesim.errors import MoesimError  # noqa: E402
 from moesim.executor.model import ExecConfig, load_checkpoint, random_model, save_checkpoint  # noqa: E402
 from moesim.models import get_model  # noqa: E402
-from moesim.sim.setting import Setting  # noqa: E402
+from moesim.setting import Setting  # noqa: E402
 
 # YaRN with factor 4 = max_position_embeddings 32 / 8; pass copies (transformers' configs edit the dict).
 YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 8,
@@ -139,7 +139,7 @@ def test_unsupported_and_broken_checkpoints(tmp_path):
 def test_offloaded_decoding_equals_the_reference(tmp_path, family):
     """Shared experts (resident), dense layers (resident) and DeepSeek's MLA and router join
     the offloaded runtime through the one block: exact policies decode the reference's logits."""
-    from moesim.executor.runtime import OffloadedDecoder
+    from moesim.executor.runtime import Offload, OffloadedDecoder
     from moesim.executor.transport import EmulatedLink
 
     torch.manual_seed(0)
@@ -154,7 +154,7 @@ def test_offloaded_decoding_equals_the_reference(tmp_path, family):
     with torch.no_grad():
         want = ref(tokens).logits
     for policy in ("all-resident", "on-demand", "prefetch-fom"):
-        dec = OffloadedDecoder(ours, policy, EmulatedLink(1e9, 0), predictor="stale", cache_experts=4)
+        dec = OffloadedDecoder(ours, policy, EmulatedLink(1e9, 0), Offload(4), predictor="stale")
         cache = ours.new_cache(2, 8)
         got = [dec.step(tokens[:, :4], cache, 0, prefill=True).logits]
         got += [dec.step(tokens[:, i:i + 1], cache, i, step_index=i - 4).logits for i in range(4, 8)]
@@ -176,7 +176,7 @@ def test_dense_layers_decode_offloaded_and_their_trace_replays(tmp_path, dense):
     model layer) reads back and replays in the simulator with the executor's own copies."""
     import numpy as np
 
-    from moesim.executor.profile import ProfileSettings, build_trace, calibrate, generate
+    from moesim.executor.profile import Origin, ProfileSettings, build_trace, calibrate, generate
     from moesim.hardware import get_profile
     from moesim.sim.simulate import simulate
     from moesim.traces.format import read_trace, write_trace
@@ -204,7 +204,7 @@ def test_dense_layers_decode_offloaded_and_their_trace_replays(tmp_path, dense):
     assert all((r.pred_ids[1] >= 0).all() for r in runs["quasi"][2])  # quasi predicts across the dense layer
 
     st, prefill, records, out = runs["prefetch-fom"]
-    trace = build_trace(ours, prompt, st, hw, prefill, records, out, "cpu", True, "test model")
+    trace = build_trace(ours, prompt, st, hw, prefill, records, out, Origin("cpu", True, "test model"))
     back = read_trace(write_trace(trace, tmp_path / "run.npz"))
     tm = back.timings
     assert back.true_ids.shape == (5, 2, 2, 2) and tm["attn_s"].shape == (5, 3) and tm["expert_s"].shape == (5, 2)

@@ -123,30 +123,31 @@ def test_the_decoders_host_layer_gives_the_all_resident_logits(policy):
     the CPU)."""
     from moesim.costmodel import ExpertTimes
     from moesim.executor.model import ExecConfig, random_model
-    from moesim.executor.runtime import HostSetup, OffloadedDecoder, host_setup
+    from moesim.executor.runtime import HostSetup, Offload, OffloadedDecoder, host_setup
     from moesim.executor.transport import EmulatedLink
     from moesim.hardware import get_profile
+    from moesim.setting import Setting
 
     spec = get_model("tiny")
     model = random_model(ExecConfig(spec), seed=3)
     tokens = torch.randint(0, spec.vocab, (2, 6), generator=torch.Generator().manual_seed(4))
     if policy == "cpu-static":  # layers 0-1 on the CPU, 2-3 resident
-        setup, cache = host_setup(spec, policy, get_profile("a6000"), cpu_layers=2), 0
+        setup, cache = host_setup(spec, policy, get_profile("a6000"), Setting(cpu_layers=2)), 0
     else:  # decision figures under which two misses split: one copied, one on the CPU
         times = ExpertTimes(gpu_mem=0.0, gpu_tok=0.0, gpu_fixed=0.0, cpu_mem=1.5e-6, cpu_tok=0.0, cpu_fixed=0.0,
                             roundtrip=0.0, copy=1e-6)
         setup, cache = HostSetup(None, times, "test figures", 0.0), 4
 
-    def run(name, **kw):
-        dec = OffloadedDecoder(model, name, EmulatedLink(1e9, 0), **kw)
+    def run(name, cache, **kw):
+        dec = OffloadedDecoder(model, name, EmulatedLink(1e9, 0), Offload(cache), **kw)
         kv = model.new_cache(2, 8)
         recs = [dec.step(tokens[:, :3], kv, 0, prefill=True)]
         recs += [dec.step(tokens[:, i:i + 1], kv, i, step_index=i - 3) for i in range(3, 6)]
         dec.close()
         return dec, recs
 
-    _, want = run("all-resident")
-    dec, got = run(policy, host_setup=setup, cache_experts=cache)
+    _, want = run("all-resident", 0)
+    dec, got = run(policy, cache, host_setup=setup)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
     assert sum(int(r.cpu_experts.sum()) for r in got) > 0

@@ -10,7 +10,7 @@ from cli_run import BOTH_WAYS
 
 from moesim.errors import MoesimError
 from moesim.hardware import get_profile
-from moesim.sim.setting import Setting
+from moesim.setting import Setting
 from moesim.sim.simulate import simulate
 from moesim.traces import importers
 from moesim.traces.format import read_trace

@@ -20,7 +20,7 @@ from moesim.hardware import Machine, get_machine, get_profile
 from moesim.layout import CPU, layer_weight_bytes, make_layout, stream_layers
 from moesim.memory import WORKSPACE_BYTES, kv_bytes, layout_bytes
 from moesim.models import get_model
-from moesim.sim.setting import Setting
+from moesim.setting import Setting
 from moesim.sim.simulate import simulate
 from moesim.sim.static import simulate_static
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace

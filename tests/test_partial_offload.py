@@ -11,7 +11,7 @@ from moesim.engines import get_engine
 from moesim.hardware import get_host, get_machine, get_profile
 from moesim.models import get_model
 from moesim.policy import get_policy
-from moesim.sim.setting import Setting
+from moesim.setting import Setting
 from moesim.sim.static import simulate_static
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 

@@ -15,7 +15,7 @@ from tiny_checkpoints import save_random_checkpoint  # noqa: E402
 from moesim.errors import MoesimError  # noqa: E402
 from moesim.executor import record as rec  # noqa: E402
 from moesim.hardware import get_profile  # noqa: E402
-from moesim.sim.setting import Setting  # noqa: E402
+from moesim.setting import Setting  # noqa: E402
 from moesim.sim.simulate import simulate  # noqa: E402
 from moesim.traces.format import read_trace, write_trace  # noqa: E402
 

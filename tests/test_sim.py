@@ -11,11 +11,11 @@ from moesim.engines import get_engine
 from moesim.hardware import get_profile
 from moesim.models import get_model
 from moesim.policy import POLICIES
+from moesim.setting import Setting
 from moesim.sim.costs import Costs
 from moesim.sim.engine import run_simpy
 from moesim.sim.fastpath import run_fast
 from moesim.sim.plan import build_plan
-from moesim.sim.setting import Setting
 from moesim.sim.simulate import simulate
 from moesim.sim.workload import Link, make_workload
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 from tiny_models import sharp_tiny  # noqa: E402
 
 from moesim.errors import MoesimError  # noqa: E402
-from moesim.executor.runtime import OffloadedDecoder  # noqa: E402
+from moesim.executor.runtime import Offload, OffloadedDecoder  # noqa: E402
 from moesim.executor.speculative import (  # noqa: E402
     SpecSettings,
     Tree,
@@ -82,7 +82,7 @@ def test_speculative_output_equals_plain_greedy(models, policy, strategy, gamma,
     target, draft, predictor, _ = models
     prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     want = greedy_reference(target, prompt, 14)
-    dec = OffloadedDecoder(target, policy, EmulatedLink(0.5e9, 10e-6), predictor="stale", cache_experts=8)
+    dec = OffloadedDecoder(target, policy, EmulatedLink(0.5e9, 10e-6), Offload(8), predictor="stale")
     _, records, got = speculative_generate(dec, draft, predictor, prompt,
                                            SpecSettings(gamma, branch, depth, strategy, "ratio", 0.1, 14))
     assert got == want
@@ -103,6 +103,7 @@ def test_speculative_execution_policies_are_refused(models):
 
 
 def test_speculative_trace_round_trips_and_replays(models, tmp_path):
+    from moesim.executor.runtime import Origin
     from moesim.executor.speculative import build_sd_trace
     from moesim.hardware import get_profile
     from moesim.sim.speculative import recorded_steps, replay_sd, reselected_steps, simulate_steps
@@ -114,7 +115,7 @@ def test_speculative_trace_round_trips_and_replays(models, tmp_path):
     prompt = torch.tensor([[3, 1, 4, 1, 5, 9]])
     st = SpecSettings(4, 2, 2, "ecospec", "ratio", 0.1, 12)
     pre, records, _ = speculative_generate(dec, draft, predictor, prompt, st)
-    trace = build_sd_trace(target, prompt, records, pre, hw, st, "on-demand", 0, "cpu", True, "t", "d")
+    trace = build_sd_trace(target, prompt, records, pre, hw, st, "on-demand", 0, Origin("cpu", True, "t", "d"))
     back = read_trace(write_trace(trace, tmp_path / "sd.npz"))
     assert back.header["version"] >= 2 and back.speculative  # speculative records came in version 2
     assert back.timings["sd_accepted"].tolist() == [len(r.accepted_rows) for r in records]

@@ -10,8 +10,8 @@ import pytest
 from conftest import hand_trace, two_layer_spec
 from moesim.hardware import get_profile
 from moesim.models import get_model
+from moesim.setting import Setting
 from moesim.sim import stats
-from moesim.sim.setting import Setting
 from moesim.sim.simulate import simulate
 from moesim.traces.format import read_trace
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace

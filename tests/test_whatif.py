@@ -5,7 +5,7 @@ from moesim.errors import MoesimError
 from moesim.hardware import get_profile
 from moesim.memory import device_bytes
 from moesim.models import get_model
-from moesim.sim.setting import Setting
+from moesim.setting import Setting
 from moesim.sim.whatif import Sweep, best, run_sweep
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 

@@ -13,8 +13,8 @@ from moesim.cli import options as opt
 from moesim.cli.app import auto_or, floats
 from moesim.cli.options import CachePerLayer, Engine, GpuLayers, Host, OffloadGib, Threads, one
 from moesim.hardware import DEFAULT_PROFILE
+from moesim.setting import Setting
 from moesim.sim.replay import TraceChanges, replay_setting
-from moesim.sim.setting import Setting
 
 REPLAY_POLICIES = "on-demand,prefetch-fom,prefetch-spec,oracle"
 SD = "Speculative traces, with --gamma: "
@@ -23,7 +23,7 @@ SD = "Speculative traces, with --gamma: "
 @dataclass
 class ReplayArgs:
     """``moesim replay``'s options as typed; :meth:`setting` and :meth:`changes` parse them
-    into the replay's :class:`~moesim.sim.setting.Setting` and
+    into the replay's :class:`~moesim.setting.Setting` and
     :class:`~moesim.sim.replay.TraceChanges`."""
 
     ctx: typer.Context

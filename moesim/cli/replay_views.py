@@ -13,7 +13,7 @@ from moesim.fmt import plural
 from moesim.hardware import get_profile
 from moesim.reports.validation import write_single_validation
 from moesim.sim.analysis import why
-from moesim.sim.speculative import speculative_whatif
+from moesim.sim.speculative import TreeCut, speculative_whatif
 from moesim.sim.validate import recorded_profile, validate_trace
 
 SUMMARY_COLS = (("policy", "policy"), ("tpot_ms", "TPOT ms"), ("tpot_p99_ms", "p99 ms"), ("tokens_per_s", "tok/s"),
@@ -80,7 +80,8 @@ def speculative_replay(trace, a: ReplayArgs) -> None:
     selections = tuple(split(a.selection, "--selection"))
     policy = policies(a.policy) if a.policy != REPLAY_POLICIES else None
     res = speculative_whatif(trace, get_profile(a.hw_name) if a.hw_name else None, policy, gammas, selections, a.score,
-                             tuple(floats(a.lam, "--lambda")), a.link_gbps, a.timing, a.depth, a.branch, a.acceptance)
+                             tuple(floats(a.lam, "--lambda")), a.link_gbps, a.timing,
+                             TreeCut(a.depth, a.branch, a.acceptance))
     print_json(res) if a.as_json else print_csv(res["rows"]) if a.as_csv else print_speculative(res, a.trace_path)
     for note in unused_sd_options(given_options(a.ctx), gammas, selections, a.score):
         err.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)

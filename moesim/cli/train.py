@@ -1,4 +1,4 @@
-"""``moesim train``. Python: ``moesim.executor.train.train(out, steps, batch, seq, ..., spec=stdlib_spec(...))``."""
+"""``moesim train``. Python: ``moesim.executor.train.train(out, TrainConfig(steps, batch, seq, ...), stdlib_spec(...))``."""
 
 from __future__ import annotations
 
@@ -58,8 +58,8 @@ def train(a: TrainArgs) -> None:
         raise MoesimError("--hidden must be a multiple of --heads (>= 2)")
     spec = stdlib_spec(a.name, a.layers, a.experts, a.top_k, a.hidden, a.inter, a.heads)
     budget.check(budget.train_estimate(spec, a.steps, a.batch, a.seq), warn=None)  # before torch loads (train warns)
+    from moesim.executor import train as training  # torch: loaded when the command runs
     from moesim.executor.loading import refuse_shipped  # torch: loaded when the command runs
-    from moesim.executor.train import train as run_train  # torch: loaded when the command runs
 
     out_dir = a.out_dir or Path(f"{a.name}-trained")
     refuse_shipped(out_dir, a.force)
@@ -68,7 +68,8 @@ def train(a: TrainArgs) -> None:
             TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[loss]}"),
             TimeRemainingColumn(), console=err, disable=not err.is_terminal) as bar:
         task = bar.add_task("train", total=a.steps, loss="")
-        record = run_train(out_dir, a.steps, a.batch, a.seq, a.lr, a.aux_coef, a.seed, a.threads,
-                           lambda i, n, loss: bar.update(task, completed=i, loss=f"loss {loss:.3f}"), spec)
+        cfg = training.TrainConfig(a.steps, a.batch, a.seq, a.lr, a.aux_coef, a.seed, a.threads)
+        record = training.train(out_dir, cfg, spec, lambda i, n, loss: bar.update(task, completed=i,
+                                                                                   loss=f"loss {loss:.3f}"))
     err.print(f"wrote {out_dir}: held-out loss {record['final_eval_loss_nats_per_byte']} nats/byte "
               f"after {record['wall_seconds']} s")

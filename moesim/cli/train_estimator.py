@@ -1,4 +1,5 @@
-"""``moesim train-estimator``. Python: ``moesim.executor.derive.train_estimator_into(model, out, ...)``."""
+"""``moesim train-estimator``. Python: ``moesim.executor.derive.train_estimator_into(model, out, tokens, eval_tokens,
+EstimatorTraining(epochs, width, lr, seed=...))``."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def train_estimator(
     """
     check_estimator_counts(tokens, eval_tokens, epochs, width, lr)  # before torch loads
 
-    from moesim.executor.derive import train_estimator_into  # torch: loaded when the command runs
+    from moesim.executor.derive import EstimatorTraining, train_estimator_into  # torch: loaded when the command runs
 
     bar = Progress(TextColumn("training estimator"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[kl]}"),
                    TimeRemainingColumn(), console=err, disable=not err.is_terminal)
@@ -56,8 +57,9 @@ def train_estimator(
 
     try:
         with holding(out_dir, "--out"):  # given: a second run on the folder refused
-            path, rec, k = train_estimator_into(model, out_dir, tokens, eval_tokens, epochs, width, lr, seed, force,
-                                                threads, progress)
+            cfg = EstimatorTraining(epochs, width, lr, seed=seed)
+            path, rec, k = train_estimator_into(model, out_dir, tokens, eval_tokens, cfg, force=force,
+                                                threads=threads, progress=progress)
     finally:
         bar.stop()
     out.print(table(f"held-out recall@{k} predicting layer l+1 ({rec['parameters']} estimator parameters, "
