@@ -332,6 +332,14 @@ class LayerPlan:
 QUEUES = ("fifo", "demand-first", "cancel-unstarted")
 
 
+def _kernel_ids(ids: np.ndarray) -> np.ndarray:
+    """A chunk of expert ids as the planner's kernel is compiled for them: int16 (what the
+    synthetic traces draw and ``moesim.sim.whatif`` compiles ahead), or wider for a model of
+    more experts. A file's one-byte ids (traces/format.py's ``id_dtype``) are widened a chunk
+    at a time, not compiled for again: a second ~7 s compile on a first ``whatif --trace``."""
+    return ids.astype(np.promote_types(ids.dtype, np.int16), copy=False)
+
+
 class Planner:
     """Online policy decisions for one decode stream (see the module docstring).
 
@@ -550,7 +558,7 @@ class Planner:
                 # specialisation, about a third of a first run's 30 s).
                 buf = np.empty((len(self.COUNTS), s1 - s0, m), np.int32)
             buf[...] = 0
-            kern.plan_steps(tr[s0:s1], pr[s0:s1], buf, offload, offload and self.policy.prefetch,
+            kern.plan_steps(_kernel_ids(tr[s0:s1]), _kernel_ids(pr[s0:s1]), buf, offload, offload and self.policy.prefetch,
                             self.policy.executes_predicted, self.lookahead, cap, lfu, n_experts, state, resident, count,
                             last, prot, inuse, pos, *heap, self.per_layer, size_l, pinned)
             return s0, s1, buf

@@ -73,7 +73,7 @@ from moesim.hardware import HardwareProfile
 from moesim.models import ModelSpec
 from moesim.setting import Setting
 from moesim.sim.simulate import prediction_recall, simulate
-from moesim.sim.stats_kernels import _kernel, recall_counts  # noqa: F401 (recall_counts: this module's API too)
+from moesim.sim.stats_kernels import _kernel, kernel_ids, recall_counts  # noqa: F401 (recall_counts: this module's API too)
 from moesim.traces.format import Trace, read_trace
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace, write_synthetic_trace
 
@@ -92,9 +92,9 @@ MAX_DISTANCE = 64
 
 def _routing_summary(trace: Trace) -> dict[str, Any]:
     """Everything :func:`_routing_pass` counts, for the functions below."""
-    true, pred = trace.true_ids, trace.pred_ids
-    t, m, b, k = true.shape
     e = trace.model.n_experts
+    true, pred = kernel_ids(trace.true_ids, e), kernel_ids(trace.pred_ids, e)
+    t, m, b, k = true.shape
     counts = np.zeros((m, e), np.int64)
     hist = np.zeros(MAX_DISTANCE + 2, np.int64)  # [0] unused, 1..MAX, MAX+1 = longer
     overlap = np.zeros(m, np.int64)
@@ -203,7 +203,8 @@ def _stream(trace: Trace) -> tuple[np.ndarray, int]:
     per (step, layer) the distinct experts the batch used, in the order the simulator's
     planner sees them, keyed ``layer * E + expert``."""
     t, m, b, k = trace.true_ids.shape
-    return trace.true_ids.reshape(t, m, b * k), trace.model.n_experts
+    e = trace.model.n_experts
+    return kernel_ids(trace.true_ids, e).reshape(t, m, b * k), e
 
 
 def _groups_stream(groups: Sequence[Sequence[int]]) -> tuple[np.ndarray, int]:

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from moesim.traces.format import id_dtype
+
 # ---------------------------------------------------------------------------------------
 # Compiled kernels. Why numba: each statistic is a recurrence over the accesses in order
 # (last use, a cache's contents), which numpy cannot vectorise; the plain Python loops took
@@ -510,6 +512,16 @@ def _kernel(name: str) -> Any:
     return _KERNELS[name]
 
 
+def kernel_ids(ids: np.ndarray, n_experts: int) -> np.ndarray:
+    """``ids`` in the dtype a trace file stores them (:func:`moesim.traces.format.id_dtype`: int8 up
+    to 128 experts): numba compiles a kernel once per argument dtype, so routing held wider in
+    memory (the synthetic generator's int16) is cast to it rather than compiled for again (a
+    first ``moesim synth --like`` counted a file's int8 and its calibration runs' int16). A file's
+    ids are not copied; a wide copy costs a byte an id. Exact: a trace's ids are in [-1, n_experts)."""
+    dt = id_dtype(n_experts)
+    return ids if ids.dtype == dt else ids.astype(dt)
+
+
 def recall_counts(true_ids: np.ndarray, pred_ids: np.ndarray, n_experts: int) -> tuple[int, int]:
     """(true experts predicted, rows with a prediction) over routing [t, m, b, k]: the
     whole trace's recall@k is ``hits / k / rows`` (:func:`moesim.sim.simulate.prediction_recall`),
@@ -517,5 +529,5 @@ def recall_counts(true_ids: np.ndarray, pred_ids: np.ndarray, n_experts: int) ->
     Qwen3-30B-A3B trace)."""
     if true_ids.size == 0:
         return 0, 0
-    hits, rows = _kernel("_recall_pass")(true_ids, pred_ids, n_experts)
+    hits, rows = _kernel("_recall_pass")(kernel_ids(true_ids, n_experts), kernel_ids(pred_ids, n_experts), n_experts)
     return int(hits), int(rows)

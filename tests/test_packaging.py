@@ -124,9 +124,9 @@ def test_compiled_kernels_are_cached_outside_the_package(tmp_path):
 def test_a_first_simulate_caches_its_kernels_outside_the_package(tmp_path):
     _compile_in_a_fresh_cache(tmp_path, (
         "from moesim.models import get_model; from moesim.traces.synthetic import SyntheticParams, synthetic_trace; "
-        "from moesim.sim.simulate import simulate; from moesim.hardware import get_profile; "
+        "from moesim.sim.simulate import simulate; from moesim.setting import Setting; from moesim.hardware import get_profile; "
         "t = synthetic_trace(get_model('tiny'), SyntheticParams(tokens=4)); "
-        "simulate(t, get_profile('a6000'), 'prefetch-fom', sim='fast')"))
+        "simulate(t, get_profile('a6000'), 'prefetch-fom', Setting(sim='fast'))"))
 
 
 @pytest.mark.slow

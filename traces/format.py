@@ -1,5 +1,5 @@
-"""Trace format (version 3; versions 1 and 2 still read): the contract between the executor, the
-simulator and users.
+"""Trace format (version 3, or 4 with one-byte expert ids; versions 1 and 2 still read): the
+contract between the executor, the simulator and users.
 
 One ``.npz`` file (no pickles) holding a JSON header and numpy arrays; every field and unit
 is documented in ``docs/trace-format.md``, and so is the layout: large members stored
@@ -32,15 +32,17 @@ from moesim.atomic import atomic_write
 from moesim.errors import MoesimError
 from moesim.inputs import kind_of, original_names, readable_path
 from moesim.models import ModelSpec
-from moesim.traces.header import FORMAT, READABLE, VERSION, TraceMeta
+from moesim.traces.header import BYTE_IDS_VERSION, FORMAT, READABLE, VERSION, TraceMeta
 from moesim.traces.records import COPY_FIELDS, COPY_KINDS
 
-__all__ = ["COPY_FIELDS", "COPY_KINDS", "COUNTS_2D", "FORMAT", "READABLE", "ROUTING", "SD_FIELDS", "TIMING_1D", "TIMING_2D",
-           "VERSION", "Streamed", "Trace", "TraceMeta", "read_trace", "validate", "write_trace",
-           "write_trace_streamed"]
+__all__ = ["BYTE_IDS_VERSION", "COPY_FIELDS", "COPY_KINDS", "COUNTS_2D", "FORMAT", "READABLE", "ROUTING", "SD_FIELDS",
+           "TIMING_1D", "TIMING_2D", "VERSION", "Streamed", "Trace", "TraceMeta", "id_dtype", "read_trace", "validate",
+           "write_trace", "write_trace_streamed"]
 
 #: Routing arrays, all [tokens, moe_layers, batch, top_k].
 ROUTING = ("true_ids", "true_gates", "pred_ids", "pred_gates", "exec_ids")
+#: The routing arrays that hold expert ids (-1: none), stored as :func:`id_dtype` says.
+ID_ARRAYS = ("true_ids", "pred_ids", "exec_ids")
 #: Optional measured timings, in seconds (shapes in docs/trace-format.md).
 TIMING_2D = {"attn_s": "layers", "expert_s": "moe", "stall_s": "moe", "predict_s": "layers",
              "cpu_s": "moe", "cpu_wait_s": "moe"}  # cpu_*: CPU-compute policies only
@@ -64,6 +66,18 @@ SD_FIELDS = {
 }
 
 
+def id_dtype(n_experts: int) -> np.dtype:
+    """The narrowest exact dtype of a model's expert ids: every id in [0, n_experts) and the
+    -1 of "no prediction". Signed, so -1 stays -1 and every reader's ``< 0`` / ``== -1`` reads
+    it as before: int8 up to 128 experts (ids 0..127), int16 up to 32,768, else int32. Not
+    uint8 with a sentinel 255: every reader would have to translate it, and a model of 256
+    experts needs 257 values anyway. Readers widen where they compute (numba promotes a
+    small int to int64 in arithmetic; numpy code widens its chunk) and never overflow."""
+    if n_experts <= 1 << 7:
+        return np.dtype(np.int8)
+    return np.dtype(np.int16 if n_experts <= 1 << 15 else np.int32)
+
+
 @dataclass
 class Trace:
     """A decode run: routing per step and MoE layer, optional measured timings.
@@ -76,11 +90,11 @@ class Trace:
     header: dict[str, Any]
     prompt_ids: np.ndarray  # int32 [batch, prompt_len]
     token_ids: np.ndarray  # int32 [batch, tokens]
-    true_ids: np.ndarray  # int16 [tokens, moe_layers, batch, top_k]
+    true_ids: np.ndarray  # signed int [tokens, moe_layers, batch, top_k]: read, id_dtype; drawn, int16
     true_gates: np.ndarray  # float32, same shape
-    pred_ids: np.ndarray  # int16, same shape, -1 = no prediction
+    pred_ids: np.ndarray  # signed int, same shape, -1 = no prediction
     pred_gates: np.ndarray  # float32, same shape; meaningless where pred_ids is -1 (0 when recorded)
-    exec_ids: np.ndarray  # int16, same shape: what the recorded run executed
+    exec_ids: np.ndarray  # signed int, same shape: what the recorded run executed
     timings: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
@@ -149,19 +163,23 @@ def write_trace(trace: Trace, path: str | Path) -> Path:
     The file is an ordinary ``.npz`` (a zip of ``.npy`` members, as ``numpy.savez`` writes
     it): members of at least :data:`STORE_MIN_BYTES` are stored uncompressed, their data
     aligned to :data:`ALIGN` bytes so that :func:`read_trace` maps them instead of copying
-    them; smaller members are deflated, as ``numpy.savez_compressed`` does."""
+    them; smaller members are deflated, as ``numpy.savez_compressed`` does. Expert ids are
+    stored as :func:`id_dtype` says, whatever their dtype in memory (exact: the checks hold
+    them in [-1, n_experts))."""
     trace.header.setdefault("format", FORMAT)
     trace.header.setdefault("version", VERSION)
     trace.header["n_tokens"] = trace.n_tokens
     trace.header["batch"] = trace.batch
     validate(trace, str(path))
-    same_as = repeated_members(trace)
+    routing = _narrowed(trace)
+    same_as = _repeats(routing)
     _name_repeats(trace.header, same_as)
+    _name_id_width(trace.header, routing["true_ids"].dtype)
     arrays = {
         "header": _header_bytes(trace.header),
         "prompt_ids": trace.prompt_ids.astype(np.int32),
         "token_ids": trace.token_ids.astype(np.int32),
-        **{a: getattr(trace, a) for a in ROUTING if a not in same_as},
+        **{a: routing[a] for a in ROUTING if a not in same_as},
         **trace.timings,
     }
     return atomic_write(path, lambda f: _write_npz(f, arrays))
@@ -191,29 +209,85 @@ def write_trace_streamed(header: dict[str, Any], prompt_ids: np.ndarray, token_i
     shape = stored.members["true_ids"][0]
     header = {**header, "format": header.get("format", FORMAT), "version": header.get("version", VERSION),
               "n_tokens": shape[0], "batch": shape[2]}
-    _name_repeats(header, same_as)
     scans = {name: _Scan() for name in names}
 
     def checked() -> Iterator[tuple[np.ndarray, ...]]:
-        for blocks in stored.blocks():
+        for blocks in stored.blocks():  # scanned as given, before the ids are cast: 255 is refused, never -1
             for name, b in zip(names, blocks):
                 _scan_add(scans[name], b, name == "true_ids")
             yield blocks
 
+    narrow = _narrowed_streamed(replace(stored, blocks=checked),
+                                id_dtype(TraceMeta.from_header(header).model.n_experts))
+    _name_repeats(header, same_as)
+    _name_id_width(header, narrow.members["true_ids"][1])
+
     def write(f: IO[bytes]) -> None:
         small = {"header": _header_bytes(header), "prompt_ids": prompt_ids.astype(np.int32),
                  "token_ids": token_ids.astype(np.int32)}
-        if min(math.prod(sh) * dt.itemsize for sh, dt in stored.members.values()) >= STORE_MIN_BYTES:
-            _write_npz(f, small, replace(stored, blocks=checked))
+        if min(math.prod(sh) * dt.itemsize for sh, dt in narrow.members.values()) >= STORE_MIN_BYTES:
+            _write_npz(f, small, narrow)
         else:  # a member write_trace would deflate: the trace is a few MB, gathered and written as it writes it
-            parts = [[b.copy() for b in blocks] for blocks in checked()]
+            parts = [[b.copy() for b in blocks] for blocks in narrow.blocks()]
             _write_npz(f, small | {n: np.concatenate([p[i] for p in parts]) for i, n in enumerate(names)})
         # What the checks see of a streamed member: its shape and dtype, no memory, and its scan.
-        shells = {a: np.broadcast_to(np.zeros((), dt), sh) for a, (sh, dt) in stored.members.items()}
+        shells = {a: np.broadcast_to(np.zeros((), dt), sh) for a, (sh, dt) in narrow.members.items()}
         trace = Trace(header, prompt_ids, token_ids, *(shells[same_as.get(a, a)] for a in ROUTING))
         validate(trace, where, lambda name, _a, _repeats: scans[same_as.get(name, name)])
 
     return atomic_write(path, write)
+
+
+def _narrowed(trace: Trace) -> dict[str, np.ndarray]:
+    """The routing arrays as written: ids cast to :func:`id_dtype` (exact once :func:`validate`
+    held them in [-1, n_experts)). Views of one array stay one array (a synthetic trace's
+    ``exec_ids`` is its ``true_ids``), so the repeat is found without comparing them."""
+    dt = id_dtype(trace.model.n_experts)
+    done: dict[tuple, np.ndarray] = {}
+    out = {}
+    for name in ROUTING:
+        a = getattr(trace, name)
+        if name in ID_ARRAYS and a.dtype != dt:
+            key = (a.__array_interface__["data"][0], a.shape, a.strides, a.dtype.str)
+            if key not in done:
+                done[key] = a.astype(dt)
+            a = done[key]
+        out[name] = a
+    return out
+
+
+def _narrowed_streamed(stored: Streamed, dt: np.dtype) -> Streamed:
+    """``stored`` with its id members declared, and each block cast, as :func:`id_dtype` says
+    (the synthetic generator draws int16), so a streamed trace is the file :func:`write_trace`
+    writes of it. Each member's blocks are cast into one scratch array, reused: a block is
+    written before the next is asked for (:class:`Streamed`)."""
+    wide = [n in ID_ARRAYS and d != dt for n, (_s, d) in stored.members.items()]
+    if not any(wide):
+        return stored
+    members = {n: (s, dt if w else d) for (n, (s, d)), w in zip(stored.members.items(), wide)}
+    declared = [d for _s, d in stored.members.values()]
+    scratch: dict[int, np.ndarray] = {}
+
+    def cast(i: int, b: np.ndarray) -> np.ndarray:
+        out = scratch.get(i)
+        if out is None or out.shape[0] < b.shape[0] or out.shape[1:] != b.shape[1:]:
+            out = scratch[i] = np.empty(b.shape, dt)
+        np.copyto(out[:len(b)], b, casting="same_kind")  # exact once the checks hold ids in [-1, n_experts)
+        return out[:len(b)]
+
+    def blocks() -> Iterator[tuple[np.ndarray, ...]]:
+        for block in stored.blocks():  # a block not of its declared dtype goes on as it is, to be refused
+            yield tuple(cast(i, b) if w and b.dtype == d else b
+                        for i, (b, w, d) in enumerate(zip(block, wide, declared)))
+
+    return Streamed(members, blocks)
+
+
+def _name_id_width(header: dict[str, Any], dt: np.dtype) -> None:
+    """Ids of one byte need version 4: a moesim that reads version 3 was never tested with them
+    (numpy arithmetic on int8 wraps at 127), so it refuses the file rather than risk a wrong answer."""
+    if dt.itemsize == 1:
+        header["version"] = max(int(header["version"]), BYTE_IDS_VERSION)
 
 
 def _header_bytes(header: dict[str, Any]) -> np.ndarray:
@@ -241,11 +315,16 @@ def repeated_members(trace: Trace) -> dict[str, str]:
     it: the file stores such an array once and the header's ``same_as`` names the repeat
     (version 3). A synthetic trace, or a run that executed the true experts, has
     ``exec_ids`` equal to ``true_ids``: 14% of the file not written, read or checked."""
+    return _repeats({name: getattr(trace, name) for name in ROUTING})
+
+
+def _repeats(routing: dict[str, np.ndarray]) -> dict[str, str]:
+    """:func:`repeated_members` of the routing arrays ``routing`` (by name)."""
     out: dict[str, str] = {}
     for i, name in enumerate(ROUTING):
-        a = getattr(trace, name)
+        a = routing[name]
         for first in ROUTING[:i]:
-            b = getattr(trace, first)
+            b = routing[first]
             if first not in out and _kind(first) == _kind(name) and _equal(a, b):
                 out[name] = first
                 break
@@ -863,7 +942,7 @@ def validate(trace: Trace, where: str,
             raise bad(f"{k_} has shape {a.shape}, expected {shape}")
         kind = "f" if k_.endswith("gates") else "i"
         if a.dtype.kind != kind:
-            raise bad(f"{k_} has dtype {a.dtype}, expected {'float' if kind == 'f' else 'a signed integer (int16)'}")
+            raise bad(f"{k_} has dtype {a.dtype}, expected {'float' if kind == 'f' else 'a signed integer (int8, int16)'}")
     n = h.get("n_tokens", t)
     if isinstance(n, bool) or not isinstance(n, int):
         raise bad(f"header n_tokens {n!r} must be a whole number of decode steps")

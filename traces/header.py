@@ -18,9 +18,13 @@ from moesim.policy import POLICIES, Policy
 
 FORMAT = "moesim-trace"
 #: 2 = 1 + optional speculative-decoding records (sd_*); 3 = 2 + routing arrays that repeat
-#: an earlier one stored once (header ``same_as``). Readers take all three.
+#: an earlier one stored once (header ``same_as``); 4 = 3 + expert ids stored in one byte
+#: (int8, models of at most 128 experts: ``BYTE_IDS_VERSION``). Readers take all four.
+#: ``VERSION`` is what a trace of a larger model is written as: its ids are int16, as
+#: before, so a moesim that reads version 3 still reads it.
 VERSION = 3
-READABLE = (1, 2, 3)
+BYTE_IDS_VERSION = 4
+READABLE = (1, 2, 3, 4)
 
 #: The policy a replay uses when the trace's recorded one is not a registered policy
 #: (synthetic traces record "none"): on-demand executes exactly the true experts.

@@ -509,7 +509,11 @@ def _layer_spans(m: int, n: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
-#: The dtypes of what the kernel draws: true expert ids, their gates, predicted ids (traces.format's).
+#: The dtypes of what the kernel draws: true expert ids, their gates, predicted ids. A file stores
+#: the ids narrower (one byte up to 128 experts: traces.format.id_dtype), each block cast as it is
+#: written (~10 ms for 100,000 Qwen3-30B-A3B tokens); in memory they stay int16, so one compiled
+#: kernel draws for every model, and a sweep's traces meet the planner kernel in the dtype it was
+#: compiled for ahead (moesim.sim.whatif._warm_planner): a second dtype is a second compile.
 DRAWN = (np.int16, np.float32, np.int16)
 
 
@@ -633,7 +637,8 @@ def write_synthetic_trace(spec: ModelSpec, params: SyntheticParams, path: str | 
     stored members (:class:`moesim.traces.format.Streamed`), so memory is two chunks whatever the
     length, and the trace is touched once, in the file's pages, not first in memory (at ~0.4 GB/s
     for memory new to a process on this project's virtual machine, the larger cost for 100,000
-    Qwen3-235B-A22B tokens: 600 MB)."""
+    Qwen3-235B-A22B tokens: 600 MB). The ids are drawn int16 and written as the file stores them
+    (:func:`moesim.traces.format.id_dtype`: int8 up to 128 experts), a block at a time."""
 
     per_step = spec.n_moe_layers * params.batch * spec.top_k
     rows = min(params.tokens, _chunk_rows(per_step))

@@ -135,7 +135,7 @@ def build_fixtures(d: Path, measured: bool = True) -> dict[str, str]:
                     "lies.npz": {**header, "n_tokens": 10**9}, "badmodel.npz": {**header, "model": "x"}}.items():
         np.savez(d / name, **{**arrays, "header": np.frombuffer(json.dumps(h).encode(), np.uint8)})
     np.savez(d / "noroute.npz", **{k: v for k, v in arrays.items() if k != "true_ids"})
-    np.savez(d / "badids.npz", **{**arrays, "true_ids": np.full_like(arrays["true_ids"], 999)})
+    np.savez(d / "badids.npz", **{**arrays, "true_ids": np.full(arrays["true_ids"].shape, 999, np.int16)})  # 999 needs int16
     np.savez(d / "nangates.npz", **{**arrays, "true_gates": np.full_like(arrays["true_gates"], np.nan)})
     np.savez(d / "wrongshape.npz", **{**arrays, "true_ids": arrays["true_ids"][:, :1]})
     np.savez(d / "floatids.npz", **{**arrays, "true_ids": arrays["true_ids"].astype(np.float32)})

@@ -483,7 +483,7 @@ def round4_cases() -> list[Case]:
                                 "pred_ids": "a['pred_ids'][:0]", "pred_gates": "a['pred_gates'][:0]",
                                 "exec_ids": "a['exec_ids'][:0]", "token_ids": "a['token_ids'][:, :0]"}),
                     ("dupexperts", {"true_ids": "np.zeros_like(a['true_ids'])"}),
-                    ("predbad", {"pred_ids": "np.full_like(a['pred_ids'], 9999)"}),
+                    ("predbad", {"pred_ids": "np.full(a['pred_ids'].shape, 9999, np.int16)"}),
                     ("predshape", {"pred_ids": "a['pred_ids'][:, :1]"}),
                     ("tokvocab", {"token_ids": "np.full_like(a['token_ids'], 10**6)"}),
                     ("strids", {"true_ids": "a['true_ids'].astype(str)"}),
