@@ -11,7 +11,10 @@ error in the caller), :func:`stop_pool` ends the workers at once.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import signal
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import Any
@@ -29,6 +32,36 @@ def worker_ignores_stops() -> None:
         signal.signal(s, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by the parent while it forked
+
+
+def start_aside(target: Callable[[], Any]) -> multiprocessing.Process | None:
+    """``target()`` in one forked process on the machine's other core while this one goes on,
+    or None where none can start (one core, a daemon's child such as a pool worker, no fork):
+    the caller then does the work itself. Forked with the stop signals blocked and leaving
+    them to this process (:func:`worker_ignores_stops`); a daemon, so an interrupt or an error
+    here ends it too. The caller joins it and reads its exit code (0: done; 1: ``target``
+    raised, said by nothing on the terminal, for the caller to do the work again)."""
+    if (os.cpu_count() or 1) < 2:
+        return None
+    for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice by the child
+        stream.flush()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        proc = multiprocessing.get_context("fork").Process(target=_aside, args=(target,), daemon=True)
+        proc.start()
+        return proc
+    except (AssertionError, OSError):
+        return None
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _aside(target: Callable[[], Any]) -> None:
+    worker_ignores_stops()
+    try:
+        target()
+    except Exception:  # noqa: BLE001 - the caller redoes the work where an error is the command's, in one line
+        sys.exit(1)  # an exit code, not a traceback on the user's terminal
 
 
 def run_pool(fn: Callable[[Any], Any], items: Iterable[Any], jobs: int, initializer: Callable[..., None],

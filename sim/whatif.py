@@ -24,14 +24,13 @@ import itertools
 import json
 import math
 import os
-import signal
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from moesim.atomic import STOP_SIGNALS, exclusive
+from moesim.atomic import exclusive
 from moesim.costmodel import CostModel, Residence
 from moesim.engines import EngineProfile, get_engine
 from moesim.errors import DoesNotFit, MoesimError
@@ -45,7 +44,7 @@ from moesim.setting import DEFAULT_SETTING, Setting
 from moesim.sim.cpu_compute import simulate_cpu_compute
 from moesim.sim.fastpath import run_fast_many
 from moesim.sim.plan import build_plan
-from moesim.sim.pool import run_pool, stop_pool, worker_ignores_stops  # noqa: F401 (stop_pool: the sweep's API)
+from moesim.sim.pool import run_pool, start_aside, stop_pool, worker_ignores_stops  # noqa: F401 (stop_pool: the sweep's API)
 from moesim.sim.prefetch_top import keep_top_predictions
 from moesim.sim.quantised import with_expert_dtype
 from moesim.sim.simulate import PerTrace, cache_capacity, pick_costs, prediction_recall, time_plan
@@ -637,11 +636,6 @@ def _warm_planner() -> None:
 _ASIDE: Any = None  # the process compiling the sweep's kernels aside (compile_kernels_aside), until joined
 
 
-def _compile_aside() -> None:
-    worker_ignores_stops()
-    _warm_planner()
-
-
 def compile_kernels_aside(jobs: int | None) -> None:
     """On a first run numba compiles the planner's kernel (~7 s on one core of the 2-core
     machine), the synthetic traces' (~5 s) and the fast path's (~1 s), one after the other.
@@ -652,22 +646,10 @@ def compile_kernels_aside(jobs: int | None) -> None:
     has them already (a second sweep in one process), for one worker or one core; if the
     cache cannot be written, :func:`_warm_kernels` compiles them itself, as before."""
     global _ASIDE
-    import multiprocessing
-
     kernel = sys.modules.get("moesim.policy_kernel")  # imported: perhaps compiled or loaded in this process already
-    if _ASIDE is not None or (kernel and kernel.plan_steps.signatures) or (os.cpu_count() or 1) < 2 or jobs == 1:
+    if _ASIDE is not None or (kernel and kernel.plan_steps.signatures) or jobs == 1:
         return
-    for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice by the child
-        stream.flush()
-    signal_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # the child unblocks them (pool.py's rule)
-    try:
-        proc = multiprocessing.get_context("fork").Process(target=_compile_aside, daemon=True)
-        proc.start()  # daemon: ended with this process (an interrupt, an error) if still compiling
-        _ASIDE = proc
-    except (AssertionError, OSError):  # a daemon's child (a pool worker), no process to spare: compiled here later
-        pass
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, signal_mask)
+    _ASIDE = start_aside(_warm_planner)  # None (one core, a pool worker): compiled here later
 
 
 #: Seconds :func:`join_kernels_aside` waits for the compiling process (it takes ~7 s on one
