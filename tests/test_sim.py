@@ -304,3 +304,19 @@ def test_the_compiled_fast_path_is_compiled_again_when_the_interference_formula_
 
     assert hashlib.sha256(inspect.getsource(compute_end).encode()).hexdigest() == fastpath_kernel.COMPUTE_END_SHA256, \
         "compute_end changed: update COMPUTE_END_SHA256 in sim/fastpath_kernel.py"
+
+
+@pytest.mark.parametrize("fixed, overlap", [(0.0, False), (3e-5, False), (3e-5, True)])
+def test_expert_compute_of_one_value_everywhere_is_the_full_computation(fixed, overlap):
+    """Costs.expert_compute prices a broadcast of one count at a broadcast rate once: the
+    same float64 values, bit for bit, as the cell-by-cell rule on full arrays."""
+    from moesim.sim.costs import Costs
+
+    shape = (7, 5)
+    rate = np.broadcast_to(np.float64(1.7e-4), shape)
+    costs = Costs(np.zeros(shape), rate, np.zeros(7), "roofline (test)", 2.3e-6, fixed, overlap)
+    full = Costs(np.zeros(shape), np.array(rate), np.zeros(7), "roofline (test)", 2.3e-6, fixed, overlap)
+    for n, a in ((8, 8), (0, 0), (3, 40)):
+        one = costs.expert_compute(np.broadcast_to(np.int32(n), shape), np.broadcast_to(np.int32(a), shape))
+        cells = full.expert_compute(np.full(shape, n, np.int32), np.full(shape, a, np.int32))
+        assert one.shape == shape and one.tobytes() == cells.tobytes()
