@@ -6,7 +6,8 @@ Workers are forked with the stop signals blocked, so none runs the parent's hand
 :func:`worker_ignores_stops` (every pool's initializer calls it) ignores SIGINT and SIGHUP
 (a terminal's Ctrl-C or hangup reaches the whole process group: the parent alone decides)
 and leaves SIGTERM deadly (how the parent stops them). Interrupted (Ctrl-C, SIGTERM, an
-error in the caller), :func:`stop_pool` ends the workers at once.
+error in the caller), :func:`stop_pool` ends the workers at once. :func:`start_aside` forks one
+process by the same rules for work done beside the command's (a first compile, a figure).
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
            where: str | Path | None = None, progress: Callable[[int, int], None] | None = None,
            as_recorded: bool = False) -> Replay:
     """Simulate a (non-speculative) trace under each policy, set up as ``given``
-    (:func:`as_recorded`: the knobs given, the cache left out as recorded) with the what-ifs
+    (:func:`replay_setting`: the knobs given, the cache left out as recorded) with the what-ifs
     ``changes`` on the trace itself. ``step`` must be one of the trace's steps (the report's
     timeline shows it); ``where`` names the trace in errors; ``progress(done, total)`` counts
     layer-steps planned and timed, for a progress bar on long traces; ``as_recorded`` keeps
