@@ -2,6 +2,7 @@
 
     python bench/fit_engines.py            # fit and report, write nothing
     python bench/fit_engines.py --write    # also write the fitted figures into hwprofiles/engines/*.toml
+    python bench/fit_engines.py --write-residuals   # only the leave-one-source-out residuals
 
 The fit is :func:`moesim.sim.engine_fit.fit` on every entry of ``hwprofiles/published``
 (the figures of :data:`moesim.sim.engine_fit.FIT`, per engine, robust least squares on
@@ -23,7 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from moesim.atomic import atomic_write_text  # noqa: E402
 from moesim.engines import builtin_engines  # noqa: E402
+from moesim.sim.calibrate import published_calibration  # noqa: E402
 from moesim.sim.engine_fit import fit, leave_one_source_out  # noqa: E402
+from moesim.sim.intervals import NOMINAL, RESIDUALS_FILE, coverage, residuals_toml  # noqa: E402
 from moesim.sim.published import entries, run_published, summarise  # noqa: E402
 
 
@@ -61,6 +64,9 @@ def write(fitted: dict) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--write", action="store_true", help="write the fitted figures into hwprofiles/engines/*.toml")
+    ap.add_argument("--write-residuals", action="store_true",
+                    help=f"write the leave-one-source-out residuals (hwprofiles/published/{RESIDUALS_FILE}, the "
+                         "ranges every answer carries); --write writes them too")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "fit_engines.json")
     args = ap.parse_args(argv)
     fitted = fit(entries())
@@ -70,7 +76,11 @@ def main(argv: list[str] | None = None) -> int:
               "fitted": {n: {"figures": f.figures, "entries": list(f.entries), "uninformed": list(f.uninformed)}
                          for n, f in fitted.items()},
               "rows": [{k: r[k] for k in ("id", "source_id", "kind", "engine", "measured_tps", "predicted_tps",
-                                          "ratio", "fitted_on_sources")} for r in loso]}
+                                          "ratio", "fitted_on_sources")} for r in loso],
+              "interval_coverage": coverage(loso)}
+    cal = published_calibration(loso)
+    report["calibrated"] = {k: v for k, v in cal["calibrated"].items() if k != "rows"}
+    report["ordering"] = {k: v for k, v in cal["ordering"].items() if k != "sweeps"}
     for name, f in fitted.items():
         print(f"{name}: " + (", ".join(f"{k} = {v:.4g}" for k, v in f.figures.items()) or "nothing fitted")
               + f"  (on {len(f.entries)} entries)")
@@ -79,7 +89,14 @@ def main(argv: list[str] | None = None) -> int:
         o = s["overall"]
         print(f"{label}: {o['entries']} entries, {o['within_25']:.0%} within +-25%, median |ln| "
               f"{o['median_abs_ln']:.3f}, worst {o['worst_abs_ln']:.2f}, optimistic {o['optimistic']}")
+    c = report["interval_coverage"]["overall"]
+    print(f"{NOMINAL:.0%} intervals, each from the other sources' residuals: {c['coverage']:.0%} of "
+          f"{c['entries']} measurements inside")
     atomic_write_text(args.out, json.dumps(report, indent=1) + "\n")
+    if args.write or args.write_residuals:
+        path = ROOT / "hwprofiles" / "published" / RESIDUALS_FILE
+        atomic_write_text(path, residuals_toml(loso, cal["calibrated"]["rows"], "python bench/fit_engines.py --write-residuals"))
+        print(f"wrote {path.relative_to(ROOT)}")
     if args.write:
         sources = {n: f.engine for n, f in fitted.items()}
         for p in write({n: {"figures": f.figures, "source": _source(sources[n], f)} for n, f in fitted.items()

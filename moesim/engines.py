@@ -13,6 +13,7 @@ reads them, and nothing else does.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -79,7 +80,10 @@ MIN_LAYER_EFFICIENCY = 1e-3
 TABLES = EFFICIENCY_TABLES + RATE_TABLES + LAYER_TABLES
 ZERO_OK = {"fused_experts", "layer_overhead_us", "cpu_layer_overhead_us", "numa_efficiency", "pages_from_disk",
            "launch_overlap"}
-TOP_KEYS = {"name", "description", "runs_on", "policies", "figures", "expert_placement", *TABLES}
+TOP_KEYS = {"name", "description", "runs_on", "policies", "figures", "expert_placement", "calibration", *TABLES}
+#: A calibrated profile's ``[calibration]`` (``moesim fit --measured`` writes it): the range its
+#: answers carry (factors on predicted tokens/s, leave one measured row out) and on what.
+CALIBRATION_KEYS = {"low": float, "high": float, "rows": int, "basis": str}
 #: Which experts an engine keeps on the GPU when it computes the rest on the CPU and is told
 #: only how many (hot-experts): ``frequency``, the most routed ones (by a calibration trace),
 #: or ``uniform``, the lowest-numbered ones of every layer, blind to popularity
@@ -103,6 +107,7 @@ class EngineProfile(_FigureLookup):
     layer_efficiency: dict[str, Figure] = field(default_factory=dict)
     path: str = ""
     expert_placement: str = "frequency"  # one of PLACEMENTS: the engine's default
+    calibration: dict[str, Any] | None = field(default=None, compare=False)  # CALIBRATION_KEYS, when calibrated
 
     # The figures in the units the cost model uses.
     @property
@@ -185,6 +190,27 @@ class EngineProfile(_FigureLookup):
             raise MoesimError(f"unknown engine figure {name!r}; known: {', '.join(ENGINE_FIGURES)}")
         return replace(self, figures={**self.figures, name: fig})
 
+    def to_toml(self) -> str:
+        """The profile as an engine TOML :func:`load_engine` reads back (through tomli-w: a
+        well-kept writer quotes and escapes any source text)."""
+        import tomli_w
+
+        def figs(table: dict[str, Figure], known: dict | None = None) -> dict[str, dict[str, Any]]:
+            return {k: {"value": int(f.value) if known and known[k][2] else f.value, "kind": f.kind, "source": f.source}
+                    for k, f in table.items()}
+
+        data: dict[str, Any] = {"name": self.name, "description": self.description, "runs_on": list(self.runs_on)}
+        if self.policies:
+            data["policies"] = list(self.policies)
+        data["expert_placement"] = self.expert_placement
+        if self.calibration:
+            data["calibration"] = dict(self.calibration)
+        data["figures"] = figs(self.figures, ENGINE_FIGURES)
+        for t in TABLES:
+            if getattr(self, t):
+                data[t] = figs(getattr(self, t))
+        return tomli_w.dumps(data)
+
     def sources(self) -> list[tuple[str, Figure]]:
         """Every figure with its name, for ``moesim hw --engines NAME``."""
         out = list(self.figures.items())
@@ -233,7 +259,27 @@ def parse_engine(data: dict[str, Any], where: str) -> EngineProfile:
     if placement not in PLACEMENTS:
         raise MoesimError(f"{where}: expert_placement is one of {', '.join(PLACEMENTS)}, got {placement!r}")
     return EngineProfile(str(data["name"]), str(data.get("description", "")), tuple(runs), figures, pols, **tables,
-                         path=where, expert_placement=placement)
+                         path=where, expert_placement=placement, calibration=_calibration(data, where))
+
+
+def _calibration(data: dict[str, Any], where: str) -> dict[str, Any] | None:
+    """A calibrated profile's ``[calibration]`` table, checked (:data:`CALIBRATION_KEYS`)."""
+    if "calibration" not in data:
+        return None
+    cal = data["calibration"]
+    if not isinstance(cal, dict) or set(cal) != set(CALIBRATION_KEYS):
+        raise MoesimError(f"{where}: [calibration] holds exactly {', '.join(CALIBRATION_KEYS)}")
+    for key, kind in CALIBRATION_KEYS.items():
+        v = cal[key]
+        if kind is str:
+            ok = isinstance(v, str)
+        else:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+        if not ok:
+            raise MoesimError(f"{where}: calibration.{key} {v!r}: {'text' if kind is str else 'a positive number'}")
+    if cal["low"] > cal["high"] or cal["rows"] != int(cal["rows"]):
+        raise MoesimError(f"{where}: calibration low <= high (factors on the prediction), rows a whole number")
+    return {k: kind(cal[k]) for k, kind in CALIBRATION_KEYS.items()}
 
 
 def load_engine(path: str | Path) -> EngineProfile:

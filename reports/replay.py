@@ -14,15 +14,18 @@ from moesim.setting import Setting
 from moesim.sim.simulate import SimResult, simulate
 from moesim.traces.format import Trace
 
-COLS = ["policy", "cache_gib", "tpot_ms", "tpot_p99_ms", "tokens_per_s", "compute_ms", "copy_ms", "stall_ms",
+COLS = ["policy", "cache_gib", "tpot_ms", "tpot_p99_ms", "tokens_per_s", "tokens_per_s_low", "tokens_per_s_high",
+        "range_basis", "compute_ms", "copy_ms", "stall_ms",
         "overlap_bound_ms", "serial_bound_ms", "gb_moved_per_token", "cache_hit_rate", "prefetch_hit_rate", "ttft_ms"]
 CHROME_STEPS = 32  # steps written to the Chrome trace (a whole trace can be millions of spans)
 
 
 def write_replay_report(trace: Trace, trace_path: Path, hw: HardwareProfile, results: list[SimResult],
-                        out: Path, step: int) -> Path:
+                        out: Path, step: int, rows: list[dict] | None = None) -> Path:
+    """The replay's report folder; ``rows`` are the replay's own (with their ranges: Replay.rows),
+    else each result's summary."""
     out = Path(out)
-    rows = [r.summary() for r in results]
+    rows = rows if rows is not None else [r.summary() for r in results]
     kind = "synthetic" if trace.synthetic else "recorded"
     what = (f"simulated on the {hw.name} profile from a {kind} trace ({trace_path.name}, {trace.model.name}, "
             f"{plural(trace.n_tokens, 'step')}, batch {trace.batch}); compute times: {rows[0]['timing']}")

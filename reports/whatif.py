@@ -14,12 +14,14 @@ from moesim.fmt import duration_ms
 from moesim.reports.render import breakdown_png, heatmap_png, pyplot, save_figure, write_csv, write_html
 from moesim.setting import Setting
 from moesim.sim.deploy import AXES, Timed, crossovers, deployment_answer, describe_change, format_answer
+from moesim.sim.intervals import NOMINAL, range_text
 from moesim.sim.pool import start_aside
 from moesim.sim.simulate import simulate
 from moesim.sim.whatif import GOALS, Sweep
 
 COLS = ["model", "hw", "host", "policy", "family", "expert_dtype", "batch", "prompt_len", "link_gbps", "cache_gib",
-        "cpu_layers", "resident_experts", "copy_queue", "prefetch_top", "fits", "tpot_ms", "tpot_p99_ms", "compute_ms",
+        "cpu_layers", "resident_experts", "copy_queue", "prefetch_top", "fits", "tpot_ms", "tpot_ms_low", "tpot_ms_high",
+        "tpot_p99_ms", "compute_ms",
         "copy_ms", "stall_ms", "cpu_ms", "gb_moved_per_token", "cache_hit_rate", "ttft_ms", "bound", "note"]
 FAMILY_STYLE = {"prefetching": ("#DD8452", "o-"), "cpu-static": ("#66A61E", "s-"), "hot-experts": ("#7570B3", "^-"),
                 "cpu-on-miss": ("#E7298A", "D-"), "all-resident": ("#4C72B0", "v-"), "oracle (bound)": ("#999999", "x--")}
@@ -27,6 +29,14 @@ METRIC = {"tpot_ms": "best TPOT, ms", "ttft_ms": "best TTFT, ms"}
 
 
 PROMPT_LENGTHS = (128, 512, 2048, 8192, 32768)
+
+
+def _range_words(row: dict) -> str:
+    """The winner's range, as the terminal says it (moesim.sim.intervals)."""
+    if row.get("tpot_ms_low") is None:
+        return ""
+    return (f" Measurements of such deployments fall within {range_text(row, 'tpot_ms')} ms per token "
+            f"({NOMINAL:.0%} range; {row['range_basis']}).")
 
 
 def _number(x: Any) -> bool:
@@ -182,7 +192,7 @@ def write_whatif_report(rows: list[dict[str, Any]], winner: dict[str, Any] | Non
                             "text": f"For {GOALS[goal][1]}: {winner['model']} on {winner['hw']}, {winner['policy']}, "
                                     f"{fmt.link(winner['link_gbps'])}, cache {winner['cache_gib']:g} GiB: "
                                     f"{duration_ms(winner['tpot_ms'])} per token, {duration_ms(winner['ttft_ms'])} to "
-                                    "first token."})
+                                    "first token." + _range_words(winner)})
     if shown:
         sections.append({"heading": "TPOT breakdown", "image": out / "breakdown.png",
                          "caption": "Each bar is the row's TPOT split into GPU compute, the wait on the CPU, the "

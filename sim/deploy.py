@@ -35,6 +35,7 @@ from moesim.models import ModelSpec, model_file, model_named
 from moesim.policy import get_policy
 from moesim.quant_recipes import store_as
 from moesim.setting import Setting
+from moesim.sim.intervals import NOMINAL, range_text
 from moesim.sim.static import layout_for
 from moesim.sim.whatif import BOUND, GOALS, NOT_RUN, policy_families, simplicity
 
@@ -195,6 +196,9 @@ def _reason(winner: dict[str, Any] | None, families: list[FamilyBest], key: str,
             head += (f", {ratio:.2f}x better than the next family, {second['family']} "
                      f"({number(second[key])}{unit})")
     tail = f"; {bound_words(winner)}"
+    if key == "tpot_ms" and winner.get("tpot_ms_low") is not None:
+        tail += (f"; measurements of such deployments fall within {range_text(winner, 'tpot_ms')} ms "
+                 f"({NOMINAL:.0%} range, {winner['range_basis']})")
     absent = [f.family for f in families if f.status == "nothing fits"]
     if absent:
         tail += f"; {', '.join(absent)}: nothing fits in device memory"
@@ -468,7 +472,9 @@ def format_answer(a: Answer, width: int = 80) -> str:
                 lines.append(f"{f.family} with {f.invocation.engine}: the same arguments as {spelled[key]}")
                 continue
             spelled[key] = f.family
-            lines.append(f"{f.family} with {f.invocation.engine} ({number(tps)} tokens/s predicted):")
+            rng = range_text(f.row)
+            rng = "" if rng == "-" else f", {NOMINAL:.0%} range {rng}"
+            lines.append(f"{f.family} with {f.invocation.engine} ({number(tps)} tokens/s predicted{rng}):")
             lines.append(f"  {f.invocation.line()}")
             if f.invocation.note:
                 lines += textwrap.wrap(f.invocation.note, width, initial_indent="  ", subsequent_indent="  ")

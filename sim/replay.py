@@ -27,10 +27,12 @@ from moesim.models import ModelSpec, get_model
 from moesim.policy import get_policy
 from moesim.setting import Setting
 from moesim.sim.cpu_compute import load_calibration, separate_calibration
+from moesim.sim.intervals import kind_of, with_range
 from moesim.sim.prefetch_top import keep_top_predictions
 from moesim.sim.quantised import with_expert_dtype
 from moesim.sim.simulate import SimResult, simulate_policies
 from moesim.sim.sweep import Given, check_threads, split_notes, unused_options
+from moesim.sim.whatif import policy_family
 from moesim.traces.format import Trace, read_trace
 
 DEFAULT_POLICIES = ("on-demand", "prefetch-fom", "prefetch-spec", "oracle")
@@ -68,11 +70,16 @@ class Replay:
     cache_source: str = "given"  # given / recorded in the trace
     step: int = 1  # the decode step the report's timeline shows
     note: str | None = None  # the options given that changed nothing (:func:`unused_notes`)
+    calibration: dict[str, Any] | None = None  # the engine profile's, when calibrated (moesim fit --measured)
 
     @property
     def rows(self) -> list[dict[str, Any]]:
-        return [{**r.summary(), "hw_source": self.profile_source, "link_source": self.link_source}
+        """One row a policy, each with the range its prediction's class errs within
+        (:mod:`moesim.sim.intervals`, as whatif's rows)."""
+        gpus = self.profile.n_gpus if isinstance(self.profile, Machine) else 1
+        rows = [{**r.summary(), "hw_source": self.profile_source, "link_source": self.link_source}
                 for r in self.results]
+        return [with_range(r, self.calibration, kind_of(policy_family(r["policy"]), gpus)) for r in rows]
 
 
 def replay_link(trace: Trace, profile: HardwareProfile, profile_source: str,
@@ -158,7 +165,8 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
     note = "; ".join(n for n in (engine_note, note) if n) or None
     results = simulate_policies(trace, profile, list(policies), setting, progress=progress, as_recorded=as_recorded)
     note = "; ".join(n for n in (note, fit_note(results), capped_note(results, setting.offload_gib)) if n) or None
-    return Replay(trace, profile, source, results, link_source, cache_source, step, note)
+    cal = get_engine(given.engine).calibration if given.engine is not None else None
+    return Replay(trace, profile, source, results, link_source, cache_source, step, note, cal)
 
 
 def fit_note(results: list) -> str | None:

@@ -43,6 +43,7 @@ from moesim.quant_recipes import is_format, store_as
 from moesim.setting import DEFAULT_SETTING, Setting
 from moesim.sim.cpu_compute import simulate_cpu_compute
 from moesim.sim.fastpath import run_fast_many
+from moesim.sim.intervals import RANGE_COLUMNS, with_range
 from moesim.sim.plan import build_plan
 from moesim.sim.pool import run_pool, start_aside, stop_pool, worker_ignores_stops  # noqa: F401 (stop_pool: the sweep's API)
 from moesim.sim.prefetch_top import keep_top_predictions
@@ -99,7 +100,7 @@ ROW_COLUMNS = (
     "model", "base_model", "expert_dtype", "hw", "host", "policy", "family", "link_gbps", "cache_gib", "cache_experts",
     "eviction", "cpu_layers", "gpu_layers", "offload_gib", "gpu_expert_gib", "resident_experts", "copy_queue", "prefetch_top",
     "split", "tensor_split", "lookahead", "batch", "prompt_len", "engine", "threads", "sim", "timing", "synthetic_trace", "placement", "optimistic_placement", "tokens", "tpot_ms",
-    "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms", "tokens_per_s", "compute_ms", "copy_ms", "stall_ms", "cpu_ms",
+    "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms", "tokens_per_s", *RANGE_COLUMNS, "compute_ms", "copy_ms", "stall_ms", "cpu_ms",
     "cpu_wait_ms", "overlap_ms", "serial_bound_ms", "overlap_bound_ms", "max_prefetch_gain",
     "experts_loaded_per_token", "gb_moved_per_token", "cache_hit_rate", "prefetch_hit_rate", "pred_recall",
     "cpu_expert_share", "device_hit_rate", "ttft_ms", "device_gb_needed", "host_gb_needed", "page_miss", "fits", "bound",
@@ -107,7 +108,7 @@ ROW_COLUMNS = (
 )
 _WORDS = {"model", "base_model", "expert_dtype", "hw", "host", "policy", "family", "eviction", "copy_queue", "engine",
           "sim", "timing", "placement", "bound", "note", "cpu_layers", "gpu_layers", "offload_gib", "gpu_expert_gib",
-          "prefetch_top", "split", "tensor_split"}
+          "prefetch_top", "split", "tensor_split", "range_basis"}
 
 
 def policy_family(policy: str | Policy) -> str:
@@ -544,7 +545,12 @@ def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str,
 
 
 def run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
-    """The rows of group ``index`` of ``sweep.groups()``: one plan, every profile and link."""
+    """The rows of group ``index`` of ``sweep.groups()``: one plan, every profile and link,
+    each with the range its prediction's class errs within (:mod:`moesim.sim.intervals`)."""
+    return [with_range(r, sweep.engine_profile.calibration) for r in _run_group(sweep, index)]
+
+
+def _run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
     cfg = sweep.groups()[index]
     trace = _group_trace(sweep, cfg)
     spec = trace.model

@@ -61,7 +61,8 @@ def replay(a: ReplayArgs) -> None:
         if a.out_dir is not None:
 
             with writing_report(a.out_dir):
-                page = write_replay_report(trace, a.trace_path, rep.profile, rep.results, a.out_dir, rep.step)
+                page = write_replay_report(trace, a.trace_path, rep.profile, rep.results, a.out_dir, rep.step,
+                                           rep.rows)
             err.print(f"report: {page}")
         if note:
             err.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)

@@ -13,11 +13,12 @@ from moesim.fmt import plural
 from moesim.hardware import get_profile
 from moesim.reports.validation import write_single_validation
 from moesim.sim.analysis import why
+from moesim.sim.intervals import NOMINAL, range_text
 from moesim.sim.speculative import TreeCut, speculative_whatif
 from moesim.sim.validate import recorded_profile, validate_trace
 
 SUMMARY_COLS = (("policy", "policy"), ("tpot_ms", "TPOT ms"), ("tpot_p99_ms", "p99 ms"), ("tokens_per_s", "tok/s"),
-                ("compute_ms", "compute ms"), ("copy_ms", "copy ms"), ("stall_ms", "stall ms"),
+                ("range", f"{NOMINAL:.0%} range tok/s"), ("compute_ms", "compute ms"), ("copy_ms", "copy ms"), ("stall_ms", "stall ms"),
                 ("overlap_bound_ms", "overlap bound ms"), ("serial_bound_ms", "serial bound ms"),
                 ("experts_loaded_per_token", "loads/token"), ("gb_moved_per_token", "GB/token"),
                 ("cache_hit_rate", "cache hit"), ("prefetch_hit_rate", "prefetched"), ("pred_recall", "pred recall"),
@@ -39,11 +40,19 @@ def print_replay(rep, trace, sim: str) -> None:
     link = (f"link {rows[0]['link_gbps']:g} GB/s ({rep.link_source})" if rows[0].get("link_gbps") is not None
             else "no GPU link")
     queues = "".join(f"; copy queue {q}" for q in {r["copy_queue"] for r in rows if "copy_queue" in r})
-    out.print(results_table(rows, f"{trace.model.name} on {rep.profile.name} ({rep.profile_source}), {link}, "
+    shown = [{**r, "range": range_text(r)} for r in rows]
+    out.print(results_table(shown, f"{trace.model.name} on {rep.profile.name} ({rep.profile_source}), {link}, "
                                   f"{cache_text(rows[0], rep.cache_source)}, {plural(trace.n_tokens, 'step')} ({src}; compute: "
                                   f"{rows[0]['timing']}; simulator: {sim}{queues})", SUMMARY_COLS))
     for r in rows:
         out.print(f"[bold]{r['policy']}[/bold]: {why(r)}")
+    bases: dict[str, list[str]] = {}
+    for r in rows:
+        if r.get("range_basis") not in (None, "-"):
+            bases.setdefault(r["range_basis"], []).append(r["policy"])
+    for basis, pols in bases.items():
+        out.print(f"{NOMINAL:.0%} range of {', '.join(pols)}: where measurements of such deployments fell against "
+                  f"moesim's predictions ({basis})", markup=False, highlight=False, soft_wrap=True)
 
 
 def signed_ms(x: float) -> str:

@@ -15,7 +15,9 @@ from moesim.errors import MoesimError
 from moesim.executor.validation_plan import check_suite_model
 from moesim.reports.validation import validation_suite
 from moesim.sim import published as pub
+from moesim.sim.calibrate import published_calibration
 from moesim.sim.engine_fit import leave_one_source_out
+from moesim.sim.intervals import NOMINAL, coverage
 
 CASE_SHORT = {"same-policy": "same", "transfer from on-demand": "transfer"}
 
@@ -101,6 +103,10 @@ def validate(
     err.print(f"report: {page}")
 
 
+def _corr(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def _verdict(w: dict) -> str:
     if w["runs"] < 2:
         return "one run: no spread to judge it by"
@@ -112,8 +118,12 @@ def _published(as_json: bool, as_csv: bool) -> None:
     with progress_bar("leave one source out", "sources") as update:
         rows = leave_one_source_out(progress=update)
     summary, shipped = pub.summarise(rows), pub.summarise(pub.run_published())
+    cover = coverage(rows)
+    with progress_bar("calibrating each source on its first row", "sources") as update:
+        cal = published_calibration(rows, update)
     if as_json:
-        print_json({"summary": summary, "shipped_figures": shipped,
+        print_json({"summary": summary, "shipped_figures": shipped, "interval_coverage": cover,
+                    "calibrated": cal["calibrated"], "ordering": cal["ordering"],
                     "target": {"within_25": pub.TARGET_WITHIN, "median_abs_ln": pub.TARGET_MEDIAN_LN,
                                "within_25_per_kind": pub.TARGET_WITHIN_PER_KIND},
                     "rows": rows, "excluded": pub.excluded()})
@@ -142,5 +152,25 @@ def _published(as_json: bool, as_csv: bool) -> None:
               f"{'met' if summary['meets_target'] else 'NOT met'}")
     out.print(f"with the shipped engine figures (fitted on some of these very rows, so not a claim): "
               f"{f['within_25']:.0%} within +-25%, median |ln| {f['median_abs_ln']:.3f}")
+    c = cover["overall"]
+    if c["coverage"] is None:
+        out.print(f"[bold]ranges[/bold]: too few entries from other sources for any {NOMINAL:.0%} range")
+    else:
+        out.print(f"[bold]ranges[/bold]: the {NOMINAL:.0%} range of each entry, from the other sources' residuals of its "
+                  f"class, holds {c['covered']} of {c['entries']} measurements ({c['coverage']:.0%}; target 70-90%"
+                  + "".join(f"; {k} {v['coverage']:.0%} of {v['entries']}" for k, v in cover["by_kind"].items())
+                  + f"): {'met' if cover['meets_target'] else 'NOT met'}; median width x{c['median_width']:.2f}"
+                  + (f"; {cover['without_range']} entries without one" if cover["without_range"] else ""))
+    k, o = cal["calibrated"], cal["ordering"]
+    if k["entries"]:
+        out.print(f"[bold]calibrated on one row[/bold]: {k['entries']} entries of {k['sources']} sources with at least "
+                  f"3 on one machine, each predicted after calibrating on the source's first row there: "
+                  f"{k['within_15']:.0%} within +-15% (target {k['target']:.0%}: "
+                  f"{'met' if k['meets_target'] else 'NOT met'}; {k['uncalibrated_within_15']:.0%} before calibrating)")
+    if o["n"]:
+        out.print(f"[bold]decisions[/bold]: over {o['n']} sources' settings of one machine, the measured best is "
+                  f"predicted best in {o['best_uncalibrated']:.0%} uncalibrated, {o['best_calibrated']:.0%} calibrated "
+                  f"on one row (target {o['target']:.0%}); median rank correlation "
+                  f"{_corr(o['median_spearman_uncalibrated'])} and {_corr(o['median_spearman_calibrated'])}")
     out.print(f"{len(pub.excluded())} more measurements are not expressed (hwprofiles/published/settings.toml says "
               "why); sources: hwprofiles/published/README.md")

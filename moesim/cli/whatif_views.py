@@ -17,10 +17,12 @@ from moesim.sim.deploy import (
     describe_change,
     format_answer,
 )
+from moesim.sim.intervals import NOMINAL, range_text
 from moesim.sim.whatif import GOALS
 
 WHATIF_COLS = (("model", "model"), ("hw", "hw"), ("host", "host"), ("policy", "policy"), ("setting", "setting"),
-               ("fits", "fits"), ("tpot_ms", "TPOT ms"), ("tokens_per_s", "tok/s"), ("bound", "bound"),
+               ("fits", "fits"), ("tpot_ms", "TPOT ms"), ("tokens_per_s", "tok/s"),
+               ("range", f"{NOMINAL:.0%} range tok/s"), ("bound", "bound"),
                ("link_gbps", "link GB/s"), ("cache_gib", "cache GiB"), ("compute_ms", "GPU ms"), ("cpu_ms", "CPU ms"),
                ("copy_ms", "copy ms"), ("stall_ms", "stall ms"), ("gb_moved_per_token", "GB/token"),
                ("ttft_ms", "TTFT ms"), ("timing", "compute from"))
@@ -30,7 +32,7 @@ def print_whatif(res, answers, crosses, goal: str, top: int) -> None:
 
     rows, winner = res.rows, res.winner
 
-    shown = [{**r, "setting": configuration(r)} for r in res.ranked()[:top]]
+    shown = [{**r, "setting": configuration(r), "range": range_text(r)} for r in res.ranked()[:top]]
     out.print(results_table(shown, f"what-if: {res.sweep.size} configurations, top "
                             f"{min(top, len(rows))} by {goal} (oracle: a bound, never best)"
                             f"{' (synthetic traces)' if res.synthetic else ''}",
@@ -61,6 +63,9 @@ def print_whatif(res, answers, crosses, goal: str, top: int) -> None:
         out.print(f"[bold green]best for {GOALS[goal][1]}:[/bold green] {winner['model']} on {winner['hw']}, "
                   f"{winner['policy']}, {fmt.link(winner['link_gbps'])}, cache {winner['cache_gib']:g} GiB: "
                   f"{winner['tpot_ms']:.3g} ms/token ({winner['tokens_per_s']:.3g} tok/s); compute: {winner['timing']}")
+        if winner.get("range_basis") not in (None, "-"):
+            out.print(f"how sure: measurements of such deployments fall within {range_text(winner)} tok/s "
+                      f"({NOMINAL:.0%} range; {winner['range_basis']})", markup=False, highlight=False, soft_wrap=True)
         cpu = res.sweep.resolved[winner["policy"]].cpu or winner["bound"] == "CPU compute"
         out.print(f"why: {bound_words(winner)}" if cpu else f"why: {why(winner)}")
     else:

@@ -1,0 +1,382 @@
+"""Calibrate moesim on what a user measured on their own machine (``moesim fit --measured``).
+
+A published figure fitted across machines, engine builds and formats cannot know what one
+user's build does on one user's machine; one or two rows they measured can. Each measured
+row (:mod:`moesim.measured`: llama-bench, llama-server, ik_llama.cpp, vLLM or a plain CSV)
+becomes a deployment (:func:`deployment`: the model file, ``-ngl``, ``--n-cpu-moe`` / ``-ot``,
+threads, depth) predicted through the same path ``moesim validate --published`` takes
+(:func:`moesim.sim.published.predict`), and :func:`calibrate` fits only what the rows can
+determine:
+
+- one figure per resource that bounds some row under the starting profiles (the CPU's
+  weight reads from CPU-bound rows, the GPU's from GPU-bound rows, the link from copy-bound
+  rows), the format's own entry where the engine has one, else ``default``;
+- one thread's kernel rate (``cpu_kernel_gmacs``) only when CPU-bound rows differ in threads;
+- never more figures than rows: the figures that bound the most rows first.
+
+Each is fitted by least squares on ln(predicted / measured) from the shipped engine profile,
+and written as an ordinary engine profile (every fitted figure marked ``fitted``, its rows as
+the source) with a ``[calibration]`` table: the range its answers carry, from the
+leave-one-row-out residuals of this calibration when there are enough rows
+(:data:`moesim.sim.intervals.MIN_CLASS`), else from the published sources' own one-row
+calibrations (:func:`moesim.sim.intervals.calibrated_residuals`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from moesim.engines import EngineProfile, get_engine
+from moesim.errors import MoesimError
+from moesim.hardware import get_machine
+from moesim.models import get_model
+from moesim.sim.intervals import MIN_CLASS, Interval, calibrated_residuals, conformal
+from moesim.sim.published import Entry, predict
+from moesim.sim.whatif import bound_of
+
+if TYPE_CHECKING:  # the rows' type only: reading them is moesim.measured's
+    from moesim.measured import MeasuredRow
+
+#: What a calibration may fit: figure (the table's format key is chosen per row), the
+#: resource whose rows inform it (:func:`moesim.sim.whatif.bound_of`'s words), bounds.
+CANDIDATES = (("cpu_weight_efficiency", "CPU compute", 0.02, 1.0),
+              ("gpu_weight_efficiency", "GPU compute", 0.02, 1.0),
+              ("link_efficiency", "link", 0.02, 1.0))
+#: One CPU thread's kernel rate (G multiply-adds a second), fitted when rows differ in threads.
+THREAD_RATE = ("cpu_kernel_gmacs", 0.05, 1000.0)
+#: The starts of each fit, as a share of each figure's log range (a max() of two terms has
+#: flat regions: the best of several starts).
+STARTS = (0.3, 0.6, 0.9)
+
+
+@dataclass(frozen=True)
+class Given:
+    """What the user says of the machine the rows were measured on (the outputs rarely do)."""
+
+    hw: str = "none"  # GPUs (--hw): 'none' for a CPU-only build
+    host: str | None = None  # CPU (--host): a built-in, a file or 'this'
+    engine: str | None = None  # the starting engine profile (default: the rows' engine)
+    model: str | None = None  # the model, where the output names no file that exists here
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A fitted engine profile, what it was fitted on, and how well it predicts."""
+
+    engine: EngineProfile
+    figures: dict[str, float]  # fitted figure -> value
+    rows: list[dict[str, Any]]  # per measured row: deployment, measured, before, after
+    loro: list[float] = field(default_factory=list)  # leave-one-row-out ln(predicted / measured)
+    unused: list[tuple[str, str]] = field(default_factory=list)  # (where, why) rows not calibrated on
+
+
+def _spec_name(row: MeasuredRow, given: Given) -> str:
+    """The model of ``row``: the file the output names when it is here, else ``--model``, else
+    the name as a catalogue model (a plain CSV's ``model`` column)."""
+    from pathlib import Path
+
+    if row.model_file and Path(row.model_file).exists():
+        return row.model_file
+    if given.model:
+        return given.model
+    if row.model_file:
+        try:
+            get_model(row.model_file)
+            return row.model_file
+        except MoesimError:
+            pass
+    named = f" names {row.model_file!r}, which is no file here nor a catalogue model," if row.model_file else \
+        " names no model file"
+    raise MoesimError(f"{row.where}: the output{named}; give the model with --model (a GGUF file, a config.json "
+                      "folder or a catalogue name)")
+
+
+def _cpu_layers_of_overrides(row: MeasuredRow, n_moe: int, moe_layers: Sequence[int]) -> int | None:
+    """How many MoE layers' experts ``-ot`` keeps on the CPU, when they are the first ones
+    (llama.cpp's ``--n-cpu-moe N`` is the same placement); None when no pattern says CPU."""
+    on_cpu = set()
+    for ot in row.override_tensors:
+        pattern, _, buf = ot.rpartition("=")
+        if buf.upper() != "CPU":
+            raise MoesimError(f"{row.where}: -ot {ot!r}: moesim reads overrides to the CPU only (experts kept in "
+                              "host memory)")
+        try:
+            rx = re.compile(pattern)
+        except re.error as e:
+            raise MoesimError(f"{row.where}: -ot {ot!r}: not a regular expression ({e})") from None
+        on_cpu |= {m for m, layer in enumerate(moe_layers) if rx.search(f"blk.{layer}.ffn_up_exps.weight")}
+    if not row.override_tensors:
+        return None
+    if on_cpu != set(range(len(on_cpu))):
+        raise MoesimError(f"{row.where}: -ot keeps the experts of MoE layers {sorted(on_cpu)} on the CPU; moesim's "
+                          "cpu-static places the first N (llama.cpp's --n-cpu-moe N)")
+    return len(on_cpu)
+
+
+def deployment(row: MeasuredRow, given: Given, index: int) -> Entry:
+    """The published-suite entry that expresses ``row`` (its settings as
+    ``hwprofiles/published/settings.toml`` writes them), so it is predicted by the same path."""
+    o = row.options
+    model = _spec_name(row, given)
+    spec = get_model(model)
+    hw = o.get("hw") or given.hw
+    machine = get_machine(hw)
+    s: dict[str, Any] = {"id": f"row{index}", "model": model, "engine": o.get("engine") or given.engine or row.engine,
+                         "hw": hw, "context": int(o.get("prompt_len", row.depth)), "gen": max(row.n_gen, 1)}
+    if o.get("expert_dtype"):
+        s["quant"] = o["expert_dtype"]
+    host = o.get("host") or given.host
+    if host:
+        s["host"] = host
+    if row.threads:
+        s["threads"] = int(row.threads)
+    if o.get("policy"):
+        s["policy"] = o["policy"]
+        for k in ("cpu_layers", "gpu_layers"):
+            if o.get(k):
+                s[k] = o[k] if o[k] in ("auto", "all") else int(o[k])
+    else:
+        cpu_moe = row.n_cpu_moe or _cpu_layers_of_overrides(row, spec.n_moe_layers, spec.moe_layers)
+        ngl = row.n_gpu_layers
+        if machine.n_gpus == 0 or ngl == 0:
+            s["hw"], s["policy"] = "none", "all-resident"
+        elif cpu_moe:
+            s["policy"], s["cpu_layers"] = "cpu-static", min(int(cpu_moe), spec.n_moe_layers)
+        elif ngl is not None and ngl < spec.n_layers:
+            s["policy"], s["gpu_layers"] = "gpu-layers", int(ngl)
+        else:
+            s["policy"] = "all-resident"
+    if s["hw"] != "none" or s["policy"] != "all-resident":
+        s.setdefault("host", host)
+    if (s["policy"] != "all-resident" or s["hw"] == "none") and not s.get("host"):
+        raise MoesimError(f"{row.where}: a deployment with work on the CPU needs the host: give --host (a "
+                              "built-in from `moesim hw --hosts`, a host profile file, or 'this')")
+    m = {"id": s["id"], "source_url": row.where, "decode_tps": row.tokens_per_s,
+         "category": "all-cpu" if s["hw"] == "none" else "all-gpu" if s["policy"] == "all-resident"
+         else "hybrid-cpu-experts"}
+    return Entry(m, s)
+
+
+def _key(engine: EngineProfile, table: str, dtype: str) -> str:
+    """The entry of ``table`` a row of ``dtype`` weights reads (its own, else ``default``)."""
+    if table.endswith("efficiency") and table != "link_efficiency":
+        return f"{table}.{dtype}" if dtype in getattr(engine, table) else f"{table}.default"
+    return table
+
+
+def _ln_errors(entries: Sequence[Entry], engine: EngineProfile) -> np.ndarray:
+    return np.array([math.log(predict(e, {e.setting["engine"]: engine})["predicted_tps"]
+                              / float(e.measurement["decode_tps"])) for e in entries])
+
+
+def choose(entries: Sequence[Entry], engine: EngineProfile) -> tuple[list[tuple[str, float, float]], list[str]]:
+    """The figures the rows can determine (see the module docstring): [(key, low, high)] and
+    each row's bound under ``engine``."""
+    bounds, keys = [], Counter()
+    threads: dict[str, set] = {}
+    for e in entries:
+        p = predict(e, {e.setting["engine"]: engine})
+        row = p["result"].summary()
+        row.setdefault("fits", True)
+        b = bound_of({**row, "fits": True})
+        bounds.append(b)
+        dtype = p["result"].config.get("expert_dtype") if hasattr(p["result"], "config") else None
+        dtype = dtype or get_model(e.setting["model"]).expert_dtype
+        for table, resource, lo, hi in CANDIDATES:
+            if resource == b:
+                keys[(_key(engine, table, dtype), lo, hi)] += 1
+        if b == "CPU compute":
+            threads.setdefault(dtype, set()).add(e.setting.get("threads"))
+    chosen = [k for k, _ in keys.most_common()]
+    if any(len(ts) > 1 for ts in threads.values()):  # the rows say how speed grows with threads
+        chosen.append((f"{THREAD_RATE[0]}.default", THREAD_RATE[1], THREAD_RATE[2]))
+    return chosen[:len(entries)], bounds
+
+
+def _fit(entries: Sequence[Entry], base: EngineProfile, figures, source: str) -> tuple[EngineProfile, dict[str, float]]:
+    from scipy.optimize import least_squares  # scipy.optimize: 0.4 s to import, only a fit pays it
+
+    if not figures:
+        return base, {}
+    lo = np.log([f[1] for f in figures])
+    hi = np.log([f[2] for f in figures])
+
+    def engine_at(x) -> EngineProfile:
+        eng = base
+        for (key, _, _), v in zip(figures, np.exp(x)):
+            eng = eng.with_figure(key, float(v), "fitted", source)
+        return eng
+
+    def residuals(x):
+        return _ln_errors(entries, engine_at(x))
+
+    best = min((least_squares(residuals, lo + (hi - lo) * q, bounds=(lo, hi), diff_step=1e-3, xtol=1e-4,
+                              ftol=1e-6) for q in STARTS), key=lambda r: r.cost)
+    values = {key: float(v) for (key, _, _), v in zip(figures, np.exp(best.x))}
+    return engine_at(best.x), values
+
+
+def calibrate(rows: Sequence[MeasuredRow], given: Given, what: str) -> Calibration:
+    """Fit the figures ``rows`` determine (decode rows; the others are listed as unused, with
+    why), starting from the engine profile ``given`` names or the rows' engine."""
+    decode = [r for r in rows if r.test == "decode"]
+    unused = [(r.where, f"a {r.test} test: moesim calibrates decode speed") for r in rows if r.test != "decode"]
+    if not decode:
+        raise MoesimError(f"{what}: no decode rows to calibrate on ({len(rows)} rows, none of them decode); measure "
+                          "generation (llama-bench -n, a server's eval time)")
+    entries = [deployment(r, given, i) for i, r in enumerate(decode, 1)]
+    names = {e.setting["engine"] for e in entries}
+    if len(names) > 1:
+        raise MoesimError(f"{what}: rows of several engines ({', '.join(sorted(names))}): calibrate one at a time")
+    cal = calibrate_entries(entries, get_engine(names.pop()), f"{len(entries)} rows of {what}")
+    return replace(cal, unused=unused)
+
+
+def calibrate_entries(entries: Sequence[Entry], base: EngineProfile, what: str, loro: bool = True) -> Calibration:
+    """``base`` with the figures ``entries`` determine fitted to them; with ``loro``, each
+    entry also predicted from a calibration on the others, and the range answers carry."""
+    figures, bounds = choose(entries, base)
+    source = (f"fitted by moesim fit --measured on {what} ({', '.join(e.measurement['source_url'] for e in entries)})"
+              ": least squares on ln(predicted / measured)")
+    engine, values = _fit(entries, base, figures, source)
+    before, after = _ln_errors(entries, base), _ln_errors(entries, engine)
+    left_out = []
+    if loro and len(entries) >= 2:
+        for i in range(len(entries)):
+            rest = list(entries[:i]) + list(entries[i + 1:])
+            eng_i, _ = _fit(rest, base, choose(rest, base)[0], source)
+            left_out.append(float(_ln_errors([entries[i]], eng_i)[0]))
+    if loro:
+        iv = _range(left_out, what)
+        engine = replace(engine, description=f"{base.name} calibrated on {what}",
+                         calibration={"low": iv.low, "high": iv.high, "rows": len(entries), "basis": iv.basis})
+    out = [{"where": e.measurement["source_url"], "deployment": _words(e), "bound": b,
+            "measured_tps": float(e.measurement["decode_tps"]),
+            "before_tps": float(e.measurement["decode_tps"]) * math.exp(x0),
+            "after_tps": float(e.measurement["decode_tps"]) * math.exp(x1), "ln_error_after": float(x1)}
+           for e, b, x0, x1 in zip(entries, bounds, before, after)]
+    return Calibration(engine, values, out, left_out)
+
+
+def _range(left_out: list[float], what: str) -> Interval:
+    """The range a calibration's answers carry: its own leave-one-row-out residuals when there
+    are enough for a conformal interval, else the published sources' one-row calibrations'."""
+    if len(left_out) >= MIN_CLASS:
+        return conformal(left_out, f"calibrated on {what}: {len(left_out)} rows, leave one row out")
+    pool = calibrated_residuals()
+    n_src = len({r.source for r in pool})
+    return conformal([r.ln_error for r in pool],
+                     f"calibrated on {what}; range from {len(pool)} published rows predicted after calibrating on one "
+                     f"other row of the same source and machine ({n_src} sources; {len(left_out)} rows of its own "
+                     f"are fewer than {MIN_CLASS})")
+
+
+def _words(e: Entry) -> str:
+    s = e.setting
+    bits = [s["policy"], f"on {s['hw']}" + (f" + {s['host']}" if s.get("host") else "")]
+    for k in ("cpu_layers", "gpu_layers", "threads", "context"):
+        if k in s:
+            bits.append(f"{k.replace('_', ' ')} {s[k]}")
+    return ", ".join(bits)
+
+
+# --------------------------------------------------------------------------------------
+# The published suite, calibrated: what one measured row buys, and whether the order holds
+# --------------------------------------------------------------------------------------
+
+#: A source's entries on one machine calibrated on its first (the first the source lists in
+#: settings.toml) and judged on the others, when it has at least this many.
+MIN_CALIBRATED = 3
+#: The calibrated accuracy target: this share of predicted rows within +-15%.
+CALIBRATED_WITHIN = 0.15
+CALIBRATED_TARGET = 0.8
+#: The share of sweeps whose measured best setting must be predicted best.
+BEST_TARGET = 0.8
+
+
+def machine_groups(rows: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Leave-one-source-out rows grouped by source and machine (GPUs and host), in the
+    settings file's order: the settings one source measured on one machine."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["source_id"], r["hw"], r["host"]), []).append(r)
+    return list(groups.values())
+
+
+def _spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
+    from scipy.stats import spearmanr  # scipy.stats: imported only to score
+
+    if len(a) < 2 or len(set(a)) < 2 or len(set(b)) < 2:
+        return None
+    return float(spearmanr(a, b).statistic)
+
+
+def published_calibration(rows: Sequence[dict[str, Any]],
+                          progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """For each source with at least :data:`MIN_CALIBRATED` entries on one machine: calibrate
+    on its first entry (starting from engine figures fitted without that source, as
+    leave-one-source-out does), predict the others; and for each source with several
+    settings of one machine, whether the predictions order them as measured (Spearman's rank
+    correlation) and name the measured best, uncalibrated and calibrated on one row."""
+    from moesim.sim.engine_fit import fit
+    from moesim.sim.published import entries as all_entries
+
+    by_id = {e.id: e for e in all_entries()}
+    judged, sweeps = [], []
+    groups = [g for g in machine_groups(rows) if len(g) >= 2]
+    for done, group in enumerate(groups, 1):
+        if progress:
+            progress(done - 1, len(groups))
+        src = group[0]["source_id"]
+        first = by_id[group[0]["id"]]
+        name = first.setting["engine"]
+        base = fit(tuple(e for e in all_entries() if e.source != src), {name})[name].engine
+        cal = calibrate_entries([first], base, f"the first row of {src}", loro=False)
+        after = {}
+        for r in group:
+            e = by_id[r["id"]]
+            eng = cal.engine if e.setting["engine"] == name else None
+            after[r["id"]] = (r["predicted_tps"] if eng is None
+                              else float(predict(e, {name: eng})["predicted_tps"]))
+        if len(group) >= MIN_CALIBRATED:
+            for r in group[1:]:
+                ln = math.log(after[r["id"]] / r["measured_tps"])
+                judged.append({"id": r["id"], "source_id": src, "kind": r["kind"], "engine": r["engine"],
+                               "calibrated_on": first.id, "fitted": cal.figures, "measured_tps": r["measured_tps"],
+                               "uncalibrated_tps": r["predicted_tps"], "calibrated_tps": after[r["id"]],
+                               "ln_error": ln, "within_15": abs(math.expm1(ln)) <= CALIBRATED_WITHIN})
+        measured = [r["measured_tps"] for r in group]
+        best = max(range(len(group)), key=lambda i: measured[i])
+        uncal = [r["predicted_tps"] for r in group]
+        calp = [after[r["id"]] for r in group]
+        sweeps.append({"source_id": src, "hw": group[0]["hw"], "host": group[0]["host"],
+                       "ids": [r["id"] for r in group], "measured_best": group[best]["id"],
+                       "spearman_uncalibrated": _spearman(uncal, measured),
+                       "spearman_calibrated": _spearman(calp, measured),
+                       "best_uncalibrated": group[max(range(len(group)), key=lambda i: uncal[i])]["id"] == group[best]["id"],
+                       "best_calibrated": group[max(range(len(group)), key=lambda i: calp[i])]["id"] == group[best]["id"]})
+
+    def share(key: str) -> float | None:
+        return sum(s[key] for s in sweeps) / len(sweeps) if sweeps else None
+
+    def median(key: str) -> float | None:
+        vals = sorted(s[key] for s in sweeps if s[key] is not None)
+        return vals[len(vals) // 2] if vals else None
+
+    within = sum(j["within_15"] for j in judged) / len(judged) if judged else None
+    return {"calibrated": {"rows": judged, "entries": len(judged), "sources": len({j["source_id"] for j in judged}),
+                           "within_15": within, "target": CALIBRATED_TARGET,
+                           "uncalibrated_within_15": (sum(abs(j["uncalibrated_tps"] / j["measured_tps"] - 1) <= 0.15
+                                                          for j in judged) / len(judged)) if judged else None,
+                           "meets_target": within is not None and within >= CALIBRATED_TARGET},
+            "ordering": {"sweeps": sweeps, "n": len(sweeps), "best_uncalibrated": share("best_uncalibrated"),
+                         "best_calibrated": share("best_calibrated"), "target": BEST_TARGET,
+                         "median_spearman_uncalibrated": median("spearman_uncalibrated"),
+                         "median_spearman_calibrated": median("spearman_calibrated")}}
