@@ -24,6 +24,7 @@ calibrations (:func:`moesim.sim.intervals.calibrated_residuals`).
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections import Counter
@@ -36,10 +37,11 @@ import numpy as np
 from moesim.engines import EngineProfile, get_engine
 from moesim.errors import MoesimError
 from moesim.hardware import get_machine
-from moesim.models import get_model
+from moesim.models import DTYPES, get_model
 from moesim.sim.intervals import MIN_CLASS, Interval, calibrated_residuals, conformal
 from moesim.sim.published import Entry, predict
 from moesim.sim.whatif import bound_of
+from moesim.spec import matrix_bytes
 
 if TYPE_CHECKING:  # the rows' type only: reading them is moesim.measured's
     from moesim.measured import MeasuredRow
@@ -49,11 +51,15 @@ if TYPE_CHECKING:  # the rows' type only: reading them is moesim.measured's
 CANDIDATES = (("cpu_weight_efficiency", "CPU compute", 0.02, 1.0),
               ("gpu_weight_efficiency", "GPU compute", 0.02, 1.0),
               ("link_efficiency", "link", 0.02, 1.0))
-#: One CPU thread's kernel rate (G multiply-adds a second), fitted when rows differ in threads.
-THREAD_RATE = ("cpu_kernel_gmacs", 0.05, 1000.0)
+#: One CPU thread's kernel rate, fitted when rows differ in threads: the GB/s of weights one
+#: thread's kernels decode and multiply (a dequantise-and-dot kernel is bound by the bytes it
+#: unpacks more than by its multiply-adds: llama.cpp's measured per-thread rates on this
+#: project's bench, bf16 / Q8_0 / Q4_K, are 3.7 / 7.6 / 9.3 G multiply-adds but 7.4 / 8.0 / 5.3
+#: GB/s), written as the engine's ``cpu_kernel_gmacs`` of every format at its bytes a weight.
+THREAD_RATE = ("cpu_kernel_gbs", 0.05, 200.0)
 #: The starts of each fit, as a share of each figure's log range (a max() of two terms has
 #: flat regions: the best of several starts).
-STARTS = (0.3, 0.6, 0.9)
+STARTS = (0.1, 0.4, 0.7, 0.95)
 
 
 @dataclass(frozen=True)
@@ -145,7 +151,8 @@ def deployment(row: MeasuredRow, given: Given, index: int) -> Entry:
     else:
         cpu_moe = row.n_cpu_moe or _cpu_layers_of_overrides(row, spec.n_moe_layers, spec.moe_layers)
         ngl = row.n_gpu_layers
-        if machine.n_gpus == 0 or ngl == 0:
+        cpu_build = (row.backend or "").upper() == "CPU"  # a CPU-only build runs everything there, whatever -ngl says
+        if machine.n_gpus == 0 or ngl == 0 or cpu_build:
             s["hw"], s["policy"] = "none", "all-resident"
         elif cpu_moe:
             s["policy"], s["cpu_layers"] = "cpu-static", min(int(cpu_moe), spec.n_moe_layers)
@@ -196,8 +203,24 @@ def choose(entries: Sequence[Entry], engine: EngineProfile) -> tuple[list[tuple[
             threads.setdefault(dtype, set()).add(e.setting.get("threads"))
     chosen = [k for k, _ in keys.most_common()]
     if any(len(ts) > 1 for ts in threads.values()):  # the rows say how speed grows with threads
-        chosen.append((f"{THREAD_RATE[0]}.default", THREAD_RATE[1], THREAD_RATE[2]))
+        chosen.append(THREAD_RATE)
     return chosen[:len(entries)], bounds
+
+
+def _bytes_per_weight(dtype: str) -> float:
+    return matrix_bytes(4096, 4096, dtype) / 4096**2
+
+
+def with_thread_rate(engine: EngineProfile, gbs: float, source: str) -> EngineProfile:
+    """``engine`` whose CPU kernels decode ``gbs`` GB/s of weights a thread, in every format:
+    its ``cpu_kernel_gmacs`` table at each format's bytes a weight (one multiply-add a weight
+    a token)."""
+    for dtype in ("default", *DTYPES):
+        bpw = _bytes_per_weight("bf16" if dtype == "default" else dtype)
+        engine = engine.with_figure(f"cpu_kernel_gmacs.{dtype}", gbs / bpw, "fitted",
+                                    f"{source}; one thread's kernels decode {gbs:.4g} GB/s of weights, here in "
+                                    f"multiply-adds at {bpw:.4g} bytes a weight")
+    return engine
 
 
 def _fit(entries: Sequence[Entry], base: EngineProfile, figures, source: str) -> tuple[EngineProfile, dict[str, float]]:
@@ -211,14 +234,20 @@ def _fit(entries: Sequence[Entry], base: EngineProfile, figures, source: str) ->
     def engine_at(x) -> EngineProfile:
         eng = base
         for (key, _, _), v in zip(figures, np.exp(x)):
-            eng = eng.with_figure(key, float(v), "fitted", source)
+            eng = with_thread_rate(eng, float(v), source) if key == THREAD_RATE[0] else \
+                eng.with_figure(key, float(v), "fitted", source)
         return eng
 
     def residuals(x):
         return _ln_errors(entries, engine_at(x))
 
-    best = min((least_squares(residuals, lo + (hi - lo) * q, bounds=(lo, hi), diff_step=1e-3, xtol=1e-4,
-                              ftol=1e-6) for q in STARTS), key=lambda r: r.cost)
+    # Every combination of starts for up to two figures (a rate that does not bind has no
+    # gradient: started where the other figure leaves it slack, it would never move), the
+    # diagonal beyond.
+    starts = itertools.product(STARTS, repeat=len(figures)) if len(figures) <= 2 else ((q,) * len(figures)
+                                                                                       for q in STARTS)
+    best = min((least_squares(residuals, lo + (hi - lo) * np.array(q), bounds=(lo, hi), diff_step=1e-3, xtol=1e-4,
+                              ftol=1e-6) for q in starts), key=lambda r: r.cost)
     values = {key: float(v) for (key, _, _), v in zip(figures, np.exp(best.x))}
     return engine_at(best.x), values
 

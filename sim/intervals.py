@@ -129,22 +129,46 @@ def calibrated_residuals() -> tuple[Residual, ...]:
     return _read("calibrated")
 
 
-def residuals_toml(rows: Iterable[dict[str, Any]], calibrated: Iterable[dict[str, Any]], made_by: str) -> str:
-    """The residual file: leave-one-source-out rows (:func:`moesim.sim.engine_fit.leave_one_source_out`'s)
-    and the calibrated ones (:func:`moesim.sim.calibrate.published_calibration`'s)."""
+def residuals_toml(rows: Iterable[dict[str, Any]], calibrated: Iterable[dict[str, Any]], made_by: str,
+                   shipped: Iterable[dict[str, Any]] = ()) -> str:
+    """The residual file: leave-one-source-out rows (:func:`moesim.sim.engine_fit.leave_one_source_out`'s),
+    the calibrated ones (:func:`moesim.sim.calibrate.published_calibration`'s), and each entry's
+    prediction with the shipped figures (``shipped``: :func:`moesim.sim.published.run_published`'s
+    rows), so that ``moesim validate --published`` can name every prediction a change moved."""
     import tomli_w  # a well-kept writer: the sources' addresses quoted and escaped right
 
     def entry(r: dict[str, Any]) -> dict[str, Any]:
         return {"id": r["id"], "source": r["source_id"], "kind": r["kind"], "engine": r["engine"],
                 "ln_error": round(float(r["ln_error"]), 6)}
 
-    entries = [entry(r) for r in rows]
+    with_shipped = {r["id"]: round(float(r["ln_error"]), 6) for r in shipped}
+    entries = [entry(r) | ({"shipped_ln_error": with_shipped[r["id"]]} if r["id"] in with_shipped else {})
+               for r in rows]
     head = ("# Leave-one-source-out residuals ln(predicted / measured) of moesim's predictions of the published\n"
             "# measurements (hwprofiles/published): each entry predicted with engine figures fitted on the other\n"
             "# sources only; [[calibrated]]: the rows of a source's machine predicted after calibrating on its first\n"
             "# row. moesim.sim.intervals turns them into the range printed beside every answer.\n"
             f"# Written by {made_by}; do not edit by hand.\n")
     return head + tomli_w.dumps({"nominal": NOMINAL, "entry": entries, "calibrated": [entry(r) for r in calibrated]})
+
+
+#: A prediction that moved by more than this factor against the committed one is named.
+MOVED = 1.10
+
+
+def moved(rows: Sequence[dict[str, Any]], key: str = "ln_error") -> list[dict[str, Any]]:
+    """The rows whose prediction moved by more than :data:`MOVED` against the committed file's
+    (``key``: ``ln_error``, leave one source out, or ``shipped_ln_error``), and entries new to it."""
+    before = {r["id"]: r.get(key) for r in _shipped()["entry"]}
+    out = []
+    for r in rows:
+        old = before.get(r["id"])
+        if old is None:
+            out.append({"id": r["id"], "was": None, "now": r["ratio"], "change": None})
+        elif abs(float(r["ln_error"]) - old) > math.log(MOVED):
+            out.append({"id": r["id"], "was": math.exp(old), "now": r["ratio"],
+                        "change": math.exp(float(r["ln_error"]) - old)})
+    return out
 
 
 def kind_of(family: str, n_gpus: int) -> str:

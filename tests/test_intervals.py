@@ -134,3 +134,20 @@ def test_bad_calibration_table_is_one_line(tmp_path, bad):
     path.write_text(builtin_engines()["llama.cpp"].read_text().replace("runs_on = ", f"calibration = {bad}\nruns_on = ", 1))
     r = in_process("whatif", "--hw", "rtx4090", "--engine", str(path), "--tokens", "8", "--jobs", "1")
     one_line_error(r, "calibration")
+
+
+def test_moved_names_every_prediction_that_changed_by_more_than_ten_percent(monkeypatch):
+    monkeypatch.setattr(iv, "_shipped", lambda: {"entry": [
+        {"id": "a", "ln_error": 0.0, "shipped_ln_error": 0.0}, {"id": "b", "ln_error": 0.5, "shipped_ln_error": 0.2}]})
+    rows = [{"id": "a", "ln_error": math.log(1.09), "ratio": 1.09},  # 9%: not named
+            {"id": "b", "ln_error": 0.5 - math.log(1.2), "ratio": math.exp(0.5) / 1.2},  # 20% down
+            {"id": "c", "ln_error": 0.0, "ratio": 1.0}]  # not in the committed file
+    m = iv.moved(rows)
+    assert [x["id"] for x in m] == ["b", "c"]
+    assert m[0]["change"] == pytest.approx(1 / 1.2) and m[1]["was"] is None
+    assert [x["id"] for x in iv.moved(rows, "shipped_ln_error")] == ["b", "c"]  # b: 0.318 against 0.2
+
+
+def test_the_committed_predictions_hold_both_figures_for_every_entry():
+    entries = iv._shipped()["entry"]
+    assert entries and all("shipped_ln_error" in e for e in entries)

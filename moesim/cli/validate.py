@@ -17,7 +17,7 @@ from moesim.reports.validation import validation_suite
 from moesim.sim import published as pub
 from moesim.sim.calibrate import published_calibration
 from moesim.sim.engine_fit import leave_one_source_out
-from moesim.sim.intervals import NOMINAL, coverage
+from moesim.sim.intervals import MOVED, NOMINAL, RESIDUALS_FILE, coverage, moved
 
 CASE_SHORT = {"same-policy": "same", "transfer from on-demand": "transfer"}
 
@@ -117,13 +117,15 @@ def _published(as_json: bool, as_csv: bool) -> None:
 
     with progress_bar("leave one source out", "sources") as update:
         rows = leave_one_source_out(progress=update)
-    summary, shipped = pub.summarise(rows), pub.summarise(pub.run_published())
+    shipped_rows = pub.run_published()
+    summary, shipped = pub.summarise(rows), pub.summarise(shipped_rows)
     cover = coverage(rows)
+    moves = {"leave_one_source_out": moved(rows), "shipped_figures": moved(shipped_rows, "shipped_ln_error")}
     with progress_bar("calibrating each source on its first row", "sources") as update:
         cal = published_calibration(rows, update)
     if as_json:
         print_json({"summary": summary, "shipped_figures": shipped, "interval_coverage": cover,
-                    "calibrated": cal["calibrated"], "ordering": cal["ordering"],
+                    "calibrated": cal["calibrated"], "ordering": cal["ordering"], "moved": moves,
                     "target": {"within_25": pub.TARGET_WITHIN, "median_abs_ln": pub.TARGET_MEDIAN_LN,
                                "within_25_per_kind": pub.TARGET_WITHIN_PER_KIND},
                     "rows": rows, "excluded": pub.excluded()})
@@ -172,5 +174,14 @@ def _published(as_json: bool, as_csv: bool) -> None:
                   f"predicted best in {o['best_uncalibrated']:.0%} uncalibrated, {o['best_calibrated']:.0%} calibrated "
                   f"on one row (target {o['target']:.0%}); median rank correlation "
                   f"{_corr(o['median_spearman_uncalibrated'])} and {_corr(o['median_spearman_calibrated'])}")
+    for what, rows_moved in moves.items():
+        words = what.replace("_", " ")
+        if not rows_moved:
+            out.print(f"no prediction ({words}) moved by more than {MOVED - 1:.0%} against "
+                      f"hwprofiles/published/{RESIDUALS_FILE}", markup=False)
+        for m in rows_moved:
+            out.print(f"moved ({words}): {m['id']} " + (f"predicted/measured {m['was']:.3g} -> {m['now']:.3g} "
+                                                       f"(x{m['change']:.3g})" if m["was"] is not None
+                                                       else "new: no committed prediction"), markup=False)
     out.print(f"{len(pub.excluded())} more measurements are not expressed (hwprofiles/published/settings.toml says "
               "why); sources: hwprofiles/published/README.md")
