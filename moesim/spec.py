@@ -820,8 +820,11 @@ class ModelSpec:
             return 0
         if self.artefact_mtp_bytes:
             return round(self.artefact_mtp_bytes / self.n_mtp_layers)
+        # Its experts as the file stores the others when it gives them per layer (a GGUF file, a
+        # llama.cpp file type's recipe with its fallbacks), else by the format's formula.
+        expert = self.expert_bytes if self.expert_bytes_by_layer else self._formula_expert_bytes
         return (self.attention_bytes + self.router_bytes + self.shared_expert_bytes
-                + self.n_experts * self._formula_expert_bytes + self._linear(self.hidden, 2 * self.hidden)
+                + self.n_experts * expert + self._linear(self.hidden, 2 * self.hidden)
                 + 2 * 3 * self._norm_params)
 
     # -- (de)serialisation ---------------------------------------------------------------
