@@ -36,6 +36,7 @@ import numpy as np
 
 from moesim.engines import EngineProfile, get_engine
 from moesim.errors import MoesimError
+from moesim.fmt import plural
 from moesim.hardware import get_machine
 from moesim.models import DTYPES, get_model
 from moesim.sim.intervals import MIN_CLASS, Interval, calibrated_residuals, conformal
@@ -80,18 +81,19 @@ class Calibration:
     figures: dict[str, float]  # fitted figure -> value
     rows: list[dict[str, Any]]  # per measured row: deployment, measured, before, after
     loro: list[float] = field(default_factory=list)  # leave-one-row-out ln(predicted / measured)
+    at_bound: list[str] = field(default_factory=list)  # fitted figures that ended at a bound of their range
     unused: list[tuple[str, str]] = field(default_factory=list)  # (where, why) rows not calibrated on
 
 
 def _spec_name(row: MeasuredRow, given: Given) -> str:
-    """The model of ``row``: the file the output names when it is here, else ``--model``, else
-    the name as a catalogue model (a plain CSV's ``model`` column)."""
+    """The model of ``row``: ``--model`` when given, else the file the output names when it is
+    here, else that name as a catalogue model (a plain CSV's ``model`` column)."""
     from pathlib import Path
 
-    if row.model_file and Path(row.model_file).exists():
-        return row.model_file
     if given.model:
         return given.model
+    if row.model_file and Path(row.model_file).exists():
+        return row.model_file
     if row.model_file:
         try:
             get_model(row.model_file)
@@ -135,7 +137,11 @@ def deployment(row: MeasuredRow, given: Given, index: int) -> Entry:
     hw = o.get("hw") or given.hw
     machine = get_machine(hw)
     s: dict[str, Any] = {"id": f"row{index}", "model": model, "engine": o.get("engine") or given.engine or row.engine,
-                         "hw": hw, "context": int(o.get("prompt_len", row.depth)), "gen": max(row.n_gen, 1)}
+                         "hw": hw, "gen": max(row.n_gen, 1),
+                         # the context the generated tokens see: the cache before the test, and the test's own
+                         # prompt when it times prompt and generation together
+                         "context": int(o.get("prompt_len", row.depth))
+                         + (row.n_prompt if row.test == "prefill+decode" else 0)}
     if o.get("expert_dtype"):
         s["quant"] = o["expert_dtype"]
     host = o.get("host") or given.host
@@ -160,8 +166,6 @@ def deployment(row: MeasuredRow, given: Given, index: int) -> Entry:
             s["policy"], s["gpu_layers"] = "gpu-layers", int(ngl)
         else:
             s["policy"] = "all-resident"
-    if s["hw"] != "none" or s["policy"] != "all-resident":
-        s.setdefault("host", host)
     if (s["policy"] != "all-resident" or s["hw"] == "none") and not s.get("host"):
         raise MoesimError(f"{row.where}: a deployment with work on the CPU needs the host: give --host (a "
                               "built-in from `moesim hw --hosts`, a host profile file, or 'this')")
@@ -252,11 +256,33 @@ def _fit(entries: Sequence[Entry], base: EngineProfile, figures, source: str) ->
     return engine_at(best.x), values
 
 
+def _at_bound(figures, values: dict[str, float]) -> list[str]:
+    """The fitted figures that ended within 0.1% of a bound: the rows ask for more than it can give."""
+    return [key for key, lo, hi in figures if key in values and min(abs(math.log(values[key] / b)) for b in (lo, hi))
+            < 1e-3]
+
+
+#: A test that times the prompt and the generation together (``vllm bench latency``, llama-bench's
+#: ``-pg``) counts as a decode measurement when its prompt is at most this share of the tokens
+#: it generates: the prefill of so short a prompt is a few percent of the run.
+MIXED_PROMPT_SHARE = 0.25
+
+
+def usable(row: MeasuredRow) -> bool:
+    """Whether ``row`` measures decode speed: a decode test, or a prompt-and-generation test
+    whose prompt is short (:data:`MIXED_PROMPT_SHARE`)."""
+    return row.test == "decode" or (row.test == "prefill+decode" and row.n_gen > 0
+                                    and row.n_prompt <= MIXED_PROMPT_SHARE * row.n_gen)
+
+
 def calibrate(rows: Sequence[MeasuredRow], given: Given, what: str) -> Calibration:
     """Fit the figures ``rows`` determine (decode rows; the others are listed as unused, with
     why), starting from the engine profile ``given`` names or the rows' engine."""
-    decode = [r for r in rows if r.test == "decode"]
-    unused = [(r.where, f"a {r.test} test: moesim calibrates decode speed") for r in rows if r.test != "decode"]
+    decode = [r for r in rows if usable(r)]
+    unused = [(r.where, f"a {r.test} test: moesim calibrates decode speed"
+               + (f" (its {r.n_prompt}-token prompt is more than {MIXED_PROMPT_SHARE:.0%} of its {r.n_gen} "
+                  "generated tokens: the prefill would weigh in its time)" if r.test == "prefill+decode" else ""))
+              for r in rows if not usable(r)]
     if not decode:
         raise MoesimError(f"{what}: no decode rows to calibrate on ({len(rows)} rows, none of them decode); measure "
                           "generation (llama-bench -n, a server's eval time)")
@@ -264,7 +290,7 @@ def calibrate(rows: Sequence[MeasuredRow], given: Given, what: str) -> Calibrati
     names = {e.setting["engine"] for e in entries}
     if len(names) > 1:
         raise MoesimError(f"{what}: rows of several engines ({', '.join(sorted(names))}): calibrate one at a time")
-    cal = calibrate_entries(entries, get_engine(names.pop()), f"{len(entries)} rows of {what}")
+    cal = calibrate_entries(entries, get_engine(names.pop()), f"{plural(len(entries), 'row')} of {what}")
     return replace(cal, unused=unused)
 
 
@@ -291,7 +317,7 @@ def calibrate_entries(entries: Sequence[Entry], base: EngineProfile, what: str, 
             "before_tps": float(e.measurement["decode_tps"]) * math.exp(x0),
             "after_tps": float(e.measurement["decode_tps"]) * math.exp(x1), "ln_error_after": float(x1)}
            for e, b, x0, x1 in zip(entries, bounds, before, after)]
-    return Calibration(engine, values, out, left_out)
+    return Calibration(engine, values, out, left_out, at_bound=_at_bound(figures, values))
 
 
 def _range(left_out: list[float], what: str) -> Interval:
@@ -303,17 +329,19 @@ def _range(left_out: list[float], what: str) -> Interval:
     n_src = len({r.source for r in pool})
     return conformal([r.ln_error for r in pool],
                      f"calibrated on {what}; range from {len(pool)} published rows predicted after calibrating on one "
-                     f"other row of the same source and machine ({n_src} sources; {len(left_out)} rows of its own "
-                     f"are fewer than {MIN_CLASS})")
+                     f"other row of the same source and machine ({n_src} sources): its own "
+                     f"{plural(len(left_out), 'row')} left out are too few for a range of their own ({MIN_CLASS} "
+                     "needed)")
 
 
 def _words(e: Entry) -> str:
+    """A row's deployment as the engine's own flags say it, short: ``all-resident, none + HOST, -t 2, -d 512``."""
     s = e.setting
-    bits = [s["policy"], f"on {s['hw']}" + (f" + {s['host']}" if s.get("host") else "")]
-    for k in ("cpu_layers", "gpu_layers", "threads", "context"):
-        if k in s:
-            bits.append(f"{k.replace('_', ' ')} {s[k]}")
-    return ", ".join(bits)
+    from pathlib import Path
+
+    host = f" + {Path(s['host']).name}" if s.get("host") else ""
+    flags = {"cpu_layers": "--n-cpu-moe", "gpu_layers": "-ngl", "threads": "-t", "context": "-d"}
+    return ", ".join([s["policy"], f"{s['hw']}{host}"] + [f"{f} {s[k]}" for k, f in flags.items() if k in s])
 
 
 # --------------------------------------------------------------------------------------

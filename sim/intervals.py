@@ -198,14 +198,14 @@ def _interval(kind: str, engine: str, pool: tuple[Residual, ...]) -> Interval:
     if len(own) >= MIN_CLASS and n_src >= MIN_SOURCES:
         return conformal([r.ln_error for r in own], f"{engine}, {kind}: {len(own)} published entries from {n_src} "
                                                     "sources, leave one source out")
-    why = f"{len(own)} {engine} entries of the kind from {n_src} sources"
+    why = f"{engine}: {len(own)} of the kind, from {n_src} sources"
     for basis, keep in ((f"{kind}, any engine", lambda r: r.kind == kind), ("every deployment kind", lambda r: True)):
         sel = [r for r in pool if keep(r)]
         if len(sel) >= MIN_CLASS:
-            return conformal([r.ln_error for r in sel], f"{basis} (pooled: {why}): {len(sel)} published entries "
-                                                        f"from {len({r.source for r in sel})} sources, leave one "
-                                                        "source out")
-        why = f"{len(sel)} entries of the kind"
+            return conformal([r.ln_error for r in sel], f"{basis}: {len(sel)} published entries from "
+                                                        f"{len({r.source for r in sel})} sources, leave one source "
+                                                        f"out; pooled, too few of {why}")
+        why = f"{kind}: {len(sel)}"
     raise MoesimError(f"too few published residuals for an interval ({len(pool)})")
 
 

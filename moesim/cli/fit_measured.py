@@ -1,0 +1,68 @@
+"""How ``moesim fit --measured`` calibrates and what it prints. Python:
+``moesim.sim.calibrate.calibrate(moesim.measured.read_measured(path, fmt, **reader), Given(...), what)``."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+from moesim.atomic import atomic_write_text
+from moesim.cli.app import err, out, table
+from moesim.cli.options import holding
+from moesim.fmt import plural
+from moesim.hardware import get_host
+from moesim.measured import read_measured
+from moesim.outputs import check_output_dir
+from moesim.sim.calibrate import Given, calibrate
+from moesim.sim.intervals import calibrated
+
+
+def calibrate_and_show(path: Path, fmt: str | None, given: Given, reader: dict, folder: Path) -> None:
+    """Calibrate on ``path``'s rows, print what was fitted and how well, write the profiles."""
+    check_output_dir(folder)
+    rows = read_measured(path, fmt, **{k: v for k, v in reader.items() if v is not None})
+    with holding(folder, "--out"):
+        cal = calibrate(rows, given, path.name)
+        host = get_host(given.host) if given.host else None
+        folder.mkdir(parents=True, exist_ok=True)
+        engine_file = folder / "engine.toml"
+        atomic_write_text(engine_file, f"# {cal.engine.description}\n" + cal.engine.to_toml())
+        written = [engine_file]
+        if host is not None:  # the host the rows ran on, as one file beside it (`--host this`: what was detected)
+            host_file = folder / "host.toml"
+            atomic_write_text(host_file, f"# {host.description}\n" + host.to_toml())
+            written.append(host_file)
+    out.print(table(f"calibration on {path.name}: measured vs predicted decode tokens/s "
+                    f"(synthetic traces; {cal.engine.name} figures before and after)",
+                    ("row", "measured", "before", "after", "after/measured", "bound"),
+                    [[r["where"], f"{r['measured_tps']:.4g}", f"{r['before_tps']:.4g}", f"{r['after_tps']:.4g}",
+                      f"{r['after_tps'] / r['measured_tps']:.3f}", r["bound"]] for r in cal.rows],
+                    "right"))
+    for r in cal.rows:
+        out.print(f"{r['where']}: {r['deployment']}", markup=False, highlight=False, soft_wrap=True)
+    for where, why in cal.unused:
+        out.print(f"not calibrated on {where}: {why}", markup=False, highlight=False, soft_wrap=True)
+    if cal.figures:
+        out.print("fitted: " + ", ".join(f"{k} = {v:.4g}" + (" (at the end of its range: the rows ask for more "
+                                                            "than it can give)" if k in cal.at_bound else "")
+                                         for k, v in cal.figures.items())
+                  + f" (on {plural(len(cal.rows), 'row')}; every other figure as shipped)", markup=False, highlight=False,
+                  soft_wrap=True)
+    else:
+        out.print("fitted nothing: no row is bound by a figure moesim calibrates", markup=False)
+    off = [r["where"] for r in cal.rows if abs(r["after_tps"] / r["measured_tps"] - 1) > 0.15]
+    if off:
+        err.print(f"warning: the calibrated profile still misses {', '.join(off)} by more than 15%: rows that no "
+                  "setting of the fitted figures explains together (a row measured on a busy machine, a build or "
+                  "setting moesim does not model); their spread is in the range answers carry", markup=False,
+                  highlight=False, soft_wrap=True)
+    if cal.loro:
+        within = sum(abs(math.expm1(x)) <= 0.15 for x in cal.loro)
+        out.print(f"leave one row out: {within} of {len(cal.loro)} rows within +-15% of measured when predicted "
+                  f"from the others (median |ln| {statistics.median(abs(x) for x in cal.loro):.3f})", markup=False)
+    iv = calibrated(cal.engine.calibration)
+    out.print(f"answers with this profile carry the {iv.words()}", markup=False, highlight=False, soft_wrap=True)
+    err.print("wrote " + ", ".join(str(p) for p in written) + "; use them with "
+              + " ".join(f"{o} {p}" for o, p in zip(("--engine", "--host"), written)), markup=False, highlight=False,
+              soft_wrap=True)
