@@ -30,7 +30,7 @@ from moesim.inputs import TOML_CAP, check_name, kind_of, read_text
 from moesim.models import INTEGER_DTYPES  # models imports nothing from here; keep it that way
 
 LINK_KINDS = ("pcie3", "pcie4", "pcie5", "nvlink-c2c", "emulated")
-FIGURE_KINDS = ("datasheet", "measured", "estimate", "fitted")
+FIGURE_KINDS = ("datasheet", "measured", "derived", "estimate", "fitted")  # derived: computed from measured figures
 # The profile a run uses when nothing names one: a trace that does not record its hardware
 # (a synthetic trace) and the executor's emulated link. A PCIe 4.0 workstation GPU is the
 # common case for offloading (experts in host memory because they do not fit).
@@ -584,7 +584,7 @@ def this_gpu(facts: GpuFacts, index: int = 0) -> HardwareProfile:
     if (bw := facts.mem_bw_peak_gbs) is not None:
         share = base["mem_bw_achievable_gbs"] / base["mem_bw_peak_gbs"]
         src = f"{nvml}: {facts.bus_bits}-bit bus x {facts.mem_clock_mhz} MHz x 2"
-        figures["mem_bw_peak_gbs"] = Figure(round(bw, 1), "measured", src)
+        figures["mem_bw_peak_gbs"] = Figure(round(bw, 1), "derived", src)
         figures["mem_bw_achievable_gbs"] = Figure(round(bw * share, 1), "estimate",
                                                   f"estimate: {src}, at {base.name}'s achievable share ({share:.2f})")
     link = base.link
