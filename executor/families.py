@@ -221,8 +221,16 @@ class ExecConfig:
         """The same model stored in ``dtype`` (packed experts stay packed): the spec's byte
         accounting follows (one source of truth)."""
         name = next(k for k, v in TORCH_DTYPES.items() if v == dtype)
-        experts = self.spec.expert_dtype if self.spec.expert_dtype in PACKED_EXPERTS else name
-        return replace(self, spec=replace(self.spec, expert_dtype=experts, dense_dtype=name))
+        s = self.spec
+        experts = s.expert_dtype if s.expert_dtype in PACKED_EXPERTS else name
+        # The checkpoint's exact byte counts were for the format it is stored in (bf16
+        # safetensors); held in another, the format's formula counts them. Kept, they made an
+        # fp32 run's trace say 49,152 bytes an expert where 98,304 crossed the link, and every
+        # replay of it price half the copies (issue 51).
+        return replace(self, spec=replace(
+            s, expert_dtype=experts, dense_dtype=name,
+            expert_bytes_by_layer=s.expert_bytes_by_layer if experts == s.expert_dtype else (),
+            artefact_layer_bytes=s.artefact_layer_bytes if name == s.dense_dtype else ()))
 
     @classmethod
     def from_hf(cls, model_dir: str | Path) -> ExecConfig:
