@@ -48,7 +48,8 @@ def one_suite(folder: Path, extra: list[str]) -> dict[str, Any]:
     data = json.loads((folder / "summary.json").read_text())
     out: dict[str, Any] = {"seconds": round(time.perf_counter() - t0, 1), "machine_figures":
                            data["summary"].get("machine figures (measured)"),
-                           "steady_machine": data["summary"].get("steady machine"), "rows": data["rows"]}
+                           "steady_machine": data["summary"].get("steady machine"),
+                           "machine_facts": data["summary"].get("machine"), "rows": data["rows"]}
     for case in CASES:
         rows = [r for r in data["rows"] if r["case"] == case]
         errs = [abs(r["error"]) for r in rows]

@@ -254,7 +254,37 @@ def summarise(rows: list[dict[str, Any]], prefix: str = "") -> dict[str, Any]:
 
 
 def machine() -> str:
-    return f"{platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__} (1 compute thread + link thread)"
+    return f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__} (1 compute thread + link thread)"
+
+
+def cpu_model() -> str:
+    """The CPU's model name as Linux reports it (``/proc/cpuinfo``), else the architecture."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_facts() -> dict[str, Any]:
+    """What the suite ran on, for comparing runs across machines (issue 51): CPU model and
+    cores, kernel, Python, torch, and a reference fp32 matmul (512^3 on one thread, best of 5)
+    timed where the runs are, so that two machines' errors can be set side by side."""
+    from moesim.timing import best_time
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(512, 512), torch.randn(512, 512)
+        matmul = best_time(lambda: a @ b)
+    finally:
+        torch.set_num_threads(old)
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "kernel": platform.release(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "reference_matmul_ms": round(matmul * 1e3, 3),
+            "reference_matmul": "fp32 512x512x512 on one torch thread, best of 5 (moesim.executor.validation)"}
 
 
 # --------------------------------------------------------------------------------------

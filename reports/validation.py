@@ -312,7 +312,14 @@ def validation_suite(out: Path, tokens: int = 32, model: str | None = None, repe
         raise MoesimError("--tokens must be >= 3 (the first step is warm-up) and --repeats >= 1")
     _check_budget(tokens, repeats, model)
     from moesim.executor.loading import shipped_model  # the executor needs torch: only the suite imports it
-    from moesim.executor.validation import CPU_CASES, SYNTHETIC_SPEC, machine, run_cpu_suite, run_suite  # torch
+    from moesim.executor.validation import (  # torch
+        CPU_CASES,
+        SYNTHETIC_SPEC,
+        machine,
+        machine_facts,
+        run_cpu_suite,
+        run_suite,
+    )
 
     check_output_dir(out)
     # torch, as above (interrupt itself does not import it, but belongs to the suite's run)
@@ -350,6 +357,7 @@ def validation_suite(out: Path, tokens: int = 32, model: str | None = None, repe
                                                                  lambda doing: extra_progress(f"copy queues: {doing}"))
             queues = (queue_rows, winners)
             summary.update(queue_summary)
+    summary["machine"] = machine_facts()  # what the runs ran on, for comparing machines
     example = next((tr for k, tr in traces.items() if k.endswith("prefetch-fom")), None)
     page = write_suite_report(rows, traces, summary, out,
                               (example, recorded_profile(example)) if example is not None else None, machine(),

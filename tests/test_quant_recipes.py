@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from moesim.models import get_model, matrix_bytes
-from moesim.quant_recipes import RECIPES, stored_type, store_as
+from moesim.quant_recipes import RECIPES, store_as, stored_type
 from moesim.setting import Setting
 from moesim.sim.static import simulate_static
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
