@@ -272,8 +272,6 @@ def machine_facts() -> dict[str, Any]:
     """What the suite ran on, for comparing runs across machines (issue 51): CPU model and
     cores, kernel, Python, torch, and a reference fp32 matmul (512^3 on one thread, best of 5)
     timed where the runs are, so that two machines' errors can be set side by side."""
-    from moesim.timing import best_time
-
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
