@@ -60,9 +60,9 @@ def fit(
     makes any command predict for this machine without measured times.
 
     Example: `llama-bench -m model.gguf -o json > run.json`, then
-    `moesim fit --measured run.json --host this --out mybox` (needs a dump file: run.json), then
-    `moesim whatif --model model.gguf --hw none --engine mybox/engine.toml --host mybox/host.toml` (needs a dump
-    file: mybox).
+    `moesim fit --measured run.json --host this --out mybox` (needs a dump file: run.json),
+    then `moesim whatif --model model.gguf --hw none --engine mybox/engine.toml --host mybox/host.toml`
+    (needs a dump file: mybox's profiles).
     """
     if measured is not None:
         if trace_path is not None:
