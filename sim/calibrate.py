@@ -106,10 +106,15 @@ def _spec_name(row: MeasuredRow, given: Given) -> str:
                       "folder or a catalogue name)")
 
 
-def _cpu_layers_of_overrides(row: MeasuredRow, n_moe: int, moe_layers: Sequence[int]) -> int | None:
-    """How many MoE layers' experts ``-ot`` keeps on the CPU, when they are the first ones
-    (llama.cpp's ``--n-cpu-moe N`` is the same placement); None when no pattern says CPU."""
-    on_cpu = set()
+#: The routed experts' tensors of a layer, as llama.cpp names them (``blk.N.ffn_*_exps.weight``).
+EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def cpu_moe_layers(row: MeasuredRow, moe_layers: Sequence[int]) -> int:
+    """How many MoE layers keep their experts in host memory: ``--n-cpu-moe N`` (the first N)
+    together with every ``-ot REGEX=CPU`` (a layer whose three expert tensors all match);
+    one line where they are not the first N layers, or split a layer's experts."""
+    on_cpu = set(range(min(row.n_cpu_moe or 0, len(moe_layers))))
     for ot in row.override_tensors:
         pattern, _, buf = ot.rpartition("=")
         if buf.upper() != "CPU":
@@ -119,9 +124,13 @@ def _cpu_layers_of_overrides(row: MeasuredRow, n_moe: int, moe_layers: Sequence[
             rx = re.compile(pattern)
         except re.error as e:
             raise MoesimError(f"{row.where}: -ot {ot!r}: not a regular expression ({e})") from None
-        on_cpu |= {m for m, layer in enumerate(moe_layers) if rx.search(f"blk.{layer}.ffn_up_exps.weight")}
-    if not row.override_tensors:
-        return None
+        for m, layer in enumerate(moe_layers):
+            hit = [t for t in EXPERT_TENSORS if rx.search(f"blk.{layer}.{t}.weight")]
+            if hit and len(hit) < len(EXPERT_TENSORS):
+                raise MoesimError(f"{row.where}: -ot {ot!r} keeps only {', '.join(hit)} of layer {layer}'s experts on "
+                                  "the CPU; moesim places a layer's experts whole (llama.cpp's --n-cpu-moe)")
+            if hit:
+                on_cpu.add(m)
     if on_cpu != set(range(len(on_cpu))):
         raise MoesimError(f"{row.where}: -ot keeps the experts of MoE layers {sorted(on_cpu)} on the CPU; moesim's "
                           "cpu-static places the first N (llama.cpp's --n-cpu-moe N)")
@@ -155,7 +164,7 @@ def deployment(row: MeasuredRow, given: Given, index: int) -> Entry:
             if o.get(k):
                 s[k] = o[k] if o[k] in ("auto", "all") else int(o[k])
     else:
-        cpu_moe = row.n_cpu_moe or _cpu_layers_of_overrides(row, spec.n_moe_layers, spec.moe_layers)
+        cpu_moe = cpu_moe_layers(row, spec.moe_layers)
         ngl = row.n_gpu_layers
         cpu_build = (row.backend or "").upper() == "CPU"  # a CPU-only build runs everything there, whatever -ngl says
         if machine.n_gpus == 0 or ngl == 0 or cpu_build:

@@ -185,10 +185,18 @@ def interval_for(kind: str, engine: str, pool: Sequence[Residual] | None = None,
     """The interval of a prediction of ``kind`` under ``engine``: from its class's residuals,
     pooled toward the kind, then every entry, when a class has fewer than :data:`MIN_CLASS`
     (``exclude_source``: leave that source's residuals out, as :func:`coverage` does)."""
+    if pool is None and exclude_source is None:
+        return _shipped_interval(kind, engine)
     pool = residuals() if pool is None else pool
     if exclude_source is not None:
         pool = [r for r in pool if r.source != exclude_source]
     return _interval(kind, engine, tuple(pool))
+
+
+@functools.lru_cache(maxsize=64)
+def _shipped_interval(kind: str, engine: str) -> Interval:
+    """:func:`_interval` over the shipped residuals, once per class (a sweep asks per row)."""
+    return _interval(kind, engine, residuals())
 
 
 @functools.lru_cache(maxsize=256)

@@ -39,6 +39,8 @@ def test_rows_become_the_deployments_the_engine_ran():
     assert (s["policy"], s["cpu_layers"]) == ("cpu-static", 3)
     s = deployment(row(n_gpu_layers=99, override_tensors=("exps=CPU",)), g, 1).setting
     assert s["cpu_layers"] == 48
+    s = deployment(row(n_gpu_layers=99, n_cpu_moe=2, override_tensors=(r"blk\.2\.ffn_.*_exps\.=CPU",)), g, 1).setting
+    assert s["cpu_layers"] == 3  # --n-cpu-moe 2 and -ot on the third: the first three
     s = deployment(row(n_gpu_layers=99), g, 1).setting
     assert s["policy"] == "all-resident"
     assert deployment(row(depth=1024, n_gen=32), g, 1).setting["context"] == 1024
@@ -49,6 +51,8 @@ def test_rows_become_the_deployments_the_engine_ran():
      "MoE layers [5, 6]"),
     (row(n_gpu_layers=99, override_tensors=("exps=CUDA0",)), Given("rtx4090", HOST), "overrides to the CPU only"),
     (row(n_gpu_layers=99, override_tensors=("ex(ps=CPU",)), Given("rtx4090", HOST), "not a regular expression"),
+    (row(n_gpu_layers=99, override_tensors=(r"blk\.1\.ffn_down_exps=CPU",)), Given("rtx4090", HOST),
+     "keeps only ffn_down_exps of layer 1's experts"),
     (row(), Given("none"), "--host"),
     (row(model_file="/nowhere/model.gguf"), Given("none", HOST), "--model"),
 ])
