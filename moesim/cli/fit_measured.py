@@ -15,16 +15,16 @@ from moesim.hardware import get_host
 from moesim.measured import read_measured
 from moesim.outputs import check_output_dir
 from moesim.sim.calibrate import Given, calibrate
-from moesim.sim.intervals import calibrated
+from moesim.sim.intervals import MIN_CLASS, calibrated
 
 
 def calibrate_and_show(path: Path, fmt: str | None, given: Given, reader: dict, folder: Path) -> None:
     """Calibrate on ``path``'s rows, print what was fitted and how well, write the profiles."""
     check_output_dir(folder)
+    host = get_host(given.host) if given.host else None  # an unknown host: one line before any work
     rows = read_measured(path, fmt, **{k: v for k, v in reader.items() if v is not None})
     with holding(folder, "--out"):
         cal = calibrate(rows, given, path.name)
-        host = get_host(given.host) if given.host else None
         folder.mkdir(parents=True, exist_ok=True)
         engine_file = folder / "engine.toml"
         atomic_write_text(engine_file, f"# {cal.engine.description}\n" + cal.engine.to_toml())
@@ -53,10 +53,11 @@ def calibrate_and_show(path: Path, fmt: str | None, given: Given, reader: dict, 
         out.print("fitted nothing: no row is bound by a figure moesim calibrates", markup=False)
     off = [r["where"] for r in cal.rows if abs(r["after_tps"] / r["measured_tps"] - 1) > 0.15]
     if off:
+        whose = ("" if len(cal.loro) >= MIN_CLASS else f"; with fewer than {MIN_CLASS} rows the range answers carry "
+                 "comes from the published sources, not from these rows")
         err.print(f"warning: the calibrated profile still misses {', '.join(off)} by more than 15%: rows that no "
                   "setting of the fitted figures explains together (a row measured on a busy machine, a build or "
-                  "setting moesim does not model); their spread is in the range answers carry", markup=False,
-                  highlight=False, soft_wrap=True)
+                  f"setting moesim does not model){whose}", markup=False, highlight=False, soft_wrap=True)
     if cal.loro:
         within = sum(abs(math.expm1(x)) <= 0.15 for x in cal.loro)
         out.print(f"leave one row out: {within} of {len(cal.loro)} rows within +-15% of measured when predicted "
