@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from moesim.costmodel import CostModel
+from moesim.errors import MoesimError
 from moesim.executor.host_experts import HostExperts
 from moesim.executor.hwbench import cpu_interference, cpu_wakeup
 from moesim.executor.interrupt import Interrupted, stop_on_interrupt, stop_requested
@@ -37,6 +38,7 @@ from moesim.executor.runtime import host_setup
 from moesim.executor.steady import SteadyMachine
 from moesim.executor.validation_plan import POLICIES, PROMPT, SUITE, SYNTHETIC_SPEC  # noqa: F401 (re-exported)
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, HostProfile, get_host, get_profile
+from moesim.host_detect import read_facts
 from moesim.models import SHIPPED_MODEL
 from moesim.policy import get_policy
 from moesim.setting import Setting
@@ -258,14 +260,11 @@ def machine() -> str:
 
 
 def cpu_model() -> str:
-    """The CPU's model name as Linux reports it (``/proc/cpuinfo``), else the architecture."""
+    """The CPU's model name as ``--host this`` reads it (moesim.host_detect), else the architecture."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return read_facts(Path("/proc/cpuinfo").read_text()).model
+    except (OSError, MoesimError):
+        return platform.processor() or platform.machine()
 
 
 def machine_facts() -> dict[str, Any]:

@@ -40,3 +40,9 @@ def plural(n: int, word: str) -> str:
 def link(gbps: float | None) -> str:
     """``link 25 GB/s``, or ``no GPU link`` for a machine without a GPU (``--hw none``)."""
     return "no GPU link" if gbps is None else f"link {gbps:g} GB/s"
+
+
+def printable(text: str) -> str:
+    """``text`` as a terminal may show it: each control character (an escape sequence in a
+    GGUF's ``general.name`` or a GPU's NVML name would recolour the table) becomes ``?``."""
+    return "".join(c if c.isprintable() else "?" for c in text)

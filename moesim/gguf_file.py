@@ -21,6 +21,7 @@ from typing import Any
 
 from moesim.artefacts import apply_tensor_bytes
 from moesim.errors import MoesimError
+from moesim.fmt import printable
 from moesim.inputs import check_name, kind_of, original_names, readable_path
 from moesim.spec import DTYPES, Attention, LinearAttention, ModelSpec
 
@@ -134,12 +135,6 @@ def spec_from_gguf(path: str | Path) -> ModelSpec:
     return spec_from_metadata(meta, tensors, str(path), vocab)
 
 
-def _printable(name: str) -> str:
-    """A model name as a terminal may show it: a control character (an escape sequence in
-    ``general.name`` recoloured the table) becomes ``?``."""
-    return "".join(c if c.isprintable() else "?" for c in name)
-
-
 def spec_from_metadata(meta: dict[str, Any], tensors: dict[str, tuple[str, int, tuple[int, ...]]], where: str,
                        vocab: int | None = None) -> ModelSpec:
     """The spec from GGUF metadata and ``name -> (ggml type, bytes, shape)`` of every tensor."""
@@ -247,7 +242,7 @@ def spec_from_metadata(meta: dict[str, Any], tensors: dict[str, tuple[str, int, 
     head_type = embed_type if tied else ttype("output.weight")
 
     spec = ModelSpec(
-        name=_printable(str(meta.get("general.name") or Path(where).stem)), n_layers=n_layers, n_experts=n_experts, top_k=top_k,
+        name=printable(str(meta.get("general.name") or Path(where).stem)), n_layers=n_layers, n_experts=n_experts, top_k=top_k,
         hidden=hidden, expert_inter=expert_inter, vocab=int(vocab), attention=attention, dense_layers=tuple(dense),
         dense_inter=dense_inter if dense else 0, n_shared=n_shared, shared_inter=shared_inter,
         expert_dtype=_dtype(e_type), dense_dtype=_dtype(a_type), embed_dtype=_dtype(embed_type),

@@ -26,10 +26,10 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import re
 from dataclasses import dataclass
 
 from moesim.errors import MoesimError
+from moesim.fmt import printable
 
 #: GB/s per lane and direction of each PCIe generation after encoding (PCI-SIG: 8 GT/s with
 #: 128b/130b for 3.0, doubling with each generation).
@@ -39,7 +39,6 @@ HINT = "give --hw none for a machine without a GPU, or a GPU profile (`moesim hw
 #: (memory: 1 GB to 1 TB a device; bus: 32 bits to HBM's 8,192; memory clock: 100 MHz to 40 GHz).
 LIMITS = {"memory_gb": (0.5, 1024.0), "bus_bits": (32, 16384), "mem_clock_mhz": (100, 40000),
           "pcie_width": (1, 32)}
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 @dataclass(frozen=True)
@@ -77,7 +76,7 @@ def checked(f: GpuFacts, index: int) -> GpuFacts:
             raise MoesimError(f"--hw this: NVML says GPU {index} ({f.name}) has {key} = {v!r}, which no GPU has "
                               f"(from {low:g} to {high:g}); the driver or its binding is broken: {HINT}")
     gen = f.pcie_gen if f.pcie_gen in PCIE_LANE_GBS else None
-    return GpuFacts(_CONTROL.sub("?", f.name), float(f.memory_gb), f.bus_bits, f.mem_clock_mhz, gen, f.pcie_width)
+    return GpuFacts(printable(f.name), float(f.memory_gb), f.bus_bits, f.mem_clock_mhz, gen, f.pcie_width)
 
 
 def _asked(nvml_error, fn, *args):

@@ -37,10 +37,11 @@ import numpy as np
 from moesim.engines import EngineProfile, get_engine
 from moesim.errors import MoesimError
 from moesim.fmt import plural
-from moesim.hardware import get_machine
+from moesim.hardware import get_host, get_machine
 from moesim.models import DTYPES, get_model
+from moesim.policy import get_policy
 from moesim.sim.intervals import MIN_CLASS, Interval, calibrated_residuals, conformal
-from moesim.sim.published import Entry, predict
+from moesim.sim.published import Entry, predict, setting_spec
 from moesim.sim.whatif import bound_of
 from moesim.spec import matrix_bytes
 
@@ -137,15 +138,29 @@ def cpu_moe_layers(row: MeasuredRow, moe_layers: Sequence[int]) -> int:
     return len(on_cpu)
 
 
-def deployment(row: MeasuredRow, given: Given, index: int) -> Entry:
+def deployment(row: MeasuredRow, given: Given) -> Entry:
     """The published-suite entry that expresses ``row`` (its settings as
-    ``hwprofiles/published/settings.toml`` writes them), so it is predicted by the same path."""
+    ``hwprofiles/published/settings.toml`` writes them), so it is predicted by the same path;
+    every name in it resolved here, so a bad one is refused naming the row, before any fit."""
+    try:
+        entry = _deployment(row, given)
+        s = entry.setting
+        setting_spec(s), get_engine(s["engine"]), get_policy(s["policy"])
+        if s.get("host"):
+            get_host(s["host"])
+    except MoesimError as e:
+        text = str(e)
+        raise MoesimError(text if text.startswith(row.where) else f"{row.where}: {text}") from None
+    return entry
+
+
+def _deployment(row: MeasuredRow, given: Given) -> Entry:
     o = row.options
     model = _spec_name(row, given)
     spec = get_model(model)
     hw = o.get("hw") or given.hw
     machine = get_machine(hw)
-    s: dict[str, Any] = {"id": f"row{index}", "model": model, "engine": o.get("engine") or given.engine or row.engine,
+    s: dict[str, Any] = {"id": row.where, "model": model, "engine": o.get("engine") or given.engine or row.engine,
                          "hw": hw, "gen": max(row.n_gen, 1),
                          # the context the generated tokens see: the cache before the test, and the test's own
                          # prompt when it times prompt and generation together
@@ -162,6 +177,8 @@ def deployment(row: MeasuredRow, given: Given, index: int) -> Entry:
         s["policy"] = o["policy"]
         for k in ("cpu_layers", "gpu_layers"):
             if o.get(k):
+                if o[k] not in ("auto", "all") and not o[k].isdigit():
+                    raise MoesimError(f"{row.where}: {k} {o[k]!r}: a count of layers, auto or all")
                 s[k] = o[k] if o[k] in ("auto", "all") else int(o[k])
     else:
         cpu_moe = cpu_moe_layers(row, spec.moe_layers)
@@ -200,22 +217,19 @@ def choose(entries: Sequence[Entry], engine: EngineProfile) -> tuple[list[tuple[
     """The figures the rows can determine (see the module docstring): [(key, low, high)] and
     each row's bound under ``engine``."""
     bounds, keys = [], Counter()
-    threads: dict[str, set] = {}
+    cpu_threads = set()
     for e in entries:
-        p = predict(e, {e.setting["engine"]: engine})
-        row = p["result"].summary()
-        row.setdefault("fits", True)
+        row = predict(e, {e.setting["engine"]: engine})["result"].summary()
         b = bound_of({**row, "fits": True})
         bounds.append(b)
-        dtype = p["result"].config.get("expert_dtype") if hasattr(p["result"], "config") else None
-        dtype = dtype or get_model(e.setting["model"]).expert_dtype
+        dtype = setting_spec(e.setting).expert_dtype  # the spec the prediction used (a file type's recipe applied)
         for table, resource, lo, hi in CANDIDATES:
             if resource == b:
                 keys[(_key(engine, table, dtype), lo, hi)] += 1
         if b == "CPU compute":
-            threads.setdefault(dtype, set()).add(e.setting.get("threads"))
+            cpu_threads.add(e.setting.get("threads"))
     chosen = [k for k, _ in keys.most_common()]
-    if any(len(ts) > 1 for ts in threads.values()):  # the rows say how speed grows with threads
+    if len(cpu_threads) > 1:  # the rows say how speed grows with threads
         chosen.append(THREAD_RATE)
     return chosen[:len(entries)], bounds
 
@@ -295,7 +309,7 @@ def calibrate(rows: Sequence[MeasuredRow], given: Given, what: str) -> Calibrati
     if not decode:
         raise MoesimError(f"{what}: no decode rows to calibrate on ({len(rows)} rows, none of them decode); measure "
                           "generation (llama-bench -n, a server's eval time)")
-    entries = [deployment(r, given, i) for i, r in enumerate(decode, 1)]
+    entries = [deployment(r, given) for r in decode]
     names = {e.setting["engine"] for e in entries}
     if len(names) > 1:
         raise MoesimError(f"{what}: rows of several engines ({', '.join(sorted(names))}): calibrate one at a time")

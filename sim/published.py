@@ -108,7 +108,8 @@ def excluded() -> dict[str, str]:
     return dict(_read("settings.toml").get("excluded", {}))
 
 
-def _spec(s: dict[str, Any]) -> ModelSpec:
+def setting_spec(s: dict[str, Any]) -> ModelSpec:
+    """The model a setting predicts, in its format (a llama.cpp file type's recipe applied)."""
     return _spec_of(s["model"], s.get("quant"), s["id"])
 
 
@@ -123,7 +124,8 @@ def _spec_of(model: str, q: str | None, sid: str) -> ModelSpec:
         return apply_recipe(spec, q)
     if q in DTYPES:
         return spec.with_expert_dtype(q)
-    raise MoesimError(f"published setting {sid}: unknown quant {q!r}")
+    raise MoesimError(f"{sid}: unknown quant {q!r} (a llama.cpp file type or a weight format of "
+                      "`moesim models --help`)")
 
 
 def _host(s: dict[str, Any]):
@@ -153,7 +155,7 @@ def predict(entry: Entry, engines: dict[str, EngineProfile] | None = None) -> di
     """The decode speed moesim predicts for ``entry`` (``engines`` replaces engine profiles
     by name: a fit tries its candidate figures this way)."""
     s = entry.setting
-    spec = _spec(s)
+    spec = setting_spec(s)
     engine = (engines or {}).get(s["engine"]) or get_engine(s["engine"])
     context = int(s.get("context", 1000)) + int(s.get("gen", 0)) // 2
     trace = _trace(spec, context, TOKENS, None)

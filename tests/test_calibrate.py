@@ -30,20 +30,20 @@ def row(**kw) -> MeasuredRow:
 
 def test_rows_become_the_deployments_the_engine_ran():
     g = Given("rtx4090", HOST)
-    assert deployment(row(), g, 1).setting["hw"] == "none"  # -ngl 0: every layer on the CPU
-    s = deployment(row(n_gpu_layers=99, n_cpu_moe=20), g, 1).setting
+    assert deployment(row(), g).setting["hw"] == "none"  # -ngl 0: every layer on the CPU
+    s = deployment(row(n_gpu_layers=99, n_cpu_moe=20), g).setting
     assert (s["policy"], s["cpu_layers"], s["hw"]) == ("cpu-static", 20, "rtx4090")
-    s = deployment(row(n_gpu_layers=30), g, 1).setting
+    s = deployment(row(n_gpu_layers=30), g).setting
     assert (s["policy"], s["gpu_layers"]) == ("gpu-layers", 30)
-    s = deployment(row(n_gpu_layers=99, override_tensors=(r"blk\.(0|1|2)\.ffn_.*_exps\.=CPU",)), g, 1).setting
+    s = deployment(row(n_gpu_layers=99, override_tensors=(r"blk\.(0|1|2)\.ffn_.*_exps\.=CPU",)), g).setting
     assert (s["policy"], s["cpu_layers"]) == ("cpu-static", 3)
-    s = deployment(row(n_gpu_layers=99, override_tensors=("exps=CPU",)), g, 1).setting
+    s = deployment(row(n_gpu_layers=99, override_tensors=("exps=CPU",)), g).setting
     assert s["cpu_layers"] == 48
-    s = deployment(row(n_gpu_layers=99, n_cpu_moe=2, override_tensors=(r"blk\.2\.ffn_.*_exps\.=CPU",)), g, 1).setting
+    s = deployment(row(n_gpu_layers=99, n_cpu_moe=2, override_tensors=(r"blk\.2\.ffn_.*_exps\.=CPU",)), g).setting
     assert s["cpu_layers"] == 3  # --n-cpu-moe 2 and -ot on the third: the first three
-    s = deployment(row(n_gpu_layers=99), g, 1).setting
+    s = deployment(row(n_gpu_layers=99), g).setting
     assert s["policy"] == "all-resident"
-    assert deployment(row(depth=1024, n_gen=32), g, 1).setting["context"] == 1024
+    assert deployment(row(depth=1024, n_gen=32), g).setting["context"] == 1024
 
 
 @pytest.mark.parametrize("r, given, words", [
@@ -58,15 +58,15 @@ def test_rows_become_the_deployments_the_engine_ran():
 ])
 def test_rows_moesim_cannot_express_are_refused_by_row(r, given, words):
     with pytest.raises(MoesimError, match="run.json") as e:
-        deployment(r, given, 1)
+        deployment(r, given)
     assert words in str(e.value)
 
 
 def _measured_with(engine, rows, given):
     """``rows`` with the speed ``engine`` predicts for each: measurements whose answer is known."""
     out = []
-    for i, r in enumerate(rows, 1):
-        e = deployment(r, given, i)
+    for r in rows:
+        e = deployment(r, given)
         out.append(MeasuredRow(**{**r.__dict__, "tokens_per_s": predict(e, {"llama.cpp": engine})["predicted_tps"]}))
     return out
 
@@ -85,11 +85,11 @@ def test_one_cpu_bound_row_recovers_the_cpu_weight_efficiency():
 def test_never_more_figures_than_rows_and_threads_only_when_they_differ():
     base = get_engine("llama.cpp")
     given = Given("none", HOST)
-    one = [deployment(row(), given, 1)]
+    one = [deployment(row(), given)]
     assert len(choose(one, base)[0]) == 1
-    same = [deployment(row(depth=d), given, i) for i, d in enumerate((0, 512), 1)]
+    same = [deployment(row(depth=d), given) for d in (0, 512)]
     assert [k for k, _, _ in choose(same, base)[0]] == ["cpu_weight_efficiency.default"]
-    differ = [deployment(row(threads=t), given, i) for i, t in enumerate((1, 8), 1)]
+    differ = [deployment(row(threads=t), given) for t in (1, 8)]
     assert [k for k, _, _ in choose(differ, base)[0]] == ["cpu_weight_efficiency.default", "cpu_kernel_gbs"]
 
 
@@ -137,7 +137,7 @@ def test_leave_one_row_out_predicts_each_row_from_the_others():
     truth = get_engine("llama.cpp").with_figure("cpu_weight_efficiency.default", 0.4, "estimate", "test")
     given = Given("none", HOST)
     rows = _measured_with(truth, [row(depth=d) for d in (0, 1024, 4096)], given)
-    entries = [deployment(r, given, i) for i, r in enumerate(rows, 1)]
+    entries = [deployment(r, given) for r in rows]
     cal = calibrate_entries(entries, get_engine("llama.cpp"), "three rows")
     assert len(cal.loro) == 3 and max(abs(x) for x in cal.loro) < 0.02  # one figure explains every row
 
@@ -209,3 +209,17 @@ def test_a_vllm_latency_run_calibrates_the_gpu_side(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "gpu_weight_efficiency.default" in r.stdout and "-d 32" in r.stdout  # its prompt is the context
     assert not (tmp_path / "v" / "host.toml").exists()  # no host given: none written
+
+
+@pytest.mark.parametrize("columns, values, words", [
+    ("policy", "bogus", "unknown policy 'bogus'"),
+    ("expert_dtype", "q9_z", "unknown quant 'q9_z'"),
+    ("policy,cpu_layers", "cpu-static,abc", "cpu_layers 'abc'"),
+    ("hw", "rtx9999", "unknown hardware profile 'rtx9999'"),
+])
+def test_a_plain_csv_row_moesim_cannot_resolve_is_one_line_naming_it(tmp_path, columns, values, words):
+    csv = tmp_path / "mine.csv"
+    csv.write_text(f"engine,model,{columns},tokens_per_s\nllama.cpp,{MODEL},{values},10\n")
+    line = one_line_error(in_process("fit", "--measured", str(csv), "--host", HOST, "--hw", "rtx4090",
+                                     "--out", str(tmp_path / "o"), cwd=tmp_path), words)
+    assert "mine.csv:2" in line and not (tmp_path / "o").exists()
