@@ -87,7 +87,8 @@ class ExpertTimes:
     cpu_fixed: float  # CPU dispatch of one expert
     roundtrip: float  # activations device -> host -> device (and the engine's CPU layer cost), once a layer
     copy: float  # one expert's host-to-device copy on the link
-    gpu_layer: float = 0.0  # a fused engine's launches, once per layer with device experts
+    gpu_layer: float = 0.0  # a fused engine's launches of the kernels that read the experts, once a layer
+    gpu_layer_serial: float = 0.0  # its other kernels' launches (GLU, weighting, sum), once a layer
     overlap: bool = False  # launches overlap the kernels (:func:`with_launches`)
 
     def gpu(self, n, assign):
@@ -95,11 +96,13 @@ class ExpertTimes:
         a layer); works on scalars and arrays."""
         per = with_launches(self.gpu_mem, self.gpu_fixed, self.overlap)
         t = device_expert_seconds(n, assign, per, self.gpu_tok)
-        if not self.gpu_layer:
+        if not (self.gpu_layer or self.gpu_layer_serial):
             return t
-        layer = (np.where(np.asarray(n) > 0, self.gpu_layer, 0.0) if isinstance(n, np.ndarray)
-                 else (self.gpu_layer if n else 0.0))
-        return with_launches(t, layer, self.overlap)
+        if isinstance(n, np.ndarray):
+            some = n > 0
+            return with_launches(t, np.where(some, self.gpu_layer, 0.0), self.overlap) \
+                + np.where(some, self.gpu_layer_serial, 0.0)
+        return with_launches(t, self.gpu_layer, self.overlap) + self.gpu_layer_serial if n else t
 
     def cpu(self, n, assign):
         """CPU seconds, 0 where no expert runs there; works on scalars and arrays."""
@@ -121,12 +124,14 @@ class Residence:
     kernels run (vLLM's ``--cpu-offload-gb``, zero-copy pinned memory), its KV cache still
     from device memory. ``cpu_part``: some of the model runs on the CPU (partial offload),
     where an engine that gives ``partial_offload_launch_us`` launches its GPU kernels one by
-    one at that cost instead of replaying a CUDA graph."""
+    one at that cost instead of replaying a CUDA graph; ``layer_split``: its layers are split
+    over several GPUs, where an engine whose ``layer_split_graph_replay`` is 0 does the same."""
 
     host_weights: float = 0.0
     host_other: float = 0.0
     weights_over_link: bool = False
     cpu_part: bool = False
+    layer_split: bool = False  # the model's layers are split over several GPUs
 
 
 ON_DEVICE = Residence()  # every weight in device memory: nothing paged, nothing read over the link
@@ -161,11 +166,17 @@ class CostModel:
                               "cannot run on it")
         if gpu is not None and "gpu" not in e.runs_on:
             raise MoesimError(f"{e.name} computes on CPUs only (its profile's runs_on); give --hw none")
-        self.overlap = bool(e.get("launch_overlap"))
+        # A replayed CUDA graph overlaps its launches with the kernels, unless a layer kind of the
+        # model keeps the engine from capturing one (its ``graph_replay``).
+        self.overlap = e.replays_graph({self.mixer_kind(layer) for layer in range(spec.n_layers)})
         if gpu is not None:
             self.launch = gpu.launch if e.kernel_launch_us is None else e.kernel_launch_us * 1e-6
             self.layer_overhead = gpu.layer_overhead if e.layer_overhead_us is None else e.layer_overhead_us * 1e-6
-            if residence.cpu_part and "partial_offload_launch_us" in e.figures:  # no graph replay beside CPU work
+            no_split_graph = residence.layer_split and not e.get("layer_split_graph_replay", 1.0)
+            eager = residence.cpu_part or no_split_graph or (e.get("launch_overlap") and not self.overlap)
+            if no_split_graph:
+                self.overlap = False
+            if eager and "partial_offload_launch_us" in e.figures:  # kernels launched one by one, no graph
                 self.launch = e["partial_offload_launch_us"] * 1e-6
         if host is not None:
             self._host_setup(threads, residence.host_weights, residence.host_other)
@@ -226,12 +237,15 @@ class CostModel:
         :attr:`kv_efficiency` of its memory bandwidth."""
         return nbytes / (self._gpu().mem_bw * self.kv_efficiency)
 
-    def _device(self, nbytes, flops, dtype: str, kernels: float = 0.0, extra_mem=0.0):
+    def _device(self, nbytes, flops, dtype: str, kernels: float = 0.0, extra_mem=0.0, weightless: float = 0.0):
         """A block on the device: ``max(bytes / bandwidth + extra, FLOPs / rate)`` and its
-        kernels' launches (:func:`with_launches`: added, or overlapped under a graph)."""
+        kernels' launches (:func:`with_launches`: added, or overlapped under a graph).
+        ``weightless`` of the ``kernels`` read no weights (norms, activations, residuals): a
+        kernel's time is its own, so under a graph each of those still takes its launch after
+        the weight-reading kernels' work, instead of hiding under it."""
         gpu = self._gpu()
         work = np.maximum(self._device_mem(nbytes, dtype) + extra_mem, flops / gpu.flops(dtype))
-        return with_launches(work, kernels * self.launch, self.overlap)
+        return with_launches(work, (kernels - weightless) * self.launch, self.overlap) + weightless * self.launch
 
     def _host(self) -> HostProfile:
         if self.host is None:
@@ -289,8 +303,10 @@ class CostModel:
         # The layer's own kind: a sliding or chunked layer reads only its window of the KV
         # cache, a linear (state-space) layer its recurrent state instead (ModelSpec.kv_tokens).
         attn_flops = np.asarray(s.layer_attention_flops(layer, ctx.astype(np.int64)), float)
+        # A state is read and written back each token, more often by an engine that updates it
+        # in several unfused kernels (its ``state_passes``).
         kv = seqs * (np.asarray(s.kv_tokens(layer, ctx.astype(np.int64)), float) * s.kv_bytes_per_token(layer)
-                     + 2 * s.state_bytes(layer))  # a state is read and written back each token
+                     + self.engine.get("state_passes", 2.0) * s.state_bytes(layer))
         # The engine's maturity on this kind of token mixer (moesim.engines.LAYER_TABLES): its
         # weights, its KV cache or state and its math take 1 / efficiency of their roofline.
         slow = 1.0 / self.engine.mixer_efficiency(self.mixer_kind(layer))
@@ -307,9 +323,26 @@ class CostModel:
             t = self._cpu(weights, flops - ctx_flops, s.dense_dtype) \
                 + np.maximum(self._cpu_kv(kv), ctx_flops / self.cpu_rate("bf16"))
         else:
-            t = self._device(weights / sh, flops / sh, s.dense_dtype, self.engine.attention_kernels,
-                             self._device_kv(kv / sh)) + self.layer_overhead
+            # A kernel's time is its own: the kernel that reads the KV cache (or the state) takes
+            # the larger of its launch and its read, the block's other kernels theirs, so a long
+            # context shows under a replayed graph instead of hiding under the others' launches.
+            kernels = self.engine.kernels_before_experts(self.mixer_kind(layer))
+            rest = max(kernels - 1, 0)
+            t = self._device(weights / sh, flops / sh, s.dense_dtype, rest, weightless=max(rest - self.matrices(layer), 0)) \
+                + with_launches(self._device_kv(kv / sh), self.launch * min(kernels, 1), self.overlap) \
+                + self.layer_overhead
         return t if t.ndim else float(t)
+
+    def matrices(self, layer: int) -> int:
+        """Weight matrices layer ``layer``'s block before its routed experts multiplies by (each
+        its own kernel): the mixer's projections (q, k, v, o; a latent attention's five; a
+        linear mixer's input, gate and output), the router and the shared experts of an MoE
+        layer, or the dense FFN."""
+        s = self.spec
+        mixer = {"linear": 3, "mla": 5}.get(self.mixer_kind(layer), 4)
+        if layer in s.dense_layers:
+            return mixer + 3
+        return mixer + 1 + (3 if s.n_shared else 0)
 
     @property
     def kv_efficiency(self) -> float:
@@ -346,8 +379,9 @@ class CostModel:
         s = self.spec
         if self._on_cpu(on):
             return float(self._cpu(s.lm_head_bytes, rows * s.lm_head_flops, "bf16"))
-        return float(self._device(s.lm_head_bytes / self.shards, rows * s.lm_head_flops / self.shards, "bf16",
-                                  self.engine.head_kernels))
+        k = self.engine.head_kernels
+        return float(self._device(s.lm_head_bytes / self.shards, rows * s.lm_head_flops / self.shards, "bf16", k,
+                                  weightless=max(k - 1, 0)))
 
     def prediction(self, rows: float = 1) -> float:
         """Predicting a later MoE layer's experts at a router: the quasi-hidden state's
@@ -371,17 +405,30 @@ class CostModel:
 
     @property
     def layer_expert_launches(self) -> float:
-        """A fused engine's launches for one layer's experts (0 under an eager engine, which
-        pays them per expert)."""
+        """A fused engine's launches for one layer's experts that read their weights (0 under an
+        eager engine, which pays them per expert)."""
         e = self.engine
-        return e.expert_kernels * self.launch if e.fused_experts else 0.0
+        return min(e.expert_kernels, self._expert_matrices) * self.launch if e.fused_experts else 0.0
+
+    @property
+    def layer_expert_serial(self) -> float:
+        """A fused engine's other launches for one layer's experts (the activation, the gate
+        weighting, the sum over the top-k): each takes its launch after the expert work."""
+        e = self.engine
+        return max(e.expert_kernels - self._expert_matrices, 0) * self.launch if e.fused_experts else 0.0
+
+    @property
+    def _expert_matrices(self) -> int:
+        return 3 if self.spec.expert_gated else 2  # gate, up and down (grouped over the layer's experts)
 
     def experts_device(self, n, assign):
         """``n`` distinct routed experts serving ``assign`` token-expert pairs on the device
         (:func:`device_expert_seconds`; a fused engine adds its launches once a layer)."""
         t = device_expert_seconds(n, assign, self.expert_read(), self.expert_pair())
         if self.engine.fused_experts:
-            t = with_launches(t, np.where(np.asarray(n) > 0, self.layer_expert_launches, 0.0), self.overlap)
+            some = np.asarray(n) > 0
+            t = with_launches(t, np.where(some, self.layer_expert_launches, 0.0), self.overlap) \
+                + np.where(some, self.layer_expert_serial, 0.0)
         return t
 
     # -- routed experts on the CPU -------------------------------------------------------
@@ -408,6 +455,7 @@ class CostModel:
             cpu_tok=s.expert_flops(1) / self.cpu_rate(s.expert_dtype),
             cpu_fixed=self.cpu_dispatch, roundtrip=self.roundtrip(batch),
             copy=self.copy_expert() if gpu else np.inf, gpu_layer=self.layer_expert_launches if gpu else 0.0,
+            gpu_layer_serial=self.layer_expert_serial if gpu else 0.0,
             overlap=self.overlap,
         )
 

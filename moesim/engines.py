@@ -12,6 +12,7 @@ reads them, and nothing else does.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import math
 from dataclasses import dataclass, field, replace
@@ -55,6 +56,13 @@ ENGINE_FIGURES: dict[str, tuple[str, bool, bool, str]] = {
                                                   "into speed (absent: 0: one socket's bandwidth)"),
     "pages_from_disk": ("0/1", False, True, "1: the weights are a memory-mapped file, so a model larger than host "
                                             "RAM pages from disk (llama.cpp's mmap); 0: it must fit"),
+    "layer_split_graph_replay": ("0/1", False, True, "0: with the model's layers split over several GPUs the "
+                                                     "engine launches its kernels one by one (at "
+                                                     "partial_offload_launch_us) instead of replaying a CUDA graph "
+                                                     "(absent: 1)"),
+    "state_passes": ("count", False, True, "passes over a linear-attention layer's recurrent state a decode token "
+                                           "makes on the GPU, reads and writes counted apart (absent: 2, one read "
+                                           "and one write: a fused kernel)"),
 }
 #: Weight-format efficiencies: fraction of the processor's achievable memory bandwidth the
 #: engine's kernels reach reading weights of a format (``default``, or a format name of
@@ -74,13 +82,22 @@ RATE_TABLES = ("cpu_kernel_gmacs",)
 #: engine is not equally mature on every kind: a kind its version runs with unfused or
 #: CPU-fallback kernels says so here, with the version in the source ("not optimised in
 #: version X"). Absent: 1, the roofline.
-LAYER_TABLES = ("layer_efficiency",)
+#: The engine's graph for a layer kind, per kind: ``layer_kernels`` the GPU kernels of the block
+#: before the routed experts (norms, projections, the mixer, residuals, router; absent: the
+#: figure ``attention_kernels``), counted from the engine's source; ``graph_replay`` 0 where the
+#: engine cannot replay a CUDA graph for a model that has a layer of the kind (its kernels are
+#: then launched one by one, at ``partial_offload_launch_us``; absent: 1).
+LAYER_TABLES = ("layer_efficiency", "layer_kernels", "graph_replay")
 LAYER_EFFICIENCY_KINDS = ("full", "mla", "sliding", "chunked", "linear")
 MIN_LAYER_EFFICIENCY = 1e-3
 TABLES = EFFICIENCY_TABLES + RATE_TABLES + LAYER_TABLES
 ZERO_OK = {"fused_experts", "layer_overhead_us", "cpu_layer_overhead_us", "numa_efficiency", "pages_from_disk",
-           "launch_overlap"}
-TOP_KEYS = {"name", "description", "runs_on", "policies", "figures", "expert_placement", "calibration", *TABLES}
+           "launch_overlap", "layer_split_graph_replay"}
+TOP_KEYS = {"name", "description", "runs_on", "policies", "figures", "expert_placement", "calibration", "before",
+            *TABLES}
+#: What a ``[[before]]`` entry holds: the build date it ends at and the figures (``figures`` or a
+#: table of :data:`TABLES`) that builds from before that date had instead.
+BEFORE_KEYS = {"date", "figures", *TABLES}
 #: A calibrated profile's ``[calibration]`` (``moesim fit --measured`` writes it): the range its
 #: answers carry (factors on predicted tokens/s, leave one measured row out) and on what.
 CALIBRATION_KEYS = {"low": float, "high": float, "rows": int, "basis": str}
@@ -105,9 +122,13 @@ class EngineProfile(_FigureLookup):
     gpu_weight_efficiency: dict[str, Figure] = field(default_factory=dict)
     cpu_kernel_gmacs: dict[str, Figure] = field(default_factory=dict)
     layer_efficiency: dict[str, Figure] = field(default_factory=dict)
+    layer_kernels: dict[str, Figure] = field(default_factory=dict)
+    graph_replay: dict[str, Figure] = field(default_factory=dict)
     path: str = ""
     expert_placement: str = "frequency"  # one of PLACEMENTS: the engine's default
     calibration: dict[str, Any] | None = field(default=None, compare=False)  # CALIBRATION_KEYS, when calibrated
+    #: Earlier versions, newest first: (a build date, the figures builds before it had).
+    before: tuple[tuple[str, dict[str, Figure]], ...] = ()
 
     # The figures in the units the cost model uses.
     @property
@@ -172,6 +193,33 @@ class EngineProfile(_FigureLookup):
         f = self.layer_efficiency.get(kind)
         return f.value if f is not None else 1.0
 
+    def kernels_before_experts(self, kind: str) -> int:
+        """GPU kernels of a layer's block before its routed experts when its token mixer is of
+        ``kind`` (the ``layer_kernels`` table, else ``attention_kernels``)."""
+        f = self.layer_kernels.get(kind)
+        return int(f.value) if f is not None else self.attention_kernels
+
+    def replays_graph(self, kinds) -> bool:
+        """Whether the engine replays a CUDA graph for a model with layers of ``kinds`` (its
+        ``launch_overlap``, unless ``graph_replay`` says a kind stops it)."""
+        return bool(self.get("launch_overlap")) and all(
+            self.graph_replay[k].value for k in kinds if k in self.graph_replay)
+
+    def at(self, date: str | None) -> EngineProfile:
+        """The engine as a build from ``date`` (:func:`build_date`; None: the newest) ran it: the
+        figures of every ``[[before]]`` change made after that date, the oldest last, so that a
+        build older than two changes gets the older figures (an engine without such entries is
+        the same at every date)."""
+        if date is None or not self.before:
+            return self
+        day = build_date(date, self.name)
+        out = self
+        for until, figs in self.before:  # newest first
+            if day < until:
+                for key, fig in figs.items():
+                    out = out.with_figure(key, fig.value, fig.kind, fig.source)
+        return replace(out, description=f"{self.description} (a build from {day})")
+
     def cpu_kernel_flops(self, dtype: str) -> float | None:
         """FLOPs a second one CPU thread's kernels reach on ``dtype`` weights (``cpu_kernel_gmacs``
         x 2e9); None where the engine gives no rate for it."""
@@ -209,6 +257,8 @@ class EngineProfile(_FigureLookup):
         for t in TABLES:
             if getattr(self, t):
                 data[t] = figs(getattr(self, t))
+        if self.before:
+            data["before"] = [_before_table(day, fs, figs) for day, fs in self.before]
         return tomli_w.dumps(data)
 
     def sources(self) -> list[tuple[str, Figure]]:
@@ -219,14 +269,61 @@ class EngineProfile(_FigureLookup):
         return out
 
 
+def _before_table(day: str, figures: dict[str, Figure], figs) -> dict[str, Any]:
+    """One ``[[before]]`` entry as TOML data (the inverse of :func:`_before`)."""
+    out: dict[str, Any] = {"date": day}
+    for key, f in figures.items():
+        table, _, name = key.rpartition(".")
+        out.setdefault(table or "figures", {}).update(figs({name: f}))
+    return out
+
+
+def build_date(text: Any, where: str) -> str:
+    """An engine build's date as ``YYYY-MM-DD`` (``YYYY-MM`` or ``YYYY``: its first day), or one line."""
+    t = str(text).strip()
+    for fmt in ("%Y-%m-%d", "%Y-%m", "%Y"):
+        try:
+            return datetime.datetime.strptime(t, fmt).date().isoformat()
+        except ValueError:
+            continue
+    raise MoesimError(f"{where}: build date {t!r}: YYYY-MM-DD, YYYY-MM or YYYY")
+
+
+def _before(raw: Any, where: str) -> tuple[tuple[str, dict[str, Figure]], ...]:
+    """The ``[[before]]`` entries: a date and the figures builds before it had, newest first."""
+    if not isinstance(raw, list) or not all(isinstance(b, dict) for b in raw):
+        raise MoesimError(f"{where}: [[before]] entries are tables (date and figures)")
+    optional = {k: (u, False, i, d) for k, (u, _, i, d) in ENGINE_FIGURES.items()}
+    out = []
+    for n, b in enumerate(raw, 1):
+        at = f"{where}: [[before]] #{n}"
+        unknown = set(b) - BEFORE_KEYS
+        if unknown or "date" not in b or len(b) < 2:
+            raise MoesimError(f"{at}: a date and at least one of figures, {', '.join(TABLES)} "
+                              f"{'(unknown: ' + ', '.join(sorted(unknown)) + ')' if unknown else ''}".rstrip())
+        figs = dict(parse_figures(b.get("figures", {}), optional, at, zero_ok=ZERO_OK))
+        for t in TABLES:
+            figs.update({f"{t}.{k}": f for k, f in _by_format(b.get(t, {}), at, t).items()})
+        out.append((build_date(b["date"], at), figs))
+    days = [d for d, _ in out]
+    if len(set(days)) != len(days):
+        raise MoesimError(f"{where}: two [[before]] entries with one date")
+    return tuple(sorted(out, key=lambda x: x[0], reverse=True))
+
+
 def _by_format(raw: Any, where: str, table: str) -> dict[str, Figure]:
     """A table of one figure per weight format (``default`` or a name of moesim.models.DTYPES)."""
     if not isinstance(raw, dict):
         raise MoesimError(f"{where}: [{table}] must be a table")
-    unit = "GMAC/s" if table in RATE_TABLES else "fraction"
+    unit = {"layer_kernels": "count", "graph_replay": "0/1"}.get(table, "GMAC/s" if table in RATE_TABLES
+                                                                       else "fraction")
     keys = LAYER_EFFICIENCY_KINDS if table in LAYER_TABLES else ("default", *DTYPES)
-    known = {k: (unit, False, False, "") for k in keys}
-    return parse_figures(raw, known, where, section=table)
+    known = {k: (unit, False, unit != "fraction" and unit != "GMAC/s", "") for k in keys}
+    figs = parse_figures(raw, known, where, section=table, zero_ok=set(keys) if table == "graph_replay" else set())
+    bad = [k for k, f in figs.items() if unit == "0/1" and f.value not in (0, 1)]
+    if bad:
+        raise MoesimError(f"{where}: {table}.{bad[0]} is 0 or 1, got {figs[bad[0]].value:g}")
+    return figs
 
 
 def parse_engine(data: dict[str, Any], where: str) -> EngineProfile:
@@ -241,7 +338,7 @@ def parse_engine(data: dict[str, Any], where: str) -> EngineProfile:
     if not isinstance(runs, list) or not runs or any(r not in RUNS_ON for r in runs):
         raise MoesimError(f"{where}: runs_on must be a non-empty list of {', '.join(RUNS_ON)}")
     figures = parse_figures(data["figures"], ENGINE_FIGURES, where, zero_ok=ZERO_OK)
-    for flag in ("fused_experts", "pages_from_disk", "launch_overlap"):
+    for flag in ("fused_experts", "pages_from_disk", "launch_overlap", "layer_split_graph_replay"):
         if flag in figures and figures[flag].value not in (0, 1):
             raise MoesimError(f"{where}: {flag} is 0 or 1, got {figures[flag].value:g}")
     tables = {t: _by_format(data.get(t, {}), where, t) for t in TABLES}
@@ -259,7 +356,8 @@ def parse_engine(data: dict[str, Any], where: str) -> EngineProfile:
     if placement not in PLACEMENTS:
         raise MoesimError(f"{where}: expert_placement is one of {', '.join(PLACEMENTS)}, got {placement!r}")
     return EngineProfile(str(data["name"]), str(data.get("description", "")), tuple(runs), figures, pols, **tables,
-                         path=where, expert_placement=placement, calibration=_calibration(data, where))
+                         path=where, expert_placement=placement, calibration=_calibration(data, where),
+                         before=_before(data.get("before", []), where))
 
 
 def _calibration(data: dict[str, Any], where: str) -> dict[str, Any] | None:
@@ -303,10 +401,14 @@ DEFAULT_ENGINE = "pytorch-eager"
 
 
 def get_engine(name_or_path: str | EngineProfile | None = None) -> EngineProfile:
-    """A built-in engine by name (``llama.cpp``), a user's TOML by path, or the default."""
+    """A built-in engine by name (``llama.cpp``), a user's TOML by path, or the default;
+    ``NAME@YYYY-MM-DD`` the engine as a build from that date ran (:meth:`EngineProfile.at`)."""
     if isinstance(name_or_path, EngineProfile):
         return name_or_path
     name = name_or_path or DEFAULT_ENGINE
+    base, at, day = name.rpartition("@")[0], "@" in name, name.rpartition("@")[2]
+    if at and base and not Path(name).exists():
+        return get_engine(base).at(build_date(day, f"--engine {name}"))
     builtin = builtin_engines()
     if name.lower() in builtin:
         return _builtin(name.lower())

@@ -7,7 +7,8 @@ The rules are llama.cpp's own (``src/llama-quant.cpp`` at 0c1e57098,
 expert ``gate``/``up`` matrices in Q4_K and ``ffn_down`` in Q6_K on the layers
 ``use_more_bits`` picks (the first and last eighth, and every third one between), the LM
 head in Q6_K; the plain types (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL) store every matrix in the
-type and the LM head in Q6_K. A matrix whose input dimension is no multiple of the type's
+type and the LM head in Q6_K; MXFP4_MOE (gpt-oss's native file) the experts in MXFP4 and
+every other matrix in Q8_0. A matrix whose input dimension is no multiple of the type's
 block takes llama-quantize's fallback (``tensor_type_fallback``: Q4_K -> Q5_0, Q6_K ->
 Q8_0, the 256-blocks i-quants -> IQ4_NL, ...; the LM head Q8_0), so a model with
 DeepSeek-V2-Lite's 1,408-wide experts has a Q4_K_M file, as it does on disk.
@@ -46,6 +47,10 @@ RECIPES: dict[str, tuple[str, str, str, str, str, str]] = {
     "q5_0": ("q5_0", "q5_0", "q5_0", "q5_0", "q6_k", "q5_0"),
     "q5_1": ("q5_1", "q5_1", "q5_1", "q5_1", "q6_k", "q5_1"),
     "iq4_nl": ("iq4_nl", "iq4_nl", "iq4_nl", "iq4_nl", "q6_k", "iq4_nl"),
+    # gpt-oss's native GGUF: llama_tensor_get_type_impl's MXFP4_MOE branch, "MoE tensors ->
+    # MXFP4, other tensors -> Q8_0", the output tensor Q8_0 (11.27 GiB for gpt-oss-20b, as
+    # llama-bench reports the file).
+    "mxfp4_moe": ("mxfp4-gguf", "mxfp4-gguf", "mxfp4-gguf", "q8_0", "q8_0", "q8_0"),
 }
 #: llama-quantize's fallback for a matrix whose input dimension is no multiple of the
 #: type's block (``tensor_type_fallback``); a fallback that does not fit either is F16.

@@ -32,6 +32,7 @@ class Costs:
     source: str
     expert_math_s: float = 0.0  # math time of one expert-token pair (roofline only; batch > 1)
     layer_fixed_s: float = 0.0  # a fused engine's launches, once per layer that runs experts
+    layer_serial_s: float = 0.0  # its weightless kernels' launches, after the expert work (a kernel's time is its own)
     overlap: bool = False  # those launches overlap the kernels (moesim.costmodel.with_launches)
 
     def expert_compute(self, n_exec: np.ndarray, n_assign: np.ndarray) -> np.ndarray:
@@ -44,12 +45,14 @@ class Costs:
         if all(v is not None for v in one):
             n, a, per = one
             g = device_expert_seconds(n, a, per, self.expert_math_s)
-            if self.layer_fixed_s:
-                g = with_launches(g, self.layer_fixed_s if n > 0 else 0.0, self.overlap)
+            if n > 0:
+                g = with_launches(g, self.layer_fixed_s, self.overlap) + self.layer_serial_s
             return np.full(np.broadcast_shapes(np.shape(n_exec), np.shape(n_assign), self.per_expert.shape), g)
         g = device_expert_seconds(n_exec, n_assign, self.per_expert, self.expert_math_s)
-        if self.layer_fixed_s:
-            g = with_launches(g, np.where(n_exec > 0, self.layer_fixed_s, 0.0), self.overlap)
+        if self.layer_fixed_s or self.layer_serial_s:
+            some = n_exec > 0
+            g = with_launches(g, np.where(some, self.layer_fixed_s, 0.0), self.overlap) \
+                + np.where(some, self.layer_serial_s, 0.0)
         return g
 
 
@@ -70,7 +73,7 @@ def roofline_costs(cm: CostModel, tokens: int, prompt_len: int, batch: int = 1) 
     # One rate at every step and layer: a read-only broadcast (Costs.expert_compute prices it once).
     return Costs(attn, np.broadcast_to(np.float64(cm.expert_read()), (tokens, m)), np.full(tokens, cm.head(batch)),
                  f"roofline ({cm.gpu.name}{'' if cm.engine.name == DEFAULT_ENGINE else ', ' + cm.engine.name})",
-                 cm.expert_pair(), cm.layer_expert_launches, cm.overlap)
+                 cm.expert_pair(), cm.layer_expert_launches, cm.layer_expert_serial, cm.overlap)
 
 
 def measured_costs(timings: dict[str, np.ndarray], recorded_exec: np.ndarray) -> Costs:

@@ -34,7 +34,8 @@ from moesim.sim.published import Entry, entries, run_published
 #: not here (it ran to its bound whenever its one GPU-bound source was left out).
 FIT: dict[str, list[tuple[str, float, float]]] = {
     "ktransformers": [("cpu_weight_efficiency.default", 0.05, 1.0), ("numa_efficiency", 0.0, 1.0)],
-    "llama.cpp": [("cpu_weight_efficiency.default", 0.05, 1.0), ("cpu_weight_efficiency.iq1_s", 0.02, 1.0)],
+    "llama.cpp": [("cpu_weight_efficiency.default", 0.05, 1.0), ("cpu_weight_efficiency.iq1_s", 0.02, 1.0),
+                  ("gpu_weight_efficiency.default", 0.05, 1.0)],
     "mixtral-offloading": [("link_efficiency", 0.02, 1.0)],
     "moe-infinity": [("link_efficiency", 0.02, 1.0)],
     "vllm": [("gpu_weight_efficiency.default", 0.05, 1.0)],
@@ -42,7 +43,7 @@ FIT: dict[str, list[tuple[str, float, float]]] = {
 #: engine -> (figure, the engine whose fitted figure it takes): ik_llama.cpp's CPU kernels
 #: are llama.cpp's lineage, and it has too few CPU entries of its own; SGLang's fused MoE
 #: kernel is adapted from vLLM's (hwprofiles/engines/sglang.toml says where).
-INHERIT = {"ik_llama.cpp": (("cpu_weight_efficiency.default", "llama.cpp"),),
+INHERIT = {"ik_llama.cpp": (("cpu_weight_efficiency.default", "llama.cpp"), ("gpu_weight_efficiency.default", "llama.cpp")),
            "sglang": (("gpu_weight_efficiency.default", "vllm"),)}
 #: What the cost model assumes of a fitted figure that no entry informs: kernels at the full
 #: bandwidth, a second socket adding nothing, the link at its rate, every layer kind at its

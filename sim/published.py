@@ -156,7 +156,8 @@ def predict(entry: Entry, engines: dict[str, EngineProfile] | None = None) -> di
     by name: a fit tries its candidate figures this way)."""
     s = entry.setting
     spec = setting_spec(s)
-    engine = (engines or {}).get(s["engine"]) or get_engine(s["engine"])
+    # The engine as a build from the measurement's date ran it (its [[before]] changes).
+    engine = ((engines or {}).get(s["engine"]) or get_engine(s["engine"])).at(entry.measurement.get("date"))
     context = int(s.get("context", 1000)) + int(s.get("gen", 0)) // 2
     trace = _trace(spec, context, TOKENS, None)
     machine = get_machine(s["hw"])

@@ -232,7 +232,8 @@ def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, poli
     layout = layout_for(pol, spec, machine, s, batch=b, context=context, hot_placement=hot)
     need = layout_bytes(spec, layout, b, context)
     where = Residence(need.host_weights, need.host_kv,
-                      cpu_part=bool((layout.layer_device == CPU).any() or (layout.expert_device == CPU).any()))
+                      cpu_part=bool((layout.layer_device == CPU).any() or (layout.expert_device == CPU).any()),
+                      layer_split=layout.split != "tensor" and len(set(layout.layer_device.tolist()) - {CPU}) > 1)
     shards = g if s.split == "tensor" and g > 1 else 1
     cms = [CostModel(spec, gpu, host, engine, shards=shards, amx=s.amx, threads=s.threads, residence=where)
            for gpu in machine.gpus]

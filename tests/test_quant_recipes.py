@@ -51,3 +51,14 @@ def test_every_recipe_names_known_formats():
     from moesim.models import DTYPES
 
     assert all(t in DTYPES for recipe in RECIPES.values() for t in recipe)
+
+
+def test_gpt_oss_native_gguf_is_mxfp4_moe():
+    """llama-quantize's MXFP4_MOE (src/llama-quant.cpp): MoE tensors MXFP4, every other tensor
+    and the output Q8_0; moesim priced the native file's attention and head as bf16 (3.7 GB a
+    token for gpt-oss-20b where the file reads about 1.9)."""
+    native, gguf = get_model("gpt-oss-20b"), store_as(get_model("gpt-oss-20b"), "mxfp4_moe")
+    assert (gguf.expert_dtype, gguf.dense_dtype, gguf.head_dtype) == ("mxfp4-gguf", "q8_0", "q8_0")
+    assert gguf.expert_bytes == native.expert_bytes  # the same 4.25 bits a weight
+    assert gguf.lm_head_bytes < 0.6 * native.lm_head_bytes
+    assert _cpu_tpot(gguf) < 0.75 * _cpu_tpot(native)
