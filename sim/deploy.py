@@ -65,13 +65,13 @@ def configuration(row: dict[str, Any]) -> str:
     elif fam == "hot-experts":
         gib = row["resident_experts"] * _expert_bytes(row) / 2**30 if _ok(row["resident_experts"]) else None
         kind = "uniformly placed" if "uniform placement" in str(row.get("placement", "")) else "hot"
-        what = f"{row['resident_experts']} {kind} experts on GPU" + (f" ({gib:.3g} GiB)" if _ok(gib) else "")
+        what = f"{row['resident_experts']} {kind} experts on GPU" + (f" ({number(gib)} GiB)" if _ok(gib) else "")
     elif fam == "cpu-on-miss":
-        what = f"cache {row['cache_gib']:g} GiB"
+        what = f"cache {number(row['cache_gib'])} GiB"
     elif fam == "all-resident":
         what = "every layer on the CPU" if row["hw"] == "none" else "all experts on GPU"
     else:
-        what = f"{row['policy']}, cache {row['cache_gib']:g} GiB"
+        what = f"{row['policy']}, cache {number(row['cache_gib'])} GiB"
         if row["copy_queue"] not in ("fifo", "-"):
             what += f", {row['copy_queue']}"
         if row["prefetch_top"] != "-":
@@ -95,11 +95,11 @@ def bound_words(row: dict[str, Any]) -> str:
     """One clause on what bounds ``row`` (its ``bound`` column, :func:`moesim.sim.whatif.bound_of`)."""
     b = row["bound"]
     if b == "link":
-        return f"copies over the host link take most of its time ({row['copy_ms']:.3g} ms of link per token)"
+        return f"copies over the host link take most of its time ({number(row['copy_ms'])} ms of link per token)"
     if b == "CPU compute":
-        return f"experts computed on the host CPU dominate ({row['cpu_ms']:.3g} ms of CPU per token)"
+        return f"experts computed on the host CPU dominate ({number(row['cpu_ms'])} ms of CPU per token)"
     if b == "GPU compute":
-        return f"the GPU's own work dominates ({row['compute_ms']:.3g} ms per token)"
+        return f"the GPU's own work dominates ({number(row['compute_ms'])} ms per token)"
     return "it does not fit in device memory"
 
 
@@ -435,7 +435,7 @@ def describe_change(c: Crossover, ch: dict[str, Any]) -> str:
     near = f" (curves cross near {number(ch['near'])})" if ch["near"] is not None else ""
     metric = "TPOT" if c.metric == "tpot_ms" else "TTFT" if c.metric == "ttft_ms" else c.metric
     return (f"{c.model} on {c.hw}{'' if c.host == '-' else ' + ' + c.host}, {metric} against {AXES[c.axis]}: "
-            f"{ch['from']} wins at {ch['after']:g}, {ch['to']} at {ch['by']:g}{near}")
+            f"{ch['from']} wins at {number(ch['after'])}, {ch['to']} at {number(ch['by'])}{near}")
 
 
 COLS = (("family", 16), ("configuration", 30), ("TPOT ms", 8), ("TTFT ms", 9), ("bound", 11))
@@ -455,9 +455,9 @@ def format_answer(a: Answer, width: int = 80) -> str:
             lines.append(f"{f.family:<{cols[0][1]}} {f.status}")
             continue
         conf = textwrap.wrap(configuration(r), cols[1][1]) or [""]
-        ttft = f"{r['ttft_ms']:.4g}" if _ok(r["ttft_ms"]) else "-"
+        ttft = f"{number(r['ttft_ms'], 4)}" if _ok(r["ttft_ms"]) else "-"
         (_, fw), (_, cw) = cols[0], cols[1]
-        lines.append(f"{f.family:<{fw}} {conf[0]:<{cw}} {r['tpot_ms']:>8.4g} {ttft:>9} {r['bound']:<11}".rstrip())
+        lines.append(f"{f.family:<{fw}} {conf[0]:<{cw}} {number(r['tpot_ms'], 4):>8} {ttft:>9} {r['bound']:<11}".rstrip())
         lines += [f"{'':<{fw}} {c}" for c in conf[1:]]
     lines += textwrap.wrap(("winner: " if a.winner else "") + a.reason, width)
     spelled: dict[tuple, str] = {}  # the same arguments (a cpu-static of 0 layers is all-resident) print once

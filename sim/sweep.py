@@ -7,14 +7,13 @@ memory and is never the oracle (:func:`moesim.sim.whatif.best`).
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from moesim import budget
+from moesim import bounds, budget
 from moesim.atomic import exclusive
 from moesim.engines import get_engine
 from moesim.errors import MoesimError
@@ -96,23 +95,40 @@ def _positive_ints(values: list[int] | tuple[int, ...], what: str) -> list[int]:
 MAX_JOBS_PER_CORE = 4  # more worker processes than this per core only share the cores (and memory)
 
 
-def check_values(*, eviction: str, sim: str, backend: str, link_gbps, cache_gib, copy_queues, expert_dtypes,
-                 threads, jobs, lookaheads) -> None:
+def check_values(*, eviction: str | None, sim: str, backend: str = "local", link_gbps=None, cache_gib=None,
+                 copy_queues=None, expert_dtypes=None, threads=None, jobs=None, lookaheads=None, cpu_layers=None,
+                 gpu_layers=None, gpu_expert_gib=None, offload_gib=None, prefetch_top=None, ratios=None,
+                 cache_experts=None) -> None:
     """Every value the CLI can check, checked in one line before any work (a bad one found
-    per configuration group would end, after the work, in "2 of 4 groups failed")."""
-
-
-    check_eviction(eviction)
+    per configuration group would end, after the work, in "2 of 4 groups failed"). One
+    definition for every command: ``whatif`` gives its lists, ``replay`` its one value of
+    each (a list of one; None: left out), so an option both take is refused alike by both.
+    Rates, sizes and shares lie in the ranges of :mod:`moesim.bounds` (1e308 GiB or 1e-9 GB/s
+    overflow what is made of them)."""
+    if eviction is not None:
+        check_eviction(eviction)
     if sim not in ("fast", "simpy"):
         raise MoesimError(f"--sim: unknown simulator {sim!r}; known: simpy, fast")
     if backend not in BACKENDS:
         raise MoesimError(f"--backend: unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
     for g in link_gbps or ():
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not (0 < g < math.inf):
-            raise MoesimError(f"--link-gbps {g!r}: a bandwidth in GB/s, positive and finite")
+        bounds.check_rate(g, "--link-gbps")
     for c in cache_gib or ():
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not (0 <= c < math.inf):
-            raise MoesimError(f"--cache-gib {c!r}: a cache size in GiB, >= 0 and finite")
+        bounds.check_size(c, "--cache-gib")
+    for c in cache_experts or ():
+        bounds.check_count(c, "--cache-experts", 0, what="a count of experts")
+    for c in gpu_expert_gib or ():
+        bounds.check_size(c, "--gpu-expert-gib", auto=True)
+    for c in offload_gib or ():
+        bounds.check_size(c, "--offload-gib", auto=True)
+    for n in cpu_layers or ():
+        bounds.check_count(n, "--cpu-layers", 0, auto=True, what="a count of MoE layers")
+    for n in gpu_layers or ():
+        bounds.check_count(n, "--gpu-layers", 0, auto=True, what="a count of model layers")
+    for m in prefetch_top or ():
+        bounds.check_count(m, "--prefetch-top", 1, what="a count of experts")
+    if ratios is not None:
+        bounds.check_shares(ratios)
     for q in copy_queues or ():
         if q not in QUEUES:
             raise MoesimError(f"--copy-queue: unknown copy queue {q!r}; known: {', '.join(QUEUES)}")
@@ -298,7 +314,9 @@ def whatif(o: WhatifOptions = WhatifOptions(), progress: Callable[[int, int], No
     _positive_ints([o.prompt_len] if isinstance(o.prompt_len, int) else list(o.prompt_len), "--prompt-len")
     check_values(eviction=o.eviction, sim=o.sim, backend=o.backend, link_gbps=o.link_gbps, cache_gib=o.cache_gib,
                  copy_queues=o.copy_queues, expert_dtypes=o.expert_dtypes, threads=o.threads, jobs=o.jobs,
-                 lookaheads=o.lookaheads)
+                 lookaheads=o.lookaheads, cpu_layers=o.cpu_layers, gpu_layers=o.gpu_layers,
+                 gpu_expert_gib=o.gpu_expert_gib, offload_gib=o.offload_gib, prefetch_top=o.prefetch_top,
+                 ratios=o.ratios)
     if o.rows_csv is None:
         return _whatif(o, progress)
 
