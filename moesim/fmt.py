@@ -51,3 +51,14 @@ def printable(text: str) -> str:
     """``text`` as a terminal may show it: each control character (an escape sequence in a
     GGUF's ``general.name`` or a GPU's NVML name would recolour the table) becomes ``?``."""
     return "".join(c if c.isprintable() else "?" for c in text)
+
+
+def nearest_hint(name: str, known) -> str:
+    """``" (nearest: 'epyc-7343')"`` for an unknown ``name`` close to one of ``known`` (difflib's
+    ratio, at least 0.6), else ``""``: a way forward from a typo or a neighbouring part."""
+    import difflib
+
+    names = list(known)
+    lowered = {n.lower(): n for n in names}
+    close = difflib.get_close_matches(str(name).strip().lower(), list(lowered), n=1, cutoff=0.6)
+    return f" (nearest: {lowered[close[0]]!r})" if close else ""

@@ -262,16 +262,20 @@ class Timed:
     machines: dict[str, Machine]
     specs: dict[str, ModelSpec]
     hosts: dict[str, HostProfile] = field(default_factory=dict)
+    #: The prompt length and decode steps were the user's (given, or a recorded trace's): the
+    #: printed context (-c, --max-model-len) is theirs; else the commands leave the engine's default.
+    context_given: bool = True
 
     @classmethod
-    def of(cls, sweep) -> Timed:
+    def of(cls, sweep, context_given: bool = True) -> Timed:
         hosts = {}
         for name in sweep.hosts:
             for m in sweep.hws:
                 with contextlib.suppress(MoesimError):  # a machine without a host: its rows say so already
                     h = get_host(name, m.gpus[0] if m.gpus else None)
                     hosts[h.name] = h
-        return cls({m.name: m for m in sweep.hws}, {t.model.name: t.model for t in sweep.traces.values()}, hosts)
+        return cls({m.name: m for m in sweep.hws}, {t.model.name: t.model for t in sweep.traces.values()}, hosts,
+                   context_given)
 
     def machine(self, row: dict[str, Any]) -> Machine:
         return self.machines[row["hw"]] if row["hw"] in self.machines else get_machine(row["hw"])
@@ -317,7 +321,8 @@ def invocation_of(row: dict[str, Any], engine: str, timed: Timed = BY_NAME):
     if found is None:
         return None, ""
     if engine not in FORMATTERS:  # SGLang, a user's engine: said, not left blank
-        return None, (f"moesim writes the arguments of {', '.join(FORMATTERS)}, not {engine}'s"
+        return None, (f"moesim writes the arguments of {', '.join(FORMATTERS)}, not {engine}'s (a user's engine "
+                      "file says which of them it runs with runs_as = \"llama.cpp\", or another)"
                       if engine != DEFAULT_ENGINE else "")
     spec, layout = found
     kw: dict[str, Any] = {}
@@ -335,11 +340,17 @@ def invocation_of(row: dict[str, Any], engine: str, timed: Timed = BY_NAME):
     try:
         host, threads = timed.hosts.get(row["host"]), row.get("threads")
         numa = host is not None and isinstance(threads, int) and host.sockets > 1 and threads > host.cores
-        inv = invocation(engine, spec, layout, threads=threads, tokens=int(row["tokens"]),
-                         context=int(row["prompt_len"]) + int(row["tokens"]), batch=int(row["batch"]), numa=numa, **kw)
+        prompt, steps = int(row["prompt_len"]), int(row["tokens"])
+        inv = invocation(engine, spec, layout, threads=threads, tokens=steps,
+                         context=prompt + steps if timed.context_given else None, batch=int(row["batch"]), numa=numa,
+                         **kw)
     except MoesimError as e:
         return None, str(e)
     notes = [inv.note] if inv is not None and inv.note else []
+    if inv is not None and engine in ("llama.cpp", "ik_llama.cpp", "vllm"):  # the engines whose context moesim spells
+        notes.append(f"the context is the prompt ({prompt}) plus the {steps} decode steps timed" if timed.context_given
+                     else f"the context is {engine}'s default (the model's own; moesim timed a {prompt}-token prompt "
+                          f"and {steps} decode steps: give --prompt-len and --tokens to size it)")
     extra = int(row["resident_experts"]) % spec.n_moe_layers if row["family"] == "hot-experts" else 0
     if extra:
         notes.append(f"the plan placed {extra} more experts than {kw['gpu_experts_per_layer']} a layer, which one "
@@ -474,7 +485,9 @@ def format_answer(a: Answer, width: int = 80) -> str:
             spelled[key] = f.family
             rng = range_text(f.row)
             rng = "" if rng == "-" else f", {NOMINAL:.0%} range {rng}"
-            lines.append(f"{f.family} with {f.invocation.engine} ({number(tps)} tokens/s predicted{rng}):")
+            who = f.invocation.engine if f.row["engine"] == f.invocation.engine else \
+                f"{f.row['engine']} (runs as {f.invocation.engine})"
+            lines.append(f"{f.family} with {who} ({number(tps)} tokens/s predicted{rng}):")
             lines.append(f"  {f.invocation.line()}")
             if f.invocation.note:
                 lines += textwrap.wrap(f.invocation.note, width, initial_indent="  ", subsequent_indent="  ")

@@ -17,7 +17,7 @@ from moesim import bounds, budget
 from moesim.atomic import exclusive
 from moesim.engines import get_engine
 from moesim.errors import MoesimError
-from moesim.hardware import get_host, get_machine
+from moesim.hardware import Machine, get_host, get_machine
 from moesim.models import DTYPES, get_model
 from moesim.placement import UNIFORM
 from moesim.policy import QUEUES, WHATIF_POLICIES, Policy, as_policy, check_eviction, check_lookahead, get_policy
@@ -51,13 +51,30 @@ class WhatIf:
         return sorted(self.rows, key=lambda r: (not r["fits"], r[key] if r[key] is not None else float("inf")))
 
 
+def value_of(p) -> tuple:
+    """What a machine or profile is, not how it was spelled: a machine its GPUs (``2xrtx3090`` is
+    ``rtx3090+rtx3090``), a profile its figures (``epyc-9654@2x4800`` is ``@02x4800.0``)."""
+    if isinstance(p, Machine):
+        return ("machine", *(value_of(g) for g in p.gpus))
+    return (type(p).__name__, *sorted((k, f.value) for k, f in p.figures.items()))
+
+
 def check_unique_names(given: list[str] | tuple[str, ...], profiles: list, option: str = "--hw") -> None:
-    """Rows are keyed by profile name: two profiles with one name would report one's results twice."""
+    """Rows are keyed by profile name: two profiles with one name would report one's results twice;
+    one value given twice, however spelled, would sweep the same rows twice (:func:`value_of`)."""
     seen: dict[str, str] = {}
+    same: dict[tuple, str] = {}
+    what = "machine" if option == "--hw" else "host"
     for g, p in zip(given, profiles):
+        v = value_of(p)
+        if v in same and same[v] != g:
+            named = f"; both named {p.name!r}, and profile names must be unique in a run" if p.name in seen else ""
+            raise MoesimError(f"{option}: {g!r} is the same {what} as {same[v]!r} (its figures, however spelled{named}): "
+                              "give it once")
         if p.name in seen and seen[p.name] != g:
             raise MoesimError(f"{option}: {seen[p.name]} and {g} are both named {p.name!r}; profile names must be "
                               "unique in a run (change `name` in the .toml, or `moesim fit --name`)")
+        same.setdefault(v, g)
         seen[p.name] = g
 
 
@@ -352,6 +369,9 @@ def _whatif(o: WhatifOptions, progress: Callable[[int, int], None] | None) -> Wh
         policies = [p.name for p in pols]
         hot_left_out = f"{why} to sweep it: left out"
     no_gpu = any(get_machine(h).n_gpus == 0 for h in o.hws)  # --hw none: the host runs every layer
+    check_unique_names(o.hws, [get_machine(h) for h in o.hws])  # before any trace is drawn: one value given twice
+    named_hosts = [h for h in o.hosts or () if h]
+    check_unique_names(named_hosts, [get_host(h) for h in named_hosts], "--host")
     given = Given(o.hosts, o.cpu_layers, o.gpu_expert_gib, o.copy_queues, o.prefetch_top, o.gpu_layers,
                   o.offload_gib, o.lookaheads, eviction=o.eviction, threads=o.threads,
                   cached=any(isinstance(c, (int, float)) and c > 0 for c in o.cache_gib),
