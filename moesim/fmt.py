@@ -54,11 +54,15 @@ def printable(text: str) -> str:
 
 
 def nearest_hint(name: str, known) -> str:
-    """``" (nearest: 'epyc-7343')"`` for an unknown ``name`` close to one of ``known`` (difflib's
-    ratio, at least 0.6), else ``""``: a way forward from a typo or a neighbouring part."""
+    """``" (nearest: 'epyc-7343')"`` for an unknown ``name`` close to one of ``known``, else ``""``:
+    a way forward from a typo or a neighbouring part. Nearest: the longest common prefix (a
+    part's family and generation: epyc-7302 is nearer epyc-7343 than epyc-7742), then difflib's
+    ratio, which must be at least 0.6."""
     import difflib
+    import os
 
-    names = list(known)
-    lowered = {n.lower(): n for n in names}
-    close = difflib.get_close_matches(str(name).strip().lower(), list(lowered), n=1, cutoff=0.6)
-    return f" (nearest: {lowered[close[0]]!r})" if close else ""
+    given = str(name).strip().lower()
+    scored = [(len(os.path.commonprefix([given, k.lower()])), difflib.SequenceMatcher(None, given, k.lower()).ratio(), k)
+              for k in known]
+    scored = [s for s in scored if s[1] >= 0.6]
+    return f" (nearest: {max(scored)[2]!r})" if scored else ""

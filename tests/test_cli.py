@@ -152,7 +152,7 @@ def test_bad_inputs_get_one_line_errors(tmp_path, olmoe_trace, run):
         (("replay", cut), "corrupt or truncated"),
         (("replay", tmp_path / "missing.npz"), "does not exist"),
         (("replay", olmoe_trace, "--policy", "yolo"), "unknown policy"),
-        (("replay", olmoe_trace, "--link-gbps", "-5"), "--link-gbps -5.0: a positive"),
+        (("replay", olmoe_trace, "--link-gbps", "-5"), "--link-gbps -5: a bandwidth in GB/s from 0.001"),
         (("replay", olmoe_trace, "--model", "qwen3-30b-a3b"), "was recorded for olmoe-1b-7b"),
         (("replay", olmoe_trace, "--cache-gib", "-1"), "cache size must be >= 0"),
         (("replay", olmoe_trace, "--sim", "warp"), "unknown simulator"), (("replay", olmoe_trace, "--engine", "warp"), "unknown engine"),

@@ -15,13 +15,13 @@ from moesim.sim.intervals import MOVED, NOMINAL, RESIDUALS_FILE, coverage, moved
 
 def show_published(as_json: bool, as_csv: bool) -> None:
 
-    with progress_bar("leave one source out", "sources") as update:
+    with progress_bar("leave one source out", "sources", lines=True) as update:
         rows = leave_one_source_out(progress=update)
     shipped_rows = pub.run_published()
     summary, shipped = pub.summarise(rows), pub.summarise(shipped_rows)
     cover = coverage(rows)
     moves = {"leave_one_source_out": moved(rows), "shipped_figures": moved(shipped_rows, "shipped_ln_error")}
-    with progress_bar("calibrating each source on its first row", "sources") as update:
+    with progress_bar("calibrating each source on its first row", "sources", lines=True) as update:
         cal = published_calibration(rows, update)
     if as_json:
         print_json({"summary": summary, "shipped_figures": shipped, "interval_coverage": cover,
