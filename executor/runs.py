@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from moesim import budget
+from moesim.bounds import check_rate
 from moesim.errors import MoesimError
 from moesim.executor.default_vectors import load_default_vectors
 from moesim.executor.defaults import DECODE_THREADS, DRAFT_MODEL, SHIPPED_MODEL
@@ -55,7 +56,10 @@ from moesim.traces.format import Trace, load_calibration, write_trace
 def link_profile(hw: str, link_gbps: float | None) -> HardwareProfile:
     """The profile whose link the emulated link imitates, with an optional bandwidth override."""
     profile = get_profile(hw)
-    return profile if link_gbps is None else profile.with_figure("h2d_pinned_gbs", link_gbps, "estimate", "--link-gbps")
+    if link_gbps is None:
+        return profile
+    check_rate(link_gbps, "--link-gbps")  # moesim.bounds: the range whatif and replay take
+    return profile.with_figure("h2d_pinned_gbs", link_gbps, "estimate", "--link-gbps")
 
 
 @dataclass

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from moesim.errors import MoesimError
-from moesim.fmt import plural
+from moesim.fmt import number, plural
 from moesim.host_detect import available_memory  # noqa: F401 (part of this module's API)
 from moesim.models import ModelSpec
 from moesim.policy import as_policy
@@ -89,19 +89,19 @@ class Estimate:
 def human_bytes(n: float) -> str:
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
-            return f"{n / size:.3g} {unit}"
+            return f"{number(n / size)} {unit}"
     return f"{n:.0f} B"
 
 
 def human_seconds(s: float) -> str:
     if s >= 86400 * 365:
-        return f"{s / (86400 * 365):.3g} years"
+        return f"{number(s / (86400 * 365))} years"
     if s >= 86400:
-        return f"{s / 86400:.3g} days"
+        return f"{number(s / 86400)} days"
     if s >= 3600:
-        return f"{s / 3600:.3g} h"
+        return f"{number(s / 3600)} h"
     if s >= 60:
-        return f"{s / 60:.3g} min"
+        return f"{number(s / 60)} min"
     return f"{s:.2g} s"
 
 

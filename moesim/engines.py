@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from moesim.errors import MoesimError
+from moesim.fmt import nearest_hint
 from moesim.hardware import Figure, _FigureLookup, given_path, parse_figures, read_toml
 from moesim.models import DTYPES
 from moesim.policy import get_policy
@@ -93,8 +94,8 @@ MIN_LAYER_EFFICIENCY = 1e-3
 TABLES = EFFICIENCY_TABLES + RATE_TABLES + LAYER_TABLES
 ZERO_OK = {"fused_experts", "layer_overhead_us", "cpu_layer_overhead_us", "numa_efficiency", "pages_from_disk",
            "launch_overlap", "layer_split_graph_replay"}
-TOP_KEYS = {"name", "description", "runs_on", "policies", "figures", "expert_placement", "calibration", "before",
-            *TABLES}
+TOP_KEYS = {"name", "description", "runs_on", "policies", "figures", "expert_placement", "calibration", "runs_as",
+            "before", *TABLES}
 #: What a ``[[before]]`` entry holds: the build date it ends at and the figures (``figures`` or a
 #: table of :data:`TABLES`) that builds from before that date had instead.
 BEFORE_KEYS = {"date", "figures", *TABLES}
@@ -129,6 +130,9 @@ class EngineProfile(_FigureLookup):
     calibration: dict[str, Any] | None = field(default=None, compare=False)  # CALIBRATION_KEYS, when calibrated
     #: Earlier versions, newest first: (a build date, the figures builds before it had).
     before: tuple[tuple[str, dict[str, Figure]], ...] = ()
+    #: The built-in engine whose command-line arguments run this profile's deployments: a
+    #: built-in's own name; a user's file says it (``runs_as = "llama.cpp"``), else none is printed.
+    runs_as: str = ""
 
     # The figures in the units the cost model uses.
     @property
@@ -251,6 +255,8 @@ class EngineProfile(_FigureLookup):
         if self.policies:
             data["policies"] = list(self.policies)
         data["expert_placement"] = self.expert_placement
+        if self.runs_as:  # a copy (a calibrated profile) still prints the arguments of the engine it runs as
+            data["runs_as"] = self.runs_as
         if self.calibration:
             data["calibration"] = dict(self.calibration)
         data["figures"] = figs(self.figures, ENGINE_FIGURES)
@@ -355,9 +361,13 @@ def parse_engine(data: dict[str, Any], where: str) -> EngineProfile:
     placement = data.get("expert_placement", "frequency")
     if placement not in PLACEMENTS:
         raise MoesimError(f"{where}: expert_placement is one of {', '.join(PLACEMENTS)}, got {placement!r}")
+    runs_as = data.get("runs_as", "")
+    if "runs_as" in data and (not isinstance(runs_as, str) or runs_as.lower() not in builtin_engines()):
+        raise MoesimError(f"{where}: runs_as {runs_as!r}: the built-in engine whose arguments run this profile, one "
+                          f"of {', '.join(builtin_engines())}")
     return EngineProfile(str(data["name"]), str(data.get("description", "")), tuple(runs), figures, pols, **tables,
                          path=where, expert_placement=placement, calibration=_calibration(data, where),
-                         before=_before(data.get("before", []), where))
+                         before=_before(data.get("before", []), where), runs_as=runs_as.lower())
 
 
 def _calibration(data: dict[str, Any], where: str) -> dict[str, Any] | None:
@@ -393,7 +403,21 @@ def builtin_engines() -> dict[str, Path]:
 
 @functools.lru_cache(maxsize=64)
 def _builtin(name: str) -> EngineProfile:
-    return load_engine(builtin_engines()[name])
+    e = load_engine(builtin_engines()[name])
+    return replace(e, runs_as=e.runs_as or name)
+
+
+def _users(p: Path) -> EngineProfile:
+    """A user's engine file: the built-in file itself (named by path) is the built-in; any other
+    file is the user's, named so even where its ``name`` is a built-in's (a copy of llama.cpp's
+    figures that says ``name = "vllm"`` is not vLLM), and it runs as what its ``runs_as`` says."""
+    builtin = {q.resolve(): n for n, q in builtin_engines().items()}
+    if p.resolve() in builtin:
+        return _builtin(builtin[p.resolve()])
+    e = load_engine(p)
+    if e.name.lower() in builtin_engines():
+        e = replace(e, name=f"{e.name} ({p.name}, a user's file)")
+    return e
 
 
 #: The engine a result uses when none is named: PyTorch eager, the reference executor's.
@@ -414,5 +438,6 @@ def get_engine(name_or_path: str | EngineProfile | None = None) -> EngineProfile
         return _builtin(name.lower())
     p = given_path(name, "engine profile")
     if p is not None:
-        return load_engine(p)
-    raise MoesimError(f"unknown engine {name!r}; built-in: {', '.join(builtin)} (or a .toml path)")
+        return _users(p)
+    raise MoesimError(f"unknown engine {name!r}{nearest_hint(name, builtin)}; built-in: {', '.join(builtin)} (or a "
+                      ".toml path)")

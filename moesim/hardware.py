@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from moesim.errors import MoesimError
+from moesim.fmt import nearest_hint
 from moesim.gpu_detect import PCIE_LANE_GBS, GpuFacts, name_key, read_gpus
 from moesim.host_detect import CpuFacts, description_isa, read_this_machine
 from moesim.inputs import TOML_CAP, check_name, kind_of, read_text
@@ -389,7 +390,8 @@ def get_profile(name_or_path: str) -> HardwareProfile:
     if n is not None:
         raise MoesimError(f"{name_or_path!r} is a machine of {n or 'no'} GPU{'s' if n != 1 else ''}; this command "
                           f"takes one GPU profile (built-in: {', '.join(builtin)}, or a .toml path)")
-    raise MoesimError(f"unknown hardware profile {name_or_path!r}; built-in: {', '.join(builtin)} (or a .toml path)")
+    raise MoesimError(f"unknown hardware profile {name_or_path!r}{nearest_hint(name_or_path, builtin)}; built-in: "
+                      f"{', '.join(builtin)} (or a .toml path)")
 
 
 # ---------------------------------------------------------------------------------------
@@ -543,6 +545,13 @@ def this_host(facts: CpuFacts | None = None) -> HostProfile:
             v = base.figures[k].value
             figures[k] = Figure(v * facts.cores / base.cores, "estimate",
                                 f"estimate: {base.name}'s {v:g} for {base.cores} cores x {facts.cores} detected cores")
+    per_core = base.get("mem_bw_per_core_gbs")
+    if per_core and facts.cores < base.cores:  # a small VM on a big part cannot draw the whole socket's bandwidth
+        bw = min(base["mem_bw_achievable_gbs"], per_core * facts.cores)
+        figures["mem_bw_achievable_gbs"] = Figure(
+            round(bw, 1), "estimate", f"estimate: {base.name}'s {per_core:g} GB/s a core x {facts.cores} detected cores "
+            f"(its {base['mem_bw_achievable_gbs']:g} GB/s needs {base.cores}); `moesim profile --hardware` measures "
+            "this machine's")
     os_said = "detected on this machine (/proc/cpuinfo)"
     figures["cores"] = Figure(facts.cores, "measured", f"{os_said}: physical cores of one socket")
     figures["sockets"] = Figure(facts.sockets, "measured", os_said)
@@ -550,7 +559,8 @@ def this_host(facts: CpuFacts | None = None) -> HostProfile:
         figures["ram_gb"] = Figure(round(facts.ram_gb, 1), "measured", "detected on this machine (/proc/meminfo)")
     desc = (f"this machine: {facts.model}, {facts.sockets} x {facts.cores} cores, {facts.isa}"
             + (f", {facts.ram_gb:.0f} GB RAM" if facts.ram_gb else "")
-            + f"; memory channels, bandwidth and rates from {base.name} ({why})")
+            + f"; memory channels, bandwidth and rates from {base.name} ({why}), scaled to the detected cores; "
+            "`moesim profile --hardware` measures this machine's")
     return HostProfile(THIS_HOST, desc, figures, "/proc/cpuinfo")
 
 
@@ -635,6 +645,7 @@ def host_variant(base: HostProfile, spec: str) -> HostProfile:
             if not 1 <= n <= 16:
                 raise MoesimError(f"--host {base.name}@{spec}: {n} sockets; from 1 to 16")
             figs["sockets"] = Figure(float(n), "estimate", f"--host ...@{item}: {n} sockets, each as the profile's one")
+            item = f"{n}s"  # named by its value: @02s is @2s
         else:
             ch, mts = int(m["channels"]), float(m["mts"])
             if not (1 <= ch <= 24 and 800 <= mts <= 20000):
@@ -646,7 +657,9 @@ def host_variant(base: HostProfile, spec: str) -> HostProfile:
             figs["mem_bw_peak_gbs"] = Figure(peak, "estimate", src)
             figs["mem_bw_achievable_gbs"] = Figure(peak * share, "estimate", f"{src}, at {base.name}'s achievable share "
                                                                             f"of its own peak ({share:.2f})")
+            item = f"{ch}x{mts:g}"  # named by its value: @02x4800.0 is @2x4800
         names.append(item.strip().lower())
+    names.sort(key=lambda n: n.endswith("s"))  # @2s@12x4800 is @12x4800@2s: one name for one value
     sockets = int(figs["sockets"].value) if "sockets" in figs else 1
     return replace(base, name=f"{base.name}@{'@'.join(names)}", figures=figs,
                    description=f"{base.description}; as varied by @{'@'.join(names)}: {sockets} socket"
@@ -667,6 +680,9 @@ def get_host(name_or_path: str | None = None, gpu: HardwareProfile | None = None
         if Path(name_or_path).suffix == ".toml":  # a file named with @ that is not there, not a variant
             given_path(name_or_path, "host profile")
         parts = name_or_path.split("@")
+        if not parts[0].strip():
+            raise MoesimError(f"--host {name_or_path}: name the host before @ (e.g. epyc-9654{name_or_path}; "
+                              "`moesim hw --hosts` lists them)")
         cut = next((i for i in range(len(parts) - 1, 0, -1) if Path("@".join(parts[:i])).exists()), 1)
         return host_variant(get_host("@".join(parts[:cut]), gpu), "@".join(parts[cut:]))  # the base: a file with @ too
     if name_or_path.strip().lower() == THIS_HOST:
@@ -677,7 +693,8 @@ def get_host(name_or_path: str | None = None, gpu: HardwareProfile | None = None
     p = given_path(name_or_path, "host profile")
     if p is not None:
         return load_host(p)
-    raise MoesimError(f"unknown host profile {name_or_path!r}; built-in: {', '.join(builtin)} (or a .toml path)")
+    raise MoesimError(f"unknown host profile {name_or_path!r}{nearest_hint(name_or_path, builtin)}; built-in: "
+                      f"{', '.join(builtin)} (or a .toml path)")
 
 
 # ---------------------------------------------------------------------------------------
@@ -735,7 +752,7 @@ def get_machine(text: str | HardwareProfile | Machine) -> Machine:
         if len(gpus) != len(parts) and any(get_machine(p).n_gpus != 1 for p in parts):
             raise MoesimError(f"--hw {text!r}: each part joined by '+' is one GPU profile")
         return Machine(gpus, "+".join(g.name for g in gpus))
-    many = re.fullmatch(r"(\d+)x(.+)", t)
+    many = re.fullmatch(r"(\d+)x(.+)", t, re.IGNORECASE)  # 2Xrtx3090 as 2xrtx3090 (get_profile reads it so)
     if many and t.lower() not in builtin_profiles():
         n = int(many.group(1))
         if not 1 <= n <= 64:

@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 from moesim.errors import MoesimError
+from moesim.fmt import number
 from moesim.host_detect import available_memory
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -57,7 +58,7 @@ def _pipe_id(path: Path) -> tuple[int, int]:
 def human(n: float) -> str:
     for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
         if n >= size:
-            return f"{n / size:.3g} {unit}"
+            return f"{number(n / size)} {unit}"
     return f"{n:.0f} bytes"
 
 

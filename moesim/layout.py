@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moesim.bounds import check_shares
 from moesim.errors import MoesimError
 from moesim.models import ModelSpec
 
@@ -92,9 +93,7 @@ class Layout:
 def check_ratios(ratios, gpu_counts) -> None:
     """``--tensor-split`` shares checked before any work: non-negative numbers with a positive
     sum, one a GPU of every machine of several GPUs in ``gpu_counts``."""
-    r = np.asarray(ratios, float)
-    if r.size == 0 or not np.isfinite(r).all() or (r < 0).any() or not r.sum() > 0:
-        raise MoesimError(f"--tensor-split {','.join(f'{x:g}' for x in ratios)}: non-negative shares with a positive sum")
+    r = np.asarray(check_shares(ratios), float)  # moesim.bounds: 1e308,1e308 overflows the sum
     for n in gpu_counts:
         if n != r.size:
             raise MoesimError(f"--tensor-split has {r.size} shares for {n} GPUs")

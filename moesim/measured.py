@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from moesim.errors import MoesimError
+from moesim.fmt import number as fmt_number
 
 __all__ = [
     "FORMATS",
@@ -944,7 +945,7 @@ def _plain_row(record: dict[str, str], where: str, engine: str | None) -> Measur
         from_tpot = 1000.0 / _speed(record["tpot_ms"], where, "tpot_ms")
         if speed is not None and abs(from_tpot - speed) > 0.01 * speed:
             raise _fail(where, f"tokens_per_s {speed:g} and tpot_ms {record['tpot_ms'].strip()} disagree "
-                               f"(1000/tpot_ms = {from_tpot:.4g})")
+                               f"(1000/tpot_ms = {fmt_number(from_tpot, 4)})")
         speed = from_tpot if speed is None else speed
     if speed is None:
         raise _fail(where, "tokens_per_s (or tpot_ms) is empty")

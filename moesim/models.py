@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 
 from moesim.errors import MoesimError
+from moesim.fmt import nearest_hint
 from moesim.gguf_file import spec_from_gguf
 from moesim.hf_config import spec_from_config
 from moesim.inputs import check_input, check_name, kind_of
@@ -215,7 +216,14 @@ CATALOGUE: dict[str, ModelSpec] = {
 
 ALIASES = {"olmoe-1b-7b-0924": "olmoe-1b-7b", "qwen3-30b": "qwen3-30b-a3b",
            "kimi-k2-instruct": "kimi-k2", "llama-4-scout": "llama-4-scout-17b-16e",
-           "llama-4-maverick": "llama-4-maverick-17b-128e", "phi-3.5-moe-instruct": "phi-3.5-moe"}
+           "llama-4-maverick": "llama-4-maverick-17b-128e", "phi-3.5-moe-instruct": "phi-3.5-moe",
+           # Fine-tunes and later checkpoints of one architecture: the geometry (layers, experts,
+           # widths) is their base's, which is all moesim times.
+           "deepseek-r1": "deepseek-v3", "deepseek-r1-0528": "deepseek-v3", "deepseek-v3-0324": "deepseek-v3",
+           "deepseek-v3-base": "deepseek-v3", "deepseek-v3.1-terminus": "deepseek-v3.1",
+           "kimi-k2-instruct-0905": "kimi-k2", "kimi-k2-base": "kimi-k2",
+           "qwen3-30b-a3b-instruct-2507": "qwen3-30b-a3b", "qwen3-30b-a3b-thinking-2507": "qwen3-30b-a3b",
+           "qwen3-235b-a22b-instruct-2507": "qwen3-235b-a22b", "qwen3-235b-a22b-thinking-2507": "qwen3-235b-a22b"}
 
 
 def cache_capacity(spec: ModelSpec, cache_gib: float = 0.0, cache_experts: int = 0) -> int:
@@ -288,7 +296,8 @@ def get_model(name_or_path: str) -> ModelSpec:
     if shipped is not None:
         return get_model(str(shipped))
     raise MoesimError(
-        f"unknown model {name_or_path!r}: not in the catalogue ({', '.join(CATALOGUE)}), "
+        f"unknown model {name_or_path!r}{nearest_hint(name_or_path, [*CATALOGUE, *ALIASES])}: not in the catalogue "
+        f"({', '.join(CATALOGUE)}), "
         "not a checkpoint that ships with moesim and not a directory or config.json"
     )
 

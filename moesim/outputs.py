@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from moesim.errors import MoesimError
+from moesim.fmt import number
 from moesim.inputs import check_name, kind_of
 
 
@@ -111,5 +112,5 @@ def check_free_space(path: str | os.PathLike, nbytes: float, what: str) -> None:
     except OSError:
         return  # the write itself says what went wrong
     if nbytes > free:
-        raise MoesimError(f"{what} needs about {nbytes / 1e9:.3g} GB on disk and {folder} has {free / 1e9:.3g} GB free: "
+        raise MoesimError(f"{what} needs about {number(nbytes / 1e9)} GB on disk and {folder} has {number(free / 1e9)} GB free: "
                           "refusing (ask for fewer tokens, layers or sequences)")

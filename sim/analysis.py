@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from moesim.fmt import number
 from moesim.policy import get_policy
 
 
@@ -49,18 +50,18 @@ def why(row: dict[str, Any]) -> str:
     top = max(PARTS, key=lambda p: parts[p])
     tpot = row["tpot_ms"]
     if top == "CPU":
-        return (f"CPU-bound: {parts['CPU']:.3g} of its {tpot:.3g} ms per token wait on the host CPU "
-                f"({_ms(row, 'cpu_ms'):.3g} ms of CPU work; the GPU's own {parts['GPU']:.3g} ms){caveat}")
+        return (f"CPU-bound: {number(parts['CPU'])} of its {number(tpot)} ms per token wait on the host CPU "
+                f"({number(_ms(row, 'cpu_ms'))} ms of CPU work; the GPU's own {number(parts['GPU'])} ms){caveat}")
     if top == "other":
-        return (f"transfer-bound: {parts['other']:.3g} of its {tpot:.3g} ms per token move activations between "
+        return (f"transfer-bound: {number(parts['other'])} of its {number(tpot)} ms per token move activations between "
                 f"devices{caveat}")
     if row["copy_ms"] == 0 and parts["CPU"] + parts["other"] > 0.01 * tpot:
-        return (f"GPU-bound: {parts['GPU']:.3g} of its {tpot:.3g} ms per token are the GPU's own work (no expert "
-                f"copies; {parts['CPU'] + parts['other']:.3g} ms wait on the CPU and transfers){caveat}")
+        return (f"GPU-bound: {number(parts['GPU'])} of its {number(tpot)} ms per token are the GPU's own work (no expert "
+                f"copies; {number(parts['CPU'] + parts['other'])} ms wait on the CPU and transfers){caveat}")
     if row["copy_ms"] == 0:
-        return f"compute-bound: no expert copies; {row['compute_ms']:.3g} ms of compute per token{caveat}"
+        return f"compute-bound: no expert copies; {number(row['compute_ms'])} ms of compute per token{caveat}"
     share = row["stall_ms"] / row["tpot_ms"]
-    return (f"{bound(row)}-bound: copies take {row['copy_ms']:.3g} ms and compute {row['compute_ms']:.3g} ms "
+    return (f"{bound(row)}-bound: copies take {number(row['copy_ms'])} ms and compute {number(row['compute_ms'])} ms "
             "per token; "
-            f"{share:.0%} of the step waits on the link (ideal overlap would give {row['overlap_bound_ms']:.3g} ms)"
+            f"{share:.0%} of the step waits on the link (ideal overlap would give {number(row['overlap_bound_ms'])} ms)"
             f"{caveat}")

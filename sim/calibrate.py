@@ -36,7 +36,7 @@ import numpy as np
 
 from moesim.engines import EngineProfile, get_engine
 from moesim.errors import MoesimError
-from moesim.fmt import plural
+from moesim.fmt import number, plural
 from moesim.hardware import get_host, get_machine
 from moesim.models import DTYPES, get_model
 from moesim.policy import get_policy
@@ -245,8 +245,8 @@ def with_thread_rate(engine: EngineProfile, gbs: float, source: str) -> EnginePr
     for dtype in ("default", *DTYPES):
         bpw = _bytes_per_weight("bf16" if dtype == "default" else dtype)
         engine = engine.with_figure(f"cpu_kernel_gmacs.{dtype}", gbs / bpw, "fitted",
-                                    f"{source}; one thread's kernels decode {gbs:.4g} GB/s of weights, here in "
-                                    f"multiply-adds at {bpw:.4g} bytes a weight")
+                                    f"{source}; one thread's kernels decode {number(gbs, 4)} GB/s of weights, here in "
+                                    f"multiply-adds at {number(bpw, 4)} bytes a weight")
     return engine
 
 

@@ -65,13 +65,13 @@ def configuration(row: dict[str, Any]) -> str:
     elif fam == "hot-experts":
         gib = row["resident_experts"] * _expert_bytes(row) / 2**30 if _ok(row["resident_experts"]) else None
         kind = "uniformly placed" if "uniform placement" in str(row.get("placement", "")) else "hot"
-        what = f"{row['resident_experts']} {kind} experts on GPU" + (f" ({gib:.3g} GiB)" if _ok(gib) else "")
+        what = f"{row['resident_experts']} {kind} experts on GPU" + (f" ({number(gib)} GiB)" if _ok(gib) else "")
     elif fam == "cpu-on-miss":
-        what = f"cache {row['cache_gib']:g} GiB"
+        what = f"cache {number(row['cache_gib'])} GiB"
     elif fam == "all-resident":
         what = "every layer on the CPU" if row["hw"] == "none" else "all experts on GPU"
     else:
-        what = f"{row['policy']}, cache {row['cache_gib']:g} GiB"
+        what = f"{row['policy']}, cache {number(row['cache_gib'])} GiB"
         if row["copy_queue"] not in ("fifo", "-"):
             what += f", {row['copy_queue']}"
         if row["prefetch_top"] != "-":
@@ -95,11 +95,11 @@ def bound_words(row: dict[str, Any]) -> str:
     """One clause on what bounds ``row`` (its ``bound`` column, :func:`moesim.sim.whatif.bound_of`)."""
     b = row["bound"]
     if b == "link":
-        return f"copies over the host link take most of its time ({row['copy_ms']:.3g} ms of link per token)"
+        return f"copies over the host link take most of its time ({number(row['copy_ms'])} ms of link per token)"
     if b == "CPU compute":
-        return f"experts computed on the host CPU dominate ({row['cpu_ms']:.3g} ms of CPU per token)"
+        return f"experts computed on the host CPU dominate ({number(row['cpu_ms'])} ms of CPU per token)"
     if b == "GPU compute":
-        return f"the GPU's own work dominates ({row['compute_ms']:.3g} ms per token)"
+        return f"the GPU's own work dominates ({number(row['compute_ms'])} ms per token)"
     return "it does not fit in device memory"
 
 
@@ -262,16 +262,20 @@ class Timed:
     machines: dict[str, Machine]
     specs: dict[str, ModelSpec]
     hosts: dict[str, HostProfile] = field(default_factory=dict)
+    #: The prompt length and decode steps were the user's (given, or a recorded trace's): the
+    #: printed context (-c, --max-model-len) is theirs; else the commands leave the engine's default.
+    context_given: bool = True
 
     @classmethod
-    def of(cls, sweep) -> Timed:
+    def of(cls, sweep, context_given: bool = True) -> Timed:
         hosts = {}
         for name in sweep.hosts:
             for m in sweep.hws:
                 with contextlib.suppress(MoesimError):  # a machine without a host: its rows say so already
                     h = get_host(name, m.gpus[0] if m.gpus else None)
                     hosts[h.name] = h
-        return cls({m.name: m for m in sweep.hws}, {t.model.name: t.model for t in sweep.traces.values()}, hosts)
+        return cls({m.name: m for m in sweep.hws}, {t.model.name: t.model for t in sweep.traces.values()}, hosts,
+                   context_given)
 
     def machine(self, row: dict[str, Any]) -> Machine:
         return self.machines[row["hw"]] if row["hw"] in self.machines else get_machine(row["hw"])
@@ -317,7 +321,8 @@ def invocation_of(row: dict[str, Any], engine: str, timed: Timed = BY_NAME):
     if found is None:
         return None, ""
     if engine not in FORMATTERS:  # SGLang, a user's engine: said, not left blank
-        return None, (f"moesim writes the arguments of {', '.join(FORMATTERS)}, not {engine}'s"
+        return None, (f"moesim writes the arguments of {', '.join(FORMATTERS)}, not {engine}'s (a user's engine "
+                      "file says which of them it runs with runs_as = \"llama.cpp\", or another)"
                       if engine != DEFAULT_ENGINE else "")
     spec, layout = found
     kw: dict[str, Any] = {}
@@ -335,11 +340,17 @@ def invocation_of(row: dict[str, Any], engine: str, timed: Timed = BY_NAME):
     try:
         host, threads = timed.hosts.get(row["host"]), row.get("threads")
         numa = host is not None and isinstance(threads, int) and host.sockets > 1 and threads > host.cores
-        inv = invocation(engine, spec, layout, threads=threads, tokens=int(row["tokens"]),
-                         context=int(row["prompt_len"]) + int(row["tokens"]), batch=int(row["batch"]), numa=numa, **kw)
+        prompt, steps = int(row["prompt_len"]), int(row["tokens"])
+        inv = invocation(engine, spec, layout, threads=threads, tokens=steps,
+                         context=prompt + steps if timed.context_given else None, batch=int(row["batch"]), numa=numa,
+                         **kw)
     except MoesimError as e:
         return None, str(e)
     notes = [inv.note] if inv is not None and inv.note else []
+    if inv is not None and engine in ("llama.cpp", "ik_llama.cpp", "vllm"):  # the engines whose context moesim spells
+        notes.append(f"the context is the prompt ({prompt}) plus the {steps} decode steps timed" if timed.context_given
+                     else f"the context is {engine}'s default (the model's own; moesim timed a {prompt}-token prompt "
+                          f"and {steps} decode steps: give --prompt-len and --tokens to size it)")
     extra = int(row["resident_experts"]) % spec.n_moe_layers if row["family"] == "hot-experts" else 0
     if extra:
         notes.append(f"the plan placed {extra} more experts than {kw['gpu_experts_per_layer']} a layer, which one "
@@ -435,7 +446,7 @@ def describe_change(c: Crossover, ch: dict[str, Any]) -> str:
     near = f" (curves cross near {number(ch['near'])})" if ch["near"] is not None else ""
     metric = "TPOT" if c.metric == "tpot_ms" else "TTFT" if c.metric == "ttft_ms" else c.metric
     return (f"{c.model} on {c.hw}{'' if c.host == '-' else ' + ' + c.host}, {metric} against {AXES[c.axis]}: "
-            f"{ch['from']} wins at {ch['after']:g}, {ch['to']} at {ch['by']:g}{near}")
+            f"{ch['from']} wins at {number(ch['after'])}, {ch['to']} at {number(ch['by'])}{near}")
 
 
 COLS = (("family", 16), ("configuration", 30), ("TPOT ms", 8), ("TTFT ms", 9), ("bound", 11))
@@ -455,9 +466,9 @@ def format_answer(a: Answer, width: int = 80) -> str:
             lines.append(f"{f.family:<{cols[0][1]}} {f.status}")
             continue
         conf = textwrap.wrap(configuration(r), cols[1][1]) or [""]
-        ttft = f"{r['ttft_ms']:.4g}" if _ok(r["ttft_ms"]) else "-"
+        ttft = f"{number(r['ttft_ms'], 4)}" if _ok(r["ttft_ms"]) else "-"
         (_, fw), (_, cw) = cols[0], cols[1]
-        lines.append(f"{f.family:<{fw}} {conf[0]:<{cw}} {r['tpot_ms']:>8.4g} {ttft:>9} {r['bound']:<11}".rstrip())
+        lines.append(f"{f.family:<{fw}} {conf[0]:<{cw}} {number(r['tpot_ms'], 4):>8} {ttft:>9} {r['bound']:<11}".rstrip())
         lines += [f"{'':<{fw}} {c}" for c in conf[1:]]
     lines += textwrap.wrap(("winner: " if a.winner else "") + a.reason, width)
     spelled: dict[tuple, str] = {}  # the same arguments (a cpu-static of 0 layers is all-resident) print once
@@ -474,7 +485,9 @@ def format_answer(a: Answer, width: int = 80) -> str:
             spelled[key] = f.family
             rng = range_text(f.row)
             rng = "" if rng == "-" else f", {NOMINAL:.0%} range {rng}"
-            lines.append(f"{f.family} with {f.invocation.engine} ({number(tps)} tokens/s predicted{rng}):")
+            who = f.invocation.engine if f.row["engine"] == f.invocation.engine else \
+                f"{f.row['engine']} (runs as {f.invocation.engine})"
+            lines.append(f"{f.family} with {who} ({number(tps)} tokens/s predicted{rng}):")
             lines.append(f"  {f.invocation.line()}")
             if f.invocation.note:
                 lines += textwrap.wrap(f.invocation.note, width, initial_indent="  ", subsequent_indent="  ")

@@ -22,6 +22,7 @@ from typing import Any
 from moesim import budget
 from moesim.engines import get_engine
 from moesim.errors import MoesimError
+from moesim.fmt import number
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, Machine, get_host, get_machine, get_profile
 from moesim.models import ModelSpec, get_model
 from moesim.policy import get_policy
@@ -31,7 +32,7 @@ from moesim.sim.intervals import kind_of, with_range
 from moesim.sim.prefetch_top import keep_top_predictions
 from moesim.sim.quantised import with_expert_dtype
 from moesim.sim.simulate import SimResult, simulate_policies
-from moesim.sim.sweep import Given, check_threads, split_notes, unused_options
+from moesim.sim.sweep import Given, check_threads, check_values, split_notes, unused_options
 from moesim.sim.whatif import policy_family
 from moesim.traces.format import Trace, read_trace
 
@@ -133,6 +134,7 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
     the recorded predictor time in every policy's measured compute
     (:func:`moesim.sim.simulate.simulate`'s, as validation replays the measured run)."""
     where = where or ("the trace" if isinstance(trace, Trace) else trace)
+    check_given(given, changes)  # whatif's checks of the options both take, before the trace is read
     trace = trace if isinstance(trace, Trace) else read_trace(trace)
     if trace.speculative:
         raise MoesimError("a speculative-decoding trace: replay it with moesim.sim.speculative.speculative_whatif")
@@ -169,6 +171,21 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
     return Replay(trace, profile, source, results, link_source, cache_source, step, note, cal)
 
 
+def check_given(given: Setting, changes: TraceChanges = NO_CHANGES) -> None:
+    """``given`` and ``changes`` checked by the one definition whatif's options go through
+    (:func:`moesim.sim.sweep.check_values`): ``--threads 0`` or ``--gpu-layers -5`` is one line in
+    both commands, never a note that it changed nothing."""
+    def one(v):
+        return None if v is None else [v]
+
+    check_values(eviction=given.eviction, sim=given.sim, link_gbps=one(given.link_gbps), cache_gib=one(given.cache_gib),
+                 cache_experts=one(given.cache_experts), copy_queues=one(given.copy_queue),
+                 expert_dtypes=one(changes.expert_dtype), threads=given.threads, lookaheads=one(given.lookahead),
+                 cpu_layers=one(given.cpu_layers), gpu_layers=one(given.gpu_layers),
+                 gpu_expert_gib=one(given.gpu_expert_gib), offload_gib=one(given.offload_gib),
+                 prefetch_top=one(changes.prefetch_top), ratios=given.ratios)
+
+
 def fit_note(results: list) -> str | None:
     """The policies whose configuration needs more device memory than the GPU has: their
     times assume it fits (whatif marks such rows and never picks one; replay says so)."""
@@ -178,9 +195,9 @@ def fit_note(results: list) -> str | None:
         return None
     def more_than(hw: str) -> str:  # a machine of several GPUs: the fullest one's need against one's memory
         gpus = get_machine(hw).device_memory_gb()
-        return f"the {hw}'s" if len(gpus) < 2 else f"one of its GPUs holds ({', '.join(f'{g:.3g}' for g in gpus)} GB)"
+        return f"the {hw}'s" if len(gpus) < 2 else f"one of its GPUs holds ({', '.join(f'{number(g)}' for g in gpus)} GB)"
 
-    return "; ".join(f"{r['policy']} needs {r['device_gb_needed']:.3g} GB of device memory, more than "
+    return "; ".join(f"{r['policy']} needs {number(r['device_gb_needed'])} GB of device memory, more than "
                      f"{more_than(r['hw'])}: it does not fit, and its times are as if it did" for r in over)
 
 
@@ -191,8 +208,8 @@ def capped_note(results: list, offload_gib: float | str | None) -> str | None:
         return None
     capped = [r.summary() for r in results]
     capped = [r for r in capped if r["policy"] == "weight-streaming" and r.get("offload_gib", offload_gib) < offload_gib]
-    return "; ".join(f"--offload-gib {offload_gib:g} is more than {r['model']}'s layers hold: every layer's weights, "
-                     f"{r['offload_gib']:.3g} GiB, are read over the link" for r in capped) or None
+    return "; ".join(f"--offload-gib {number(offload_gib)} is more than {r['model']}'s layers hold: every layer's weights, "
+                     f"{number(r['offload_gib'])} GiB, are read over the link" for r in capped) or None
 
 
 def recorded_cache(trace: Trace, s: Setting) -> tuple[Setting, str]:

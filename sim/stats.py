@@ -68,7 +68,7 @@ from typing import Any
 import numpy as np
 
 from moesim.errors import MoesimError
-from moesim.fmt import plural
+from moesim.fmt import number, plural
 from moesim.hardware import HardwareProfile
 from moesim.models import ModelSpec
 from moesim.setting import Setting
@@ -517,6 +517,6 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
     if "tpot" in res:
         tp = res["tpot"]
         lines.append(f"how many experts on the GPU ({tp['policy']}, {tp['hw']}): the knee is {tp['knee_experts']} "
-                     f"experts at {tp['knee_tpot_ms']:.3g} ms/token (best {tp['best_tpot_ms']:.3g}; "
+                     f"experts at {number(tp['knee_tpot_ms'])} ms/token (best {number(tp['best_tpot_ms'])}; "
                      f"{tp['knee_rule']})")
     return lines

@@ -7,18 +7,17 @@ memory and is never the oracle (:func:`moesim.sim.whatif.best`).
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from moesim import budget
+from moesim import bounds, budget
 from moesim.atomic import exclusive
 from moesim.engines import get_engine
 from moesim.errors import MoesimError
-from moesim.hardware import get_host, get_machine
+from moesim.hardware import Machine, get_host, get_machine
 from moesim.models import DTYPES, get_model
 from moesim.placement import UNIFORM
 from moesim.policy import QUEUES, WHATIF_POLICIES, Policy, as_policy, check_eviction, check_lookahead, get_policy
@@ -52,13 +51,30 @@ class WhatIf:
         return sorted(self.rows, key=lambda r: (not r["fits"], r[key] if r[key] is not None else float("inf")))
 
 
+def value_of(p) -> tuple:
+    """What a machine or profile is, not how it was spelled: a machine its GPUs (``2xrtx3090`` is
+    ``rtx3090+rtx3090``), a profile its figures (``epyc-9654@2x4800`` is ``@02x4800.0``)."""
+    if isinstance(p, Machine):
+        return ("machine", *(value_of(g) for g in p.gpus))
+    return (type(p).__name__, *sorted((k, f.value) for k, f in p.figures.items()))
+
+
 def check_unique_names(given: list[str] | tuple[str, ...], profiles: list, option: str = "--hw") -> None:
-    """Rows are keyed by profile name: two profiles with one name would report one's results twice."""
+    """Rows are keyed by profile name: two profiles with one name would report one's results twice;
+    one value given twice, however spelled, would sweep the same rows twice (:func:`value_of`)."""
     seen: dict[str, str] = {}
+    same: dict[tuple, str] = {}
+    what = "machine" if option == "--hw" else "host"
     for g, p in zip(given, profiles):
+        v = value_of(p)
+        if v in same and same[v] != g:
+            named = f"; both named {p.name!r}, and profile names must be unique in a run" if p.name in seen else ""
+            raise MoesimError(f"{option}: {g!r} is the same {what} as {same[v]!r} (its figures, however spelled{named}): "
+                              "give it once")
         if p.name in seen and seen[p.name] != g:
             raise MoesimError(f"{option}: {seen[p.name]} and {g} are both named {p.name!r}; profile names must be "
                               "unique in a run (change `name` in the .toml, or `moesim fit --name`)")
+        same.setdefault(v, g)
         seen[p.name] = g
 
 
@@ -96,23 +112,40 @@ def _positive_ints(values: list[int] | tuple[int, ...], what: str) -> list[int]:
 MAX_JOBS_PER_CORE = 4  # more worker processes than this per core only share the cores (and memory)
 
 
-def check_values(*, eviction: str, sim: str, backend: str, link_gbps, cache_gib, copy_queues, expert_dtypes,
-                 threads, jobs, lookaheads) -> None:
+def check_values(*, eviction: str | None, sim: str, backend: str = "local", link_gbps=None, cache_gib=None,
+                 copy_queues=None, expert_dtypes=None, threads=None, jobs=None, lookaheads=None, cpu_layers=None,
+                 gpu_layers=None, gpu_expert_gib=None, offload_gib=None, prefetch_top=None, ratios=None,
+                 cache_experts=None) -> None:
     """Every value the CLI can check, checked in one line before any work (a bad one found
-    per configuration group would end, after the work, in "2 of 4 groups failed")."""
-
-
-    check_eviction(eviction)
+    per configuration group would end, after the work, in "2 of 4 groups failed"). One
+    definition for every command: ``whatif`` gives its lists, ``replay`` its one value of
+    each (a list of one; None: left out), so an option both take is refused alike by both.
+    Rates, sizes and shares lie in the ranges of :mod:`moesim.bounds` (1e308 GiB or 1e-9 GB/s
+    overflow what is made of them)."""
+    if eviction is not None:
+        check_eviction(eviction)
     if sim not in ("fast", "simpy"):
         raise MoesimError(f"--sim: unknown simulator {sim!r}; known: simpy, fast")
     if backend not in BACKENDS:
         raise MoesimError(f"--backend: unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
     for g in link_gbps or ():
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not (0 < g < math.inf):
-            raise MoesimError(f"--link-gbps {g!r}: a bandwidth in GB/s, positive and finite")
+        bounds.check_rate(g, "--link-gbps")
     for c in cache_gib or ():
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not (0 <= c < math.inf):
-            raise MoesimError(f"--cache-gib {c!r}: a cache size in GiB, >= 0 and finite")
+        bounds.check_size(c, "--cache-gib")
+    for c in cache_experts or ():
+        bounds.check_count(c, "--cache-experts", 0, what="a count of experts")
+    for c in gpu_expert_gib or ():
+        bounds.check_size(c, "--gpu-expert-gib", auto=True)
+    for c in offload_gib or ():
+        bounds.check_size(c, "--offload-gib", auto=True)
+    for n in cpu_layers or ():
+        bounds.check_count(n, "--cpu-layers", 0, auto=True, what="a count of MoE layers")
+    for n in gpu_layers or ():
+        bounds.check_count(n, "--gpu-layers", 0, auto=True, what="a count of model layers")
+    for m in prefetch_top or ():
+        bounds.check_count(m, "--prefetch-top", 1, what="a count of experts")
+    if ratios is not None:
+        bounds.check_shares(ratios)
     for q in copy_queues or ():
         if q not in QUEUES:
             raise MoesimError(f"--copy-queue: unknown copy queue {q!r}; known: {', '.join(QUEUES)}")
@@ -298,7 +331,9 @@ def whatif(o: WhatifOptions = WhatifOptions(), progress: Callable[[int, int], No
     _positive_ints([o.prompt_len] if isinstance(o.prompt_len, int) else list(o.prompt_len), "--prompt-len")
     check_values(eviction=o.eviction, sim=o.sim, backend=o.backend, link_gbps=o.link_gbps, cache_gib=o.cache_gib,
                  copy_queues=o.copy_queues, expert_dtypes=o.expert_dtypes, threads=o.threads, jobs=o.jobs,
-                 lookaheads=o.lookaheads)
+                 lookaheads=o.lookaheads, cpu_layers=o.cpu_layers, gpu_layers=o.gpu_layers,
+                 gpu_expert_gib=o.gpu_expert_gib, offload_gib=o.offload_gib, prefetch_top=o.prefetch_top,
+                 ratios=o.ratios)
     if o.rows_csv is None:
         return _whatif(o, progress)
 
@@ -334,6 +369,9 @@ def _whatif(o: WhatifOptions, progress: Callable[[int, int], None] | None) -> Wh
         policies = [p.name for p in pols]
         hot_left_out = f"{why} to sweep it: left out"
     no_gpu = any(get_machine(h).n_gpus == 0 for h in o.hws)  # --hw none: the host runs every layer
+    check_unique_names(o.hws, [get_machine(h) for h in o.hws])  # before any trace is drawn: one value given twice
+    named_hosts = [h for h in o.hosts or () if h]
+    check_unique_names(named_hosts, [get_host(h) for h in named_hosts], "--host")
     given = Given(o.hosts, o.cpu_layers, o.gpu_expert_gib, o.copy_queues, o.prefetch_top, o.gpu_layers,
                   o.offload_gib, o.lookaheads, eviction=o.eviction, threads=o.threads,
                   cached=any(isinstance(c, (int, float)) and c > 0 for c in o.cache_gib),

@@ -93,3 +93,15 @@ def test_this_machine_from_the_command_line(tmp_path):
                    "--tokens", "2", "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["rows"][0]["host"] == "this"
+
+
+def test_a_small_vm_on_a_big_part_is_given_the_bandwidth_its_cores_draw():
+    """A 4-core VM whose model name is an EPYC 9654 (96 cores a socket) was given the whole
+    socket's 12-channel bandwidth; now its cores' share, labelled, pointing to the measurement."""
+    base = get_host("epyc-9654")
+    h = this_host(read_facts(cpuinfo("AMD EPYC 9654 96-Core Processor", ZEN4, 1, 4), MEMINFO))
+    f = h.figures["mem_bw_achievable_gbs"]
+    assert f.value == pytest.approx(4 * base["mem_bw_per_core_gbs"]) and f.value < base["mem_bw_achievable_gbs"]
+    assert f.kind == "estimate" and "profile --hardware" in f.source and "4 detected cores" in f.source
+    full = this_host(read_facts(cpuinfo("AMD EPYC 9654 96-Core Processor", ZEN4, 1, 96), MEMINFO))
+    assert full["mem_bw_achievable_gbs"] == base["mem_bw_achievable_gbs"]  # the whole part: its own figure

@@ -219,7 +219,7 @@ def test_bad_input_files_are_one_line_each(work, run):
 @pytest.mark.parametrize("run, args, words", both_ways([
     (("synth", "--model", "tiny", "--tokens", "1000000000000"), ("TiB", "available: refusing")),
     (("whatif", "--model", "tiny", "--tokens", "1000000000000", "--out", "w"), ("available: refusing",)),
-    (("profile", "--model", "tiny", "--link-gbps", "1e-9", "--tokens", "2"), ("days", "more than a day")),
+    (("profile", "--model", "tiny", "--link-gbps", "1e-9", "--tokens", "2"), ("--link-gbps", "from 0.001")),
     (("profile", "--model", "qwen3-30b-a3b", "--layers", "0", "--tokens", "2"), ("--layers 0",)),
     (("validate", "--tokens", "100000000", "--repeats", "1", "--out", "v"), ("TiB", "available: refusing")),
     (("validate", "--tokens", "3", "--repeats", "100000000", "--out", "v"), ("years", "more than a day")),
@@ -361,8 +361,8 @@ def test_deployment_options_refuse_bad_input_in_one_line(work, run):
     w = ("whatif", "--hw", "a6000", "--tokens", 8, "--jobs", 1, "--out", "o")
     cases = [
         ((*w, "--model", "olmoe-1b-7b,gpt-oss-20b", "--expert-dtype", "bf16,q4_k"), "multiples of 256"),
-        ((*w, "--model", "olmoe-1b-7b", "--policy", "hot-experts", "--gpu-expert-gib", "nan"), "finite GiB"),
-        ((*w, "--model", "olmoe-1b-7b", "--policy", "hot-experts", "--gpu-expert-gib", "inf"), "finite GiB"),
+        ((*w, "--model", "olmoe-1b-7b", "--policy", "hot-experts", "--gpu-expert-gib", "nan"), "a size in GiB"),
+        ((*w, "--model", "olmoe-1b-7b", "--policy", "hot-experts", "--gpu-expert-gib", "inf"), "a size in GiB"),
         (("whatif", "--trace", "t.npz", "--hw", "a6000", "--jobs", 1, "--out", "o", "--policy", "hot-experts",
           "--placement-from", "same.npz"), "has seen the future"),
         (("replay", "t.npz", "--policy", "hot-experts", "--placement-from", "same.npz"), "has seen the future"),

@@ -379,8 +379,8 @@ def test_whatif_takes_the_split_options_replay_takes_and_prints_that_split(tmp_p
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--tensor-split", "1,1,1"], "3 shares for 2 GPUs"), (["--tensor-split", "1,-1"], "non-negative shares"),
-    (["--tensor-split", "nan,1"], "non-negative shares"), (["--split", "rows"], "--split 'rows'")])
+    (["--tensor-split", "1,1,1"], "3 shares for 2 GPUs"), (["--tensor-split", "1,-1"], "shares from 0 to"),
+    (["--tensor-split", "nan,1"], "shares from 0 to"), (["--split", "rows"], "--split 'rows'")])
 def test_whatif_refuses_a_bad_split_before_any_work(tmp_path, extra, message):
     r = in_process("whatif", "--hw", "2xrtx3090", "--tokens", "8", "--jobs", "1", *extra, cwd=tmp_path)
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -83,7 +83,7 @@ def test_a_batch_deployments_llama_cpp_command_holds_every_sequence(tmp_path):
     assert any("-np 4 -c 4032" in a for a in _args(json.loads(r.stdout))), _args(json.loads(r.stdout))
 
 
-@pytest.mark.parametrize("args", [["--gpu-expert-gib", "1e308", "--policy", "hot-experts"],
+@pytest.mark.parametrize("args", [["--gpu-expert-gib", "1e12", "--policy", "hot-experts"],  # 1e308: refused (round 14)
                                   ["--offload-gib", "-0", "--policy", "weight-streaming"]])
 def test_huge_and_negative_zero_budgets_are_answered(tmp_path, args):
     """1e308 GiB of hot experts was an OverflowError in a failed group; -0 GiB a row saying -0.0."""
@@ -171,7 +171,16 @@ def test_an_engine_moesim_writes_no_arguments_for_says_so(tmp_path):
     assert r.returncode == 0, r.stderr
     whys = [f.get("no_invocation") for d in json.loads(r.stdout)["deployment"] for f in d["families"] if f["row"]]
     assert any("not sglang's" in (w or "") for w in whys), whys
-    (tmp_path / "mine.toml").write_text((ROOT / "hwprofiles" / "engines" / "llama.cpp.toml").read_text())
+    # Round 14: a user's file is the user's even where its name is a built-in's; runs_as says whose arguments it prints.
+    text = (ROOT / "hwprofiles" / "engines" / "llama.cpp.toml").read_text()
+    (tmp_path / "mine.toml").write_text(text)
+    r = in_process("whatif", "--model", "olmoe-1b-7b", "--hw", "a6000", "--host", "epyc-7742", "--engine", "mine.toml",
+                   "--policy", "cpu-static", "--tokens", "4", "--jobs", "1", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert not _args(out) and all(row["engine"] == "llama.cpp (mine.toml, a user's file)" for row in out["rows"])
+    top, _, rest = text.partition("\n[")
+    (tmp_path / "mine.toml").write_text(f'{top}\nruns_as = "llama.cpp"\n[{rest}')
     r = in_process("whatif", "--model", "olmoe-1b-7b", "--hw", "a6000", "--host", "epyc-7742", "--engine", "mine.toml",
                    "--policy", "cpu-static", "--tokens", "4", "--jobs", "1", "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr

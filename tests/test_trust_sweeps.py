@@ -286,8 +286,8 @@ def test_the_temporary_name_fits_whenever_the_final_name_does(tmp_path):
 # --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("run,opt,value,words", both_ways([("--eviction", "LRU", "lru, lfu"), ("--engine", "nope", "unknown engine"),
-                                             ("--link-gbps", "nan", "positive and finite"),
-                                             ("--cache-gib", "inf", "finite"), ("--threads", "0", "--threads"),
+                                             ("--link-gbps", "nan", "a bandwidth in GB/s from"),
+                                             ("--cache-gib", "inf", "a size in GiB from 0"), ("--threads", "0", "--threads"),
                                              ("--copy-queue", "LIFO", "unknown copy queue"), ("--jobs", "100000", "at most"),
                                              ("--backend", "nope", "local, ray"), ("--sim", "nope", "simpy, fast")]))
 def test_a_value_the_cli_can_check_is_refused_before_any_work(tmp_path, run, opt, value, words):

@@ -13,6 +13,7 @@ from moesim.cli.app import app, err, out, table
 from moesim.cli.fit_measured import calibrate_and_show
 from moesim.cli.options import holding
 from moesim.errors import MoesimError
+from moesim.fmt import number
 from moesim.hardware import DEFAULT_PROFILE, get_machine
 from moesim.outputs import check_output_file
 from moesim.sim.calibrate import Given
@@ -97,10 +98,10 @@ def fit(
                     f"{base.name}, {source})",
                     ("achievable GB/s", "launch us", "layer overhead us", "R^2", "block MAE us", "block MAPE",
                      "TPOT error, fitted profile"),
-                    [[f"{quality['mem_bw_achievable_gbs']:.3g}", f"{quality['kernel_launch_us']:.3g}",
-                      f"{quality['layer_overhead_us']:.3g}", f"{quality['r2']:.3f}", f"{quality['block_mae_us']:.3g}",
+                    [[f"{number(quality['mem_bw_achievable_gbs'])}", f"{number(quality['kernel_launch_us'])}",
+                      f"{number(quality['layer_overhead_us'])}", f"{quality['r2']:.3f}", f"{number(quality['block_mae_us'])}",
                       f"{quality['block_mape']:.1%}", f"{quality['tpot_error_with_fitted_profile']:+.2%}"]], "right"))
     if not quality["bandwidth_fitted"]:
         err.print(f"warning: the trace's times do not grow with bytes, so its bandwidth cannot be fitted; kept "
-                  f"{base.name}'s {quality['mem_bw_achievable_gbs']:.3g} GB/s and fitted the fixed costs only")
+                  f"{base.name}'s {number(quality['mem_bw_achievable_gbs'])} GB/s and fitted the fixed costs only")
 

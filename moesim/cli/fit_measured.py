@@ -10,7 +10,7 @@ from pathlib import Path
 from moesim.atomic import atomic_write_text
 from moesim.cli.app import err, out, table
 from moesim.cli.options import holding
-from moesim.fmt import plural
+from moesim.fmt import number, plural
 from moesim.hardware import get_host
 from moesim.measured import read_measured
 from moesim.outputs import check_output_dir
@@ -36,7 +36,7 @@ def calibrate_and_show(path: Path, fmt: str | None, given: Given, reader: dict, 
     out.print(table(f"calibration on {path.name}: measured vs predicted decode tokens/s "
                     f"(synthetic traces; {cal.engine.name} figures before and after)",
                     ("row", "measured", "before", "after", "after/measured", "bound"),
-                    [[r["where"], f"{r['measured_tps']:.4g}", f"{r['before_tps']:.4g}", f"{r['after_tps']:.4g}",
+                    [[r["where"], f"{number(r['measured_tps'], 4)}", f"{number(r['before_tps'], 4)}", f"{number(r['after_tps'], 4)}",
                       f"{r['after_tps'] / r['measured_tps']:.3f}", r["bound"]] for r in cal.rows],
                     "right"))
     for r in cal.rows:
@@ -44,7 +44,7 @@ def calibrate_and_show(path: Path, fmt: str | None, given: Given, reader: dict, 
     for where, why in cal.unused:
         out.print(f"not calibrated on {where}: {why}", markup=False, highlight=False, soft_wrap=True)
     if cal.figures:
-        out.print("fitted: " + ", ".join(f"{k} = {v:.4g}" + (" (at the end of its range: the rows ask for more "
+        out.print("fitted: " + ", ".join(f"{k} = {number(v, 4)}" + (" (at the end of its range: the rows ask for more "
                                                             "than it can give)" if k in cal.at_bound else "")
                                          for k, v in cal.figures.items())
                   + f" (on {plural(len(cal.rows), 'row')}; every other figure as shipped)", markup=False, highlight=False,

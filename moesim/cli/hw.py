@@ -9,6 +9,7 @@ import typer
 from moesim.cli.app import app, out, print_csv, print_json, table
 from moesim.engines import DEFAULT_ENGINE, ENGINE_FIGURES, builtin_engines, get_engine
 from moesim.errors import MoesimError
+from moesim.fmt import number
 from moesim.hardware import (
     DEFAULT_PROFILE,
     FIGURES,
@@ -62,7 +63,7 @@ def hw(
         else:
             out.print(table("Host profiles (show one with `moesim hw NAME --hosts` for sources)",
                             ("name", "cores", "DRAM GB/s (achievable)", "bf16 TFLOP/s", "AMX", "description"),
-                            [[h.name, f"{h['cores']:g}", f"{h['mem_bw_achievable_gbs']:g}", f"{h.flops('bf16') / 1e12:.3g}",
+                            [[h.name, f"{h['cores']:g}", f"{h['mem_bw_achievable_gbs']:g}", f"{number(h.flops('bf16') / 1e12)}",
                               "yes" if h.has_amx else "no", h.description] for h in found]))
         return
     if profile:  # `this`: every GPU NVML sees on this machine, each with the source of every figure

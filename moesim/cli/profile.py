@@ -15,6 +15,7 @@ from moesim.cli.app import err, out, table
 from moesim.cli.options import command_of, given_options, holding, torch_threads
 from moesim.cli.running import keeps_finished_work, progress_bar
 from moesim.executor.defaults import DECODE_THREADS, SHIPPED_MODEL
+from moesim.fmt import number
 from moesim.hardware import DEFAULT_PROFILE, FIGURES
 from moesim.outputs import check_output_file
 from moesim.policy import check_eviction
@@ -137,10 +138,10 @@ def profile(a: ProfileArgs) -> None:
     recall = [x for x in rec.trace.header["metrics"]["recall_at_k"] if x == x]
     fid = rec.extra.get("fidelity")
     meta = rec.trace.meta
-    err.print(f"wrote {rec.path}{note}: {rec.steps} steps, TPOT {t.mean() * 1e3:.3g} ms mean "
-              f"(p90 {np.percentile(t, 90) * 1e3:.3g}), TTFT {meta.prefill_s * 1e3:.3g} ms"
+    err.print(f"wrote {rec.path}{note}: {rec.steps} steps, TPOT {number(t.mean() * 1e3)} ms mean "
+              f"(p90 {number(np.percentile(t, 90) * 1e3)}), TTFT {number(meta.prefill_s * 1e3)} ms"
               + (f", prediction recall@k {sum(recall) / len(recall):.3f}" if recall else "")
               + (f", fidelity: agreement {fid['next_token_agreement']:.3f}, KL {fid['mean_kl']:.2e}" if fid else "")
-              + f"; link: {meta.hw_profile} at {meta.link_gbps:.3g} GB/s"
+              + f"; link: {meta.hw_profile} at {number(meta.link_gbps)} GB/s"
               + (f", copy queue {a.copy_queue}" if a.copy_queue != "fifo" else "")
               + (f", lookahead {a.lookahead}" if a.lookahead != 1 else ""))

@@ -9,7 +9,7 @@ from moesim.cli.app import err, floats, ints, out, print_csv, print_json, result
 from moesim.cli.lists import policies
 from moesim.cli.options import given_options
 from moesim.cli.replay_args import REPLAY_POLICIES, ReplayArgs
-from moesim.fmt import plural
+from moesim.fmt import number, plural
 from moesim.hardware import get_profile
 from moesim.reports.validation import write_single_validation
 from moesim.sim.analysis import why
@@ -37,7 +37,7 @@ def print_replay(rep, trace, sim: str) -> None:
 
     rows = rep.rows
     src = ("measured run, synthetic routing" if trace.measured else "synthetic trace") if trace.synthetic else "trace"
-    link = (f"link {rows[0]['link_gbps']:g} GB/s ({rep.link_source})" if rows[0].get("link_gbps") is not None
+    link = (f"link {number(rows[0]['link_gbps'])} GB/s ({rep.link_source})" if rows[0].get("link_gbps") is not None
             else "no GPU link")
     queues = "".join(f"; copy queue {q}" for q in {r["copy_queue"] for r in rows if "copy_queue" in r})
     shown = [{**r, "range": range_text(r)} for r in rows]
@@ -57,7 +57,7 @@ def print_replay(rep, trace, sim: str) -> None:
 
 def signed_ms(x: float) -> str:
     """``+ 1.2 ms`` / ``- 4.57 ms``: an intercept added to a term, never ``+ -4.57``."""
-    return f"{'-' if x < 0 else '+'} {abs(x):.3g} ms"
+    return f"{'-' if x < 0 else '+'} {number(abs(x))} ms"
 
 
 #: The what-if options of a speculative replay, each used only with ``--gamma`` (the re-selection).
@@ -100,20 +100,20 @@ def print_speculative(res: dict[str, Any], trace_path: Path) -> None:
     m, rows = res["measured"], res["rows"]
     if m is None:
         out.print(f"no measured times in this trace (synthetic, or routing recorded without timings); simulated as "
-                  f"recorded ({res['error_policy']}): {res['error_tpot_ms']:.3g} ms a token on {rows[0]['hw']}, "
-                  f"link {rows[0]['link_gbps']:.3g} GB/s")
+                  f"recorded ({res['error_policy']}): {number(res['error_tpot_ms'])} ms a token on {rows[0]['hw']}, "
+                  f"link {number(rows[0]['link_gbps'])} GB/s")
     else:
-        out.print(f"measured: {m['tpot_ms']:.3g} ms a token, {m['accepted_per_step']:.2f} tokens and "
+        out.print(f"measured: {number(m['tpot_ms'])} ms a token, {m['accepted_per_step']:.2f} tokens and "
                   f"{m['distinct_experts_per_step']:.1f} distinct experts a step; verification "
-                  f"{m['verify_ms_per_distinct_expert']:.3g} ms per distinct expert "
+                  f"{number(m['verify_ms_per_distinct_expert'])} ms per distinct expert "
                   f"{signed_ms(m['verify_ms_intercept'])} (linear fit, R^2 {m['verify_vs_experts_r2']:.2f}); "
-                  f"simulated as recorded ({res['error_policy']}): {res['error_tpot_ms']:.3g} ms ({res['error']:+.1%}) "
-                  f"on {rows[0]['hw']}, link {rows[0]['link_gbps']:.3g} GB/s")
+                  f"simulated as recorded ({res['error_policy']}): {number(res['error_tpot_ms'])} ms ({res['error']:+.1%}) "
+                  f"on {rows[0]['hw']}, link {number(rows[0]['link_gbps'])} GB/s")
     out.print(table(f"{trace_path.name}: speculative decoding, simulated ({rows[0]['timing']}); what-if rows re-select "
                     "on the recorded trees (unverified nodes use predicted experts)",
                     ("case", "policy", "hw", "TPOT ms", "tokens/step", "rows/step", "distinct experts/step", "step ms"),
-                    [[r["case"], r["policy"], r["hw"], f"{r['tpot_ms']:.3g}", f"{r['accepted_per_step']:.2f}",
-                      f"{r['rows_per_step']:.1f}", f"{r['distinct_experts_per_step']:.1f}", f"{r['step_ms']:.3g}"]
+                    [[r["case"], r["policy"], r["hw"], f"{number(r['tpot_ms'])}", f"{r['accepted_per_step']:.2f}",
+                      f"{r['rows_per_step']:.1f}", f"{r['distinct_experts_per_step']:.1f}", f"{number(r['step_ms'])}"]
                      for r in rows], "right"))
 
 
@@ -133,13 +133,13 @@ def print_validation(trace, trace_path: Path, hw_name: str | None, sim: str, as_
                          "p90 |err|", f"TOST +-{s['tost_margin']:.0%}"),
                         [[f"{s['measured_ms']:.3f}", f"{s['predicted_ms']:.3f}", f"{s['error']:+.2%}", f"{s['mape']:.2%}",
                           f"{s['bias']:+.2%}", f"{s['p50_abs_error']:.2%}", f"{s['p90_abs_error']:.2%}",
-                          f"{'equivalent' if s['equivalent'] else 'not shown'} (p={s['tost_p']:.3g})"]], "right"))
+                          f"{'equivalent' if s['equivalent'] else 'not shown'} (p={number(s['tost_p'])})"]], "right"))
         cfg = result.config
         meta = trace.meta
-        set_at = f" (set to {meta.link_gbps:.3g} GB/s)" if meta.link_gbps is not None else ""
+        set_at = f" (set to {number(meta.link_gbps)} GB/s)" if meta.link_gbps is not None else ""
         how = "as recorded" if copy_queue is None else "--copy-queue"
         queue = f"; copy queue {cfg['copy_queue']} ({how})" if "copy_queue" in cfg else ""
-        out.print(f"on {cfg['hw']}, link {cfg['link_gbps']:.3g} GB/s: the rate the trace's copies achieved{set_at}; "
+        out.print(f"on {cfg['hw']}, link {number(cfg['link_gbps'])} GB/s: the rate the trace's copies achieved{set_at}; "
                   f"compute: {cfg['timing']}{queue}. A plain `moesim replay` uses the set link and predicts every policy, "
                   "so its numbers can differ from these.")
     if out_dir is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,11 +20,16 @@ from moesim.stop import exit_code, interrupted_line, stop_received
 
 
 @contextmanager
-def progress_bar(what: str, unit: str, disable: bool = False) -> Iterator[Callable[[int, int], None]]:
+def progress_bar(what: str, unit: str, disable: bool = False,
+                 lines: bool = False) -> Iterator[Callable[[int, int], None]]:
     """A transient progress bar with the time left on stderr; yields ``update(done, total)``
     for a library call's ``progress`` callback (``update(done, total, doing)`` also says
-    what is running now)."""
-
+    what is running now). ``lines``: where stderr is no terminal (a log, a pipe), a line
+    ``what: 10 of 39 unit, 1m 20s`` at each tenth instead (a minutes-long command is never
+    silent); stdout is untouched either way."""
+    if lines and not disable and not err.is_terminal:
+        yield _progress_lines(what, unit)
+        return
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
                   TimeRemainingColumn(), console=err, transient=True, disable=disable or not err.is_terminal) as bar:
         task = bar.add_task(what, total=None)
@@ -78,3 +84,17 @@ def need_executor() -> None:
     for name in ("torch", "safetensors"):
         if importlib.util.find_spec(name) is None:
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
+def _progress_lines(what: str, unit: str) -> Callable[..., None]:
+    """``update(done, total)`` printing one line on stderr at each tenth of ``total`` (and at the end)."""
+    start, shown = time.monotonic(), [-1]
+
+    def update(done: int, total: int, doing: str | None = None) -> None:
+        tenth = done * 10 // total if total else 0
+        if total and tenth > shown[0]:
+            shown[0] = tenth
+            secs = int(time.monotonic() - start)
+            err.print(f"{what}: {done} of {total} {unit}, {secs // 60}m {secs % 60:02d}s", markup=False,
+                      highlight=False, soft_wrap=True)
+    return update

@@ -12,6 +12,7 @@ from moesim.cli.app import err
 from moesim.cli.options import command_of, holding, torch_threads
 from moesim.cli.running import keeps_finished_work, progress_bar
 from moesim.executor.defaults import DECODE_THREADS, DRAFT_MODEL, SHIPPED_MODEL
+from moesim.fmt import number
 from moesim.hardware import DEFAULT_PROFILE
 
 
@@ -57,6 +58,6 @@ def speculate(a: SpeculateArgs) -> None:
         rec, s = record_speculative(req, a.out_path, update)
     meta = rec.trace.meta
     err.print(f"wrote {rec.path}: {s.tokens} tokens in {s.steps} verification steps "
-              f"({s.tokens_per_step:.2f} a step; the first token is the prefill's), {s.ms_per_token:.3g} ms a token, "
+              f"({s.tokens_per_step:.2f} a step; the first token is the prefill's), {number(s.ms_per_token)} ms a token, "
               f"{s.distinct_experts_per_step:.1f} distinct experts a step; link: {meta.hw_profile} "
-              f"at {meta.link_gbps:.3g} GB/s")
+              f"at {number(meta.link_gbps)} GB/s")

@@ -14,6 +14,7 @@ from moesim.cli.running import keeps_finished_work, need_executor, progress_bar
 from moesim.cli.validate_published import show_published
 from moesim.errors import MoesimError
 from moesim.executor.validation_plan import check_suite_model
+from moesim.fmt import number
 from moesim.reports.validation import validation_suite
 
 CASE_SHORT = {"same-policy": "same", "transfer from on-demand": "transfer"}
@@ -75,20 +76,20 @@ def validate(
             copy_queues)
     out.print(table(f"simulated vs measured mean TPOT ({machine})",
                     ("model", "GB/s", "policy", "case", "measured ms", "simulated ms", "error", "error range"),
-                    [[r["model"][:12], f"{r['link_gbps']:g}", r["policy"], CASE_SHORT[r["case"]], f"{r['measured_ms']:.3g}",
-                      f"{r['predicted_ms']:.3g}", f"{r['error']:+.1%}", f"{r['error_min']:+.1%}..{r['error_max']:+.1%}"]
+                    [[r["model"][:12], f"{r['link_gbps']:g}", r["policy"], CASE_SHORT[r["case"]], f"{number(r['measured_ms'])}",
+                      f"{number(r['predicted_ms'])}", f"{r['error']:+.1%}", f"{r['error_min']:+.1%}..{r['error_max']:+.1%}"]
                      for r in rows], "right"))
     if cpu_rows:
         out.print(table("CPU-compute policies and int8 experts (synthetic geometry; each case its median-TPOT run)",
                         ("policy", "case", "measured ms", "simulated ms", "error"),
-                        [[r["policy"], CASE_SHORT[r["case"]], f"{r['measured_ms']:.3g}", f"{r['predicted_ms']:.3g}",
+                        [[r["policy"], CASE_SHORT[r["case"]], f"{number(r['measured_ms'])}", f"{number(r['predicted_ms'])}",
                           f"{r['error']:+.1%}"] for r in cpu_rows], "right"))
     if queue_rows:
         out.print(table("copy queues, prefetch-fom (synthetic geometry; measured: median of runs)",
                         ("GB/s", "predictor", "queue", "measured ms", "range ms", "same-policy", "from FIFO"),
-                        [[f"{r['link_gbps']:g}", r["predictor"], r["queue"], f"{r['measured_ms']:.3g}",
-                          f"{r['measured_min_ms']:.3g}..{r['measured_max_ms']:.3g}", f"{r['same_policy_error']:+.1%}",
-                          f"{r['from_fifo_ms']:.3g} ({r['from_fifo_error']:+.1%})"] for r in queue_rows], "right"))
+                        [[f"{r['link_gbps']:g}", r["predictor"], r["queue"], f"{number(r['measured_ms'])}",
+                          f"{number(r['measured_min_ms'])}..{number(r['measured_max_ms'])}", f"{r['same_policy_error']:+.1%}",
+                          f"{number(r['from_fifo_ms'])} ({r['from_fifo_error']:+.1%})"] for r in queue_rows], "right"))
         for w in winners:
             out.print(f"{w['link_gbps']:g} GB/s, {w['predictor']}: measured winner {w['measured_winner']} "
                       f"(+{w['margin']:.1%} to the next, {_verdict(w)}); "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from moesim.cli.app import out, print_csv, print_json, table
 from moesim.cli.running import progress_bar
+from moesim.fmt import number
 from moesim.sim import published as pub
 from moesim.sim.calibrate import published_calibration
 from moesim.sim.engine_fit import leave_one_source_out
@@ -14,13 +15,13 @@ from moesim.sim.intervals import MOVED, NOMINAL, RESIDUALS_FILE, coverage, moved
 
 def show_published(as_json: bool, as_csv: bool) -> None:
 
-    with progress_bar("leave one source out", "sources") as update:
+    with progress_bar("leave one source out", "sources", lines=True) as update:
         rows = leave_one_source_out(progress=update)
     shipped_rows = pub.run_published()
     summary, shipped = pub.summarise(rows), pub.summarise(shipped_rows)
     cover = coverage(rows)
     moves = {"leave_one_source_out": moved(rows), "shipped_figures": moved(shipped_rows, "shipped_ln_error")}
-    with progress_bar("calibrating each source on its first row", "sources") as update:
+    with progress_bar("calibrating each source on its first row", "sources", lines=True) as update:
         cal = published_calibration(rows, update)
     if as_json:
         print_json({"summary": summary, "shipped_figures": shipped, "interval_coverage": cover,
@@ -36,7 +37,7 @@ def show_published(as_json: bool, as_csv: bool) -> None:
                     "(synthetic traces; each row's engine figures fitted on the other sources only)",
                     ("id", "engine", "kind", "hw", "measured", "predicted", "ratio", "fitted on"),
                     [[r["id"], r["engine"], r["kind"], r["hw"] + ("" if r["host"] == "-" else " + " + r["host"]),
-                      f"{r['measured_tps']:.3g}", f"{r['predicted_tps']:.3g}", f"{r['ratio']:.2f}",
+                      f"{number(r['measured_tps'])}", f"{number(r['predicted_tps'])}", f"{r['ratio']:.2f}",
                       f"{r['fitted_on_sources']} sources" if r["fitted_on_sources"] else "unfitted"]
                      for r in rows], "right"))
     for title, groups in (("deployment kind", summary["by_kind"]), ("engine", summary["by_engine"])):
@@ -79,8 +80,8 @@ def show_published(as_json: bool, as_csv: bool) -> None:
             out.print(f"no prediction ({words}) moved by more than {MOVED - 1:.0%} against "
                       f"hwprofiles/published/{RESIDUALS_FILE}", markup=False)
         for m in rows_moved:
-            out.print(f"moved ({words}): {m['id']} " + (f"predicted/measured {m['was']:.3g} -> {m['now']:.3g} "
-                                                       f"(x{m['change']:.3g})" if m["was"] is not None
+            out.print(f"moved ({words}): {m['id']} " + (f"predicted/measured {number(m['was'])} -> {number(m['now'])} "
+                                                       f"(x{number(m['change'])})" if m["was"] is not None
                                                        else "new: no committed prediction"), markup=False)
     out.print(f"{len(pub.excluded())} more measurements are not expressed (hwprofiles/published/settings.toml says "
               "why); sources: hwprofiles/published/README.md")

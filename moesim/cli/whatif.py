@@ -140,4 +140,5 @@ def whatif(a: WhatifArgs) -> None:
     with holding(a.out_dir, "--out"):  # two runs on one report folder: the second refused in one line
         with progress_bar("simulating", "configurations", disable=a.as_json or a.as_csv) as update, ends_on_interrupt():
             res = run_whatif(a.options(), update)
-        show_whatif(res, a.goal, a.engine, a.top, a.as_json, a.as_csv, a.out_dir)
+        yours = a.trace_path is not None or a.tokens != 256 or a.prompt_len != "128"  # else -c is the engine's own
+        show_whatif(res, a.goal, a.engine, a.top, a.as_json, a.as_csv, a.out_dir, yours)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from moesim import fmt
 from moesim.cli.app import err, out, print_csv, print_json, results_table
 from moesim.cli.running import writing_report
+from moesim.fmt import number
 from moesim.reports.whatif import write_whatif_report
 from moesim.sim.analysis import why
 from moesim.sim.deploy import (
@@ -40,8 +41,8 @@ def print_whatif(res, answers, crosses, goal: str, top: int) -> None:
     for h in res.sweep.hws:
         b = res.best_by_hw[h.name]
         if b is not None:
-            out.print(f"on {h.name}: best is {b['policy']} ({fmt.link(b['link_gbps'])}, cache {b['cache_gib']:g} GiB)"
-                      f" at {b['tpot_ms']:.3g} ms/token; {bound_words(b)}")
+            out.print(f"on {h.name}: best is {b['policy']} ({fmt.link(b['link_gbps'])}, cache {number(b['cache_gib'])} GiB)"
+                      f" at {number(b['tpot_ms'])} ms/token; {bound_words(b)}")
         else:
             mem = "+".join(f"{g:g}" for g in h.device_memory_gb()) or "no"
             notes = [r["note"] for r in rows if r["hw"] == h.name and r.get("note") not in (None, "", "-")]
@@ -61,8 +62,8 @@ def print_whatif(res, answers, crosses, goal: str, top: int) -> None:
         out.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     if winner:
         out.print(f"[bold green]best for {GOALS[goal][1]}:[/bold green] {winner['model']} on {winner['hw']}, "
-                  f"{winner['policy']}, {fmt.link(winner['link_gbps'])}, cache {winner['cache_gib']:g} GiB: "
-                  f"{winner['tpot_ms']:.3g} ms/token ({winner['tokens_per_s']:.3g} tok/s); compute: {winner['timing']}")
+                  f"{winner['policy']}, {fmt.link(winner['link_gbps'])}, cache {number(winner['cache_gib'])} GiB: "
+                  f"{number(winner['tpot_ms'])} ms/token ({number(winner['tokens_per_s'])} tok/s); compute: {winner['timing']}")
         if winner.get("range_basis") not in (None, "-"):
             out.print(f"how sure: measurements of such deployments fall within {range_text(winner)} tok/s "
                       f"({NOMINAL:.0%} range; {winner['range_basis']})", markup=False, highlight=False, soft_wrap=True)
@@ -72,11 +73,14 @@ def print_whatif(res, answers, crosses, goal: str, top: int) -> None:
         out.print("[bold red]no configuration fits in memory[/bold red] (each row's note says why: --json / --csv)")
 
 
-def show_whatif(res, goal: str, engine: str | None, top: int, as_json: bool, as_csv: bool, out_dir) -> None:
-    """The answer as JSON, CSV or text, then the report folder (``out_dir``, unless None)."""
+def show_whatif(res, goal: str, engine: str | None, top: int, as_json: bool, as_csv: bool, out_dir,
+                context_given: bool = True) -> None:
+    """The answer as JSON, CSV or text, then the report folder (``out_dir``, unless None);
+    ``context_given``: the prompt length and decode steps were the user's, the printed context theirs."""
 
     rows, winner = res.rows, res.winner
-    answers = deployment_answer(rows, goal, engine=engine and res.sweep.engine_profile.name, timed=Timed.of(res.sweep))
+    eng = res.sweep.engine_profile  # a user's file prints the arguments of the engine its runs_as names
+    answers = deployment_answer(rows, goal, engine=engine and (eng.runs_as or eng.name), timed=Timed.of(res.sweep, context_given))
     crosses = crossovers(rows)
     if as_json or as_csv:
         print_json({"goal": goal, "best": winner, "notes": res.notes, "deployment": [a.to_dict() for a in answers],

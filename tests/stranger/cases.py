@@ -407,9 +407,10 @@ def cases() -> list[Case]:
     from cases_inputs import input_cases  # noqa: PLC0415 (they import Case from here)
     from cases_round4 import round4_cases  # noqa: PLC0415 (round 4: a stranger's fresh-clone run)
     from cases_round10 import round10_cases  # noqa: PLC0415 (rounds 10 and 11: what the user sees is true)
+    from cases_round14 import round14_cases  # noqa: PLC0415 (round 14: trust, round 5)
     from cases_sweeps import sweep_cases  # noqa: PLC0415
 
-    c += input_cases() + sweep_cases() + round4_cases() + round10_cases()
+    c += input_cases() + sweep_cases() + round4_cases() + round10_cases() + round14_cases()
     for i, k in enumerate(c):
         k.name = f"{k.cls[:3]}-{i:03d}"
     return c
