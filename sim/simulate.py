@@ -249,12 +249,11 @@ def time_plan(trace: Trace, pol: Policy, plan: Plan, costs: Costs, profiles: lis
     shared = shared or PerTrace()
     spec = shared.spec or trace.model
     copy_queue = s.copy_queue or "fifo"
-    cm = CostModel(spec, profiles[0], engine=s.engine)
+    cms = [CostModel(spec, h, engine=s.engine) for h in profiles]  # one per profile: the first prices the predictor
     # A predicting policy pays for its predictor (the recorded one, replaying the run as measured).
-    costs = charge_prediction(costs, cm, (pol.prefetch and not pol.oracle) or as_recorded, trace.batch,
+    costs = charge_prediction(costs, cms[0], (pol.prefetch and not pol.oracle) or as_recorded, trace.batch,
                               trace.timings.get("predict_s"), plan.lookahead)
     work = make_workload(spec, plan, costs)
-    cms = [CostModel(spec, h, engine=s.engine) for h in profiles]
     links = [sim_link(trace, c, costs) for c in cms]
     held = plan.cache_experts * spec.n_moe_layers if plan.per_layer else plan.cache_experts
     need = device_bytes(spec, pol, cache_experts=held, batch=trace.batch, context=trace.prompt_len + trace.n_tokens,

@@ -26,7 +26,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +184,12 @@ def normalise(row: dict[str, Any]) -> dict[str, Any]:
         return v
 
     return {c: cell(c) for c in ROW_COLUMNS}
+
+
+#: Sweep fields the resume fingerprint takes by content rather than by value: the traces and the
+#: calibration routing (hashed array by array), the policies as resolved (their names are in
+#: ``policies``). Every other field enters :meth:`Sweep.fingerprint` as it is.
+_BY_CONTENT = frozenset({"traces", "calibration", "resolved"})
 
 
 @dataclass(frozen=True)
@@ -350,20 +356,15 @@ class Sweep:
         for name, ids in sorted((self.calibration or {}).items()):
             h.update(name.encode())
             h.update(memoryview(ids.tobytes()))
-        spec = {"hws": [[m.name, [{k: g[k] for k in sorted(g.figures)} for g in m.gpus]] for m in self.hws],
-                "policies": self.policies, "link_gbps": self.link_gbps, "cache_gib": self.cache_gib,
-                "eviction": self.eviction, "sim": self.sim, "engine": self.engine, "threads": self.threads,
-                "gpu_layers": self.gpu_layers, "offload_gib": self.offload_gib, "host_ram_gb": self.host_ram_gb, "timing": self.timing,
-                "cache_per_layer": self.cache_per_layer, "split": self.split, "ratios": self.ratios,
-                "expert_dtypes": self.expert_dtypes, "hosts": self.hosts, "cpu_layers": self.cpu_layers,
-                "gpu_expert_gib": self.gpu_expert_gib, "copy_queues": self.copy_queues,
-                "prefetch_top": self.prefetch_top, "calibration_source": self.calibration_source,
-                "calibrate_on_replay": self.calibrate_on_replay, "columns": ROW_COLUMNS,
-                # The content of every profile file the rows depend on, not just its name: a host or
-                # engine TOML edited between two runs must not resume the first run's rows.
-                "profiles": [repr(get_host(h)) for h in self.hosts if h]
-                + [repr(get_host(None, m.gpus[0])) for m in self.hws if m.gpus and m.gpus[0].host]
-                + [repr(get_engine(self.engine))]}
+        # Every other field by its value, from the dataclass itself (a field added later cannot be
+        # left out, as one could from a hand-written list): machines by their GPUs' figures, the
+        # engine by its whole profile (an edited TOML must not resume the first run's rows).
+        spec: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _BY_CONTENT}
+        spec["hws"] = [[m.name, [{k: g[k] for k in sorted(g.figures)} for g in m.gpus]] for m in self.hws]
+        spec["engine_profile"] = self.engine_profile.to_toml() if self.engine_profile else None
+        spec["columns"] = ROW_COLUMNS
+        spec["profiles"] = ([repr(get_host(h)) for h in self.hosts if h]
+                            + [repr(get_host(None, m.gpus[0])) for m in self.hws if m.gpus and m.gpus[0].host])
         h.update(json.dumps(spec, sort_keys=True, default=str).encode())
         return h.hexdigest()[:16]
 

@@ -281,3 +281,27 @@ def test_an_interrupted_pool_stops_and_resumes(sweep, tmp_path):
     finished = len(out.read_text().splitlines()) - 1
     assert finished % sweep.group_size == 0 and 0 < finished < sweep.size
     assert run_sweep(sweep, jobs=2, out=out) == run_sweep(sweep, jobs=1)
+
+
+def test_every_sweep_field_enters_the_resume_fingerprint(sweep):
+    """The fingerprint lists no fields by hand (issue 53): a field added to Sweep and forgotten
+    there would let --rows resume rows computed under another value. Each field but those
+    taken by content changes it."""
+    import dataclasses
+
+    from moesim.hardware import get_machine
+    from moesim.sim.whatif import _BY_CONTENT
+
+    base = sweep.fingerprint()
+    for f in dataclasses.fields(Sweep):
+        if f.name in _BY_CONTENT:
+            continue
+        changed = dataclasses.replace(sweep)
+        value = ([get_machine("h100-sxm")] if f.name == "hws" else
+                 sweep.engine_profile.with_figure("attention_kernels", 99) if f.name == "engine_profile" else
+                 ("epyc-9654",) if f.name == "hosts" else ("another value",))
+        object.__setattr__(changed, f.name, value)
+        assert changed.fingerprint() != base, f.name
+    # The traces by content: another trace of the same name and header is another sweep.
+    other = dataclasses.replace(sweep, traces={k: v for k, v in list(sweep.traces.items())[:1]})
+    assert other.fingerprint() != base
