@@ -13,7 +13,8 @@ One function per engine turns an answer into its arguments, so a new engine join
   differ);
 - KTransformers: an optimize-rule YAML that keeps the chosen layers' experts on the CPU
   (its ``optimize_rules`` format: a ``match`` regex on module names and a ``replace``
-  class) and ``--cpu_infer``, or ``--kt-num-gpu-experts`` for GPU experts per layer;
+  class) and ``--cpu_infer`` for ``ktransformers.local_chat``; GPU experts per layer with
+  its SGLang integration's ``sglang.launch_server --kt-num-gpu-experts --kt-cpuinfer``;
 - vLLM: ``--tensor-parallel-size`` or ``--pipeline-parallel-size`` (with
   ``VLLM_PP_LAYER_PARTITION``), ``--cpu-offload-gb``, ``--max-model-len``.
 """
@@ -146,10 +147,21 @@ def _whole_layers(layout: Layout) -> bool:
 
 def ktransformers(spec: ModelSpec, layout: Layout, *, threads: int | None = None, tokens: int | None = None,
                   model_path: str = "MODEL_DIR", gpu_experts_per_layer: int | None = None, **_: object) -> Invocation:
-    """KTransformers' command and optimize rule for ``layout`` (``tokens``: the decode length,
-    its ``--max_new_tokens``; it takes no context length)."""
+    """KTransformers' command for ``layout``: GPU experts per layer (hot experts) are a flag of
+    its SGLang integration (kt-kernel: ``sglang.launch_server`` with ``--kt-*`` options, as its
+    tutorials launch it), whole layers of CPU experts an optimize rule of its own launcher
+    (``ktransformers.local_chat``; ``tokens``: its ``--max_new_tokens``); one program a line."""
     if layout.n_gpus != 1:
         raise MoesimError("the KTransformers arguments here cover one GPU")
+    if gpu_experts_per_layer is not None:
+        args = ["python", "-m", "sglang.launch_server", "--model", model_path, "--kt-weight-path", "WEIGHTS_DIR"]
+        if threads:
+            args += ["--kt-cpuinfer", str(threads)]
+        args += ["--kt-num-gpu-experts", str(gpu_experts_per_layer)]
+        if spec.expert_dtype.startswith("fp8"):
+            args += ["--kt-method", "FP8"]
+        return Invocation("ktransformers", args, {}, "KTransformers' SGLang integration (kt-kernel); WEIGHTS_DIR holds "
+                          "the experts in the format its --kt-method reads")
     cpu_layers = [spec.moe_layers[m] for m in range(spec.n_moe_layers) if (layout.expert_device[m] == CPU).any()]
     args = ["python", "-m", "ktransformers.local_chat", "--model_path", model_path, "--gguf_path", "GGUF_DIR"]
     if cpu_layers:  # a rule that names no layer would match nothing: none then, every expert on the GPU
@@ -159,9 +171,6 @@ def ktransformers(spec: ModelSpec, layout: Layout, *, threads: int | None = None
     if tokens:
         args += ["--max_new_tokens", str(tokens)]
     note = ""
-    if gpu_experts_per_layer is not None:
-        args += ["--kt-num-gpu-experts", str(gpu_experts_per_layer)]
-        note = "--kt-num-gpu-experts is KTransformers' SGLang integration's flag (kt-kernel); its GPU experts per layer"
     if not cpu_layers:
         return Invocation("ktransformers", args, {}, note)
     rule = ("- match:\n"

@@ -353,8 +353,8 @@ def invocation_of(row: dict[str, Any], engine: str, timed: Timed = BY_NAME):
                           f"and {steps} decode steps: give --prompt-len and --tokens to size it)")
     extra = int(row["resident_experts"]) % spec.n_moe_layers if row["family"] == "hot-experts" else 0
     if extra:
-        notes.append(f"the plan placed {extra} more experts than {kw['gpu_experts_per_layer']} a layer, which one "
-                     "count a layer cannot say (left on the CPU)")
+        notes.append(f"--kt-num-gpu-experts is one count for every layer: the plan's {extra} experts beyond "
+                     f"{kw['gpu_experts_per_layer']} a layer stay on the CPU")
     if converted:
         notes.append(f"the plan's experts are {row['expert_dtype']}, and {given.name} holds {held}: the arguments name "
                      f"a placeholder for a copy of the model in {row['expert_dtype']}, not that file")

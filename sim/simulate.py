@@ -188,8 +188,7 @@ def simulate(trace: Trace, hw: HardwareProfile | Machine | str, policy: str | Po
     capacity = cache_capacity(spec, s.cache_gib, s.cache_experts) if pol.offload else 0
     pinned = hot.hottest if hot is not None and pol.offload else ()
     plan = plan or build_plan(trace, pol, capacity, s.eviction, progress, s.lookahead, s.cache_per_layer, pinned)
-    cm = CostModel(spec, hw, engine=s.engine)
-    costs = costs or pick_costs(trace, cm, s.timing)
+    costs = costs or pick_costs(trace, CostModel(spec, hw, engine=s.engine), s.timing)  # the caller's, once
     (result,) = time_plan(trace, pol, plan, costs, [hw], replace(s, copy_queue=copy_queue), record=record,
                           as_recorded=as_recorded, shared=PerTrace(pred_recall=pred_recall))
     return result

@@ -107,3 +107,20 @@ def test_progress_lines_where_stderr_is_no_terminal(monkeypatch):
             update(i, 39)
     lines = buf.getvalue().splitlines()
     assert 2 <= len(lines) <= 11 and lines[-1].startswith("leave one source out: 39 of 39 sources"), lines
+
+
+def test_ktransformers_lines_are_one_program_each():
+    """The hot-experts line appended the SGLang integration's --kt-num-gpu-experts to
+    ktransformers.local_chat: one program of one engine a line now."""
+    from moesim.engine_args import ktransformers
+    from moesim.layout import make_layout
+    from moesim.models import get_model
+
+    spec = get_model("qwen3-30b-a3b")
+    hot = ktransformers(spec, make_layout(spec, 1), threads=32, gpu_experts_per_layer=45)
+    assert hot.args[:3] == ["python", "-m", "sglang.launch_server"] and not hot.files
+    assert all(a.startswith("--kt-") or not a.startswith("--") or a == "--model" for a in hot.args)
+    assert hot.args[hot.args.index("--kt-num-gpu-experts") + 1] == "45"
+    static = ktransformers(spec, make_layout(spec, 1, cpu_moe_layers=4), threads=32, tokens=8)
+    assert static.args[:3] == ["python", "-m", "ktransformers.local_chat"] and "moesim-rule.yaml" in static.files
+    assert not any(a.startswith("--kt-") for a in static.args)
