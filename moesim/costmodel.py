@@ -174,7 +174,7 @@ class CostModel:
             self.layer_overhead = gpu.layer_overhead if e.layer_overhead_us is None else e.layer_overhead_us * 1e-6
             no_split_graph = residence.layer_split and not e.get("layer_split_graph_replay", 1.0)
             eager = residence.cpu_part or no_split_graph or (e.get("launch_overlap") and not self.overlap)
-            if no_split_graph:
+            if eager and "partial_offload_launch_us" in e.figures:
                 self.overlap = False
             if eager and "partial_offload_launch_us" in e.figures:  # kernels launched one by one, no graph
                 self.launch = e["partial_offload_launch_us"] * 1e-6

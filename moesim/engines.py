@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from moesim.errors import MoesimError
-from moesim.fmt import nearest_hint
+from moesim.fmt import nearest_hint, number
 from moesim.hardware import Figure, _FigureLookup, given_path, parse_figures, read_toml
 from moesim.models import DTYPES
 from moesim.policy import get_policy
@@ -130,6 +130,7 @@ class EngineProfile(_FigureLookup):
     calibration: dict[str, Any] | None = field(default=None, compare=False)  # CALIBRATION_KEYS, when calibrated
     #: Earlier versions, newest first: (a build date, the figures builds before it had).
     before: tuple[tuple[str, dict[str, Figure]], ...] = ()
+    as_of: str = ""  # the build date :meth:`at` priced ("": the newest build)
     #: The built-in engine whose command-line arguments run this profile's deployments: a
     #: built-in's own name; a user's file says it (``runs_as = "llama.cpp"``), else none is printed.
     runs_as: str = ""
@@ -222,7 +223,13 @@ class EngineProfile(_FigureLookup):
             if day < until:
                 for key, fig in figs.items():
                     out = out.with_figure(key, fig.value, fig.kind, fig.source)
-        return replace(out, description=f"{self.description} (a build from {day})")
+        # One build, fixed: no earlier builds left to choose (a profile written from it is that build).
+        return replace(out, description=f"{self.description} (a build from {day})", before=(), as_of=day)
+
+    @property
+    def label(self) -> str:
+        """The engine as an answer names it: with the build date it was priced at, if one was given."""
+        return f"{self.name}@{self.as_of}" if self.as_of else self.name
 
     def cpu_kernel_flops(self, dtype: str) -> float | None:
         """FLOPs a second one CPU thread's kernels reach on ``dtype`` weights (``cpu_kernel_gmacs``
@@ -275,6 +282,22 @@ class EngineProfile(_FigureLookup):
         return out
 
 
+#: The figures that are 0 or 1.
+FLAGS = ("fused_experts", "pages_from_disk", "launch_overlap", "layer_split_graph_replay")
+
+
+def _check_values(figures: dict[str, Figure], tables: dict[str, dict[str, Figure]], where: str) -> None:
+    """What a figure's own parse cannot say, for a profile and each ``[[before]]`` entry alike:
+    a flag is 0 or 1, a layer efficiency at least a thousandth."""
+    for flag in FLAGS:
+        if flag in figures and figures[flag].value not in (0, 1):
+            raise MoesimError(f"{where}: {flag} is 0 or 1, got {number(figures[flag].value)}")
+    for kind, f in tables.get("layer_efficiency", {}).items():
+        if f.value < MIN_LAYER_EFFICIENCY:
+            raise MoesimError(f"{where}: layer_efficiency.{kind} {number(f.value)}: at least {MIN_LAYER_EFFICIENCY:g} "
+                              "(a thousandth of the roofline; below that no kernel runs)")
+
+
 def _before_table(day: str, figures: dict[str, Figure], figs) -> dict[str, Any]:
     """One ``[[before]]`` entry as TOML data (the inverse of :func:`_before`)."""
     out: dict[str, Any] = {"date": day}
@@ -307,9 +330,12 @@ def _before(raw: Any, where: str) -> tuple[tuple[str, dict[str, Figure]], ...]:
         if unknown or "date" not in b or len(b) < 2:
             raise MoesimError(f"{at}: a date and at least one of figures, {', '.join(TABLES)} "
                               f"{'(unknown: ' + ', '.join(sorted(unknown)) + ')' if unknown else ''}".rstrip())
-        figs = dict(parse_figures(b.get("figures", {}), optional, at, zero_ok=ZERO_OK))
-        for t in TABLES:
-            figs.update({f"{t}.{k}": f for k, f in _by_format(b.get(t, {}), at, t).items()})
+        figures = parse_figures(b.get("figures", {}), optional, at, zero_ok=ZERO_OK)
+        tables = {t: _by_format(b.get(t, {}), at, t) for t in TABLES}
+        _check_values(figures, tables, at)
+        figs = {**figures, **{f"{t}.{k}": f for t, fs in tables.items() for k, f in fs.items()}}
+        if not figs:
+            raise MoesimError(f"{at}: its tables hold no figure (a date and at least one figure)")
         out.append((build_date(b["date"], at), figs))
     days = [d for d, _ in out]
     if len(set(days)) != len(days):
@@ -317,18 +343,26 @@ def _before(raw: Any, where: str) -> tuple[tuple[str, dict[str, Figure]], ...]:
     return tuple(sorted(out, key=lambda x: x[0], reverse=True))
 
 
+def unit_of(key: str) -> str:
+    """The unit of an engine figure, ``name`` or ``TABLE.KEY`` (what ``moesim hw --engines`` prints)."""
+    table, _, name = key.rpartition(".")
+    if not table:
+        return ENGINE_FIGURES[name][0] if name in ENGINE_FIGURES else ""
+    return {"layer_kernels": "count", "graph_replay": "0/1"}.get(table, "GMAC/s" if table in RATE_TABLES
+                                                                  else "fraction")
+
+
 def _by_format(raw: Any, where: str, table: str) -> dict[str, Figure]:
     """A table of one figure per weight format (``default`` or a name of moesim.models.DTYPES)."""
     if not isinstance(raw, dict):
         raise MoesimError(f"{where}: [{table}] must be a table")
-    unit = {"layer_kernels": "count", "graph_replay": "0/1"}.get(table, "GMAC/s" if table in RATE_TABLES
-                                                                       else "fraction")
+    unit = unit_of(f"{table}.x")
     keys = LAYER_EFFICIENCY_KINDS if table in LAYER_TABLES else ("default", *DTYPES)
     known = {k: (unit, False, unit != "fraction" and unit != "GMAC/s", "") for k in keys}
     figs = parse_figures(raw, known, where, section=table, zero_ok=set(keys) if table == "graph_replay" else set())
     bad = [k for k, f in figs.items() if unit == "0/1" and f.value not in (0, 1)]
     if bad:
-        raise MoesimError(f"{where}: {table}.{bad[0]} is 0 or 1, got {figs[bad[0]].value:g}")
+        raise MoesimError(f"{where}: {table}.{bad[0]} is 0 or 1, got {number(figs[bad[0]].value)}")
     return figs
 
 
@@ -344,14 +378,8 @@ def parse_engine(data: dict[str, Any], where: str) -> EngineProfile:
     if not isinstance(runs, list) or not runs or any(r not in RUNS_ON for r in runs):
         raise MoesimError(f"{where}: runs_on must be a non-empty list of {', '.join(RUNS_ON)}")
     figures = parse_figures(data["figures"], ENGINE_FIGURES, where, zero_ok=ZERO_OK)
-    for flag in ("fused_experts", "pages_from_disk", "launch_overlap", "layer_split_graph_replay"):
-        if flag in figures and figures[flag].value not in (0, 1):
-            raise MoesimError(f"{where}: {flag} is 0 or 1, got {figures[flag].value:g}")
     tables = {t: _by_format(data.get(t, {}), where, t) for t in TABLES}
-    for kind, f in tables["layer_efficiency"].items():
-        if f.value < MIN_LAYER_EFFICIENCY:
-            raise MoesimError(f"{where}: layer_efficiency.{kind} {f.value:g}: at least {MIN_LAYER_EFFICIENCY:g} (a "
-                              f"thousandth of the roofline; below that no kernel runs)")
+    _check_values(figures, tables, where)
     pols = data.get("policies", [])
     if not isinstance(pols, list) or not all(isinstance(p, str) for p in pols):
         raise MoesimError(f"{where}: policies must be a list of policy names")
@@ -430,9 +458,15 @@ def get_engine(name_or_path: str | EngineProfile | None = None) -> EngineProfile
     if isinstance(name_or_path, EngineProfile):
         return name_or_path
     name = name_or_path or DEFAULT_ENGINE
-    base, at, day = name.rpartition("@")[0], "@" in name, name.rpartition("@")[2]
-    if at and base and not Path(name).exists():
-        return get_engine(base).at(build_date(day, f"--engine {name}"))
+    if "@" in name and not Path(name).exists():
+        base, _, day = name.rpartition("@")
+        if not base or "@" in base:
+            raise MoesimError(f"engine {name!r}: NAME@YYYY-MM-DD, one engine and one build date (e.g. llama.cpp@2026-02-05)")
+        engine = get_engine(base)
+        if not engine.before:
+            raise MoesimError(f"engine {name!r}: {engine.name}'s profile holds no earlier builds ([[before]] entries), so "
+                              f"every date prices it alike: give {base} without @")
+        return engine.at(build_date(day, f"engine {name}"))
     builtin = builtin_engines()
     if name.lower() in builtin:
         return _builtin(name.lower())

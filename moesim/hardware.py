@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from moesim.errors import MoesimError
-from moesim.fmt import nearest_hint
+from moesim.fmt import nearest_hint, number
 from moesim.gpu_detect import PCIE_LANE_GBS, GpuFacts, name_key, read_gpus
 from moesim.host_detect import CpuFacts, description_isa, read_this_machine
 from moesim.inputs import TOML_CAP, check_name, kind_of, read_text
@@ -231,7 +231,8 @@ def _check_value(where: str, key: str, value: Any, zero_ok: set[str] = ZERO_OK) 
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise MoesimError(f"{where}: figure {key!r} must be a number, got {value!r}")
     if (not math.isfinite(value) or value <= 0) and not (key in zero_ok and value == 0):
-        raise MoesimError(f"{where}: figure {key!r} must be positive and finite, got {value}")
+        what = "0 or positive" if key in zero_ok else "positive"
+        raise MoesimError(f"{where}: figure {key!r} must be {what} and finite, got {number(value)}")
     if key.endswith("efficiency") and value > 1:
         raise MoesimError(f"{where}: {key} is a fraction of peak; got {value} > 1")
 
@@ -262,7 +263,7 @@ def parse_figures(raw: Any, table: dict[str, tuple[str, bool, bool, str]], where
         if table[key][2] and entry["value"] != int(entry["value"]):
             raise MoesimError(f"{where}: figure {key!r} must be a whole number, got {entry['value']}")
         if table[key][0] == "count" and entry["value"] > MAX_COUNT:  # cores = 1e8 was printed as `-t 100000000`
-            raise MoesimError(f"{where}: figure {key!r} is a count of at most {MAX_COUNT:,}, got {entry['value']:g}")
+            raise MoesimError(f"{where}: figure {key!r} is a count of at most {MAX_COUNT:,}, got {number(entry['value'])}")
         figures[key] = Figure(float(entry["value"]), entry["kind"], str(entry["source"]))
     missing = [k for k, (_, req, _, _) in table.items() if req and k not in figures]
     if missing:

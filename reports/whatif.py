@@ -147,7 +147,7 @@ def write_whatif_report(rows: list[dict[str, Any]], winner: dict[str, Any] | Non
     synthetic = any(t.synthetic for t in sweep.traces.values())
     src = "synthetic traces" if synthetic else "recorded traces"
     models = sorted({t.model.name for t in sweep.traces.values()})
-    what = (f"All figures simulated ({sweep.engine_profile.name} engine) from {src} of {', '.join(models)}; "
+    what = (f"All figures simulated ({sweep.engine_profile.label} engine) from {src} of {', '.join(models)}; "
             f"hardware figures from the profiles ({', '.join(h.name for h in sweep.hws)}); nothing here was measured")
     answers = deployment_answer(rows, goal, engine=sweep.engine and sweep.engine_profile.name, timed=Timed.of(sweep))
     crosses = crossovers(rows)

@@ -442,6 +442,8 @@ def published_calibration(rows: Sequence[dict[str, Any]],
                        "spearman_calibrated": _spearman(calp, measured),
                        "best_uncalibrated": group[max(range(len(group)), key=lambda i: uncal[i])]["id"] == group[best]["id"],
                        "best_calibrated": group[max(range(len(group)), key=lambda i: calp[i])]["id"] == group[best]["id"]})
+    if progress and groups:
+        progress(len(groups), len(groups))  # the last group is done too
 
     def share(key: str) -> float | None:
         return sum(s[key] for s in sweeps) / len(sweeps) if sweeps else None

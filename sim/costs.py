@@ -72,7 +72,7 @@ def roofline_costs(cm: CostModel, tokens: int, prompt_len: int, batch: int = 1) 
     m = spec.n_moe_layers
     # One rate at every step and layer: a read-only broadcast (Costs.expert_compute prices it once).
     return Costs(attn, np.broadcast_to(np.float64(cm.expert_read()), (tokens, m)), np.full(tokens, cm.head(batch)),
-                 f"roofline ({cm.gpu.name}{'' if cm.engine.name == DEFAULT_ENGINE else ', ' + cm.engine.name})",
+                 f"roofline ({cm.gpu.name}{'' if cm.engine.name == DEFAULT_ENGINE else ', ' + cm.engine.label})",
                  cm.expert_pair(), cm.layer_expert_launches, cm.layer_expert_serial, cm.overlap)
 
 

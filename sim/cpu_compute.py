@@ -150,7 +150,7 @@ def simulate_cpu_compute(trace: Trace, hw: HardwareProfile, policy: str | Policy
         "eviction": s.eviction if cache_experts else "-", "link_gbps": hw["h2d_pinned_gbs"], "batch": b,
         "sim": sim, "engine": cm.engine.name, "threads": cm.threads,
         "timing": ("measured (trace); decisions by the roofline" if timing == "measured" else
-                   f"roofline ({hw.name} + {host.name}, {cm.engine.name}{'' if s.amx and host.has_amx else ', no AMX'})"),
+                   f"roofline ({hw.name} + {host.name}, {cm.engine.label}{'' if s.amx and host.has_amx else ', no AMX'})"),
         "placement": placement.source if placement is not None else "cold cache",
         "optimistic_placement": bool(placement is not None and placement.optimistic),
         "resident_experts": placement.n_resident if placement is not None else 0,

@@ -261,7 +261,7 @@ def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, poli
         "model": spec.name, "hw": machine.name, "host": host.name, "policy": pol.name, "cache_experts": 0,
         "eviction": "-", "link_gbps": machine.link_gbps(), "batch": b, "sim": "static", "engine": eng.name,
         "threads": cpu_cm.threads,
-        "timing": f"roofline ({machine.name} + {host.name}, {eng.name}{'' if s.amx and host.has_amx else ', no AMX'})",
+        "timing": f"roofline ({machine.name} + {host.name}, {eng.label}{'' if s.amx and host.has_amx else ', no AMX'})",
         "placement": layout.source, "optimistic_placement": layout.optimistic,
         "resident_experts": int((layout.expert_device >= 0).sum()), "gpu_layers": layout.gpu_layers(),
         "cpu_layers": layout.cpu_moe_layers(), "offload_gib": layout.streamed_gib(spec), "expert_bytes": spec.expert_bytes, "synthetic_trace": trace.synthetic,

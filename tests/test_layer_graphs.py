@@ -144,3 +144,51 @@ def test_a_two_gpu_layer_split_is_priced_as_the_old_build_ran_it():
         return float(simulate_static(trace, "2xrtx3090", "all-resident", Setting(engine=engine)).tpot.mean())
 
     assert tpot("llama.cpp@2025-01-27") > 1.3 * tpot("llama.cpp")
+
+
+@pytest.mark.parametrize("before,message", [
+    ([{"date": "2026-02-01", "figures": {"launch_overlap": _fig(2)}}], "launch_overlap is 0 or 1"),
+    ([{"date": "2026-02-01", "figures": {"layer_split_graph_replay": _fig(5)}}], "0 or 1"),
+    ([{"date": "2026-02-01", "layer_efficiency": {"linear": _fig(1e-9)}}], "at least 0.001"),
+    ([{"date": "2026-02-01", "figures": {}}], "hold no figure"),
+    ([{"date": "2026-02-01", "graph_replay": {}}], "hold no figure"),
+])
+def test_a_before_entry_is_checked_as_the_profile_is(before, message):
+    """The stranger run found these accepted in a [[before]] entry while refused at the top level
+    (a layer efficiency of 1e-9 priced 642 million ms a token)."""
+    with pytest.raises(MoesimError, match=message):
+        parse_engine({"name": "e", "runs_on": ["gpu"], "figures": FIGS, "before": before}, "e.toml")
+
+
+@pytest.mark.parametrize("name,message", [("llama.cpp@2026-02-05@2025-01-01", "one build date"),
+                                          ("@2026-01-01", "one engine and one build date"),
+                                          ("pytorch-eager@2020-01-01", "holds no earlier builds")])
+def test_a_build_date_that_cannot_be_priced_is_refused(name, message):
+    with pytest.raises(MoesimError, match=message):
+        get_engine(name)
+
+
+def test_a_build_is_named_where_it_was_priced_and_fixed_once_written(tmp_path):
+    """A build's figures carry its date into the answer; a profile written from it is that build
+    (no earlier builds left to choose, so a second date cannot apply its changes twice)."""
+    spec = apply_recipe(get_model("qwen3-next-80b-a3b"), "q4_k_m")
+    old = get_engine("llama.cpp@2026-02-05")
+    assert old.label == "llama.cpp@2026-02-05" and old.before == () and get_engine("llama.cpp").label == "llama.cpp"
+    from moesim.sim.costs import roofline_costs
+
+    assert "llama.cpp@2026-02-05" in roofline_costs(CostModel(spec, get_profile("a100-pcie"), engine=old), 4, 64).source
+    p = tmp_path / "old.toml"
+    p.write_text(old.to_toml())
+    assert get_engine(str(p)).graph_replay["linear"].value == 0
+    with pytest.raises(MoesimError, match="holds no earlier builds"):
+        get_engine(f"{p}@2026-03-01")
+
+
+def test_partial_offload_and_a_layer_split_without_graphs_are_priced_alike():
+    """Both launch every kernel one by one (the stranger run found the first priced as overlapping)."""
+    from moesim.costmodel import Residence
+
+    spec, gpu, e = apply_recipe(get_model("qwen3-30b-a3b"), "q4_k_m"), get_profile("rtx3090"), get_engine("llama.cpp")
+    part = CostModel(spec, gpu, engine=e, residence=Residence(cpu_part=True))
+    split = CostModel(spec, gpu, engine=e.at("2025-01-01"), residence=Residence(layer_split=True))
+    assert (part.overlap, part.launch) == (split.overlap, split.launch) == (False, pytest.approx(4e-6))

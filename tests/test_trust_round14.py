@@ -124,3 +124,17 @@ def test_ktransformers_lines_are_one_program_each():
     static = ktransformers(spec, make_layout(spec, 1, cpu_moe_layers=4), threads=32, tokens=8)
     assert static.args[:3] == ["python", "-m", "ktransformers.local_chat"] and "moesim-rule.yaml" in static.files
     assert not any(a.startswith("--kt-") for a in static.args)
+
+
+def test_validate_published_stops_at_the_first_ctrl_c(tmp_path):
+    """The stranger run: the first SIGINT only asked the loop to stop and nothing asked, so the
+    scoring ran on for minutes; now it ends at the next source, one line, exit 130."""
+    import signal
+
+    from cli_signals import signal_when
+
+    rc, err = signal_when(["validate", "--published"], lambda s: "leave one source out" in s, signal.SIGINT,
+                          cwd=tmp_path, wait_s=60)
+    lines = [x for x in err.splitlines() if x.strip() and "leave one source out" not in x]
+    assert rc == 130 and lines[-1].strip() == "interrupted (Ctrl-C)", err[-2000:]
+    assert "Traceback" not in err and not list(tmp_path.iterdir())

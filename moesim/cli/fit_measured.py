@@ -10,6 +10,7 @@ from pathlib import Path
 from moesim.atomic import atomic_write_text
 from moesim.cli.app import err, out, table
 from moesim.cli.options import holding
+from moesim.engines import get_engine
 from moesim.fmt import number, plural
 from moesim.hardware import get_host
 from moesim.measured import read_measured
@@ -22,6 +23,8 @@ def calibrate_and_show(path: Path, fmt: str | None, given: Given, reader: dict, 
     """Calibrate on ``path``'s rows, print what was fitted and how well, write the profiles."""
     check_output_dir(folder)
     host = get_host(given.host) if given.host else None  # an unknown host: one line before any work
+    if given.engine:
+        get_engine(given.engine)  # a bad --engine (or build date) too, never blamed on a row of the file
     rows = read_measured(path, fmt, **{k: v for k, v in reader.items() if v is not None})
     with holding(folder, "--out"):
         cal = calibrate(rows, given, path.name)

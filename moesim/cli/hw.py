@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from moesim.cli.app import app, out, print_csv, print_json, table
-from moesim.engines import DEFAULT_ENGINE, ENGINE_FIGURES, builtin_engines, get_engine
+from moesim.engines import DEFAULT_ENGINE, builtin_engines, get_engine, unit_of
 from moesim.errors import MoesimError
 from moesim.fmt import number
 from moesim.hardware import (
@@ -105,10 +105,9 @@ def _engines(name: str | None, as_json: bool, as_csv: bool) -> None:
         print_csv([{"engine": e.name, "figure": k, **vars(f)} for e in found for k, f in e.sources()])
     elif name:
         e = found[0]
-        unit = {k: v[0] for k, v in ENGINE_FIGURES.items()}
         out.print(table(f"{e.name}: {e.description} (runs on {', '.join(e.runs_on)})",
                         ("figure", "value", "unit", "kind", "source"),
-                        [[k, f"{f.value:g}", unit.get(k, "fraction"), f.kind, f.source] for k, f in e.sources()]))
+                        [[k, number(f.value, 4), unit_of(k), f.kind, f.source] for k, f in e.sources()]))
     else:
         out.print(table(f"Engine profiles (show one with `moesim hw NAME --engines` for sources; default: "
                         f"{DEFAULT_ENGINE})", ("name", "runs on", "fitted figures", "description"),

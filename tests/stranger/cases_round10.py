@@ -315,15 +315,21 @@ SPLIT = ["whatif", "--model", "olmoe-1b-7b", "--hw", "2xrtx3090", "--host", "epy
 STDLIB = EXAMPLES / "routing-moe-stdlib.npz"
 
 
-def round10_cases() -> list[Case]:
-    _install_words_hook()
-    c: list[Case] = []
-
+def case_adder(c: list[Case]):
+    """``add(cls, args, expect="error", words=(), **kw)``: a Case appended to ``c``, its ``words``
+    checked in the one error line (the hook :func:`_install_words_hook` installs)."""
     def add(cls: str, args: list[str], expect: str = "error", words: tuple[str, ...] = (), **kw) -> None:
         k = Case(cls, list(args), expect=expect, **kw)
         if words:
             WORDS[id(k)] = tuple(words)
         c.append(k)
+    return add
+
+
+def round10_cases() -> list[Case]:
+    _install_words_hook()
+    c: list[Case] = []
+    add = case_adder(c)
 
     # -- GGUF metadata whose geometry cannot be
     gm = "r10 gguf metadata"

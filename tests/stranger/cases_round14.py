@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 
 from cases import Case
-from cases_round10 import ENGINE, WORDS, _install_words_hook, json_rows
+from cases_round10 import ENGINE, _install_words_hook, case_adder, json_rows
 
 W = ["whatif", "--model", "tiny", "--hw", "a6000", "--tokens", "4", "--jobs", "1", "--out", "w"]
 R = ["replay", "t.npz", "--sim", "fast"]
@@ -69,12 +69,7 @@ def printed(want: str, absent: str | None = None):
 def round14_cases() -> list[Case]:
     _install_words_hook()
     c: list[Case] = []
-
-    def add(cls: str, args: list[str], expect: str = "error", words: tuple[str, ...] = (), **kw) -> None:
-        k = Case(cls, list(args), expect=expect, **kw)
-        if words:
-            WORDS[id(k)] = tuple(words)
-        c.append(k)
+    add = case_adder(c)
 
     # -- overflow and underflow: one range per kind of number, whatever the command
     ov = "r14 overflow"
