@@ -174,9 +174,8 @@ class CostModel:
             self.layer_overhead = gpu.layer_overhead if e.layer_overhead_us is None else e.layer_overhead_us * 1e-6
             no_split_graph = residence.layer_split and not e.get("layer_split_graph_replay", 1.0)
             eager = residence.cpu_part or no_split_graph or (e.get("launch_overlap") and not self.overlap)
-            if eager and "partial_offload_launch_us" in e.figures:
+            if eager and "partial_offload_launch_us" in e.figures:  # launched one by one, no graph: they add up
                 self.overlap = False
-            if eager and "partial_offload_launch_us" in e.figures:  # kernels launched one by one, no graph
                 self.launch = e["partial_offload_launch_us"] * 1e-6
         if host is not None:
             self._host_setup(threads, residence.host_weights, residence.host_other)

@@ -11,6 +11,7 @@ import pytest
 from cli_run import runners
 
 from moesim.errors import MoesimError
+from moesim.fmt import number
 from moesim.hardware import get_host, get_profile
 from moesim.models import get_model
 from moesim.sim.deploy import crossovers, deployment_answer, format_answer
@@ -173,7 +174,7 @@ def test_the_link_crossover_follows_from_the_cost_model(tmp_path, cli):
     (change,) = link[0]["changes"]
     assert (change["from"], change["to"], change["after"], change["by"]) == ("cpu-static", "prefetching", lo, hi)
     assert lo < change["near"] < hi
-    said = f"cpu-static wins at {lo:g}, prefetching at {hi:g}"
+    said = f"cpu-static wins at {number(lo)}, prefetching at {number(hi)}"  # as printed: 100,000
     assert said in " ".join(r.stdout.split())
     html = (tmp_path / "r" / "report.html").read_text()
     assert "Where the winner changes" in html and said in html
