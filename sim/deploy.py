@@ -320,10 +320,12 @@ def invocation_of(row: dict[str, Any], engine: str, timed: Timed = BY_NAME):
     found = row_layout(row, timed)
     if found is None:
         return None, ""
-    if engine not in FORMATTERS:  # SGLang, a user's engine: said, not left blank
+    if engine not in FORMATTERS:  # SGLang, a user's engine, PyTorch eager: said, not left blank
         return None, (f"moesim writes the arguments of {', '.join(FORMATTERS)}, not {engine}'s (a user's engine "
                       "file says which of them it runs with runs_as = \"llama.cpp\", or another)"
-                      if engine != DEFAULT_ENGINE else "")
+                      if engine != DEFAULT_ENGINE else
+                      f"{DEFAULT_ENGINE} is moesim's own reference executor (`moesim profile` runs it), not an engine with "
+                      "a command line")
     spec, layout = found
     kw: dict[str, Any] = {}
     if row["family"] == "hot-experts":

@@ -138,3 +138,19 @@ def test_validate_published_stops_at_the_first_ctrl_c(tmp_path):
     lines = [x for x in err.splitlines() if x.strip() and "leave one source out" not in x]
     assert rc == 130 and lines[-1].strip() == "interrupted (Ctrl-C)", err[-2000:]
     assert "Traceback" not in err and not list(tmp_path.iterdir())
+
+
+def test_an_engine_file_that_runs_as_pytorch_eager_says_why_no_command_is_printed(tmp_path):
+    """The stranger run: runs_as = "pytorch-eager" was accepted and then nothing was printed."""
+    from cli_run import in_process
+
+    figs = "".join(f'{k} = {{ value = {v}, kind = "estimate", source = "x" }}\n' for k, v in
+                   (("attention_kernels", 20), ("expert_kernels", 6), ("fused_experts", 1), ("head_kernels", 4),
+                    ("predict_kernels", 3)))
+    (tmp_path / "mine.toml").write_text(f'name = "mine"\nruns_as = "pytorch-eager"\nruns_on = ["gpu", "cpu"]\n'
+                                        f"[figures]\n{figs}")
+    r = in_process("whatif", "--model", "olmoe-1b-7b", "--hw", "rtx4090", "--engine",
+                   str(tmp_path / "mine.toml"), "--tokens", "4", "--jobs", "1", "--out", str(tmp_path / "w"),
+                   cwd=tmp_path, env={"COLUMNS": "250"})
+    assert r.returncode == 0, r.stderr
+    assert "all-resident with mine: no command: pytorch-eager is moesim's own reference executor" in " ".join(r.stdout.split())
