@@ -10,6 +10,7 @@ and runs again.
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -59,11 +60,14 @@ def test_an_emptied_index_is_rebuilt_not_read_as_ctrl_c(filled, tmp_path):
 def test_random_bytes_in_a_data_file_are_rebuilt(filled, tmp_path):
     cache = _copy(filled, tmp_path / "c")
     (data,) = cache.rglob("*.nbc")
-    data.write_bytes(os.urandom(300))
+    # Fixed "random" bytes: which exception unpickling them raises depends on the bytes
+    # (UnpicklingError or ValueError, seen in CI with os.urandom), so the bytes are pinned and
+    # the note is checked for the file and what happens, not for one exception's name.
+    data.write_bytes(random.Random(0).randbytes(300))
     r = _synth(cache, tmp_path)
     assert r.returncode == 0, r.stderr  # was: an UnpicklingError traceback
     (line,) = _lines(r.stderr)
-    assert data.name in line and "UnpicklingError" in line
+    assert data.name in line and "damaged file" in line and "compiled again" in line, line
     assert data.stat().st_size > 300
 
 
