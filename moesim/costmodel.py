@@ -58,6 +58,20 @@ def with_launches(work, launches, overlap: bool):
     return np.maximum(work, launches) if overlap else work + launches
 
 
+def with_layer_launches(t, n, fixed: float, serial: float, overlap: bool):
+    """``t``, the seconds of a layer's experts on the device, with a fused engine's launches
+    once a layer where any expert ran (``n > 0``): ``fixed`` for the kernels that read the
+    experts (:func:`with_launches`), ``serial`` for its kernels that read no weights (each
+    its launch after the work). The one rule the cost model, its :class:`ExpertTimes` and the
+    simulator's per-step costs share; works on scalars and arrays."""
+    if not (fixed or serial):
+        return t
+    if isinstance(n, np.ndarray):
+        some = n > 0
+        return with_launches(t, np.where(some, fixed, 0.0), overlap) + np.where(some, serial, 0.0)
+    return with_launches(t, fixed, overlap) + serial if n else t
+
+
 def device_expert_seconds(n: np.ndarray | float, assign: np.ndarray | float, per_expert: np.ndarray | float,
                           per_pair: np.ndarray | float) -> np.ndarray | float:
     """Seconds ``n`` experts serving ``assign`` token-expert pairs take on one processor
@@ -96,13 +110,7 @@ class ExpertTimes:
         a layer); works on scalars and arrays."""
         per = with_launches(self.gpu_mem, self.gpu_fixed, self.overlap)
         t = device_expert_seconds(n, assign, per, self.gpu_tok)
-        if not (self.gpu_layer or self.gpu_layer_serial):
-            return t
-        if isinstance(n, np.ndarray):
-            some = n > 0
-            return with_launches(t, np.where(some, self.gpu_layer, 0.0), self.overlap) \
-                + np.where(some, self.gpu_layer_serial, 0.0)
-        return with_launches(t, self.gpu_layer, self.overlap) + self.gpu_layer_serial if n else t
+        return with_layer_launches(t, n, self.gpu_layer, self.gpu_layer_serial, self.overlap)
 
     def cpu(self, n, assign):
         """CPU seconds, 0 where no expert runs there; works on scalars and arrays."""
@@ -424,11 +432,8 @@ class CostModel:
         """``n`` distinct routed experts serving ``assign`` token-expert pairs on the device
         (:func:`device_expert_seconds`; a fused engine adds its launches once a layer)."""
         t = device_expert_seconds(n, assign, self.expert_read(), self.expert_pair())
-        if self.engine.fused_experts:
-            some = np.asarray(n) > 0
-            t = with_launches(t, np.where(some, self.layer_expert_launches, 0.0), self.overlap) \
-                + np.where(some, self.layer_expert_serial, 0.0)
-        return t
+        return with_layer_launches(t, np.asarray(n), self.layer_expert_launches, self.layer_expert_serial,
+                                   self.overlap)
 
     # -- routed experts on the CPU -------------------------------------------------------
     def roundtrip(self, rows: float = 1) -> float:

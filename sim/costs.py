@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from moesim.costmodel import CostModel, device_expert_seconds, with_launches
+from moesim.costmodel import CostModel, device_expert_seconds, with_layer_launches
 from moesim.engines import DEFAULT_ENGINE
 from moesim.errors import MoesimError
 
@@ -44,16 +44,11 @@ class Costs:
         one = [_one_value(x) for x in (n_exec, n_assign, self.per_expert)]
         if all(v is not None for v in one):
             n, a, per = one
-            g = device_expert_seconds(n, a, per, self.expert_math_s)
-            if n > 0:
-                g = with_launches(g, self.layer_fixed_s, self.overlap) + self.layer_serial_s
+            g = with_layer_launches(device_expert_seconds(n, a, per, self.expert_math_s), n, self.layer_fixed_s,
+                                    self.layer_serial_s, self.overlap)
             return np.full(np.broadcast_shapes(np.shape(n_exec), np.shape(n_assign), self.per_expert.shape), g)
         g = device_expert_seconds(n_exec, n_assign, self.per_expert, self.expert_math_s)
-        if self.layer_fixed_s or self.layer_serial_s:
-            some = n_exec > 0
-            g = with_launches(g, np.where(some, self.layer_fixed_s, 0.0), self.overlap) \
-                + np.where(some, self.layer_serial_s, 0.0)
-        return g
+        return with_layer_launches(g, np.asarray(n_exec), self.layer_fixed_s, self.layer_serial_s, self.overlap)
 
 
 def _one_value(a: np.ndarray) -> np.generic | None:
