@@ -14,7 +14,7 @@ import platform
 from moesim.costmodel import CostModel
 from moesim.hardware import get_host, get_profile
 from moesim.models import get_model
-from moesim.placement import HostPlanner, make_placement
+from moesim.policy.placement import HostPlanner, make_placement
 from moesim.sim.cpu_compute import build_work, expert_times
 from moesim.sim.engine import run_simpy_cpu
 from moesim.sim.fastpath_cpu import run_fast_cpu

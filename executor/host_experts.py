@@ -3,7 +3,7 @@
 The executor half of the CPU-compute policies (``cpu-static``, ``hot-experts``,
 ``cpu-on-miss``; docs/policies.md). The layer itself is split in ONE place, the runtime's
 ``OffloadedDecoder._host_layer``: after a layer's router it splits the routed experts
-(``moesim.placement.HostPlanner``), hands the CPU's share to :meth:`HostExperts.submit`
+(``moesim.policy.placement.HostPlanner``), hands the CPU's share to :meth:`HostExperts.submit`
 and goes on issuing the device's experts; the job copies the rows' hidden states to the
 host, a thread pool multiplies each expert from its host buffer (torch releases the GIL
 inside its kernels, so the device stream's Python thread is not blocked), and

@@ -124,7 +124,7 @@ def generate(model: MoEModel, prompt: torch.Tensor, st: ProfileSettings, hw: Har
     b, p = prompt.shape
     n = forced.shape[1] if forced is not None else st.tokens
     dec = _decoder(model, st, hw, b, dv, policy, estimator)
-    if dec.policy.prefetch and dec.predictor == "oracle":  # the true routing of every step, from an exact, untimed pre-pass
+    if dec.policy.prefetches and dec.predictor == "oracle":  # the true routing of every step, from an exact, untimed pre-pass
         _, pre, _ = generate(model, prompt, st, hw, dv, forced, "on-demand")
         dec.oracle_routes = [(r.true_ids, r.true_gates) for r in pre]
     gen = torch.Generator().manual_seed(st.seed)

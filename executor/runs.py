@@ -47,8 +47,8 @@ from moesim.executor.speculative import SDSettings, build_sd_trace, load_expert_
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, get_host, get_profile
 from moesim.models import cache_capacity
 from moesim.outputs import check_output_file
-from moesim.placement import cpu_layers as check_layers
 from moesim.policy import QUEUES, get_policy
+from moesim.policy.placement import cpu_layers as check_layers
 from moesim.setting import Setting
 from moesim.traces.format import Trace, load_calibration, write_trace
 
@@ -136,7 +136,7 @@ def check_cpu_options(req: DecodeRequest, spec) -> tuple[np.ndarray | None, int 
     calibration routing (``--placement-from``, checked against the model) and the
     cpu-static layer count (``auto`` or a number)."""
     pol = get_policy(req.policy)
-    if pol.cpu in ("whole", "stream"):  # whole-layer placements: the simulator's (moesim.sim.static)
+    if not pol.executed:  # whole-layer placements: the simulator's (moesim.sim.static)
         raise MoesimError(f"{pol.name} is simulated, not executed: try it with moesim replay or whatif --policy "
                           f"{pol.name}; the executor runs the copy policies, cpu-static, hot-experts and cpu-on-miss")
     if req.expert_dtype is not None and req.expert_dtype not in FORMATS:
@@ -145,19 +145,18 @@ def check_cpu_options(req: DecodeRequest, spec) -> tuple[np.ndarray | None, int 
     given = [name for name, v in (("--host", req.host), ("--cpu-layers", req.cpu_layers),
                                   ("--placement-from", req.placement_from), ("--gpu-experts", req.gpu_experts))
              if v is not None]
-    if not pol.cpu:
+    if not pol.uses_host:
         if given:
             raise MoesimError(f"{', '.join(given)} apply to the CPU-compute policies (cpu-static, hot-experts, "
                               f"cpu-on-miss), not {pol.name}")
         return None, "auto"
-    only = {"--cpu-layers": "layers", "--gpu-experts": "hot", "--placement-from": ("hot", "miss")}
     for name in given:
-        if name in only and pol.cpu not in only[name]:
+        if name not in pol.knobs:
             raise MoesimError(f"{name} does not apply to {pol.name}")
-    if pol.cpu == "hot" and req.placement_from is None:
+    if pol.places_hot_set and req.placement_from is None:
         raise MoesimError("hot-experts needs a calibration trace to count expert frequencies: "
                           "--placement-from TRACE (e.g. an on-demand run's trace)")
-    if pol.cpu == "miss" and req.cache_gib <= 0 and req.cache_experts <= 0:
+    if pol.needs_cache and req.cache_gib <= 0 and req.cache_experts <= 0:
         raise MoesimError("cpu-on-miss needs a device expert cache: --cache-gib or --cache-experts > 0")
     n: int | str = "auto"
     if req.cpu_layers is not None:
@@ -185,7 +184,7 @@ def check_copy_queue(req: DecodeRequest, pol) -> None:
     if req.device != "cpu":
         raise MoesimError(f"--copy-queue {q} runs on the emulated link only (--device cpu): a CUDA copy stream copies "
                           "in the order queued and cannot withdraw a copy")
-    if pol.cpu or not pol.offload:
+    if not pol.copies_experts:
         raise MoesimError(f"--copy-queue {q} applies to the copy policies (on-demand, prefetch-fom, prefetch-spec, "
                           f"oracle), not {pol.name}")
 
@@ -218,27 +217,24 @@ def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], 
     calibration, n_cpu = check_cpu_options(req, _request_spec(req))
     if req.prefetch_top is not None:  # before the model loads: the decoder checks the same
         k = _request_spec(req).top_k
-        if not pol.prefetch or pol.executes_predicted:
+        if "--prefetch-top" not in pol.knobs or not pol.exact:
             raise MoesimError(f"--prefetch-top applies to prefetch-fom and oracle (it cuts what is copied ahead), "
                               f"not {pol.name}")
         if not 1 <= req.prefetch_top <= k:
             raise MoesimError(f"--prefetch-top {req.prefetch_top}: an integer from 1 to top_k ({k})")
     check_copy_queue(req, pol)
     given_ids = check_prompt_and_lookahead(req, pol, _request_spec(req))
-    host_profile = get_host(req.host, hw_profile) if pol.cpu else None
+    host_profile = get_host(req.host, hw_profile) if pol.uses_host else None
     loaded = load_model(req.model, req.layers, req.dtype, req.device, req.seed)
     m = loaded.model
     spec = m.spec.with_expert_dtype(req.expert_dtype) if req.expert_dtype else m.spec  # byte accounting
-    capacity = min(cache_capacity(spec, req.cache_gib, req.cache_experts), spec.n_moe_layers * spec.n_experts) \
-        if pol.offload else 0  # a cache larger than every expert holds every expert
-    if pol.cpu and pol.cpu != "miss":
-        capacity = 0  # static placements keep no cache: their resident set is the placement
+    capacity = pol.cache_capacity(spec, req.cache_gib, req.cache_experts)  # static placements: none (the placement)
     st = ProfileSettings(pol.name, req.predictor, capacity, req.eviction, req.tokens, req.temperature, req.seed,
                          expert_dtype=req.expert_dtype, prefetch_top=req.prefetch_top, copy_queue=req.copy_queue,
                          lookahead=req.lookahead)
     ids = prompt_ids(m, req.prompt if req.prompt is not None else DEFAULT_PROMPT, req.prompt_len, req.batch, req.seed,
                      given_ids)
-    if pol.cpu:
+    if pol.uses_host:
         setup = host_setup(spec, pol.name, hw_profile, Setting(host=host_profile, cpu_layers=n_cpu,
                                                                calibration=calibration),
                            batch=req.batch, context=ids.shape[1] + req.tokens, gpu_experts=req.gpu_experts)
@@ -248,7 +244,7 @@ def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], 
     with stop_on_interrupt():  # from here on, Ctrl-C keeps and writes the finished steps
         prefill_s, records, produced = generate(m, ids, st, hw_profile, dv, progress=progress, estimator=est)
         extra = {}
-        if pol.executes_predicted and req.fidelity_tokens > 0 and len(records) == req.tokens and not stop_requested():
+        if not pol.exact and req.fidelity_tokens > 0 and len(records) == req.tokens and not stop_requested():
             text = eval_text(m.spec.vocab, req.fidelity_tokens + 1, req.seed)
             fid = fidelity(m, st, hw_profile, dv, text, est)
             if fid is not None:
@@ -294,7 +290,7 @@ def record_speculative(req: SpeculateRequest, out: Path,
     ``progress(tokens done, tokens asked)`` after each verification step."""
     check_output_file(out)
     pol = get_policy(req.policy)
-    if pol.executes_predicted or pol.oracle or pol.cpu:
+    if not pol.verifies_drafts:
         raise MoesimError("speculative decoding verifies exactly on the copy engine: use all-resident, on-demand "
                           "or prefetch-fom")
     st = SDSettings(req.gamma, req.branch, req.depth, req.selection, req.score, req.lam, req.tokens)
@@ -302,7 +298,7 @@ def record_speculative(req: SpeculateRequest, out: Path,
     torch.set_num_threads(req.threads)
     target, d = load_checkpoint(tpath), load_checkpoint(dpath)
     predictor = load_expert_predictor(dpath)
-    if predictor is None and (req.selection == "ecospec" or pol.prefetch):
+    if predictor is None and (req.selection == "ecospec" or pol.prefetches):
         raise MoesimError(f"{req.draft} has no expert predictor; run `moesim train-expert-predictor` first")
     hw = link_profile(req.hw, req.link_gbps)
     dec = OffloadedDecoder(target, pol.name, make_transport(torch.device("cpu"), hw.link_bw, hw.transfer_latency),

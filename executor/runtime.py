@@ -58,9 +58,9 @@ from moesim.executor.quant_experts import quantize_experts
 from moesim.executor.transport import CudaTransport, EmulatedLink, QueuedEmulatedLink, Transfer
 from moesim.hardware import HostProfile, builtin_hosts, get_host
 from moesim.memory import device_bytes
-from moesim.placement import HostPlanner, Placement, expert_times, make_placement
-from moesim.placement import cpu_layers as resolve_cpu_layers
 from moesim.policy import QUEUES, Planner, check_lookahead, cpu_or_copy, expert_slots, get_policy
+from moesim.policy.placement import HostPlanner, Placement, expert_times, make_placement
+from moesim.policy.placement import cpu_layers as resolve_cpu_layers
 from moesim.setting import DEFAULT_SETTING, Setting
 
 PREDICTORS = ("quasi", "stale", "oracle", "estimator", "hybrid")
@@ -73,8 +73,7 @@ def predictor_inputs(policy: str, predictor: str) -> tuple[bool, bool]:
     other offloading policy predicts, on-demand too (its trace records the predictions so
     that it can stand in for the prefetching policies); only a prefetching policy cannot
     run without them (checked in :class:`OffloadedDecoder`)."""
-    pol = get_policy(policy)
-    if not pol.offload or pol.oracle or pol.cpu:  # the CPU-compute policies predict nothing
+    if not get_policy(policy).records_predictions:  # the CPU-compute policies predict nothing
         return False, False
     return predictor in ("quasi", "estimator", "hybrid"), predictor in ("estimator", "hybrid")
 
@@ -141,8 +140,8 @@ class HostSetup:
 
 def host_setup(spec, policy: str, hw, s: Setting = DEFAULT_SETTING, *, batch: int = 1, context: int = 0,
                gpu_experts: int | None = None, workers: int | None = None) -> HostSetup:
-    """The placement (``moesim.placement.make_placement``, device memory from ``hw``) and the
-    roofline expert times (``moesim.placement.expert_times`` on ``hw``'s link and ``s.host``)
+    """The placement (``moesim.policy.placement.make_placement``, device memory from ``hw``) and the
+    roofline expert times (``moesim.policy.placement.expert_times`` on ``hw``'s link and ``s.host``)
     exactly as ``moesim.sim.cpu_compute.simulate_cpu_compute`` builds them from the same
     :class:`~moesim.setting.Setting` (its ``host``, ``cpu_layers``, ``calibration`` and
     ``amx``), so the executor and the simulator start from the same placement and decide
@@ -152,7 +151,7 @@ def host_setup(spec, policy: str, hw, s: Setting = DEFAULT_SETTING, *, batch: in
     that exactly that many routed experts fit beside the resident weights, the KV cache
     and the workspace (a small model on a real profile would otherwise hold every expert)."""
     pol = get_policy(policy)
-    if not pol.cpu:
+    if not pol.uses_host:
         raise MoesimError(f"policy {pol.name!r} computes no experts on the CPU")
     host, cpu_layers, calibration, amx = s.host, s.cpu_layers, s.calibration, s.amx
     host_p = host if isinstance(host, HostProfile) else get_host(host, hw)
@@ -163,7 +162,7 @@ def host_setup(spec, policy: str, hw, s: Setting = DEFAULT_SETTING, *, batch: in
         mem = device_bytes(spec, pol, resident_experts=gpu_experts, batch=batch, context=context)  # the one fit
     placement = make_placement(pol, spec, mem, batch=batch, context=context, cpu_layers_n=cpu_layers,
                                calibration=calibration)
-    n_cpu = resolve_cpu_layers(spec, cpu_layers, mem, batch, context) if pol.cpu == "layers" else None
+    n_cpu = resolve_cpu_layers(spec, cpu_layers, mem, batch, context) if "--cpu-layers" in pol.knobs else None
     times = expert_times(spec, hw, host_p, batch, amx)
     named = host_p.name if host_p.name.lower() in builtin_hosts() or not host_p.path else str(Path(host_p.path).resolve())
     return HostSetup(placement, times, named, mem / 1e9, n_cpu, workers)
@@ -252,7 +251,7 @@ class OffloadedDecoder:
         s = model.spec
         if copy_queue not in QUEUES:
             raise MoesimError(f"unknown copy queue {copy_queue!r}; known: {', '.join(QUEUES)}")
-        if copy_queue != "fifo" and self.policy.cpu:
+        if copy_queue != "fifo" and self.policy.uses_host:
             raise MoesimError(f"{self.policy.name} copies at most its misses; copy queues apply to the copy policies")
         if (copy_queue != "fifo") != isinstance(transport, QueuedEmulatedLink):
             raise MoesimError(f"copy queue {copy_queue}: the transport is {type(transport).__name__} "
@@ -264,28 +263,26 @@ class OffloadedDecoder:
         self._unsettled: list[tuple[StepRecord, Transfer, float]] = []  # copies still queued at their step's end
         if prefetch_top is not None:
             k = s.top_k
-            if not self.policy.prefetch or self.policy.executes_predicted:
+            if not self.policy.prefetches or not self.policy.exact:
+                why = "prefetches nothing" if not self.policy.prefetches else "executes the predicted experts"
                 raise MoesimError(f"--prefetch-top applies to prefetch-fom and oracle (it cuts what is copied ahead; "
-                                  f"{self.policy.name} {'executes the predicted experts' if self.policy.executes_predicted else 'prefetches nothing'})")
+                                  f"{self.policy.name} {why})")
             if isinstance(prefetch_top, bool) or not 1 <= prefetch_top <= k:
                 raise MoesimError(f"--prefetch-top must be an integer from 1 to top_k ({k}), got {prefetch_top!r}")
         self.prefetch_top = prefetch_top  # prefetch only each sequence's first m predicted experts (most confident)
         if predictor not in PREDICTORS:
             raise MoesimError(f"unknown predictor {predictor!r}; known: {', '.join(PREDICTORS)}")
-        if self.policy.oracle:
-            predictor = "oracle"
-        if self.policy.cpu:
-            predictor = "none"  # the CPU-compute policies predict nothing (docs/policies.md)
+        predictor = self.policy.predictor(predictor)  # the oracle's truth; nothing for the CPU-compute families
         uses_dv, uses_est = predictor_inputs(self.policy.name, predictor)
-        if self.policy.prefetch and uses_dv and default_vectors is None:
+        if self.policy.prefetches and uses_dv and default_vectors is None:
             raise MoesimError(f"the {predictor} predictor needs default vectors (moesim calibrate)")
-        if self.policy.prefetch and uses_est and estimator is None:
+        if self.policy.prefetches and uses_est and estimator is None:
             raise MoesimError(f"the {predictor} predictor needs a trained estimator (moesim train-estimator)")
         self.estimator = estimator
         self.predictor, self.dv = predictor, default_vectors
-        self.can_predict = not self.policy.cpu and (predictor == "stale" or (default_vectors is not None and (
+        self.can_predict = not self.policy.uses_host and (predictor == "stale" or (default_vectors is not None and (
             predictor == "quasi" or (predictor in ("estimator", "hybrid") and estimator is not None))))
-        if s.dense_layers and self.policy.offload and predictor in ("estimator", "hybrid"):
+        if s.dense_layers and self.policy.copies_experts and predictor in ("estimator", "hybrid"):
             # estimator.py pairs layer l's quasi-hidden state with layer l+1: not the next MoE layer
             raise MoesimError(f"the {predictor} predictor is not trained for models with dense layers ({s.name}); "
                               "use quasi or stale")
@@ -293,9 +290,9 @@ class OffloadedDecoder:
         p = model.embed_tokens.weight
         self.device, self.dtype = p.device, p.dtype
         self.store = _ExpertStore(model, expert_dtype, self.device)
-        cache_experts = cache_experts if self.policy.offload else 0
+        cache_experts = self.policy.cache_capacity(s, cache_experts=cache_experts)
         self.host_setup = host_setup
-        if self.policy.cpu:
+        if self.policy.uses_host:
             if host_setup is None:
                 raise MoesimError(f"{self.policy.name} needs its placement and expert times (runtime.host_setup)")
             self.planner = None
@@ -317,7 +314,7 @@ class OffloadedDecoder:
         if not self.policy.offload:
             self.resident = [self.store.on_device(layer) for layer in range(s.n_layers)]  # resident means resident
         self.placed: dict[tuple[int, int], object] = {}  # static placements: (m, e) -> device weights
-        if self.policy.cpu:
+        if self.policy.uses_host:
             self._place_static()
 
     def _place_static(self) -> None:
@@ -435,9 +432,9 @@ class OffloadedDecoder:
         On-demand predicts the next MoE layer too (its cost stays in attn_s) so that its
         trace can stand in for the prefetching policies. Verification brings its own
         predictions; prefill predicts nothing."""
-        if st.predicted is not None or st.prefill or not self.policy.offload:
+        if st.predicted is not None or st.prefill or not self.policy.copies_experts:
             return None
-        if self.policy.prefetch:
+        if self.policy.prefetches:
             return self.planner.prefetch_target(m, len(self.layers.moe))
         return m + 1 if self.can_predict and m + 1 < len(self.layers.moe) else None
 
@@ -556,7 +553,7 @@ class OffloadedDecoder:
         """The expert hook under a CPU-compute policy (MoE layer of model layer ``layer``): the
         one place where a layer is split between the device and the host CPU.
 
-        Route; one host sync for the ids; the shared :class:`~moesim.placement.HostPlanner`
+        Route; one host sync for the ids; the shared :class:`~moesim.policy.placement.HostPlanner`
         splits the routed experts into those the device holds and misses; cpu-on-miss asks
         :func:`~moesim.policy.cpu_or_copy` (with this decoder's link queue) how many misses
         to copy, heaviest first, as the simulator does; the CPU's share is submitted to the
@@ -730,11 +727,11 @@ def check_lookahead_for(policy, lookahead: int, n_moe_layers: int, predictor: st
         raise MoesimError(f"--lookahead must be a whole number of MoE layers, got {lookahead!r}")
     if lookahead == 1:
         return 1
-    if not (pol.offload and pol.prefetch):
+    if not pol.prefetches:
         raise MoesimError(f"--lookahead applies to the prefetching policies (prefetch-fom, prefetch-spec, oracle), "
                           f"not {pol.name}: it says how many MoE layers ahead a prefetch is issued")
     check_lookahead(lookahead, n_moe_layers)
-    if predictor in ("estimator", "hybrid") and not pol.oracle:
+    if predictor in ("estimator", "hybrid") and pol.predicts:
         raise MoesimError(f"--lookahead {lookahead}: the {predictor} predictor is trained one MoE layer ahead; "
                           "use quasi, stale or oracle")
     return lookahead

@@ -267,7 +267,7 @@ def sd_generate(decoder: OffloadedDecoder, draft: MoEModel, predictor: ExpertPre
     verification steps (and the tokens they produced); before the first one it raises
     :class:`Interrupted`."""
     target = decoder.model
-    if decoder.policy.executes_predicted:  # speculative EXECUTION (prefetch-spec) would verify with predicted experts
+    if not decoder.policy.exact:  # speculative EXECUTION (prefetch-spec) would verify with predicted experts
         raise MoesimError("speculative decoding verifies exactly: use an exact policy (not prefetch-spec)")
     if prompt.shape[0] != 1:
         raise MoesimError("speculative decoding runs at batch 1")

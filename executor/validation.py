@@ -367,15 +367,15 @@ def run_cpu_suite(out: Path, tokens: int = 16, gbps: float = 4.0, repeats: int =
             key = f"{policy}{'-' + fmt if fmt else ''}"
             pol = get_policy(policy)
             calibration, gpu_experts = None, None
-            if pol.cpu == "hot":  # half the routed experts resident, the hottest of a calibration run
+            if pol.places_hot_set:  # half the routed experts resident, the hottest of a calibration run
                 calibration = _calibration_ids(model, dv, tokens, hw, fmt)
                 gpu_experts = spec.n_moe_layers * spec.n_experts // 2
-            if pol.cpu:
+            if pol.uses_host:
                 qspec = spec.with_expert_dtype(fmt) if fmt else spec
                 placed = Setting(host=hosts[fmt], cpu_layers=spec.n_moe_layers // 2, calibration=calibration)
                 setup = host_setup(qspec, policy, hw, placed, context=prompt.shape[1] + tokens,
                                    gpu_experts=gpu_experts)
-                cache = spec.n_experts * spec.n_moe_layers // 4 if pol.cpu == "miss" else 0
+                cache = spec.n_experts * spec.n_moe_layers // 4 if pol.needs_cache else 0
                 if progress:
                     progress(f"{name}, {gbps:g} GB/s, {key}")
                 tr = _run_cpu_case(bench, policy, fmt, setup, cache)
@@ -387,9 +387,9 @@ def run_cpu_suite(out: Path, tokens: int = 16, gbps: float = 4.0, repeats: int =
                 tr = bases[fmt]
             case = {"model": name, "link_gbps": gbps, "policy": key, "synthetic": synthetic}
             same, _ = validate_trace(tr, machine_hw, **({"host": hosts[fmt], "calibration": calibration}
-                                                         if pol.cpu else {}))
+                                                         if pol.uses_host else {}))
             rows.append({**case, "case": "same-policy", **_short(same)})
-            if pol.cpu:
+            if pol.uses_host:
                 base = bases[fmt]
                 base_hw = recorded_profile(base, machine_hw).with_figure(
                     "device_memory_gb", setup.device_memory_gb, "estimate", "the recorded run's placement")

@@ -105,7 +105,7 @@ CALIBRATION_KEYS = {"low": float, "high": float, "rows": int, "basis": str}
 #: Which experts an engine keeps on the GPU when it computes the rest on the CPU and is told
 #: only how many (hot-experts): ``frequency``, the most routed ones (by a calibration trace),
 #: or ``uniform``, the lowest-numbered ones of every layer, blind to popularity
-#: (:func:`moesim.placement.uniform_set`).
+#: (:func:`moesim.policy.placement.uniform_set`).
 PLACEMENTS = ("frequency", "uniform")
 RUNS_ON = ("gpu", "cpu")
 

@@ -176,6 +176,11 @@ def layer_weight_bytes(spec: ModelSpec, layer: int) -> int:
     return spec.layer_resident_bytes(layer) + (spec.n_experts * spec.moe_expert_bytes(m) if m is not None else 0)
 
 
+def first_layers_gib(spec: ModelSpec, n: int) -> float:
+    """GiB of weights in the first ``n`` model layers (what ``--cpu-offload-gb`` streams)."""
+    return sum(layer_weight_bytes(spec, x) for x in range(n)) / 2**30
+
+
 def stream_layers(spec: ModelSpec, layout: Layout, offload_gib: float) -> Layout:
     """``layout`` with the first layers' weights left in host memory, read by their GPU over
     the link at every step, until at least ``offload_gib`` GiB are, on all GPUs together

@@ -18,7 +18,7 @@ import numpy as np
 from moesim.errors import DoesNotFit
 from moesim.layout import CPU
 from moesim.models import ModelSpec
-from moesim.policy import Policy, as_policy, expert_slots
+from moesim.policy import Policy, as_policy
 
 #: Device memory held back for activations, workspace and the CUDA context (an estimate;
 #: llama.cpp users leave about this much free, and vLLM's default gpu_memory_utilization
@@ -38,13 +38,7 @@ def device_bytes(spec: ModelSpec, policy: str | Policy, *, cache_experts: int = 
     ``resident_experts`` is a static CPU placement's resident set (or a copy policy's pinned
     hot set), ``cache_experts`` a cache's total capacity, ``shards`` the GPUs that split weights and KV cache evenly (each keeps
     its own workspace)."""
-    pol = as_policy(policy)
-    if not pol.offload:
-        experts = spec.n_moe_layers * spec.n_experts
-    elif pol.cpu and pol.cpu != "miss":
-        experts = resident_experts
-    else:  # slots, the cache, and a pinned hot set (resident_experts) when the copy policy has one
-        experts = expert_slots(spec, pol, cache_experts, lookahead) + resident_experts
+    experts = as_policy(policy).device_experts(spec, cache_experts, resident_experts, lookahead)
     weights = spec.non_expert_bytes - spec.input_embedding_bytes  # the table stays in host memory
     split = weights + kv_bytes(spec, batch, context) + experts * spec.expert_bytes
     return -(-split // shards) + WORKSPACE_BYTES

@@ -1,7 +1,7 @@
 """The step model of the CPU-compute policies (cpu-static, hot-experts, cpu-on-miss).
 
 At MoE layer l of a decode step the device has just run attention and the router. The
-routed experts split (:class:`moesim.placement.HostPlanner`) into those the device
+routed experts split (:class:`moesim.policy.placement.HostPlanner`) into those the device
 holds and misses; under cpu-on-miss :func:`moesim.policy.cpu_or_copy` sends some misses
 over the link, the others (all of them under the static policies) run on the CPU. Device
 and CPU work concurrently; the layer ends when the later finishes:
@@ -32,8 +32,8 @@ from moesim.engines import EngineProfile, get_engine
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile, HostProfile, get_host
 from moesim.memory import device_bytes
-from moesim.placement import HostPlanner, Placement, make_placement
 from moesim.policy import EVICTIONS, Policy, as_policy
+from moesim.policy.placement import HostPlanner, Placement, make_placement
 from moesim.setting import DEFAULT_SETTING, Setting
 from moesim.sim.costs import roofline_costs
 from moesim.sim.cpu_run import CpuResult, CpuWork, routed_sets, token_counts  # noqa: F401 (re-exported)
@@ -41,7 +41,7 @@ from moesim.sim.engine import run_simpy_cpu
 from moesim.sim.fastpath_cpu import run_fast_cpu
 from moesim.sim.plan import Plan
 from moesim.sim.prefill import prefill_time_cpu_compute
-from moesim.sim.static import STATIC_CPU, simulate_static
+from moesim.sim.static import simulate_static
 from moesim.sim.workload import Link
 from moesim.traces.format import Trace, load_calibration, read_trace  # noqa: F401 (load_calibration re-exported)
 
@@ -105,7 +105,7 @@ def simulate_cpu_compute(trace: Trace, hw: HardwareProfile, policy: str | Policy
     the fast path is :func:`moesim.sim.static.simulate_static` (its one step model; the
     SimPy run here is its reference); ``engine`` and ``threads`` as there."""
     pol = as_policy(policy)
-    if not pol.cpu:
+    if not pol.uses_host:
         raise MoesimError(f"policy {pol.name!r} computes no experts on the CPU; use moesim.sim.simulate.simulate")
     sim, cache_experts = s.sim, s.cache_experts
     timing = "profile" if s.timing == "auto" else s.timing  # the cost model's, unless measured times are asked for
@@ -114,8 +114,7 @@ def simulate_cpu_compute(trace: Trace, hw: HardwareProfile, policy: str | Policy
     if s.eviction not in EVICTIONS:
         raise MoesimError(f"unknown eviction policy {s.eviction!r}; known: {', '.join(EVICTIONS)}")
     spec = trace.model
-    if pol.cpu != "miss":
-        cache_experts = 0  # static placements keep no cache: their resident set is the placement
+    cache_experts = pol.cache_capacity(spec, cache_experts=cache_experts)  # static placements: none (the placement)
     host = s.host if isinstance(s.host, HostProfile) else get_host(s.host, hw)
     engine = s.engine if isinstance(s.engine, EngineProfile) else get_engine(s.engine)
     if s.link_gbps is not None:
@@ -125,7 +124,7 @@ def simulate_cpu_compute(trace: Trace, hw: HardwareProfile, policy: str | Policy
                                cpu_layers_n=s.cpu_layers, calibration=s.calibration, replay_ids=trace.true_ids,
                                calibrate_on_replay=s.calibrate_on_replay,
                                strategy=engine.expert_placement)
-    if pol.cpu in STATIC_CPU and timing == "profile" and sim == "fast":
+    if pol.static_on(1) and timing == "profile" and sim == "fast":
         return simulate_static(trace, hw, pol, replace(s, host=host, engine=engine), placement=placement)
     cm = CostModel(spec, hw, host, engine=engine, amx=s.amx, threads=s.threads)
     link = Link.of(cm)
@@ -157,7 +156,7 @@ def simulate_cpu_compute(trace: Trace, hw: HardwareProfile, policy: str | Policy
         "expert_bytes": spec.expert_bytes, "synthetic_trace": trace.synthetic,
     }
     # cpu-on-miss's placement only warms its cache (inside cache_experts); the static ones hold theirs
-    held = placement.n_resident if placement is not None and pol.cpu != "miss" else 0
+    held = pol.held_experts(placement)
     need = device_bytes(spec, pol, cache_experts=cache_experts, batch=b, context=context, resident_experts=held)
     config["device_gb_needed"] = need / 1e9
     config["fits"] = need <= hw["device_memory_gb"] * 1e9

@@ -16,7 +16,7 @@ from moesim.sim.plan import Plan
 
 if TYPE_CHECKING:  # annotations only
     from moesim.layout import Layout
-    from moesim.placement import Placement
+    from moesim.policy.placement import Placement
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from moesim.placement import HostPlanner
 from moesim.policy import cpu_or_copy
+from moesim.policy.placement import HostPlanner
 from moesim.sim.cpu_run import CpuRun
 
 

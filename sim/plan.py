@@ -65,7 +65,7 @@ def plan_lookahead(trace: Trace, policy: Policy, lookahead: int | None) -> int:
     if lookahead is None:
         return recorded
     check_lookahead(lookahead, trace.model.n_moe_layers)
-    if lookahead != recorded and policy.prefetch and not policy.oracle:
+    if lookahead != recorded and policy.predicts:
         raise MoesimError(f"--lookahead {lookahead}: the trace's predictions were made {recorded} MoE layer"
                           f"{'s' if recorded != 1 else ''} ahead; record or synthesise it with --lookahead "
                           f"{lookahead} (only the oracle can look any distance ahead)")
@@ -108,7 +108,7 @@ def plan_sets(true_sets: list[list[set[int]]], pred_sets: list[list[set[int]]], 
     exactly as :meth:`Planner.plan_trace_stepwise` makes them. ``assign`` is left 0: the
     caller knows each step's token-expert pairs."""
     pol = get_policy(policy) if isinstance(policy, str) else policy
-    planner = Planner(pol, cache_experts if pol.offload else 0, eviction, lookahead)
+    planner = Planner(pol, cache_experts, eviction, lookahead)
     s_n = len(true_sets)
     m_n = len(true_sets[0]) if s_n else 0
     counts = np.zeros((len(Planner.COUNTS), s_n, m_n), np.int32)

@@ -28,8 +28,8 @@ from moesim.errors import MoesimError
 from moesim.hardware import get_host, get_machine
 from moesim.memory import WORKSPACE_BYTES, device_bytes
 from moesim.models import DTYPES, ModelSpec, get_model
-from moesim.placement import hot_per_layer, routing_counts, uniform_per_layer
 from moesim.policy import get_policy
+from moesim.policy.placement import hot_per_layer, routing_counts, uniform_per_layer
 from moesim.quant_recipes import ALIASES, RECIPES, apply_recipe
 from moesim.setting import Setting
 from moesim.sim.simulate import simulate
@@ -164,7 +164,7 @@ def predict(entry: Entry, engines: dict[str, EngineProfile] | None = None) -> di
     host = _host(s)
     pol = get_policy(s["policy"])
     setting = Setting(host=host, engine=engine, threads=s.get("threads"))
-    if pol.cpu or machine.n_gpus != 1:
+    if pol.uses_host or machine.n_gpus != 1:
         placement = None
         if "gpu_experts_per_layer" in s:  # KTransformers' GPU experts a layer, placed as the engine places them
             n = int(s["gpu_experts_per_layer"])

@@ -13,8 +13,8 @@ from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile, Machine, get_machine
 from moesim.memory import device_bytes
 from moesim.models import ModelSpec, cache_capacity  # noqa: F401 (cache_capacity: defined with the byte accounting)
-from moesim.placement import expert_budget, hot_set, routing_counts
 from moesim.policy import EVICTIONS, QUEUES, Policy, as_policy, get_policy
+from moesim.policy.placement import expert_budget, hot_set, routing_counts
 from moesim.setting import DEFAULT_SETTING, Setting
 from moesim.sim.costs import Costs, charge_prediction, measured_costs, roofline_costs
 from moesim.sim.cpu_compute import CpuResult, simulate_cpu_compute
@@ -22,7 +22,7 @@ from moesim.sim.engine import Span, run_simpy, run_simpy_queued
 from moesim.sim.fastpath import run_fast_many
 from moesim.sim.plan import Plan, build_plan
 from moesim.sim.prefill import prefill_time
-from moesim.sim.static import STATIC_CPU, simulate_static
+from moesim.sim.static import simulate_static
 from moesim.sim.stats_kernels import recall_counts
 from moesim.sim.workload import Link, Workload, make_workload
 from moesim.traces.format import Trace
@@ -143,7 +143,7 @@ def simulate(trace: Trace, hw: HardwareProfile | Machine | str, policy: str | Po
     pol = as_policy(policy)
     copy_queue = s.copy_queue
     if copy_queue is None:  # as recorded
-        copy_queue = "fifo" if pol.cpu else trace.header.get("copy_queue", "fifo")
+        copy_queue = trace.header.get("copy_queue", "fifo") if pol.copies_experts else "fifo"
         if copy_queue != "fifo" and s.sim != "simpy":
             raise MoesimError(f"the trace was recorded with copy queue {copy_queue!r}, which only the SimPy simulator "
                               "models: use --sim simpy, or --copy-queue fifo to time it as FIFO")
@@ -156,37 +156,37 @@ def simulate(trace: Trace, hw: HardwareProfile | Machine | str, policy: str | Po
     machine = get_machine(hw)
     # Static layouts go to the static step model; on one GPU the SimPy simulator times the
     # static CPU policies as the reference the static model is held to (tests/test_deploy.py).
-    static = pol.cpu in STATIC_CPU or (not pol.offload and machine.n_gpus != 1)
-    if static and s.sim == "simpy" and machine.n_gpus == 1 and pol.cpu in ("layers", "hot"):
+    static = pol.static_on(machine.n_gpus)
+    if static and s.sim == "simpy" and machine.n_gpus == 1 and pol.places_experts:
         static = False
     if machine.n_gpus != 1 and not static:
         where = "no GPU" if not machine.n_gpus else f"{machine.n_gpus} GPUs"
         raise MoesimError(f"{pol.name} copies experts to one GPU; on a machine with {where} only the static layouts "
                           "apply (all-resident, cpu-static, hot-experts, gpu-layers, weight-streaming)")
-    if static and s.timing == "measured" and (pol.cpu in ("whole", "stream") or machine.n_gpus != 1):
+    if static and s.timing == "measured" and (not pol.places_experts or machine.n_gpus != 1):
         raise MoesimError(f"{pol.name} on {machine.name} is timed from the profiles only (--timing profile): a trace's "
                           "measured times belong to the one GPU that recorded it")
     hot = _hot_set(trace, machine, pol, s.gpu_expert_gib, s.calibration, s.calibrate_on_replay)
     if static and s.timing != "measured":
         if copy_queue != "fifo":
             raise MoesimError(f"{pol.name} copies nothing; copy queues apply to the copy policies")
-        res = simulate_static(trace, machine, pol, s, placement=hot if pol.cpu == "hot" else None)
+        res = simulate_static(trace, machine, pol, s, placement=hot if pol.places_hot_set else None)
         return _with_recall(res, trace, pred_recall)
     hw = machine.gpus[0]
-    if pol.cpu:  # experts computed on the CPU: the CPU-compute step model (moesim.sim.cpu_compute)
+    if pol.uses_host:  # experts computed on the CPU: the CPU-compute step model (moesim.sim.cpu_compute)
         if s.timing == "measured" and not trace.measured:
             raise MoesimError("the trace has no measured timings (--timing profile)")
         if copy_queue != "fifo":
             raise MoesimError(f"{pol.name} copies at most its misses; copy queues apply to the copy policies")
         capacity = cache_capacity(trace.model, s.cache_gib, s.cache_experts)
         timed = replace(s, cache_gib=0.0, cache_experts=capacity, timing="measured" if s.timing == "measured" else "profile")
-        res = simulate_cpu_compute(trace, hw, pol, timed, record=record, placement=hot if pol.cpu == "hot" else None)
+        res = simulate_cpu_compute(trace, hw, pol, timed, record=record, placement=hot if pol.places_hot_set else None)
         return _with_recall(res, trace, pred_recall)
     spec = trace.model
     if s.link_gbps is not None:
         hw = hw.with_figure("h2d_pinned_gbs", s.link_gbps)
-    capacity = cache_capacity(spec, s.cache_gib, s.cache_experts) if pol.offload else 0
-    pinned = hot.hottest if hot is not None and pol.offload else ()
+    capacity = pol.cache_capacity(spec, s.cache_gib, s.cache_experts)
+    pinned = hot.hottest if hot is not None and pol.copies_experts else ()
     plan = plan or build_plan(trace, pol, capacity, s.eviction, progress, s.lookahead, s.cache_per_layer, pinned)
     costs = costs or pick_costs(trace, CostModel(spec, hw, engine=s.engine), s.timing)  # the caller's, once
     (result,) = time_plan(trace, pol, plan, costs, [hw], replace(s, copy_queue=copy_queue), record=record,
@@ -199,7 +199,7 @@ def _hot_set(trace: Trace, machine: Machine, pol: Policy, gpu_expert_gib: float 
     """The hottest experts within ``gpu_expert_gib`` of one GPU (None without a budget): a
     copy policy's pinned set or hot-experts' placement, counted on the calibration routing
     (or, marked optimistic, on the replayed trace itself)."""
-    if gpu_expert_gib is None or (pol.cpu and pol.cpu != "hot") or not pol.offload:
+    if gpu_expert_gib is None or not (pol.places_hot_set or pol.copies_experts):
         return None
     if not (isinstance(gpu_expert_gib, (int, float)) and 0 <= gpu_expert_gib < float("inf")):
         raise MoesimError(f"--gpu-expert-gib {gpu_expert_gib!r}: GiB of experts kept on the GPU, >= 0")
@@ -250,7 +250,7 @@ def time_plan(trace: Trace, pol: Policy, plan: Plan, costs: Costs, profiles: lis
     copy_queue = s.copy_queue or "fifo"
     cms = [CostModel(spec, h, engine=s.engine) for h in profiles]  # one per profile: the first prices the predictor
     # A predicting policy pays for its predictor (the recorded one, replaying the run as measured).
-    costs = charge_prediction(costs, cms[0], (pol.prefetch and not pol.oracle) or as_recorded, trace.batch,
+    costs = charge_prediction(costs, cms[0], pol.predicts or as_recorded, trace.batch,
                               trace.timings.get("predict_s"), plan.lookahead)
     work = make_workload(spec, plan, costs)
     links = [sim_link(trace, c, costs) for c in cms]
@@ -261,7 +261,7 @@ def time_plan(trace: Trace, pol: Policy, plan: Plan, costs: Costs, profiles: lis
     for c, timed in zip(cms, time_workload(work, links, copy_queue, s.sim, record)):
         # Everything ttft_of reads: the model and prompt of the trace, the GPU and its link, the engine.
         key = (spec, trace.prompt_len, trace.batch, costs.source, trace.meta.prefill_s, c.gpu.name, c.gpu.path,
-               c.gpu["h2d_pinned_gbs"], c.gpu["transfer_latency_us"], pol.offload, c.engine.name)
+               c.gpu["h2d_pinned_gbs"], c.gpu["transfer_latency_us"], pol.copies_experts, c.engine.name)
         if key not in shared.ttfts:
             shared.ttfts[key] = ttft_of(trace, c, pol, costs)
         result = make_result(trace, c, pol, plan, costs, work, timed, sim="simpy" if copy_queue != "fifo" else s.sim,
@@ -285,7 +285,7 @@ def sim_link(trace: Trace, cm: CostModel, costs: Costs) -> Link:
     """The copy engine of ``cm``'s GPU for this trace's model, as the timing source needs it."""
     link = Link.of(cm)
     recorded = trace.meta.recorded_policy
-    if costs.source.startswith("measured") and recorded is not None and recorded.prefetch:
+    if costs.source.startswith("measured") and recorded is not None and recorded.prefetches:
         # Times measured while copies overlapped compute already include the interference.
         link = replace(link, interference=0.0)
     return link
@@ -295,7 +295,7 @@ def ttft_of(trace: Trace, cm: CostModel, pol: Policy, costs: Costs) -> float:
     """Time to first token: the trace's measured prefill with measured times, else the roofline."""
     ttft = trace.meta.prefill_s if costs.source.startswith("measured") else None
     if ttft is None:
-        ttft = prefill_time(cm, trace.prompt_len, pol.offload, trace.batch)
+        ttft = prefill_time(cm, trace.prompt_len, pol.copies_experts, trace.batch)
     return float(ttft)
 
 

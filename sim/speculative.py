@@ -135,7 +135,7 @@ def simulate_steps(trace: Trace, steps: list[Step], hw: HardwareProfile, policy:
     one-GPU deployment of :func:`moesim.sim.deployment.time_steps`)."""
     spec = trace.model
     pol = get_policy(policy)
-    if pol.executes_predicted or pol.oracle:
+    if not pol.verifies_drafts:
         raise MoesimError("speculative decoding verifies exactly: all-resident, on-demand or prefetch-fom")
     if link_gbps is not None:
         hw = hw.with_figure("h2d_pinned_gbs", link_gbps)
@@ -152,8 +152,9 @@ def simulate_steps(trace: Trace, steps: list[Step], hw: HardwareProfile, policy:
     if timing == "measured" and not sd_measured(trace):
         raise MoesimError("a synthetic speculative trace has no measured times; use timing='profile'")
     if timing == "profile":
-        dep = Deployment(f"1 x {hw.name}", hw, offload=pol.offload, policy=pol.name if pol.offload else "on-demand",
-                         cache_experts=cache_experts if pol.offload else 0)
+        copies = pol.copies_experts
+        dep = Deployment(f"1 x {hw.name}", hw, offload=copies, policy=pol.name if copies else "on-demand",
+                         cache_experts=cache_experts if copies else 0)
         r = time_steps(spec, steps, dep, tm["sd_draft_s"], trace.prompt_len, check=False)
         step_s, copy, stall, source = r["step_s"], r["copy_s"], r["stall_s"], f"roofline ({hw.name})"
     elif timing == "measured":

@@ -24,19 +24,16 @@ from moesim.costmodel import CostModel, Residence, device_expert_seconds
 from moesim.engines import EngineProfile, get_engine
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile, HostProfile, Machine, get_host, get_machine
-from moesim.layout import CPU, Layout, layer_weight_bytes, make_layout, stream_layers
+from moesim.layout import CPU, Layout, make_layout
 from moesim.memory import layout_bytes
 from moesim.models import ModelSpec
-from moesim.placement import make_placement
 from moesim.policy import Policy, as_policy
+from moesim.policy.placement import make_placement
 from moesim.setting import DEFAULT_SETTING, Setting
 from moesim.sim.cpu_run import CpuResult, CpuRun, token_counts
 from moesim.sim.plan import Plan
 from moesim.sim.prefill import prefill_time_static
 from moesim.traces.format import Trace
-
-#: The CPU-compute policies whose layouts are static (nothing copied): timed here.
-STATIC_CPU = ("layers", "hot", "whole", "stream")
 
 
 @dataclass
@@ -153,7 +150,6 @@ def _crossing(cms: list[CostModel], a: int, b: int, nbytes: float) -> float:
 def layout_for(pol, spec, machine, s: Setting, *, batch: int, context: int, hot_placement=None) -> Layout:
     """The layout ``pol`` gives on ``machine`` with the counts and split of ``s``, choosing
     ``auto`` counts to fit its GPUs."""
-    cpu_layers, gpu_layers, offload_gib = s.cpu_layers, s.gpu_layers, s.offload_gib
     split, ratios = s.split, s.ratios
     g = machine.n_gpus
     mem = [x * 1e9 for x in machine.device_memory_gb()]
@@ -165,40 +161,11 @@ def layout_for(pol, spec, machine, s: Setting, *, batch: int, context: int, hot_
         return make_layout(spec, g, split=split, ratios=ratios, capacities=mem, **kw)
 
     if g == 0:
-        if pol.name != "all-resident":
+        if pol.needs_gpu:
             raise MoesimError(f"--hw none: without a GPU every weight is in host memory and computed on the CPU; "
                               f"only all-resident applies, not {pol.name}")
         return make_layout(spec, 0, source="no GPU: every layer on the CPU")
-    if pol.name == "all-resident":
-        lay = make()
-        return replace(lay, source=f"every layer on {machine.name}")
-    if pol.cpu == "layers":
-        m = spec.n_moe_layers
-        auto = next((n for n in range(m + 1) if fits(make(cpu_moe_layers=n))), m) if cpu_layers == "auto" else None
-        n = cpu_layers if auto is None else auto
-        return replace(make(cpu_moe_layers=n), source=f"first {n} of {m} MoE layers' experts on the CPU")
-    if pol.cpu == "whole":
-        L = spec.n_layers
-        auto = next((n for n in range(L, -1, -1) if fits(make(gpu_layers=n))), 0) if gpu_layers == "auto" else None
-        n = gpu_layers if auto is None else auto
-        return replace(make(gpu_layers=n), source=f"last {n} of {L} layers on {machine.name}, the rest on the CPU")
-    if pol.cpu == "stream":
-        lay = replace(make(), source=f"every layer on {machine.name}")
-        if offload_gib != "auto":
-            return stream_layers(spec, lay, offload_gib)
-        n = next((n for n in range(spec.n_layers + 1) if fits(stream_layers(spec, lay, _first_gib(spec, n)))),
-                 spec.n_layers)
-        return stream_layers(spec, lay, _first_gib(spec, n))
-    if pol.cpu == "hot":
-        if g != 1:
-            raise MoesimError("hot-experts places experts on one GPU; give one GPU profile (or use cpu-static on several)")
-        return make(hot=hot_placement.resident, source=hot_placement.source, optimistic=hot_placement.optimistic)
-    raise MoesimError(f"{pol.name} is not a static layout (it copies experts): one GPU, moesim.sim.simulate")
-
-
-def _first_gib(spec: ModelSpec, n: int) -> float:
-    """GiB of weights in the first ``n`` model layers (what ``--cpu-offload-gb`` streams)."""
-    return sum(layer_weight_bytes(spec, x) for x in range(n)) / 2**30
+    return pol.layout(spec, machine, make, fits, s, hot_placement)
 
 
 def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, policy: str | Policy,
@@ -224,7 +191,7 @@ def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, poli
     b, T = trace.batch, trace.n_tokens
     context = trace.prompt_len + T
     hot = None
-    if pol.cpu == "hot" and g == 1:
+    if pol.places_hot_set and g == 1:
         hot = placement or make_placement(pol, spec, machine.gpus[0]["device_memory_gb"] * 1e9, batch=b,
                                           context=context, calibration=s.calibration, replay_ids=trace.true_ids,
                                           calibrate_on_replay=s.calibrate_on_replay,

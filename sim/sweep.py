@@ -19,8 +19,8 @@ from moesim.engines import get_engine
 from moesim.errors import MoesimError
 from moesim.hardware import Machine, get_host, get_machine
 from moesim.models import DTYPES, get_model
-from moesim.placement import UNIFORM
 from moesim.policy import QUEUES, WHATIF_POLICIES, Policy, as_policy, check_eviction, check_lookahead, get_policy
+from moesim.policy.placement import UNIFORM
 from moesim.quant_recipes import is_format
 from moesim.sim.cpu_compute import load_calibration, separate_calibration
 from moesim.sim.sweep_rows import check_rows_path
@@ -223,34 +223,39 @@ def unused_options(pols: list, g: Given, *, pinned_hot_set: bool = False, no_gpu
     each): ``pinned_hot_set``: ``--gpu-expert-gib`` also pins a copy policy's hot set (replay);
     ``no_gpu``: the machine has no GPU, where ``--host`` always applies; ``verb`` names the
     run's policies (swept, replayed, chosen)."""
-    hot = lambda p: p.cpu in ("hot", "miss")  # noqa: E731
-    caching = lambda p: g.cached and p.caches  # noqa: E731
-    uses = [(g.hosts, "--host", "the CPU-compute policies", lambda p: bool(p.cpu) or no_gpu),
-            ([n for n in g.gpu_layers or () if n != "auto"], "--gpu-layers", "gpu-layers", lambda p: p.cpu == "whole"),
-            ([v for v in g.offload_gib or () if v != "auto"], "--offload-gib", "weight-streaming",
-             lambda p: p.cpu == "stream"),
-            ([n for n in g.cpu_layers or () if n != "auto"], "--cpu-layers", "cpu-static", lambda p: p.cpu == "layers"),
+    # Each option: the values given, and who reads it: the families whose knobs name it, and
+    # here also the host of a machine without a GPU (it runs every layer), replay's copy
+    # policies for --gpu-expert-gib (it pins their hot set), and a cache's knobs only with a cache.
+    def reads(name: str, also=lambda p: False):
+        return lambda p: name in p.knobs or also(p)
+
+    host_too = lambda p: no_gpu  # noqa: E731
+    cached = lambda name: lambda p: g.cached and name in p.knobs  # noqa: E731
+    uses = [(g.hosts, "--host", "the CPU-compute policies", reads("--host", host_too)),
+            ([n for n in g.gpu_layers or () if n != "auto"], "--gpu-layers", "gpu-layers", reads("--gpu-layers")),
+            ([v for v in g.offload_gib or () if v != "auto"], "--offload-gib", "weight-streaming", reads("--offload-gib")),
+            ([n for n in g.cpu_layers or () if n != "auto"], "--cpu-layers", "cpu-static", reads("--cpu-layers")),
             ([v for v in g.gpu_expert_gib or () if v != "auto"], "--gpu-expert-gib",
              "hot-experts and the copy policies" if pinned_hot_set else "hot-experts",
-             lambda p: p.cpu == "hot" or (pinned_hot_set and p.offload and not p.cpu)),
+             reads("--gpu-expert-gib", lambda p: pinned_hot_set and p.copies_experts)),
             ([q for q in g.copy_queues or () if q not in ("fifo", None)], "--copy-queue", "the copy policies",
-             lambda p: p.offload and not p.cpu),
-            (g.prefetch_top, "--prefetch-top", "the prefetching policies", lambda p: p.prefetch),
+             reads("--copy-queue")),
+            (g.prefetch_top, "--prefetch-top", "the prefetching policies", reads("--prefetch-top")),
             ([g.placement_from] if g.placement_from is not None else [], "--placement-from", "hot-experts and cpu-on-miss",
-             hot),
-            ([True] if g.calibrate_on_replay else [], "--calibrate-on-replay", "hot-experts and cpu-on-miss", hot),
-            ([True] if not g.amx else [], "--no-amx", "the CPU-compute policies", lambda p: bool(p.cpu) or no_gpu),
+             reads("--placement-from")),
+            ([True] if g.calibrate_on_replay else [], "--calibrate-on-replay", "hot-experts and cpu-on-miss",
+             reads("--calibrate-on-replay")),
+            ([True] if not g.amx else [], "--no-amx", "the CPU-compute policies", reads("--no-amx", host_too)),
             ([g.eviction] if g.eviction not in (None, "lru") else [], "--eviction",
-             "the copy policies and cpu-on-miss, with a cache above 0", caching),
-            (g.lookaheads or [], "--lookahead", "the prefetching policies", lambda p: p.prefetch),
+             "the copy policies and cpu-on-miss, with a cache above 0", cached("--eviction")),
+            (g.lookaheads or [], "--lookahead", "the prefetching policies", reads("--lookahead")),
             ([g.threads] if g.threads is not None else [], "--threads", "the CPU-compute policies",
-             lambda p: bool(p.cpu) or no_gpu),
+             reads("--threads", host_too)),
             ([True] if g.link_given else [], "--link-gbps", "the policies that copy experts or activations",
-             lambda p: p.offload or bool(p.cpu)),
-            ([True] if g.cache_given else [], "--cache-gib", "the copy policies and cpu-on-miss",
-             lambda p: p.caches),
+             reads("--link-gbps")),
+            ([True] if g.cache_given else [], "--cache-gib", "the copy policies and cpu-on-miss", reads("--cache-gib")),
             ([True] if g.cache_per_layer else [], "--cache-per-layer",
-             "the copy policies and cpu-on-miss, with a cache above 0", caching)]
+             "the copy policies and cpu-on-miss, with a cache above 0", cached("--cache-per-layer"))]
     return [f"{name} was given, but none of the {verb} policies "
             f"uses it (only {who}): it changed nothing"
             for given, name, who, applies in uses if given and not any(applies(p) for p in pols)]
@@ -358,14 +363,14 @@ def _whatif(o: WhatifOptions, progress: Callable[[int, int], None] | None) -> Wh
     hot_left_out = None
     uniform = eng.expert_placement == "uniform" and o.placement_from is None and not o.calibrate_on_replay
     if o.trace is not None and o.placement_from is None and not o.calibrate_on_replay and not uniform \
-            and any(p.cpu == "hot" for p in pols):
+            and any(p.places_hot_set for p in pols):
         why = ("hot-experts places experts by a calibration trace's routing: give --placement-from TRACE (or "
                "--calibrate-on-replay for an optimistic bound)")
         if chosen:
             raise MoesimError(why)
         # Among the defaults it is left out, not the whole sweep refused: `moesim whatif --trace T` answers. Left
         # out before the options are checked, so one only hot-experts reads (--gpu-expert-gib) is noted as unused.
-        pols = [p for p in pols if p.cpu != "hot"]
+        pols = [p for p in pols if not p.places_hot_set]
         policies = [p.name for p in pols]
         hot_left_out = f"{why} to sweep it: left out"
     no_gpu = any(get_machine(h).n_gpus == 0 for h in o.hws)  # --hw none: the host runs every layer
@@ -434,7 +439,10 @@ def _whatif(o: WhatifOptions, progress: Callable[[int, int], None] | None) -> Wh
                         params = SyntheticParams(tokens=o.tokens, batch=b, prompt_len=p, lookahead=n)
                         key = spec.name if one_shape else f"{spec.name} b{b} p{p}" + (f" ahead{n}" if n != 1 else "")
                         traces[key] = synthetic_trace(spec, params)
-            if any(p.cpu == "miss" or (p.cpu == "hot" and not uniform) for p in pols) and not o.calibrate_on_replay:
+            # A family placed by routing frequency needs calibration routing (hot-experts not where the
+            # engine places uniformly; cpu-on-miss warms its cache from it).
+            if any("--placement-from" in p.knobs and not (uniform and p.places_hot_set) for p in pols) \
+                    and not o.calibrate_on_replay:
                 # The calibration twin: the replayed traces' expert popularity (one seed), other
                 # draws, so "the hottest experts" are the replayed routing's hot experts without
                 # the placement having seen the draws it is judged on.
@@ -444,7 +452,7 @@ def _whatif(o: WhatifOptions, progress: Callable[[int, int], None] | None) -> Wh
                 calibration[spec.name] = synthetic_trace(spec, params).true_ids
                 calibration_source = (f"a second synthetic trace (the same expert popularity, other draws: "
                                       f"draw seed {params.draw_seed})")
-    if uniform and any(p.cpu == "hot" for p in pols):
+    if uniform and any(p.places_hot_set for p in pols):
         notes.append(f"hot-experts places experts as {eng.name} does by default, by {UNIFORM}; --calibrate-on-replay "
                      "(or --placement-from with --trace) places them by routing frequency")
     if calibration:
@@ -461,11 +469,11 @@ def _whatif(o: WhatifOptions, progress: Callable[[int, int], None] | None) -> Wh
     used_hosts += [get_host(None, m.gpus[0]) for m in profiles if not o.hosts and m.gpus and m.gpus[0].host]
     distinct_hosts = list({h.name: h for h in used_hosts}.values())
     notes.extend(check_threads(o.threads, distinct_hosts))
-    if any(p.cpu for p in pols):
+    if any(p.uses_host for p in pols):
         notes.extend(sockets_notes(distinct_hosts, eng))
     if o.address is not None and o.backend != "ray":
         notes.append("--address was given, but the backend is local: it changed nothing")
-    if any(p.cpu for p in pols) and not o.hosts or any(m.n_gpus == 0 for m in profiles) and not o.hosts:
+    if any(p.uses_host for p in pols) and not o.hosts or any(m.n_gpus == 0 for m in profiles) and not o.hosts:
         for prof in profiles:
             get_host(None, prof.gpus[0] if prof.gpus else None)  # a machine without a host: one line, first
     layers = tuple(o.cpu_layers) if o.cpu_layers else default_cpu_layers([t.model for t in traces.values()])
@@ -520,7 +528,7 @@ def profile_notes(policy: str, eviction: str, given: set[str], cached: bool, har
     typed = Given(eviction=eviction if "--eviction" in given else None, cached=cached,
                   link_given="--link-gbps" in given)
     notes = unused_options([pol], typed, verb="chosen")
-    if "--predictor" in given and not pol.prefetch:
+    if "--predictor" in given and "--predictor" not in pol.knobs:
         notes.append("--predictor was given, but none of the chosen policies uses it (only the prefetching "
                      "policies): it changed nothing")
     if "--name" in given:

@@ -22,7 +22,6 @@ import functools
 import hashlib
 import itertools
 import json
-import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -37,8 +36,8 @@ from moesim.errors import DoesNotFit, MoesimError
 from moesim.hardware import HardwareProfile, Machine, get_host, get_machine
 from moesim.layout import SPLITS, check_ratios
 from moesim.models import DTYPES
-from moesim.placement import expert_budget, hot_set, routing_counts, uniform_set
 from moesim.policy import POLICIES, QUEUES, Planner, Policy, as_policy, get_policy
+from moesim.policy.placement import expert_budget, hot_set, routing_counts, uniform_set
 from moesim.quant_recipes import is_format, store_as
 from moesim.setting import DEFAULT_SETTING, Setting
 from moesim.sim.cpu_compute import simulate_cpu_compute
@@ -48,8 +47,8 @@ from moesim.sim.plan import build_plan
 from moesim.sim.pool import run_pool, start_aside, stop_pool, worker_ignores_stops  # noqa: F401 (stop_pool: the sweep's API)
 from moesim.sim.prefetch_top import keep_top_predictions
 from moesim.sim.quantised import with_expert_dtype
-from moesim.sim.simulate import PerTrace, cache_capacity, pick_costs, prediction_recall, time_plan
-from moesim.sim.static import STATIC_CPU, simulate_static
+from moesim.sim.simulate import PerTrace, pick_costs, prediction_recall, time_plan
+from moesim.sim.static import simulate_static
 from moesim.sim.sweep_rows import parse, resume, write_rows
 from moesim.sim.workload import Link, Workload
 from moesim.traces.format import Trace
@@ -115,25 +114,7 @@ def policy_family(policy: str | Policy) -> str:
     """The deployment family a policy belongs to (docs/policies.md): the copy policies are
     one family, ``prefetching``, with the oracle as its bound; each CPU policy and
     all-resident are their own."""
-    pol = as_policy(policy)
-    if pol.cpu:
-        return pol.name
-    if not pol.offload:
-        return "all-resident"
-    return "oracle (bound)" if pol.oracle else "prefetching"
-
-
-#: Policy families from the least to the most that moves at run time: nothing offloaded,
-#: then static placements (whole layers, expert layers, hot experts), then the dynamic
-#: ones. On a tie the simpler deployment is named (a cpu-static run with 0 layers on the
-#: CPU *is* all-resident). Derived from the registry, so a new policy joins by its kind.
-_KIND_RANK = {"whole": 1, "stream": 2, "layers": 3, "hot": 4, "miss": 5}
-
-
-def _rank_of(pol) -> int:
-    if not pol.offload:
-        return 0
-    return _KIND_RANK.get(pol.cpu, 6)
+    return as_policy(policy).family
 
 
 BOUND = "oracle (bound)"
@@ -150,8 +131,8 @@ def _families(pols: tuple) -> tuple[str, ...]:
     """:func:`policy_families` of the registry ``pols`` (once each: the deployment answer asks
     for it per scenario and family, hundreds of times a sweep)."""
     family = {p.name: policy_family(p) for p in pols}
-    fams = dict.fromkeys(family[p.name] for p in pols if not p.oracle)
-    return tuple(sorted(fams, key=lambda f: min(_rank_of(p) for p in pols if family[p.name] == f)))
+    fams = dict.fromkeys(family[p.name] for p in pols if family[p.name] != BOUND)
+    return tuple(sorted(fams, key=lambda f: min(p.rank for p in pols if family[p.name] == f)))
 
 
 def simplicity(fam: str) -> int:
@@ -268,10 +249,12 @@ class Sweep:
                 if d is not None:
                     store_as(t.model, d)  # a format the model cannot store: one line, before any work
             for n in self.cpu_layers:
-                if "cpu-static" in self.policies and n != "auto" and n > t.model.n_moe_layers:
+                if any("--cpu-layers" in p.knobs for p in self.resolved.values()) and n != "auto" \
+                        and n > t.model.n_moe_layers:
                     raise MoesimError(f"--cpu-layers {n}: {t.model.name} has {t.model.n_moe_layers} MoE layers")
             for n in self.gpu_layers:
-                if any(p.cpu == "whole" for p in self.resolved.values()) and n != "auto" and n > t.model.n_layers:
+                if any("--gpu-layers" in p.knobs for p in self.resolved.values()) and n != "auto" \
+                        and n > t.model.n_layers:
                     raise MoesimError(f"--gpu-layers {n}: {t.model.name} has {t.model.n_layers} layers")
             for m in self.prefetch_top:
                 if m is not None and m > t.model.top_k:
@@ -298,6 +281,12 @@ class Sweep:
     def groups(self) -> list[Group]:
         return self._groups
 
+    @property
+    def several_or_none(self) -> bool:
+        """Whether some machine of the sweep has other than one GPU (where a host runs layers
+        even for all-resident)."""
+        return any(m.n_gpus != 1 for m in self.hws)
+
     @functools.cached_property
     def _groups(self) -> list[Group]:
         """Each policy crossed with the axes that apply to it, and no others (all-resident
@@ -305,26 +294,7 @@ class Sweep:
         not a configuration)."""
         out = []
         for key, dtype, policy in itertools.product(self.traces, self.expert_dtypes, self.policies):
-            pol = self.resolved[policy]
-            if pol.cpu == "layers":
-                out += [Config(key, policy, 0.0, dtype, h, n) for h in self.hosts for n in self.cpu_layers]
-            elif pol.cpu == "whole":
-                out += [Config(key, policy, 0.0, dtype, h, gpu_layers=n) for h in self.hosts for n in self.gpu_layers]
-            elif pol.cpu == "stream":
-                out += [Config(key, policy, 0.0, dtype, h, offload_gib=g) for h in self.hosts for g in self.offload_gib]
-            elif pol.cpu == "hot":
-                out += [Config(key, policy, 0.0, dtype, h, gpu_expert_gib=g) for h in self.hosts
-                        for g in self.gpu_expert_gib]
-            elif pol.cpu:
-                out += [Config(key, policy, c, dtype, h) for h in self.hosts for c in self.cache_gib if c > 0]
-            elif not pol.offload:  # the host matters only on a machine whose layout uses the CPU
-                hosts = self.hosts if any(m.n_gpus != 1 for m in self.hws) else (None,)
-                out += [Config(key, policy, 0.0, dtype, h) for h in hosts]
-            elif pol.prefetch and not pol.oracle:
-                out += [Config(key, policy, c, dtype, copy_queue=q, prefetch_top=m) for c in self.cache_gib
-                        for q in self.copy_queues for m in self.prefetch_top]
-            else:
-                out += [Config(key, policy, c, dtype) for c in self.cache_gib]
+            out += [Config(key, policy, expert_dtype=dtype, **axes) for axes in self.resolved[policy].sweep_axes(self)]
         return out
 
     @functools.cached_property
@@ -432,12 +402,6 @@ def _calibration(sweep: Sweep, base: str, trace: Trace):
     return None, "-", False
 
 
-def _static(pol, machine: Machine) -> bool:
-    """Whether ``pol`` on ``machine`` is a static layout (moesim.sim.static): the static CPU
-    policies anywhere, all-resident on a machine of other than one GPU."""
-    return pol.cpu in STATIC_CPU or (not pol.offload and machine.n_gpus != 1)
-
-
 def _not_run(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str, machine: Machine, why: str,
              bound: str = NOT_RUN):
     """A row for a configuration that cannot run on ``machine`` (``bound`` ``memory``: nothing of
@@ -484,7 +448,7 @@ def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str,
     or :func:`moesim.sim.cpu_compute.simulate_cpu_compute`, the paths ``moesim replay`` takes), one per
     machine of ``machines`` and link."""
     pol = sweep.resolved[cfg.policy]
-    capacity = cache_capacity(trace.model, cfg.cache_gib) if pol.cpu == "miss" else 0
+    capacity = pol.cache_capacity(trace.model, cfg.cache_gib)
     calib, source, optimistic = _calibration(sweep, base, trace)
     rows = []
     for machine in machines:
@@ -495,24 +459,15 @@ def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str,
             several = Setting(split=sweep.split, ratios=list(sweep.ratios) if sweep.ratios else None) \
                 if h.n_gpus > 1 else DEFAULT_SETTING  # the shares are a machine of several GPUs' (one count, checked)
             try:
-                if h.n_gpus == 0 and pol.offload:
-                    rows.append(_not_run(sweep, index, cfg, trace, base, h, "without a GPU only all-resident applies "
-                                         "(every weight in host memory, computed on the CPU)"))
+                if why := pol.cannot_run_on(h.n_gpus):
+                    rows.append(_not_run(sweep, index, cfg, trace, base, h, why))
                     continue
-                if pol.cpu == "hot" and h.n_gpus != 1:
-                    rows.append(_not_run(sweep, index, cfg, trace, base, h, "hot-experts places experts on one GPU "
-                                         "(cpu-static places them on several)"))
-                    continue
-                if _static(pol, h):
-                    placement = _hot_placement(sweep, cfg, trace, base, h) if pol.cpu == "hot" else None
-                    layout = replace(setting, cpu_layers=cfg.cpu_layers if pol.cpu == "layers" else "auto",
-                                     gpu_layers=cfg.gpu_layers if pol.cpu == "whole" else "auto",
-                                     offload_gib=cfg.offload_gib if pol.cpu == "stream" else "auto",
-                                     split=several.split, ratios=several.ratios)
+                if pol.static_on(h.n_gpus):
+                    placement = _hot_placement(sweep, cfg, trace, base, h) if pol.places_hot_set else None
+                    knobs = {k: getattr(cfg, k) for k in ("cpu_layers", "gpu_layers", "offload_gib")
+                             if getattr(cfg, k) != "-"}  # the group's own layout knob; the others' "auto"
+                    layout = replace(setting, **knobs, split=several.split, ratios=several.ratios)
                     res = simulate_static(trace, h, pol, layout, placement=placement)
-                elif h.n_gpus != 1:
-                    rows.append(_not_run(sweep, index, cfg, trace, base, h, f"{pol.name} runs on one GPU"))
-                    continue
                 else:
                     res = simulate_cpu_compute(trace, h.gpus[0], pol, replace(setting, cache_experts=capacity,
                                                                               eviction=sweep.eviction))
@@ -523,21 +478,11 @@ def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str,
             res.pred_recall = _recall(sweep, cfg, trace)
             row = res.summary()
             row.update(_axes(sweep, cfg, trace, base), **_split_columns(sweep, h))
-            if pol.cpu == "layers":  # the count "auto" resolved to on this device, for the answer
-                n = res.config["cpu_layers"] if "cpu_layers" in res.config else int(
-                    (~res.placement.resident).all(1).sum())
-                row["cpu_layers"] = n if cfg.cpu_layers != "auto" else f"auto ({n})"
-            if pol.cpu == "whole":
-                n = res.config["gpu_layers"]
-                row["gpu_layers"] = n if cfg.gpu_layers != "auto" else f"auto ({n})"
-            if pol.cpu == "stream":  # rounded down: stream_layers(spec, layout, it) streams the same layers again
-                gib = math.floor(res.config["offload_gib"] * 1e4) / 1e4
-                row["offload_gib"] = (f"auto ({gib:g})" if cfg.offload_gib == "auto" else cfg.offload_gib
-                                      if gib >= cfg.offload_gib else f"{cfg.offload_gib:g} (capped: {gib:g}, every layer)")
+            row.update(pol.answer_columns(res, cfg))
             row["cache_gib"] = cfg.cache_gib if capacity else 0.0
             row["device_gb_needed"] = res.config["device_gb_needed"]
             row["fits"] = res.config["fits"]
-            if pol.cpu in ("hot", "miss") and calib is not None:
+            if "--placement-from" in pol.knobs and calib is not None:
                 row["note"] = ("optimistic: placed from the replayed trace itself" if optimistic
                                else f"placed from {source}")
             row["group"] = index
@@ -557,9 +502,9 @@ def _run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
     spec = trace.model
     base = sweep.traces[cfg.trace].model.name
     pol = sweep.resolved[cfg.policy]
-    if pol.cpu:
+    if pol.uses_host:
         return _bounded(_cpu_rows(sweep, index, cfg, trace, base, sweep.hws))
-    capacity = cache_capacity(spec, cfg.cache_gib) if pol.offload else 0
+    capacity = pol.cache_capacity(spec, cfg.cache_gib)
     plan = build_plan(trace, pol, capacity, sweep.eviction, per_layer=sweep.cache_per_layer)
     recall = _recall(sweep, cfg, trace)
     rows = []
@@ -570,7 +515,7 @@ def _run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
     # there, and their rows say sim "simpy" (never a silent substitute).
     sim = sweep.sim if cfg.copy_queue == "fifo" else "simpy"
     for hi, machine in enumerate(sweep.hws):
-        if _static(pol, machine):  # all-resident on several GPUs or none: a static layout, beside one GPU's rows
+        if pol.static_on(machine.n_gpus):  # all-resident on several GPUs or none: a static layout
             rows += _bounded(_cpu_rows(sweep, index, cfg, trace, base, [machine]))
             continue
         if machine.n_gpus != 1:
@@ -653,7 +598,7 @@ def compile_kernels_aside(jobs: int | None) -> None:
     has them already (a second sweep in one process), for one worker or one core; if the
     cache cannot be written, :func:`_warm_kernels` compiles them itself, as before."""
     global _ASIDE
-    kernel = sys.modules.get("moesim.policy_kernel")  # imported: perhaps compiled or loaded in this process already
+    kernel = sys.modules.get("moesim.policy.kernel")  # imported: perhaps compiled or loaded in this process already
     if _ASIDE is not None or (kernel and kernel.plan_steps.signatures) or jobs == 1:
         return
     _ASIDE = start_aside(_warm_planner)  # None (one core, a pool worker): compiled here later
@@ -813,6 +758,6 @@ def best(rows: list[dict[str, Any]], goal: str = "tpot") -> dict[str, Any] | Non
     if goal not in GOALS:
         raise MoesimError(f"unknown goal {goal!r}; known: {', '.join(GOALS)}")
     key = GOALS[goal][0]
-    oracles = {n for n, p in POLICIES.items() if p.oracle}  # a row's policy is a registered name
+    oracles = {n for n, p in POLICIES.items() if p.is_bound}  # a row's policy is a registered name
     fitting = [r for r in rows if r["fits"] and r["policy"] not in oracles and _number(r[key])]
     return min(fitting, key=lambda r: (float(f"{r[key]:.6g}"), simplicity(r.get("family")))) if fitting else None

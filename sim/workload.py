@@ -144,7 +144,7 @@ def lay_out(spec, plan: Plan, attn: np.ndarray, experts_moe: np.ndarray, other: 
             prefetch[:, moe[m - n]] = plan.prefetch[:, m]
         need[:, cols] = plan.prefetch_need
     target = np.full(n_layers, -1, np.int64)
-    pairs = prefetch_pairs(spec.moe_layers, n, pol.offload and pol.prefetch)
+    pairs = prefetch_pairs(spec.moe_layers, n, pol.prefetches)
     target[:pairs.size] = pairs
     return Workload(attn=attn, experts=experts, demand=demand, prefetch=prefetch, target=target, need=need,
                     other=other, compute_source=source)

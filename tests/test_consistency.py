@@ -69,10 +69,10 @@ def _copy_cases():
     copy queue, and every storable expert format under one prefetching policy."""
     cases = []
     for name, pol in POLICIES.items():
-        if pol.cpu:
+        if pol.uses_host:
             continue
-        caches = [0.0] if not pol.offload else [0.0, 0.05]
-        queues = QUEUES if pol.prefetch and not pol.oracle else ("fifo",)
+        caches = [0.0, 0.05] if "--cache-gib" in pol.knobs else [0.0]
+        queues = QUEUES if pol.predicts else ("fifo",)
         for cache in caches:
             for ev in EVICTIONS if cache else ("lru",):
                 for q in queues:
@@ -118,15 +118,15 @@ def test_copy_policies_get_one_number_from_every_path(trace, policy, cache, evic
         assert answer.winner["tpot_ms"] * 1e-3 == pytest.approx(want, rel=RTOL)
 
 
-@pytest.mark.parametrize("policy", [p for p, pol in POLICIES.items() if pol.cpu])
+@pytest.mark.parametrize("policy", [p for p, pol in POLICIES.items() if pol.uses_host])
 def test_cpu_policies_get_one_number_from_every_path(trace, calibration, policy):
     path, ids = calibration
     hw = get_profile(HW)
     pol = POLICIES[policy]
-    cache = 0.05 if pol.cpu == "miss" else 0.0
-    layers = 3 if pol.cpu == "layers" else "auto"
+    cache = 0.05 if pol.needs_cache else 0.0
+    layers = 3 if "--cpu-layers" in pol.knobs else "auto"
     kw = dict(cache_gib=cache, link_gbps=LINK, cpu_layers=layers)
-    calib = ids if pol.cpu in ("hot", "miss") else None
+    calib = ids if "--placement-from" in pol.knobs else None
     want = _tpot(simulate(trace, hw, policy, Setting(sim="simpy", calibration=calib, **kw)))
     assert _tpot(simulate(trace, hw, policy, Setting(sim="fast", calibration=calib, **kw))) == pytest.approx(want, rel=RTOL)
     rep = replay(trace, HW, [policy], replay_setting(sim="simpy", **kw), TraceChanges(placement_from=path if calib is not None else None))
@@ -158,7 +158,7 @@ def _measured(trace):
                  trace.pred_gates, trace.exec_ids, timings)
 
 
-@pytest.mark.parametrize("policy", [p for p, pol in POLICIES.items() if not pol.cpu])
+@pytest.mark.parametrize("policy", [p for p, pol in POLICIES.items() if not pol.uses_host])
 def test_validations_predictor_is_replays_number(trace, policy):
     """Validation replays a measured run on its recorded profile and link; ``moesim replay``
     of the same trace with its measured times gives the same number (the recorded policy
@@ -173,8 +173,8 @@ def test_validations_predictor_is_replays_number(trace, policy):
 
 
 @pytest.mark.parametrize("machine", ["none", "2xa6000", "a6000+rtx4090"])
-@pytest.mark.parametrize("policy", [p for p, pol in POLICIES.items() if pol.cpu in ("layers", "whole", "stream")
-                                    or not pol.offload])
+@pytest.mark.parametrize("policy", [p for p, pol in POLICIES.items()
+                                    if pol.static_on(2) and pol.cannot_run_on(2) is None])
 def test_machines_of_several_gpus_or_none_get_one_number(trace, machine, policy):
     """A static layout on a machine of several GPUs, or none: replay and the sweep agree."""
     if machine == "none" and policy != "all-resident":

@@ -17,8 +17,15 @@ from moesim.engines import get_engine
 from moesim.errors import MoesimError
 from moesim.hardware import builtin_hosts, builtin_profiles, get_host, get_profile, load_profile
 from moesim.models import GGML_BLOCKS, get_model, matrix_bytes
-from moesim.placement import WORKSPACE_BYTES, cpu_layers, expert_budget, expert_times, make_placement, routing_counts
-from moesim.policy import POLICIES, Policy, cpu_or_copy, get_policy, register
+from moesim.policy import POLICIES, CpuOnMiss, cpu_or_copy, get_policy
+from moesim.policy.placement import (
+    WORKSPACE_BYTES,
+    cpu_layers,
+    expert_budget,
+    expert_times,
+    make_placement,
+    routing_counts,
+)
 from moesim.setting import Setting
 from moesim.sim.cpu_compute import simulate_cpu_compute
 from moesim.sim.prefill import prefill_time, prefill_time_cpu_compute
@@ -123,8 +130,8 @@ def test_retired_gpu_figures_warn_and_are_dropped(tmp_path):
 def test_cpu_policies_are_registered_and_checked():
     assert {POLICIES[n].cpu for n in ("cpu-static", "hot-experts", "cpu-on-miss")} == {"layers", "hot", "miss"}
     assert get_policy("n-cpu-moe").name == "cpu-static" and get_policy("fiddler").name == "cpu-on-miss"
-    with pytest.raises(MoesimError, match="does not prefetch"):
-        register(Policy(name="cpu-prefetch-test", summary="x", cpu="miss", prefetch=True))
+    with pytest.raises(TypeError, match="prefetch"):  # a CPU-compute family has no prefetch knob to set
+        CpuOnMiss(name="cpu-prefetch-test", summary="x", prefetch=True)
 
 
 T = ExpertTimes(gpu_mem=1.0, gpu_tok=0.0, gpu_fixed=0.0, cpu_mem=4.0, cpu_tok=0.0, cpu_fixed=0.0, roundtrip=0.0, copy=2.0)
@@ -363,7 +370,7 @@ def test_memory_check_and_calibration_file(tmp_path, tiny_trace):
 
 
 def test_a_warm_cpu_on_miss_cache_starts_with_the_hottest():
-    from moesim.placement import HostPlanner, hot_set
+    from moesim.policy.placement import HostPlanner, hot_set
 
     spec = get_model("tiny")
     counts = np.zeros((spec.n_moe_layers, spec.n_experts), np.int64)

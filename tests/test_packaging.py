@@ -107,7 +107,7 @@ def test_compiled_kernels_are_cached_outside_the_package(tmp_path):
     an installed package those files outlived `pip uninstall` and shadowed the next install.
     Every kernel's cache folder is checked; one small kernel is compiled for real (compiling
     them all, as a first simulate does, is the slow test below: 15 s)."""
-    code = ("import json, numpy as np; from moesim import policy_kernel; from moesim.sim import fastpath_kernel, stats; "
+    code = ("import json, numpy as np; from moesim.policy import kernel as policy_kernel; from moesim.sim import fastpath_kernel, stats; "
             "from moesim.traces import synthetic\n"
             "names = ['_routing_pass', '_recall_pass', '_lru_segments', '_online', '_distinct', '_next_uses', '_belady']\n"
             "kernels = [policy_kernel.plan_steps, fastpath_kernel.recurrence, synthetic._kernel(), "
@@ -135,7 +135,7 @@ def test_a_first_whatif_compiles_the_planner_aside_and_loads_it_from_the_cache(t
     drawn (sim/whatif.compile_kernels_aside): the sweep then loads it from numba's cache (a
     hit, no compile of its own) and gives the rows a run without it gives."""
     r = _compile_in_a_fresh_cache(tmp_path, (
-        "import json; from moesim import policy_kernel; from moesim.sim.sweep import WhatifOptions, whatif\n"
+        "import json; from moesim.policy import kernel as policy_kernel; from moesim.sim.sweep import WhatifOptions, whatif\n"
         "kw = dict(models=['olmoe-1b-7b'], hws=['a6000'], policies=['on-demand', 'prefetch-fom'], tokens=4, jobs=2)\n"
         "res = whatif(WhatifOptions(**kw))\n"
         "stats = policy_kernel.plan_steps.stats\n"

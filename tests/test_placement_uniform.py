@@ -11,7 +11,7 @@ import pytest
 from moesim.engines import get_engine, parse_engine
 from moesim.errors import MoesimError
 from moesim.models import get_model
-from moesim.placement import make_placement, routing_counts, uniform_per_layer, uniform_set
+from moesim.policy.placement import make_placement, routing_counts, uniform_per_layer, uniform_set
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
 

@@ -3,10 +3,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moesim import policy as policy_module
 from moesim.errors import MoesimError
 from moesim.models import get_model
-from moesim.policy import EVICTIONS, POLICIES, ExpertCache, Planner, Policy, expert_slots, get_policy, register
+from moesim.policy import (
+    EVICTIONS,
+    POLICIES,
+    CopyExperts,
+    ExpertCache,
+    Planner,
+    Policy,
+    expert_slots,
+    get_policy,
+    register,
+)
+from moesim.policy import families as policy_module
 
 
 def test_policy_registry_and_aliases():
@@ -32,14 +42,17 @@ def scratch_registry():
 
 def test_a_new_policy_joins_in_one_place(scratch_registry):
     with pytest.raises(TypeError):
-        Policy("cpu-static", "summary", True)  # rows are keyword-only: no positional booleans
-    register(Policy(name="hot-test", prefetch=True, aliases=("hot",), summary="keep the hottest experts"))
+        CopyExperts("cpu-static", "summary", True)  # rows are keyword-only: no positional booleans
+    register(CopyExperts(name="hot-test", prefetch=True, aliases=("hot",), summary="keep the hottest experts"))
     assert get_policy("hot") is POLICIES["hot-test"]
-    assert Planner("hot-test").policy.prefetch
+    assert Planner("hot-test").policy.prefetches
     with pytest.raises(MoesimError, match="already registered"):
-        register(Policy(name="other", aliases=("hot",), summary="clashes with an alias"))
-    with pytest.raises(MoesimError, match="cannot be exact"):
-        register(Policy(name="bad", prefetch=True, executes_predicted=True, summary="speculative but exact"))
+        register(CopyExperts(name="other", aliases=("hot",), summary="clashes with an alias"))
+    with pytest.raises(MoesimError, match="needs prefetch"):
+        CopyExperts(name="bad", executes_predicted=True, summary="speculative execution of nothing prefetched")
+    assert not CopyExperts(name="spec", prefetch=True, executes_predicted=True, summary="s").exact  # never said exact
+    with pytest.raises(MoesimError, match="a policy of some family"):
+        register(Policy(name="no-family", summary="the base class decides nothing"))
     with pytest.raises(TypeError):
         POLICIES["sneaky"] = POLICIES["oracle"]  # a read-only view: registering is the only way in
 
@@ -71,33 +84,33 @@ def test_lfu_evicts_least_frequently_used_and_respects_protection():
 
 
 def test_on_demand_copies_the_true_experts_after_the_router():
-    p = Planner("on-demand")
-    assert p.prefetch(1, [1, 2]) == []
-    plan = p.route(1, [3, 4], [1, 2])
+    planner = Planner("on-demand")
+    assert planner.prefetch(1, [1, 2]) == []
+    plan = planner.route(1, [3, 4], [1, 2])
     assert plan.demand == (3, 4) and plan.execute == (3, 4)
 
 
 def test_fetch_on_miss_copies_only_the_misses():
-    p = Planner("prefetch-fom")
-    assert p.prefetch(1, [1, 2]) == [1, 2]
-    plan = p.route(1, [2, 3], [1, 2])
+    planner = Planner("prefetch-fom")
+    assert planner.prefetch(1, [1, 2]) == [1, 2]
+    plan = planner.route(1, [2, 3], [1, 2])
     assert plan.demand == (3,) and plan.execute == (2, 3) and plan.prefetch_hits == 1
 
 
 def test_a_layer_needs_its_prefetch_up_to_the_last_expert_it_executes():
     """prefetch_need counts the prefetch's copies in issue order up to the last executed
     one: what a demand-first or cancel-unstarted queue lets the layer wait for."""
-    p = Planner("prefetch-fom")
-    assert p.prefetch(1, [5, 3, 7, 2]) == [5, 3, 7, 2]
-    assert p.route(1, [3, 9], [5, 3, 7, 2]).prefetch_need == 2  # 5 (useless) and 3; 7 and 2 are not needed
-    p.prefetch(2, [4, 6])
-    assert p.route(2, [1], [4, 6]).prefetch_need == 0  # nothing useful: wait for no prefetch copy
+    planner = Planner("prefetch-fom")
+    assert planner.prefetch(1, [5, 3, 7, 2]) == [5, 3, 7, 2]
+    assert planner.route(1, [3, 9], [5, 3, 7, 2]).prefetch_need == 2  # 5 (useless) and 3; 7 and 2 are not needed
+    planner.prefetch(2, [4, 6])
+    assert planner.route(2, [1], [4, 6]).prefetch_need == 0  # nothing useful: wait for no prefetch copy
 
 
 def test_speculative_execution_runs_the_prediction():
-    p = Planner("prefetch-spec")
-    p.prefetch(1, [1, 2])
-    plan = p.route(1, [2, 3], [1, 2])
+    planner = Planner("prefetch-spec")
+    planner.prefetch(1, [1, 2])
+    plan = planner.route(1, [2, 3], [1, 2])
     assert plan.demand == () and plan.execute == (1, 2)
 
 
@@ -107,30 +120,30 @@ def test_first_layer_without_prediction_is_on_demand_even_when_speculative():
 
 
 def test_cache_hits_skip_copies_and_cached_experts_are_not_evicted_while_planned():
-    p = Planner("prefetch-fom", cache_experts=2)
-    plan = p.route(0, [1, 2], None)
-    p.finish(0, plan)  # cache: (0,1), (0,2)
-    assert p.prefetch(0, [1, 5]) == [5]  # (0, 1) is cached: no copy, and now protected
-    plan = p.route(0, [1, 5], [1, 5])
+    planner = Planner("prefetch-fom", cache_experts=2)
+    plan = planner.route(0, [1, 2], None)
+    planner.finish(0, plan)  # cache: (0,1), (0,2)
+    assert planner.prefetch(0, [1, 5]) == [5]  # (0, 1) is cached: no copy, and now protected
+    plan = planner.route(0, [1, 5], [1, 5])
     assert plan.cache_hits == 1 and plan.demand == ()
 
 
 def test_all_resident_never_copies():
-    p = Planner("all-resident", cache_experts=0)
-    assert p.prefetch(1, [1]) == []
-    assert p.route(1, [1, 2], [1]).demand == ()
+    planner = Planner("all-resident", cache_experts=0)
+    assert planner.prefetch(1, [1]) == []
+    assert planner.route(1, [1, 2], [1]).demand == ()
 
 
 def test_the_cache_never_evicts_an_expert_the_layer_just_used():
-    p = Planner("on-demand", cache_experts=2, eviction="lfu")
+    planner = Planner("on-demand", cache_experts=2, eviction="lfu")
     for _ in range(3):
-        p.finish(0, p.route(0, [1], None))
-    p.finish(0, p.route(0, [2], None))  # counts: (0,1) x3, (0,2) x1
-    plan = p.route(0, [2, 3], None)  # (0,2) hits; (0,3) needs room
+        planner.finish(0, planner.route(0, [1], None))
+    planner.finish(0, planner.route(0, [2], None))  # counts: (0,1) x3, (0,2) x1
+    plan = planner.route(0, [2, 3], None)  # (0,2) hits; (0,3) needs room
     assert plan.cache_hits == 1
-    admitted, evicted = p.finish(0, plan)
+    admitted, evicted = planner.finish(0, plan)
     assert evicted == [(0, 1)] and admitted == [3]  # not (0,2), the rarest but just used
-    assert (0, 2) in p.cache and (0, 3) in p.cache
+    assert (0, 2) in planner.cache and (0, 3) in planner.cache
 
 
 # --------------------------------------------------------------------------------------
@@ -164,7 +177,7 @@ def test_plan_trace_makes_the_per_layer_decisions(r, capacity, eviction, lookahe
     true, pred = _ids(r)
     rng = np.random.default_rng(r["seed"])
     pinned = {(int(rng.integers(r["layers"])), int(rng.integers(r["experts"]))) for _ in range(n_pinned)}
-    for policy in (p for p in POLICIES if not POLICIES[p].cpu):  # CPU-compute policies: moesim.placement
+    for policy in (p for p in POLICIES if not POLICIES[p].cpu):  # CPU-compute policies: moesim.policy.placement
         kw = dict(per_layer=per_layer, pinned=pinned if POLICIES[policy].offload else ())
         stepwise = Planner(policy, capacity, eviction, lookahead, **kw).plan_trace_stepwise(true, pred)
         batch = Planner(policy, capacity, eviction, lookahead, **kw).plan_trace(true, pred, r["experts"])

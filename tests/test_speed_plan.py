@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_policy import _ids, routing
 
-from moesim import policy as policy_mod
 from moesim.policy import POLICIES, Planner
+from moesim.policy import planner as policy_mod
 
 
 @contextmanager

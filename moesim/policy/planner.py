@@ -19,174 +19,17 @@ import heapq
 import os
 import queue
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from moesim.errors import MoesimError
-from moesim.models import ModelSpec
+from moesim.policy.families import EVICTIONS, Policy, check_lookahead, get_policy
 
 if TYPE_CHECKING:  # a type only: the cost model imports the engines, whose profiles name policies
     from moesim.costmodel import ExpertTimes
-
-
-@dataclass(frozen=True, kw_only=True)
-class Policy:
-    """One offloading policy: what it copies, what it executes, whether outputs stay exact.
-
-    Keyword-only, so a row reads as what it means (``prefetch=True``) rather than as the
-    third of five booleans; a new policy joins the project with one :func:`register` call.
-    """
-
-    name: str
-    summary: str
-    prefetch: bool = False  # copies a predicted set one layer ahead
-    # Runs the predicted experts instead of the true ones (speculative *execution*; the word
-    # "speculative" alone means speculative decoding in this codebase).
-    executes_predicted: bool = False
-    oracle: bool = False  # the prediction is the true next-layer set (an upper bound)
-    offload: bool = True  # experts live in host memory (False: all resident on the device)
-    exact: bool = True  # outputs equal the all-resident model's
-    # Where experts that are not on the device run: "" = copied to the device;
-    # "layers" = whole MoE layers on the CPU (llama.cpp --n-cpu-moe); "hot" = all but a
-    # static hot set on the CPU (KTransformers); "miss" = a cache miss runs on the CPU or
-    # is copied, whichever the cost model says ends first (Fiddler); "whole" = whole layers
-    # (attention and experts) on the CPU, the rest on the GPU (llama.cpp -ngl N); "stream" =
-    # nothing runs on the CPU, but the first layers' weights stay in host memory and the GPU
-    # reads them over the link as it runs them (vLLM --cpu-offload-gb). See
-    # moesim.placement and moesim.layout.
-    cpu: str = ""
-    aliases: tuple[str, ...] = ()  # other names get_policy accepts
-
-    @property
-    def caches(self) -> bool:
-        """Whether the policy keeps a cross-token expert cache on the device (the copy
-        policies and cpu-on-miss): what a cache size, an eviction or a per-layer split changes."""
-        return (self.offload and not self.cpu) or self.cpu == "miss"
-
-
-_REGISTRY: dict[str, Policy] = {}
-_ALIASES: dict[str, str] = {}
-#: Read-only views of the registry: name -> policy, alias -> name.
-POLICIES: Mapping[str, Policy] = MappingProxyType(_REGISTRY)
-ALIASES: Mapping[str, str] = MappingProxyType(_ALIASES)
-EVICTIONS = ("lru", "lfu")
-CPU_MODES = ("", "layers", "hot", "miss", "whole", "stream")
-
-
-def check_eviction(name: str) -> None:
-    """One line for an eviction policy no cache knows (every command that takes ``--eviction``)."""
-    if name not in EVICTIONS:
-        raise MoesimError(f"--eviction: unknown eviction policy {name!r}; known: {', '.join(EVICTIONS)}")
-
-
-def register(policy: Policy) -> Policy:
-    """Add ``policy`` (and its aliases) to the registry; names are lower-case and unique."""
-    names = (policy.name, *policy.aliases)
-    for n in names:
-        if n != n.strip().lower() or not n:
-            raise MoesimError(f"policy name {n!r} must be non-empty lower-case without spaces around it")
-        if n in _REGISTRY or n in _ALIASES:
-            raise MoesimError(f"policy name {n!r} is already registered")
-    if policy.executes_predicted and not policy.prefetch:
-        raise MoesimError(f"policy {policy.name!r}: speculative execution runs the prefetched set; needs prefetch")
-    if policy.cpu not in CPU_MODES:
-        raise MoesimError(f"policy {policy.name!r}: cpu mode {policy.cpu!r} not one of {', '.join(map(repr, CPU_MODES))}")
-    if policy.cpu and (policy.prefetch or not policy.offload):
-        raise MoesimError(f"policy {policy.name!r}: a CPU-compute policy offloads experts and does not prefetch "
-                          "(docs/policies.md says why)")
-    if policy.exact and policy.executes_predicted:
-        raise MoesimError(f"policy {policy.name!r}: speculative execution changes outputs; cannot be exact")
-    _REGISTRY[policy.name] = policy
-    _ALIASES.update({a: policy.name for a in policy.aliases})
-    return policy
-
-
-register(Policy(name="all-resident", offload=False, aliases=("resident",),
-                summary="every expert on the device; no copies (the reference without offloading)"))
-register(Policy(name="on-demand", aliases=("ondemand",),
-                summary="after each router, copy the missing top-k experts and wait for them"))
-register(Policy(name="prefetch-spec", prefetch=True, executes_predicted=True, exact=False,
-                summary="copy the predicted next-layer experts ahead and execute them (speculative "
-                        "execution: no miss penalty, outputs may change)"))
-register(Policy(name="prefetch-fom", prefetch=True, aliases=("prefetch",),
-                summary="copy the predicted experts ahead; copy the mispredicted ones on demand "
-                        "(fetch-on-miss: exact outputs)"))
-register(Policy(name="cpu-static", cpu="layers", aliases=("n-cpu-moe",),
-                summary="the experts of N MoE layers stay in host memory and run on the CPU, the rest are "
-                        "resident on the device (llama.cpp --n-cpu-moe N; N given or the fewest that fit)"))
-register(Policy(name="hot-experts", cpu="hot", aliases=("ktransformers",),
-                summary="the most frequently routed experts, up to a device memory budget, are resident; the "
-                        "rest run on the CPU (KTransformers; frequencies from a calibration trace)"))
-register(Policy(name="cpu-on-miss", cpu="miss", aliases=("fiddler",),
-                summary="a device expert cache; a miss runs on the CPU or is copied, whichever the cost model "
-                        "says finishes first given the link's queue (Fiddler)"))
-register(Policy(name="gpu-layers", cpu="whole", aliases=("ngl",),
-                summary="the last N model layers wholly on the GPU(s), the rest (attention and experts) on the "
-                        "CPU (llama.cpp -ngl N, Ollama; N given or the most that fit)"))
-register(Policy(name="weight-streaming", cpu="stream", aliases=("cpu-offload-gb",),
-                summary="every layer runs on the GPU(s); the first layers' weights, N GB, stay in host memory and "
-                        "are read over the link at every step (vLLM --cpu-offload-gb N; N given or the least that fits)"))
-register(Policy(name="oracle", prefetch=True, oracle=True,
-                summary="prefetch the true next-layer experts (a perfect predictor: the upper bound of prefetching)"))
-
-
-def get_policy(name: str | Policy) -> Policy:
-    """A registered policy by name or alias (case-insensitive); a Policy passes through."""
-    if isinstance(name, Policy):
-        return name
-    key = name.strip().lower()
-    key = _ALIASES.get(key, key)
-    if key not in _REGISTRY:
-        aliases = ", ".join(f"{a} = {n}" for a, n in _ALIASES.items())
-        raise MoesimError(f"unknown policy {name!r}; known: {', '.join(_REGISTRY)} (aliases: {aliases})")
-    return _REGISTRY[key]
-
-
-def as_policy(policy: str | Policy) -> Policy:
-    """``policy`` itself when it is one (resolved once, above), else :func:`get_policy` of its name."""
-    return policy if isinstance(policy, Policy) else get_policy(policy)
-
-
-def check_lookahead(lookahead: int, n_moe_layers: int | None = None) -> int:
-    """``lookahead`` if it is a whole number >= 1 that leaves some MoE layer to prefetch
-    (below ``n_moe_layers`` when given), else a one-line error."""
-    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 1:
-        raise MoesimError(f"lookahead must be a whole number of MoE layers >= 1, got {lookahead!r}")
-    if n_moe_layers is not None and lookahead >= n_moe_layers:
-        raise MoesimError(f"lookahead {lookahead} leaves nothing to prefetch: the model has {n_moe_layers} MoE layers")
-    return lookahead
-
-
-def expert_slots(spec: ModelSpec, policy: str | Policy, cache_experts: int = 0, lookahead: int = 1) -> int:
-    """Device buffers, in experts, that a policy needs for routed experts beyond the resident model.
-
-    The one count both the executor's slot pool and the memory-fit test use. An
-    offloading policy holds ``1 + lookahead`` whole layers of experts plus the cross-token
-    cache: prefill routes (nearly) every expert of a layer and copies layer l+1 while layer
-    l computes (double-buffered, as the cost model's prefill has it), so the peak is
-    ``2 * n_experts``; decode holds the current layer's experts (at most ``n_experts``
-    distinct ones, prefetched plus missed) and the prefetches in flight, one layer each for
-    the ``lookahead`` layers ahead (at most ``n_experts`` each). ``2 * min(E, batch * k)``
-    would undercount prefill and prefetch-on-miss. All-resident keeps every expert on the
-    device (counted with the model, not here), so it needs no slots and no cache. The
-    static CPU-compute policies copy nothing (their resident experts are the placement's);
-    cpu-on-miss stages at most one layer's misses.
-    """
-    if cache_experts < 0:
-        raise MoesimError(f"cache capacity must be >= 0 experts, got {cache_experts}")
-    pol = as_policy(policy)
-    if not pol.offload:
-        return 0
-    if pol.cpu == "miss":  # misses it copies land in the cache's own buffers, plus one layer to stage them
-        return spec.n_experts + cache_experts
-    if pol.cpu:  # static placements copy nothing: their resident experts are the placement's
-        return 0
-    ahead = check_lookahead(lookahead) if pol.prefetch else 1
-    return (1 + ahead) * spec.n_experts + cache_experts
 
 
 Key = tuple[int, int]  # (layer, expert)
@@ -356,15 +199,15 @@ class Planner:
     def __init__(self, policy: Policy | str, cache_experts: int = 0, eviction: str = "lru",
                  lookahead: int = 1, per_layer: bool = False, pinned: Iterable[Key] = ()) -> None:
         self.policy = get_policy(policy) if isinstance(policy, str) else policy
-        if self.policy.cpu:  # planning it as a copy policy would be a silently wrong answer
+        if self.policy.uses_host:  # planning it as a copy policy would be a silently wrong answer
             raise MoesimError(f"policy {self.policy.name!r} computes experts on the CPU: it is planned by "
-                              "moesim.placement.HostPlanner (moesim.sim.simulate / the executor's host experts)")
+                              "moesim.policy.placement.HostPlanner (moesim.sim.simulate / the executor's host experts)")
         self.lookahead = check_lookahead(lookahead)
         self.per_layer = per_layer
         self.pinned = frozenset((int(a), int(b)) for a, b in pinned)
         if self.pinned and not self.policy.offload:
             raise MoesimError("a pinned hot set is for the policies that copy experts; all-resident holds them all")
-        if cache_experts > 0:
+        if cache_experts > 0 and self.policy.caches:  # all-resident keeps no cache: it holds every expert
             self.cache = LayerCaches(cache_experts, eviction) if per_layer else ExpertCache(cache_experts, eviction)
         else:
             self.cache = None
@@ -501,7 +344,7 @@ class Planner:
     def plan_trace(self, true_ids: np.ndarray, pred_ids: np.ndarray, n_experts: int,
                    progress: Callable[[int, int], None] | None = None) -> np.ndarray:
         """The same counts as :meth:`plan_trace_stepwise`, decided by one compiled loop
-        (``moesim.policy_kernel``) that makes the per-layer methods' decisions: identical
+        (``moesim.policy.kernel``) that makes the per-layer methods' decisions: identical
         results (property-tested), ~1,000x faster. ``progress(steps_done, steps)`` is called
         between chunks. The planner's own cache object is not updated (the kernel keeps the
         cache in arrays); use a fresh Planner per trace."""
@@ -519,7 +362,7 @@ class Planner:
         every step decides the same counts (:meth:`steps_alike`), one step is planned and
         broadcast to all (each row a read-only view)."""
         self._check_fresh(true_ids, pred_ids)
-        from moesim import policy_kernel as kern  # numba: compiled on first use, not at import
+        from moesim.policy import kernel as kern  # numba: compiled on first use, not at import
 
         t, m, b, k = true_ids.shape
         if true_ids.size and (true_ids.max() >= n_experts or pred_ids.max() >= n_experts):
@@ -621,12 +464,6 @@ class _Rows:
     def rows(self) -> list[np.ndarray]:
         return [f if f is not None else np.broadcast_to(np.int32(v or 0), self.shape)
                 for f, v in zip(self.full, self.value)]
-
-
-#: What a what-if compares when no --policy is given (those its engine runs); defined here,
-#: not in moesim.sim.sweep, so that the CLI names them in its help without importing the simulator.
-WHATIF_POLICIES = ("on-demand", "prefetch-fom", "prefetch-spec", "oracle", "all-resident", "cpu-static", "gpu-layers",
-                   "hot-experts", "cpu-on-miss", "weight-streaming")
 
 
 #: Expert slots (steps x MoE layers x batch x top-k) :meth:`Planner.plan_trace` decides per

@@ -30,7 +30,8 @@ from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile, HostProfile
 from moesim.memory import WORKSPACE_BYTES, expert_budget, kv_bytes  # noqa: F401 (re-exported for the executor)
 from moesim.models import ModelSpec
-from moesim.policy import ExpertCache, Policy, get_policy
+from moesim.policy.families import Policy, get_policy
+from moesim.policy.planner import ExpertCache
 
 
 def routing_counts(ids: np.ndarray, n_experts: int) -> np.ndarray:
