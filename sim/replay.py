@@ -25,7 +25,7 @@ from moesim.errors import MoesimError
 from moesim.fmt import number
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, Machine, get_host, get_machine, get_profile
 from moesim.models import ModelSpec, get_model
-from moesim.policy import get_policy
+from moesim.policy import Policy, as_policy, get_policy
 from moesim.setting import Setting
 from moesim.sim.cpu_compute import load_calibration, separate_calibration
 from moesim.sim.intervals import kind_of, with_range
@@ -39,7 +39,7 @@ from moesim.traces.format import Trace, read_trace
 DEFAULT_POLICIES = ("on-demand", "prefetch-fom", "prefetch-spec", "oracle")
 
 
-def trace_profile(trace: Trace, hw: str | None = None) -> tuple[HardwareProfile | Machine, str]:
+def trace_profile(trace: Trace, hw: str | Machine | None = None) -> tuple[HardwareProfile | Machine, str]:
     """(profile, where its name came from): ``hw`` (a GPU profile, or a machine of several
     GPUs or none: :func:`moesim.hardware.get_machine`), the trace's recording profile, or
     the default."""
@@ -72,6 +72,7 @@ class Replay:
     step: int = 1  # the decode step the report's timeline shows
     note: str | None = None  # the options given that changed nothing (:func:`unused_notes`)
     calibration: dict[str, Any] | None = None  # the engine profile's, when calibrated (moesim fit --measured)
+    policies: tuple[Policy, ...] = ()  # each result's policy, in order (empty: read from the rows' names)
 
     @property
     def rows(self) -> list[dict[str, Any]]:
@@ -80,7 +81,8 @@ class Replay:
         gpus = self.profile.n_gpus if isinstance(self.profile, Machine) else 1
         rows = [{**r.summary(), "hw_source": self.profile_source, "link_source": self.link_source}
                 for r in self.results]
-        return [with_range(r, self.calibration, kind_of(policy_family(r["policy"]), gpus)) for r in rows]
+        pols = self.policies or [r["policy"] for r in rows]
+        return [with_range(r, self.calibration, kind_of(policy_family(p), gpus)) for r, p in zip(rows, pols, strict=True)]
 
 
 def replay_link(trace: Trace, profile: HardwareProfile, profile_source: str,
@@ -122,7 +124,8 @@ def replay_setting(**given: Any) -> Setting:
     return replace(REPLAY_DEFAULT, **given)
 
 
-def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str] | tuple[str, ...] = DEFAULT_POLICIES,
+def replay(trace: Trace | str | Path, hw: str | Machine | None = None,
+           policies: list[str | Policy] | tuple[str | Policy, ...] = DEFAULT_POLICIES,
            given: Setting = REPLAY_DEFAULT, changes: TraceChanges = NO_CHANGES, *, step: int | None = None,
            where: str | Path | None = None, progress: Callable[[int, int], None] | None = None,
            as_recorded: bool = False) -> Replay:
@@ -135,10 +138,15 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
     (:func:`moesim.sim.simulate.simulate`'s, as validation replays the measured run)."""
     where = where or ("the trace" if isinstance(trace, Trace) else trace)
     check_given(given, changes)  # whatif's checks of the options both take, before the trace is read
+    # Names resolved once, here (the CLI hands objects already): what runs below takes the objects.
+    policies = [as_policy(p) for p in policies]
+    machine = get_machine(hw) if hw is not None else None
+    engine_given = given.engine is not None
+    given = replace(given, engine=get_engine(given.engine))
     trace = trace if isinstance(trace, Trace) else read_trace(trace)
     if trace.speculative:
         raise MoesimError("a speculative-decoding trace: replay it with moesim.sim.speculative.speculative_whatif")
-    profile, source = trace_profile(trace, hw)
+    profile, source = trace_profile(trace, machine)
     if step is None:
         step = min(1, trace.n_tokens - 1)  # the report's timeline: the second step (the first warms the cache)
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < trace.n_tokens:
@@ -146,8 +154,9 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
         raise MoesimError(f"--step {step}: the trace has {trace.n_tokens} decode step(s), numbered from 0: give "
                           + ("0" if last == 0 else f"0 to {last}"))
     engine_note = None
-    if given.engine is not None:  # the policies the engine runs, as whatif keeps them
-        policies, engine_note = get_engine(given.engine).only_runs([get_policy(p).name for p in policies])
+    if engine_given:  # the policies the engine runs, as whatif keeps them
+        names, engine_note = given.engine.only_runs([p.name for p in policies])
+        policies = [p for p in policies if p.name in names]
     budget.check(budget.replay_estimate(trace.model, trace.n_tokens, trace.batch, budget.runs_by_kind(policies),
                                         given.sim))
     profile, link_source = replay_link(trace, profile, source, given.link_gbps)
@@ -163,12 +172,13 @@ def replay(trace: Trace | str | Path, hw: str | None = None, policies: list[str]
         setting = replace(setting, calibration=separate_calibration(
             load_calibration(str(changes.placement_from), trace.model), trace, changes.placement_from))
     setting, cache_source = recorded_cache(trace, setting)  # the cache as given, else as recorded
-    note = unused_notes(policies, hw, given, changes, cached=bool(setting.cache_gib) or bool(setting.cache_experts))
+    note = unused_notes(policies, machine, given, changes,
+                        cached=bool(setting.cache_gib) or bool(setting.cache_experts))
     note = "; ".join(n for n in (engine_note, note) if n) or None
-    results = simulate_policies(trace, profile, list(policies), setting, progress=progress, as_recorded=as_recorded)
+    results = simulate_policies(trace, profile, policies, setting, progress=progress, as_recorded=as_recorded)
     note = "; ".join(n for n in (note, fit_note(results), capped_note(results, setting.offload_gib)) if n) or None
-    cal = get_engine(given.engine).calibration if given.engine is not None else None
-    return Replay(trace, profile, source, results, link_source, cache_source, step, note, cal)
+    cal = given.engine.calibration if engine_given else None
+    return Replay(trace, profile, source, results, link_source, cache_source, step, note, cal, tuple(policies))
 
 
 def check_given(given: Setting, changes: TraceChanges = NO_CHANGES) -> None:
@@ -226,14 +236,15 @@ def recorded_cache(trace: Trace, s: Setting) -> tuple[Setting, str]:
     return replace(s, cache_gib=s.cache_gib or 0.0, cache_experts=s.cache_experts or 0), source
 
 
-def unused_notes(policies, hw: str | None, given: Setting, changes: TraceChanges = NO_CHANGES, *,
+def unused_notes(policies, hw: str | Machine | None, given: Setting, changes: TraceChanges = NO_CHANGES, *,
                  cached: bool = False) -> str | None:
     """One line naming every option given that none of the replayed policies uses
     (:func:`moesim.sim.sweep.unused_options`, the definition whatif uses), or None. ``given``
     and ``changes`` as given (``None``: left out); ``cached``: the cache the replay runs
     (given, else recorded) is above 0, for no cache evicts nothing; a split other than layer
     needs several GPUs."""
-    gpus = get_machine(hw).n_gpus if hw is not None else 1
+    machine = get_machine(hw) if hw is not None else None
+    gpus = machine.n_gpus if machine is not None else 1
     typed = Given([given.host] if given.host else None, [given.cpu_layers],
                   [given.gpu_expert_gib] if given.gpu_expert_gib is not None else None, [given.copy_queue],
                   [changes.prefetch_top] if changes.prefetch_top is not None else None, [given.gpu_layers],
@@ -245,7 +256,6 @@ def unused_notes(policies, hw: str | None, given: Setting, changes: TraceChanges
     notes = unused_options([get_policy(p) for p in policies], typed, pinned_hot_set=True, no_gpu=gpus == 0,
                            verb="replayed")
     notes += split_notes(given.split, given.ratios, [gpus])
-    machine = get_machine(hw) if hw is not None else None
     default = machine.gpus[0] if machine is not None and machine.gpus and machine.gpus[0].host else None
     if given.threads is not None and (given.host or default):
         notes += check_threads(given.threads, [get_host(given.host, default)])

@@ -4,8 +4,10 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from moesim.cli.app import err, print_csv, print_json
-from moesim.cli.lists import policies
+from moesim.cli.lists import policy_objects
 from moesim.cli.options import (
     command_of,
     given_options,
@@ -16,6 +18,7 @@ from moesim.cli.replay_views import SD_WHATIF_OPTIONS, print_replay, print_valid
 from moesim.cli.running import progress_bar, writing_report
 from moesim.engines import get_engine  # imported with the CLI anyway (moesim.policy's cost model)
 from moesim.errors import MoesimError
+from moesim.hardware import get_machine
 from moesim.outputs import check_output_dir  # light (2 ms to import): checked before the lock
 from moesim.reports.replay import write_replay_report
 from moesim.sim.replay import check_trace_model
@@ -47,11 +50,16 @@ def replay(a: ReplayArgs) -> None:
             return
         if a.model is not None:
             check_trace_model(trace, a.model, a.trace_path)
-        pols = policies(a.policy)
-        if a.engine is not None and a.policy == REPLAY_POLICIES:  # none chosen: the defaults the engine runs (as whatif)
-            pols = get_engine(a.engine).default_policies(pols)
+        # Names resolved once, here: the replay below takes the objects.
+        pols = policy_objects(a.policy)
+        setting = a.setting()
+        if a.engine is not None:
+            setting = replace(setting, engine=get_engine(a.engine))
+            if a.policy == REPLAY_POLICIES:  # none chosen: the defaults the engine runs (as whatif)
+                pols = policy_objects(",".join(setting.engine.default_policies([p.name for p in pols])))
+        machine = get_machine(a.hw_name) if a.hw_name else None
         with progress_bar("replaying", "layer-steps", disable=a.as_json) as update:
-            rep = run_replay(trace, a.hw_name, pols, a.setting(), a.changes(), step=a.step, where=a.trace_path,
+            rep = run_replay(trace, machine, pols, setting, a.changes(), step=a.step, where=a.trace_path,
                              progress=update)
         note = rep.note
         if a.as_json or a.as_csv:
