@@ -208,7 +208,7 @@ def predictor_files(loaded: LoadedModel, name: str, policy: str, predictor: str,
             dv = calibrate(m, torch.randint(0, m.spec.vocab, (1024,), generator=torch.Generator().manual_seed(seed)))
         else:
             dv = load_default_vectors(loaded.path)
-        if dv is None and get_policy(policy).prefetch:
+        if dv is None and get_policy(policy).prefetches:
             raise MoesimError(f"{loaded.source} has no default vectors; run `moesim calibrate --model {name}` first")
         dv = dv.to(device) if dv is not None else None
     return dv, est

@@ -122,12 +122,15 @@ def synth_estimate(spec: ModelSpec, tokens: int, batch: int, prompt_len: int = 0
                     SYNTH_FIXED_BYTES + held * SYNTH_BYTES_PER_CELL + ids, cells * SYNTH_S_PER_CELL)
 
 
-def row_kind(cpu: str | None) -> str:
-    """How a policy's rows are timed, for their cost (:data:`SWEEP_S_PER_ROW_CELL`): ``miss``
-    (cpu-on-miss, a per-layer recurrence), ``static`` (any other CPU placement, priced from
-    token counts at once) or ``copy`` (on the chosen simulator); ``cpu`` is the policy's
-    ``cpu`` field (moesim.policy.Policy)."""
-    return "miss" if cpu == "miss" else "static" if cpu else "copy"
+def row_kind(policy) -> str:
+    """How a policy's rows are timed, for their cost (:data:`SWEEP_S_PER_ROW_CELL`): ``copy``
+    (on the chosen simulator: the copy family, all-resident), ``static`` (a static layout
+    with the host, priced from token counts at once) or ``miss`` (cpu-on-miss, a per-layer
+    recurrence)."""
+    pol = as_policy(policy)
+    if not pol.uses_host:
+        return "copy"
+    return "static" if pol.static_on(1) else "miss"
 
 
 def runs_by_kind(policies) -> dict[str, int]:
@@ -135,7 +138,7 @@ def runs_by_kind(policies) -> dict[str, int]:
     (:func:`row_kind`)."""
     kinds: dict[str, int] = {}
     for policy in policies:
-        k = row_kind(as_policy(policy).cpu)
+        k = row_kind(policy)
         kinds[k] = kinds.get(k, 0) + 1
     return kinds
 

@@ -41,6 +41,7 @@ up (docs/policies.md, "The cost model").
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -513,3 +514,33 @@ class CostModel:
     def read(self, nbytes: float, kernels: float = 1.0) -> float:
         """A pure weight read of ``nbytes`` on the device (an expert predictor's weights)."""
         return float(self._device(nbytes, 0.0, "bf16", kernels))
+
+
+class CostModels:
+    """Cost models built once each and shared by every configuration that prices the same
+    deployment: a replay's policies, a sweep's cache sizes and policies on one machine, a
+    report's prompt lengths. A cost model depends only on what it is built from (the model,
+    the GPU and host profiles, the engine, AMX, threads, shards, residence), none of which a
+    policy or a cache changes. Profiles and engines are keyed by identity (a sweep hands the
+    same objects to every group; the memo holds them, so an id stays theirs), the rest
+    (numbers, names, a :class:`Residence`) by value."""
+
+    def __init__(self) -> None:
+        self._built: dict[tuple, tuple[Any, CostModel]] = {}
+
+    def get(self, spec: ModelSpec, gpu: HardwareProfile | None, host: HostProfile | None = None,
+            engine: str | EngineProfile | None = None, **kw: Any) -> CostModel:
+        """The cost model ``CostModel(spec, gpu, host, engine, **kw)``, built on first ask."""
+        def key(x: Any) -> Any:
+            return x if x is None or isinstance(x, (bool, int, float, str, Residence)) else id(x)
+
+        k = (spec, key(gpu), key(host), key(engine), *((n, key(v)) for n, v in sorted(kw.items())))
+        if k not in self._built:
+            self._built[k] = ((gpu, host, engine, kw), CostModel(spec, gpu, host, engine, **kw))
+        return self._built[k][1]
+
+    def __len__(self) -> int:
+        return len(self._built)
+
+    def clear(self) -> None:
+        self._built.clear()

@@ -39,6 +39,12 @@ def device_bytes(spec: ModelSpec, policy: str | Policy, *, cache_experts: int = 
     hot set), ``cache_experts`` a cache's total capacity, ``shards`` the GPUs that split weights and KV cache evenly (each keeps
     its own workspace)."""
     experts = as_policy(policy).device_experts(spec, cache_experts, resident_experts, lookahead)
+    return _with_experts(spec, experts, batch, context, shards)
+
+
+def _with_experts(spec: ModelSpec, experts: int, batch: int, context: int, shards: int = 1) -> int:
+    """Device bytes on each GPU of the non-expert weights, the KV cache, ``experts`` routed
+    experts (all split over ``shards`` GPUs) and the workspace."""
     weights = spec.non_expert_bytes - spec.input_embedding_bytes  # the table stays in host memory
     split = weights + kv_bytes(spec, batch, context) + experts * spec.expert_bytes
     return -(-split // shards) + WORKSPACE_BYTES
@@ -47,7 +53,7 @@ def device_bytes(spec: ModelSpec, policy: str | Policy, *, cache_experts: int = 
 def expert_budget(spec: ModelSpec, device_memory: float, batch: int, context: int) -> int:
     """Bytes of device memory left for routed experts: device memory less what
     :func:`device_bytes` holds besides experts (a static placement of none)."""
-    fixed = device_bytes(spec, "cpu-static", batch=batch, context=context)
+    fixed = _with_experts(spec, 0, batch, context)
     left = device_memory - fixed
     if left < 0:
         raise DoesNotFit(f"{spec.name}: the non-expert weights and KV cache alone need {fixed / 1e9:.1f} GB, more "

@@ -10,6 +10,7 @@ from typing import Any
 
 from moesim import fmt
 from moesim.atomic import atomic_write_text
+from moesim.costmodel import CostModels
 from moesim.fmt import duration_ms
 from moesim.reports.render import breakdown_png, heatmap_png, pyplot, save_figure, write_csv, write_html
 from moesim.setting import Setting
@@ -53,11 +54,15 @@ def prompt_png(sweep: Sweep, winner: dict[str, Any], path: Path) -> Path:
     trace = next(t for t in sweep.traces.values() if t.model.name == winner["base_model"])
     base = trace.head(min(32, trace.n_tokens))
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for policy in [p for p in sweep.policies if not sweep.resolved[p].cpu]:
+    models = CostModels()  # the winner's machine priced once for every policy and prompt length
+    gpu = hw.gpus[0].with_figure("h2d_pinned_gbs", winner["link_gbps"])  # at the winner's link, made once
+    for policy in [p for p in sweep.policies if not sweep.resolved[p].uses_host]:
         tpot, ttft = [], []
         for p in PROMPT_LENGTHS:
             tr = replace(base, header={**base.header, "prompt_len": p})
-            r = simulate(tr, hw, sweep.resolved[policy], Setting(cache_gib=winner["cache_gib"], link_gbps=winner["link_gbps"], sim="fast", engine=sweep.engine_profile, cache_per_layer=sweep.cache_per_layer))
+            r = simulate(tr, gpu, sweep.resolved[policy], Setting(cache_gib=winner["cache_gib"], sim="fast",
+                                                                   engine=sweep.engine_profile,
+                                                                   cache_per_layer=sweep.cache_per_layer), models=models)
             tpot.append(r.tpot.mean() * 1e3)
             ttft.append(r.ttft * 1e3)
         a1.plot(PROMPT_LENGTHS, tpot, "o-", label=policy)
@@ -213,7 +218,7 @@ def write_whatif_report(rows: list[dict[str, Any]], winner: dict[str, Any] | Non
         sections.append({"heading": "Link bandwidth x cache size", "image": out / "heatmap.png",
                          "caption": f"{key} per cell, the best of the other settings; a gold star marks the best "
                                     f"configuration (oracle is a bound, never chosen). {what}."})
-    copy_policies = [p for p in sweep.policies if not sweep.resolved[p].cpu]
+    copy_policies = [p for p in sweep.policies if not sweep.resolved[p].uses_host]
     one_gpu = winner and next(h for h in sweep.hws if h.name == winner["hw"]).n_gpus == 1  # copies go to one GPU
     if one_gpu and copy_policies and len({r["prompt_len"] for r in rows}) == 1:
         prompt_png(sweep, winner, out / "prompt_length.png")

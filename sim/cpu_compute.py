@@ -27,7 +27,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from moesim.costmodel import CostModel, ExpertTimes
+from moesim.costmodel import CostModel, CostModels, ExpertTimes
 from moesim.engines import EngineProfile, get_engine
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile, HostProfile, get_host
@@ -95,7 +95,7 @@ def measured_work(trace: Trace, times: ExpertTimes) -> CpuWork:
 
 def simulate_cpu_compute(trace: Trace, hw: HardwareProfile, policy: str | Policy = "cpu-static",
                          s: Setting = DEFAULT_SETTING, *, record: bool = False,
-                         placement: Placement | None = None) -> CpuResult:
+                         placement: Placement | None = None, models: CostModels | None = None) -> CpuResult:
     """Simulate ``trace`` under a CPU-compute policy on GPU ``hw`` and ``host`` (default:
     the GPU profile's host). ``calibration`` is the ``[t, m, b, k]`` routing of a separate
     calibration trace (hot-experts; warms cpu-on-miss's cache). ``placement`` replaces the
@@ -126,7 +126,8 @@ def simulate_cpu_compute(trace: Trace, hw: HardwareProfile, policy: str | Policy
                                strategy=engine.expert_placement)
     if pol.static_on(1) and timing == "profile" and sim == "fast":
         return simulate_static(trace, hw, pol, replace(s, host=host, engine=engine), placement=placement)
-    cm = CostModel(spec, hw, host, engine=engine, amx=s.amx, threads=s.threads)
+    models = models if models is not None else CostModels()  # a caller's: shared by its configurations
+    cm = models.get(spec, hw, host, engine, amx=s.amx, threads=s.threads)
     link = Link.of(cm)
     times = cm.expert_times(trace.batch)
     if timing not in ("profile", "measured"):

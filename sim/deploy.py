@@ -29,7 +29,7 @@ from moesim.engine_args import FORMATTERS, invocation
 from moesim.engines import DEFAULT_ENGINE
 from moesim.errors import MoesimError
 from moesim.fmt import number
-from moesim.hardware import HostProfile, Machine, get_host, get_machine
+from moesim.hardware import HostProfile, Machine, get_machine
 from moesim.layout import SPLITS, make_layout
 from moesim.models import ModelSpec, model_file, model_named
 from moesim.policy import get_policy
@@ -272,7 +272,7 @@ class Timed:
         for name in sweep.hosts:
             for m in sweep.hws:
                 with contextlib.suppress(MoesimError):  # a machine without a host: its rows say so already
-                    h = get_host(name, m.gpus[0] if m.gpus else None)
+                    h = sweep.host_profile(name, m.gpus[0] if m.gpus else None)
                     hosts[h.name] = h
         return cls({m.name: m for m in sweep.hws}, {t.model.name: t.model for t in sweep.traces.values()}, hosts,
                    context_given)

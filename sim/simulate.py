@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from moesim.costmodel import CostModel
+from moesim.costmodel import CostModel, CostModels
 from moesim.errors import MoesimError
 from moesim.hardware import HardwareProfile, Machine, get_machine
 from moesim.memory import device_bytes
@@ -117,7 +117,7 @@ class SimResult:
 def simulate(trace: Trace, hw: HardwareProfile | Machine | str, policy: str | Policy = "on-demand",
              s: Setting = DEFAULT_SETTING, *, record: bool = False, plan: Plan | None = None, costs: Costs | None = None,
              progress: Callable[[int, int], None] | None = None, pred_recall: float | None = None,
-             as_recorded: bool = False) -> SimResult:
+             as_recorded: bool = False, models: CostModels | None = None) -> SimResult:
     """Simulate ``trace`` under ``policy`` (a name or the resolved object) on ``hw``, set up as
     ``s`` (:class:`~moesim.setting.Setting`: the cache, link, engine, host and layout
     knobs, each described there).
@@ -180,7 +180,8 @@ def simulate(trace: Trace, hw: HardwareProfile | Machine | str, policy: str | Po
             raise MoesimError(f"{pol.name} copies at most its misses; copy queues apply to the copy policies")
         capacity = cache_capacity(trace.model, s.cache_gib, s.cache_experts)
         timed = replace(s, cache_gib=0.0, cache_experts=capacity, timing="measured" if s.timing == "measured" else "profile")
-        res = simulate_cpu_compute(trace, hw, pol, timed, record=record, placement=hot if pol.places_hot_set else None)
+        res = simulate_cpu_compute(trace, hw, pol, timed, record=record, placement=hot if pol.places_hot_set else None,
+                                   models=models)
         return _with_recall(res, trace, pred_recall)
     spec = trace.model
     if s.link_gbps is not None:
@@ -188,9 +189,10 @@ def simulate(trace: Trace, hw: HardwareProfile | Machine | str, policy: str | Po
     capacity = pol.cache_capacity(spec, s.cache_gib, s.cache_experts)
     pinned = hot.hottest if hot is not None and pol.copies_experts else ()
     plan = plan or build_plan(trace, pol, capacity, s.eviction, progress, s.lookahead, s.cache_per_layer, pinned)
-    costs = costs or pick_costs(trace, CostModel(spec, hw, engine=s.engine), s.timing)  # the caller's, once
+    models = models if models is not None else CostModels()
+    costs = costs or pick_costs(trace, models.get(spec, hw, engine=s.engine), s.timing)  # the caller's, once
     (result,) = time_plan(trace, pol, plan, costs, [hw], replace(s, copy_queue=copy_queue), record=record,
-                          as_recorded=as_recorded, shared=PerTrace(pred_recall=pred_recall))
+                          as_recorded=as_recorded, shared=PerTrace(pred_recall=pred_recall, models=models))
     return result
 
 
@@ -235,6 +237,7 @@ class PerTrace:
     spec: ModelSpec | None = None
     pred_recall: float | None = None
     ttfts: dict[tuple, float] = field(default_factory=dict)
+    models: CostModels = field(default_factory=CostModels)
 
 
 def time_plan(trace: Trace, pol: Policy, plan: Plan, costs: Costs, profiles: list[HardwareProfile],
@@ -248,7 +251,7 @@ def time_plan(trace: Trace, pol: Policy, plan: Plan, costs: Costs, profiles: lis
     shared = shared or PerTrace()
     spec = shared.spec or trace.model
     copy_queue = s.copy_queue or "fifo"
-    cms = [CostModel(spec, h, engine=s.engine) for h in profiles]  # one per profile: the first prices the predictor
+    cms = [shared.models.get(spec, h, engine=s.engine) for h in profiles]  # one per profile: the first prices the predictor
     # A predicting policy pays for its predictor (the recorded one, replaying the run as measured).
     costs = charge_prediction(costs, cms[0], pol.predicts or as_recorded, trace.batch,
                               trace.timings.get("predict_s"), plan.lookahead)
@@ -365,11 +368,11 @@ def simulate_policies(trace: Trace, hw: HardwareProfile | Machine | str, policie
     per_policy = trace.n_tokens * trace.model.n_moe_layers
     total = 2 * per_policy * len(policies)  # planning, then timing, per policy
     machine = get_machine(hw)
-    costs = None
+    costs, models = None, CostModels()  # one cost model a profile, shared by the policies
     if machine.n_gpus == 1:
         profile = machine.gpus[0]
         profile = profile.with_figure("h2d_pinned_gbs", s.link_gbps) if s.link_gbps is not None else profile
-        costs = pick_costs(trace, CostModel(trace.model, profile, engine=s.engine), s.timing)
+        costs = pick_costs(trace, models.get(trace.model, profile, engine=s.engine), s.timing)
     recall = prediction_recall(trace)
     results = []
     for i, p in enumerate(policies):
@@ -380,7 +383,7 @@ def simulate_policies(trace: Trace, hw: HardwareProfile | Machine | str, policie
                 progress(done + steps * trace.model.n_moe_layers, total)
 
         results.append(simulate(trace, hw, p, s, costs=costs, progress=planned, pred_recall=recall,
-                                as_recorded=as_recorded))
+                                as_recorded=as_recorded, models=models))
         if progress is not None:
             progress(done + 2 * per_policy, total)
     return results

@@ -17,14 +17,14 @@ from moesim import bounds, budget
 from moesim.atomic import exclusive
 from moesim.engines import get_engine
 from moesim.errors import MoesimError
-from moesim.hardware import Machine, get_host, get_machine
+from moesim.hardware import Machine, get_machine
 from moesim.models import DTYPES, get_model
 from moesim.policy import QUEUES, WHATIF_POLICIES, Policy, as_policy, check_eviction, check_lookahead, get_policy
 from moesim.policy.placement import UNIFORM
 from moesim.quant_recipes import is_format
 from moesim.sim.cpu_compute import load_calibration, separate_calibration
 from moesim.sim.sweep_rows import check_rows_path
-from moesim.sim.whatif import BACKENDS, GOALS, Sweep, best, compile_kernels_aside, run_sweep
+from moesim.sim.whatif import BACKENDS, GOALS, Sweep, best, compile_kernels_aside, resolve_host, run_sweep
 from moesim.traces.format import read_trace
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
@@ -373,16 +373,18 @@ def _whatif(o: WhatifOptions, progress: Callable[[int, int], None] | None) -> Wh
         pols = [p for p in pols if not p.places_hot_set]
         policies = [p.name for p in pols]
         hot_left_out = f"{why} to sweep it: left out"
-    no_gpu = any(get_machine(h).n_gpus == 0 for h in o.hws)  # --hw none: the host runs every layer
-    check_unique_names(o.hws, [get_machine(h) for h in o.hws])  # before any trace is drawn: one value given twice
+    profiles = [get_machine(h) for h in o.hws]  # each machine resolved once, here
+    no_gpu = any(m.n_gpus == 0 for m in profiles)  # --hw none: the host runs every layer
+    check_unique_names(o.hws, profiles)  # before any trace is drawn: one value given twice
+    host_table: dict = {}  # each host resolved once (the sweep keeps them)
     named_hosts = [h for h in o.hosts or () if h]
-    check_unique_names(named_hosts, [get_host(h) for h in named_hosts], "--host")
+    check_unique_names(named_hosts, [resolve_host(host_table, h) for h in named_hosts], "--host")
     given = Given(o.hosts, o.cpu_layers, o.gpu_expert_gib, o.copy_queues, o.prefetch_top, o.gpu_layers,
                   o.offload_gib, o.lookaheads, eviction=o.eviction, threads=o.threads,
                   cached=any(isinstance(c, (int, float)) and c > 0 for c in o.cache_gib),
                   link_given=o.link_gbps is not None, cache_per_layer=o.cache_per_layer)
     notes: list[str] = unused_options(pols, given, no_gpu=no_gpu)
-    notes += split_notes(o.split, o.ratios, [get_machine(h).n_gpus for h in o.hws])
+    notes += split_notes(o.split, o.ratios, [m.n_gpus for m in profiles])
     if engine_note:
         notes.append(engine_note)
     if hot_left_out:
@@ -462,11 +464,9 @@ def _whatif(o: WhatifOptions, progress: Callable[[int, int], None] | None) -> Wh
         notes.append("optimistic: hot-experts places experts by the replayed trace's own routing (it has seen the "
                      "future), an upper bound")
     host_names = tuple(o.hosts) if o.hosts else (None,)
-    profiles = [get_machine(h) for h in o.hws]
-    check_unique_names(o.hws, profiles)
-    used_hosts = [get_host(h) for h in host_names if h]
-    check_unique_names([h for h in host_names if h], used_hosts, "--host")
-    used_hosts += [get_host(None, m.gpus[0]) for m in profiles if not o.hosts and m.gpus and m.gpus[0].host]
+    used_hosts = [resolve_host(host_table, h) for h in host_names if h]
+    used_hosts += [resolve_host(host_table, None, m.gpus[0]) for m in profiles
+                   if not o.hosts and m.gpus and m.gpus[0].host]
     distinct_hosts = list({h.name: h for h in used_hosts}.values())
     notes.extend(check_threads(o.threads, distinct_hosts))
     if any(p.uses_host for p in pols):
@@ -475,7 +475,7 @@ def _whatif(o: WhatifOptions, progress: Callable[[int, int], None] | None) -> Wh
         notes.append("--address was given, but the backend is local: it changed nothing")
     if any(p.uses_host for p in pols) and not o.hosts or any(m.n_gpus == 0 for m in profiles) and not o.hosts:
         for prof in profiles:
-            get_host(None, prof.gpus[0] if prof.gpus else None)  # a machine without a host: one line, first
+            resolve_host(host_table, None, prof.gpus[0] if prof.gpus else None)  # a machine without a host: one line
     layers = tuple(o.cpu_layers) if o.cpu_layers else default_cpu_layers([t.model for t in traces.values()])
     sweep = Sweep(traces, profiles, list(policies), list(o.link_gbps) if o.link_gbps else [None],
                   list(o.cache_gib), o.eviction, o.sim, expert_dtypes=tuple(o.expert_dtypes) if o.expert_dtypes else (None,),
@@ -489,7 +489,7 @@ def _whatif(o: WhatifOptions, progress: Callable[[int, int], None] | None) -> Wh
                   cache_per_layer=o.cache_per_layer,
                   gpu_layers=tuple(o.gpu_layers) if o.gpu_layers else ("auto",),
                   offload_gib=tuple(o.offload_gib) if o.offload_gib else ("auto",), split=o.split,
-                  ratios=tuple(o.ratios) if o.ratios is not None else None)
+                  ratios=tuple(o.ratios) if o.ratios is not None else None, host_profiles=host_table)
     n_groups = len(sweep.groups())
     workers = 1 if o.backend != "local" else max(1, min(o.jobs or os.cpu_count() or 1, n_groups))
     per_trace = {k: max(1, n // max(1, len(traces))) for k, n in

@@ -107,7 +107,7 @@ def validate_trace(trace: Trace, hw: HardwareProfile | None = None, policy: str 
     if policy == meta.policy:  # the run's queue discipline (moesim profile --copy-queue), else FIFO
         kw.setdefault("copy_queue", None)
     profile = recorded_profile(trace, hw)
-    if policy == meta.policy and POLICIES[policy].cpu:  # the recorded CPU-compute setup (executor/runs.py)
+    if policy == meta.policy and POLICIES[policy].uses_host:  # the recorded CPU-compute setup (executor/runs.py)
         profile, more = recorded_cpu_setup(trace, profile)
         kw = {**more, **kw}
     as_recorded = kw.pop("as_recorded", policy == meta.replay_policy)  # the measured run's predictor time stays in

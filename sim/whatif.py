@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from moesim.atomic import exclusive
-from moesim.costmodel import CostModel, Residence
+from moesim.costmodel import CostModels, Residence
 from moesim.engines import EngineProfile, get_engine
 from moesim.errors import DoesNotFit, MoesimError
-from moesim.hardware import HardwareProfile, Machine, get_host, get_machine
+from moesim.hardware import HardwareProfile, HostProfile, Machine, get_host, get_machine
 from moesim.layout import SPLITS, check_ratios
 from moesim.models import DTYPES
 from moesim.policy import POLICIES, QUEUES, Planner, Policy, as_policy, get_policy
@@ -167,10 +167,22 @@ def normalise(row: dict[str, Any]) -> dict[str, Any]:
     return {c: cell(c) for c in ROW_COLUMNS}
 
 
+def resolve_host(table: dict[str, HostProfile], name: str | None, gpu: HardwareProfile | None = None) -> HostProfile:
+    """:func:`moesim.hardware.get_host` of ``name`` (None: ``gpu``'s own host), kept in ``table``
+    by the name it resolves, so a sweep resolves each host once."""
+    key = name or (gpu.host if gpu is not None else None)
+    if not key:
+        return get_host(name, gpu)  # its one line: no host named or given by the GPU
+    if key not in table:
+        table[key] = get_host(name, gpu)
+    return table[key]
+
+
 #: Sweep fields the resume fingerprint takes by content rather than by value: the traces and the
 #: calibration routing (hashed array by array), the policies as resolved (their names are in
-#: ``policies``). Every other field enters :meth:`Sweep.fingerprint` as it is.
-_BY_CONTENT = frozenset({"traces", "calibration", "resolved"})
+#: ``policies``), the host profiles as resolved (each by its whole profile). Every other field
+#: enters :meth:`Sweep.fingerprint` as it is.
+_BY_CONTENT = frozenset({"traces", "calibration", "resolved", "host_profiles"})
 
 
 @dataclass(frozen=True)
@@ -202,6 +214,8 @@ class Sweep:
     cache_per_layer: bool = False  # each cache size is each MoE layer's (copy policies)
     split: str = "layer"  # several GPUs: whole layers per GPU (layer) or every layer over all (tensor)
     ratios: tuple[float, ...] | None = None  # several GPUs, layer split: each GPU's share (--tensor-split)
+    #: Host profiles by name, each resolved once (:meth:`host_profile`; the caller's, or filled as asked).
+    host_profiles: dict[str, HostProfile] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hws", [get_machine(h) for h in self.hws])  # rows name machines
@@ -310,10 +324,37 @@ class Sweep:
         return {}
 
     @functools.cached_property
+    def cost_models(self) -> CostModels:
+        """The cost models of the trace a worker is on, one per (machine at a link, host, engine):
+        shared by every policy and cache timed there (cleared with :attr:`_costs_memo`)."""
+        return CostModels()
+
+    @functools.cached_property
+    def _variants(self) -> dict[tuple, tuple[Any, Any]]:
+        """(id of a profile, figure, value) -> (the profile, its variant): each made once, so a
+        configuration on the same machine and link gets the same objects (and cost models)."""
+        return {}
+
+    def at_link(self, machine: Any, gbps: float | None) -> Any:
+        """``machine`` (a GPU profile or a machine) at ``gbps`` GB/s of host link (None: its own)."""
+        return machine if gbps is None else self._variant(machine, "h2d_pinned_gbs", gbps)
+
+    def _variant(self, obj: Any, figure: str, value: Any, *why: str) -> Any:
+        key = (id(obj), figure, value)
+        if key not in self._variants:
+            self._variants[key] = (obj, obj.with_figure(figure, value, *why))
+        return self._variants[key][1]
+
+    @functools.cached_property
     def _costs_memo(self) -> dict[tuple, Any]:
         """(trace, dtype, profile) -> compute times, for the trace a worker is on (groups come
         in trace order); they do not depend on the policy or cache."""
         return {}
+
+    def host_profile(self, name: str | None, gpu: HardwareProfile | None = None) -> HostProfile:
+        """The host named (None: ``gpu``'s own), resolved once a sweep (a name no profile gives,
+        or none at all, is :func:`moesim.hardware.get_host`'s one line each time)."""
+        return resolve_host(self.host_profiles, name, gpu)
 
     def fingerprint(self) -> str:
         """Identifies the sweep's inputs (traces by content), so a resumed output belongs to it."""
@@ -333,8 +374,8 @@ class Sweep:
         spec["hws"] = [[m.name, [{k: g[k] for k in sorted(g.figures)} for g in m.gpus]] for m in self.hws]
         spec["engine_profile"] = self.engine_profile.to_toml() if self.engine_profile else None
         spec["columns"] = ROW_COLUMNS
-        spec["profiles"] = ([repr(get_host(h)) for h in self.hosts if h]
-                            + [repr(get_host(None, m.gpus[0])) for m in self.hws if m.gpus and m.gpus[0].host])
+        spec["profiles"] = ([repr(self.host_profile(h)) for h in self.hosts if h]
+                            + [repr(self.host_profile(None, m.gpus[0])) for m in self.hws if m.gpus and m.gpus[0].host])
         h.update(json.dumps(spec, sort_keys=True, default=str).encode())
         return h.hexdigest()[:16]
 
@@ -416,8 +457,8 @@ def _host(sweep: Sweep, cfg: Config, machine: Machine):
     """The group's host profile (its name, else the machine's own), with the sweep's RAM."""
     if cfg.host is None and not machine.gpus:
         return None  # simulate_static says, in one line, that a machine without GPUs needs --host
-    host = get_host(cfg.host, machine.gpus[0] if machine.gpus else None)
-    return host.with_figure("ram_gb", sweep.host_ram_gb, "estimate", "--host-ram-gb") if sweep.host_ram_gb else host
+    host = sweep.host_profile(cfg.host, machine.gpus[0] if machine.gpus else None)
+    return sweep._variant(host, "ram_gb", sweep.host_ram_gb, "estimate", "--host-ram-gb") if sweep.host_ram_gb else host
 
 
 def _host_ram_short(sweep: Sweep, cfg: Config, machine: Machine, spec) -> str | None:
@@ -428,8 +469,8 @@ def _host_ram_short(sweep: Sweep, cfg: Config, machine: Machine, spec) -> str | 
     if host is None or host.ram_bytes is None:
         return None
     try:
-        CostModel(spec, machine.gpus[0], host, engine=sweep.engine_profile,
-                  residence=Residence(host_weights=spec.all_expert_bytes))
+        sweep.cost_models.get(spec, machine.gpus[0], host, sweep.engine_profile,
+                              residence=Residence(host_weights=spec.all_expert_bytes))
     except DoesNotFit as e:
         return str(e)
     return None
@@ -453,7 +494,7 @@ def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str,
     rows = []
     for machine in machines:
         for g in sweep.link_gbps:
-            h = machine if g is None else machine.with_figure("h2d_pinned_gbs", g)
+            h = sweep.at_link(machine, g)
             setting = Setting(sim=sweep.sim, host=_host(sweep, cfg, h), calibration=None if optimistic else calib,
                               calibrate_on_replay=optimistic, engine=sweep.engine_profile, threads=sweep.threads)
             several = Setting(split=sweep.split, ratios=list(sweep.ratios) if sweep.ratios else None) \
@@ -469,7 +510,7 @@ def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str,
                     layout = replace(setting, **knobs, split=several.split, ratios=several.ratios)
                     res = simulate_static(trace, h, pol, layout, placement=placement)
                 else:
-                    res = simulate_cpu_compute(trace, h.gpus[0], pol, replace(setting, cache_experts=capacity,
+                    res = simulate_cpu_compute(trace, h.gpus[0], pol, models=sweep.cost_models, s=replace(setting, cache_experts=capacity,
                                                                               eviction=sweep.eviction))
             except DoesNotFit as e:
                 # Nothing of this model fits this machine: a row that says so, never a best.
@@ -502,15 +543,17 @@ def _run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
     spec = trace.model
     base = sweep.traces[cfg.trace].model.name
     pol = sweep.resolved[cfg.policy]
+    memo = sweep._costs_memo
+    if getattr(sweep, "_on", None) != (cfg.trace, cfg.expert_dtype):  # one trace's compute times and cost
+        memo.clear()                                                    # models at a time (groups come in order)
+        sweep.cost_models.clear()
+        object.__setattr__(sweep, "_on", (cfg.trace, cfg.expert_dtype))
     if pol.uses_host:
         return _bounded(_cpu_rows(sweep, index, cfg, trace, base, sweep.hws))
     capacity = pol.cache_capacity(spec, cfg.cache_gib)
     plan = build_plan(trace, pol, capacity, sweep.eviction, per_layer=sweep.cache_per_layer)
     recall = _recall(sweep, cfg, trace)
     rows = []
-    memo = sweep._costs_memo
-    if any(k[:2] != (cfg.trace, cfg.expert_dtype) for k in memo):
-        memo.clear()  # one trace's compute times at a time: memory stays one trace's worth
     # Copy queues other than fifo are modelled by the SimPy simulator only: those groups run
     # there, and their rows say sim "simpy" (never a silent substitute).
     sim = sweep.sim if cfg.copy_queue == "fifo" else "simpy"
@@ -528,13 +571,13 @@ def _run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
                      for _ in sweep.link_gbps]
             continue
         if (cfg.trace, cfg.expert_dtype, hi) not in memo:
-            memo[cfg.trace, cfg.expert_dtype, hi] = pick_costs(trace, CostModel(spec, hw, engine=sweep.engine_profile),
-                                                               sweep.timing)
-        profiles = [hw if g is None else hw.with_figure("h2d_pinned_gbs", g) for g in sweep.link_gbps]
+            memo[cfg.trace, cfg.expert_dtype, hi] = pick_costs(
+                trace, sweep.cost_models.get(spec, hw, engine=sweep.engine_profile), sweep.timing)
+        profiles = [sweep.at_link(hw, g) for g in sweep.link_gbps]
         # The path replay takes (moesim.sim.simulate.time_plan): one deployment, one number.
         setting = Setting(sim=sim, engine=sweep.engine_profile, copy_queue=cfg.copy_queue)
         results = time_plan(trace, pol, plan, memo[cfg.trace, cfg.expert_dtype, hi], profiles, setting,
-                            shared=PerTrace(spec, recall, sweep._ttft_memo))
+                            shared=PerTrace(spec, recall, sweep._ttft_memo, sweep.cost_models))
         for res in results:
             row = res.summary()
             row.update(_axes(sweep, cfg, trace, base))

@@ -67,7 +67,7 @@ def print_whatif(res, answers, crosses, goal: str, top: int) -> None:
         if winner.get("range_basis") not in (None, "-"):
             out.print(f"how sure: measurements of such deployments fall within {range_text(winner)} tok/s "
                       f"({NOMINAL:.0%} range; {winner['range_basis']})", markup=False, highlight=False, soft_wrap=True)
-        cpu = res.sweep.resolved[winner["policy"]].cpu or winner["bound"] == "CPU compute"
+        cpu = res.sweep.resolved[winner["policy"]].uses_host or winner["bound"] == "CPU compute"
         out.print(f"why: {bound_words(winner)}" if cpu else f"why: {why(winner)}")
     else:
         out.print("[bold red]no configuration fits in memory[/bold red] (each row's note says why: --json / --csv)")
