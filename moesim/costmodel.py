@@ -49,6 +49,7 @@ from moesim.engines import EngineProfile, get_engine
 from moesim.errors import DoesNotFit, MoesimError
 from moesim.hardware import HardwareProfile, HostProfile
 from moesim.models import ModelSpec
+from moesim.setting import Setting
 
 
 def with_launches(work, launches, overlap: bool):
@@ -159,6 +160,15 @@ class CostModel:
     has them; ``threads`` the CPU threads the engine uses (default: every core of every
     socket); ``residence`` where a static layout keeps the weights (:class:`Residence`).
     """
+
+    @classmethod
+    def of(cls, spec: ModelSpec, gpu: HardwareProfile | None, s: Setting, host: HostProfile | None = None,
+           **kw: Any) -> CostModel:
+        """The cost model of ``gpu`` (and ``host``, resolved by the caller) set up as ``s``: the one
+        place a :class:`~moesim.setting.Setting`'s knobs become cost-model arguments (its engine,
+        AMX and threads; a knob that reaches the cost model joins here). ``kw``: what the
+        deployment's layout decides (shards, residence)."""
+        return cls(spec, gpu, host, s.engine, amx=s.amx, threads=s.threads, **kw)
 
     def __init__(self, spec: ModelSpec, gpu: HardwareProfile | None, host: HostProfile | None = None,
                  engine: str | EngineProfile | None = None, *, shards: int = 1, amx: bool = True,
@@ -538,6 +548,11 @@ class CostModels:
         if k not in self._built:
             self._built[k] = ((gpu, host, engine, kw), CostModel(spec, gpu, host, engine, **kw))
         return self._built[k][1]
+
+    def of(self, spec: ModelSpec, gpu: HardwareProfile | None, s: Setting, host: HostProfile | None = None,
+           **kw: Any) -> CostModel:
+        """:meth:`CostModel.of`, built on first ask."""
+        return self.get(spec, gpu, host, s.engine, amx=s.amx, threads=s.threads, **kw)
 
     def __len__(self) -> int:
         return len(self._built)

@@ -127,7 +127,7 @@ def simulate_cpu_compute(trace: Trace, hw: HardwareProfile, policy: str | Policy
     if pol.static_on(1) and timing == "profile" and sim == "fast":
         return simulate_static(trace, hw, pol, replace(s, host=host, engine=engine), placement=placement)
     models = models if models is not None else CostModels()  # a caller's: shared by its configurations
-    cm = models.get(spec, hw, host, engine, amx=s.amx, threads=s.threads)
+    cm = models.of(spec, hw, replace(s, engine=engine), host)
     link = Link.of(cm)
     times = cm.expert_times(trace.batch)
     if timing not in ("profile", "measured"):

@@ -190,7 +190,7 @@ def simulate(trace: Trace, hw: HardwareProfile | Machine | str, policy: str | Po
     pinned = hot.hottest if hot is not None and pol.copies_experts else ()
     plan = plan or build_plan(trace, pol, capacity, s.eviction, progress, s.lookahead, s.cache_per_layer, pinned)
     models = models if models is not None else CostModels()
-    costs = costs or pick_costs(trace, models.get(spec, hw, engine=s.engine), s.timing)  # the caller's, once
+    costs = costs or pick_costs(trace, models.of(spec, hw, s), s.timing)  # the caller's, once
     (result,) = time_plan(trace, pol, plan, costs, [hw], replace(s, copy_queue=copy_queue), record=record,
                           as_recorded=as_recorded, shared=PerTrace(pred_recall=pred_recall, models=models))
     return result
@@ -251,7 +251,7 @@ def time_plan(trace: Trace, pol: Policy, plan: Plan, costs: Costs, profiles: lis
     shared = shared or PerTrace()
     spec = shared.spec or trace.model
     copy_queue = s.copy_queue or "fifo"
-    cms = [shared.models.get(spec, h, engine=s.engine) for h in profiles]  # one per profile: the first prices the predictor
+    cms = [shared.models.of(spec, h, s) for h in profiles]  # one per profile: the first prices the predictor
     # A predicting policy pays for its predictor (the recorded one, replaying the run as measured).
     costs = charge_prediction(costs, cms[0], pol.predicts or as_recorded, trace.batch,
                               trace.timings.get("predict_s"), plan.lookahead)
@@ -372,7 +372,7 @@ def simulate_policies(trace: Trace, hw: HardwareProfile | Machine | str, policie
     if machine.n_gpus == 1:
         profile = machine.gpus[0]
         profile = profile.with_figure("h2d_pinned_gbs", s.link_gbps) if s.link_gbps is not None else profile
-        costs = pick_costs(trace, models.get(trace.model, profile, engine=s.engine), s.timing)
+        costs = pick_costs(trace, models.of(trace.model, profile, s), s.timing)
     recall = prediction_recall(trace)
     results = []
     for i, p in enumerate(policies):

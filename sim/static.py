@@ -202,14 +202,13 @@ def simulate_static(trace: Trace, machine: str | HardwareProfile | Machine, poli
                       cpu_part=bool((layout.layer_device == CPU).any() or (layout.expert_device == CPU).any()),
                       layer_split=layout.split != "tensor" and len(set(layout.layer_device.tolist()) - {CPU}) > 1)
     shards = g if s.split == "tensor" and g > 1 else 1
-    cms = [CostModel(spec, gpu, host, engine, shards=shards, amx=s.amx, threads=s.threads, residence=where)
-           for gpu in machine.gpus]
-    cpu_cm = cms[0] if cms else CostModel(spec, None, host, engine, amx=s.amx, threads=s.threads, residence=where)
+    priced = replace(s, engine=engine)  # resolved once, above
+    cms = [CostModel.of(spec, gpu, priced, host, shards=shards, residence=where) for gpu in machine.gpus]
+    cpu_cm = cms[0] if cms else CostModel.of(spec, None, priced, host, residence=where)
     streams = None
     if layout.streamed is not None and layout.streamed.any():
         over_link = replace(where, weights_over_link=True)
-        streams = [CostModel(spec, gpu, host, engine, shards=shards, amx=s.amx, threads=s.threads,
-                             residence=over_link) for gpu in machine.gpus]
+        streams = [CostModel.of(spec, gpu, priced, host, shards=shards, residence=over_link) for gpu in machine.gpus]
     ctx = trace.prompt_len + np.arange(T)
     counts = token_counts(trace.true_ids, spec.n_experts)
     r = time_static(spec, layout, counts, ctx, b, cms, cpu_cm, streams)
