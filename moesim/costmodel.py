@@ -168,7 +168,14 @@ class CostModel:
         place a :class:`~moesim.setting.Setting`'s knobs become cost-model arguments (its engine,
         AMX and threads; a knob that reaches the cost model joins here). ``kw``: what the
         deployment's layout decides (shards, residence)."""
-        return cls(spec, gpu, host, s.engine, amx=s.amx, threads=s.threads, **kw)
+        return cls(spec, gpu, host, s.engine, **cls.host_knobs(s, host), **kw)
+
+    @staticmethod
+    def host_knobs(s: Setting, host: HostProfile | None) -> dict[str, Any]:
+        """The knobs of ``s`` that set up the host's CPU (AMX, threads): none without a host
+        (a deployment that prices no CPU work, which a ``--threads`` meant for another of the
+        run's policies must not refuse)."""
+        return {"amx": s.amx, "threads": s.threads} if host is not None else {}
 
     def __init__(self, spec: ModelSpec, gpu: HardwareProfile | None, host: HostProfile | None = None,
                  engine: str | EngineProfile | None = None, *, shards: int = 1, amx: bool = True,
@@ -552,7 +559,7 @@ class CostModels:
     def of(self, spec: ModelSpec, gpu: HardwareProfile | None, s: Setting, host: HostProfile | None = None,
            **kw: Any) -> CostModel:
         """:meth:`CostModel.of`, built on first ask."""
-        return self.get(spec, gpu, host, s.engine, amx=s.amx, threads=s.threads, **kw)
+        return self.get(spec, gpu, host, s.engine, **CostModel.host_knobs(s, host), **kw)
 
     def __len__(self) -> int:
         return len(self._built)

@@ -1,806 +1,536 @@
-"""What-if sweeps: the cross product of models, hardware, policies, link bandwidths and
-cache sizes, timed on one trace per model, on every core or on a Ray cluster.
+"""``moesim whatif`` as one call: build the traces, sweep, pick the best, explain it.
 
-Work is grouped by (model, policy, cache): a group builds its plan once (the expensive,
-hardware-independent part) and times it on every hardware profile and link bandwidth,
-all links of a profile in one compiled call (:func:`moesim.sim.fastpath.run_fast_many`).
-Groups are the unit of parallel work, of streaming and of resuming:
-
-- ``backend="local"``: a process pool on this machine's cores (traces reach each worker
-  once, with the pool's initializer); ``backend="ray"``: tasks on a Ray cluster (traces
-  put in the object store once). Both run the same groups, so rows are identical.
-- ``out=path.csv``: each finished group's rows are appended to the CSV and flushed, so
-  memory holds the rows once and an interrupted sweep keeps what it finished; run the
-  same sweep with the same ``out`` again and it skips the finished groups.
-- A failing group does not stop the others: :class:`SweepError` names each failed
-  configuration group and why, and carries the finished rows.
+Without a trace each model gets a **synthetic** trace (moesim.traces.synthetic) of each
+given shape (batch size x prompt length); the result says so (``synthetic``). The best configuration fits in device
+memory and is never the oracle (:func:`moesim.sim.whatif.best`).
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import itertools
-import json
 import os
-import sys
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from moesim import bounds, budget
 from moesim.atomic import exclusive
-from moesim.costmodel import CostModels, Residence
-from moesim.engines import EngineProfile, get_engine
-from moesim.errors import DoesNotFit, MoesimError
-from moesim.hardware import HardwareProfile, HostProfile, Machine, get_host, get_machine
-from moesim.layout import SPLITS, check_ratios
-from moesim.models import DTYPES
-from moesim.policy import POLICIES, QUEUES, Planner, Policy, as_policy, get_policy
-from moesim.policy.placement import expert_budget, hot_set, routing_counts, uniform_set
-from moesim.quant_recipes import is_format, store_as
-from moesim.setting import DEFAULT_SETTING, Setting
-from moesim.sim.cpu_compute import simulate_cpu_compute
-from moesim.sim.fastpath import run_fast_many
-from moesim.sim.intervals import RANGE_COLUMNS, with_range
-from moesim.sim.plan import build_plan
-from moesim.sim.pool import run_pool, start_aside, stop_pool, worker_ignores_stops  # noqa: F401 (stop_pool: the sweep's API)
-from moesim.sim.prefetch_top import keep_top_predictions
-from moesim.sim.quantised import with_expert_dtype
-from moesim.sim.simulate import PerTrace, pick_costs, prediction_recall, time_plan
-from moesim.sim.static import simulate_static
-from moesim.sim.sweep_rows import parse, resume, write_rows
-from moesim.sim.workload import Link, Workload
-from moesim.traces.format import Trace
-
-GOALS = {
-    "tpot": ("tpot_ms", "lowest mean time per output token"),
-    "p99": ("tpot_p99_ms", "lowest p99 time per output token"),
-    "ttft": ("ttft_ms", "lowest time to first token"),
-    "bytes": ("gb_moved_per_token", "fewest bytes over the host link per token"),
-}
-BACKENDS = ("local", "ray")
-RAY_HINT = 'pip install "moesim[distributed]"'
-
-@dataclass(frozen=True)
-class Config:
-    """One configuration group: everything but the hardware profile and the link bandwidth
-    (those are the group's rows). Fields a policy ignores hold their neutral value."""
-
-    trace: str  # key into Sweep.traces (a model at one batch size and prompt length)
-    policy: str
-    cache_gib: float = 0.0
-    expert_dtype: str | None = None  # None: the model's own format
-    host: str | None = None  # CPU policies; None: each GPU profile's own host
-    cpu_layers: int | str = "-"  # cpu-static: a count or "auto"
-    gpu_expert_gib: float | str = "-"  # hot-experts: GiB of experts kept on the device, or "auto" (all that fit)
-    copy_queue: str = "fifo"
-    prefetch_top: int | None = None
-    gpu_layers: int | str = "-"  # gpu-layers: a count of model layers on the GPU(s), or "auto" (all that fit)
-    offload_gib: float | str = "-"  # weight-streaming: GB of weights read over the link, or "auto" (the least that fits)
-
-    def describe(self) -> str:
-        parts = [f"trace {self.trace}", f"policy {self.policy}", f"cache {self.cache_gib:g} GiB"]
-        for name, value, neutral in (("expert dtype", self.expert_dtype, None), ("host", self.host, None),
-                                     ("cpu layers", self.cpu_layers, "-"), ("GPU expert GiB", self.gpu_expert_gib, "-"),
-                                     ("copy queue", self.copy_queue, "fifo"), ("prefetch top", self.prefetch_top, None),
-                                     ("gpu layers", self.gpu_layers, "-"), ("offload GB", self.offload_gib, "-")):
-            if value != neutral:
-                parts.append(f"{name} {value}")
-        return ", ".join(parts)
-
-
-Group = Config
-
-#: Every row carries these columns, in this order (policy families report different
-#: figures; a streamed CSV needs one header). A column a policy has no figure for holds
-#: ``None`` (numbers, NaN too; an empty CSV cell, JSON null) or ``-`` (words).
-ROW_COLUMNS = (
-    "model", "base_model", "expert_dtype", "hw", "host", "policy", "family", "link_gbps", "cache_gib", "cache_experts",
-    "eviction", "cpu_layers", "gpu_layers", "offload_gib", "gpu_expert_gib", "resident_experts", "copy_queue", "prefetch_top",
-    "split", "tensor_split", "lookahead", "batch", "prompt_len", "engine", "threads", "sim", "timing", "synthetic_trace", "placement", "optimistic_placement", "tokens", "tpot_ms",
-    "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms", "tokens_per_s", *RANGE_COLUMNS, "compute_ms", "copy_ms", "stall_ms", "cpu_ms",
-    "cpu_wait_ms", "overlap_ms", "serial_bound_ms", "overlap_bound_ms", "max_prefetch_gain",
-    "experts_loaded_per_token", "gb_moved_per_token", "cache_hit_rate", "prefetch_hit_rate", "pred_recall",
-    "cpu_expert_share", "device_hit_rate", "ttft_ms", "device_gb_needed", "host_gb_needed", "page_miss", "fits", "bound",
-    "note", "group",
-)
-_WORDS = {"model", "base_model", "expert_dtype", "hw", "host", "policy", "family", "eviction", "copy_queue", "engine",
-          "sim", "timing", "placement", "bound", "note", "cpu_layers", "gpu_layers", "offload_gib", "gpu_expert_gib",
-          "prefetch_top", "split", "tensor_split", "range_basis"}
-
-
-def policy_family(policy: str | Policy) -> str:
-    """The deployment family a policy belongs to (docs/policies.md): the copy policies are
-    one family, ``prefetching``, with the oracle as its bound; each CPU policy and
-    all-resident are their own."""
-    return as_policy(policy).family
-
-
-BOUND = "oracle (bound)"
-
-
-def policy_families() -> tuple[str, ...]:
-    """Every registered family but the oracle's bound, simplest first (keyed by the registry's
-    policies, so a policy registered later joins the deployment answer)."""
-    return _families(tuple(POLICIES.values()))
-
-
-@functools.lru_cache(maxsize=8)
-def _families(pols: tuple) -> tuple[str, ...]:
-    """:func:`policy_families` of the registry ``pols`` (once each: the deployment answer asks
-    for it per scenario and family, hundreds of times a sweep)."""
-    family = {p.name: policy_family(p) for p in pols}
-    fams = dict.fromkeys(family[p.name] for p in pols if family[p.name] != BOUND)
-    return tuple(sorted(fams, key=lambda f: min(p.rank for p in pols if family[p.name] == f)))
-
-
-def simplicity(fam: str) -> int:
-    """Where ``fam`` stands in :func:`families` (simplest first); an unknown family last."""
-    fams = policy_families()
-    return fams.index(fam) if fam in fams else len(fams)
-
-
-#: The bound of a row that did not run: the policy cannot run on the machine (its note says why).
-NOT_RUN = "not run"
-
-
-def bound_of(row: dict[str, Any]) -> str:
-    """What bounds a configuration: :data:`NOT_RUN` when it cannot run on the machine (a copy
-    policy without one GPU), ``memory`` when it does not fit in device memory, else
-    the resource busiest per token: the ``link`` (expert copies), ``GPU compute`` (the
-    device stream's own work) or ``CPU compute`` (experts run on the host)."""
-    if not row["fits"]:
-        return NOT_RUN if row.get("bound") == NOT_RUN else "memory"
-    busy = {"link": row["copy_ms"], "GPU compute": row["compute_ms"], "CPU compute": row.get("cpu_ms") or 0.0}
-    return max(busy, key=lambda k: busy[k])
-
-
-def normalise(row: dict[str, Any]) -> dict[str, Any]:
-    """``row`` with exactly :data:`ROW_COLUMNS`, missing figures filled (see there)."""
-    def cell(c: str) -> Any:
-        v = row.get(c)
-        if v is None or (isinstance(v, float) and v != v):  # NaN (no prediction): None, equal to itself
-            return "-" if c in _WORDS else None
-        return v
-
-    return {c: cell(c) for c in ROW_COLUMNS}
-
-
-def resolve_host(table: dict[str, HostProfile], name: str | None, gpu: HardwareProfile | None = None) -> HostProfile:
-    """:func:`moesim.hardware.get_host` of ``name`` (None: ``gpu``'s own host), kept in ``table``
-    by the name it resolves, so a sweep resolves each host once."""
-    key = name or (gpu.host if gpu is not None else None)
-    if not key:
-        return get_host(name, gpu)  # its one line: no host named or given by the GPU
-    if key not in table:
-        table[key] = get_host(name, gpu)
-    return table[key]
-
-
-#: Sweep fields the resume fingerprint takes by content rather than by value: the traces and the
-#: calibration routing (hashed array by array), the policies as resolved (their names are in
-#: ``policies``), the host profiles as resolved (each by its whole profile). Every other field
-#: enters :meth:`Sweep.fingerprint` as it is.
-_BY_CONTENT = frozenset({"traces", "calibration", "resolved", "host_profiles"})
-
-
-@dataclass(frozen=True)
-class Sweep:
-    traces: dict[str, Trace]  # trace key -> trace (a model at one batch size and prompt length)
-    hws: list[HardwareProfile | Machine]  # machines (one GPU, several, or none: moesim.hardware.get_machine)
-    policies: list[str]
-    link_gbps: list[float | None]  # None = the profile's own figure
-    cache_gib: list[float]
-    eviction: str = "lru"
-    sim: str = "fast"
-    timing: str = "auto"
-    expert_dtypes: tuple[str | None, ...] = (None,)  # None = the model's own format
-    hosts: tuple[str | None, ...] = (None,)  # CPU policies; None = each GPU profile's own host
-    cpu_layers: tuple[int | str, ...] = ("auto",)  # cpu-static
-    gpu_expert_gib: tuple[float | str, ...] = ("auto",)  # hot-experts
-    copy_queues: tuple[str, ...] = ("fifo",)  # prefetching policies
-    prefetch_top: tuple[int | None, ...] = (None,)  # prefetching policies (not the oracle)
-    calibration: dict[str, Any] | None = None  # base model name -> [t, m, b, k] routing (hot-experts, cpu-on-miss)
-    calibration_source: str = "-"  # said in every row that uses it
-    calibrate_on_replay: bool = False  # hot-experts counts the replayed trace: rows marked optimistic
-    engine: str | None = None  # the inference engine (moesim.engines); None: PyTorch eager
-    engine_profile: EngineProfile | None = field(default=None, compare=False, repr=False)  # resolved: set once
-    resolved: dict[str, Policy] = field(default_factory=dict, compare=False, repr=False)  # policy name -> Policy
-    threads: int | None = None  # its CPU threads; None: every core
-    gpu_layers: tuple[int | str, ...] = ("auto",)  # gpu-layers
-    offload_gib: tuple[float | str, ...] = ("auto",)  # weight-streaming
-    host_ram_gb: float | None = None  # the host's RAM (None: the host profile's, if it gives one)
-    cache_per_layer: bool = False  # each cache size is each MoE layer's (copy policies)
-    split: str = "layer"  # several GPUs: whole layers per GPU (layer) or every layer over all (tensor)
-    ratios: tuple[float, ...] | None = None  # several GPUs, layer split: each GPU's share (--tensor-split)
-    #: Host profiles by name, each resolved once (:meth:`host_profile`; the caller's, or filled as asked).
-    host_profiles: dict[str, HostProfile] = field(default_factory=dict, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "hws", [get_machine(h) for h in self.hws])  # rows name machines
-        if self.sim not in ("simpy", "fast"):
-            raise MoesimError(f"unknown simulator {self.sim!r}; known: simpy, fast")
-        eng = self.engine_profile or get_engine(self.engine)  # an unknown engine: one line, before any work
-        object.__setattr__(self, "engine_profile", eng)  # what every group's cost model is given, not the name
-        if "cpu" not in eng.runs_on and (none := next((m for m in self.hws if m.n_gpus == 0), None)):
-            raise MoesimError(f"--hw {none.name}: {eng.name} computes on GPUs only (its profile's runs_on); a machine "
-                              "without a GPU cannot run it")
-        if "gpu" not in eng.runs_on and (gpu := next((m for m in self.hws if m.n_gpus), None)):
-            raise MoesimError(f"--hw {gpu.name}: {eng.name} computes on CPUs only (its profile's runs_on); give --hw none")
-        if set(self.resolved) != set(self.policies):  # resolved by the caller already, or each name once here
-            object.__setattr__(self, "resolved", {p: get_policy(p) for p in self.policies})
-        if any(g is not None and g <= 0 for g in self.link_gbps):
-            raise MoesimError("link bandwidths must be positive GB/s")
-        if any(c < 0 for c in self.cache_gib):
-            raise MoesimError("cache sizes must be >= 0 GiB")
-        for d in self.expert_dtypes:
-            if d is not None and not is_format(d):
-                raise MoesimError(f"unknown expert dtype {d!r}; known: {', '.join(DTYPES)}, or a llama.cpp file type "
-                                  "(q4_k_m, q8_0, ...)")
-        for q in self.copy_queues:
-            if q not in QUEUES:
-                raise MoesimError(f"unknown copy queue {q!r}; known: {', '.join(QUEUES)}")
-        for n in self.cpu_layers:
-            if n != "auto" and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
-                raise MoesimError(f"--cpu-layers: 'auto' or a count of MoE layers >= 0, got {n!r}")
-        for n in self.gpu_layers:
-            if n != "auto" and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
-                raise MoesimError(f"--gpu-layers: 'auto' or a count of model layers >= 0, got {n!r}")
-        for g in self.gpu_expert_gib:
-            if g != "auto" and (isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g < float("inf")):
-                raise MoesimError(f"--gpu-expert-gib: 'auto' or a finite GiB >= 0, got {g!r}")
-        for g in self.offload_gib:
-            if g != "auto" and (isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g < float("inf")):
-                raise MoesimError(f"--offload-gib: 'auto' or a finite GB >= 0, got {g!r}")
-        for axis in ("gpu_expert_gib", "offload_gib"):  # -0 is 0 (a row said -0.0)
-            object.__setattr__(self, axis, tuple(g if g == "auto" or g != 0 else type(g)(0) for g in getattr(self, axis)))
-        for m in self.prefetch_top:
-            if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
-                raise MoesimError(f"--prefetch-top: a count of experts >= 1, got {m!r}")
-        for t in self.traces.values():
-            for d in self.expert_dtypes:
-                if d is not None:
-                    store_as(t.model, d)  # a format the model cannot store: one line, before any work
-            for n in self.cpu_layers:
-                if any("--cpu-layers" in p.knobs for p in self.resolved.values()) and n != "auto" \
-                        and n > t.model.n_moe_layers:
-                    raise MoesimError(f"--cpu-layers {n}: {t.model.name} has {t.model.n_moe_layers} MoE layers")
-            for n in self.gpu_layers:
-                if any("--gpu-layers" in p.knobs for p in self.resolved.values()) and n != "auto" \
-                        and n > t.model.n_layers:
-                    raise MoesimError(f"--gpu-layers {n}: {t.model.name} has {t.model.n_layers} layers")
-            for m in self.prefetch_top:
-                if m is not None and m > t.model.top_k:
-                    raise MoesimError(f"--prefetch-top {m}: {t.model.name} routes top-{t.model.top_k}")
-        if self.split not in SPLITS:
-            raise MoesimError(f"--split {self.split!r}: one of {', '.join(SPLITS)}")
-        if self.ratios is not None:
-            check_ratios(self.ratios, [m.n_gpus for m in self.hws if m.n_gpus > 1])
-        names = [h.name for h in self.hws]
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:  # rows are keyed by profile name: one name, two profiles would report one's result twice
-            raise MoesimError(f"two hardware profiles named {dup[0]!r} in one sweep; names must be unique")
-
-    @property
-    def size(self) -> int:
-        """Configurations the sweep times."""
-        return len(self.groups()) * self.group_size
-
-    @property
-    def group_size(self) -> int:
-        """Configurations (rows) per group: every profile times every link bandwidth."""
-        return len(self.hws) * len(self.link_gbps)
-
-    def groups(self) -> list[Group]:
-        return self._groups
-
-    @property
-    def several_or_none(self) -> bool:
-        """Whether some machine of the sweep has other than one GPU (where a host runs layers
-        even for all-resident)."""
-        return any(m.n_gpus != 1 for m in self.hws)
-
-    @functools.cached_property
-    def _groups(self) -> list[Group]:
-        """Each policy crossed with the axes that apply to it, and no others (all-resident
-        ignores the cache, the static CPU placements keep none, a cache-less cpu-on-miss is
-        not a configuration)."""
-        out = []
-        for key, dtype, policy in itertools.product(self.traces, self.expert_dtypes, self.policies):
-            out += [Config(key, policy, expert_dtype=dtype, **axes) for axes in self.resolved[policy].sweep_axes(self)]
-        return out
-
-    @functools.cached_property
-    def recalls(self) -> dict[str, float]:
-        """Each trace's prediction recall (per trace, not per configuration); computed once
-        in the parent, it travels to the workers with the sweep."""
-        return {m: prediction_recall(t) for m, t in self.traces.items()}
-
-    @functools.cached_property
-    def _ttft_memo(self) -> dict[tuple, float]:
-        """(model, prompt, profile, link, offload, engine) -> TTFT: the same for every copy policy and
-        cache, so a worker computes it once per sweep, not once per configuration (per process)."""
-        return {}
-
-    @functools.cached_property
-    def cost_models(self) -> CostModels:
-        """The cost models of the trace a worker is on, one per (machine at a link, host, engine):
-        shared by every policy and cache timed there (cleared with :attr:`_costs_memo`)."""
-        return CostModels()
-
-    @functools.cached_property
-    def _variants(self) -> dict[tuple, tuple[Any, Any]]:
-        """(id of a profile, figure, value) -> (the profile, its variant): each made once, so a
-        configuration on the same machine and link gets the same objects (and cost models)."""
-        return {}
-
-    def at_link(self, machine: Any, gbps: float | None) -> Any:
-        """``machine`` (a GPU profile or a machine) at ``gbps`` GB/s of host link (None: its own)."""
-        return machine if gbps is None else self._variant(machine, "h2d_pinned_gbs", gbps)
-
-    def _variant(self, obj: Any, figure: str, value: Any, *why: str) -> Any:
-        key = (id(obj), figure, value)
-        if key not in self._variants:
-            self._variants[key] = (obj, obj.with_figure(figure, value, *why))
-        return self._variants[key][1]
-
-    @functools.cached_property
-    def _costs_memo(self) -> dict[tuple, Any]:
-        """(trace, dtype, profile) -> compute times, for the trace a worker is on (groups come
-        in trace order); they do not depend on the policy or cache."""
-        return {}
-
-    def host_profile(self, name: str | None, gpu: HardwareProfile | None = None) -> HostProfile:
-        """The host named (None: ``gpu``'s own), resolved once a sweep (a name no profile gives,
-        or none at all, is :func:`moesim.hardware.get_host`'s one line each time)."""
-        return resolve_host(self.host_profiles, name, gpu)
-
-    def fingerprint(self) -> str:
-        """Identifies the sweep's inputs (traces by content), so a resumed output belongs to it."""
-        h = hashlib.sha256()
-        for name, tr in self.traces.items():
-            h.update(name.encode())
-            h.update(json.dumps(tr.header, sort_keys=True, default=str).encode())
-            for a in (tr.true_ids, tr.pred_ids):
-                h.update(memoryview(a.tobytes()))
-        for name, ids in sorted((self.calibration or {}).items()):
-            h.update(name.encode())
-            h.update(memoryview(ids.tobytes()))
-        # Every other field by its value, from the dataclass itself (a field added later cannot be
-        # left out, as one could from a hand-written list): machines by their GPUs' figures, the
-        # engine by its whole profile (an edited TOML must not resume the first run's rows).
-        spec: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _BY_CONTENT}
-        spec["hws"] = [[m.name, [{k: g[k] for k in sorted(g.figures)} for g in m.gpus]] for m in self.hws]
-        spec["engine_profile"] = self.engine_profile.to_toml() if self.engine_profile else None
-        spec["columns"] = ROW_COLUMNS
-        spec["profiles"] = ([repr(self.host_profile(h)) for h in self.hosts if h]
-                            + [repr(self.host_profile(None, m.gpus[0])) for m in self.hws if m.gpus and m.gpus[0].host])
-        h.update(json.dumps(spec, sort_keys=True, default=str).encode())
-        return h.hexdigest()[:16]
-
-
-def _recall(sweep: Sweep, cfg: Config, trace: Trace) -> float:
-    """The group's prediction recall: the sweep's trace's (computed once), or its own when
-    the group cut the predictions to a top-m."""
-    return sweep.recalls[cfg.trace] if cfg.prefetch_top is None else prediction_recall(trace)
-
-
-def _group_trace(sweep: Sweep, cfg: Config) -> Trace:
-    """The group's trace: the sweep's, with its experts in the group's format and its
-    predictions cut to the group's top-m (the same transforms ``moesim replay`` applies)."""
-    trace = sweep.traces[cfg.trace]
-    if cfg.expert_dtype is not None:
-        trace = with_expert_dtype(trace, cfg.expert_dtype)
-    if cfg.prefetch_top is not None:
-        trace = keep_top_predictions(trace, min(cfg.prefetch_top, trace.model.top_k))
-    return trace
-
-
-def _axes(sweep: Sweep, cfg: Config, trace: Trace, base: str) -> dict[str, Any]:
-    return {"base_model": base, "expert_dtype": cfg.expert_dtype or trace.model.expert_dtype,
-            "family": policy_family(sweep.resolved[cfg.policy]),
-            "cpu_layers": cfg.cpu_layers, "gpu_expert_gib": cfg.gpu_expert_gib, "copy_queue": cfg.copy_queue,
-            "prefetch_top": "-" if cfg.prefetch_top is None else cfg.prefetch_top, "batch": trace.batch,
-            "prompt_len": trace.prompt_len, "gpu_layers": cfg.gpu_layers, "offload_gib": cfg.offload_gib,
-            "lookahead": trace.meta.lookahead}
-
-
-def _split_columns(sweep: Sweep, machine: Machine) -> dict[str, str]:
-    """How the sweep spreads layers over ``machine``'s GPUs, as its rows say it (and the printed
-    arguments read it back: moesim.sim.deploy.row_layout); ``-`` on a machine of one GPU or none."""
-    if machine.n_gpus < 2:
-        return {"split": "-", "tensor_split": "-"}
-    shares = "-" if sweep.ratios is None else ",".join(f"{r:.12g}" for r in sweep.ratios)
-    return {"split": sweep.split, "tensor_split": shares}
-
-
-def _hot_placement(sweep: Sweep, cfg: Config, trace: Trace, base: str, machine: Machine):
-    """hot-experts' placement at the group's GPU expert budget (None: the policy's own
-    choice, all that fit), from the sweep's calibration routing."""
-    if cfg.gpu_expert_gib == "auto":
-        return None
-    spec = trace.model
-    calib, source, optimistic = _calibration(sweep, base, trace)
-    uniform = calib is None and sweep.engine_profile.expert_placement == "uniform"
-    if calib is None and not uniform:
-        return None  # simulate_cpu_compute explains what is missing
-    if machine.n_gpus != 1:
-        return None  # simulate_static refuses hot-experts on other than one GPU, in one line
-    room = expert_budget(spec, machine.gpus[0]["device_memory_gb"] * 1e9, trace.batch, trace.prompt_len + trace.n_tokens)
-    budget = int(min(room, float(cfg.gpu_expert_gib) * 2**30))  # 1e308 GiB: all that fit (int(inf) raised)
-    if uniform:  # the engine's own placement, at the group's budget
-        return uniform_set(spec, budget)
-    return hot_set(routing_counts(calib, spec.n_experts), spec, budget, source, optimistic)
-
-
-def _calibration(sweep: Sweep, base: str, trace: Trace):
-    """(routing, source, optimistic) the CPU placements count expert frequencies on."""
-    if sweep.calibration and base in sweep.calibration:
-        return sweep.calibration[base], sweep.calibration_source, False
-    if sweep.calibrate_on_replay:
-        return trace.true_ids, "the replayed trace", True
-    return None, "-", False
-
-
-def _not_run(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str, machine: Machine, why: str,
-             bound: str = NOT_RUN):
-    """A row for a configuration that cannot run on ``machine`` (``bound`` ``memory``: nothing of
-    the model fits it): it says why, never a best."""
-    return {"model": trace.model.name, "hw": machine.name, "policy": cfg.policy, "link_gbps": machine.link_gbps(),
-            "cache_gib": cfg.cache_gib, "fits": False, "note": why, "bound": bound, "synthetic_trace": trace.synthetic,
-            "sim": sweep.sim, "group": index, "host": cfg.host or machine.host or "-", **_axes(sweep, cfg, trace, base),
-            **_split_columns(sweep, machine)}
-
-
-def _host(sweep: Sweep, cfg: Config, machine: Machine):
-    """The group's host profile (its name, else the machine's own), with the sweep's RAM."""
-    if cfg.host is None and not machine.gpus:
-        return None  # simulate_static says, in one line, that a machine without GPUs needs --host
-    host = sweep.host_profile(cfg.host, machine.gpus[0] if machine.gpus else None)
-    return sweep._variant(host, "ram_gb", sweep.host_ram_gb, "estimate", "--host-ram-gb") if sweep.host_ram_gb else host
-
-
-def _host_ram_short(sweep: Sweep, cfg: Config, machine: Machine, spec) -> str | None:
-    """Why a copy policy's experts do not fit the host's RAM (every routed expert stays in host
-    memory, whence they are copied), judged by the cost model as the CPU layouts are; None
-    when they fit or the RAM is not known."""
-    host = _host(sweep, cfg, machine)
-    if host is None or host.ram_bytes is None:
-        return None
-    try:
-        sweep.cost_models.get(spec, machine.gpus[0], host, sweep.engine_profile,
-                              residence=Residence(host_weights=spec.all_expert_bytes))
-    except DoesNotFit as e:
-        return str(e)
-    return None
-
-
-def _bounded(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``rows`` normalised, each with its bound."""
-    for r in rows:
-        r["bound"] = bound_of(normalise(r))
-    return [normalise(r) for r in rows]
-
-
-def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str,
-              machines: list[Machine]) -> list[dict[str, Any]]:
-    """The rows of a CPU-compute or static-layout group (:func:`moesim.sim.static.simulate_static`
-    or :func:`moesim.sim.cpu_compute.simulate_cpu_compute`, the paths ``moesim replay`` takes), one per
-    machine of ``machines`` and link."""
-    pol = sweep.resolved[cfg.policy]
-    capacity = pol.cache_capacity(trace.model, cfg.cache_gib)
-    calib, source, optimistic = _calibration(sweep, base, trace)
-    rows = []
-    for machine in machines:
-        for g in sweep.link_gbps:
-            h = sweep.at_link(machine, g)
-            setting = Setting(sim=sweep.sim, host=_host(sweep, cfg, h), calibration=None if optimistic else calib,
-                              calibrate_on_replay=optimistic, engine=sweep.engine_profile, threads=sweep.threads)
-            several = Setting(split=sweep.split, ratios=list(sweep.ratios) if sweep.ratios else None) \
-                if h.n_gpus > 1 else DEFAULT_SETTING  # the shares are a machine of several GPUs' (one count, checked)
-            try:
-                if why := pol.cannot_run_on(h.n_gpus):
-                    rows.append(_not_run(sweep, index, cfg, trace, base, h, why))
-                    continue
-                if pol.static_on(h.n_gpus):
-                    placement = _hot_placement(sweep, cfg, trace, base, h) if pol.places_hot_set else None
-                    knobs = {k: getattr(cfg, k) for k in ("cpu_layers", "gpu_layers", "offload_gib")
-                             if getattr(cfg, k) != "-"}  # the group's own layout knob; the others' "auto"
-                    layout = replace(setting, **knobs, split=several.split, ratios=several.ratios)
-                    res = simulate_static(trace, h, pol, layout, placement=placement)
-                else:
-                    res = simulate_cpu_compute(trace, h.gpus[0], pol, models=sweep.cost_models, s=replace(setting, cache_experts=capacity,
-                                                                              eviction=sweep.eviction))
-            except DoesNotFit as e:
-                # Nothing of this model fits this machine: a row that says so, never a best.
-                rows.append(_not_run(sweep, index, cfg, trace, base, h, str(e), bound="memory"))
-                continue
-            res.pred_recall = _recall(sweep, cfg, trace)
-            row = res.summary()
-            row.update(_axes(sweep, cfg, trace, base), **_split_columns(sweep, h))
-            row.update(pol.answer_columns(res, cfg))
-            row["cache_gib"] = cfg.cache_gib if capacity else 0.0
-            row["device_gb_needed"] = res.config["device_gb_needed"]
-            row["fits"] = res.config["fits"]
-            if "--placement-from" in pol.knobs and calib is not None:
-                row["note"] = ("optimistic: placed from the replayed trace itself" if optimistic
-                               else f"placed from {source}")
-            row["group"] = index
-            rows.append(row)
-    return rows
-
-
-def run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
-    """The rows of group ``index`` of ``sweep.groups()``: one plan, every profile and link,
-    each with the range its prediction's class errs within (:mod:`moesim.sim.intervals`)."""
-    return [with_range(r, sweep.engine_profile.calibration) for r in _run_group(sweep, index)]
-
-
-def _run_group(sweep: Sweep, index: int) -> list[dict[str, Any]]:
-    cfg = sweep.groups()[index]
-    trace = _group_trace(sweep, cfg)
-    spec = trace.model
-    base = sweep.traces[cfg.trace].model.name
-    pol = sweep.resolved[cfg.policy]
-    memo = sweep._costs_memo
-    if getattr(sweep, "_on", None) != (cfg.trace, cfg.expert_dtype):  # one trace's compute times and cost
-        memo.clear()                                                    # models at a time (groups come in order)
-        sweep.cost_models.clear()
-        object.__setattr__(sweep, "_on", (cfg.trace, cfg.expert_dtype))
-    if pol.uses_host:
-        return _bounded(_cpu_rows(sweep, index, cfg, trace, base, sweep.hws))
-    capacity = pol.cache_capacity(spec, cfg.cache_gib)
-    plan = build_plan(trace, pol, capacity, sweep.eviction, per_layer=sweep.cache_per_layer)
-    recall = _recall(sweep, cfg, trace)
-    rows = []
-    # Copy queues other than fifo are modelled by the SimPy simulator only: those groups run
-    # there, and their rows say sim "simpy" (never a silent substitute).
-    sim = sweep.sim if cfg.copy_queue == "fifo" else "simpy"
-    for hi, machine in enumerate(sweep.hws):
-        if pol.static_on(machine.n_gpus):  # all-resident on several GPUs or none: a static layout
-            rows += _bounded(_cpu_rows(sweep, index, cfg, trace, base, [machine]))
-            continue
-        if machine.n_gpus != 1:
-            rows += [normalise(_not_run(sweep, index, cfg, trace, base, machine, f"{pol.name} copies experts to "
-                                        "one GPU")) for _ in sweep.link_gbps]
-            continue
-        hw = machine.gpus[0]
-        if why := _host_ram_short(sweep, cfg, machine, spec):
-            rows += [normalise(_not_run(sweep, index, cfg, trace, base, machine, why, bound="memory"))
-                     for _ in sweep.link_gbps]
-            continue
-        if (cfg.trace, cfg.expert_dtype, hi) not in memo:
-            memo[cfg.trace, cfg.expert_dtype, hi] = pick_costs(
-                trace, sweep.cost_models.get(spec, hw, engine=sweep.engine_profile), sweep.timing)
-        profiles = [sweep.at_link(hw, g) for g in sweep.link_gbps]
-        # The path replay takes (moesim.sim.simulate.time_plan): one deployment, one number.
-        setting = Setting(sim=sim, engine=sweep.engine_profile, copy_queue=cfg.copy_queue)
-        results = time_plan(trace, pol, plan, memo[cfg.trace, cfg.expert_dtype, hi], profiles, setting,
-                            shared=PerTrace(spec, recall, sweep._ttft_memo, sweep.cost_models))
-        for res in results:
-            row = res.summary()
-            row.update(_axes(sweep, cfg, trace, base))
-            row["cache_gib"] = cfg.cache_gib if capacity else 0.0  # as asked; cache_experts is what fits
-            row["group"] = index  # device_gb_needed and fits: time_plan's, as replay's
-            row = normalise(row)
-            row["bound"] = bound_of(row)
-            rows.append(row)
-    return rows
-
-
-# --------------------------------------------------------------------------------------
-# Backends: each yields (group index, rows or the exception that group raised)
-# --------------------------------------------------------------------------------------
-
-Outcome = tuple[int, list[dict[str, Any]] | BaseException]
-_WORKER_SWEEP: Sweep | None = None
-
-
-def _init_worker(sweep: Sweep) -> None:
-    """A worker leaves interrupts to the parent (:func:`moesim.sim.pool.worker_ignores_stops`)
-    and keeps the sweep it runs groups of."""
-    global _WORKER_SWEEP
-    worker_ignores_stops()
-    _WORKER_SWEEP = sweep
-
-
-def _worker(index: int) -> list[dict[str, Any]]:
-    assert _WORKER_SWEEP is not None
-    return run_group(_WORKER_SWEEP, index)
-
-
-def _warm_kernels() -> None:
-    """Compile (first run on a machine) or load the numba kernels once, before forking
-    workers, so each worker inherits them instead of loading them again."""
-    import numpy as np
-
-    z = np.zeros((1, 1))
-    run_fast_many(Workload.build(z, z, z, np.zeros(1), "warm-up"), [Link(1.0)])
-    join_kernels_aside()  # the planner, compiled aside meanwhile: loaded from numba's cache now
-    _warm_planner()
-
-
-def _warm_planner() -> None:
-    import numpy as np
-
-    ids = np.zeros((1, 1, 1, 1), np.int16)
-    Planner("on-demand", 1).plan_trace(ids, ids, 1)
-
-
-_ASIDE: Any = None  # the process compiling the sweep's kernels aside (compile_kernels_aside), until joined
-
-
-def compile_kernels_aside(jobs: int | None) -> None:
-    """On a first run numba compiles the planner's kernel (~7 s on one core of the 2-core
-    machine), the synthetic traces' (~5 s) and the fast path's (~1 s), one after the other.
-    With a second core and workers to come, a forked process compiles the planner's into
-    numba's cache while this one draws the traces and compiles the fast path's, and
-    :func:`_warm_kernels` loads it from there (issue "The first answer in seconds": the
-    default whatif's first run 17 s -> 11 s, measured). Nothing is started where this process
-    has them already (a second sweep in one process), for one worker or one core; if the
-    cache cannot be written, :func:`_warm_kernels` compiles them itself, as before."""
-    global _ASIDE
-    kernel = sys.modules.get("moesim.policy.kernel")  # imported: perhaps compiled or loaded in this process already
-    if _ASIDE is not None or (kernel and kernel.plan_steps.signatures) or jobs == 1:
-        return
-    _ASIDE = start_aside(_warm_planner)  # None (one core, a pool worker): compiled here later
-
-
-#: Seconds :func:`join_kernels_aside` waits for the compiling process (it takes ~7 s on one
-#: core of this project's 2-core machine); past that it is stopped and this process compiles.
-ASIDE_WAIT_S = 300.0
-
-
-def join_kernels_aside() -> None:
-    """Wait for :func:`compile_kernels_aside`'s process, if one runs (its exit status is not
-    read: a failed compile there is compiled here). A process forked beside a thread that held
-    a lock could wait for it forever: it is given :data:`ASIDE_WAIT_S`, then stopped."""
-    global _ASIDE
-    if _ASIDE is not None:
-        proc, _ASIDE = _ASIDE, None
-        proc.join(ASIDE_WAIT_S)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-
-
-def _local(sweep: Sweep, todo: list[int], jobs: int) -> Iterator[Outcome]:
-    if jobs <= 1:
-        join_kernels_aside()  # one group after all: its planner comes from the cache, not a second compile
-        for i in todo:
-            try:
-                yield i, run_group(sweep, i)
-            except Exception as e:  # noqa: BLE001 - reported per group by run_sweep
-                yield i, e
-        return
-    _warm_kernels()
-    yield from ((todo[k], out) for k, out in run_pool(_worker, todo, jobs, _init_worker, (sweep,)))
-
-
-def _ray(sweep: Sweep, todo: list[int], address: str | None) -> Iterator[Outcome]:
-    try:
-        import ray
-    except ImportError:
-        raise MoesimError(f"backend ray needs Ray: {RAY_HINT}") from None
-    if not ray.is_initialized():
-        # address None: RAY_ADDRESS if set, else a new local cluster (ray.init's own rule).
-        ray.init(address=address or os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True,
-                 log_to_driver=False, include_dashboard=False)
-    group_task = ray.remote(max_retries=0)(run_group)
-    sweep_ref = ray.put(sweep)  # traces travel to the object store once, not once per group
-    pending = {group_task.remote(sweep_ref, i): i for i in todo}
-    try:
-        while pending:
-            done, _ = ray.wait(list(pending), num_returns=1)
-            for ref in done:
-                i = pending.pop(ref)
-                try:
-                    rows = ray.get(ref)
-                except Exception as e:  # noqa: BLE001 - a RayTaskError wraps the worker's exception
-                    rows = getattr(e, "cause", None) or e
-                yield i, rows
-    finally:  # interrupted: do not leave the cluster computing groups nobody will collect
-        for ref in pending:
-            ray.cancel(ref)
-
-
-# --------------------------------------------------------------------------------------
-# Streaming and resuming
-# --------------------------------------------------------------------------------------
-
-
-_parse = parse  # the names this module had; sim/sweep_rows.py holds the rows file now
-
-
-def _resume(sweep: Sweep, out: Path, notes: list[str] | None = None) -> dict[int, list[dict[str, Any]]]:
-    return resume(sweep, out, ROW_COLUMNS, notes)
-
-
-class SweepError(MoesimError):
-    """Some groups failed; ``failures`` = [(group, reason)], ``rows`` = the finished rows."""
-
-    def __init__(self, message: str, failures: list[tuple[Group, str]], rows: list[dict[str, Any]]) -> None:
-        super().__init__(message)
-        self.failures = failures
-        self.rows = rows
-
-
-def run_sweep(sweep: Sweep, jobs: int | None = None, progress: Callable[[int, int], None] | None = None, *,
-              backend: str = "local", address: str | None = None, out: str | Path | None = None,
-              keep_rows: bool = True, notes: list[str] | None = None) -> list[dict[str, Any]]:
-    """All rows of the sweep, in group order (rows of a group: profile, then link).
-
-    ``progress(configurations_done, configurations)`` after each group (resumed groups
-    count as done at once). ``backend``: ``local`` (``jobs`` processes, default all cores)
-    or ``ray`` (the cluster at ``address``, else RAY_ADDRESS, else a new local one).
-    ``out``: stream rows to this CSV as groups finish and resume from it (see the module
-    docstring); with ``keep_rows=False`` it returns [] and holds one group's rows at a time.
-    """
+from moesim.engines import get_engine
+from moesim.errors import MoesimError
+from moesim.hardware import Machine, get_machine
+from moesim.models import DTYPES, get_model
+from moesim.policy import QUEUES, WHATIF_POLICIES, Policy, as_policy, check_eviction, check_lookahead, get_policy
+from moesim.policy.placement import UNIFORM
+from moesim.quant_recipes import is_format
+from moesim.sim.cpu_compute import load_calibration, separate_calibration
+from moesim.sim.sweep_rows import check_rows_path
+from moesim.sim.whatif import BACKENDS, GOALS, Sweep, best, compile_kernels_aside, resolve_host, run_sweep
+from moesim.traces.format import read_trace
+from moesim.traces.synthetic import SyntheticParams, synthetic_trace
+
+DEFAULT_MODELS = ("qwen3-30b-a3b",)
+DEFAULT_HWS = ("a6000", "h100-sxm", "gh200")
+DEFAULT_POLICIES = WHATIF_POLICIES
+DEFAULT_CACHE_GIB = (0.0, 8.0, 16.0)
+CALIBRATION_SEED_OFFSET = 1  # the synthetic calibration trace: the replayed one's seed + this
+
+
+@dataclass
+class WhatIf:
+    sweep: Sweep
+    goal: str
+    rows: list[dict[str, Any]]  # every configuration, with its family and "bound" (link, GPU/CPU compute, memory)
+    winner: dict[str, Any] | None  # best over everything (None: nothing fits)
+    best_by_hw: dict[str, dict[str, Any] | None]
+    synthetic: bool  # some trace is synthetic
+    notes: list[str] = field(default_factory=list)  # what the reader must know (synthetic calibration, optimism)
+
+    def ranked(self) -> list[dict[str, Any]]:
+        """Fitting configurations first, then by the goal's figure."""
+        key = GOALS[self.goal][0]
+        return sorted(self.rows, key=lambda r: (not r["fits"], r[key] if r[key] is not None else float("inf")))
+
+
+def value_of(p) -> tuple:
+    """What a machine or profile is, not how it was spelled: a machine its GPUs (``2xrtx3090`` is
+    ``rtx3090+rtx3090``), a profile its figures (``epyc-9654@2x4800`` is ``@02x4800.0``)."""
+    if isinstance(p, Machine):
+        return ("machine", *(value_of(g) for g in p.gpus))
+    return (type(p).__name__, *sorted((k, f.value) for k, f in p.figures.items()))
+
+
+def check_unique_names(given: list[str] | tuple[str, ...], profiles: list, option: str = "--hw") -> None:
+    """Rows are keyed by profile name: two profiles with one name would report one's results twice;
+    one value given twice, however spelled, would sweep the same rows twice (:func:`value_of`)."""
+    seen: dict[str, str] = {}
+    same: dict[tuple, str] = {}
+    what = "machine" if option == "--hw" else "host"
+    for g, p in zip(given, profiles):
+        v = value_of(p)
+        if v in same and same[v] != g:
+            named = f"; both named {p.name!r}, and profile names must be unique in a run" if p.name in seen else ""
+            raise MoesimError(f"{option}: {g!r} is the same {what} as {same[v]!r} (its figures, however spelled{named}): "
+                              "give it once")
+        if p.name in seen and seen[p.name] != g:
+            raise MoesimError(f"{option}: {seen[p.name]} and {g} are both named {p.name!r}; profile names must be "
+                              "unique in a run (change `name` in the .toml, or `moesim fit --name`)")
+        same.setdefault(v, g)
+        seen[p.name] = g
+
+
+def unique_model_names(given: list[str], specs: list) -> list:
+    """Rows are keyed by model name: two files of one model (a Q4_K_M and a Q8_0 GGUF share
+    ``general.name``) each keep their rows, under the name and the file's name as given.
+    A model given twice is swept once."""
+    first: list[tuple[str, Any]] = []
+    for g, s in zip(given, specs):
+        if all(s != t for _, t in first):
+            first.append((g, s))
+    names = [s.name for _, s in first]
+    files = [Path(g).name for g, s in first if names.count(s.name) > 1]
+    # The file's name tells them apart; two files of one name in other folders, the path as given.
+    return [replace(s, name=f"{s.name} ({Path(g).name if files.count(Path(g).name) == 1 else g})")
+            if names.count(s.name) > 1 else s for g, s in first]
+
+
+def default_cpu_layers(specs: list) -> tuple[int | str, ...]:
+    """``auto`` (the fewest that fit, per device) and a quarter, half and all of the MoE
+    layers of the smallest model on the CPU: enough points to see the trade."""
+    m = min(s.n_moe_layers for s in specs)
+    return tuple(dict.fromkeys(("auto", m // 4, m // 2, m)))
+
+
+def _positive_ints(values: list[int] | tuple[int, ...], what: str) -> list[int]:
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise MoesimError(f"{what} {v!r}: a whole number >= 1")
+    if len(set(values)) != len(values):
+        raise MoesimError(f"{what}: a value appears twice")
+    return list(values)
+
+
+MAX_JOBS_PER_CORE = 4  # more worker processes than this per core only share the cores (and memory)
+
+
+def check_values(*, eviction: str | None, sim: str, backend: str = "local", link_gbps=None, cache_gib=None,
+                 copy_queues=None, expert_dtypes=None, threads=None, jobs=None, lookaheads=None, cpu_layers=None,
+                 gpu_layers=None, gpu_expert_gib=None, offload_gib=None, prefetch_top=None, ratios=None,
+                 cache_experts=None) -> None:
+    """Every value the CLI can check, checked in one line before any work (a bad one found
+    per configuration group would end, after the work, in "2 of 4 groups failed"). One
+    definition for every command: ``whatif`` gives its lists, ``replay`` its one value of
+    each (a list of one; None: left out), so an option both take is refused alike by both.
+    Rates, sizes and shares lie in the ranges of :mod:`moesim.bounds` (1e308 GiB or 1e-9 GB/s
+    overflow what is made of them)."""
+    if eviction is not None:
+        check_eviction(eviction)
+    if sim not in ("fast", "simpy"):
+        raise MoesimError(f"--sim: unknown simulator {sim!r}; known: simpy, fast")
     if backend not in BACKENDS:
-        raise MoesimError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
-    if backend == "ray":
-        try:
-            import ray  # noqa: F401
-        except ImportError:
-            raise MoesimError(f"backend ray needs Ray: {RAY_HINT}") from None
-    sweep.recalls  # noqa: B018 - computed once here, shipped with the sweep to every worker
-    out = Path(out) if out is not None else None
-    if out is None:
-        return _run_sweep(sweep, jobs, progress, backend, address, None, keep_rows, notes)
-    with exclusive(out, "--rows"):  # a second run on the same rows is refused, not interleaved
-        return _run_sweep(sweep, jobs, progress, backend, address, out, keep_rows, notes)
+        raise MoesimError(f"--backend: unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+    for g in link_gbps or ():
+        bounds.check_rate(g, "--link-gbps")
+    for c in cache_gib or ():
+        bounds.check_size(c, "--cache-gib")
+    for c in cache_experts or ():
+        bounds.check_count(c, "--cache-experts", 0, what="a count of experts")
+    for c in gpu_expert_gib or ():
+        bounds.check_size(c, "--gpu-expert-gib", auto=True)
+    for c in offload_gib or ():
+        bounds.check_size(c, "--offload-gib", auto=True)
+    for n in cpu_layers or ():
+        bounds.check_count(n, "--cpu-layers", 0, auto=True, what="a count of MoE layers")
+    for n in gpu_layers or ():
+        bounds.check_count(n, "--gpu-layers", 0, auto=True, what="a count of model layers")
+    for m in prefetch_top or ():
+        bounds.check_count(m, "--prefetch-top", 1, what="a count of experts")
+    if ratios is not None:
+        bounds.check_shares(ratios)
+    for q in copy_queues or ():
+        if q not in QUEUES:
+            raise MoesimError(f"--copy-queue: unknown copy queue {q!r}; known: {', '.join(QUEUES)}")
+    for d in expert_dtypes or ():
+        if not is_format(d):
+            raise MoesimError(f"--expert-dtype: unknown expert dtype {d!r}; known: {', '.join(DTYPES)}, or a llama.cpp "
+                              "file type (q4_k_m, q8_0, ...)")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise MoesimError(f"--threads {threads!r}: a count of CPU threads >= 1")
+    cores = os.cpu_count() or 1
+    if jobs is not None and jobs > MAX_JOBS_PER_CORE * cores:
+        raise MoesimError(f"--jobs {jobs}: this machine has {cores} cores; at most {MAX_JOBS_PER_CORE * cores} worker "
+                          "processes (0 = one per core)")
+    _positive_ints(list(lookaheads or ()), "--lookahead")
 
 
-def _run_sweep(sweep: Sweep, jobs, progress, backend: str, address, out: Path | None, keep_rows: bool,
-               notes: list[str] | None) -> list[dict[str, Any]]:
-    groups = sweep.groups()
-    finished = resume(sweep, out, ROW_COLUMNS, notes) if out is not None else {}
-    fingerprint = sweep.fingerprint() if out is not None else ""
-    results: dict[int, list[dict[str, Any]]] = finished if keep_rows else {}
-    todo = [i for i in range(len(groups)) if i not in finished]
-    total, done = sweep.size, len(finished) * sweep.group_size
-    if progress:
-        progress(done, total)
-    if backend == "ray":
-        outcomes = _ray(sweep, todo, address)
+def check_threads(threads: int | None, hosts) -> list[str]:
+    """``--threads`` against every host the run may use: above 4x a host's cores it is a typo
+    (one line); above its cores (SMT threads) a note each, for the cost model counts a core's
+    work once (:meth:`moesim.costmodel.CostModel.cpu_rate`) and the threads beyond change nothing."""
+    notes = []
+    for h in hosts:
+        total = h.cores * h.sockets
+        if threads is not None and threads > 4 * total:
+            raise MoesimError(f"--threads {threads}: a count from 1 to {4 * total} ({h.name} has {total} cores)")
+        if threads is not None and threads > total:
+            notes.append(f"--threads {threads} is above {h.name}'s {total} cores: timed as {total} threads (the "
+                         "threads beyond one a core share its units and add no compute in the cost model)")
+    return notes
+
+
+def sockets_notes(hosts, engine) -> list[str]:
+    """A note for each host of several sockets whose second socket's memory the engine does
+    not read (``numa_efficiency`` 0, its default): only the compute of the further sockets
+    counts, so a memory-bound answer is that of one socket and the user should know."""
+    return [f"{h.name} has {int(h.sockets)} sockets, but {engine.name} reads the experts from one socket's memory "
+            "(its numa_efficiency is 0): the further sockets add compute, not bandwidth"
+            for h in hosts if h.sockets > 1 and engine.get("numa_efficiency") == 0]
+
+
+@dataclass(frozen=True)
+class Given:
+    """The options a run was given, as :func:`unused_options` reads them: each knob a list of
+    the values given (None or empty: left out; whatif sweeps several, replay gives one), and
+    what was typed at all. ``eviction`` the one given (only a cache evicts: ``cached`` says
+    whether any cache size of the run is above 0); ``link_given``: a link bandwidth was given
+    (all-resident moves nothing over it); ``cache_given``: a cache above 0 was given (only the
+    copy policies and cpu-on-miss keep one); ``cache_per_layer``: the cache is split by layer
+    (only a cache above 0 is). ``auto`` is every count's default, so only other values count."""
+
+    hosts: list | tuple | None = None
+    cpu_layers: list | tuple | None = None
+    gpu_expert_gib: list | tuple | None = None
+    copy_queues: list | tuple | None = None
+    prefetch_top: list | tuple | None = None
+    gpu_layers: list | tuple | None = None
+    offload_gib: list | tuple | None = None
+    lookaheads: list | tuple | None = None
+    placement_from: str | Path | None = None
+    calibrate_on_replay: bool = False
+    amx: bool = True
+    eviction: str | None = None
+    cached: bool = True
+    threads: int | None = None
+    link_given: bool = False
+    cache_given: bool = False
+    cache_per_layer: bool = False
+
+
+def unused_options(pols: list, g: Given, *, pinned_hot_set: bool = False, no_gpu: bool = False,
+                   verb: str = "swept") -> list[str]:
+    """A note for each option given (``g``) that no policy of the run uses (``--cpu-layers``
+    with no cpu-static, ...): the run is still valid, but the user should not believe the knob
+    was tried. One definition for every command (whatif sweeps lists, replay takes one value
+    each): ``pinned_hot_set``: ``--gpu-expert-gib`` also pins a copy policy's hot set (replay);
+    ``no_gpu``: the machine has no GPU, where ``--host`` always applies; ``verb`` names the
+    run's policies (swept, replayed, chosen)."""
+    # Each option: the values given, and who reads it: the families whose knobs name it, and
+    # here also the host of a machine without a GPU (it runs every layer), replay's copy
+    # policies for --gpu-expert-gib (it pins their hot set), and a cache's knobs only with a cache.
+    def reads(name: str, also=lambda p: False):
+        return lambda p: name in p.knobs or also(p)
+
+    host_too = lambda p: no_gpu  # noqa: E731
+    cached = lambda name: lambda p: g.cached and name in p.knobs  # noqa: E731
+    uses = [(g.hosts, "--host", "the CPU-compute policies", reads("--host", host_too)),
+            ([n for n in g.gpu_layers or () if n != "auto"], "--gpu-layers", "gpu-layers", reads("--gpu-layers")),
+            ([v for v in g.offload_gib or () if v != "auto"], "--offload-gib", "weight-streaming", reads("--offload-gib")),
+            ([n for n in g.cpu_layers or () if n != "auto"], "--cpu-layers", "cpu-static", reads("--cpu-layers")),
+            ([v for v in g.gpu_expert_gib or () if v != "auto"], "--gpu-expert-gib",
+             "hot-experts and the copy policies" if pinned_hot_set else "hot-experts",
+             reads("--gpu-expert-gib", lambda p: pinned_hot_set and p.copies_experts)),
+            ([q for q in g.copy_queues or () if q not in ("fifo", None)], "--copy-queue", "the copy policies",
+             reads("--copy-queue")),
+            (g.prefetch_top, "--prefetch-top", "the prefetching policies", reads("--prefetch-top")),
+            ([g.placement_from] if g.placement_from is not None else [], "--placement-from", "hot-experts and cpu-on-miss",
+             reads("--placement-from")),
+            ([True] if g.calibrate_on_replay else [], "--calibrate-on-replay", "hot-experts and cpu-on-miss",
+             reads("--calibrate-on-replay")),
+            ([True] if not g.amx else [], "--no-amx", "the CPU-compute policies", reads("--no-amx", host_too)),
+            ([g.eviction] if g.eviction not in (None, "lru") else [], "--eviction",
+             "the copy policies and cpu-on-miss, with a cache above 0", cached("--eviction")),
+            (g.lookaheads or [], "--lookahead", "the prefetching policies", reads("--lookahead")),
+            ([g.threads] if g.threads is not None else [], "--threads", "the CPU-compute policies",
+             reads("--threads", host_too)),
+            ([True] if g.link_given else [], "--link-gbps", "the policies that copy experts or activations",
+             reads("--link-gbps")),
+            ([True] if g.cache_given else [], "--cache-gib", "the copy policies and cpu-on-miss", reads("--cache-gib")),
+            ([True] if g.cache_per_layer else [], "--cache-per-layer",
+             "the copy policies and cpu-on-miss, with a cache above 0", cached("--cache-per-layer"))]
+    return [f"{name} was given, but none of the {verb} policies "
+            f"uses it (only {who}): it changed nothing"
+            for given, name, who, applies in uses if given and not any(applies(p) for p in pols)]
+
+
+@dataclass(frozen=True)
+class WhatifOptions:
+    """What one ``whatif`` sweeps, as the CLI (``moesim.cli.whatif.WhatifArgs``) or a Python
+    caller gives it: names and values, checked by :func:`whatif` before any work and resolved
+    there once into the :class:`~moesim.sim.whatif.Sweep` every layer below takes. The fields
+    are :func:`whatif`'s axes, each one described there."""
+
+    trace: str | Path | None = None
+    models: tuple[str, ...] | list[str] = DEFAULT_MODELS
+    hws: tuple[str, ...] | list[str] = DEFAULT_HWS
+    policies: tuple[str | Policy, ...] | list[str | Policy] | None = None  # names or the resolved policies
+    link_gbps: list[float] | None = None
+    cache_gib: tuple[float, ...] | list[float] = DEFAULT_CACHE_GIB
+    eviction: str = "lru"
+    tokens: int = 256
+    prompt_len: int | list[int] = 128
+    batch: int | list[int] = 1
+    goal: str = "tpot"
+    sim: str = "fast"
+    jobs: int | None = None
+    backend: str = "local"
+    address: str | None = None
+    rows_csv: str | Path | None = None
+    expert_dtypes: list[str] | None = None
+    hosts: list[str] | None = None
+    cpu_layers: list[int | str] | None = None
+    gpu_expert_gib: list[float | str] | None = None
+    copy_queues: list[str] | None = None
+    prefetch_top: list[int] | None = None
+    placement_from: str | Path | None = None
+    calibrate_on_replay: bool = False
+    engine: str | None = None
+    threads: int | None = None
+    gpu_layers: list[int | str] | None = None
+    lookaheads: list[int] | None = None
+    host_ram_gb: float | None = None
+    cache_per_layer: bool = False
+    offload_gib: list[float | str] | None = None
+    split: str = "layer"
+    ratios: list[float] | None = None
+
+
+def whatif(o: WhatifOptions = WhatifOptions(), progress: Callable[[int, int], None] | None = None) -> WhatIf:
+    """Sweep models x hardware x policies x link bandwidth (None: each profile's own) x cache
+    size, and the axes each policy family has: ``expert_dtypes`` (every policy), ``hosts``
+    (CPU policies; None: each GPU profile's own), ``cpu_layers`` (cpu-static; None:
+    :func:`default_cpu_layers`), ``gpu_expert_gib`` (hot-experts; ``auto`` = all that fit),
+    ``copy_queues`` and ``prefetch_top`` (the predicting copy policies), ``gpu_layers``
+    (gpu-layers; None: auto, the most that fit), ``offload_gib`` (weight-streaming; None:
+    auto, the least that fits); ``split`` and ``ratios`` spread layers over the GPUs of a
+    machine of several (whole layers by bytes or in ``ratios``, llama.cpp's ``--tensor-split``;
+    or every layer over all, ``tensor``). ``batch``, ``prompt_len`` and
+    ``lookaheads`` (how many MoE layers ahead the predictions are made) are axes of the
+    synthetic traces (a recorded trace has its own). ``hws`` are machines
+    (:func:`moesim.hardware.get_machine`: ``a6000``, ``2xrtx5090``, ``none``); ``engine``
+    the inference engine (:mod:`moesim.engines`) and ``threads`` its CPU threads; ``sim``
+    the simulator (fast or simpy).
+
+    hot-experts (and cpu-on-miss's warm cache) place experts by the routing of a SEPARATE
+    calibration trace: ``placement_from``, else for synthetic traces a second synthetic
+    trace with another seed; counting the replayed trace itself only with
+    ``calibrate_on_replay``, and those rows say "optimistic".
+
+    ``backend``/``address``: where the groups run (:func:`moesim.sim.whatif.run_sweep`);
+    ``rows_csv``: stream every row to this CSV as its group finishes, and resume an
+    interrupted sweep from it (the same sweep run again skips the finished groups).
+    """
+    if o.jobs is not None and o.jobs < 0:
+        raise MoesimError(f"--jobs {o.jobs}: a number of worker processes (0 = all cores)")
+    if o.goal not in GOALS:
+        raise MoesimError(f"unknown goal {o.goal!r}; known: {', '.join(GOALS)}")
+    _positive_ints([o.batch] if isinstance(o.batch, int) else list(o.batch), "--batch")
+    _positive_ints([o.prompt_len] if isinstance(o.prompt_len, int) else list(o.prompt_len), "--prompt-len")
+    check_values(eviction=o.eviction, sim=o.sim, backend=o.backend, link_gbps=o.link_gbps, cache_gib=o.cache_gib,
+                 copy_queues=o.copy_queues, expert_dtypes=o.expert_dtypes, threads=o.threads, jobs=o.jobs,
+                 lookaheads=o.lookaheads, cpu_layers=o.cpu_layers, gpu_layers=o.gpu_layers,
+                 gpu_expert_gib=o.gpu_expert_gib, offload_gib=o.offload_gib, prefetch_top=o.prefetch_top,
+                 ratios=o.ratios)
+    if o.rows_csv is None:
+        return _whatif(o, progress)
+
+    check_rows_path(Path(o.rows_csv))
+    with exclusive(o.rows_csv, "--rows"):  # a second identical sweep on these rows: one line, before any work
+        return _whatif(o, progress)
+
+
+def _whatif(o: WhatifOptions, progress: Callable[[int, int], None] | None) -> WhatIf:
+    policies = o.policies
+    batches = _positive_ints([o.batch] if isinstance(o.batch, int) else list(o.batch), "--batch")
+    prompts = _positive_ints([o.prompt_len] if isinstance(o.prompt_len, int) else list(o.prompt_len), "--prompt-len")
+    eng = get_engine(o.engine)  # an unknown engine: one line, before any work
+    chosen = policies is not None
+    if not chosen:  # the policies the engine runs (moesim's own defaults for PyTorch eager)
+        policies = eng.default_policies(DEFAULT_POLICIES)
+    pols = [as_policy(p) for p in policies]  # names checked before any work (the CLI's: resolved already)
+    policies, engine_note = eng.only_runs([p.name for p in pols])
+    pols = [p for p in pols if p.name in policies]
+    if o.placement_from is not None and o.calibrate_on_replay:
+        raise MoesimError("give a calibration trace (--placement-from) or --calibrate-on-replay, not both")
+    hot_left_out = None
+    uniform = eng.expert_placement == "uniform" and o.placement_from is None and not o.calibrate_on_replay
+    if o.trace is not None and o.placement_from is None and not o.calibrate_on_replay and not uniform \
+            and any(p.places_hot_set for p in pols):
+        why = ("hot-experts places experts by a calibration trace's routing: give --placement-from TRACE (or "
+               "--calibrate-on-replay for an optimistic bound)")
+        if chosen:
+            raise MoesimError(why)
+        # Among the defaults it is left out, not the whole sweep refused: `moesim whatif --trace T` answers. Left
+        # out before the options are checked, so one only hot-experts reads (--gpu-expert-gib) is noted as unused.
+        pols = [p for p in pols if not p.places_hot_set]
+        policies = [p.name for p in pols]
+        hot_left_out = f"{why} to sweep it: left out"
+    profiles = [get_machine(h) for h in o.hws]  # each machine resolved once, here
+    no_gpu = any(m.n_gpus == 0 for m in profiles)  # --hw none: the host runs every layer
+    check_unique_names(o.hws, profiles)  # before any trace is drawn: one value given twice
+    host_table: dict = {}  # each host resolved once (the sweep keeps them)
+    named_hosts = [h for h in o.hosts or () if h]
+    check_unique_names(named_hosts, [resolve_host(host_table, h) for h in named_hosts], "--host")
+    given = Given(o.hosts, o.cpu_layers, o.gpu_expert_gib, o.copy_queues, o.prefetch_top, o.gpu_layers,
+                  o.offload_gib, o.lookaheads, eviction=o.eviction, threads=o.threads,
+                  cached=any(isinstance(c, (int, float)) and c > 0 for c in o.cache_gib),
+                  link_given=o.link_gbps is not None, cache_per_layer=o.cache_per_layer)
+    notes: list[str] = unused_options(pols, given, no_gpu=no_gpu)
+    notes += split_notes(o.split, o.ratios, [m.n_gpus for m in profiles])
+    if engine_note:
+        notes.append(engine_note)
+    if hot_left_out:
+        notes.append(hot_left_out)
+    if o.host_ram_gb is not None and not (isinstance(o.host_ram_gb, (int, float)) and 0 < o.host_ram_gb < 1e7):
+        raise MoesimError(f"--host-ram-gb {o.host_ram_gb!r}: the host's RAM in GB, above 0 and below 10,000,000 "
+                          "(10 PB)")
+    if o.backend == "local":
+        compile_kernels_aside(o.jobs)  # a first run: the sweep's kernels compile on another core while traces are drawn
+    calibration: dict[str, Any] = {}
+    calibration_source = "-"
+    aheads = _positive_ints(list(o.lookaheads), "--lookahead") if o.lookaheads else [1]
+    if o.trace is not None:
+        if len(batches) > 1 or len(prompts) > 1:
+            raise MoesimError("--batch and --prompt-len axes shape synthetic traces; a recorded trace (--trace) has its "
+                              "own batch size and prompt length")
+        t = read_trace(o.trace)
+        shaped = [k for k, v in (("--model", tuple(o.models) != DEFAULT_MODELS), ("--tokens", o.tokens != 256),
+                                 ("--batch", batches != [1]), ("--prompt-len", prompts != [128])) if v]
+        if shaped:  # the trace's own model, steps, batch and prompt length are what is replayed
+            notes.append(f"{', '.join(shaped)} shape{'s' if len(shaped) == 1 else ''} synthetic traces; --trace {o.trace} "
+                         "has its own: changed nothing")
+        if t.speculative:
+            raise MoesimError(f"{o.trace} records speculative decoding: sweep it with "
+                              "`moesim replay TRACE --gamma ... --policy ...`")
+        traces = {t.model.name: t}
+        for n in aheads:
+            if n != t.meta.lookahead:
+                raise MoesimError(f"--lookahead {n}: {o.trace} holds predictions made {t.meta.lookahead} MoE layer(s) "
+                                  f"ahead; record or synthesise it with --lookahead {n}")
+        if o.placement_from is not None:
+            calibration[t.model.name] = separate_calibration(load_calibration(str(o.placement_from), t.model), t,
+                                                             o.placement_from)
+            calibration_source = f"the calibration trace {o.placement_from}"
     else:
-        outcomes = _local(sweep, todo, max(1, min(jobs or os.cpu_count() or 1, len(todo) or 1)))
-    failures: list[tuple[Group, str]] = []
-    try:
-        for i, rows in outcomes:
-            if isinstance(rows, BaseException):
-                failures.append((groups[i], f"{type(rows).__name__}: {rows}"))
-                continue
-            if out is not None:
-                write_rows(out, rows, fingerprint)
-            if keep_rows:
-                results[i] = rows
-            done += len(rows)
-            if progress:
-                progress(done, total)
-    finally:  # now, not when the traceback is freed: an interrupt stops the workers before the CLI exits
-        outcomes.close()
-    ordered = [r for i in sorted(results) for r in results[i]]
-    if failures:
-        cfg, why = failures[0]
-        kept = f"; finished rows are in {out}" if out is not None else ""
-        raise SweepError(f"{len(failures)} of {len(groups)} configuration groups failed, first: {cfg.describe()} "
-                         f"(every profile and link of it): {why}{kept}",
-                         failures, ordered)
-    return ordered
+        if o.placement_from is not None:
+            raise MoesimError("--placement-from calibrates a recorded trace (--trace); synthetic traces are calibrated "
+                              "on a second synthetic trace")
+        traces = {}
+        specs = unique_model_names(list(o.models), [get_model(m) for m in o.models])
+        for spec in specs:  # all sizes checked before any trace is made: the trace and one replay of it together
+            for b in batches:
+                made = budget.synth_estimate(spec, o.tokens, b, max(prompts))
+                run = budget.replay_estimate(spec, o.tokens, b, 1, o.sim)
+                budget.check(budget.Estimate(f"a synthetic trace of {o.tokens} steps x batch {b} of {spec.name} and one "
+                                             "simulation of it", made.bytes + run.bytes, made.seconds + run.seconds))
+        one_shape = len(batches) == 1 and len(prompts) == 1 and len(aheads) == 1
+        for spec in specs:
+            for n in aheads:
+                check_lookahead(n, spec.n_moe_layers)
+            for b in batches:
+                for p in prompts:
+                    for n in aheads:
+                        params = SyntheticParams(tokens=o.tokens, batch=b, prompt_len=p, lookahead=n)
+                        key = spec.name if one_shape else f"{spec.name} b{b} p{p}" + (f" ahead{n}" if n != 1 else "")
+                        traces[key] = synthetic_trace(spec, params)
+            # A family placed by routing frequency needs calibration routing (hot-experts not where the
+            # engine places uniformly; cpu-on-miss warms its cache from it).
+            if any("--placement-from" in p.knobs and not (uniform and p.places_hot_set) for p in pols) \
+                    and not o.calibrate_on_replay:
+                # The calibration twin: the replayed traces' expert popularity (one seed), other
+                # draws, so "the hottest experts" are the replayed routing's hot experts without
+                # the placement having seen the draws it is judged on.
+                base = SyntheticParams()
+                params = SyntheticParams(tokens=o.tokens, batch=batches[0], prompt_len=prompts[0],
+                                         draw_seed=base.seed + CALIBRATION_SEED_OFFSET)
+                calibration[spec.name] = synthetic_trace(spec, params).true_ids
+                calibration_source = (f"a second synthetic trace (the same expert popularity, other draws: "
+                                      f"draw seed {params.draw_seed})")
+    if uniform and any(p.places_hot_set for p in pols):
+        notes.append(f"hot-experts places experts as {eng.name} does by default, by {UNIFORM}; --calibrate-on-replay "
+                     "(or --placement-from with --trace) places them by routing frequency")
+    if calibration:
+        who = "cpu-on-miss places" if uniform else "hot-experts and cpu-on-miss place"
+        notes.append(f"{who} experts by the routing of {calibration_source}, not the replayed trace")
+    if o.calibrate_on_replay:
+        notes.append("optimistic: hot-experts places experts by the replayed trace's own routing (it has seen the "
+                     "future), an upper bound")
+    host_names = tuple(o.hosts) if o.hosts else (None,)
+    used_hosts = [resolve_host(host_table, h) for h in host_names if h]
+    used_hosts += [resolve_host(host_table, None, m.gpus[0]) for m in profiles
+                   if not o.hosts and m.gpus and m.gpus[0].host]
+    distinct_hosts = list({h.name: h for h in used_hosts}.values())
+    notes.extend(check_threads(o.threads, distinct_hosts))
+    if any(p.uses_host for p in pols):
+        notes.extend(sockets_notes(distinct_hosts, eng))
+    if o.address is not None and o.backend != "ray":
+        notes.append("--address was given, but the backend is local: it changed nothing")
+    if any(p.uses_host for p in pols) and not o.hosts or any(m.n_gpus == 0 for m in profiles) and not o.hosts:
+        for prof in profiles:
+            resolve_host(host_table, None, prof.gpus[0] if prof.gpus else None)  # a machine without a host: one line
+    layers = tuple(o.cpu_layers) if o.cpu_layers else default_cpu_layers([t.model for t in traces.values()])
+    sweep = Sweep(traces, profiles, list(policies), list(o.link_gbps) if o.link_gbps else [None],
+                  list(o.cache_gib), o.eviction, o.sim, expert_dtypes=tuple(o.expert_dtypes) if o.expert_dtypes else (None,),
+                  hosts=host_names, cpu_layers=layers,
+                  gpu_expert_gib=tuple(o.gpu_expert_gib) if o.gpu_expert_gib else ("auto",),
+                  copy_queues=tuple(o.copy_queues) if o.copy_queues else ("fifo",),
+                  prefetch_top=tuple(o.prefetch_top) if o.prefetch_top else (None,),
+                  calibration=calibration or None, calibration_source=calibration_source,
+                  calibrate_on_replay=o.calibrate_on_replay, engine=o.engine, engine_profile=eng,
+                  resolved={p.name: p for p in pols}, threads=o.threads, host_ram_gb=o.host_ram_gb,
+                  cache_per_layer=o.cache_per_layer,
+                  gpu_layers=tuple(o.gpu_layers) if o.gpu_layers else ("auto",),
+                  offload_gib=tuple(o.offload_gib) if o.offload_gib else ("auto",), split=o.split,
+                  ratios=tuple(o.ratios) if o.ratios is not None else None, host_profiles=host_table)
+    n_groups = len(sweep.groups())
+    workers = 1 if o.backend != "local" else max(1, min(o.jobs or os.cpu_count() or 1, n_groups))
+    per_trace = {k: max(1, n // max(1, len(traces))) for k, n in
+                 budget.runs_by_kind([sweep.resolved[g.policy] for g in sweep.groups()]).items()}  # alike per trace
+    budget.check(budget.sweep_estimate([(t.model, t.n_tokens, t.batch) for t in traces.values()], per_trace,
+                                       sweep.group_size, o.sim, workers))
+    rows = run_sweep(sweep, o.jobs, progress, backend=o.backend, address=o.address, out=o.rows_csv, notes=notes)
+    by_hw = {h.name: best([r for r in rows if r["hw"] == h.name], o.goal) for h in sweep.hws}
+    if any(t.synthetic for t in traces.values()):
+        notes.insert(0, "synthetic traces: routing and predictions are generated, not recorded")
+    return WhatIf(sweep, o.goal, rows, best(rows, o.goal), by_hw, any(t.synthetic for t in traces.values()), notes)
 
 
-def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and x == x
+def split_notes(split: str, ratios, gpu_counts: list[int]) -> list[str]:
+    """A note for ``--split``/``--tensor-split`` given where they change nothing: no machine of
+    several GPUs, or shares with a tensor split (which spreads every layer evenly)."""
+    most = max(gpu_counts, default=1)
+    several = f"no machine has several GPUs ({'none' if most == 0 else 'one GPU at most'})" if len(gpu_counts) > 1 \
+        else f"the machine has {most or 'no'} GPU{'s' if most != 1 else ''} (a split needs several)"
+    notes = []
+    if split != "layer" and most < 2:
+        notes.append(f"--split {split} was given, but {several}: it changed nothing")
+    if ratios is not None and (most < 2 or split != "layer"):
+        notes.append("--tensor-split was given, but " + (several if most < 2 else f"--split {split} spreads every "
+                     "layer over all the GPUs (the shares are a layer split's)") + ": it changed nothing")
+    return notes
 
 
-def best(rows: list[dict[str, Any]], goal: str = "tpot") -> dict[str, Any] | None:
-    """The best row for ``goal`` among those that fit in device memory. The oracle is a
-    bound, not a policy anyone can run, so it is never the answer."""
-    if goal not in GOALS:
-        raise MoesimError(f"unknown goal {goal!r}; known: {', '.join(GOALS)}")
-    key = GOALS[goal][0]
-    oracles = {n for n, p in POLICIES.items() if p.is_bound}  # a row's policy is a registered name
-    fitting = [r for r in rows if r["fits"] and r["policy"] not in oracles and _number(r[key])]
-    return min(fitting, key=lambda r: (float(f"{r[key]:.6g}"), simplicity(r.get("family")))) if fitting else None
+def profile_notes(policy: str, eviction: str, given: set[str], cached: bool, hardware: bool) -> list[str]:
+    """``moesim profile``: a note for each option typed that the run does not use (the
+    :func:`unused_options` wording)."""
+
+    if hardware:
+        return []
+    pol = get_policy(policy)
+    typed = Given(eviction=eviction if "--eviction" in given else None, cached=cached,
+                  link_given="--link-gbps" in given)
+    notes = unused_options([pol], typed, verb="chosen")
+    if "--predictor" in given and "--predictor" not in pol.knobs:
+        notes.append("--predictor was given, but none of the chosen policies uses it (only the prefetching "
+                     "policies): it changed nothing")
+    if "--name" in given:
+        notes.append("--name was given, but only --hardware uses it: it changed nothing")
+    return notes
