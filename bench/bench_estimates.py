@@ -112,7 +112,7 @@ def _replay(sim: str, policies: tuple[str, ...]) -> Callable[[int], Callable[[],
 
 def _whatif(sim: str) -> Callable[[int], Callable[[], Any]]:
     def make(tokens: int) -> Callable[[], Any]:
-        from moesim.sim.sweep import WhatifOptions, whatif
+        from moesim.sim.whatif import WhatifOptions, whatif
 
         return lambda: whatif(WhatifOptions(models=["olmoe-1b-7b"], hws=["a6000", "h100-sxm", "gh200"], link_gbps=[8, 16, 32, 64],
                               cache_gib=[0, 1], tokens=tokens, sim=sim, jobs=1))

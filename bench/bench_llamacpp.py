@@ -1053,7 +1053,7 @@ def write_readme(result: dict, path: Path = DEFAULT_README) -> None:
         "",
         "The prediction is what `moesim whatif --model FILE.gguf --hw none --policy all-resident --host HOST.toml "
         f"--engine llama.cpp --threads T --prompt-len D --tokens {s['n_gen']}` computes: every row was also predicted "
-        "through that command's library call (moesim.sim.sweep.whatif) and "
+        "through that command's library call (moesim.sim.whatif.whatif) and "
         + ("agrees" if result["summary"].get("whatif_agrees") else "DISAGREES (see whatif_tok_s in the JSON)")
         + ".",
         "",

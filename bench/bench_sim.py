@@ -72,7 +72,7 @@ from moesim.sim.engine import run_simpy
 from moesim.sim.fastpath import run_fast
 from moesim.sim.plan import build_plan
 from moesim.sim.simulate import PerTrace, pick_costs, prediction_recall, time_plan
-from moesim.sim.whatif import Sweep, run_sweep
+from moesim.sim.sweep import Sweep, run_sweep
 from moesim.sim.workload import Link, make_workload
 from moesim.traces.format import Trace, read_trace
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace, write_synthetic_trace

@@ -73,7 +73,7 @@ def _targets(node: ast.AST, here: str, is_package: bool, known: set[str]) -> lis
         names = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod for a in node.names]
     out = []
     for n in names:
-        while n and n not in known:  # import moesim.sim.whatif -> that module; import moesim.x.y where y is a name
+        while n and n not in known:  # import moesim.sim.sweep -> that module; import moesim.x.y where y is a name
             n = n.rpartition(".")[0]
         if n and n.startswith("moesim"):
             out.append(n)

@@ -137,10 +137,10 @@ def predict_tps(path: str | Path, threads: int, depth: int, n_gen: int, host, en
 
 
 def whatif_tps(path: str | Path, threads: int, depth: int, n_gen: int, host_path: str) -> float:
-    """The same prediction through `moesim whatif`'s own library call (moesim.sim.sweep.whatif: --model FILE --hw
+    """The same prediction through `moesim whatif`'s own library call (moesim.sim.whatif.whatif: --model FILE --hw
     none --policy all-resident --host HOST --engine llama.cpp --threads T --prompt-len D --tokens n_gen): a check
     that predict_tps() takes the CLI's path."""
-    from moesim.sim.sweep import WhatifOptions, whatif
+    from moesim.sim.whatif import WhatifOptions, whatif
 
     res = whatif(WhatifOptions(None, [str(path)], ["none"], ["all-resident"], None, [0], tokens=n_gen, prompt_len=[max(depth, 1)],
                  jobs=1, hosts=[host_path], engine=ENGINE, threads=threads))

@@ -18,7 +18,7 @@ from moesim.sim.deploy import AXES, Timed, crossovers, deployment_answer, descri
 from moesim.sim.intervals import NOMINAL, range_text
 from moesim.sim.pool import start_aside
 from moesim.sim.simulate import simulate
-from moesim.sim.whatif import GOALS, Sweep
+from moesim.sim.sweep import GOALS, Sweep
 
 COLS = ["model", "hw", "host", "policy", "family", "expert_dtype", "batch", "prompt_len", "link_gbps", "cache_gib",
         "cpu_layers", "resident_experts", "copy_queue", "prefetch_top", "fits", "tpot_ms", "tpot_ms_low", "tpot_ms_high",

@@ -42,14 +42,14 @@ from moesim.models import DTYPES, get_model
 from moesim.policy import get_policy
 from moesim.sim.intervals import MIN_CLASS, Interval, calibrated_residuals, conformal
 from moesim.sim.published import Entry, predict, setting_spec
-from moesim.sim.whatif import bound_of
+from moesim.sim.sweep import bound_of
 from moesim.spec import matrix_bytes
 
 if TYPE_CHECKING:  # the rows' type only: reading them is moesim.measured's
     from moesim.measured import MeasuredRow
 
 #: What a calibration may fit: figure (the table's format key is chosen per row), the
-#: resource whose rows inform it (:func:`moesim.sim.whatif.bound_of`'s words), bounds.
+#: resource whose rows inform it (:func:`moesim.sim.sweep.bound_of`'s words), bounds.
 CANDIDATES = (("cpu_weight_efficiency", "CPU compute", 0.02, 1.0),
               ("gpu_weight_efficiency", "GPU compute", 0.02, 1.0),
               ("link_efficiency", "link", 0.02, 1.0))

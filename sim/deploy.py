@@ -2,7 +2,7 @@
 best configuration, what bounds it, the overall winner and why, and the crossover points
 (batch size, prompt length, link bandwidth) where the winner changes.
 
-Families (docs/policies.md; from the policy registry, :func:`moesim.sim.whatif.policy_families`):
+Families (docs/policies.md; from the policy registry, :func:`moesim.sim.sweep.policy_families`):
 ``prefetching`` (on-demand, prefetch-fom, prefetch-spec with their cache, copy queue and
 top-m), ``cpu-static`` (llama.cpp ``--n-cpu-moe``), ``gpu-layers`` (llama.cpp ``-ngl``),
 ``weight-streaming`` (vLLM ``--cpu-offload-gb``), ``hot-experts`` (KTransformers),
@@ -10,7 +10,7 @@ top-m), ``cpu-static`` (llama.cpp ``--n-cpu-moe``), ``gpu-layers`` (llama.cpp ``
 oracle is shown as the prefetching family's bound and never wins. A configuration that
 does not fit in device memory is never a family's best.
 
-Data in, data out: rows of :func:`moesim.sim.whatif.run_sweep` in, plain records out;
+Data in, data out: rows of :func:`moesim.sim.sweep.run_sweep` in, plain records out;
 the CLI prints :func:`format_answer`, the report plots :func:`crossovers`.
 """
 
@@ -37,9 +37,9 @@ from moesim.quant_recipes import store_as
 from moesim.setting import Setting
 from moesim.sim.intervals import NOMINAL, range_text
 from moesim.sim.static import layout_for
-from moesim.sim.whatif import BOUND, GOALS, NOT_RUN, policy_families, simplicity
+from moesim.sim.sweep import BOUND, GOALS, NOT_RUN, policy_families, simplicity
 
-# The families and their tie order come from the policy registry (moesim.sim.whatif).
+# The families and their tie order come from the policy registry (moesim.sim.sweep).
 AXES = {"batch": "batch size", "prompt_len": "prompt length, tokens", "link_gbps": "link, GB/s"}
 Scenario = tuple[str, str, str, int, int, float]  # (model, hw, host, batch, prompt_len, link_gbps)
 
@@ -92,7 +92,7 @@ def _expert_bytes(row: dict[str, Any]) -> float:
 
 
 def bound_words(row: dict[str, Any]) -> str:
-    """One clause on what bounds ``row`` (its ``bound`` column, :func:`moesim.sim.whatif.bound_of`)."""
+    """One clause on what bounds ``row`` (its ``bound`` column, :func:`moesim.sim.sweep.bound_of`)."""
     b = row["bound"]
     if b == "link":
         return f"copies over the host link take most of its time ({number(row['copy_ms'])} ms of link per token)"
@@ -257,7 +257,7 @@ def _count(value: Any, kind: type = int) -> Any:
 class Timed:
     """The machines and models a sweep's rows were timed on, by the names the rows carry:
     a user's GPU file or a GGUF's model is what its row ran, never a built-in or catalogue
-    entry of the same name (:meth:`of` a :class:`moesim.sim.whatif.Sweep`)."""
+    entry of the same name (:meth:`of` a :class:`moesim.sim.sweep.Sweep`)."""
 
     machines: dict[str, Machine]
     specs: dict[str, ModelSpec]

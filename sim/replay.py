@@ -32,8 +32,8 @@ from moesim.sim.intervals import kind_of, with_range
 from moesim.sim.prefetch_top import keep_top_predictions
 from moesim.sim.quantised import with_expert_dtype
 from moesim.sim.simulate import SimResult, simulate_policies
-from moesim.sim.sweep import Given, check_threads, check_values, split_notes, unused_options
-from moesim.sim.whatif import policy_family
+from moesim.sim.sweep import policy_family
+from moesim.sim.whatif import Given, check_threads, check_values, split_notes, unused_options
 from moesim.traces.format import Trace, read_trace
 
 DEFAULT_POLICIES = ("on-demand", "prefetch-fom", "prefetch-spec", "oracle")
@@ -183,7 +183,7 @@ def replay(trace: Trace | str | Path, hw: str | Machine | None = None,
 
 def check_given(given: Setting, changes: TraceChanges = NO_CHANGES) -> None:
     """``given`` and ``changes`` checked by the one definition whatif's options go through
-    (:func:`moesim.sim.sweep.check_values`): ``--threads 0`` or ``--gpu-layers -5`` is one line in
+    (:func:`moesim.sim.whatif.check_values`): ``--threads 0`` or ``--gpu-layers -5`` is one line in
     both commands, never a note that it changed nothing."""
     def one(v):
         return None if v is None else [v]
@@ -239,7 +239,7 @@ def recorded_cache(trace: Trace, s: Setting) -> tuple[Setting, str]:
 def unused_notes(policies, hw: str | Machine | None, given: Setting, changes: TraceChanges = NO_CHANGES, *,
                  cached: bool = False) -> str | None:
     """One line naming every option given that none of the replayed policies uses
-    (:func:`moesim.sim.sweep.unused_options`, the definition whatif uses), or None. ``given``
+    (:func:`moesim.sim.whatif.unused_options`, the definition whatif uses), or None. ``given``
     and ``changes`` as given (``None``: left out); ``cached``: the cache the replay runs
     (given, else recorded) is above 0, for no cache evicts nothing; a split other than layer
     needs several GPUs."""

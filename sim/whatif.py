@@ -2,7 +2,7 @@
 
 Without a trace each model gets a **synthetic** trace (moesim.traces.synthetic) of each
 given shape (batch size x prompt length); the result says so (``synthetic``). The best configuration fits in device
-memory and is never the oracle (:func:`moesim.sim.whatif.best`).
+memory and is never the oracle (:func:`moesim.sim.sweep.best`).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from moesim.policy import QUEUES, WHATIF_POLICIES, Policy, as_policy, check_evic
 from moesim.policy.placement import UNIFORM
 from moesim.quant_recipes import is_format
 from moesim.sim.cpu_compute import load_calibration, separate_calibration
+from moesim.sim.sweep import BACKENDS, GOALS, Sweep, best, compile_kernels_aside, resolve_host, run_sweep
 from moesim.sim.sweep_rows import check_rows_path
-from moesim.sim.whatif import BACKENDS, GOALS, Sweep, best, compile_kernels_aside, resolve_host, run_sweep
 from moesim.traces.format import read_trace
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
@@ -265,7 +265,7 @@ def unused_options(pols: list, g: Given, *, pinned_hot_set: bool = False, no_gpu
 class WhatifOptions:
     """What one ``whatif`` sweeps, as the CLI (``moesim.cli.whatif.WhatifArgs``) or a Python
     caller gives it: names and values, checked by :func:`whatif` before any work and resolved
-    there once into the :class:`~moesim.sim.whatif.Sweep` every layer below takes. The fields
+    there once into the :class:`~moesim.sim.sweep.Sweep` every layer below takes. The fields
     are :func:`whatif`'s axes, each one described there."""
 
     trace: str | Path | None = None
@@ -324,7 +324,7 @@ def whatif(o: WhatifOptions = WhatifOptions(), progress: Callable[[int, int], No
     trace with another seed; counting the replayed trace itself only with
     ``calibrate_on_replay``, and those rows say "optimistic".
 
-    ``backend``/``address``: where the groups run (:func:`moesim.sim.whatif.run_sweep`);
+    ``backend``/``address``: where the groups run (:func:`moesim.sim.sweep.run_sweep`);
     ``rows_csv``: stream every row to this CSV as its group finishes, and resume an
     interrupted sweep from it (the same sweep run again skips the finished groups).
     """

@@ -31,7 +31,7 @@ def test_a_failure_there_is_an_exit_code_and_says_nothing(capfd):
 
 def test_the_report_draws_the_heatmap_itself_when_the_other_process_failed(tmp_path, monkeypatch):
     from moesim.reports import whatif as report
-    from moesim.sim.sweep import WhatifOptions, whatif
+    from moesim.sim.whatif import WhatifOptions, whatif
 
     res = whatif(WhatifOptions(models=["olmoe-1b-7b"], hws=["a6000"], policies=["on-demand", "prefetch-fom"],
                                link_gbps=[8, 16], cache_gib=[0, 1], tokens=4, jobs=1))

@@ -4,7 +4,7 @@ The cases are generated from the registries (every registered policy, copy queue
 eviction, expert format the model can store, and the CPU-compute policies), so a policy,
 queue or format that joins the project joins this test. For each deployment the paths
 are: ``simulate`` on both engines, ``moesim replay`` (:func:`moesim.sim.replay.replay`),
-``moesim whatif`` (:func:`moesim.sim.whatif.run_sweep`, local backend), the deployment
+``moesim whatif`` (:func:`moesim.sim.sweep.run_sweep`, local backend), the deployment
 answer built from the sweep's rows (:func:`moesim.sim.deploy.deployment_answer`) and
 validation's predictor (:func:`moesim.sim.validate.validate_trace`) on a trace with
 measured times.
@@ -25,7 +25,7 @@ from moesim.setting import Setting
 from moesim.sim.deploy import deployment_answer
 from moesim.sim.replay import TraceChanges, replay, replay_setting
 from moesim.sim.simulate import simulate
-from moesim.sim.whatif import Sweep, run_sweep
+from moesim.sim.sweep import Sweep, run_sweep
 from moesim.traces.format import read_trace, write_trace
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 

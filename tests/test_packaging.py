@@ -135,7 +135,7 @@ def test_a_first_whatif_compiles_the_planner_aside_and_loads_it_from_the_cache(t
     drawn (sim/whatif.compile_kernels_aside): the sweep then loads it from numba's cache (a
     hit, no compile of its own) and gives the rows a run without it gives."""
     r = _compile_in_a_fresh_cache(tmp_path, (
-        "import json; from moesim.policy import kernel as policy_kernel; from moesim.sim.sweep import WhatifOptions, whatif\n"
+        "import json; from moesim.policy import kernel as policy_kernel; from moesim.sim.whatif import WhatifOptions, whatif\n"
         "kw = dict(models=['olmoe-1b-7b'], hws=['a6000'], policies=['on-demand', 'prefetch-fom'], tokens=4, jobs=2)\n"
         "res = whatif(WhatifOptions(**kw))\n"
         "stats = policy_kernel.plan_steps.stats\n"
@@ -145,7 +145,7 @@ def test_a_first_whatif_compiles_the_planner_aside_and_loads_it_from_the_cache(t
     assert (hits, misses) == (1, 0), r.stdout
     import numpy as np
 
-    from moesim.sim.sweep import WhatifOptions, whatif
+    from moesim.sim.whatif import WhatifOptions, whatif
 
     same = whatif(WhatifOptions(models=["olmoe-1b-7b"], hws=["a6000"], policies=["on-demand", "prefetch-fom"], tokens=4, jobs=1))
     assert np.allclose(rows, [x["tpot_ms"] for x in same.rows], rtol=1e-12)

@@ -56,7 +56,7 @@ def test_host_variants_are_named_by_their_value():
 
 
 def test_machines_are_compared_by_their_gpus():
-    from moesim.sim.sweep import check_unique_names, value_of
+    from moesim.sim.whatif import check_unique_names, value_of
 
     assert get_machine("2Xrtx3090").name == "2xrtx3090"
     assert value_of(get_machine("2xrtx3090")) == value_of(get_machine("rtx3090+rtx3090"))

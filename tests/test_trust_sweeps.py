@@ -93,9 +93,9 @@ def test_signals_to_a_pool_sweep_end_it_keep_rows_and_leave_no_worker(tmp_path, 
 def test_workers_ignore_sigint_and_the_parent_stops_them():
     """The pool's initializer: SIGINT and SIGHUP ignored (a terminal's Ctrl-C or hangup reaches the
     whole group), SIGTERM the default (how the parent stops them)."""
-    from moesim.sim import whatif as wi
+    from moesim.sim import sweep as wi
 
-    code = ("import signal; from moesim.sim import whatif as wi; wi._init_worker(None); "
+    code = ("import signal; from moesim.sim import sweep as wi; wi._init_worker(None); "
             "print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN, signal.getsignal(signal.SIGHUP) is signal.SIG_IGN, "
             "signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)")
     r = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=60)
@@ -351,10 +351,10 @@ def test_replay_is_silent_when_the_option_is_used(traces, run):
 
 
 def test_one_definition_of_unused_options_for_replay_and_whatif():
-    from moesim.sim import replay, sweep
+    from moesim.sim import replay, whatif
 
     assert "unused_options" in replay.unused_notes.__code__.co_names
-    assert not hasattr(replay, "unused_options") or replay.unused_options is sweep.unused_options
+    assert not hasattr(replay, "unused_options") or replay.unused_options is whatif.unused_options
 
 
 @pytest.mark.parametrize("run", BOTH_WAYS)
@@ -405,7 +405,7 @@ def test_the_pool_sweeps_estimate_counts_each_policy_family_and_is_within_3x_of_
     67 s on SimPy on an idle 2-core machine (2026-12-02); the estimate whatif makes for it,
     captured where it is checked, is within 3x (cpu-on-miss's recurrence is most of it)."""
     from moesim import budget
-    from moesim.sim import sweep as sweep_module
+    from moesim.sim import whatif as whatif_module
 
     seen = []
     real = budget.check
@@ -417,9 +417,9 @@ def test_the_pool_sweeps_estimate_counts_each_policy_family_and_is_within_3x_of_
     def stop(*a, **k):
         raise Estimated
 
-    monkeypatch.setattr(sweep_module, "run_sweep", stop)
+    monkeypatch.setattr(whatif_module, "run_sweep", stop)
     with pytest.raises(Estimated):
-        sweep_module.whatif(sweep_module.WhatifOptions(models=["qwen3-30b-a3b", "olmoe-1b-7b"], hws=["a6000", "h100-sxm", "gh200"], tokens=256,
+        whatif_module.whatif(whatif_module.WhatifOptions(models=["qwen3-30b-a3b", "olmoe-1b-7b"], hws=["a6000", "h100-sxm", "gh200"], tokens=256,
                             link_gbps=[8, 16, 32, 64], cache_gib=[0, 4, 8, 16], jobs=2, sim="simpy"))
     est = seen[-1]
     assert est.what.startswith("648 configurations") and 67 / 3 <= est.seconds <= 67 * 3
@@ -432,7 +432,7 @@ def test_the_estimate_is_within_3x_of_a_small_sweeps_counted_work():
     from moesim import budget
     from moesim.hardware import get_profile
     from moesim.models import get_model
-    from moesim.sim.whatif import Sweep, run_sweep
+    from moesim.sim.sweep import Sweep, run_sweep
     from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
     spec = get_model("tiny")

@@ -6,7 +6,7 @@ from moesim.hardware import get_profile
 from moesim.memory import device_bytes
 from moesim.models import get_model
 from moesim.setting import Setting
-from moesim.sim.whatif import Sweep, best, run_sweep
+from moesim.sim.sweep import Sweep, best, run_sweep
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
 
@@ -152,25 +152,25 @@ def test_resume_refuses_another_sweeps_output(sweep, tmp_path):
 
 @pytest.mark.parametrize("jobs", [1, 2])
 def test_a_failing_group_is_named_and_the_rest_are_kept(sweep, tmp_path, monkeypatch, jobs):
-    from moesim.sim import whatif
+    from moesim.sim import sweep as sweep_module
 
-    real = whatif.run_group
+    real = sweep_module.run_group
 
     def flaky(sw, index):
         if index == 2:
             raise ValueError("worker ran out of luck")
         return real(sw, index)
 
-    monkeypatch.setattr(whatif, "run_group", flaky)
+    monkeypatch.setattr(sweep_module, "run_group", flaky)
     out = tmp_path / "sweep.csv"
-    with pytest.raises(whatif.SweepError) as e:
+    with pytest.raises(sweep_module.SweepError) as e:
         run_sweep(sweep, jobs=jobs, out=out)
     cfg = sweep.groups()[2]
     assert f"trace {cfg.trace}, policy {cfg.policy}, cache {cfg.cache_gib:g} GiB" in str(e.value)
     assert "worker ran out of luck" in str(e.value)
     assert len(e.value.rows) == sweep.size - sweep.group_size
     assert len(out.read_text().splitlines()) == 1 + sweep.size - sweep.group_size
-    monkeypatch.setattr(whatif, "run_group", real)
+    monkeypatch.setattr(sweep_module, "run_group", real)
     assert run_sweep(sweep, jobs=1, out=out) == run_sweep(sweep, jobs=1)  # the rerun does only the failed group
 
 
@@ -240,7 +240,7 @@ KILLED_SWEEP = """
 import os, signal, sys
 from moesim.hardware import get_profile
 from moesim.models import get_model
-from moesim.sim.whatif import Sweep, run_sweep
+from moesim.sim.sweep import Sweep, run_sweep
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
 traces = {m: synthetic_trace(get_model(m), SyntheticParams(tokens=16, seed=2)) for m in ("tiny", "olmoe-1b-7b")}
@@ -290,7 +290,7 @@ def test_every_sweep_field_enters_the_resume_fingerprint(sweep):
     import dataclasses
 
     from moesim.hardware import get_machine
-    from moesim.sim.whatif import _BY_CONTENT
+    from moesim.sim.sweep import _BY_CONTENT
 
     base = sweep.fingerprint()
     for f in dataclasses.fields(Sweep):

@@ -15,8 +15,8 @@ from moesim.fmt import number
 from moesim.hardware import get_host, get_profile
 from moesim.models import get_model
 from moesim.sim.deploy import crossovers, deployment_answer, format_answer
-from moesim.sim.sweep import WhatifOptions, whatif
-from moesim.sim.whatif import ROW_COLUMNS, Sweep, run_sweep
+from moesim.sim.sweep import ROW_COLUMNS, Sweep, run_sweep
+from moesim.sim.whatif import WhatifOptions, whatif
 from moesim.traces.format import write_trace
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 
@@ -94,7 +94,7 @@ def test_synthetic_hot_experts_place_from_a_second_synthetic_trace(tmp_path):
     the swept trace itself; and the placement finds the popular experts, so the device hit
     rate beats the resident share (a random placement's: the bug this fixes)."""
     from moesim.sim.replay import TraceChanges, replay, replay_setting
-    from moesim.sim.sweep import CALIBRATION_SEED_OFFSET
+    from moesim.sim.whatif import CALIBRATION_SEED_OFFSET
 
     spec = get_model("qwen3-30b-a3b")
     params = SyntheticParams(tokens=4, prompt_len=16)
@@ -245,7 +245,7 @@ def test_bad_axes_are_one_line_exit_2(args, says, tmp_path, cli):
     ({"policies": ["cpu-static", "sometimes"]}, "sometimes"),
 ])
 def test_bad_axes_are_refused_before_any_work(kw, says, monkeypatch):
-    from moesim.sim import whatif as sweep_module
+    from moesim.sim import sweep as sweep_module
 
     monkeypatch.setattr(sweep_module, "run_group", lambda *a: pytest.fail("a group ran"))
     with pytest.raises(MoesimError, match=says.replace("-", r"\-")):

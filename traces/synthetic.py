@@ -513,7 +513,7 @@ def _layer_spans(m: int, n: int) -> list[tuple[int, int]]:
 #: the ids narrower (one byte up to 128 experts: traces.format.id_dtype), each block cast as it is
 #: written (~10 ms for 100,000 Qwen3-30B-A3B tokens); in memory they stay int16, so one compiled
 #: kernel draws for every model, and a sweep's traces meet the planner kernel in the dtype it was
-#: compiled for ahead (moesim.sim.whatif._warm_planner): a second dtype is a second compile.
+#: compiled for ahead (moesim.sim.sweep._warm_planner): a second dtype is a second compile.
 DRAWN = (np.int16, np.float32, np.int16)
 
 

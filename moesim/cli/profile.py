@@ -19,7 +19,7 @@ from moesim.fmt import number
 from moesim.hardware import DEFAULT_PROFILE, FIGURES
 from moesim.outputs import check_output_file
 from moesim.policy import check_eviction
-from moesim.sim.sweep import profile_notes
+from moesim.sim.whatif import profile_notes
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""``moesim whatif``. Python: ``moesim.sim.sweep.whatif(WhatifOptions(models=..., hws=..., policies=...))``."""
+"""``moesim whatif``. Python: ``moesim.sim.whatif.whatif(WhatifOptions(models=..., hws=..., policies=...))``."""
 
 from __future__ import annotations
 
@@ -28,14 +28,14 @@ from moesim.cli.whatif_views import show_whatif
 from moesim.errors import MoesimError
 from moesim.outputs import check_output_dir
 from moesim.policy import WHATIF_POLICIES as DEFAULT_POLICIES
-from moesim.sim.sweep import WhatifOptions
-from moesim.sim.sweep import whatif as run_whatif
+from moesim.sim.whatif import WhatifOptions
+from moesim.sim.whatif import whatif as run_whatif
 
 
 @dataclass
 class WhatifArgs:
     """``moesim whatif``'s options as typed (comma-separated lists as strings);
-    :meth:`options` parses them into the sweep's :class:`~moesim.sim.sweep.WhatifOptions`."""
+    :meth:`options` parses them into the sweep's :class:`~moesim.sim.whatif.WhatifOptions`."""
 
     trace_path: Annotated[Path | None, typer.Option("--trace", help="Sweep over this trace (else a synthetic one per model).")] = None
     model: Annotated[str, typer.Option(help="Comma-separated models (ignored with --trace: the trace's model).")] = "qwen3-30b-a3b"

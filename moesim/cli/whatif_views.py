@@ -19,7 +19,7 @@ from moesim.sim.deploy import (
     format_answer,
 )
 from moesim.sim.intervals import NOMINAL, range_text
-from moesim.sim.whatif import GOALS
+from moesim.sim.sweep import GOALS
 
 WHATIF_COLS = (("model", "model"), ("hw", "hw"), ("host", "host"), ("policy", "policy"), ("setting", "setting"),
                ("fits", "fits"), ("tpot_ms", "TPOT ms"), ("tokens_per_s", "tok/s"),

@@ -589,7 +589,7 @@ def expert_slots(spec: ModelSpec, policy: str | Policy, cache_experts: int = 0, 
 
 
 #: What a what-if compares when no --policy is given (those its engine runs); defined here,
-#: not in moesim.sim.sweep, so that the CLI names them in its help without importing the simulator.
+#: not in moesim.sim.whatif, so that the CLI names them in its help without importing the simulator.
 WHATIF_POLICIES = ("on-demand", "prefetch-fom", "prefetch-spec", "oracle", "all-resident", "cpu-static", "gpu-layers",
                    "hot-experts", "cpu-on-miss", "weight-streaming")
 

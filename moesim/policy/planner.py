@@ -177,7 +177,7 @@ QUEUES = ("fifo", "demand-first", "cancel-unstarted")
 
 def _kernel_ids(ids: np.ndarray) -> np.ndarray:
     """A chunk of expert ids as the planner's kernel is compiled for them: int16 (what the
-    synthetic traces draw and ``moesim.sim.whatif`` compiles ahead), or wider for a model of
+    synthetic traces draw and ``moesim.sim.sweep`` compiles ahead), or wider for a model of
     more experts. A file's one-byte ids (traces/format.py's ``id_dtype``) are widened a chunk
     at a time, not compiled for again: a second ~7 s compile on a first ``whatif --trace``."""
     return ids.astype(np.promote_types(ids.dtype, np.int16), copy=False)
