@@ -14,12 +14,15 @@ bench/):
 - import circles among moesim's modules, counting function-level imports (strongly connected
   components of more than one module; Tarjan's algorithm); an import under ``if TYPE_CHECKING:``
   names a type for the reader and runs never, so it is not counted;
-- how many times ``get_policy`` and ``get_engine`` run in one two-policy ``moesim whatif``
-  (counted with a profile hook on their code objects, so every name bound to them counts),
-  against the distinct names they resolve.
+- issue 53's measures: the lines outside ``moesim/policy/`` that test a policy's flags (its
+  grep), and, in a 4-policy ``moesim replay`` and a 2-policy ``moesim whatif`` on the default
+  three machines, how often ``get_policy``, ``get_engine``, ``get_machine`` and ``get_host``
+  resolve a name against the distinct names they resolve, and how many cost models are built
+  (counted with a profile hook on their code objects, so every name bound to them counts).
 
-Targets (the issue's): at most 5 such functions, 0 circles, 0 function-level imports of
-moesim's own modules, one call per distinct name. Nothing here is timed.
+Targets (the issues'): at most 5 such functions, 0 circles, 0 function-level imports of
+moesim's own modules; at most 15 flag-test lines in 3 files; one resolution per distinct
+name; cost models at most policies x machines (+ the report's chart). Nothing here is timed.
 """
 
 from __future__ import annotations
@@ -157,47 +160,95 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
     return sorted(out, key=len, reverse=True)
 
 
-def resolutions() -> dict:
-    """Calls of get_policy / get_engine in one two-policy ``moesim whatif`` (in this process)."""
-    os.environ.setdefault("MPLBACKEND", "Agg")
-    sys.path.insert(0, str(ROOT))
+#: Issue 53's grep: a policy's flags tested outside the policy package.
+FLAG_TESTS = r"\b(p|pol|policy|self\.policy)\.(cpu|offload|oracle|prefetch|caches|executes_predicted|exact)\b"
+
+#: The commands whose name resolutions and cost models issue 53 counts (a trace is synthesised first).
+COMMANDS = {
+    "4-policy replay": ["replay", "t.npz", "--hw", "a6000", "--policy", "on-demand,prefetch-fom,prefetch-spec,oracle",
+                        "--json"],
+    "2-policy whatif": ["whatif", "--policy", "prefetch-fom,cpu-on-miss", "--tokens", "16", "--jobs", "1", "--out", "w"],
+}
+
+
+def flag_tests() -> dict:
+    """Lines (and files) outside ``moesim/policy/`` that test a policy's flags (issue 53's grep;
+    a Planner's ``prefetch(...)`` call is a method, not a flag, and is not counted)."""
+    import re
+    import subprocess
+
+    out = subprocess.run(["git", "grep", "-nE", FLAG_TESTS, "--", ":!moesim/policy/"], cwd=ROOT, capture_output=True,
+                         text=True).stdout.splitlines()
+    lines = [ln for ln in out if not re.search(r"\.prefetch\(", ln)]
+    return {"flag_test_lines": len(lines), "flag_test_files": sorted({ln.split(":", 1)[0] for ln in lines})}
+
+
+def resolutions(argv: list[str]) -> dict:
+    """For one ``moesim`` command run in this process: how often each of get_policy, get_engine,
+    get_machine and get_host resolves a name (its first argument a string, or None: the
+    default, or a GPU's own host) against the distinct names it resolves, and how many cost
+    models are built. Counted with a profile hook on their code objects, so every name bound
+    to them counts; a resolved object passed through is not a resolution."""
     import moesim.cli
+    from moesim.cli.argv import load_commands
+    from moesim.costmodel import CostModel
     from moesim.engines import get_engine
+    from moesim.hardware import get_host, get_machine
     from moesim.policy import get_policy
 
-    watched = {get_policy.__code__: "get_policy", get_engine.__code__: "get_engine"}
+    load_commands(argv)  # the command's modules imported first: their tables are built once a process, not a run
+    watched = {f.__code__: f.__name__ for f in (get_policy, get_engine, get_machine, get_host)}
     calls = {n: 0 for n in watched.values()}
     names: dict[str, set] = {n: set() for n in watched.values()}
+    built = [0]
 
     def hook(frame, event, arg):
-        if event == "call" and frame.f_code in watched:
-            who = watched[frame.f_code]
-            calls[who] += 1
+        if event != "call":
+            return
+        if frame.f_code is CostModel.__init__.__code__:
+            built[0] += 1
+        elif frame.f_code in watched:
             first = frame.f_locals.get(frame.f_code.co_varnames[0])
-            names[who].add(getattr(first, "name", first))
+            if first is None or isinstance(first, str):
+                who = watched[frame.f_code]
+                gpu = frame.f_locals.get("gpu")  # get_host(None, gpu): the GPU's own host
+                calls[who] += 1
+                names[who].add(first if first is not None or gpu is None else gpu.host)
 
-    argv = ["moesim", "whatif", "--model", "qwen3-30b-a3b", "--hw", "rtx4090", "--policy", "on-demand,cpu-static",
-            "--tokens", "16", "--jobs", "1"]
-    with tempfile.TemporaryDirectory() as d, contextlib.chdir(d), contextlib.redirect_stdout(io.StringIO()), \
-            contextlib.redirect_stderr(io.StringIO()):
-        sys.argv = argv
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        sys.argv = ["moesim", *argv]
         sys.setprofile(hook)
         try:
             moesim.cli.main()
         except SystemExit as e:
             if e.code:
-                raise RuntimeError(f"the whatif failed (exit {e.code})") from None
+                raise RuntimeError(f"moesim {' '.join(argv)} failed (exit {e.code})") from None
         finally:
             sys.setprofile(None)
-    return {"command": " ".join(argv), **{f"{n}_calls": calls[n] for n in calls},
-            **{f"{n}_names": sorted(map(str, names[n])) for n in names}}
+    return {"command": "moesim " + " ".join(argv), "cost_models": built[0],
+            **{f"{n}_resolutions": calls[n] for n in calls}, **{f"{n}_names": sorted(map(str, names[n])) for n in names}}
+
+
+def all_resolutions() -> dict[str, dict]:
+    """:func:`resolutions` of each of :data:`COMMANDS`, in a fresh folder."""
+    import subprocess
+
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    sys.path.insert(0, str(ROOT))
+    out = {}
+    with tempfile.TemporaryDirectory() as d, contextlib.chdir(d):
+        subprocess.run([sys.executable, "-m", "moesim", "synth", "--model", "olmoe-1b-7b", "--tokens", "32", "--seed",
+                        "3", "--out", "t.npz"], check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        for what, argv in COMMANDS.items():
+            out[what] = resolutions(argv)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="every function, import and circle, as JSON")
     args = ap.parse_args()
-    res = {**scan(), **resolutions()}
+    res = {**scan(), **flag_tests(), "resolutions": all_resolutions()}
     if args.json:
         print(json.dumps(res, indent=2))
         return
@@ -211,9 +262,13 @@ def main() -> None:
           + ", ".join(str(len(c)) for c in res["circles"]))
     for c in res["circles"]:
         print(f"  circle of {len(c)}: {', '.join(m.removeprefix('moesim.') for m in c)}")
-    for n in ("get_policy", "get_engine"):
-        print(f"{n} calls in `{res['command']}`: {res[n + '_calls']} for {len(res[n + '_names'])} distinct names "
-              "(target one a name)")
+    print(f"flag tests outside moesim/policy/: {res['flag_test_lines']} lines in {len(res['flag_test_files'])} files "
+          f"(target at most 15 in 3): {', '.join(res['flag_test_files'])}")
+    for what, r in res["resolutions"].items():
+        per = ", ".join(f"{n} {r[n + '_resolutions']} for {len(r[n + '_names'])}"
+                        for n in ("get_policy", "get_engine", "get_machine", "get_host"))
+        print(f"{what} (`{r['command']}`): name resolutions for distinct names: {per} (target one a name); "
+              f"cost models built: {r['cost_models']}")
 
 
 if __name__ == "__main__":

@@ -10,14 +10,13 @@ from typing import Any
 
 from moesim import fmt
 from moesim.atomic import atomic_write_text
-from moesim.costmodel import CostModels
 from moesim.fmt import duration_ms
 from moesim.reports.render import breakdown_png, heatmap_png, pyplot, save_figure, write_csv, write_html
 from moesim.setting import Setting
 from moesim.sim.deploy import AXES, Timed, crossovers, deployment_answer, describe_change, format_answer
 from moesim.sim.intervals import NOMINAL, range_text
 from moesim.sim.pool import start_aside
-from moesim.sim.simulate import simulate
+from moesim.sim.simulate import PerTrace, simulate
 from moesim.sim.sweep import GOALS, Sweep
 
 COLS = ["model", "hw", "host", "policy", "family", "expert_dtype", "batch", "prompt_len", "link_gbps", "cache_gib",
@@ -54,7 +53,7 @@ def prompt_png(sweep: Sweep, winner: dict[str, Any], path: Path) -> Path:
     trace = next(t for t in sweep.traces.values() if t.model.name == winner["base_model"])
     base = trace.head(min(32, trace.n_tokens))
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
-    models = CostModels()  # the winner's machine priced once for every policy and prompt length
+    shared = PerTrace()  # the winner's machine priced once (one cost model) for every policy and prompt length
     gpu = hw.gpus[0].with_figure("h2d_pinned_gbs", winner["link_gbps"])  # at the winner's link, made once
     for policy in [p for p in sweep.policies if not sweep.resolved[p].uses_host]:
         tpot, ttft = [], []
@@ -62,7 +61,7 @@ def prompt_png(sweep: Sweep, winner: dict[str, Any], path: Path) -> Path:
             tr = replace(base, header={**base.header, "prompt_len": p})
             r = simulate(tr, gpu, sweep.resolved[policy], Setting(cache_gib=winner["cache_gib"], sim="fast",
                                                                    engine=sweep.engine_profile,
-                                                                   cache_per_layer=sweep.cache_per_layer), models=models)
+                                                                   cache_per_layer=sweep.cache_per_layer), shared=shared)
             tpot.append(r.tpot.mean() * 1e3)
             ttft.append(r.ttft * 1e3)
         a1.plot(PROMPT_LENGTHS, tpot, "o-", label=policy)

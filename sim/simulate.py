@@ -116,8 +116,8 @@ class SimResult:
 
 def simulate(trace: Trace, hw: HardwareProfile | Machine | str, policy: str | Policy = "on-demand",
              s: Setting = DEFAULT_SETTING, *, record: bool = False, plan: Plan | None = None, costs: Costs | None = None,
-             progress: Callable[[int, int], None] | None = None, pred_recall: float | None = None,
-             as_recorded: bool = False, models: CostModels | None = None) -> SimResult:
+             progress: Callable[[int, int], None] | None = None, as_recorded: bool = False,
+             shared: PerTrace | None = None) -> SimResult:
     """Simulate ``trace`` under ``policy`` (a name or the resolved object) on ``hw``, set up as
     ``s`` (:class:`~moesim.setting.Setting`: the cache, link, engine, host and layout
     knobs, each described there).
@@ -128,7 +128,9 @@ def simulate(trace: Trace, hw: HardwareProfile | Machine | str, policy: str | Po
     :func:`moesim.sim.cpu_compute.simulate_cpu_compute`). ``plan`` and ``costs`` may be
     passed in when a sweep reuses them; ``progress(steps_planned, steps)`` reports planning,
     the part that grows with the trace (see :func:`simulate_policies` for a whole replay);
-    ``record`` keeps the timeline's spans. A copy queue of None is the trace's own
+    ``record`` keeps the timeline's spans; ``shared`` (:class:`PerTrace`) is what the trace's
+    other configurations computed already (its prediction recall, its cost models, its TTFTs),
+    a replay's policies or a chart's points sharing one. A copy queue of None is the trace's own
     (``moesim profile --copy-queue`` records it), else FIFO, and FIFO for the CPU-compute
     policies, which copy at most their misses.
 
@@ -140,6 +142,8 @@ def simulate(trace: Trace, hw: HardwareProfile | Machine | str, policy: str | Po
     """
     if s.sim not in SIMS:
         raise MoesimError(f"unknown simulator {s.sim!r}; known: {', '.join(SIMS)}")
+    shared = shared or PerTrace()
+    pred_recall, models = shared.pred_recall, shared.models
     pol = as_policy(policy)
     copy_queue = s.copy_queue
     if copy_queue is None:  # as recorded
@@ -189,10 +193,9 @@ def simulate(trace: Trace, hw: HardwareProfile | Machine | str, policy: str | Po
     capacity = pol.cache_capacity(spec, s.cache_gib, s.cache_experts)
     pinned = hot.hottest if hot is not None and pol.copies_experts else ()
     plan = plan or build_plan(trace, pol, capacity, s.eviction, progress, s.lookahead, s.cache_per_layer, pinned)
-    models = models if models is not None else CostModels()
     costs = costs or pick_costs(trace, models.of(spec, hw, s), s.timing)  # the caller's, once
     (result,) = time_plan(trace, pol, plan, costs, [hw], replace(s, copy_queue=copy_queue), record=record,
-                          as_recorded=as_recorded, shared=PerTrace(pred_recall=pred_recall, models=models))
+                          as_recorded=as_recorded, shared=shared)
     return result
 
 
@@ -368,12 +371,12 @@ def simulate_policies(trace: Trace, hw: HardwareProfile | Machine | str, policie
     per_policy = trace.n_tokens * trace.model.n_moe_layers
     total = 2 * per_policy * len(policies)  # planning, then timing, per policy
     machine = get_machine(hw)
-    costs, models = None, CostModels()  # one cost model a profile, shared by the policies
+    shared = PerTrace(pred_recall=prediction_recall(trace))  # and one cost model a profile, for every policy
+    costs = None
     if machine.n_gpus == 1:
         profile = machine.gpus[0]
         profile = profile.with_figure("h2d_pinned_gbs", s.link_gbps) if s.link_gbps is not None else profile
-        costs = pick_costs(trace, models.of(trace.model, profile, s), s.timing)
-    recall = prediction_recall(trace)
+        costs = pick_costs(trace, shared.models.of(trace.model, profile, s), s.timing)
     results = []
     for i, p in enumerate(policies):
         done = 2 * i * per_policy
@@ -382,8 +385,8 @@ def simulate_policies(trace: Trace, hw: HardwareProfile | Machine | str, policie
             if progress is not None:
                 progress(done + steps * trace.model.n_moe_layers, total)
 
-        results.append(simulate(trace, hw, p, s, costs=costs, progress=planned, pred_recall=recall,
-                                as_recorded=as_recorded, models=models))
+        results.append(simulate(trace, hw, p, s, costs=costs, progress=planned, as_recorded=as_recorded,
+                                shared=shared))
         if progress is not None:
             progress(done + 2 * per_policy, total)
     return results

@@ -72,7 +72,7 @@ from moesim.fmt import number, plural
 from moesim.hardware import HardwareProfile
 from moesim.models import ModelSpec
 from moesim.setting import Setting
-from moesim.sim.simulate import prediction_recall, simulate
+from moesim.sim.simulate import PerTrace, prediction_recall, simulate
 from moesim.sim.stats_kernels import _kernel, kernel_ids, recall_counts  # noqa: F401 (recall_counts: this module's API too)
 from moesim.traces.format import Trace, read_trace
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace, write_synthetic_trace
@@ -368,8 +368,9 @@ def tpot_curve(trace: Trace, hw: HardwareProfile, sizes: Sequence[int], policy: 
                eviction: str = "lru", pred_recall: float | None = None) -> dict[str, Any]:
     """Simulated TPOT (fast engine, profile timing) per cache size, and the knee.
     ``pred_recall`` (the trace's, computed once) only saves each simulation recomputing it."""
-    recall = prediction_recall(trace) if pred_recall is None else pred_recall
-    tpot = [simulate(trace, hw, policy, Setting(cache_experts=int(s), eviction=eviction, sim="fast", timing="profile"), pred_recall=recall).summary()["tpot_ms"] for s in sizes]
+    shared = PerTrace(pred_recall=prediction_recall(trace) if pred_recall is None else pred_recall)
+    tpot = [simulate(trace, hw, policy, Setting(cache_experts=int(s), eviction=eviction, sim="fast", timing="profile"),
+                     shared=shared).summary()["tpot_ms"] for s in sizes]
     return {"policy": policy, "eviction": eviction, "hw": hw.name, "sizes": list(sizes), "tpot_ms": tpot,
             **knee(sizes, tpot)}
 

@@ -1,6 +1,6 @@
 """bench/code_metrics.py measures the code as issue "One deployment, resolved once" asks: its
 static part runs here, so that a new import circle fails the suite instead of waiting to be
-noticed (the whatif call count is the bench's alone: it runs a sweep)."""
+noticed (the resolution and cost-model counts are the bench's alone: they run a replay and a sweep)."""
 
 import sys
 from pathlib import Path
@@ -21,3 +21,10 @@ def test_no_import_circle_and_the_scan_sees_the_code():
 def test_the_circle_finder_finds_a_planted_circle():
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert code_metrics.circles(edges) == [["a", "b", "c"]]
+
+
+def test_a_policy_is_asked_not_tested_for_flags_outside_its_package():
+    """Issue 53: the families answer what the rest of moesim asks (moesim/policy/families.py);
+    a new flag test outside the policy package is a decision that belongs to a family."""
+    res = code_metrics.flag_tests()
+    assert res["flag_test_lines"] <= 15 and len(res["flag_test_files"]) <= 3, res

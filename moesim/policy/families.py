@@ -25,16 +25,15 @@ The families (docs/policies.md):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from moesim.errors import MoesimError
-from moesim.models import ModelSpec
-
-if TYPE_CHECKING:  # types only: the layout module sits beside this one, below the simulator
-    from moesim.layout import Layout
+from moesim.layout import Layout, first_layers_gib, stream_layers
+from moesim.models import ModelSpec, cache_capacity
 
 EVICTIONS = ("lru", "lfu")
 
@@ -59,7 +58,7 @@ class Policy:
 
     #: Experts live in host memory (False: all resident on the device).
     offload: ClassVar[bool] = True
-    #: Where the experts not on the device run, as moesim.placement and moesim.layout name it:
+    #: Where the experts not on the device run, as moesim.policy.placement and moesim.layout name it:
     #: "" = copied to the device; "layers", "hot", "miss", "whole", "stream" (each family's docstring).
     cpu: ClassVar[str] = ""
     #: The deployment answer's order, from the least to the most that moves at run time: on a
@@ -124,18 +123,14 @@ class Policy:
     @property
     def places_experts(self) -> bool:
         """Whether its layout places single experts on the device or the CPU (cpu-static,
-        hot-experts, cpu-on-miss: :class:`moesim.placement.HostPlanner` plays it step by step)
+        hot-experts, cpu-on-miss: :class:`moesim.policy.placement.HostPlanner` plays it step by step)
         rather than whole layers or nothing."""
         return False
 
     def cache_capacity(self, spec: ModelSpec, cache_gib: float = 0.0, cache_experts: int = 0) -> int:
         """Experts its cross-token device cache holds given ``--cache-gib`` or a count (0 for
         a family that keeps none; :func:`moesim.models.cache_capacity` for one that does)."""
-        if not self.caches:
-            return 0
-        from moesim.models import cache_capacity
-
-        return cache_capacity(spec, cache_gib, cache_experts)
+        return cache_capacity(spec, cache_gib, cache_experts) if self.caches else 0
 
     def held_experts(self, placement: Any) -> int:
         """Experts its placement keeps on the device for good (0 without one)."""
@@ -228,8 +223,6 @@ class Resident(Policy):
         return [{"cache_gib": 0.0, "host": h} for h in (axes.hosts if axes.several_or_none else (None,))]
 
     def layout(self, spec, machine, make, fits, knobs, hot_placement=None):
-        from dataclasses import replace
-
         return replace(make(), source=f"every layer on {machine.name}")
 
 
@@ -342,8 +335,6 @@ class CpuLayers(WithHost):
         return {"cpu_layers": n if asked.cpu_layers != "auto" else f"auto ({n})"}  # the count "auto" resolved to
 
     def layout(self, spec, machine, make, fits, knobs, hot_placement=None):
-        from dataclasses import replace
-
         m = spec.n_moe_layers
         n = knobs.cpu_layers
         if n == "auto":
@@ -435,8 +426,6 @@ class GpuLayers(WithHost):
         return {"gpu_layers": n if asked.gpu_layers != "auto" else f"auto ({n})"}
 
     def layout(self, spec, machine, make, fits, knobs, hot_placement=None):
-        from dataclasses import replace
-
         L = spec.n_layers
         n = knobs.gpu_layers
         if n == "auto":
@@ -458,18 +447,12 @@ class WeightStreaming(WithHost):
         return [{"cache_gib": 0.0, "host": h, "offload_gib": g} for h in axes.hosts for g in axes.offload_gib]
 
     def answer_columns(self, result, asked):
-        import math
-
         gib = math.floor(result.config["offload_gib"] * 1e4) / 1e4  # rounded down: streams the same layers again
         want = asked.offload_gib
         return {"offload_gib": f"auto ({gib:g})" if want == "auto" else want if gib >= want
                 else f"{want:g} (capped: {gib:g}, every layer)"}
 
     def layout(self, spec, machine, make, fits, knobs, hot_placement=None):
-        from dataclasses import replace
-
-        from moesim.layout import first_layers_gib, stream_layers
-
         lay = replace(make(), source=f"every layer on {machine.name}")
         if knobs.offload_gib != "auto":
             return stream_layers(spec, lay, knobs.offload_gib)
