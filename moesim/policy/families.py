@@ -69,6 +69,10 @@ class Policy:
     prefetch: ClassVar[bool] = False  # copies a predicted set ahead (CopyExperts' field)
     executes_predicted: ClassVar[bool] = False  # runs the predicted experts (speculative execution)
     oracle: ClassVar[bool] = False  # the prediction is the truth (an upper bound)
+    #: Whether moesim's reference executor runs it (the whole-layer layouts are simulated only).
+    executed: ClassVar[bool] = True
+    #: Whether it cannot run without a device expert cache (cpu-on-miss).
+    needs_cache: ClassVar[bool] = False
 
     @property
     def exact(self) -> bool:
@@ -158,11 +162,6 @@ class Policy:
         or a pinned hot set's ``resident_experts``."""
         return expert_slots(spec, self, cache_experts, lookahead) + resident_experts
 
-    #: Whether moesim's reference executor runs it (the whole-layer layouts are simulated only).
-    executed: ClassVar[bool] = True
-    #: Whether it cannot run without a device expert cache (cpu-on-miss).
-    needs_cache: ClassVar[bool] = False
-
     @property
     def records_predictions(self) -> bool:
         """Whether the executor runs a predictor under it: a copy policy other than the oracle,
@@ -235,6 +234,7 @@ class CopyExperts(Policy):
     prefetch: bool = False
     executes_predicted: bool = False
     oracle: bool = False
+
     def __post_init__(self) -> None:
         if self.executes_predicted and not self.prefetch:
             raise MoesimError(f"policy {self.name!r}: speculative execution runs the prefetched set; needs prefetch")
