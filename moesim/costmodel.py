@@ -172,10 +172,10 @@ class CostModel:
 
     @staticmethod
     def host_knobs(s: Setting, host: HostProfile | None) -> dict[str, Any]:
-        """The knobs of ``s`` that set up the host's CPU (AMX, threads): none without a host
-        (a deployment that prices no CPU work, which a ``--threads`` meant for another of the
-        run's policies must not refuse)."""
-        return {"amx": s.amx, "threads": s.threads} if host is not None else {}
+        """The knobs of ``s`` that set up the host's CPU (:class:`~moesim.setting.HostKnobs`, by
+        name): none without a host (a deployment that prices no CPU work, which a ``--threads``
+        meant for another of the run's policies must not refuse)."""
+        return s.host_knobs() if host is not None else {}
 
     def __init__(self, spec: ModelSpec, gpu: HardwareProfile | None, host: HostProfile | None = None,
                  engine: str | EngineProfile | None = None, *, shards: int = 1, amx: bool = True,

@@ -7,7 +7,7 @@ keyword arguments, and a new knob is one field here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -15,15 +15,33 @@ import numpy as np
 from moesim.engines import EngineProfile
 
 
+@dataclass(frozen=True, kw_only=True)
+class HostKnobs:
+    """The knobs that set up the host's CPU as the cost model prices it: ``threads`` (the
+    engine's CPU threads; None: every core of the host) and ``amx`` (use the host's AMX rate
+    where it has one). A :class:`Setting`, ``moesim whatif``'s options and its sweep are
+    HostKnobs, and :meth:`moesim.costmodel.CostModel.of` hands them over by name: a knob added
+    here, with its parameter of the cost model and its option (``moesim.cli.options.HostOptions``),
+    reaches the cost model from ``replay`` and ``whatif`` alike (3 files)."""
+
+    threads: int | None = None
+    amx: bool = True
+
+    def host_knobs(self) -> dict[str, Any]:
+        """The host knobs, by name (the cost model's parameters)."""
+        return {f.name: getattr(self, f.name) for f in fields(HostKnobs)}
+
+
 @dataclass(frozen=True)
-class Setting:
+class Setting(HostKnobs):
     """One configuration's knobs (each ``None`` or ``auto``: the default the docstring says).
 
     - ``sim``: the simulator, ``simpy`` (the reference) or ``fast`` (the compiled recurrence);
       ``timing``: compute times from ``auto`` (measured when the trace has them for this GPU),
       ``profile`` (the roofline) or ``measured``.
     - ``engine``: the inference engine whose figures time the work (name, .toml or profile;
-      None: PyTorch eager); ``threads`` its CPU threads (None: every core of the host).
+      None: PyTorch eager); ``threads`` its CPU threads (None: every core of the host), a
+      :class:`HostKnobs` field.
     - ``link_gbps``: the host-to-device bandwidth instead of the profile's (a what-if).
     - The cross-token cache: ``cache_gib`` or ``cache_experts`` (experts), ``eviction`` (lru,
       lfu), ``cache_per_layer`` (the size is each MoE layer's); ``copy_queue``: fifo,
@@ -34,7 +52,7 @@ class Setting:
       ``[t, m, b, k]`` routing of a separate trace) or, marked optimistic, on the replayed
       trace itself (``calibrate_on_replay``).
     - The CPU: ``host`` (name, .toml or profile; None: the GPU profile's), ``amx`` (use its
-      AMX rate where it has one), ``cpu_layers`` (cpu-static's MoE layers on the CPU).
+      AMX rate where it has one; a :class:`HostKnobs` field), ``cpu_layers`` (cpu-static's MoE layers on the CPU).
     - Layouts: ``gpu_layers`` (gpu-layers' count), ``offload_gib`` (weight-streaming's GiB
       read over the link every step), ``split`` (layer or tensor) and ``ratios`` (a layer
       split's shares) over the GPUs of a machine of several.
@@ -43,7 +61,6 @@ class Setting:
     sim: str = "simpy"
     timing: str = "auto"
     engine: str | EngineProfile | None = None
-    threads: int | None = None
     link_gbps: float | None = None
     cache_gib: float | None = 0.0  # None, with cache_experts None: as the trace was recorded (a replay's)
     cache_experts: int | None = 0
@@ -55,7 +72,6 @@ class Setting:
     calibration: np.ndarray | None = field(default=None, compare=False, repr=False)
     calibrate_on_replay: bool = False
     host: Any = None
-    amx: bool = True
     cpu_layers: int | str = "auto"
     gpu_layers: int | str = "auto"
     offload_gib: float | str = "auto"

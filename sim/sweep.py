@@ -39,7 +39,7 @@ from moesim.models import DTYPES
 from moesim.policy import POLICIES, QUEUES, Planner, Policy, as_policy, get_policy
 from moesim.policy.placement import expert_budget, hot_set, routing_counts, uniform_set
 from moesim.quant_recipes import is_format, store_as
-from moesim.setting import DEFAULT_SETTING, Setting
+from moesim.setting import DEFAULT_SETTING, HostKnobs, Setting
 from moesim.sim.cpu_compute import simulate_cpu_compute
 from moesim.sim.fastpath import run_fast_many
 from moesim.sim.intervals import RANGE_COLUMNS, with_range
@@ -186,7 +186,7 @@ _BY_CONTENT = frozenset({"traces", "calibration", "resolved", "host_profiles"})
 
 
 @dataclass(frozen=True)
-class Sweep:
+class Sweep(HostKnobs):  # its host knobs (threads, AMX) go to every group's Setting as they are
     traces: dict[str, Trace]  # trace key -> trace (a model at one batch size and prompt length)
     hws: list[HardwareProfile | Machine]  # machines (one GPU, several, or none: moesim.hardware.get_machine)
     policies: list[str]
@@ -207,7 +207,6 @@ class Sweep:
     engine: str | None = None  # the inference engine (moesim.engines); None: PyTorch eager
     engine_profile: EngineProfile | None = field(default=None, compare=False, repr=False)  # resolved: set once
     resolved: dict[str, Policy] = field(default_factory=dict, compare=False, repr=False)  # policy name -> Policy
-    threads: int | None = None  # its CPU threads; None: every core
     gpu_layers: tuple[int | str, ...] = ("auto",)  # gpu-layers
     offload_gib: tuple[float | str, ...] = ("auto",)  # weight-streaming
     host_ram_gb: float | None = None  # the host's RAM (None: the host profile's, if it gives one)
@@ -496,7 +495,7 @@ def _cpu_rows(sweep: Sweep, index: int, cfg: Config, trace: Trace, base: str,
         for g in sweep.link_gbps:
             h = sweep.at_link(machine, g)
             setting = Setting(sim=sweep.sim, host=_host(sweep, cfg, h), calibration=None if optimistic else calib,
-                              calibrate_on_replay=optimistic, engine=sweep.engine_profile, threads=sweep.threads)
+                              calibrate_on_replay=optimistic, engine=sweep.engine_profile, **sweep.host_knobs())
             several = Setting(split=sweep.split, ratios=list(sweep.ratios) if sweep.ratios else None) \
                 if h.n_gpus > 1 else DEFAULT_SETTING  # the shares are a machine of several GPUs' (one count, checked)
             try:

@@ -22,6 +22,7 @@ from moesim.models import DTYPES, get_model
 from moesim.policy import QUEUES, WHATIF_POLICIES, Policy, as_policy, check_eviction, check_lookahead, get_policy
 from moesim.policy.placement import UNIFORM
 from moesim.quant_recipes import is_format
+from moesim.setting import HostKnobs
 from moesim.sim.cpu_compute import load_calibration, separate_calibration
 from moesim.sim.sweep import BACKENDS, GOALS, Sweep, best, compile_kernels_aside, resolve_host, run_sweep
 from moesim.sim.sweep_rows import check_rows_path
@@ -262,11 +263,12 @@ def unused_options(pols: list, g: Given, *, pinned_hot_set: bool = False, no_gpu
 
 
 @dataclass(frozen=True)
-class WhatifOptions:
+class WhatifOptions(HostKnobs):
     """What one ``whatif`` sweeps, as the CLI (``moesim.cli.whatif.WhatifArgs``) or a Python
     caller gives it: names and values, checked by :func:`whatif` before any work and resolved
     there once into the :class:`~moesim.sim.sweep.Sweep` every layer below takes. The fields
-    are :func:`whatif`'s axes, each one described there."""
+    are :func:`whatif`'s axes, each one described there; the host knobs
+    (:class:`~moesim.setting.HostKnobs`: threads, AMX) go to the sweep as they are."""
 
     trace: str | Path | None = None
     models: tuple[str, ...] | list[str] = DEFAULT_MODELS
@@ -293,7 +295,6 @@ class WhatifOptions:
     placement_from: str | Path | None = None
     calibrate_on_replay: bool = False
     engine: str | None = None
-    threads: int | None = None
     gpu_layers: list[int | str] | None = None
     lookaheads: list[int] | None = None
     host_ram_gb: float | None = None
@@ -380,7 +381,7 @@ def _whatif(o: WhatifOptions, progress: Callable[[int, int], None] | None) -> Wh
     named_hosts = [h for h in o.hosts or () if h]
     check_unique_names(named_hosts, [resolve_host(host_table, h) for h in named_hosts], "--host")
     given = Given(o.hosts, o.cpu_layers, o.gpu_expert_gib, o.copy_queues, o.prefetch_top, o.gpu_layers,
-                  o.offload_gib, o.lookaheads, eviction=o.eviction, threads=o.threads,
+                  o.offload_gib, o.lookaheads, eviction=o.eviction, threads=o.threads, amx=o.amx,
                   cached=any(isinstance(c, (int, float)) and c > 0 for c in o.cache_gib),
                   link_given=o.link_gbps is not None, cache_per_layer=o.cache_per_layer)
     notes: list[str] = unused_options(pols, given, no_gpu=no_gpu)
@@ -485,7 +486,7 @@ def _whatif(o: WhatifOptions, progress: Callable[[int, int], None] | None) -> Wh
                   prefetch_top=tuple(o.prefetch_top) if o.prefetch_top else (None,),
                   calibration=calibration or None, calibration_source=calibration_source,
                   calibrate_on_replay=o.calibrate_on_replay, engine=o.engine, engine_profile=eng,
-                  resolved={p.name: p for p in pols}, threads=o.threads, host_ram_gb=o.host_ram_gb,
+                  resolved={p.name: p for p in pols}, **o.host_knobs(), host_ram_gb=o.host_ram_gb,
                   cache_per_layer=o.cache_per_layer,
                   gpu_layers=tuple(o.gpu_layers) if o.gpu_layers else ("auto",),
                   offload_gib=tuple(o.offload_gib) if o.offload_gib else ("auto",), split=o.split,

@@ -71,3 +71,31 @@ def test_whatif_sweeps_it_and_the_deployment_answer_names_it(every_other_layer, 
     assert families["every-other-layer"]["configurations"] == len(mine) and families["every-other-layer"]["row"]
     assert list(families).index("every-other-layer") > list(families).index("gpu-layers")  # ranked by its class's rank
 
+
+
+def test_a_host_knob_reaches_both_commands_cost_models_by_name():
+    """Issue 53's knob in 3 files: HostKnobs (moesim/setting.py), the cost model's parameter
+    (moesim/costmodel.py) and its option (moesim.cli.options.HostOptions) share one name,
+    and replay's setting, whatif's options and the sweep inherit it; ``--no-amx``, declared
+    there once, reaches whatif's CPU rows (an AMX host at batch 512, where the CPU's experts
+    are compute-bound: slower without it)."""
+    import inspect
+    from dataclasses import fields
+
+    from moesim.cli.options import HostOptions
+    from moesim.costmodel import CostModel
+    from moesim.setting import HostKnobs, Setting
+    from moesim.sim.sweep import Sweep
+    from moesim.sim.whatif import WhatifOptions
+
+    names = {f.name for f in fields(HostKnobs)}
+    assert names == {f.name for f in fields(HostOptions)} <= set(inspect.signature(CostModel).parameters)
+    assert all(issubclass(c, HostKnobs) for c in (Setting, WhatifOptions, Sweep))
+    tpot = {}
+    for amx in ("--amx", "--no-amx"):
+        r = in_process("whatif", "--model", "qwen3-30b-a3b", "--hw", "h100-sxm", "--host", "xeon-8480", "--policy",
+                       "cpu-static", "--cpu-layers", "48", "--cache-gib", "0", "--tokens", "4", "--batch", "512",
+                       "--jobs", "1", amx, "--json")
+        assert r.returncode == 0, r.stderr[-2000:]
+        tpot[amx] = json.loads(r.stdout)["best"]["tpot_ms"]
+    assert tpot["--no-amx"] > tpot["--amx"]

@@ -13,6 +13,7 @@ import os
 import typing
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
 import typer
@@ -34,9 +35,11 @@ def command_of(args: type[A], name: str | None = None) -> Callable[[Callable[[A]
     parameters: Vidur's config dataclasses flattened into its command line are the model.
     A field's annotation carries its ``typer.Option``/``typer.Argument``, as a parameter's did."""
     hints = typing.get_type_hints(args, include_extras=True)  # the module's names resolve the string annotations
+    own = vars(args).get("__annotations__", {})  # its own options first, then those it inherits (with defaults)
+    fields = sorted(dataclasses.fields(args), key=lambda f: f.name not in own)
     params = [inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=hints[f.name],
                                 default=inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default)
-              for f in dataclasses.fields(args)]
+              for f in fields]
 
     def register(handler: Callable[[A], None]) -> Callable[..., None]:
         @functools.wraps(handler)
@@ -52,7 +55,6 @@ def command_of(args: type[A], name: str | None = None) -> Callable[[Callable[[A]
 
 
 ENGINES = "llama.cpp, ik_llama.cpp, ktransformers, vllm, sglang, moe-infinity, mixtral-offloading, pytorch-eager (default)"
-
 
 
 def _profile_files(what: str):
@@ -77,6 +79,20 @@ SplitMode = Annotated[str, typer.Option("--split", help="Several GPUs: layer (wh
 TensorSplit = Annotated[str | None, typer.Option(help="Several GPUs, layer split: comma-separated shares of the layers "
                                                       "per GPU (llama.cpp --tensor-split; default: cut by bytes).")]
 Threads = Annotated[int | None, typer.Option(help="CPU threads the engine uses (default: every core of the host).")]
+Amx = Annotated[bool, typer.Option("--amx/--no-amx", help="CPU-compute policies: use the host's AMX rate if any.")]
+
+
+@dataclass(kw_only=True)
+class HostOptions:
+    """:class:`moesim.setting.HostKnobs` as replay and whatif take them: declared once, inherited."""
+
+    threads: Threads = None
+    amx: Amx = True
+
+    def host_knobs(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(HostOptions)}
+
+
 GpuLayers = Annotated[str, typer.Option(help="gpu-layers: model layers on the GPU(s) (llama.cpp -ngl), or auto (the "
                                              "most that fit); whatif: comma-separated.")]
 OffloadGib = Annotated[str, typer.Option(help="weight-streaming: GiB of the first layers' weights kept in host memory "

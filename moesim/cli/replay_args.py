@@ -11,7 +11,7 @@ import typer
 
 from moesim.cli import options as opt
 from moesim.cli.app import auto_or, floats
-from moesim.cli.options import CachePerLayer, Engine, GpuLayers, Host, OffloadGib, Threads, one
+from moesim.cli.options import CachePerLayer, Engine, GpuLayers, Host, OffloadGib, one
 from moesim.hardware import DEFAULT_PROFILE
 from moesim.setting import Setting
 from moesim.sim.replay import TraceChanges, replay_setting
@@ -21,7 +21,7 @@ SD = "Speculative traces, with --gamma: "
 
 
 @dataclass
-class ReplayArgs:
+class ReplayArgs(opt.HostOptions):
     """``moesim replay``'s options as typed; :meth:`setting` and :meth:`changes` parse them
     into the replay's :class:`~moesim.setting.Setting` and
     :class:`~moesim.sim.replay.TraceChanges`."""
@@ -47,7 +47,6 @@ class ReplayArgs:
                                                                       "recorded, on its own profile; else the profile's).")] = None
     sim: Annotated[str, typer.Option(help="The simulator: simpy (the reference) or fast (the recurrence).")] = "simpy"
     engine: Engine = None
-    threads: Threads = None
     gpu_layers: GpuLayers = "auto"
     offload_gib: OffloadGib = "auto"
     split_mode: opt.SplitMode = "layer"
@@ -78,8 +77,6 @@ class ReplayArgs:
                                                              "the GPU-resident experts.")] = None
     calibrate_on_replay: Annotated[bool, typer.Option("--calibrate-on-replay", help="hot-experts: place from the "
                                                       "replayed trace itself (an optimistic bound).")] = False
-    amx: Annotated[bool, typer.Option("--amx/--no-amx", help="CPU-compute policies: use the host's AMX matrix rate "
-                                                             "where it has one.")] = True
     expert_dtype: Annotated[str | None, typer.Option(help="Store the routed experts in this format: bf16, fp8-block128, int8, "
                                                           "int4-g32, int4-g128, q8_0, q4_k, q5_k, q6_k, ...")] = None
     copy_queue: Annotated[str | None, typer.Option(help="Copy queue (simpy engine): fifo, demand-first or "
@@ -93,11 +90,11 @@ class ReplayArgs:
     def setting(self) -> Setting:
         """The knobs given; the cache, eviction and copy queue left out stay as recorded."""
         return replay_setting(
-            sim=self.sim, timing=self.timing, engine=self.engine, threads=self.threads, link_gbps=self.link_gbps,
+            sim=self.sim, timing=self.timing, engine=self.engine, **self.host_knobs(), link_gbps=self.link_gbps,
             cache_gib=self.cache_gib, cache_experts=self.cache_experts, eviction=self.eviction,
             cache_per_layer=self.cache_per_layer, copy_queue=self.copy_queue, lookahead=self.lookahead,
             gpu_expert_gib=self.gpu_expert_gib, calibrate_on_replay=self.calibrate_on_replay, host=self.host,
-            amx=self.amx, cpu_layers=int(self.cpu_layers) if self.cpu_layers.isdigit() else self.cpu_layers,
+            cpu_layers=int(self.cpu_layers) if self.cpu_layers.isdigit() else self.cpu_layers,
             gpu_layers=int(self.gpu_layers) if self.gpu_layers.isdigit() else self.gpu_layers,
             offload_gib=one(auto_or(self.offload_gib, "--offload-gib", float), "--offload-gib"), split=self.split_mode,
             ratios=floats(self.tensor_split, "--tensor-split", repeats=True) if self.tensor_split is not None else None)

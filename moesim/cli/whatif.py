@@ -15,10 +15,10 @@ from moesim.cli.options import (
     Engine,
     GpuLayers,
     Host,
+    HostOptions,
     OffloadGib,
     SplitMode,
     TensorSplit,
-    Threads,
     command_of,
     ends_on_interrupt,
     holding,
@@ -33,7 +33,7 @@ from moesim.sim.whatif import whatif as run_whatif
 
 
 @dataclass
-class WhatifArgs:
+class WhatifArgs(HostOptions):
     """``moesim whatif``'s options as typed (comma-separated lists as strings);
     :meth:`options` parses them into the sweep's :class:`~moesim.sim.whatif.WhatifOptions`."""
 
@@ -71,7 +71,6 @@ class WhatifArgs:
                                                       "swept trace itself (rows marked optimistic).")] = False
     goal: Annotated[str, typer.Option(help="What 'best' means: tpot, p99, ttft or bytes.")] = "tpot"
     engine: Engine = None
-    threads: Threads = None
     split_mode: SplitMode = "layer"
     tensor_split: TensorSplit = None
     host_ram_gb: Annotated[float | None, typer.Option(help="The host's RAM, GB (default: the host profile's, if it "
@@ -109,7 +108,7 @@ class WhatifArgs:
             copy_queues=split(self.copy_queue, "--copy-queue"),
             prefetch_top=ints(self.prefetch_top, "--prefetch-top") if self.prefetch_top is not None else None,
             placement_from=self.placement_from, calibrate_on_replay=self.calibrate_on_replay, engine=self.engine,
-            threads=self.threads, gpu_layers=auto_or(self.gpu_layers, "--gpu-layers", int),
+            **self.host_knobs(), gpu_layers=auto_or(self.gpu_layers, "--gpu-layers", int),
             lookaheads=ints(self.lookahead, "--lookahead") if self.lookahead is not None else None,
             host_ram_gb=self.host_ram_gb, cache_per_layer=self.cache_per_layer,
             offload_gib=auto_or(self.offload_gib, "--offload-gib", float), split=self.split_mode,
