@@ -13,7 +13,7 @@ from moesim.atomic import atomic_write_text
 from moesim.fmt import duration_ms
 from moesim.reports.render import breakdown_png, heatmap_png, pyplot, save_figure, write_csv, write_html
 from moesim.setting import Setting
-from moesim.sim.deploy import AXES, Timed, crossovers, deployment_answer, describe_change, format_answer
+from moesim.sim.answer import AXES, Timed, crossovers, deployment_answer, describe_change, format_answer
 from moesim.sim.intervals import NOMINAL, range_text
 from moesim.sim.pool import start_aside
 from moesim.sim.simulate import PerTrace, simulate

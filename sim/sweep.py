@@ -407,7 +407,7 @@ def _axes(sweep: Sweep, cfg: Config, trace: Trace, base: str) -> dict[str, Any]:
 
 def _split_columns(sweep: Sweep, machine: Machine) -> dict[str, str]:
     """How the sweep spreads layers over ``machine``'s GPUs, as its rows say it (and the printed
-    arguments read it back: moesim.sim.deploy.row_layout); ``-`` on a machine of one GPU or none."""
+    arguments read it back: moesim.sim.answer.row_layout); ``-`` on a machine of one GPU or none."""
     if machine.n_gpus < 2:
         return {"split": "-", "tensor_split": "-"}
     shares = "-" if sweep.ratios is None else ",".join(f"{r:.12g}" for r in sweep.ratios)

@@ -195,7 +195,7 @@ def test_profile_and_calibrate_errors_are_one_line(tmp_path, run):
 
 
 def test_importing_the_simulator_never_imports_torch():
-    code = ("import sys, moesim.sim, moesim.sim.sweep, moesim.sim.speculative, moesim.sim.validate, moesim.sim.fit, "
+    code = ("import sys, moesim.sim, moesim.sim.sweep, moesim.sim.speculative, moesim.sim.validate, moesim.sim.device_fit, "
             "moesim.sim.stats, moesim.sim.ecospec, moesim.traces, moesim.cli, moesim.reports.render, "
             "moesim.sim.replay, moesim.sim.whatif, moesim.sim.analysis, moesim.executor.defaults; "
             "assert 'torch' not in sys.modules, 'torch imported'")

@@ -5,7 +5,7 @@ eviction, expert format the model can store, and the CPU-compute policies), so a
 queue or format that joins the project joins this test. For each deployment the paths
 are: ``simulate`` on both engines, ``moesim replay`` (:func:`moesim.sim.replay.replay`),
 ``moesim whatif`` (:func:`moesim.sim.sweep.run_sweep`, local backend), the deployment
-answer built from the sweep's rows (:func:`moesim.sim.deploy.deployment_answer`) and
+answer built from the sweep's rows (:func:`moesim.sim.answer.deployment_answer`) and
 validation's predictor (:func:`moesim.sim.validate.validate_trace`) on a trace with
 measured times.
 """
@@ -22,7 +22,7 @@ from moesim.hardware import get_profile
 from moesim.models import DTYPES, get_model
 from moesim.policy import EVICTIONS, POLICIES, QUEUES
 from moesim.setting import Setting
-from moesim.sim.deploy import deployment_answer
+from moesim.sim.answer import deployment_answer
 from moesim.sim.replay import TraceChanges, replay, replay_setting
 from moesim.sim.simulate import simulate
 from moesim.sim.sweep import Sweep, run_sweep

@@ -9,7 +9,7 @@ import pytest
 from moesim.engines import get_engine
 from moesim.hardware import get_profile
 from moesim.models import get_model
-from moesim.sim.fit import fit_profile
+from moesim.sim.device_fit import fit_profile
 from moesim.sim.plan import build_plan
 from moesim.traces.synthetic import SyntheticParams, synthetic_trace
 

@@ -277,7 +277,7 @@ def test_two_profiles_with_one_name_are_refused(work, run):
 
 def test_fit_names_its_profile_and_warns_on_a_poor_fit():
     from moesim.hardware import get_profile
-    from moesim.sim.fit import fit_warnings, fitted_name
+    from moesim.sim.device_fit import fit_warnings, fitted_name
 
     trace = synthetic_trace(get_model("tiny"), SyntheticParams(tokens=2))
     name = fitted_name(trace, get_profile("a6000"))

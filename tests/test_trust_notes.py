@@ -123,7 +123,7 @@ def test_a_dangling_link_as_out_writes_its_target(tmp_path):
 def test_a_policy_that_cannot_run_on_the_machine_is_not_run_not_out_of_memory():
     """--hw none: the copy policies need one GPU and the static layouts one at least; their rows
     were bound "memory" and the answer said "nothing fits in device memory"."""
-    from moesim.sim.deploy import deployment_answer
+    from moesim.sim.answer import deployment_answer
     from moesim.sim.whatif import WhatifOptions, whatif
 
     res = whatif(WhatifOptions(models=["olmoe-1b-7b"], hws=["none"], hosts=["epyc-9654"], tokens=16, cache_gib=[0]))

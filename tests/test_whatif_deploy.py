@@ -14,7 +14,7 @@ from moesim.errors import MoesimError
 from moesim.fmt import number
 from moesim.hardware import get_host, get_profile
 from moesim.models import get_model
-from moesim.sim.deploy import crossovers, deployment_answer, format_answer
+from moesim.sim.answer import crossovers, deployment_answer, format_answer
 from moesim.sim.sweep import ROW_COLUMNS, Sweep, run_sweep
 from moesim.sim.whatif import WhatifOptions, whatif
 from moesim.traces.format import write_trace

@@ -1,5 +1,5 @@
 """``moesim fit TRACE`` and ``moesim fit --measured FILE``. Python:
-``moesim.sim.fit.fit_profile(trace, base, name)``, ``moesim.sim.calibrate.calibrate(read_measured(path), Given(...), what)``."""
+``moesim.sim.device_fit.fit_profile(trace, base, name)``, ``moesim.sim.calibrate.calibrate(read_measured(path), Given(...), what)``."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from moesim.fmt import number
 from moesim.hardware import DEFAULT_PROFILE, get_machine
 from moesim.outputs import check_output_file
 from moesim.sim.calibrate import Given
-from moesim.sim.fit import fit_profile
+from moesim.sim.device_fit import fit_profile
 from moesim.sim.replay import trace_profile
 from moesim.traces.format import read_trace
 

@@ -9,7 +9,7 @@ from moesim.cli.running import writing_report
 from moesim.fmt import number
 from moesim.reports.whatif import write_whatif_report
 from moesim.sim.analysis import why
-from moesim.sim.deploy import (
+from moesim.sim.answer import (
     Timed,
     bound_words,
     configuration,
