@@ -75,6 +75,11 @@ def _root(version: Annotated[bool, typer.Option("--version", callback=_version, 
     pass
 
 
+#: ``--json`` and ``--csv`` of the commands that print a table, declared once.
+AsJson = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")]
+AsCsv = Annotated[bool, typer.Option("--csv", help="Print CSV (every field) instead of a table.")]
+
+
 def print_csv(rows: list[dict[str, Any]]) -> None:
     """Rows as CSV on stdout, every field (the union of the rows' keys, in first-seen order)."""
     fields: dict[str, None] = {}

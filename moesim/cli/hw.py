@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, out, print_csv, print_json, table
+from moesim.cli.app import AsCsv, AsJson, app, out, print_csv, print_json, table
 from moesim.engines import DEFAULT_ENGINE, builtin_engines, get_engine, unit_of
 from moesim.errors import MoesimError
 from moesim.fmt import number
@@ -26,8 +26,8 @@ from moesim.hardware import (
 @app.command()
 def hw(
     profile: Annotated[str | None, typer.Argument(help="A built-in profile name or a .toml path; all if omitted.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
-    as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV (every field) instead of a table.")] = False,
+    as_json: AsJson = False,
+    as_csv: AsCsv = False,
     hosts: Annotated[bool, typer.Option("--hosts", help="Host (CPU) profiles instead of GPU profiles.")] = False,
     engines: Annotated[bool, typer.Option("--engines", help="Engine profiles (llama.cpp, KTransformers, vLLM, "
                                                             "PyTorch eager) instead of GPU profiles.")] = False,

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import app, err, out, print_csv, print_json, table
+from moesim.cli.app import AsCsv, AsJson, app, err, out, print_csv, print_json, table
 from moesim.models import catalogue_in, get_model
 from moesim.quant_recipes import store_as  # a weight format or a llama.cpp file type (q4_k_m), as replay takes
 
@@ -42,8 +42,8 @@ def models(
     model: Annotated[list[str] | None, typer.Argument(help="Catalogue names or model directories (config.json); all if omitted.")] = None,
     expert_dtype: Annotated[str | None, typer.Option(help="Show the routed experts stored in this format: bf16, "
                                                           "fp8-block128, int8, int4-g32, int4-g128, q8_0, q4_k, q5_k, q6_k, ...")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
-    as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV (every field) instead of a table.")] = False,
+    as_json: AsJson = False,
+    as_csv: AsCsv = False,
 ) -> None:
     """List MoE models with their geometry and exact byte accounting.
 

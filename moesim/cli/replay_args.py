@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from moesim.cli import options as opt
-from moesim.cli.app import auto_or, floats
+from moesim.cli.app import AsCsv, AsJson, auto_or, floats
 from moesim.cli.options import CachePerLayer, Engine, GpuLayers, Host, OffloadGib, one
 from moesim.hardware import DEFAULT_PROFILE
 from moesim.setting import Setting
@@ -83,8 +83,8 @@ class ReplayArgs(opt.HostOptions):
                                                         "cancel-unstarted (default: the trace's, else fifo).")] = None
     prefetch_top: Annotated[int | None, typer.Option(help="Prefetch only each token's M most confident predicted "
                                                           "experts.")] = None
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")] = False
-    as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV (every field) instead of a table.")] = False
+    as_json: AsJson = False
+    as_csv: AsCsv = False
     out_dir: Annotated[Path | None, typer.Option("--out", help="Write a report here: HTML, PNGs, CSV, Chrome trace.")] = None
 
     def setting(self) -> Setting:

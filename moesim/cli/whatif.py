@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from moesim.cli.app import auto_or, floats, ints, split
+from moesim.cli.app import AsCsv, AsJson, auto_or, floats, ints, split
 from moesim.cli.lists import policy_objects
 from moesim.cli.options import (
     CachePerLayer,
@@ -88,8 +88,8 @@ class WhatifArgs(HostOptions):
     rows_csv: Annotated[Path | None, typer.Option("--rows", help="Stream every row to this CSV as it finishes; run "
                                                                  "the same sweep again to resume from it.")] = None
     top: Annotated[int, typer.Option(help="Rows to print (all go to the CSV).")] = 15
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")] = False
-    as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV (every field) instead of a table.")] = False
+    as_json: AsJson = False
+    as_csv: AsCsv = False
     out_dir: Annotated[Path | None, typer.Option("--out", help="Report folder: HTML, PNG heatmaps and breakdown, CSV.")] = Path("moesim-whatif")
 
     def options(self) -> WhatifOptions:
