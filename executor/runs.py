@@ -42,7 +42,15 @@ from moesim.executor.profile import (
     generate,
 )
 from moesim.executor.quant_experts import FORMATS
-from moesim.executor.runtime import Offload, OffloadedDecoder, Origin, check_lookahead_for, host_setup, make_transport
+from moesim.executor.runtime import (
+    Offload,
+    OffloadedDecoder,
+    Origin,
+    check_lookahead_for,
+    check_prefetch_top,
+    host_setup,
+    make_transport,
+)
 from moesim.executor.speculative import SDSettings, build_sd_trace, load_expert_predictor, sd_generate
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, get_host, get_profile
 from moesim.models import cache_capacity
@@ -215,13 +223,8 @@ def record_decode(req: DecodeRequest, out: Path, progress: Callable[[int, int], 
     pol = get_policy(req.policy)
     check_decode_budget(req, hw_profile, pol.offload)
     calibration, n_cpu = check_cpu_options(req, _request_spec(req))
-    if req.prefetch_top is not None:  # before the model loads: the decoder checks the same
-        k = _request_spec(req).top_k
-        if "--prefetch-top" not in pol.knobs or not pol.exact:
-            raise MoesimError(f"--prefetch-top applies to prefetch-fom and oracle (it cuts what is copied ahead), "
-                              f"not {pol.name}")
-        if not 1 <= req.prefetch_top <= k:
-            raise MoesimError(f"--prefetch-top {req.prefetch_top}: an integer from 1 to top_k ({k})")
+    if req.prefetch_top is not None:  # before the model loads (the decoder checks the same)
+        check_prefetch_top(pol, req.prefetch_top, _request_spec(req).top_k)
     check_copy_queue(req, pol)
     given_ids = check_prompt_and_lookahead(req, pol, _request_spec(req))
     host_profile = get_host(req.host, hw_profile) if pol.uses_host else None

@@ -261,14 +261,7 @@ class OffloadedDecoder:
         self._copy_into: dict[int, Transfer] = {}  # queued link: slot -> the last copy issued into it
         self._retiring: list[int] = []  # queued link: freed slots whose copy has not ended yet
         self._unsettled: list[tuple[StepRecord, Transfer, float]] = []  # copies still queued at their step's end
-        if prefetch_top is not None:
-            k = s.top_k
-            if not self.policy.prefetches or not self.policy.exact:
-                why = "prefetches nothing" if not self.policy.prefetches else "executes the predicted experts"
-                raise MoesimError(f"--prefetch-top applies to prefetch-fom and oracle (it cuts what is copied ahead; "
-                                  f"{self.policy.name} {why})")
-            if isinstance(prefetch_top, bool) or not 1 <= prefetch_top <= k:
-                raise MoesimError(f"--prefetch-top must be an integer from 1 to top_k ({k}), got {prefetch_top!r}")
+        check_prefetch_top(self.policy, prefetch_top, s.top_k)
         self.prefetch_top = prefetch_top  # prefetch only each sequence's first m predicted experts (most confident)
         if predictor not in PREDICTORS:
             raise MoesimError(f"unknown predictor {predictor!r}; known: {', '.join(PREDICTORS)}")
@@ -716,6 +709,21 @@ class OffloadedDecoder:
                 else:  # a queued link still holds it (only prefetch copies the step did not wait for)
                     self._unsettled.append((rec, c, st.t_start))
             self._settle()
+
+
+def check_prefetch_top(policy, prefetch_top: int | None, top_k: int) -> None:
+    """``--prefetch-top`` (None: not given) checked for ``policy``: the executor cuts what an
+    exact prefetching policy copies ahead (prefetch-fom, oracle), to 1 to ``top_k`` experts.
+    One definition: ``moesim profile`` checks before the model loads, the decoder when built."""
+    if prefetch_top is None:
+        return
+    pol = get_policy(policy)
+    if not pol.prefetches or not pol.exact:
+        why = "prefetches nothing" if not pol.prefetches else "executes the predicted experts"
+        raise MoesimError(f"--prefetch-top applies to prefetch-fom and oracle (it cuts what is copied ahead; "
+                          f"{pol.name} {why})")
+    if isinstance(prefetch_top, bool) or not isinstance(prefetch_top, int) or not 1 <= prefetch_top <= top_k:
+        raise MoesimError(f"--prefetch-top {prefetch_top!r}: an integer from 1 to top_k ({top_k})")
 
 
 def check_lookahead_for(policy, lookahead: int, n_moe_layers: int, predictor: str = "quasi") -> int:

@@ -561,8 +561,5 @@ class CostModels:
         """:meth:`CostModel.of`, built on first ask."""
         return self.get(spec, gpu, host, s.engine, **CostModel.host_knobs(s, host), **kw)
 
-    def __len__(self) -> int:
-        return len(self._built)
-
     def clear(self) -> None:
         self._built.clear()

@@ -147,3 +147,20 @@ def test_profile_lookahead_on_the_command_line(tmp_path, run):
               "--out", tmp_path / "no.npz", cwd=tmp_path, timeout=300)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--lookahead" in bad.stderr, bad.stderr
     assert not (tmp_path / "no.npz").exists()
+
+
+@pytest.mark.parametrize("run", BOTH_WAYS)
+@pytest.mark.parametrize("policy,top,words", [("prefetch-spec", "1", "prefetch-spec executes the predicted experts"),
+                                              ("on-demand", "1", "on-demand prefetches nothing"),
+                                              ("prefetch-fom", "99", "an integer from 1 to top_k")])
+def test_prefetch_top_is_refused_in_one_line_before_the_model_loads(tmp_path, run, policy, top, words):
+    """``--prefetch-top`` cuts what an exact prefetching policy copies ahead: under any other
+    policy, or past top_k, ``moesim profile`` and the library call it makes refuse in one
+    line, with the check the decoder runs when built (``runtime.check_prefetch_top``)."""
+    r = run("profile", "--model", "tiny", "--policy", policy, "--prefetch-top", top, "--tokens", "2",
+            "--out", tmp_path / "no.npz", cwd=tmp_path, timeout=300)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and words in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "no.npz").exists()
+    with pytest.raises(MoesimError, match=words):
+        runs.record_decode(runs.DecodeRequest(model="tiny", tokens=2, policy=policy, prefetch_top=int(top)),
+                           tmp_path / "x.npz")

@@ -23,6 +23,7 @@ from moesim.cli.app import app
 from moesim.errors import MoesimError
 from moesim.hardware import given_path
 from moesim.inputs import TOML_CAP, check_input
+from moesim.setting import HostKnobs
 from moesim.stop import ignore_further
 
 A = TypeVar("A")
@@ -89,8 +90,7 @@ class HostOptions:
     threads: Threads = None
     amx: Amx = True
 
-    def host_knobs(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(HostOptions)}
+    host_knobs = HostKnobs.host_knobs  # the knobs by name, as the setting and the sweep hand them over
 
 
 GpuLayers = Annotated[str, typer.Option(help="gpu-layers: model layers on the GPU(s) (llama.cpp -ngl), or auto (the "
