@@ -1,6 +1,6 @@
 """Inference engines' own benchmark output, read into :class:`MeasuredRow` rows.
 
-A foundation module (stdlib and :mod:`moesim.errors` only): it turns what llama.cpp,
+A foundation module (stdlib, :mod:`moesim.errors` and the input guard :mod:`moesim.inputs`): it turns what llama.cpp,
 ik_llama.cpp and vLLM print about their own speed into one row per measured test, so
 that a measurement can be set beside moesim's prediction for the same deployment.
 
@@ -44,6 +44,7 @@ from typing import Any
 
 from moesim.errors import MoesimError
 from moesim.fmt import number as fmt_number
+from moesim.inputs import kind_of, read_bytes  # the input guard every command's files go through
 
 __all__ = [
     "FORMATS",
@@ -96,7 +97,8 @@ class MeasuredRow:
     batch: int = 1                  # sequences decoded at once
     model_file: str | None = None   # the model path as the output names it
     model_type: str | None = None   # the engine's description, e.g. "qwen3moe 30B.A3B Q4_K - Medium"
-    model_bytes: int | None = None
+    model_bytes: int | None = None  # the model file's size as the engine printed it
+    model_params: int | None = None  # its parameter count as the engine printed it
     threads: int | None = None
     n_gpu_layers: int | None = None
     n_cpu_moe: int | None = None
@@ -128,16 +130,19 @@ def _show(value: object) -> str:
     return repr(text if len(text) <= 60 else text[:57] + "...")
 
 
+#: The largest benchmark output read (bytes): a llama-bench table or a server log of a day's
+#: requests is kilobytes to a few megabytes; a larger file is not one (a 1 GB log, /dev/urandom).
+MEASURED_CAP = 32 * 2**20
+
+
 def _load_text(path: Path) -> str:
-    """The file's text: refused when missing, empty or binary (a NUL byte, or mostly bytes that are not text)."""
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise MoesimError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise MoesimError(f"{path}: is a directory, not a benchmark output file") from None
-    except OSError as exc:
-        raise MoesimError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    """The file's text, read once through :func:`moesim.inputs.read_bytes` (a FIFO nobody writes
+    to, a device, a folder or a file over :data:`MEASURED_CAP` refused before any reading; a
+    pipe read once, whichever reader asks): refused when missing, empty or binary (a NUL byte,
+    or mostly bytes that are not text)."""
+    if kind_of(path) == "missing":
+        raise MoesimError(f"{path}: no such file")
+    data = read_bytes(path, "benchmark output", MEASURED_CAP)
     if not data.strip():
         raise MoesimError(f"{path}: empty file, no measurements")
     nul = data.find(b"\0")
@@ -153,12 +158,38 @@ def _load_text(path: Path) -> str:
     return text
 
 
+#: The fastest tokens/s any test could have measured: a prompt of a tiny model on the largest
+#: GPU is processed at some 10^5 tokens/s; a figure above this is a misread, not a speed.
+MAX_TPS = 1e6
+#: The slowest: a token in under three hours (a model read from disk a token at a time is
+#: some 10^-2 tokens/s); a figure below this is a misread (a time in the wrong unit).
+MIN_TPS = 1e-4
+
+
 def _speed(value: object, where: str, name: str) -> float:
-    """A tokens/s figure: a finite number above zero."""
+    """A tokens/s figure: a finite number above zero and at most :data:`MAX_TPS`."""
     number = _number(value, where, name)
     if number <= 0:
         raise _fail(where, f"{name} {_show(value)} is not a speed (it must be above zero)")
-    return number
+    return _plausible(number, where, f"{name} {_show(value)}")
+
+
+def _plausible(tps: float, where: str, said: str) -> float:
+    """``tps`` when a test could have measured it (:data:`MIN_TPS` to :data:`MAX_TPS`), else one line."""
+    if tps > MAX_TPS:
+        raise _fail(where, f"{said} is a speed above {MAX_TPS:,.0f} tokens/s: no test runs that fast")
+    if tps < MIN_TPS:
+        raise _fail(where, f"{said} is a speed below {MIN_TPS:g} tokens/s (a token in more than "
+                           f"{1 / MIN_TPS / 3600:.1f} hours): a misread, not a measurement")
+    return tps
+
+
+def _tpot_speed(value: object, where: str, name: str) -> float:
+    """The tokens/s of a time a token in ms (a plain CSV's ``tpot_ms``): a time whose speed is a speed."""
+    ms = _number(value, where, name)
+    if ms <= 0:
+        raise _fail(where, f"{name} {_show(value)} is not a time (it must be above zero)")
+    return _plausible(1000.0 / ms, where, f"{name} {_show(value)}")
 
 
 def _number(value: object, where: str, name: str) -> float:
@@ -293,7 +324,7 @@ def _json_load(text: str, where: str) -> Any:
 
 # Fields of llama-bench's records that a MeasuredRow attribute holds (the rest go into options).
 _LB_CONSUMED = {
-    "model_filename", "model_type", "model_size", "n_threads", "n_gpu_layers", "n_cpu_moe",
+    "model_filename", "model_type", "model_size", "model_n_params", "n_threads", "n_gpu_layers", "n_cpu_moe",
     "tensor_buft_overrides", "override_tensor", "tensor_split", "split_mode", "flash_attn",
     "build_commit", "build_number", "backends", "cpu_info", "gpu_info", "n_prompt", "n_gen",
     "n_depth", "avg_ts", "stddev_ts", "samples_ts", "samples_ns", "test",
@@ -378,6 +409,7 @@ def _llama_bench_row(record: dict[str, Any], where: str, engine: str | None) -> 
     return MeasuredRow(
         where=where, engine=engine, test=test, tokens_per_s=avg, n_gen=n_gen, n_prompt=n_prompt, depth=depth,
         model_file=opt_str("model_filename"), model_type=opt_str("model_type"), model_bytes=opt_int("model_size"),
+        model_params=opt_int("model_n_params"),
         threads=opt_int("n_threads", 1), n_gpu_layers=opt_int("n_gpu_layers", None), n_cpu_moe=opt_int("n_cpu_moe"),
         override_tensors=overrides,
         tensor_split=_split_floats(str(record.get("tensor_split", "")), where, "tensor_split"),
@@ -567,6 +599,26 @@ def read_llama_bench_md(path: Path, *, engine: str | None = None) -> list[Measur
     return rows
 
 
+#: The units of llama-bench's ``size`` and ``params`` columns (``"%.2f GiB"`` / ``"%.2f MiB"``;
+#: ``"%.2f B"`` / ``"%.2f M"`` / ``"%.2f K"``, llama-bench.cpp's markdown printer).
+_MD_BYTES = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9,
+             "tb": 1e12}
+_MD_COUNT = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
+
+
+def _md_amount(text: str | None, where: str, name: str, units: dict[str, float]) -> int | None:
+    """A size or a count as llama-bench's markdown prints it (``17.28 GiB``, ``30.53 B``); None
+    when the column is absent or unknown (``?``); anything else is refused naming the cell."""
+    if text is None or text.strip() in ("", "?", "-"):
+        return None
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)", text.strip(), re.ASCII)
+    if not m or m[2].lower() not in units:
+        raise _fail(where, f"{name} {text.strip()!r} is not a {name} as llama-bench prints it "
+                           f"({', '.join(k for k in units if k) or 'a number'})")
+    value = float(m[1]) * units[m[2].lower()]
+    return round(value) if math.isfinite(value) and value > 0 else None
+
+
 def _md_row(cells: dict[str, str], where: str, engine: str | None, is_ik: bool, build: str | None) -> MeasuredRow:
     label = cells["test"]
     match = _MD_TEST.fullmatch(label.strip())
@@ -599,12 +651,15 @@ def _md_row(cells: dict[str, str], where: str, engine: str | None, is_ik: bool, 
         return None if value in (None, "") else _int(value, where, name, low=low)
 
     ot = cells.get("ot")
-    mapped = {"model", "test", "t/s", "backend", "ngl", "n_cpu_moe", "threads", "ts", "ot", "sm", "fa"}
+    mapped = {"model", "size", "params", "test", "t/s", "backend", "ngl", "n_cpu_moe", "threads", "ts", "ot", "sm",
+              "fa"}
     # llama.cpp prints n_cpu_moe only when it is not 0 (ik_llama.cpp's llama-bench has no such field)
     n_cpu_moe = opt_int("n_cpu_moe") if "n_cpu_moe" in cells else None if is_ik else 0
     return MeasuredRow(
         where=where, engine=_engine(engine, "ik_llama.cpp" if is_ik else "llama.cpp"), test=test, tokens_per_s=avg,
         n_gen=n_gen, n_prompt=n_prompt, depth=depth, model_type=cells.get("model") or None,
+        model_bytes=_md_amount(cells.get("size"), where, "size", _MD_BYTES),
+        model_params=_md_amount(cells.get("params"), where, "params", _MD_COUNT),
         threads=opt_int("threads", 1), n_gpu_layers=opt_int("ngl", None), n_cpu_moe=n_cpu_moe,
         override_tensors=() if ot is None else _split_overrides(ot, "," if is_ik else ";"),
         tensor_split=_split_floats(cells.get("ts", ""), where, "ts"), split_mode=cells.get("sm") or None,
@@ -942,7 +997,7 @@ def _plain_row(record: dict[str, str], where: str, engine: str | None) -> Measur
     if record.get("tokens_per_s", "").strip():
         speed = _speed(record["tokens_per_s"], where, "tokens_per_s")
     if record.get("tpot_ms", "").strip():
-        from_tpot = 1000.0 / _speed(record["tpot_ms"], where, "tpot_ms")
+        from_tpot = _tpot_speed(record["tpot_ms"], where, "tpot_ms")
         if speed is not None and abs(from_tpot - speed) > 0.01 * speed:
             raise _fail(where, f"tokens_per_s {speed:g} and tpot_ms {record['tpot_ms'].strip()} disagree "
                                f"(1000/tpot_ms = {fmt_number(from_tpot, 4)})")

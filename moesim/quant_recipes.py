@@ -77,12 +77,68 @@ def stored_type(dtype: str, cols: int, output: bool = False) -> str:
 ALIASES = {"ud-q4_k_xl": "q4_k_m", "ud-iq1_s": "iq1_s", "ud-iq3_xxs": "iq3_xxs", "q2_k_xs": "q2_k",
            "ud-q2_k_xl": "q2_k"}
 
+#: The file types as llama.cpp prints them in a model's description (llama-bench's ``model``
+#: column, ``print_info: file type = ...``): ``llama_model_ftype_name`` in
+#: src/llama-model-loader.cpp (ggml-org/llama.cpp), with the names ik_llama.cpp adds in its
+#: own copy of that function (src/llama.cpp). Each maps to the name users type, lower case:
+#: a key of :data:`RECIPES` where moesim knows the file llama-quantize writes, a weight format
+#: of :data:`moesim.models.DTYPES` for the unquantised types, else a name without a recipe
+#: (``q3_k_m``), which :func:`file_type_in` returns so that the caller can say so.
+FTYPE_NAMES = {
+    "all F32": "fp32", "F16": "fp16", "BF16": "bf16", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0",
+    "Q5_1": "q5_1", "Q8_0": "q8_0", "MXFP4 MoE": "mxfp4_moe", "Q2_K - Medium": "q2_k", "Q2_K - Small": "q2_k_s",
+    "Q3_K - Small": "q3_k_s", "Q3_K - Medium": "q3_k_m", "Q3_K - Large": "q3_k_l", "Q4_K - Small": "q4_k_s",
+    "Q4_K - Medium": "q4_k_m", "Q5_K - Small": "q5_k_s", "Q5_K - Medium": "q5_k_m", "Q6_K": "q6_k",
+    "TQ1_0 - 1.69 bpw ternary": "tq1_0", "TQ2_0 - 2.06 bpw ternary": "tq2_0", "IQ2_XXS - 2.0625 bpw": "iq2_xxs",
+    "IQ2_XS - 2.3125 bpw": "iq2_xs", "IQ2_S - 2.5 bpw": "iq2_s", "IQ2_M - 2.7 bpw": "iq2_m",
+    "IQ3_XS - 3.3 bpw": "iq3_xs", "IQ3_XXS - 3.0625 bpw": "iq3_xxs", "IQ1_S - 1.5625 bpw": "iq1_s",
+    "IQ1_M - 1.75 bpw": "iq1_m", "IQ4_NL - 4.5 bpw": "iq4_nl", "IQ4_XS - 4.25 bpw": "iq4_xs",
+    "IQ3_S - 3.4375 bpw": "iq3_s", "IQ3_S mix - 3.66 bpw": "iq3_m",
+    # ik_llama.cpp's own types (its llama_model_ftype_name)
+    "IQ2_K - 2.375 bpw": "iq2_k", "IQ2_KS - 2.1875 bpw": "iq2_ks", "IQ2_KL - 2.6875 bpw": "iq2_kl",
+    "IQ3_K - 3.4325 bpw": "iq3_k", "IQ3_KL - 4 bpw": "iq3_kl", "IQ4_K - 4.5 bpw": "iq4_k",
+    "IQ4_KS - 4.25 bpw": "iq4_ks", "IQ4_KSS - 4.0 bpw": "iq4_kss", "IQ5_K - 5.5 bpw": "iq5_k",
+    "IQ5_KS - 5.25 bpw": "iq5_ks", "IQ6_K - 6.6 bpw": "iq6_k", "IQ1_KT - 1.75 bpw": "iq1_kt",
+    "IQ2_KT - 2.125 bpw": "iq2_kt", "IQ3_KT - 3.125 bpw": "iq3_kt", "IQ4_KT - 4.0 bpw": "iq4_kt",
+}
+
+
+def canonical(name: str) -> str:
+    """A file type or weight format as moesim keys it, in any spelling llama.cpp prints or
+    users type: case-insensitive (``Q4_K_M``, ``q4_k_m``, ``Q4_K - Medium`` are one), a
+    printed name mapped by :data:`FTYPE_NAMES`, an alias (:data:`ALIASES`) to its base type."""
+    text = " ".join(name.split())
+    key = _PRINTED.get(text.lower(), text.lower())
+    return ALIASES.get(key, key)
+
+
+_PRINTED = {k.lower(): v for k, v in FTYPE_NAMES.items()}
+
+
+def file_type_in(description: str | None) -> tuple[str, str] | None:
+    """The file type a llama.cpp model description names at its end (``qwen3moe 30B.A3B Q4_K -
+    Medium`` -> ("Q4_K - Medium", "q4_k_m")): the printed name and its key, None when it names
+    none (the longest printed name wins: "Q2_K - Small" before "Q2_K")."""
+    if not description:
+        return None
+    text = " ".join(description.split()).lower()
+    for printed in sorted(FTYPE_NAMES, key=len, reverse=True):
+        p = printed.lower()
+        if text == p or text.endswith(" " + p):
+            return printed, FTYPE_NAMES[printed]
+    return None
+
+
+def has_recipe(key: str) -> bool:
+    """Whether moesim can price a model stored as ``key`` (:func:`canonical`'s name) whole:
+    a llama.cpp file type with a recipe, or a weight format of :data:`moesim.models.DTYPES`."""
+    return key in RECIPES or key in DTYPES
+
 
 def apply_recipe(spec: ModelSpec, file_type: str) -> ModelSpec:
     """``spec`` stored as llama-quantize's ``file_type`` (a name of :data:`RECIPES` or
     :data:`ALIASES`): per-MoE-layer expert bytes, the dense, head and embedding formats."""
-    key = file_type.strip().lower()
-    key = ALIASES.get(key, key)
+    key = canonical(file_type)
     if key not in RECIPES:
         raise MoesimError(f"unknown llama.cpp file type {file_type!r}; known: {', '.join([*RECIPES, *ALIASES])}")
     gate_up, down_more, down, dense, head, embed = RECIPES[key]
@@ -112,14 +168,13 @@ def apply_recipe(spec: ModelSpec, file_type: str) -> ModelSpec:
 def store_as(spec: ModelSpec, fmt: str) -> ModelSpec:
     """``spec`` stored as ``fmt``: a llama.cpp file type (every tensor, :func:`apply_recipe`)
     or a weight format of :data:`moesim.models.DTYPES` for the routed experts."""
-    key = fmt.strip().lower()
-    if key in RECIPES or key in ALIASES:
+    key = canonical(fmt)
+    if key in RECIPES:
         out = apply_recipe(spec, key)
         return replace(out, name=f"{spec.name}@{key}")
-    return spec.with_expert_dtype(fmt)
+    return spec.with_expert_dtype(key if key in DTYPES else fmt)
 
 
 def is_format(fmt: str) -> bool:
     """Whether ``fmt`` names a llama.cpp file type or a weight format moesim knows."""
-    key = fmt.strip().lower()
-    return key in RECIPES or key in ALIASES or fmt in DTYPES
+    return has_recipe(canonical(fmt)) or fmt in DTYPES

@@ -40,6 +40,7 @@ from moesim.fmt import number, plural
 from moesim.hardware import get_host, get_machine
 from moesim.models import DTYPES, get_model
 from moesim.policy import get_policy
+from moesim.quant_recipes import RECIPES, canonical, file_type_in, has_recipe
 from moesim.sim.intervals import MIN_CLASS, Interval, calibrated_residuals, conformal
 from moesim.sim.published import Entry, predict, setting_spec
 from moesim.sim.sweep import bound_of
@@ -68,10 +69,11 @@ STARTS = (0.1, 0.4, 0.7, 0.95)
 class Given:
     """What the user says of the machine the rows were measured on (the outputs rarely do)."""
 
-    hw: str = "none"  # GPUs (--hw): 'none' for a CPU-only build
+    hw: str | None = None  # GPUs (--hw): 'none' for a CPU-only build; None: not said (then 'none')
     host: str | None = None  # CPU (--host): a built-in, a file or 'this'
     engine: str | None = None  # the starting engine profile (default: the rows' engine)
     model: str | None = None  # the model, where the output names no file that exists here
+    expert_dtype: str | None = None  # the file type, where the output names none (vLLM, a log line)
 
 
 @dataclass(frozen=True)
@@ -154,20 +156,87 @@ def deployment(row: MeasuredRow, given: Given) -> Entry:
     return entry
 
 
+#: llama.cpp's GPU backends as llama-bench names them (``backends``, the markdown's ``backend``):
+#: a row of such a build with layers offloaded ran on a GPU.
+GPU_BACKENDS = ("CUDA", "ROCm", "HIP", "Vulkan", "Metal", "SYCL", "MUSA", "CANN", "OpenCL", "GPU BLAS")
+#: How far the size or parameter count the output printed may be from the named model's at the
+#: printed file type before the row is refused as another model (llama.cpp's sizes count every
+#: tensor as stored; moesim's catalogue leaves out the odd norm and MTP layer: a few percent).
+SIZE_TOLERANCE = 0.10
+
+
+def _on_gpu_build(row: MeasuredRow) -> str | None:
+    """The GPU backend ``row`` ran on (a GPU build with layers offloaded), else None."""
+    names = [b.strip() for b in re.split(r"[,;/ ]+", row.backend or "") if b.strip()]
+    gpu = next((b for b in names if b.lower() in {g.lower() for g in GPU_BACKENDS}), None)
+    return gpu if gpu and (row.n_gpu_layers is None or row.n_gpu_layers > 0) else None
+
+
+def _file_type(row: MeasuredRow, given: Given, model: str) -> str | None:
+    """The file type ``row`` was measured with, as moesim prices it: the one the output printed
+    (llama.cpp's model description), else ``--expert-dtype``; None for a GGUF file here (it
+    says every tensor's type) or when neither says. One line when they disagree or when moesim
+    has no recipe for the printed type."""
+    printed = file_type_in(row.model_type)
+    wanted = canonical(given.expert_dtype) if given.expert_dtype else None
+    if printed and wanted and printed[1] != wanted:
+        raise MoesimError(f"{row.where}: the output says the file type is {printed[0]} ({printed[1]}), "
+                          f"--expert-dtype says {given.expert_dtype}: give the one the row was measured with")
+    if model.lower().endswith(".gguf") and not wanted:
+        return None  # the file's own tensor types
+    key = printed[1] if printed else wanted
+    if key is not None and not has_recipe(key):
+        said = f"the output's file type {printed[0]}" if printed else f"--expert-dtype {given.expert_dtype}"
+        raise MoesimError(f"{row.where}: {said} ({key}) is one moesim has no llama-quantize recipe for; give the "
+                          f"nearest it knows with --expert-dtype (file types: {', '.join(RECIPES)})")
+    return key
+
+
+def _check_size(row: MeasuredRow, spec, model: str, quant: str | None) -> None:
+    """Refuse a row whose printed size or parameter count is not ``spec``'s at its file type
+    (more than :data:`SIZE_TOLERANCE` apart): the wrong ``--model``, or a file type misread."""
+    as_what = f" as {quant}" if quant else ""
+    def gib(n: float) -> str:
+        return f"{number(n / 2**30, 4)} GiB"
+
+    def billions(n: float) -> str:
+        return f"{number(n / 1e9, 4)} B parameters"
+
+    for printed, ours, say in ((row.model_bytes, spec.non_expert_bytes + spec.all_expert_bytes, gib),
+                               (row.model_params, spec.total_params, billions)):
+        if printed and ours and abs(math.log(printed / ours)) > math.log1p(SIZE_TOLERANCE):
+            raise MoesimError(f"{row.where}: the output's model is {say(printed)}; {model}{as_what} is {say(ours)} "
+                              f"(more than {SIZE_TOLERANCE:.0%} apart): not the model the row ran; give the right "
+                              "--model (or --expert-dtype where the output names no file type)")
+
+
 def _deployment(row: MeasuredRow, given: Given) -> Entry:
     o = row.options
     model = _spec_name(row, given)
-    spec = get_model(model)
-    hw = o.get("hw") or given.hw
+    hw = o.get("hw") or given.hw or "none"
+    gpu_build = _on_gpu_build(row)
+    if gpu_build and not o.get("hw") and given.hw is None:
+        raise MoesimError(f"{row.where}: a {gpu_build} build's row"
+                          + (f" with -ngl {row.n_gpu_layers}" if row.n_gpu_layers is not None else "")
+                          + " ran on a GPU: give --hw (the GPUs it ran on, `moesim hw` lists them); moesim never "
+                          "prices a GPU row on the CPU")
     machine = get_machine(hw)
+    quant = canonical(o["expert_dtype"]) if o.get("expert_dtype") else _file_type(row, given, model)
+    spec = setting_spec({"model": model, "quant": quant, "id": row.where})
+    _check_size(row, spec, model, quant)
+    if row.split_mode and row.split_mode.strip().lower() == "row" and machine.n_gpus > 1:
+        raise MoesimError(f"{row.where}: -sm row splits each matrix across the GPUs; moesim models llama.cpp's "
+                          "layer split (-sm layer) only")
     s: dict[str, Any] = {"id": row.where, "model": model, "engine": o.get("engine") or given.engine or row.engine,
                          "hw": hw, "gen": max(row.n_gen, 1),
                          # the context the generated tokens see: the cache before the test, and the test's own
                          # prompt when it times prompt and generation together
                          "context": int(o.get("prompt_len", row.depth))
                          + (row.n_prompt if row.test == "prefill+decode" else 0)}
-    if o.get("expert_dtype"):
-        s["quant"] = o["expert_dtype"]
+    if quant:
+        s["quant"] = quant
+    if row.batch > 1:  # sequences decoded at once (vLLM's --batch-size); priced per sequence, as measured
+        s["batch"] = int(row.batch)
     host = o.get("host") or given.host
     if host:
         s["host"] = host
@@ -177,7 +246,7 @@ def _deployment(row: MeasuredRow, given: Given) -> Entry:
         s["policy"] = o["policy"]
         for k in ("cpu_layers", "gpu_layers"):
             if o.get(k):
-                if o[k] not in ("auto", "all") and not o[k].isdigit():
+                if o[k] not in ("auto", "all") and not re.fullmatch(r"[0-9]+", o[k]):  # ASCII digits only
                     raise MoesimError(f"{row.where}: {k} {o[k]!r}: a count of layers, auto or all")
                 s[k] = o[k] if o[k] in ("auto", "all") else int(o[k])
     else:
@@ -213,15 +282,20 @@ def _ln_errors(entries: Sequence[Entry], engine: EngineProfile) -> np.ndarray:
                               / float(e.measurement["decode_tps"])) for e in entries])
 
 
-def choose(entries: Sequence[Entry], engine: EngineProfile) -> tuple[list[tuple[str, float, float]], list[str]]:
+def bound_under(e: Entry, engine: EngineProfile) -> str:
+    """What bounds ``e``'s prediction under ``engine`` (:func:`moesim.sim.sweep.bound_of`'s words)."""
+    return bound_of({**predict(e, {e.setting["engine"]: engine})["result"].summary(), "fits": True})
+
+
+def choose(entries: Sequence[Entry], engine: EngineProfile,
+           bounds: Sequence[str] | None = None) -> tuple[list[tuple[str, float, float]], list[str]]:
     """The figures the rows can determine (see the module docstring): [(key, low, high)] and
-    each row's bound under ``engine``."""
-    bounds, keys = [], Counter()
+    each row's bound under ``engine`` (``bounds``: already known, as a leave-one-row-out fold
+    knows them from the fit on every row)."""
+    bounds = list(bounds) if bounds is not None else [bound_under(e, engine) for e in entries]
+    keys: Counter = Counter()
     cpu_threads = set()
-    for e in entries:
-        row = predict(e, {e.setting["engine"]: engine})["result"].summary()
-        b = bound_of({**row, "fits": True})
-        bounds.append(b)
+    for e, b in zip(entries, bounds, strict=True):
         dtype = setting_spec(e.setting).expert_dtype  # the spec the prediction used (a file type's recipe applied)
         for table, resource, lo, hi in CANDIDATES:
             if resource == b:
@@ -250,7 +324,11 @@ def with_thread_rate(engine: EngineProfile, gbs: float, source: str) -> EnginePr
     return engine
 
 
-def _fit(entries: Sequence[Entry], base: EngineProfile, figures, source: str) -> tuple[EngineProfile, dict[str, float]]:
+def _fit(entries: Sequence[Entry], base: EngineProfile, figures, source: str,
+         start: dict[str, float] | None = None) -> tuple[EngineProfile, dict[str, float]]:
+    """``base`` with ``figures`` fitted to ``entries``; ``start``: values to start from alone (a
+    leave-one-row-out fit starts where the fit on every row ended, one start instead of
+    :data:`STARTS`' grid: the rows left are nearly the same)."""
     from scipy.optimize import least_squares  # scipy.optimize: 0.4 s to import, only a fit pays it
 
     if not figures:
@@ -273,8 +351,11 @@ def _fit(entries: Sequence[Entry], base: EngineProfile, figures, source: str) ->
     # diagonal beyond.
     starts = itertools.product(STARTS, repeat=len(figures)) if len(figures) <= 2 else ((q,) * len(figures)
                                                                                        for q in STARTS)
-    best = min((least_squares(residuals, lo + (hi - lo) * np.array(q), bounds=(lo, hi), diff_step=1e-3, xtol=1e-4,
-                              ftol=1e-6) for q in starts), key=lambda r: r.cost)
+    points = [lo + (hi - lo) * np.array(q) for q in starts]
+    if start is not None and all(f[0] in start for f in figures):
+        points = [np.clip(np.log([start[f[0]] for f in figures]), lo, hi)]
+    best = min((least_squares(residuals, x0, bounds=(lo, hi), diff_step=1e-3, xtol=1e-4, ftol=1e-6)
+                for x0 in points), key=lambda r: r.cost)
     values = {key: float(v) for (key, _, _), v in zip(figures, np.exp(best.x))}
     return engine_at(best.x), values
 
@@ -298,7 +379,8 @@ def usable(row: MeasuredRow) -> bool:
                                     and row.n_prompt <= MIXED_PROMPT_SHARE * row.n_gen)
 
 
-def calibrate(rows: Sequence[MeasuredRow], given: Given, what: str) -> Calibration:
+def calibrate(rows: Sequence[MeasuredRow], given: Given, what: str,
+              progress: Callable[[int, int], None] | None = None) -> Calibration:
     """Fit the figures ``rows`` determine (decode rows; the others are listed as unused, with
     why), starting from the engine profile ``given`` names or the rows' engine."""
     decode = [r for r in rows if usable(r)]
@@ -313,13 +395,17 @@ def calibrate(rows: Sequence[MeasuredRow], given: Given, what: str) -> Calibrati
     names = {e.setting["engine"] for e in entries}
     if len(names) > 1:
         raise MoesimError(f"{what}: rows of several engines ({', '.join(sorted(names))}): calibrate one at a time")
-    cal = calibrate_entries(entries, get_engine(names.pop()), f"{plural(len(entries), 'row')} of {what}")
+    cal = calibrate_entries(entries, get_engine(names.pop()), f"{plural(len(entries), 'row')} of {what}",
+                            progress=progress)
     return replace(cal, unused=unused)
 
 
-def calibrate_entries(entries: Sequence[Entry], base: EngineProfile, what: str, loro: bool = True) -> Calibration:
+def calibrate_entries(entries: Sequence[Entry], base: EngineProfile, what: str, loro: bool = True,
+                      progress: Callable[[int, int], None] | None = None) -> Calibration:
     """``base`` with the figures ``entries`` determine fitted to them; with ``loro``, each
-    entry also predicted from a calibration on the others, and the range answers carry."""
+    entry also predicted from a calibration on the others (``progress(done, total)`` after
+    each), and the range answers carry. A fold reuses what the fit on every row knows (each
+    row's bound, the fitted values as its one start): tens of rows take seconds, not minutes."""
     figures, bounds = choose(entries, base)
     source = (f"fitted by moesim fit --measured on {what} ({', '.join(e.measurement['source_url'] for e in entries)})"
               ": least squares on ln(predicted / measured)")
@@ -329,18 +415,45 @@ def calibrate_entries(entries: Sequence[Entry], base: EngineProfile, what: str, 
     if loro and len(entries) >= 2:
         for i in range(len(entries)):
             rest = list(entries[:i]) + list(entries[i + 1:])
-            eng_i, _ = _fit(rest, base, choose(rest, base)[0], source)
+            eng_i, _ = _fit(rest, base, choose(rest, base, bounds[:i] + bounds[i + 1:])[0], source, start=values)
             left_out.append(float(_ln_errors([entries[i]], eng_i)[0]))
+            if progress:
+                progress(i + 1, len(entries))
     if loro:
         iv = _range(left_out, what)
         engine = replace(engine, description=f"{base.name} calibrated on {what}",
                          calibration={"low": iv.low, "high": iv.high, "rows": len(entries), "basis": iv.basis})
-    out = [{"where": e.measurement["source_url"], "deployment": _words(e), "bound": b,
+    out = [{"where": e.measurement["source_url"], "deployment": _words(e), "bound": b, "reading": _reading(e),
             "measured_tps": float(e.measurement["decode_tps"]),
             "before_tps": float(e.measurement["decode_tps"]) * math.exp(x0),
             "after_tps": float(e.measurement["decode_tps"]) * math.exp(x1), "ln_error_after": float(x1)}
            for e, b, x0, x1 in zip(entries, bounds, before, after)]
     return Calibration(engine, values, out, left_out, at_bound=_at_bound(figures, values))
+
+
+#: A calibration that still misses one of its own rows by more than this is not written
+#: (:func:`verdict`): no setting of the figures it fits explains the rows.
+MISS = 0.15
+
+
+def verdict(cal: Calibration) -> str | None:
+    """Why ``cal`` should not be used as a calibration, in words a user acts on, or None when it
+    explains its rows: a fitted figure that ended at the end of its range, or a row it still
+    misses by more than :data:`MISS`, each with the reading of the row to suspect."""
+    off = [r for r in cal.rows if abs(r["after_tps"] / r["measured_tps"] - 1) > MISS]
+    if not cal.at_bound and not off:
+        return None
+    r = off[0] if off else cal.rows[0]
+    faster = r["measured_tps"] > r["after_tps"]
+    what = (f"{', '.join(cal.at_bound)} ended at the end of its range" if cal.at_bound else
+            f"the fit still misses {plural(len(off), 'row')} by more than {MISS:.0%}")
+    where = f"{r['where']} ran {'faster' if faster else 'slower'} than any setting of the figures allows " \
+            f"({number(r['measured_tps'], 4)} tok/s measured, {number(r['after_tps'], 4)} at best)"
+    suspect = (f"a lighter file type than the one read ({r['reading']}), more threads or another host or GPU than "
+               "given, or a build moesim's figures do not describe" if faster else
+               f"a heavier file type than the one read ({r['reading']}), a busy machine, fewer threads than printed, "
+               "or a setting moesim does not model")
+    return f"{what}: {where}; suspect {suspect}"
 
 
 def _range(left_out: list[float], what: str) -> Interval:
@@ -357,13 +470,24 @@ def _range(left_out: list[float], what: str) -> Interval:
                      "needed)")
 
 
+def _reading(e: Entry) -> str:
+    """What moesim read of a row that the speed depends on most: file type, threads, GPUs, build."""
+    s = e.setting
+    spec = setting_spec(s)
+    parts = [f"file type {s['quant']}" if s.get("quant") else f"experts in {spec.expert_dtype}",
+             f"{s['threads']} threads" if s.get("threads") else "threads as the host profile says",
+             "CPU only" if s["hw"] == "none" else f"GPUs {s['hw']}"]
+    return ", ".join(parts)
+
+
 def _words(e: Entry) -> str:
     """A row's deployment as the engine's own flags say it, short: ``all-resident, none + HOST, -t 2, -d 512``."""
     s = e.setting
     from pathlib import Path
 
     host = f" + {Path(s['host']).name}" if s.get("host") else ""
-    flags = {"cpu_layers": "--n-cpu-moe", "gpu_layers": "-ngl", "threads": "-t", "context": "-d"}
+    flags = {"quant": "file type", "cpu_layers": "--n-cpu-moe", "gpu_layers": "-ngl", "threads": "-t",
+             "context": "-d", "batch": "batch"}
     return ", ".join([s["policy"], f"{s['hw']}{host}"] + [f"{f} {s[k]}" for k, f in flags.items() if k in s])
 
 

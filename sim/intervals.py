@@ -171,13 +171,26 @@ def moved(rows: Sequence[dict[str, Any]], key: str = "ln_error") -> list[dict[st
     return out
 
 
-def kind_of(family: str, n_gpus: int) -> str:
-    """The deployment kind a configuration belongs to (the published suite's classes)."""
+def kind_of(family: str, n_gpus: int, row: dict[str, Any] | None = None) -> str:
+    """The deployment kind a configuration belongs to (the published suite's classes): by what
+    the deployment does as predicted (``row``: its CPU time and the bytes it moves over the
+    link), so that two spellings of one deployment get one range (``cpu-static`` with no layer
+    on the CPU, ``gpu-layers`` with every layer on the GPU and ``all-resident`` are all-GPU);
+    by the family where no prediction says."""
     if n_gpus == 0:
         return "all-CPU"
     if n_gpus > 1:
         return "multi-GPU"
-    return FAMILY_KIND.get(family, "other")
+    kind = FAMILY_KIND.get(family, "other")
+    if not row or not row.get("tokens_per_s"):
+        return kind
+    cpu = (row.get("cpu_ms") or 0) > 0
+    moved = (row.get("gb_moved_per_token") or 0) > 0
+    if not cpu and not moved:
+        return "all-GPU"  # every weight on the GPU, whatever the label
+    if cpu:
+        return kind if kind in ("layer split", "experts on the CPU") else "experts on the CPU"
+    return "copy offload"
 
 
 def interval_for(kind: str, engine: str, pool: Sequence[Residual] | None = None,
@@ -228,7 +241,7 @@ def row_interval(row: dict[str, Any], calibration: dict[str, Any] | None = None,
         return calibrated(calibration)
     if kind is None:
         n_gpus = 0 if str(row.get("hw", "")) == "none" else (2 if row.get("split") not in (None, "-") else 1)
-        kind = kind_of(str(row.get("family", "")), n_gpus)
+        kind = kind_of(str(row.get("family", "")), n_gpus, row)
     return interval_for(kind, str(row.get("engine", "")))
 
 
@@ -262,6 +275,25 @@ def range_text(row: dict[str, Any], what: str = "tokens_per_s") -> str:
     if lo is None or hi is None:
         return "-"
     return f"{number(lo)}-{number(hi)}"
+
+
+#: A range wider than this (high / low) comes with how to narrow it (:func:`how_sure`).
+WIDE = 3.0
+
+
+def how_sure(row: dict[str, Any]) -> str | None:
+    """A row's range in words a user acts on, with how to narrow it when it spans more than
+    :data:`WIDE` (None without a range)."""
+    lo, hi = row.get("tokens_per_s_low"), row.get("tokens_per_s_high")
+    if lo is None or hi is None or row.get("range_basis") in (None, "-"):
+        return None
+    text = (f"{NOMINAL:.0%} of measured deployments like this ran between {number(lo)} and {number(hi)} tok/s "
+            f"({row['range_basis']})")
+    if lo > 0 and hi / lo > WIDE:
+        text += (f"; the range spans x{hi / lo:.0f}: time one run with your engine (llama-bench -n 128, or the "
+                 "engine's own timing lines) and `moesim fit --measured FILE` calibrates on it "
+                 "(docs/measured-formats.md)")
+    return text
 
 
 def coverage(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:

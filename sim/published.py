@@ -30,7 +30,7 @@ from moesim.memory import WORKSPACE_BYTES, device_bytes
 from moesim.models import DTYPES, ModelSpec, get_model
 from moesim.policy import get_policy
 from moesim.policy.placement import hot_per_layer, routing_counts, uniform_per_layer
-from moesim.quant_recipes import ALIASES, RECIPES, apply_recipe
+from moesim.quant_recipes import RECIPES, apply_recipe, canonical
 from moesim.setting import Setting
 from moesim.sim.simulate import simulate
 from moesim.sim.static import simulate_static
@@ -120,10 +120,11 @@ def _spec_of(model: str, q: str | None, sid: str) -> ModelSpec:
     spec = get_model(model)
     if q is None:
         return spec
-    if q in RECIPES or q in ALIASES:
-        return apply_recipe(spec, q)
-    if q in DTYPES:
-        return spec.with_expert_dtype(q)
+    key = canonical(q)
+    if key in RECIPES:
+        return apply_recipe(spec, key)
+    if key in DTYPES:
+        return spec.with_expert_dtype(key)
     raise MoesimError(f"{sid}: unknown quant {q!r} (a llama.cpp file type or a weight format of "
                       "`moesim models --help`)")
 
@@ -146,9 +147,10 @@ def _host(s: dict[str, Any]):
 
 
 @functools.lru_cache(maxsize=64)
-def _trace(spec: ModelSpec, context: int, tokens: int, draw_seed: int | None):
+def _trace(spec: ModelSpec, context: int, tokens: int, draw_seed: int | None, batch: int = 1):
     """The entry's **synthetic** trace (memoised: a fit predicts each entry many times)."""
-    return synthetic_trace(spec, SyntheticParams(tokens=tokens, prompt_len=context, seed=0, draw_seed=draw_seed))
+    return synthetic_trace(spec, SyntheticParams(tokens=tokens, batch=batch, prompt_len=context, seed=0,
+                                                 draw_seed=draw_seed))
 
 
 def predict(entry: Entry, engines: dict[str, EngineProfile] | None = None) -> dict[str, Any]:
@@ -159,7 +161,7 @@ def predict(entry: Entry, engines: dict[str, EngineProfile] | None = None) -> di
     # The engine as a build from the measurement's date ran it (its [[before]] changes).
     engine = ((engines or {}).get(s["engine"]) or get_engine(s["engine"])).at(entry.measurement.get("date"))
     context = int(s.get("context", 1000)) + int(s.get("gen", 0)) // 2
-    trace = _trace(spec, context, TOKENS, None)
+    trace = _trace(spec, context, TOKENS, None, int(s.get("batch", 1)))  # batch: sequences decoded at once
     machine = get_machine(s["hw"])
     host = _host(s)
     pol = get_policy(s["policy"])

@@ -82,7 +82,7 @@ class Replay:
         rows = [{**r.summary(), "hw_source": self.profile_source, "link_source": self.link_source}
                 for r in self.results]
         pols = self.policies or [r["policy"] for r in rows]
-        return [with_range(r, self.calibration, kind_of(policy_family(p), gpus)) for r, p in zip(rows, pols, strict=True)]
+        return [with_range(r, self.calibration, kind_of(policy_family(p), gpus, r)) for r, p in zip(rows, pols, strict=True)]
 
 
 def replay_link(trace: Trace, profile: HardwareProfile, profile_source: str,

@@ -178,17 +178,26 @@ def test_fit_refuses_what_it_cannot_do_in_one_line(tmp_path, args, words):
 MEASURED = Path(__file__).parent / "data" / "measured"
 
 
+def _two_layer_config(folder: Path) -> Path:
+    """The Hugging Face config bench/bench_llamacpp.py's 2-layer checkpoints were made from."""
+    config = json.loads((Path(__file__).parent / "data" / "configs" / "Qwen3-30B-A3B" / "config.json").read_text())
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2, "vocab_size": 1024}))
+    return folder
+
+
 def test_a_real_llama_bench_output_round_trips(tmp_path):
     """The committed llama-bench JSON (llama.cpp 0c1e570, two thread counts) calibrates; its
-    GGUF file is not in the repository, so --model names a stand-in of the same kind (and wins
-    over the file the output names, here or not)."""
-    from gguf_files import qwen3moe_gguf
-
-    (model,) = qwen3moe_gguf(tmp_path / "stand-in.gguf", layers=2)
-    r = in_process("fit", "--measured", str(MEASURED / "mybox-2L-q4_k_m.json"), "--model", str(model),
+    GGUF file is not in the repository, so --model names the checkpoint it was converted from
+    (bench/bench_llamacpp.py's: Qwen3-30B-A3B's config with 2 layers and a 1,024-token
+    vocabulary), which wins over the file the output names, and the file type the output
+    prints (Q4_K - Medium) is read: its 0.71 GiB and 1.25 B parameters match the checkpoint's."""
+    _two_layer_config(tmp_path / "hf")
+    r = in_process("fit", "--measured", str(MEASURED / "mybox-2L-q4_k_m.json"), "--model", str(tmp_path / "hf"),
                    "--host", HOST, "--out", str(tmp_path / "box"))
     assert r.returncode == 0, r.stderr
     assert "mybox-2L-q4_k_m.json[0]: all-resident, none" in r.stdout and "-t 1" in r.stdout and "-t 2" in r.stdout
+    assert "file type q4_k_m" in r.stdout
     eng = load_engine(tmp_path / "box" / "engine.toml")
     assert eng.calibration["rows"] == 2 and "mybox-2L-q4_k_m.json" in eng.calibration["basis"]
 

@@ -154,3 +154,21 @@ def test_moved_names_every_prediction_that_changed_by_more_than_ten_percent(monk
 def test_the_committed_predictions_hold_both_figures_for_every_entry():
     entries = iv._shipped()["entry"]
     assert entries and all("shipped_ln_error" in e for e in entries)
+
+
+def test_one_deployment_under_several_names_gets_one_range(tmp_path):
+    """The range follows what the deployment does, not its policy's label: every layer on the
+    GPU is all-GPU whether it is called all-resident, cpu-static with no layer on the CPU or
+    gpu-layers with all 48 on the GPU; a deployment with CPU work is not."""
+    r = in_process("whatif", "--model", "qwen3-30b-a3b", "--expert-dtype", "q4_k_m", "--hw", "rtx4090", "--host",
+                   "ryzen-7950x", "--engine", "llama.cpp", "--policy", "all-resident,cpu-static,gpu-layers",
+                   "--cpu-layers", "0,24", "--gpu-layers", "48", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["rows"]
+    on_gpu = [row for row in rows if not row["cpu_ms"]]
+    assert {row["policy"] for row in on_gpu} == {"all-resident", "cpu-static", "gpu-layers"}
+    assert len({(round(row["tokens_per_s_low"], 6), round(row["tokens_per_s_high"], 6), row["range_basis"])
+                for row in on_gpu}) == 1
+    assert "all-GPU" in on_gpu[0]["range_basis"]
+    (half,) = [row for row in rows if row["cpu_ms"]]  # 24 layers' experts on the CPU: another kind
+    assert "experts on the CPU" in half["range_basis"]

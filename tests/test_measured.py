@@ -99,11 +99,13 @@ def test_llama_bench_threads_md():
     assert (first.engine, first.test, first.n_gen, first.n_prompt, first.depth, first.batch) == (
         "llama.cpp", "decode", 16, 0, 0, 1)
     assert first.model_type == "qwen3moe ?B Q4_K - Medium"
-    assert first.model_file is None and first.model_bytes is None and first.runs is None
+    assert first.model_file is None and first.runs is None
+    # the size and parameter count as printed (722.81 MiB, 1.25 B), to the printed precision
+    assert (first.model_bytes, first.model_params) == (round(722.81 * 2**20), 1_250_000_000)
     assert first.spread == pytest.approx((267.49 - 19.20, 267.49 + 19.20))
     assert rows[1].spread == pytest.approx((0.0, 44.00 + 66.48))  # 44.00 ± 66.48: the low end stops at 0
     assert first.build == BUILD and first.backend == "CPU"
-    assert first.options == {"size": "722.81 MiB", "params": "1.25 B"}
+    assert first.options == {}  # every column it printed has its field
 
 
 def test_llama_bench_threads_json():

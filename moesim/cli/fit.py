@@ -43,6 +43,13 @@ def fit(
     model: Annotated[str | None, typer.Option(help="With --measured: the model the rows ran (a GGUF file, a "
                                                    "config.json folder or a catalogue name); needed where the "
                                                    "output names no file that exists here.")] = None,
+    expert_dtype: Annotated[str | None, typer.Option(help="With --measured: the file type the rows ran (Q4_K_M, "
+                                                          "MXFP4_MOE, bf16, ...), for outputs that print none (vLLM, "
+                                                          "a log line); llama-bench's model column says it.")] = None,
+    keep: Annotated[bool, typer.Option("--keep", help="With --measured: write the profile even when the fit does "
+                                                      "not explain its rows (a figure at the end of its range, a "
+                                                      "row missed by more than 15%); its answers keep the "
+                                                      "uncalibrated range.")] = False,
     output_len: Annotated[int | None, typer.Option(help="With a vllm bench latency JSON: its --output-len (the "
                                                         "JSON does not hold it).")] = None,
     input_len: Annotated[int | None, typer.Option(help="With a vllm bench latency JSON: its --input-len.")] = None,
@@ -70,14 +77,15 @@ def fit(
             raise MoesimError("give a TRACE or --measured FILE, not both")
         if name is not None:
             raise MoesimError("--name names a profile fitted to a trace; a calibrated engine keeps its engine's name")
-        calibrate_and_show(measured, fmt, Given(hw_name or "none", host, engine, model),
-                  {"output_len": output_len, "input_len": input_len, "batch": batch},
-                  out_path or Path("moesim-calibration"))
+        calibrate_and_show(measured, fmt, Given(hw_name, host, engine, model, expert_dtype),
+                           {"output_len": output_len, "input_len": input_len, "batch": batch},
+                           out_path or Path("moesim-calibration"), keep)
         return
     if trace_path is None:
         raise MoesimError("fit needs a TRACE (an executor trace) or --measured FILE (an engine's benchmark output)")
     if unused := [o for o, v in (("--format", fmt), ("--host", host), ("--engine", engine), ("--model", model),
-                                 ("--output-len", output_len), ("--input-len", input_len), ("--batch", batch))
+                                 ("--output-len", output_len), ("--input-len", input_len), ("--batch", batch),
+                                 ("--expert-dtype", expert_dtype), ("--keep", keep or None))
                   if v is not None]:
         raise MoesimError(f"{', '.join(unused)}: for --measured; a trace says its own model, machine and engine")
     if out_path is not None:

@@ -18,7 +18,7 @@ from moesim.sim.answer import (
     describe_change,
     format_answer,
 )
-from moesim.sim.intervals import NOMINAL, range_text
+from moesim.sim.intervals import NOMINAL, how_sure, range_text
 from moesim.sim.sweep import GOALS
 
 WHATIF_COLS = (("model", "model"), ("hw", "hw"), ("host", "host"), ("policy", "policy"), ("setting", "setting"),
@@ -64,9 +64,8 @@ def print_whatif(res, answers, crosses, goal: str, top: int) -> None:
         out.print(f"[bold green]best for {GOALS[goal][1]}:[/bold green] {winner['model']} on {winner['hw']}, "
                   f"{winner['policy']}, {fmt.link(winner['link_gbps'])}, cache {number(winner['cache_gib'])} GiB: "
                   f"{number(winner['tpot_ms'])} ms/token ({number(winner['tokens_per_s'])} tok/s); compute: {winner['timing']}")
-        if winner.get("range_basis") not in (None, "-"):
-            out.print(f"how sure: measurements of such deployments fall within {range_text(winner)} tok/s "
-                      f"({NOMINAL:.0%} range; {winner['range_basis']})", markup=False, highlight=False, soft_wrap=True)
+        if sure := how_sure(winner):
+            out.print(f"how sure: {sure}", markup=False, highlight=False, soft_wrap=True)
         cpu = res.sweep.resolved[winner["policy"]].uses_host or winner["bound"] == "CPU compute"
         out.print(f"why: {bound_words(winner)}" if cpu else f"why: {why(winner)}")
     else:
