@@ -49,6 +49,7 @@ from moesim.inputs import kind_of, read_bytes  # the input guard every command's
 __all__ = [
     "FORMATS",
     "MeasuredRow",
+    "llama_bench_md",
     "VLLM_LAYOUT_VERSION",
     "detect_format",
     "read_llama_bench_csv",
@@ -667,6 +668,37 @@ def _md_row(cells: dict[str, str], where: str, engine: str | None, is_ik: bool, 
         build=build, backend=cells.get("backend") or None,
         options={_MD_NAMES.get(k, k): v for k, v in cells.items() if k not in mapped},
     )
+
+
+def llama_bench_md(rows: list[MeasuredRow], build: str | None = None) -> str:
+    """``rows`` as llama-bench's markdown printer writes them (``-o md``, the table users paste):
+    model, size, params, backend, ngl (a GPU backend's rows), n_cpu_moe (where not 0),
+    threads, test (``tgN``, ``tgN @ dD``, ``ppN``), ``t/s`` as ``mean ± sd``; ``build`` as its
+    ``build: COMMIT (NUMBER)`` line. What :func:`read_llama_bench_md` reads back field for field."""
+    def size(n: int | None) -> str:
+        return "?" if not n else f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+    def params(n: int | None) -> str:
+        return "?" if not n else f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+    def test(r: MeasuredRow) -> str:
+        name = {"decode": f"tg{r.n_gen}", "prefill": f"pp{r.n_prompt}",
+                "prefill+decode": f"pp{r.n_prompt}+tg{r.n_gen}"}[r.test]
+        return name + (f" @ d{r.depth}" if r.depth else "")
+
+    gpu = any((r.backend or "CPU").upper() not in ("CPU", "BLAS") for r in rows)
+    cpu_moe = any(r.n_cpu_moe for r in rows)
+    head = ["model", "size", "params", "backend"] + (["ngl"] if gpu else []) + (["n_cpu_moe"] if cpu_moe else []) \
+        + ["threads", "test", "t/s"]
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
+    for r in rows:
+        low, high = r.spread or (r.tokens_per_s, r.tokens_per_s)
+        cells = [r.model_type or "?", size(r.model_bytes), params(r.model_params), r.backend or "CPU"]
+        cells += [str(99 if r.n_gpu_layers is None else r.n_gpu_layers)] if gpu else []
+        cells += [str(r.n_cpu_moe or 0)] if cpu_moe else []
+        cells += [str(r.threads or 1), test(r), f"{r.tokens_per_s:.2f} ± {(high - low) / 2:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + (f"\n\nbuild: {build}\n" if build else "\n")
 
 
 # ---------------------------------------------------------------- logs: llama-server / llama-cli timings, sweep-bench

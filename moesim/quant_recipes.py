@@ -115,6 +115,12 @@ def canonical(name: str) -> str:
 _PRINTED = {k.lower(): v for k, v in FTYPE_NAMES.items()}
 
 
+def printed_name(key: str) -> str | None:
+    """The name llama.cpp prints for the file type ``key`` (:func:`canonical`'s), None for one it has not."""
+    key = canonical(key)
+    return next((printed for printed, k in FTYPE_NAMES.items() if k == key), None)
+
+
 def file_type_in(description: str | None) -> tuple[str, str] | None:
     """The file type a llama.cpp model description names at its end (``qwen3moe 30B.A3B Q4_K -
     Medium`` -> ("Q4_K - Medium", "q4_k_m")): the printed name and its key, None when it names

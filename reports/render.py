@@ -195,9 +195,11 @@ def chrome_trace(spans: Sequence[Any], path: Path, name: str = "moesim simulated
 
 
 def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> Path:
+    """``rows`` as CSV: every column any row has, in the order first seen, empty where a row has
+    none (a CPU policy's row has columns a copy policy's lacks)."""
     buf = io.StringIO()
-    cols = list(rows[0]) if rows else []
-    w = csv.DictWriter(buf, fieldnames=cols)
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    w = csv.DictWriter(buf, fieldnames=cols, restval="")
     w.writeheader()
     for r in rows:
         w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})

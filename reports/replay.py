@@ -36,8 +36,12 @@ def write_replay_report(trace: Trace, trace_path: Path, hw: HardwareProfile, res
     # The timeline comes from the SimPy reference with every interval recorded; it shows the
     # first policy that offloads (an all-resident timeline has no copies to look at).
 
-    first = next((r for r in results if get_policy(r.config["policy"]).offload), results[0])
-    cfg = first.config
+    # The timeline is the copy engine (and the CPU's lane) beside the compute stream: the first
+    # policy that offloads and is played step by step (a static layout has no copy engine to draw;
+    # hot-experts' play needs its calibrated placement, which the SimPy reference does not take).
+    first = next((r for r in results if get_policy(r.config["policy"]).offload
+                  and not get_policy(r.config["policy"]).places_hot_set and r.config.get("sim") != "static"), None)
+    cfg = first.config if first is not None else {"sim": "static"}
     sections = [
         {"heading": "Summary", "text": "Means per output token; bounds are serial (copy + compute) and ideal "
                                        "overlap (max of the two).", "rows": rows, "cols": COLS},
@@ -46,9 +50,10 @@ def write_replay_report(trace: Trace, trace_path: Path, hw: HardwareProfile, res
                     f"for copies and activations between devices; copy-engine time and the ideal-overlap bound "
                     f"marked. {what}."},
     ]
-    if cfg.get("sim") == "static":  # a static layout (no GPU, several GPUs, CPU experts): no copy engine to draw
-        sections[0]["text"] += (" No timeline: these deployments place their weights once (moesim.sim.static), "
-                                "so no copy engine runs beside the compute stream.")
+    if first is None:  # static layouts, hot experts, all-resident: no copy engine to draw
+        sections[0]["text"] += (" No timeline: none of these policies is played step by step with a copy engine "
+                                "(they place their weights once: moesim.sim.static, or hot experts by a calibration "
+                                "trace), so no copy engine runs beside the compute stream.")
         return write_html(out / "report.html", f"moesim replay: {trace.model.name} on {hw.name}", what + ".", sections)
     recorded = simulate(trace.head(min(trace.n_tokens, max(step + 1, CHROME_STEPS))), hw, cfg["policy"], Setting(cache_experts=cfg["cache_experts"], eviction=cfg["eviction"] if cfg["cache_experts"] else "lru", sim="simpy", link_gbps=cfg["link_gbps"]), record=True)
     timeline_png(recorded.spans, step, out / "timeline.png",

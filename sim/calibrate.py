@@ -210,6 +210,32 @@ def _check_size(row: MeasuredRow, spec, model: str, quant: str | None) -> None:
                               "--model (or --expert-dtype where the output names no file type)")
 
 
+#: A plain CSV's columns that say where an engine keeps experts beyond the layer counts, as
+#: the published settings write them: KTransformers' GPU experts a layer
+#: (``--kt-num-gpu-experts``) and how it picks them, an expert cache (a count, or ``fill``:
+#: the device memory the engine leaves) and its eviction.
+PLACEMENT_COLUMNS = {"gpu_experts_per_layer": "a count of experts a layer", "placement": "uniform or frequency",
+                     "cache_experts": "a count of experts", "cache_gib": "fill (the device memory left)",
+                     "eviction": "lru or lfu", "cache_per_layer": "1 or 0"}
+
+
+def _placement_columns(row: MeasuredRow) -> dict[str, Any]:
+    """The :data:`PLACEMENT_COLUMNS` a plain CSV row gives, checked, as settings keys."""
+    out: dict[str, Any] = {}
+    for k, what in PLACEMENT_COLUMNS.items():
+        v = (row.options.get(k) or "").strip()
+        if not v:
+            continue
+        ok = {"gpu_experts_per_layer": re.fullmatch(r"[0-9]+", v), "cache_experts": re.fullmatch(r"[0-9]+", v),
+              "placement": v in ("uniform", "frequency"), "cache_gib": v == "fill", "eviction": v in ("lru", "lfu"),
+              "cache_per_layer": v in ("0", "1")}[k]
+        if not ok:
+            raise MoesimError(f"{row.where}: {k} {v!r}: {what}")
+        out[k] = int(v) if k in ("gpu_experts_per_layer", "cache_experts") else v == "1" if k == "cache_per_layer" \
+            else v
+    return out
+
+
 def _deployment(row: MeasuredRow, given: Given) -> Entry:
     o = row.options
     model = _spec_name(row, given)
@@ -244,6 +270,7 @@ def _deployment(row: MeasuredRow, given: Given) -> Entry:
         s["threads"] = int(row.threads)
     if o.get("policy"):
         s["policy"] = o["policy"]
+        s.update(_placement_columns(row))
         for k in ("cpu_layers", "gpu_layers"):
             if o.get(k):
                 if o[k] not in ("auto", "all") and not re.fullmatch(r"[0-9]+", o[k]):  # ASCII digits only
@@ -261,7 +288,7 @@ def _deployment(row: MeasuredRow, given: Given) -> Entry:
             s["policy"], s["gpu_layers"] = "gpu-layers", int(ngl)
         else:
             s["policy"] = "all-resident"
-    if (s["policy"] != "all-resident" or s["hw"] == "none") and not s.get("host"):
+    if (get_policy(s["policy"]).uses_host or s["hw"] == "none") and not s.get("host"):
         raise MoesimError(f"{row.where}: a deployment with work on the CPU needs the host: give --host (a "
                               "built-in from `moesim hw --hosts`, a host profile file, or 'this')")
     m = {"id": s["id"], "source_url": row.where, "decode_tps": row.tokens_per_s,
@@ -283,29 +310,57 @@ def _ln_errors(entries: Sequence[Entry], engine: EngineProfile) -> np.ndarray:
 
 
 def bound_under(e: Entry, engine: EngineProfile) -> str:
-    """What bounds ``e``'s prediction under ``engine`` (:func:`moesim.sim.sweep.bound_of`'s words)."""
-    return bound_of({**predict(e, {e.setting["engine"]: engine})["result"].summary(), "fits": True})
+    """What bounds ``e``'s prediction under ``engine`` (:func:`moesim.sim.sweep.bound_of`'s words)
+    and, after a colon, ``slower`` when the row measured slower than predicted (``CPU compute:
+    slower``): which way the row asks a figure to move."""
+    p = predict(e, {e.setting["engine"]: engine})
+    b = bound_of({**p["result"].summary(), "fits": True})
+    return f"{b}: slower" if p["predicted_tps"] > float(e.measurement["decode_tps"]) else b
 
 
 def choose(entries: Sequence[Entry], engine: EngineProfile,
            bounds: Sequence[str] | None = None) -> tuple[list[tuple[str, float, float]], list[str]]:
     """The figures the rows can determine (see the module docstring): [(key, low, high)] and
-    each row's bound under ``engine`` (``bounds``: already known, as a leave-one-row-out fold
-    knows them from the fit on every row)."""
+    each row's bound under ``engine`` (:func:`bound_under`'s; ``bounds``: already known, as a
+    leave-one-row-out fold knows them from the fit on every row).
+
+    A CPU-bound row on fewer threads than the host has cores that ran slower than predicted is
+    bound by what its threads' kernels decode (one thread draws a fraction of a socket's
+    bandwidth, and no share of the memory's can make a row slower than a thread allows): it
+    informs the thread rate, not the memory's share."""
     bounds = list(bounds) if bounds is not None else [bound_under(e, engine) for e in entries]
     keys: Counter = Counter()
-    cpu_threads = set()
-    for e, b in zip(entries, bounds, strict=True):
+    thread_keys: Counter = Counter()  # the memory's share the thread-bound rows would inform
+    cpu_threads, few_threads = set(), 0
+    for e, read in zip(entries, bounds, strict=True):
+        b, slower = read.removesuffix(": slower"), read.endswith(": slower")
         dtype = setting_spec(e.setting).expert_dtype  # the spec the prediction used (a file type's recipe applied)
-        for table, resource, lo, hi in CANDIDATES:
-            if resource == b:
-                keys[(_key(engine, table, dtype), lo, hi)] += 1
+        informs = Counter((_key(engine, table, dtype), lo, hi) for table, resource, lo, hi in CANDIDATES
+                          if resource == b)
         if b == "CPU compute":
             cpu_threads.add(e.setting.get("threads"))
+            if slower and fewer_threads_than_cores(e):
+                few_threads += 1
+                thread_keys += informs
+                continue
+        keys += informs
+    if len(cpu_threads) > 1:  # rows at two thread counts also say where the memory caps the threads
+        keys += thread_keys
     chosen = [k for k, _ in keys.most_common()]
-    if len(cpu_threads) > 1:  # the rows say how speed grows with threads
-        chosen.append(THREAD_RATE)
+    if few_threads or len(cpu_threads) > 1:  # the rows say what a thread decodes, or how speed grows with threads
+        chosen.insert(0 if few_threads > max(keys.values(), default=0) else len(chosen), THREAD_RATE)
     return chosen[:len(entries)], bounds
+
+
+def fewer_threads_than_cores(e: Entry) -> bool:
+    """Whether ``e`` ran on fewer threads than its host has cores: then what a thread's kernels
+    decode binds it (one thread draws a fraction of a socket's bandwidth), and a row on every
+    core is bound by the memory."""
+    t = e.setting.get("threads")
+    if not t or not e.setting.get("host"):
+        return False
+    h = get_host(e.setting["host"])
+    return int(t) < h.cores * int(e.setting.get("sockets") or h.sockets)
 
 
 def _bytes_per_weight(dtype: str) -> float:
@@ -423,7 +478,8 @@ def calibrate_entries(entries: Sequence[Entry], base: EngineProfile, what: str, 
         iv = _range(left_out, what)
         engine = replace(engine, description=f"{base.name} calibrated on {what}",
                          calibration={"low": iv.low, "high": iv.high, "rows": len(entries), "basis": iv.basis})
-    out = [{"where": e.measurement["source_url"], "deployment": _words(e), "bound": b, "reading": _reading(e),
+    out = [{"where": e.measurement["source_url"], "deployment": _words(e), "bound": b.removesuffix(": slower"),
+            "reading": _reading(e),
             "measured_tps": float(e.measurement["decode_tps"]),
             "before_tps": float(e.measurement["decode_tps"]) * math.exp(x0),
             "after_tps": float(e.measurement["decode_tps"]) * math.exp(x1), "ln_error_after": float(x1)}
@@ -586,3 +642,130 @@ def published_calibration(rows: Sequence[dict[str, Any]],
                          "best_calibrated": share("best_calibrated"), "target": BEST_TARGET,
                          "median_spearman_uncalibrated": median("spearman_uncalibrated"),
                          "median_spearman_calibrated": median("spearman_calibrated")}}
+
+
+# --------------------------------------------------------------------------------------
+# The round trip as users take it: a source's first row printed as its engine prints it,
+# read back and calibrated through `moesim fit --measured`'s path, the others predicted
+# --------------------------------------------------------------------------------------
+
+#: The settings a plain CSV row carries (moesim option names, :func:`moesim.measured.read_plain_csv`).
+PLAIN_COLUMNS = ("model", "hw", "host", "engine", "policy", "cpu_layers", "gpu_layers", "threads", "prompt_len",
+                 "batch", "expert_dtype", "test", "n_gen", "tokens_per_s")
+
+
+def printed(e: Entry, host_file: str | None) -> tuple[str, str]:
+    """``e``'s measurement as its engine prints it: (file name, text), llama-bench's markdown for
+    llama.cpp and ik_llama.cpp (the model description with its file type, size and parameter
+    count, backend, -ngl, --n-cpu-moe, threads, test at its depth), the plain CSV otherwise;
+    threads as llama-bench prints them (the host's cores where the source gave none). ``host_file``:
+    the host profile the user names with ``--host`` (the plain CSV's host column)."""
+    from moesim.measured import MeasuredRow, llama_bench_md
+    from moesim.quant_recipes import printed_name
+    from moesim.sim.published import _host
+
+    s = e.setting
+    spec = setting_spec(s)
+    threads = s.get("threads") or (_host(s).cores * _host(s).sockets if s.get("host") else None)  # as printed
+    ftype = printed_name(s["quant"]) if s.get("quant") else printed_name(spec.expert_dtype)
+    tps = float(e.measurement["decode_tps"])
+    if s["engine"] in ("llama.cpp", "ik_llama.cpp") and ftype and s["policy"] in ("all-resident", "cpu-static",
+                                                                                   "gpu-layers") \
+            and not any(k in s for k in PLACEMENT_COLUMNS):
+        cpu = s.get("cpu_layers", 0)
+        row = MeasuredRow(
+            where="", engine=s["engine"], test="decode", tokens_per_s=tps, n_gen=int(s.get("gen", 128)),
+            depth=int(s.get("context", 0)), model_type=f"{s['model']} {ftype}",
+            model_bytes=spec.non_expert_bytes + spec.all_expert_bytes, model_params=spec.total_params,
+            threads=threads, backend="CPU" if s["hw"] == "none" else "CUDA",
+            n_gpu_layers=0 if s["hw"] == "none" else int(s.get("gpu_layers", 99)) if s["policy"] == "gpu-layers"
+            else 99, n_cpu_moe=spec.n_moe_layers if cpu == "all" else int(cpu or 0))
+        return "llama-bench.md", llama_bench_md([row])
+    values = {"model": s["model"], "hw": s["hw"], "host": host_file or "", "engine": s["engine"],
+              "policy": s["policy"], "cpu_layers": s.get("cpu_layers", ""), "gpu_layers": s.get("gpu_layers", ""),
+              "threads": s.get("threads", ""), "prompt_len": s.get("context", 0), "batch": s.get("batch", 1),
+              "expert_dtype": s.get("quant", ""), "test": "decode", "n_gen": s.get("gen", 128),
+              "tokens_per_s": f"{tps:.6g}"}
+    columns = PLAIN_COLUMNS + tuple(k for k in PLACEMENT_COLUMNS if k in s)
+    values.update({k: int(s[k]) if isinstance(s[k], bool) else s[k] for k in PLACEMENT_COLUMNS if k in s})
+    return "runs.csv", ",".join(columns) + "\n" + ",".join(str(values[c]) for c in columns) + "\n"
+
+
+def round_trip(rows: Sequence[dict[str, Any]], folder, progress: Callable[[int, int], None] | None = None
+               ) -> dict[str, Any]:
+    """For each source with at least :data:`MIN_CALIBRATED` entries on one machine: its first
+    entry printed as its engine prints it (:func:`printed`) into ``folder``, with the engine
+    profile fitted without that source and the host the entry ran on as the files a user
+    names; read back and calibrated as ``moesim fit --measured`` does (:func:`calibrate`,
+    :func:`verdict`: a fit that does not explain its row is not written, and the source's
+    other entries keep the uncalibrated prediction); the others predicted with the profile it
+    wrote. ``rows``: the leave-one-source-out rows (their ``predicted_tps`` is the "before")."""
+    from pathlib import Path
+
+    from moesim.atomic import atomic_write_text
+    from moesim.engines import load_engine
+    from moesim.measured import read_measured
+    from moesim.sim.engine_fit import fit
+    from moesim.sim.published import _host
+    from moesim.sim.published import entries as all_entries
+
+    folder = Path(folder)
+    by_id = {e.id: e for e in all_entries()}
+    groups = [g for g in machine_groups(rows) if len(g) >= MIN_CALIBRATED]
+    judged, sources = [], []
+    for done, group in enumerate(groups):
+        if progress:
+            progress(done, len(groups))
+        src, first = group[0]["source_id"], by_id[group[0]["id"]]
+        name = first.setting["engine"]
+        here = folder / f"source-{done + 1}"
+        here.mkdir(parents=True, exist_ok=True)
+        base = fit(tuple(e for e in all_entries() if e.source != src), {name})[name].engine
+        engine_file, host_file = here / "shipped-engine.toml", None
+        atomic_write_text(engine_file, base.to_toml())
+        if first.setting.get("host"):
+            host_file = here / "host.toml"
+            atomic_write_text(host_file, _host(first.setting).to_toml())
+        text = printed(first, str(host_file) if host_file else None)
+        status, doubt, figures, engine = "not printable", None, {}, base
+        if text is not None:
+            path = here / text[0]
+            atomic_write_text(path, text[1])
+            given = Given(first.setting["hw"], str(host_file) if host_file else None, str(engine_file),
+                          first.setting["model"])
+            try:
+                cal = calibrate(read_measured(path), given, path.name)
+            except MoesimError as err:
+                status, doubt = "refused", str(err)
+            else:
+                doubt = verdict(cal)
+                status, figures = ("not written" if doubt else "written"), cal.figures
+                if not doubt:
+                    written = here / "engine.toml"
+                    atomic_write_text(written, cal.engine.to_toml())
+                    engine = load_engine(written)
+        before, after = [], []
+        for r in group[1:]:
+            e = by_id[r["id"]]
+            tps = float(predict(e, {name: engine})["predicted_tps"]) if e.setting["engine"] == name \
+                else r["predicted_tps"]
+            ln = math.log(tps / r["measured_tps"])
+            before.append(abs(math.log(r["predicted_tps"] / r["measured_tps"])))
+            after.append(abs(ln))
+            judged.append({"id": r["id"], "source_id": src, "kind": r["kind"], "engine": r["engine"],
+                           "calibrated_on": first.id, "status": status, "measured_tps": r["measured_tps"],
+                           "uncalibrated_tps": r["predicted_tps"], "calibrated_tps": tps, "ln_error": ln,
+                           "within_15": abs(math.expm1(ln)) <= CALIBRATED_WITHIN})
+        sources.append({"source_id": src, "calibrated_on": first.id, "format": text[0] if text else "-",
+                        "status": status, "why": doubt, "fitted": figures, "rows": len(group) - 1,
+                        "median_abs_ln_before": float(np.median(before)), "median_abs_ln_after": float(np.median(after)),
+                        "worse": float(np.median(after)) > float(np.median(before)) + 1e-9})
+    if progress and groups:
+        progress(len(groups), len(groups))
+    within = sum(j["within_15"] for j in judged) / len(judged) if judged else None
+    return {"rows": judged, "sources": sources, "entries": len(judged), "within_15": within,
+            "uncalibrated_within_15": (sum(abs(j["uncalibrated_tps"] / j["measured_tps"] - 1) <= CALIBRATED_WITHIN
+                                           for j in judged) / len(judged)) if judged else None,
+            "target": CALIBRATED_TARGET, "worse_sources": sum(s["worse"] for s in sources),
+            "meets_target": within is not None and within >= CALIBRATED_TARGET
+            and not any(s["worse"] for s in sources)}

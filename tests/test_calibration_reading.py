@@ -188,3 +188,18 @@ def test_split_mode_row_is_refused_on_several_gpus():
                       model_file="qwen3-30b-a3b", n_gpu_layers=99, split_mode="row", backend="CUDA")
     with pytest.raises(MoesimError, match="-sm row"):
         deployment(row, Given("2xrtx4090", HOST))
+
+
+@pytest.mark.parametrize("threads, tps, figure", [(4, 2.0, "cpu_kernel_gbs"), (4, 200.0, "cpu_weight_efficiency.default"),
+                                                 (16, 2.0, "cpu_weight_efficiency.default")])
+def test_one_cpu_row_fits_what_binds_it(threads, tps, figure):
+    """A row on fewer threads than the host's cores that ran slower than predicted is bound by
+    what its threads' kernels decode (one thread draws a fraction of a socket's bandwidth); a
+    row faster than predicted, or on every core, by the memory's share."""
+    from moesim.engines import get_engine
+    from moesim.sim.calibrate import choose
+
+    r = MeasuredRow(where="r.md:3", engine="llama.cpp", test="decode", tokens_per_s=tps, n_gen=128,
+                    model_file="qwen3-30b-a3b", n_gpu_layers=0, threads=threads, backend="CPU")
+    figures, bounds = choose([deployment(r, Given("none", HOST))], get_engine("llama.cpp"))
+    assert bounds[0].startswith("CPU compute") and [k for k, _, _ in figures] == [figure]

@@ -1,9 +1,11 @@
 """How ``moesim validate --published`` scores the published measurements and prints them. Python:
 ``moesim.sim.engine_fit.leave_one_source_out()``, then ``moesim.sim.published.summarise``,
-``moesim.sim.intervals.coverage`` and ``moesim.sim.calibrate.published_calibration`` of its rows."""
+``moesim.sim.intervals.coverage``, ``moesim.sim.calibrate.published_calibration`` and
+``moesim.sim.calibrate.round_trip`` of its rows."""
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 
 from moesim.cli.app import out, print_csv, print_json, table
@@ -11,7 +13,7 @@ from moesim.cli.running import progress_bar
 from moesim.executor.interrupt import stop_requested
 from moesim.fmt import number
 from moesim.sim import published as pub
-from moesim.sim.calibrate import published_calibration
+from moesim.sim.calibrate import published_calibration, round_trip
 from moesim.sim.engine_fit import leave_one_source_out
 from moesim.sim.intervals import MOVED, NOMINAL, RESIDUALS_FILE, coverage, moved
 
@@ -37,9 +39,12 @@ def show_published(as_json: bool, as_csv: bool) -> None:
     moves = {"leave_one_source_out": moved(rows), "shipped_figures": moved(shipped_rows, "shipped_ln_error")}
     with progress_bar("calibrating each source on its first row", "sources", lines=True) as update:
         cal = published_calibration(rows, _stoppable(update))
+    with tempfile.TemporaryDirectory(prefix="moesim-round-trip-") as folder, \
+            progress_bar("the same through fit --measured's files", "sources", lines=True) as update:
+        trip = round_trip(rows, folder, _stoppable(update))
     if as_json:
         print_json({"summary": summary, "shipped_figures": shipped, "interval_coverage": cover,
-                    "calibrated": cal["calibrated"], "ordering": cal["ordering"], "moved": moves,
+                    "calibrated": cal["calibrated"], "round_trip": trip, "ordering": cal["ordering"], "moved": moves,
                     "target": {"within_25": pub.TARGET_WITHIN, "median_abs_ln": pub.TARGET_MEDIAN_LN,
                                "within_25_per_kind": pub.TARGET_WITHIN_PER_KIND},
                     "rows": rows, "excluded": pub.excluded()})
@@ -83,6 +88,19 @@ def show_published(as_json: bool, as_csv: bool) -> None:
                   f"3 on one machine, each predicted after calibrating on the source's first row there: "
                   f"{k['within_15']:.0%} within +-15% (target {k['target']:.0%}: "
                   f"{'met' if k['meets_target'] else 'NOT met'}; {k['uncalibrated_within_15']:.0%} before calibrating)")
+    if trip["entries"]:
+        out.print(table("round trip: each source's first row printed as its engine prints it (llama-bench markdown, "
+                        "else the plain CSV), read and calibrated by fit --measured's path, the others predicted with "
+                        "the profile it wrote (median |ln(predicted / measured)| of the others)",
+                        ("source", "format", "profile", "rows", "before", "after"),
+                        [[t["source_id"][:60], t["format"], t["status"], str(t["rows"]),
+                          f"{t['median_abs_ln_before']:.3f}", f"{t['median_abs_ln_after']:.3f}"
+                          + (" (worse)" if t["worse"] else "")] for t in trip["sources"]], "right"))
+        out.print(f"[bold]round trip[/bold]: {trip['within_15']:.0%} of {trip['entries']} rows within +-15% (target "
+                  f"{trip['target']:.0%}, and no source worse: {trip['worse_sources']} worse; "
+                  f"{'met' if trip['meets_target'] else 'NOT met'}; {trip['uncalibrated_within_15']:.0%} before "
+                  "calibrating); a fit that does not explain its row is not written, as fit --measured does",
+                  markup=False, highlight=False, soft_wrap=True)
     if o["n"]:
         out.print(f"[bold]decisions[/bold]: over {o['n']} sources' settings of one machine, the measured best is "
                   f"predicted best in {o['best_uncalibrated']:.0%} uncalibrated, {o['best_calibrated']:.0%} calibrated "
