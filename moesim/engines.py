@@ -95,7 +95,7 @@ TABLES = EFFICIENCY_TABLES + RATE_TABLES + LAYER_TABLES
 ZERO_OK = {"fused_experts", "layer_overhead_us", "cpu_layer_overhead_us", "numa_efficiency", "pages_from_disk",
            "launch_overlap", "layer_split_graph_replay"}
 TOP_KEYS = {"name", "description", "runs_on", "policies", "figures", "expert_placement", "calibration", "runs_as",
-            "before", *TABLES}
+            "before", "as_of", *TABLES}
 #: What a ``[[before]]`` entry holds: the build date it ends at and the figures (``figures`` or a
 #: table of :data:`TABLES`) that builds from before that date had instead.
 BEFORE_KEYS = {"date", "figures", *TABLES}
@@ -264,6 +264,8 @@ class EngineProfile(_FigureLookup):
         data["expert_placement"] = self.expert_placement
         if self.runs_as:  # a copy (a calibrated profile) still prints the arguments of the engine it runs as
             data["runs_as"] = self.runs_as
+        if self.as_of:  # the build it describes (NAME@DATE), kept when written and read back
+            data["as_of"] = self.as_of
         if self.calibration:
             data["calibration"] = dict(self.calibration)
         data["figures"] = figs(self.figures, ENGINE_FIGURES)
@@ -393,9 +395,16 @@ def parse_engine(data: dict[str, Any], where: str) -> EngineProfile:
     if "runs_as" in data and (not isinstance(runs_as, str) or runs_as.lower() not in builtin_engines()):
         raise MoesimError(f"{where}: runs_as {runs_as!r}: the built-in engine whose arguments run this profile, one "
                           f"of {', '.join(builtin_engines())}")
+    as_of = data.get("as_of", "")
+    if "as_of" in data:
+        if not isinstance(as_of, str):
+            raise MoesimError(f"{where}: as_of {as_of!r}: the build date the profile describes (YYYY-MM-DD)")
+        as_of = build_date(as_of, str(data["name"]))
+        if data.get("before"):
+            raise MoesimError(f"{where}: as_of names one build; a profile of one build has no [[before]] entries")
     return EngineProfile(str(data["name"]), str(data.get("description", "")), tuple(runs), figures, pols, **tables,
                          path=where, expert_placement=placement, calibration=_calibration(data, where),
-                         before=_before(data.get("before", []), where), runs_as=runs_as.lower())
+                         before=_before(data.get("before", []), where), runs_as=runs_as.lower(), as_of=as_of)
 
 
 def _calibration(data: dict[str, Any], where: str) -> dict[str, Any] | None:

@@ -37,6 +37,8 @@ PCIE_LANE_GBS = {3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 HINT = "give --hw none for a machine without a GPU, or a GPU profile (`moesim hw`)"
 #: What NVML may say and be believed: (lowest, highest) of any GPU made or announced, with room
 #: (memory: 1 GB to 1 TB a device; bus: 32 bits to HBM's 8,192; memory clock: 100 MHz to 40 GHz).
+#: The most GPUs one machine holds (a 16-GPU HGX node, with room): NVML saying more is broken.
+MAX_GPUS = 64
 LIMITS = {"memory_gb": (0.5, 1024.0), "bus_bits": (32, 16384), "mem_clock_mhz": (100, 40000),
           "pcie_width": (1, 32)}
 
@@ -137,7 +139,11 @@ def read_gpus() -> list[GpuFacts]:
             return u.decode() if isinstance(u, bytes) else u
 
         out = []
-        for i in visible(int(pynvml.nvmlDeviceGetCount()), uuid_of):
+        count = pynvml.nvmlDeviceGetCount()
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_GPUS:
+            raise MoesimError(f"--hw this: NVML says this machine has {count!r} GPUs, which no machine has (at most "
+                              f"{MAX_GPUS} in one node); the driver or its binding is broken: {HINT}")
+        for i in visible(count, uuid_of):
             h = handle(i)
             name = pynvml.nvmlDeviceGetName(h)
             facts = GpuFacts(

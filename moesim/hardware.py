@@ -565,20 +565,48 @@ def this_host(facts: CpuFacts | None = None) -> HostProfile:
     return HostProfile(THIS_HOST, desc, figures, "/proc/cpuinfo")
 
 
+#: NVML's own names (``nvmlDeviceGetName``, as :func:`moesim.gpu_detect.name_key` reduces them)
+#: for parts whose name holds no built-in profile's, or holds another part's: the H100 SXM is
+#: "NVIDIA H100 80GB HBM3", the A100 80GB PCIe card "NVIDIA A100 80GB PCIe", the Max-Q card
+#: "NVIDIA RTX PRO 6000 Blackwell Max-Q Workstation Edition" (which also holds the 600 W card's
+#: name), the GH200's GPU "NVIDIA GH200 480GB" / "NVIDIA GH200 144G HBM3e" (which hold "h200").
+NVML_NAMES = {"h10080gbhbm3": "h100-sxm", "h100sxm": "h100-sxm", "a10080gbpcie": "a100-pcie",
+              "a10040gbpcie": "a100-pcie", "maxq": "rtx-pro-6000-maxq", "gh200": "gh200"}
+#: Links a GPU has only when its name says so (NVLink-C2C: a Grace Hopper superchip); a card
+#: NVML does not name as one is matched among the PCIe parts only.
+NAMED_LINKS = {"nvlink-c2c": ("gh200", "gb200", "gb10")}
+
+
 def nearest_gpu(facts: GpuFacts) -> tuple[HardwareProfile, str, bool]:
     """The built-in GPU profile a detected GPU's other figures come from, why that one, and
-    whether it is the same part: the profile whose name the GPU's name holds (the nearest in
-    memory where several do: an RTX 4090 of 48 GB), else the nearest in memory bandwidth."""
-    profiles = [_builtin_profile(n) for n in builtin_profiles()]
+    whether it is the same part: NVML's own name for it (:data:`NVML_NAMES`), else the profile
+    whose name the GPU's name holds (the longest such name: ``gh200`` before ``h200``; the
+    nearest in memory where several are as long: an RTX 4090 of 48 GB), else the nearest in
+    memory bandwidth of its family (the parts whose name starts as the GPU's model does: an
+    H100 NVL takes an H100's figures), else of every part; never a link the GPU's name does not
+    claim (a PCIe card never gets NVLink-C2C's host link)."""
     key = name_key(facts.name)
-    named = [p for p in profiles if name_key(re.sub(r"-\d+gb$", "", p.name)) in key]  # rtx4090-48gb: an rtx4090
+    profiles = [_builtin_profile(n) for n in builtin_profiles()]
+    by_name = {p.name: p for p in profiles}
+    for alias in sorted(NVML_NAMES, key=len, reverse=True):
+        if alias in key and NVML_NAMES[alias] in by_name:
+            return by_name[NVML_NAMES[alias]], f"the GPU's name {facts.name!r} is NVML's name for it", True
+    allowed = [p for p in profiles if not any(p.link == link and not any(w in key for w in words)
+                                              for link, words in NAMED_LINKS.items())]
+    named = [(len(k), p) for p in allowed if (k := name_key(re.sub(r"-\d+gb$", "", p.name))) in key]
     if named:
-        best = min(named, key=lambda p: (abs(p["device_memory_gb"] - facts.memory_gb), p.name))
+        longest = max(n for n, _ in named)
+        best = min((p for n, p in named if n == longest),
+                   key=lambda p: (abs(p["device_memory_gb"] - facts.memory_gb), p.name))
         return best, f"the GPU's name {facts.name!r} names it", True
+    model = re.match(r"[a-z]+\d+", key)
+    family = [p for p in allowed if model and (k := name_key(p.name)).startswith(model.group(0))
+              and not k[len(model.group(0)):][:1].isdigit()] or allowed  # an L4 is no L40S
     bw = facts.mem_bw_peak_gbs
-    best = min(profiles, key=lambda p: (abs(math.log(p["mem_bw_peak_gbs"] / bw)) if bw else
-                                        abs(math.log(p["device_memory_gb"] / facts.memory_gb)), p.name))
-    return best, (f"no built-in profile is named {facts.name!r}; {best.name}: the nearest "
+    best = min(family, key=lambda p: (abs(math.log(p["mem_bw_peak_gbs"] / bw)) if bw else
+                                      abs(math.log(p["device_memory_gb"] / facts.memory_gb)), p.name))
+    kin = f"the nearest of its family ({model.group(0)}) in " if family is not allowed else "the nearest "
+    return best, (f"no built-in profile is named {facts.name!r}; {best.name}: {kin}"
                   + ("memory bandwidth" if bw else "memory size")), False
 
 

@@ -115,6 +115,17 @@ def canonical(name: str) -> str:
 _PRINTED = {k.lower(): v for k, v in FTYPE_NAMES.items()}
 
 
+def approximation_note(name: str) -> str | None:
+    """What a result must say when ``name`` is priced as another file type (an Unsloth dynamic
+    quant, :data:`ALIASES`), else None."""
+    key = " ".join(name.split()).lower()
+    if key not in ALIASES:
+        return None
+    return (f"{name} is priced as its base file type {ALIASES[key]} (llama-quantize's recipe): Unsloth's dynamic "
+            "quants keep attention and shared weights in more bits and differ per release; the file itself, given "
+            "with --model FILE.gguf, is read tensor by tensor")
+
+
 def printed_name(key: str) -> str | None:
     """The name llama.cpp prints for the file type ``key`` (:func:`canonical`'s), None for one it has not."""
     key = canonical(key)

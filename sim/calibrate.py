@@ -3,15 +3,17 @@
 A published figure fitted across machines, engine builds and formats cannot know what one
 user's build does on one user's machine; one or two rows they measured can. Each measured
 row (:mod:`moesim.measured`: llama-bench, llama-server, ik_llama.cpp, vLLM or a plain CSV)
-becomes a deployment (:func:`deployment`: the model file, ``-ngl``, ``--n-cpu-moe`` / ``-ot``,
-threads, depth) predicted through the same path ``moesim validate --published`` takes
-(:func:`moesim.sim.published.predict`), and :func:`calibrate` fits only what the rows can
-determine:
+becomes a deployment (:func:`deployment`: the model file or the file type the output printed,
+checked against ``--model`` by size and parameter count; ``-ngl``, ``--n-cpu-moe`` / ``-ot``,
+threads, depth, batch; a GPU build's row needs ``--hw``) predicted through the same path
+``moesim validate --published`` takes (:func:`moesim.sim.published.predict`), and
+:func:`calibrate` fits only what the rows can determine (:func:`choose`):
 
 - one figure per resource that bounds some row under the starting profiles (the CPU's
   weight reads from CPU-bound rows, the GPU's from GPU-bound rows, the link from copy-bound
   rows), the format's own entry where the engine has one, else ``default``;
-- one thread's kernel rate (``cpu_kernel_gmacs``) only when CPU-bound rows differ in threads;
+- one thread's kernel rate (``cpu_kernel_gmacs``) where CPU-bound rows differ in threads, or
+  where a row on fewer threads than the host's cores ran slower than predicted;
 - never more figures than rows: the figures that bound the most rows first.
 
 Each is fitted by least squares on ln(predicted / measured) from the shipped engine profile,
@@ -19,7 +21,10 @@ and written as an ordinary engine profile (every fitted figure marked ``fitted``
 the source) with a ``[calibration]`` table: the range its answers carry, from the
 leave-one-row-out residuals of this calibration when there are enough rows
 (:data:`moesim.sim.intervals.MIN_CLASS`), else from the published sources' own one-row
-calibrations (:func:`moesim.sim.intervals.calibrated_residuals`).
+calibrations (:func:`moesim.sim.intervals.calibrated_residuals`). A fit that does not explain
+its rows is not written (:func:`verdict`). :func:`round_trip` scores the whole path as users
+take it on the published suite: a row printed as its engine prints it (:func:`printed`),
+read back, calibrated, the source's other rows predicted.
 """
 
 from __future__ import annotations
@@ -103,7 +108,7 @@ def _spec_name(row: MeasuredRow, given: Given) -> str:
             return row.model_file
         except MoesimError:
             pass
-    named = f" names {row.model_file!r}, which is no file here nor a catalogue model," if row.model_file else \
+    named = f" names {row.model_file!r}, which is no file here nor a catalogue model" if row.model_file else \
         " names no model file"
     raise MoesimError(f"{row.where}: the output{named}; give the model with --model (a GGUF file, a config.json "
                       "folder or a catalogue name)")
@@ -276,6 +281,13 @@ def _deployment(row: MeasuredRow, given: Given) -> Entry:
                 if o[k] not in ("auto", "all") and not re.fullmatch(r"[0-9]+", o[k]):  # ASCII digits only
                     raise MoesimError(f"{row.where}: {k} {o[k]!r}: a count of layers, auto or all")
                 s[k] = o[k] if o[k] in ("auto", "all") else int(o[k])
+        pol = get_policy(s["policy"])
+        if machine.n_gpus == 0 and pol.uses_host:  # no GPU: every family that places weights is all on the CPU
+            s["policy"] = "all-resident"
+            for k in ("cpu_layers", "gpu_layers", *PLACEMENT_COLUMNS):
+                s.pop(k, None)
+        elif why := pol.cannot_run_on(machine.n_gpus):
+            raise MoesimError(f"{row.where}: the file's policy {o['policy']} on hw {hw}: {why}")
     else:
         cpu_moe = cpu_moe_layers(row, spec.moe_layers)
         ngl = row.n_gpu_layers
@@ -288,6 +300,9 @@ def _deployment(row: MeasuredRow, given: Given) -> Entry:
             s["policy"], s["gpu_layers"] = "gpu-layers", int(ngl)
         else:
             s["policy"] = "all-resident"
+    if s["hw"] == "none" and "cpu" not in get_engine(s["engine"]).runs_on:
+        raise MoesimError(f"{row.where}: {s['engine']} runs on GPUs only: give --hw (the GPUs the row ran on, "
+                          "`moesim hw` lists them)")
     if (get_policy(s["policy"]).uses_host or s["hw"] == "none") and not s.get("host"):
         raise MoesimError(f"{row.where}: a deployment with work on the CPU needs the host: give --host (a "
                               "built-in from `moesim hw --hosts`, a host profile file, or 'this')")
@@ -516,7 +531,12 @@ def _range(left_out: list[float], what: str) -> Interval:
     """The range a calibration's answers carry: its own leave-one-row-out residuals when there
     are enough for a conformal interval, else the published sources' one-row calibrations'."""
     if len(left_out) >= MIN_CLASS:
-        return conformal(left_out, f"calibrated on {what}: {len(left_out)} rows, leave one row out")
+        # Never narrower than what the fit counts as explaining a row (+-MISS), and always holding
+        # the prediction itself: nine identical rows once gave a range of zero width, and a biased
+        # set one that excluded its own prediction ("246 tok/s, 80% range 2,000-2,000").
+        iv = conformal(left_out, f"calibrated on {what}: {len(left_out)} rows, leave one row out")
+        return replace(iv, low=min(iv.low, 1 / (1 + MISS)), high=max(iv.high, 1 + MISS),
+                       basis=f"{iv.basis}; at least +-{MISS:.0%}, what the fit counts as explaining a row")
     pool = calibrated_residuals()
     n_src = len({r.source for r in pool})
     return conformal([r.ln_error for r in pool],
@@ -531,7 +551,7 @@ def _reading(e: Entry) -> str:
     s = e.setting
     spec = setting_spec(s)
     parts = [f"file type {s['quant']}" if s.get("quant") else f"experts in {spec.expert_dtype}",
-             f"{s['threads']} threads" if s.get("threads") else "threads as the host profile says",
+             plural(int(s["threads"]), "thread") if s.get("threads") else "threads as the host profile says",
              "CPU only" if s["hw"] == "none" else f"GPUs {s['hw']}"]
     return ", ".join(parts)
 

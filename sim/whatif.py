@@ -21,7 +21,7 @@ from moesim.hardware import Machine, get_machine
 from moesim.models import DTYPES, get_model
 from moesim.policy import QUEUES, WHATIF_POLICIES, Policy, as_policy, check_eviction, check_lookahead, get_policy
 from moesim.policy.placement import UNIFORM
-from moesim.quant_recipes import is_format
+from moesim.quant_recipes import approximation_note, is_format
 from moesim.setting import HostKnobs
 from moesim.sim.cpu_compute import load_calibration, separate_calibration
 from moesim.sim.sweep import BACKENDS, GOALS, Sweep, best, compile_kernels_aside, resolve_host, run_sweep
@@ -385,6 +385,7 @@ def _whatif(o: WhatifOptions, progress: Callable[[int, int], None] | None) -> Wh
                   cached=any(isinstance(c, (int, float)) and c > 0 for c in o.cache_gib),
                   link_given=o.link_gbps is not None, cache_per_layer=o.cache_per_layer)
     notes: list[str] = unused_options(pols, given, no_gpu=no_gpu)
+    notes += [n for d in dict.fromkeys(o.expert_dtypes or ()) if d and (n := approximation_note(d))]
     notes += split_notes(o.split, o.ratios, [m.n_gpus for m in profiles])
     if engine_note:
         notes.append(engine_note)

@@ -203,3 +203,26 @@ def test_one_cpu_row_fits_what_binds_it(threads, tps, figure):
                     model_file="qwen3-30b-a3b", n_gpu_layers=0, threads=threads, backend="CPU")
     figures, bounds = choose([deployment(r, Given("none", HOST))], get_engine("llama.cpp"))
     assert bounds[0].startswith("CPU compute") and [k for k, _, _ in figures] == [figure]
+
+
+def test_a_range_from_many_identical_rows_holds_its_prediction_and_has_width():
+    """Nine rows of one deployment, each exactly what a profile predicts: leave one row out errs by
+    nothing, and the range once had zero width; it holds the prediction and is at least +-15%."""
+    from moesim.engines import get_engine
+    from moesim.sim.calibrate import MISS, calibrate_entries
+
+    r = MeasuredRow(where="r.md:3", engine="llama.cpp", test="decode", tokens_per_s=1.0, n_gen=128,
+                    model_file="qwen3-30b-a3b", n_gpu_layers=0, threads=16, backend="CPU")
+    e = deployment(r, Given("none", HOST))
+    e.measurement["decode_tps"] = predict(e)["predicted_tps"]
+    cal = calibrate_entries([e] * 9, get_engine("llama.cpp"), "nine rows")
+    low, high = cal.engine.calibration["low"], cal.engine.calibration["high"]
+    assert low <= 1 / (1 + MISS) + 1e-9 and high >= 1 + MISS - 1e-9
+
+
+def test_a_profile_calibrated_from_a_dated_build_keeps_its_date(tmp_path):
+    path = _write(tmp_path, PASTED.format(tps="24.10"))
+    r = in_process("fit", "--measured", str(path), "--model", "qwen3-30b-a3b", "--host", HOST, "--engine",
+                   "llama.cpp@2026-02-05", "--out", str(tmp_path / "box"))
+    assert r.returncode == 0, r.stderr
+    assert load_engine(tmp_path / "box" / "engine.toml").label == "llama.cpp@2026-02-05"

@@ -106,3 +106,24 @@ def test_readme_figures_exist():
     for link in re.findall(r"\]\(([^)#]+\.(?:png|html|md))\)", readme):
         if not link.startswith(("http://", "https://")):  # a source on the web, not a file of this repo
             assert (ROOT / link).exists(), link
+
+
+def test_readme_quotes_are_the_committed_outputs():
+    """Every README block marked ``<!-- golden: FILE -->`` is lines of that committed output
+    (tests/golden/, which tests/test_golden.py regenerates and compares): a README figure that
+    goes stale fails the suite. The command above the first one is the committed run's."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests" / "golden"))
+    from outputs import COMMANDS
+
+    readme = (ROOT / "README.md").read_text()
+    quoted = re.findall(r"<!-- golden: (\S+) -->\n```\n(.*?)```", readme, re.S)
+    assert len(quoted) >= 2
+    for name, block in quoted:
+        golden = (ROOT / "tests" / "golden" / name).read_text().splitlines()
+        for line in block.splitlines():
+            assert line in golden, f"README quotes {line!r}, which tests/golden/{name} does not hold"
+    args = next(a for n, a, _ in COMMANDS if n == quoted[0][0])
+    cut = args[:args.index("--out")] if "--out" in args else args
+    assert "moesim " + " ".join(cut) in readme

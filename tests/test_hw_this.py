@@ -112,3 +112,31 @@ def test_whatif_and_hw_answer_for_this_machine(monkeypatch, tmp_path):
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)["rows"]
     assert {x["hw"] for x in rows} == {"this-rtx4090"} and {x["host"] for x in rows} >= {"this"}
+
+
+@pytest.mark.parametrize("name, memory, bus, clock, gen, part, link", [
+    ("NVIDIA H100 NVL", 94, 6144, 2619, 5, "h100-sxm", "pcie5"),  # a PCIe card: never GH200's NVLink-C2C
+    ("NVIDIA GH200 144G HBM3e", 144, 6144, 2619, 5, "gh200", "nvlink-c2c"),  # holds "h200" too
+    ("NVIDIA RTX PRO 6000 Blackwell Max-Q Workstation Edition", 96, 512, 14000, 5, "rtx-pro-6000-maxq", "pcie5"),
+    ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", 96, 512, 14000, 5, "rtx-pro-6000-blackwell", "pcie5"),
+    ("NVIDIA H100 80GB HBM3", 80, 5120, 2619, 5, "h100-sxm", "pcie5"),  # NVML's name for the SXM part
+    ("NVIDIA A100 80GB PCIe", 80, 5120, 1512, 4, "a100-pcie", "pcie4"),
+    ("NVIDIA A100-SXM4-80GB", 80, 5120, 1593, 4, "a100-sxm", "pcie4"),
+    ("NVIDIA L4", 24, 192, 6251, 4, "rtx2080", "pcie4"),  # an L4 is no L40S: the nearest bandwidth instead
+])
+def test_nvml_names_map_to_the_right_part(name, memory, bus, clock, gen, part, link):
+    """NVML's own device names (nvmlDeviceGetName) map to the part they are, by the most specific
+    name, and a card whose name claims no NVLink-C2C never gets that host link."""
+    from moesim.hardware import nearest_gpu
+
+    base, why, _ = nearest_gpu(GpuFacts(name, memory, bus, clock, gen, 16))
+    assert base.name == part, why
+    assert this_gpu(GpuFacts(name, memory, bus, clock, gen, 16)).link == link
+
+
+def test_a_gpu_count_no_machine_has_is_one_line(monkeypatch):
+    nvml = fake_nvml([RTX4090])
+    nvml.nvmlDeviceGetCount = lambda: 100_000
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    with pytest.raises(MoesimError, match="100000 GPUs, which no machine has"):
+        read_gpus()

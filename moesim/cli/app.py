@@ -28,6 +28,11 @@ moesim models MoE decoding with expert weights in host memory: it replays routin
 against hardware profiles (SimPy discrete-event model, plus a fast path for sweeps).
 Commands write their outputs into the current directory unless told otherwise.
 
+**Your machine:** `moesim whatif --model qwen3-30b-a3b --expert-dtype q4_k_m --hw rtx4090 --host ryzen-7950x --engine llama.cpp --tokens 64 --jobs 1`:
+how fast Qwen3-30B-A3B at Q4_K_M decodes on an RTX 4090 and a Ryzen 9 7950X under llama.cpp,
+with the winning placement's llama-server arguments and the range measurements of such
+deployments fell in (your GGUF: `--model FILE.gguf`; this machine: `--hw this --host this`).
+
 **Start here:** `moesim whatif` (long-running: no arguments) sweeps Qwen3-30B-A3B on three GPUs under
 every policy and writes a report to ./moesim-whatif/.
 

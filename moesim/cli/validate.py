@@ -53,8 +53,8 @@ def validate(
     source (an issue thread, an article), and scored overall, by deployment kind and by
     engine. Its sources' folds run on every core (about 2 minutes on 2 cores).
 
-    Examples: `moesim validate --out validation-report` (long-running), `moesim validate --published`,
-    `moesim validate --published --json`
+    Examples: `moesim validate --out validation-report` (long-running), `moesim validate --published`
+    (long-running: 2-4 minutes on 2 cores), `moesim validate --published --json` (long-running)
     """
     if published:
         executor_only = ("--out", "--tokens", "--model", "--cpu-policies", "--copy-queues", "--repeats")
