@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import functools
 import math
+import re
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -317,6 +318,9 @@ def build_date(text: Any, where: str) -> str:
             return datetime.datetime.strptime(t, fmt).date().isoformat()
         except ValueError:
             continue
+    if re.fullmatch(r"[bB]\d+", t):  # llama.cpp's build number (b6000): its release page says the date
+        raise MoesimError(f"{where}: {t} is a build number; moesim prices builds by date: give the date its release "
+                          f"was tagged (YYYY-MM-DD; github.com/ggml-org/llama.cpp/releases/tag/{t.lower()} says it)")
     raise MoesimError(f"{where}: build date {t!r}: YYYY-MM-DD, YYYY-MM or YYYY")
 
 
@@ -459,6 +463,20 @@ def _users(p: Path) -> EngineProfile:
 
 #: The engine a result uses when none is named: PyTorch eager, the reference executor's.
 DEFAULT_ENGINE = "pytorch-eager"
+#: Names of applications that run an engine moesim has a profile of: Ollama and LM Studio load
+#: GGUF files through the llama.cpp build they bundle (their own build's date is not known here),
+#: so they are priced as llama.cpp and print llama.cpp's arguments, and the answer says so.
+ENGINE_ALIASES = {"ollama": "llama.cpp", "lm-studio": "llama.cpp", "lmstudio": "llama.cpp"}
+
+
+def alias_note(engine: EngineProfile) -> str | None:
+    """What an answer says of an engine named by :data:`ENGINE_ALIASES`, else None."""
+    if engine.name not in ENGINE_ALIASES:
+        return None
+    base = ENGINE_ALIASES[engine.name]
+    return (f"{engine.name} runs the {base} build it bundles: priced as {base} (its newest figures; give --engine "
+            f"{base}@YYYY-MM-DD for the bundled build's date), and the arguments printed are {base}'s, which "
+            f"{engine.name} sets through its own options (num_gpu: -ngl, num_thread: -t, num_ctx: -c)")
 
 
 def get_engine(name_or_path: str | EngineProfile | None = None) -> EngineProfile:
@@ -479,8 +497,12 @@ def get_engine(name_or_path: str | EngineProfile | None = None) -> EngineProfile
     builtin = builtin_engines()
     if name.lower() in builtin:
         return _builtin(name.lower())
+    if name.lower() in ENGINE_ALIASES:  # an application bundling an engine: that engine, named as the user named it
+        base = _builtin(ENGINE_ALIASES[name.lower()])
+        return replace(base, name=name.lower(), runs_as=base.runs_as or base.name,
+                       description=f"{base.description}; as bundled by {name.lower()}")
     p = given_path(name, "engine profile")
     if p is not None:
         return _users(p)
-    raise MoesimError(f"unknown engine {name!r}{nearest_hint(name, builtin)}; built-in: {', '.join(builtin)} (or a "
-                      ".toml path)")
+    raise MoesimError(f"unknown engine {name!r}{nearest_hint(name, [*builtin, *ENGINE_ALIASES])}; built-in: "
+                      f"{', '.join(builtin)}, and {', '.join(ENGINE_ALIASES)} as the engine they bundle (or a .toml path)")

@@ -31,6 +31,7 @@ from moesim.errors import MoesimError
 from moesim.fmt import number
 from moesim.hardware import HostProfile, Machine, get_machine
 from moesim.layout import SPLITS, make_layout
+from moesim.memory import WORKSPACE_BYTES, layout_bytes
 from moesim.models import ModelSpec, model_file, model_named
 from moesim.policy import get_policy
 from moesim.quant_recipes import store_as
@@ -360,9 +361,57 @@ def invocation_of(row: dict[str, Any], engine: str, timed: Timed = BY_NAME):
     if converted:
         notes.append(f"the plan's experts are {row['expert_dtype']}, and {given.name} holds {held}: the arguments name "
                      f"a placeholder for a copy of the model in {row['expert_dtype']}, not that file")
+    if inv is not None:
+        notes.append(memory_words(spec, layout, timed.machine(row), int(row["batch"]), prompt + steps))
     if inv is not None and notes:
         inv = replace(inv, note="; ".join(notes))
     return inv, ""
+
+
+#: The longest context :func:`largest_context` looks for (tokens): beyond any model's window.
+CONTEXT_CAP = 1 << 24
+
+
+def largest_context(spec: ModelSpec, layout, mem: list[float], batch: int) -> int:
+    """The most tokens of context whose KV cache still fits every GPU of ``layout`` beside its
+    weights and compute buffers (``mem``: each GPU's bytes), by bisection (a layout's bytes grow
+    with the context: a sliding or linear layer's stop growing at its window); 0 when even
+    the weights do not fit, :data:`CONTEXT_CAP` when no context fills it."""
+    def fits(ctx: int) -> bool:
+        return all(b <= m for b, m in zip(layout_bytes(spec, layout, batch, ctx).gpu, mem))
+
+    if not fits(0):
+        return 0
+    if fits(CONTEXT_CAP):
+        return CONTEXT_CAP
+    lo, hi = 0, CONTEXT_CAP
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def memory_words(spec: ModelSpec, layout, machine: Machine, batch: int, context: int) -> str:
+    """What the deployment needs on each device before a user loads it (what llama.cpp users
+    find out by trial loads): each GPU's weights, its KV cache at ``context``, the engine's
+    compute buffers (:data:`moesim.memory.WORKSPACE_BYTES`, an estimate), against its memory;
+    the host's weights and KV cache; and the largest context that fits with this placement."""
+    mem = [x * 1e9 for x in machine.device_memory_gb()]
+    empty, full = layout_bytes(spec, layout, batch, 0), layout_bytes(spec, layout, batch, context)
+    parts = []
+    for i, (g, at) in enumerate(zip(empty.gpu, full.gpu)):
+        who = machine.gpus[i].name + (f" {i}" if len(mem) > 1 else "")
+        parts.append(f"{who} {number(at / 1e9, 3)} of {number(mem[i] / 1e9, 3)} GB (weights "
+                     f"{number((g - WORKSPACE_BYTES) / 1e9, 3)}, KV cache {number((at - g) / 1e9, 3)} at "
+                     f"{context:,} tokens, compute buffers {number(WORKSPACE_BYTES / 1e9, 3)}, an estimate)")
+    host = full.host_weights + full.host_kv
+    words = "memory: " + "; ".join(parts + ([f"host {number(host / 1e9, 3)} GB"] if host else []))
+    if mem:
+        ctx = largest_context(spec, layout, mem, batch)
+        words += ("; even the weights do not fit" if ctx == 0 else
+                  f"; the largest context that fits this placement: {ctx:,} tokens" if ctx < CONTEXT_CAP else
+                  "; any context fits this placement")
+    return words
 
 
 def deployment_answer(rows: list[dict[str, Any]], goal: str = "tpot",

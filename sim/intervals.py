@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+from moesim.engines import ENGINE_ALIASES
 from moesim.errors import MoesimError
 from moesim.fmt import number
 
@@ -242,7 +243,8 @@ def row_interval(row: dict[str, Any], calibration: dict[str, Any] | None = None,
     if kind is None:
         n_gpus = 0 if str(row.get("hw", "")) == "none" else (2 if row.get("split") not in (None, "-") else 1)
         kind = kind_of(str(row.get("family", "")), n_gpus, row)
-    return interval_for(kind, str(row.get("engine", "")))
+    engine = str(row.get("engine", ""))
+    return interval_for(kind, ENGINE_ALIASES.get(engine, engine))  # Ollama's rows are llama.cpp's class
 
 
 def calibrated(cal: dict[str, Any] | None) -> Interval | None:

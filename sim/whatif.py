@@ -15,7 +15,7 @@ from typing import Any
 
 from moesim import bounds, budget
 from moesim.atomic import exclusive
-from moesim.engines import get_engine
+from moesim.engines import alias_note, get_engine
 from moesim.errors import MoesimError
 from moesim.hardware import Machine, get_machine
 from moesim.models import DTYPES, get_model
@@ -389,6 +389,8 @@ def _whatif(o: WhatifOptions, progress: Callable[[int, int], None] | None) -> Wh
     notes += split_notes(o.split, o.ratios, [m.n_gpus for m in profiles])
     if engine_note:
         notes.append(engine_note)
+    if bundled := alias_note(eng):
+        notes.append(bundled)
     if hot_left_out:
         notes.append(hot_left_out)
     if o.host_ram_gb is not None and not (isinstance(o.host_ram_gb, (int, float)) and 0 < o.host_ram_gb < 1e7):

@@ -55,3 +55,54 @@ def test_a_file_without_a_gpu_names_its_policy_as_the_files(tmp_path):
     line = one_line_error(in_process("fit", "--measured", str(path), "--out", str(tmp_path / "o")),
                           "the file's policy on-demand on hw none")
     assert "--hw" not in line
+
+
+def test_an_engines_builds_are_listed(tmp_path):
+    r = in_process("hw", "llama.cpp", "--engines", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    (doc,) = json.loads(r.stdout)
+    assert [b["before"] for b in doc["builds"]] == ["2026-02-16", "2026-02-11", "2025-05-27"]
+    r = in_process("hw", "llama.cpp", "--engines", cwd=tmp_path, env={"COLUMNS": "200"})
+    assert "llama.cpp's builds: --engine llama.cpp@YYYY-MM-DD" in r.stdout
+
+
+def test_a_build_number_says_how_to_name_the_build(tmp_path):
+    one_line_error(in_process("hw", "llama.cpp@b6000", "--engines", cwd=tmp_path), "b6000 is a build number",
+                   "releases/tag/b6000")
+
+
+@pytest.mark.parametrize("app", ["ollama", "LM-Studio", "lmstudio"])
+def test_ollama_and_lm_studio_are_the_llama_cpp_they_bundle(tmp_path, app):
+    r = in_process("whatif", "--model", "qwen3-30b-a3b", "--expert-dtype", "q4_k_m", "--hw", "rtx4090", "--host", HOST,
+                   "--engine", app, "--policy", "all-resident", "--tokens", "8", "--jobs", "1", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert any(n.startswith(f"{app.lower()} runs the llama.cpp build it bundles") for n in out["notes"])
+    (row,) = out["rows"]
+    ref = in_process("whatif", "--model", "qwen3-30b-a3b", "--expert-dtype", "q4_k_m", "--hw", "rtx4090", "--engine",
+                     "llama.cpp", "--policy", "all-resident", "--tokens", "8", "--jobs", "1", "--json", cwd=tmp_path)
+    (same,) = json.loads(ref.stdout)["rows"]
+    assert row["tokens_per_s"] == same["tokens_per_s"] and row["range_basis"] == same["range_basis"]
+
+
+def test_the_answer_says_the_memory_a_placement_needs_and_the_largest_context():
+    """The memory the deployment needs on each device and the largest context that fits, as
+    the answer prints them beside the engine's command: the context found is the last that fits."""
+    from moesim.hardware import get_machine
+    from moesim.memory import layout_bytes
+    from moesim.models import get_model
+    from moesim.policy import get_policy
+    from moesim.quant_recipes import store_as
+    from moesim.setting import Setting
+    from moesim.sim.answer import largest_context, memory_words
+    from moesim.sim.static import layout_for
+
+    spec, machine = store_as(get_model("gpt-oss-120b"), "mxfp4_moe"), get_machine("2xrtx5090")
+    layout = layout_for(get_policy("cpu-static"), spec, machine, Setting(cpu_layers=2), batch=1, context=192)
+    mem = [x * 1e9 for x in machine.device_memory_gb()]
+    ctx = largest_context(spec, layout, mem, 1)
+    assert 0 < ctx < 1 << 24
+    assert all(b <= m for b, m in zip(layout_bytes(spec, layout, 1, ctx).gpu, mem))
+    assert not all(b <= m for b, m in zip(layout_bytes(spec, layout, 1, ctx + 1).gpu, mem))
+    words = memory_words(spec, layout, machine, 1, 192)
+    assert words.startswith("memory: rtx5090 0 ") and "rtx5090 1 " in words and f"{ctx:,} tokens" in words

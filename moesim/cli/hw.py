@@ -100,7 +100,9 @@ def _engines(name: str | None, as_json: bool, as_csv: bool) -> None:
     found = [get_engine(name)] if name else [get_engine(n) for n in builtin_engines()]
     if as_json:
         print_json([{"name": e.name, "description": e.description, "runs_on": list(e.runs_on),
-                     "figures": {k: vars(f) for k, f in e.sources()}} for e in found])
+                     "figures": {k: vars(f) for k, f in e.sources()},
+                     "builds": [{"before": day, "figures": {k: vars(f) for k, f in figs.items()}}
+                                for day, figs in e.before]} for e in found])
     elif as_csv:
         print_csv([{"engine": e.name, "figure": k, **vars(f)} for e in found for k, f in e.sources()])
     elif name:
@@ -108,8 +110,21 @@ def _engines(name: str | None, as_json: bool, as_csv: bool) -> None:
         out.print(table(f"{e.name}: {e.description} (runs on {', '.join(e.runs_on)})",
                         ("figure", "value", "unit", "kind", "source"),
                         [[k, number(f.value, 4), unit_of(k), f.kind, f.source] for k, f in e.sources()]))
+        _builds(e)
     else:
         out.print(table(f"Engine profiles (show one with `moesim hw NAME --engines` for sources; default: "
                         f"{DEFAULT_ENGINE})", ("name", "runs on", "fitted figures", "description"),
                         [[e.name, ", ".join(e.runs_on), str(sum(f.kind == "fitted" for _, f in e.sources())),
                           e.description] for e in found]))
+
+
+def _builds(e) -> None:
+    """The builds ``--engine NAME@DATE`` chooses between: each ``[[before]]`` entry's date and the
+    figures builds before it had (the newest build, the default, has the figures above)."""
+    if not e.before:
+        out.print(f"builds: {e.name} has one set of figures for every build (no [[before]] entries)", markup=False)
+        return
+    out.print(table(f"{e.name}'s builds: --engine {e.name}@YYYY-MM-DD prices a build from that date (newest first; "
+                    "a build before a date has that row's figures, and every older row's too)",
+                    ("before", "figure", "value", "source"),
+                    [[day, k, number(f.value, 4), f.source] for day, figs in e.before for k, f in figs.items()]))
