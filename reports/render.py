@@ -55,8 +55,9 @@ PART_STYLE = {"GPU": (COLORS["compute"], "GPU compute"), "CPU": (CPU_COLOR, "wai
 def breakdown_png(rows: Sequence[dict[str, Any]], labels: Sequence[str], path: Path, title: str) -> Path:
     """Per configuration, its TPOT stacked from its parts (:func:`moesim.sim.analysis.tpot_parts`:
     the bar's height is the row's TPOT), with the copy-engine time and the ideal-overlap bound;
-    a configuration that does not fit is hatched and says so. Rows without a TPOT (not run)
-    are the caller's to leave out, and to say so."""
+    a configuration that does not fit is hatched and says so; each bar with a range
+    (``tpot_ms_low`` / ``tpot_ms_high``) carries it as an error bar. Rows without a TPOT (not
+    run) are the caller's to leave out, and to say so."""
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(rows) + 2), 3.8))
@@ -86,6 +87,16 @@ def breakdown_png(rows: Sequence[dict[str, Any]], labels: Sequence[str], path: P
                                   zorder=3, label="copy-engine time"))
     handles.append(ax.scatter(x, [r.get("overlap_bound_ms") or 0.0 for r in rows], marker="v", color=COLORS["bound"],
                               zorder=3, label="ideal-overlap bound"))
+    # Each bar's 80% range (moesim.sim.intervals): where measurements of such deployments fell
+    # against the prediction, as a TPOT (a bar without one, none drawn).
+    ranged = [i for i, r in enumerate(rows) if r.get("tpot_ms_low") is not None and r.get("tpot_ms_high") is not None
+              and r.get("tpot_ms") is not None]
+    if ranged:
+        mid = [rows[i]["tpot_ms"] for i in ranged]
+        err = [[m - rows[i]["tpot_ms_low"] for i, m in zip(ranged, mid)],
+               [rows[i]["tpot_ms_high"] - m for i, m in zip(ranged, mid)]]
+        handles.append(ax.errorbar(ranged, mid, yerr=err, fmt="none", ecolor="black", elinewidth=1, capsize=3,
+                                   zorder=4, label="80% range of measurements"))
     ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("ms per output token")
     ax.set_title(title, fontsize=10)

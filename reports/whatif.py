@@ -17,7 +17,7 @@ from moesim.sim.answer import AXES, Timed, crossovers, deployment_answer, descri
 from moesim.sim.intervals import NOMINAL, range_text
 from moesim.sim.pool import start_aside
 from moesim.sim.simulate import PerTrace, simulate
-from moesim.sim.sweep import GOALS, Sweep
+from moesim.sim.sweep import BOUND, GOALS, Sweep
 
 COLS = ["model", "hw", "host", "policy", "family", "expert_dtype", "batch", "prompt_len", "link_gbps", "cache_gib",
         "cpu_layers", "resident_experts", "copy_queue", "prefetch_top", "fits", "tpot_ms", "tpot_ms_low", "tpot_ms_high",
@@ -78,7 +78,8 @@ def prompt_png(sweep: Sweep, winner: dict[str, Any], path: Path) -> Path:
 
 def crossover_png(crosses: list, path: Path) -> Path:
     """One panel per (model, GPU, host, axis, metric): each family's best value against the
-    axis, the oracle dashed as the bound, and a red line where the winning family changes."""
+    axis with its 80% range shaded (TPOT), the oracle dashed as the bound, and a red line where
+    the winning family changes."""
     plt = pyplot()
     from matplotlib.ticker import NullFormatter  # matplotlib is imported on first use (pyplot)
 
@@ -94,6 +95,10 @@ def crossover_png(crosses: list, path: Path) -> Path:
             pts = [(x, y) for x, y in zip(c.xs, ys) if y is not None]
             if pts:
                 ax.plot(*zip(*pts), style, color=color, label=fam, markersize=4, linewidth=1.2)
+            band = [(x, b) for x, b in zip(c.xs, c.bands.get(fam, ())) if b is not None]
+            if len(band) > 1 and fam != BOUND:  # the 80% range of measurements like it (a bound has none)
+                ax.fill_between([x for x, _ in band], [b[0] for _, b in band], [b[1] for _, b in band], color=color,
+                                alpha=0.12, linewidth=0)
         for ch in c.changes:
             at = ch["near"] if ch["near"] is not None else (ch["after"] * ch["by"]) ** 0.5
             ax.axvline(at, color="red", linestyle=":", linewidth=1)

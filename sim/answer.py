@@ -160,6 +160,8 @@ class Crossover:
     curves: dict[str, list[float | None]]  # family -> best value at each x (None: nothing fits)
     winners: list[str | None]  # the winning family at each x
     changes: list[dict[str, Any]] = field(default_factory=list)  # where the winner changes
+    #: family -> the 80% range (low, high) of its best TPOT at each x (None: no range); TPOT only
+    bands: dict[str, list[list[float] | None]] = field(default_factory=dict)
 
 
 def _level(value: float) -> float:
@@ -180,7 +182,8 @@ def _best(rows: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
 
 def _reason(winner: dict[str, Any] | None, families: list[FamilyBest], key: str, what: str) -> str:
     if winner is None:
-        return "no configuration of any family fits in memory (each row's note says why)"
+        return ("no configuration of any family fits in memory or runs on this machine (each row's note says "
+                "why)")
     others = sorted((f for f in families if f.row is not None and f.family != winner["family"]),
                     key=lambda f: _rank(f.row, key))
     unit = " ms" if key.endswith("_ms") else ""
@@ -463,10 +466,14 @@ def crossovers(rows: list[dict[str, Any]], metrics: dict[str, tuple[str, ...]] |
             line = [r for r in mine if all(r[a] == v for a, v in fixed.items())]
             for key in keys:
                 curves: dict[str, list[float | None]] = {}
+                bands: dict[str, list[list[float] | None]] = {}
                 for fam in (*policy_families(), BOUND):
                     pts = [_best([r for r in line if r["family"] == fam and r[axis] == x], key) for x in xs]
                     if any(p is not None for p in pts):
                         curves[fam] = [p[key] if p is not None else None for p in pts]
+                        if key == "tpot_ms":  # each point's range (moesim.sim.intervals), as the rows carry it
+                            bands[fam] = [[p["tpot_ms_low"], p["tpot_ms_high"]] if p is not None
+                                          and p.get("tpot_ms_low") is not None else None for p in pts]
                 winners = []
                 for i in range(len(xs)):
                     cand = {f: c[i] for f, c in curves.items() if f != BOUND and c[i] is not None}
@@ -477,7 +484,7 @@ def crossovers(rows: list[dict[str, Any]], metrics: dict[str, tuple[str, ...]] |
                     if a != b and a is not None and b is not None:
                         changes.append({"from": a, "to": b, "after": xs[i - 1], "by": xs[i],
                                         "near": _cross(xs[i - 1], xs[i], curves[a], curves[b], i)})
-                out.append(Crossover(model, hw, host, axis, key, fixed, xs, curves, winners, changes))
+                out.append(Crossover(model, hw, host, axis, key, fixed, xs, curves, winners, changes, bands))
     return out
 
 

@@ -361,6 +361,19 @@ def _whatif(o: WhatifOptions, progress: Callable[[int, int], None] | None) -> Wh
     pols = [p for p in pols if p.name in policies]
     if o.placement_from is not None and o.calibrate_on_replay:
         raise MoesimError("give a calibration trace (--placement-from) or --calibrate-on-replay, not both")
+    # A family that needs a device expert cache has no configuration without a size above 0: said
+    # as that, not as "nothing fits" (one line when it is all that was asked for; a note beside others).
+    no_cache = [p.name for p in pols if p.needs_cache] \
+        if not any(isinstance(c, (int, float)) and c > 0 for c in o.cache_gib) else []
+    if no_cache:
+        why = (f"{', '.join(no_cache)} needs a device expert cache, and --cache-gib "
+               f"{','.join(f'{c:g}' if isinstance(c, (int, float)) else str(c) for c in o.cache_gib)} gives it none: "
+               "give a size above 0 (--cache-gib 8)")
+        if len(no_cache) == len(pols):
+            raise MoesimError(why)
+        pols = [p for p in pols if p.name not in no_cache]
+        policies = [p.name for p in pols]
+        engine_note = "; ".join(x for x in (engine_note, f"{why}: left out") if x)
     hot_left_out = None
     uniform = eng.expert_placement == "uniform" and o.placement_from is None and not o.calibrate_on_replay
     if o.trace is not None and o.placement_from is None and not o.calibrate_on_replay and not uniform \

@@ -106,3 +106,21 @@ def test_the_answer_says_the_memory_a_placement_needs_and_the_largest_context():
     assert not all(b <= m for b, m in zip(layout_bytes(spec, layout, 1, ctx + 1).gpu, mem))
     words = memory_words(spec, layout, machine, 1, 192)
     assert words.startswith("memory: rtx5090 0 ") and "rtx5090 1 " in words and f"{ctx:,} tokens" in words
+
+
+def test_an_empty_sweep_says_its_true_cause(tmp_path):
+    """cpu-on-miss with --cache-gib 0 has no configuration because it needs a cache, not because
+    nothing fits in 48 GB; hot-experts without a GPU does not run, rather than "fits in no GB"."""
+    one_line_error(in_process("whatif", "--model", "qwen3-30b-a3b", "--hw", "a6000", "--host", "epyc-7742",
+                              "--policy", "cpu-on-miss", "--cache-gib", "0", "--tokens", "8", "--jobs", "1",
+                              cwd=tmp_path), "cpu-on-miss needs a device expert cache", "--cache-gib 0")
+    r = in_process("whatif", "--model", "qwen3-30b-a3b", "--hw", "a6000", "--host", "epyc-7742", "--policy",
+                   "cpu-on-miss,cpu-static", "--cache-gib", "0", "--tokens", "8", "--jobs", "1", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert {row["policy"] for row in out["rows"]} == {"cpu-static"}
+    assert any("cpu-on-miss needs a device expert cache" in n for n in out["notes"])
+    r = in_process("whatif", "--model", "qwen3-30b-a3b", "--hw", "none", "--host", "epyc-7742", "--policy",
+                   "hot-experts", "--tokens", "8", "--jobs", "1", cwd=tmp_path, env={"COLUMNS": "200"})
+    assert "on none: no configuration runs: without a GPU only all-resident applies" in r.stdout, r.stdout
+    assert "in no GB" not in r.stdout

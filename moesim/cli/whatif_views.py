@@ -44,10 +44,12 @@ def print_whatif(res, answers, crosses, goal: str, top: int) -> None:
             out.print(f"on {h.name}: best is {b['policy']} ({fmt.link(b['link_gbps'])}, cache {number(b['cache_gib'])} GiB)"
                       f" at {number(b['tpot_ms'])} ms/token; {bound_words(b)}")
         else:
-            mem = "+".join(f"{g:g}" for g in h.device_memory_gb()) or "no"
+            mem = "+".join(f"{g:g}" for g in h.device_memory_gb())
             notes = [r["note"] for r in rows if r["hw"] == h.name and r.get("note") not in (None, "", "-")]
             host = next((n for n in notes if "RAM" in n), None)  # the host's RAM, not the device, is short
+            # The cause the rows give: the host's RAM, a family that cannot run here (no GPU), else the device
             out.print(f"on {h.name}: no configuration fits: {host}" if host else
+                      f"on {h.name}: no configuration runs: {notes[0]}" if not mem and notes else
                       f"on {h.name}: no configuration fits in {mem} GB of device memory", markup=False,
                       highlight=False, soft_wrap=True)
     for a in answers:
@@ -69,7 +71,7 @@ def print_whatif(res, answers, crosses, goal: str, top: int) -> None:
         cpu = res.sweep.resolved[winner["policy"]].uses_host or winner["bound"] == "CPU compute"
         out.print(f"why: {bound_words(winner)}" if cpu else f"why: {why(winner)}")
     else:
-        out.print("[bold red]no configuration fits in memory[/bold red] (each row's note says why: --json / --csv)")
+        out.print("[bold red]no configuration fits or runs[/bold red] (each row's note says why: --json / --csv)")
 
 
 def show_whatif(res, goal: str, engine: str | None, top: int, as_json: bool, as_csv: bool, out_dir,
