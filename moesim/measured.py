@@ -168,7 +168,7 @@ MIN_TPS = 1e-4
 
 
 def _speed(value: object, where: str, name: str) -> float:
-    """A tokens/s figure: a finite number above zero and at most :data:`MAX_TPS`."""
+    """A tokens/s figure: a finite number above zero, from :data:`MIN_TPS` to :data:`MAX_TPS`."""
     number = _number(value, where, name)
     if number <= 0:
         raise _fail(where, f"{name} {_show(value)} is not a speed (it must be above zero)")
@@ -945,6 +945,9 @@ def read_vllm_latency(path: Path, *, output_len: int | None = None, input_len: i
     if not isinstance(latencies, list) or not latencies:
         raise _fail(where, f"latencies {_show(latencies)} is not a list of seconds")
     seconds = [_speed(v, f"{where} latencies[{i}]", "latency") for i, v in enumerate(latencies)]
+    if not min(seconds) * 0.99 <= avg <= max(seconds) * 1.01:  # a mean lies among its own samples (to rounding)
+        raise _fail(where, f"avg_latency {fmt_number(avg, 4)} s lies outside its own latencies ({fmt_number(min(seconds), 4)}"
+                           f" to {fmt_number(max(seconds), 4)} s): not one run's output")
     percentiles = data["percentiles"]
     if not isinstance(percentiles, dict):
         raise _fail(where, f"percentiles {_show(percentiles)} is not an object")

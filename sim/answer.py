@@ -26,7 +26,7 @@ import numpy as np
 
 from moesim import fmt
 from moesim.engine_args import FORMATTERS, invocation
-from moesim.engines import DEFAULT_ENGINE
+from moesim.engines import DEFAULT_ENGINE, builtin_engines
 from moesim.errors import MoesimError
 from moesim.fmt import number
 from moesim.hardware import HostProfile, Machine, get_machine
@@ -325,11 +325,14 @@ def invocation_of(row: dict[str, Any], engine: str, timed: Timed = BY_NAME):
     if found is None:
         return None, ""
     if engine not in FORMATTERS:  # SGLang, a user's engine, PyTorch eager: said, not left blank
-        return None, (f"moesim writes the arguments of {', '.join(FORMATTERS)}, not {engine}'s (a user's engine "
-                      "file says which of them it runs with runs_as = \"llama.cpp\", or another)"
-                      if engine != DEFAULT_ENGINE else
-                      f"{DEFAULT_ENGINE} is moesim's own reference executor (`moesim profile` runs it), not an engine with "
-                      "a command line")
+        if engine == DEFAULT_ENGINE:
+            return None, (f"{DEFAULT_ENGINE} is moesim's own reference executor (`moesim profile` runs it), not an "
+                          "engine with a command line")
+        # A built-in engine (or a user's file whose runs_as names one) needs no runs_as advice: only a
+        # user's engine without one does.
+        advice = "" if engine.lower() in builtin_engines() else (
+            " (a user's engine file says which of them it runs with runs_as = \"llama.cpp\", or another)")
+        return None, f"moesim writes the arguments of {', '.join(FORMATTERS)}, not {engine}'s{advice}"
     spec, layout = found
     kw: dict[str, Any] = {}
     if row["family"] == "hot-experts":

@@ -124,3 +124,10 @@ def test_an_empty_sweep_says_its_true_cause(tmp_path):
                    "hot-experts", "--tokens", "8", "--jobs", "1", cwd=tmp_path, env={"COLUMNS": "200"})
     assert "on none: no configuration runs: without a GPU only all-resident applies" in r.stdout, r.stdout
     assert "in no GB" not in r.stdout
+
+
+def test_a_built_in_engine_without_arguments_is_not_told_to_add_runs_as(tmp_path):
+    r = in_process("whatif", "--model", "qwen3-30b-a3b", "--hw", "h100-sxm", "--engine", "sglang", "--policy",
+                   "all-resident", "--tokens", "8", "--jobs", "1", cwd=tmp_path, env={"COLUMNS": "200"})
+    assert r.returncode == 0, r.stderr
+    assert "not sglang's" in r.stdout and "runs_as" not in r.stdout, r.stdout

@@ -75,3 +75,17 @@ def test_a_speed_no_test_could_measure_is_refused_naming_the_check(tmp_path, col
     path.write_text(f"model,hw,host,engine,policy,threads,{column}\n"
                     f"qwen3-30b-a3b,none,{HOST},llama.cpp,all-resident,8,{value}\n")
     one_line_error(in_process("fit", "--measured", str(path), "--out", str(tmp_path / "o")), "runs.csv:2", words)
+
+
+def test_a_mean_latency_outside_its_own_samples_is_refused(tmp_path):
+    """A vLLM JSON whose avg_latency is 100x its own latencies is no run's output: refused naming
+    the check, never blamed on a busy machine."""
+    import json
+
+    data = json.loads((Path(__file__).parent / "data" / "measured" / "vllm_latency_0.33.0.json").read_text())
+    data["avg_latency"] = 100 * data["avg_latency"]
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps(data))
+    one_line_error(in_process("fit", "--measured", str(path), "--output-len", "128", "--input-len", "32", "--batch",
+                              "1", "--hw", "h100-sxm", "--model", "qwen3-30b-a3b", "--out", str(tmp_path / "o")),
+                   "avg_latency", "outside its own latencies")
