@@ -218,7 +218,7 @@ class EngineProfile(_FigureLookup):
         the same at every date)."""
         if date is None or not self.before:
             return self
-        day = build_date(date, self.name)
+        day = build_date(date, self.name, llama_builds=(self.runs_as or self.name) == "llama.cpp")
         out = self
         for until, figs in self.before:  # newest first
             if day < until:
@@ -310,18 +310,62 @@ def _before_table(day: str, figures: dict[str, Figure], figs) -> dict[str, Any]:
     return out
 
 
-def build_date(text: Any, where: str) -> str:
-    """An engine build's date as ``YYYY-MM-DD`` (``YYYY-MM`` or ``YYYY``: its first day), or one line."""
+def build_date(text: Any, where: str, llama_builds: bool = False) -> str:
+    """An engine build's date as ``YYYY-MM-DD`` (``YYYY-MM`` or ``YYYY``: its first day; with
+    ``llama_builds``, a llama.cpp release ``bNNNN``: :func:`release_date`), or one line."""
     t = str(text).strip()
     for fmt in ("%Y-%m-%d", "%Y-%m", "%Y"):
         try:
             return datetime.datetime.strptime(t, fmt).date().isoformat()
         except ValueError:
             continue
-    if re.fullmatch(r"[bB]\d+", t):  # llama.cpp's build number (b6000): its release page says the date
-        raise MoesimError(f"{where}: {t} is a build number; moesim prices builds by date: give the date its release "
-                          f"was tagged (YYYY-MM-DD; github.com/ggml-org/llama.cpp/releases/tag/{t.lower()} says it)")
-    raise MoesimError(f"{where}: build date {t!r}: YYYY-MM-DD, YYYY-MM or YYYY")
+    if re.fullmatch(r"[bB]\d+", t):  # llama.cpp's build number (b6000): dated by its release list
+        if llama_builds:
+            return release_date(int(t[1:]), where)
+        raise MoesimError(f"{where}: {t} is a llama.cpp release number; give this build's date (YYYY-MM-DD)")
+    raise MoesimError(f"{where}: build date {t!r}: YYYY-MM-DD, YYYY-MM or YYYY, or a llama.cpp build (b6000)")
+
+
+#: llama.cpp's releases are its build numbers (``b6000``: the 6000th commit on master, tagged
+#: as it lands), so a number is a date. These are dated releases (the number, the day the
+#: release was taken up, where): projects that bundle llama.cpp bump to the newest tag the day
+#: they write the change, so each day is the release's or within days of it. A number between two
+#: is dated by linear interpolation (builds land at a steady few dozen a day), which is as
+#: fine as the profile's ``[[before]]`` dates need; outside them it is refused.
+LLAMA_CPP_RELEASES: tuple[tuple[int, str, str], ...] = (
+    (5165, "2025-04-21", "termux/termux-packages#24443"),
+    (5233, "2025-04-30", "termux/termux-packages#24559"),
+    (5857, "2025-07-10", "janhq/jan#5703"),
+    (6089, "2025-08-05", "termux/termux-packages#25599"),
+    (6301, "2025-08-28", "luncliff/vcpkg-registry#433"),
+    (6451, "2025-09-13", "xorbitsai/xllamacpp#81"),
+    (6709, "2025-10-11", "mybigday/llama.rn#224"),
+    (7045, "2025-11-13", "docker/model-runner#404"),
+    (7815, "2026-01-23", "ferranpons/Llamatik#37"),
+    (8651, "2026-04-03", "gominimal/pkgs#40"),
+    (9174, "2026-05-16", "docker/model-runner#918"),
+    (9512, "2026-06-04", "containers/ramalama#2783"),
+    (9701, "2026-06-18", "containers/ramalama#2805"),
+    (9986, "2026-07-14", "containers/ramalama#2842"),
+    (10630, "2026-08-25", "ollama/ollama#18003"),
+    (10760, "2026-09-02", "ollama/ollama#18199"),
+    (10864, "2026-09-08", "ollama/ollama#18317"),
+)
+
+
+def release_date(build: int, where: str = "engine") -> str:
+    """The day llama.cpp's release ``b{build}`` was tagged, from :data:`LLAMA_CPP_RELEASES`
+    (exact for a listed one, interpolated between the two around it), or one line."""
+    days = [(n, datetime.date.fromisoformat(d)) for n, d, _ in LLAMA_CPP_RELEASES]
+    (first, d0), (last, d1) = days[0], days[-1]
+    if not first <= build <= last:
+        raise MoesimError(f"{where}: b{build} is outside the llama.cpp releases moesim can date (b{first} of {d0} to "
+                          f"b{last} of {d1}): give its date (YYYY-MM-DD; "
+                          f"github.com/ggml-org/llama.cpp/releases/tag/b{build} says it)")
+    for (n0, a), (n1, b) in zip(days, days[1:]):
+        if n0 <= build <= n1:
+            return (a + datetime.timedelta(days=round((b - a).days * (build - n0) / (n1 - n0)))).isoformat()
+    raise AssertionError("unreachable: the releases are in order")
 
 
 def _before(raw: Any, where: str) -> tuple[tuple[str, dict[str, Figure]], ...]:
@@ -488,12 +532,13 @@ def get_engine(name_or_path: str | EngineProfile | None = None) -> EngineProfile
     if "@" in name and not Path(name).exists():
         base, _, day = name.rpartition("@")
         if not base or "@" in base:
-            raise MoesimError(f"engine {name!r}: NAME@YYYY-MM-DD, one engine and one build date (e.g. llama.cpp@2026-02-05)")
+            raise MoesimError(f"engine {name!r}: NAME@YYYY-MM-DD (or llama.cpp@bNNNN), one engine and one build date "
+                              "(e.g. llama.cpp@2026-02-05)")
         engine = get_engine(base)
         if not engine.before:
             raise MoesimError(f"engine {name!r}: {engine.name}'s profile holds no earlier builds ([[before]] entries), so "
                               f"every date prices it alike: give {base} without @")
-        return engine.at(build_date(day, f"engine {name}"))
+        return engine.at(build_date(day, f"engine {name}", llama_builds=(engine.runs_as or engine.name) == "llama.cpp"))
     builtin = builtin_engines()
     if name.lower() in builtin:
         return _builtin(name.lower())

@@ -593,7 +593,9 @@ def nearest_gpu(facts: GpuFacts) -> tuple[HardwareProfile, str, bool]:
             return by_name[NVML_NAMES[alias]], f"the GPU's name {facts.name!r} is NVML's name for it", True
     allowed = [p for p in profiles if not any(p.link == link and not any(w in key for w in words)
                                               for link, words in NAMED_LINKS.items())]
-    named = [(len(k), p) for p in allowed if (k := name_key(re.sub(r"-\d+gb$", "", p.name))) in key]
+    # a profile's name inside the GPU's, not followed by a digit (an L40 is no L4)
+    named = [(len(k), p) for p in allowed
+             if re.search(re.escape(k := name_key(re.sub(r"-\d+gb$", "", p.name))) + r"(?!\d)", key)]
     if named:
         longest = max(n for n, _ in named)
         best = min((p for n, p in named if n == longest),

@@ -68,7 +68,7 @@ def _fields(block: str):
 
 def description_isa(description: str) -> str:
     """A built-in host's instruction-set class, from the words of its description."""
-    if "Neoverse" in description or "Grace" in description:
+    if any(w in description for w in ("Neoverse", "Grace", "Cortex")):  # Arm cores
         return "arm"
     text = re.sub(r"no (AMX|AVX-512)\S*", "", description)
     return next((name for name, _, words in ISA_CLASSES if words in text), "other")

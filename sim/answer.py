@@ -266,12 +266,14 @@ class Timed:
     machines: dict[str, Machine]
     specs: dict[str, ModelSpec]
     hosts: dict[str, HostProfile] = field(default_factory=dict)
-    #: The prompt length and decode steps were the user's (given, or a recorded trace's): the
-    #: printed context (-c, --max-model-len) is theirs; else the commands leave the engine's default.
-    context_given: bool = True
+    #: The context the user will serve (``--ctx``): the printed commands' ``-c`` /
+    #: ``--max-model-len`` and the memory it needs; None leaves the engine's default (never
+    #: the timed prompt: a server started at a 384-token context refuses the user's first
+    #: long prompt).
+    context: int | None = None
 
     @classmethod
-    def of(cls, sweep, context_given: bool = True) -> Timed:
+    def of(cls, sweep, context: int | None = None) -> Timed:
         hosts = {}
         for name in sweep.hosts:
             for m in sweep.hws:
@@ -279,7 +281,7 @@ class Timed:
                     h = sweep.host_profile(name, m.gpus[0] if m.gpus else None)
                     hosts[h.name] = h
         return cls({m.name: m for m in sweep.hws}, {t.model.name: t.model for t in sweep.traces.values()}, hosts,
-                   context_given)
+                   context)
 
     def machine(self, row: dict[str, Any]) -> Machine:
         return self.machines[row["hw"]] if row["hw"] in self.machines else get_machine(row["hw"])
@@ -350,16 +352,15 @@ def invocation_of(row: dict[str, Any], engine: str, timed: Timed = BY_NAME):
         host, threads = timed.hosts.get(row["host"]), row.get("threads")
         numa = host is not None and isinstance(threads, int) and host.sockets > 1 and threads > host.cores
         prompt, steps = int(row["prompt_len"]), int(row["tokens"])
-        inv = invocation(engine, spec, layout, threads=threads, tokens=steps,
-                         context=prompt + steps if timed.context_given else None, batch=int(row["batch"]), numa=numa,
-                         **kw)
+        inv = invocation(engine, spec, layout, threads=threads, tokens=steps, context=timed.context,
+                         batch=int(row["batch"]), numa=numa, **kw)
     except MoesimError as e:
         return None, str(e)
     notes = [inv.note] if inv is not None and inv.note else []
     if inv is not None and engine in ("llama.cpp", "ik_llama.cpp", "vllm"):  # the engines whose context moesim spells
-        notes.append(f"the context is the prompt ({prompt}) plus the {steps} decode steps timed" if timed.context_given
-                     else f"the context is {engine}'s default (the model's own; moesim timed a {prompt}-token prompt "
-                          f"and {steps} decode steps: give --prompt-len and --tokens to size it)")
+        notes.append(f"the context is the {timed.context:,} tokens of --ctx" if timed.context
+                     else f"the context is {engine}'s default (moesim timed a {prompt}-token prompt and {steps} decode "
+                          "steps; --ctx N prints the context you will serve and the memory it needs)")
     extra = int(row["resident_experts"]) % spec.n_moe_layers if row["family"] == "hot-experts" else 0
     if extra:
         notes.append(f"--kt-num-gpu-experts is one count for every layer: the plan's {extra} experts beyond "
@@ -368,7 +369,7 @@ def invocation_of(row: dict[str, Any], engine: str, timed: Timed = BY_NAME):
         notes.append(f"the plan's experts are {row['expert_dtype']}, and {given.name} holds {held}: the arguments name "
                      f"a placeholder for a copy of the model in {row['expert_dtype']}, not that file")
     if inv is not None:
-        notes.append(memory_words(spec, layout, timed.machine(row), int(row["batch"]), prompt + steps))
+        notes.append(memory_words(spec, layout, timed.machine(row), int(row["batch"]), timed.context or prompt + steps))
     if inv is not None and notes:
         inv = replace(inv, note="; ".join(notes))
     return inv, ""
@@ -415,6 +416,8 @@ def memory_words(spec: ModelSpec, layout, machine: Machine, batch: int, context:
     if mem:
         ctx = largest_context(spec, layout, mem, batch)
         words += ("; even the weights do not fit" if ctx == 0 else
+                  f"; a {context:,}-token context does not fit this placement: at most {ctx:,} tokens"
+                  if ctx < context else
                   f"; the largest context that fits this placement: {ctx:,} tokens" if ctx < CONTEXT_CAP else
                   "; any context fits this placement")
     return words
@@ -556,3 +559,43 @@ def format_answer(a: Answer, width: int = 80) -> str:
                 lines.append(f"  {name}:")
                 lines += [f"    {t}" for t in text.rstrip().splitlines()]
     return "\n".join(lines)
+
+
+def lighter_but_slower(rows: list[dict[str, Any]], engine, timed: Timed = BY_NAME) -> list[str]:
+    """Why a file type with fewer bytes a weight is predicted slower than one with more, where
+    a sweep over ``--expert-dtype`` shows it (each family's best row per format on one model,
+    machine and host): the engine's kernels for the lighter format reach less of the memory's
+    rate (its ``cpu_weight_efficiency`` / ``gpu_weight_efficiency`` figures, said with their
+    kind), so its smaller reads take longer. One line a pair of formats."""
+    best_of: dict[tuple, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        if not r.get("fits") or not isinstance(r.get("tpot_ms"), (int, float)):
+            continue
+        per = best_of.setdefault((r["base_model"], r["hw"], r["host"], r["family"]), {})
+        if r["expert_dtype"] not in per or r["tpot_ms"] < per[r["expert_dtype"]]["tpot_ms"]:
+            per[r["expert_dtype"]] = r
+    notes: dict[tuple[str, str], str] = {}
+    for per in best_of.values():
+        if len(per) < 2:
+            continue
+        stored = {d: store_as(timed.spec(r), d) for d, r in per.items()}
+        bits = {d: s.expert_bytes * 8 / s.expert_params for d, s in stored.items()}
+        for light in per:
+            for heavy in per:
+                a, b = per[light], per[heavy]
+                if bits[light] >= bits[heavy] or a["tpot_ms"] <= b["tpot_ms"] * 1.02 or (light, heavy) in notes:
+                    continue
+                where = "cpu" if a["bound"] == "CPU compute" else "gpu"
+                table = getattr(engine, f"{where}_weight_efficiency")
+                eff = {d: (engine.weight_efficiency(where, stored[d].expert_dtype),
+                           table.get(stored[d].expert_dtype) or table.get("default")) for d in (light, heavy)}
+                said = {d: f"{number(e, 2)}" + (f" ({f.kind})" if f is not None else "") for d, (e, f) in eff.items()}
+                why = (f"{engine.name}'s {where.upper()} kernels for {light} reach {said[light]} of the memory's rate, "
+                       f"for {heavy} {said[heavy]}" if eff[light][0] < eff[heavy][0] else
+                       f"its {a['bound']} bound is not the bytes read ({engine.name}'s {where.upper()} kernels reach "
+                       f"{said[light]} and {said[heavy]} of the memory's rate)")
+                notes[(light, heavy)] = (
+                    f"{light} ({number(bits[light], 3)} bits a weight) is predicted slower than {heavy} "
+                    f"({number(bits[heavy], 3)}): {number(a['tpot_ms'], 3)} against {number(b['tpot_ms'], 3)} ms/token "
+                    f"({a['family']} on {a['hw']}): {why}")
+    return list(notes.values())

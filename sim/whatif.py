@@ -515,6 +515,9 @@ def _whatif(o: WhatifOptions, progress: Callable[[int, int], None] | None) -> Wh
                                        sweep.group_size, o.sim, workers))
     rows = run_sweep(sweep, o.jobs, progress, backend=o.backend, address=o.address, out=o.rows_csv, notes=notes)
     by_hw = {h.name: best([r for r in rows if r["hw"] == h.name], o.goal) for h in sweep.hws}
+    if len(set(o.expert_dtypes or ())) > 1:
+        from moesim.sim.answer import Timed, lighter_but_slower  # answer imports the sweep: not at module level
+        notes += lighter_but_slower(rows, sweep.engine_profile, Timed.of(sweep))
     if any(t.synthetic for t in traces.values()):
         notes.insert(0, "synthetic traces: routing and predictions are generated, not recorded")
     return WhatIf(sweep, o.goal, rows, best(rows, o.goal), by_hw, any(t.synthetic for t in traces.values()), notes)

@@ -333,18 +333,26 @@ def test_speedups_are_reported_against_every_baseline():
 
 
 def _cpu_seconds(fn, *args) -> float:
-    """CPU seconds of a warm call, the fewer of two: the first call, untimed, compiles or loads the
-    numba kernels it needs (a fresh clone's cold cache put one case's compilation into its time: a
-    3.1x spread), and one timed call of the smallest case once took 3.4x the others' share in the
-    full suite (a collection of the suite's garbage landing in it), where alone it never did."""
+    """CPU seconds of a warm call, the fewest of three: the first call, untimed, compiles or loads
+    the numba kernels it needs (a fresh clone's cold cache put one case's compilation into its
+    time: a 3.1x spread), and the timed calls run with the garbage collector off after a
+    collection: one timed call of the smallest case took 3.4x the others' share in the full
+    suite (a collection of the suite's garbage landing in it), where alone it never did, and
+    with two timed calls it did again."""
+    import gc
     import time
 
     fn(*args)
     times = []
-    for _ in range(2):
-        t = time.process_time()
-        fn(*args)
-        times.append(time.process_time() - t)
+    for _ in range(3):
+        gc.collect()
+        gc.disable()
+        try:
+            t = time.process_time()
+            fn(*args)
+            times.append(time.process_time() - t)
+        finally:
+            gc.enable()
     return min(times)
 
 

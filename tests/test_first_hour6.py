@@ -66,9 +66,24 @@ def test_an_engines_builds_are_listed(tmp_path):
     assert "llama.cpp's builds: --engine llama.cpp@YYYY-MM-DD" in r.stdout
 
 
-def test_a_build_number_says_how_to_name_the_build(tmp_path):
-    one_line_error(in_process("hw", "llama.cpp@b6000", "--engines", cwd=tmp_path), "b6000 is a build number",
-                   "releases/tag/b6000")
+def test_a_llama_cpp_release_number_is_its_date(tmp_path):
+    """``llama.cpp@b6000``: the release's date from the dated releases (exact where listed,
+    interpolated between two), then priced as that day's build; outside them, or for an engine
+    that does not number its builds so, one line."""
+    from moesim.engines import LLAMA_CPP_RELEASES, get_engine, release_date
+
+    n, day, _ = LLAMA_CPP_RELEASES[8]
+    assert release_date(n) == day
+    assert "2025-05-27" < release_date(5500) < release_date(5600) < "2025-07-10"
+    assert get_engine("llama.cpp@b5500").as_of == release_date(5500)
+    # a build older than the 2025-05-27 change has that change's older figures; one after it does not
+    assert get_engine("llama.cpp@b5300").figures != get_engine("llama.cpp@b5857").figures
+    r = in_process("hw", "llama.cpp@b8000", "--engines", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)[0]["description"].endswith(f"(a build from {release_date(8000)})")
+    one_line_error(in_process("hw", "llama.cpp@b99999", "--engines", cwd=tmp_path), "b99999 is outside",
+                   "releases/tag/b99999")
+    one_line_error(in_process("hw", "ktransformers@b6000", "--engines", cwd=tmp_path), "ktransformers")
 
 
 @pytest.mark.parametrize("app", ["ollama", "LM-Studio", "lmstudio"])
@@ -106,6 +121,24 @@ def test_the_answer_says_the_memory_a_placement_needs_and_the_largest_context():
     assert not all(b <= m for b, m in zip(layout_bytes(spec, layout, 1, ctx + 1).gpu, mem))
     words = memory_words(spec, layout, machine, 1, 192)
     assert words.startswith("memory: rtx5090 0 ") and "rtx5090 1 " in words and f"{ctx:,} tokens" in words
+    assert "does not fit" not in words
+    assert f"a {ctx + 1:,}-token context does not fit this placement: at most {ctx:,} tokens" in memory_words(
+        spec, layout, machine, 1, ctx + 1)
+
+
+def test_the_printed_context_is_the_users_or_the_engines_never_the_prompt():
+    """``--ctx N`` is the printed ``-c`` / ``--max-model-len`` and the memory's context; without
+    it the command leaves the engine's default and says so (the timed prompt is never the context)."""
+    from moesim.sim.answer import Timed, invocation_of
+
+    row = {"family": "all-resident", "policy": "all-resident", "expert_dtype": "q4_k_m", "base_model": "qwen3-30b-a3b",
+           "hw": "rtx4090", "host": "-", "batch": 1, "prompt_len": 4096, "tokens": 8, "resident_experts": 0,
+           "cpu_layers": "-", "gpu_layers": "-", "offload_gib": "-", "placement": "-"}
+    for engine, flag in (("llama.cpp", "-c"), ("vllm", "--max-model-len")):
+        inv, _ = invocation_of(row, engine, Timed({}, {}))
+        assert flag not in inv.args and f"{engine}'s default" in inv.note and "4104" not in inv.note
+        inv, _ = invocation_of(row, engine, Timed({}, {}, context=32768))
+        assert inv.args[inv.args.index(flag) + 1] == "32768" and "at 32,768 tokens" in inv.note
 
 
 def test_an_empty_sweep_says_its_true_cause(tmp_path):
@@ -131,3 +164,21 @@ def test_a_built_in_engine_without_arguments_is_not_told_to_add_runs_as(tmp_path
                    "all-resident", "--tokens", "8", "--jobs", "1", cwd=tmp_path, env={"COLUMNS": "200"})
     assert r.returncode == 0, r.stderr
     assert "not sglang's" in r.stdout and "runs_as" not in r.stdout, r.stdout
+
+
+def test_a_lighter_file_type_predicted_slower_says_why():
+    """A file type with fewer bytes a weight predicted slower than a heavier one (IQ1_S against
+    Q8_0 on a CPU) gets a note naming the engine's kernel figures for both; the heavier one
+    predicted slower, as bytes say it should be, gets none."""
+    from moesim.engines import get_engine
+    from moesim.sim.answer import lighter_but_slower
+
+    def row(dtype, tpot):
+        return {"base_model": "qwen3-30b-a3b", "hw": "none", "host": "ryzen-7950x", "family": "all-resident",
+                "expert_dtype": dtype, "tpot_ms": tpot, "fits": True, "bound": "CPU compute"}
+
+    eng = get_engine("llama.cpp")
+    (note,) = lighter_but_slower([row("iq1_s", 87.7), row("q8_0", 68.7)], eng)
+    assert note.startswith("iq1_s (1.65 bits a weight) is predicted slower than q8_0 (8.5)")
+    assert f"iq1_s reach {eng.weight_efficiency('cpu', 'iq1_s'):.2g} (fitted)" in note
+    assert lighter_but_slower([row("iq1_s", 40.0), row("q8_0", 68.7)], eng) == []

@@ -72,6 +72,7 @@ def test_every_built_in_host_has_an_instruction_set_class():
     assert "other" not in classes.values(), classes
     assert classes["xeon-8480"] == "amx" and classes["epyc-9654"] == "avx512-bf16"
     assert classes["i9-10900x"] == "avx512" and classes["epyc-7343"] == "avx2" and classes["grace"] == "arm"
+    assert classes["gb10-grace"] == "arm" and classes["ryzen-5950x"] == "avx2"
 
 
 def test_no_processor_listed_is_one_line():

@@ -122,7 +122,15 @@ def test_whatif_and_hw_answer_for_this_machine(monkeypatch, tmp_path):
     ("NVIDIA H100 80GB HBM3", 80, 5120, 2619, 5, "h100-sxm", "pcie5"),  # NVML's name for the SXM part
     ("NVIDIA A100 80GB PCIe", 80, 5120, 1512, 4, "a100-pcie", "pcie4"),
     ("NVIDIA A100-SXM4-80GB", 80, 5120, 1593, 4, "a100-sxm", "pcie4"),
-    ("NVIDIA L4", 24, 192, 6251, 4, "rtx2080", "pcie4"),  # an L4 is no L40S: the nearest bandwidth instead
+    ("NVIDIA L4", 24, 192, 6251, 4, "l4", "pcie4"),  # an L4 is no L40S
+    ("NVIDIA L40", 48, 384, 9001, 4, "l40s", "pcie4"),  # nor an L40 an L4: its family's nearest bandwidth
+    ("NVIDIA RTX 6000 Ada Generation", 48, 384, 10001, 4, "rtx-6000-ada", "pcie4"),
+    ("NVIDIA GeForce RTX 5060 Ti", 16, 128, 14001, 5, "rtx5060ti", "pcie5"),
+    ("NVIDIA GeForce RTX 3080", 10, 320, 9501, 4, "rtx3080", "pcie4"),
+    ("NVIDIA GeForce RTX 3070 Ti", 8, 256, 9501, 4, "rtx3070", "pcie4"),
+    ("Tesla T4", 15, 256, 5001, 3, "t4", "pcie3"),
+    ("NVIDIA B200", 180, 8192, 3996, 5, "b200", "pcie5"),
+    ("NVIDIA GB10", 119, 256, 8533, 5, "gb10", "nvlink-c2c"),
 ])
 def test_nvml_names_map_to_the_right_part(name, memory, bus, clock, gen, part, link):
     """NVML's own device names (nvmlDeviceGetName) map to the part they are, by the most specific

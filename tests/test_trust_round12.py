@@ -75,9 +75,10 @@ def test_the_deployment_answer_covers_every_machine_of_the_sweep(tmp_path):
 
 
 def test_a_batch_deployments_llama_cpp_command_holds_every_sequence(tmp_path):
-    """--batch 4 printed `-c 1008`, one sequence's context: llama-server's slots share -c."""
+    """--batch 4 printed `-c 1008`, one sequence's context: llama-server's slots share -c (--ctx
+    is one sequence's)."""
     r = in_process("whatif", "--model", "olmoe-1b-7b", "--hw", "rtx3090", "--engine", "llama.cpp", "--policy",
-                   "all-resident", "--batch", "4", "--prompt-len", "1000", "--tokens", "8", "--jobs", "1", "--json",
+                   "all-resident", "--batch", "4", "--ctx", "1008", "--tokens", "8", "--jobs", "1", "--json",
                    cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert any("-np 4 -c 4032" in a for a in _args(json.loads(r.stdout))), _args(json.loads(r.stdout))

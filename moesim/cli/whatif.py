@@ -28,6 +28,7 @@ from moesim.cli.whatif_views import show_whatif
 from moesim.errors import MoesimError
 from moesim.outputs import check_output_dir
 from moesim.policy import WHATIF_POLICIES as DEFAULT_POLICIES
+from moesim.sim.answer import CONTEXT_CAP
 from moesim.sim.whatif import WhatifOptions
 from moesim.sim.whatif import whatif as run_whatif
 
@@ -87,6 +88,9 @@ class WhatifArgs(HostOptions):
                                                      "Ray).")] = None
     rows_csv: Annotated[Path | None, typer.Option("--rows", help="Stream every row to this CSV as it finishes; run "
                                                                  "the same sweep again to resume from it.")] = None
+    ctx: Annotated[int | None, typer.Option("--ctx", help="The context you will serve, tokens: the printed engine "
+                                                          "commands' -c / --max-model-len and the memory it needs "
+                                                          "(default: the engine's own).")] = None
     top: Annotated[int, typer.Option(help="Rows to print (all go to the CSV).")] = 15
     as_json: AsJson = False
     as_csv: AsCsv = False
@@ -132,6 +136,8 @@ def whatif(a: WhatifArgs) -> None:
 
     if a.top < 1:
         raise MoesimError(f"--top {a.top}: print at least one row")
+    if a.ctx is not None and not 1 <= a.ctx <= CONTEXT_CAP:
+        raise MoesimError(f"--ctx {a.ctx}: a context is 1 to {CONTEXT_CAP:,} tokens")
     if a.out_dir is not None:
 
         check_output_dir(a.out_dir)
@@ -139,5 +145,4 @@ def whatif(a: WhatifArgs) -> None:
     with holding(a.out_dir, "--out"):  # two runs on one report folder: the second refused in one line
         with progress_bar("simulating", "configurations", disable=a.as_json or a.as_csv) as update, ends_on_interrupt():
             res = run_whatif(a.options(), update)
-        yours = a.trace_path is not None or a.tokens != 256 or a.prompt_len != "128"  # else -c is the engine's own
-        show_whatif(res, a.goal, a.engine, a.top, a.as_json, a.as_csv, a.out_dir, yours)
+        show_whatif(res, a.goal, a.engine, a.top, a.as_json, a.as_csv, a.out_dir, a.ctx)

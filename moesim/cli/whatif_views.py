@@ -75,13 +75,13 @@ def print_whatif(res, answers, crosses, goal: str, top: int) -> None:
 
 
 def show_whatif(res, goal: str, engine: str | None, top: int, as_json: bool, as_csv: bool, out_dir,
-                context_given: bool = True) -> None:
+                context: int | None = None) -> None:
     """The answer as JSON, CSV or text, then the report folder (``out_dir``, unless None);
-    ``context_given``: the prompt length and decode steps were the user's, the printed context theirs."""
+    ``context``: the context the user will serve (``--ctx``; None: the engine's default)."""
 
     rows, winner = res.rows, res.winner
     eng = res.sweep.engine_profile  # a user's file prints the arguments of the engine its runs_as names
-    answers = deployment_answer(rows, goal, engine=engine and (eng.runs_as or eng.name), timed=Timed.of(res.sweep, context_given))
+    answers = deployment_answer(rows, goal, engine=engine and (eng.runs_as or eng.name), timed=Timed.of(res.sweep, context))
     crosses = crossovers(rows)
     if as_json or as_csv:
         print_json({"goal": goal, "best": winner, "notes": res.notes, "deployment": [a.to_dict() for a in answers],

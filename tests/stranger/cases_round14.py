@@ -14,7 +14,7 @@ The classes (docs/robustness.md, "Round 14"):
   asks for the host's name; replay and whatif refuse the same option values alike;
 - ``r14 names``: ``deepseek-r1`` and other fine-tunes resolve to their geometry; unknown names
   suggest the nearest (``epyc-7302`` -> ``epyc-7343``);
-- ``r14 commands``: the printed context is the user's or the engine's default, said.
+- ``r14 commands``: the printed context is the user's (``--ctx``) or the engine's default, said; never the prompt.
 """
 
 from __future__ import annotations
@@ -172,8 +172,15 @@ def round14_cases() -> list[Case]:
     e = ["--engine", "llama.cpp", "--policy", "cpu-static", "--model", "qwen3-30b-a3b", "--hw", "rtx4090", "--jobs", "1",
          "--out", "w"]
     add(pc, ["whatif", *e], expect="ok", check=printed("llama.cpp's default", " -c "), timeout=180)
-    add(pc, ["whatif", *e, "--tokens", "8", "--prompt-len", "4096"], expect="ok", check=printed("-c 4104"),
+    add(pc, ["whatif", *e, "--tokens", "8", "--prompt-len", "4096"], expect="ok",
+        check=printed("llama.cpp's default", " -c "), timeout=180)  # the prompt is never the context
+    add(pc, ["whatif", *e, "--tokens", "8", "--ctx", "32768"], expect="ok", check=printed("-c 32768"),
         timeout=180)
+    add(pc, ["whatif", *e, "--ctx", "0"], words=("--ctx 0",))
+    # a lighter file type predicted slower says why (the engine's kernel figures for both)
+    add(pc, ["whatif", "--model", "qwen3-30b-a3b", "--expert-dtype", "iq1_s,q8_0", "--hw", "none", "--host",
+             "ryzen-7950x", "--engine", "llama.cpp", "--tokens", "8", "--jobs", "1", "--out", "w"], expect="ok",
+        check=printed("iq1_s (1.65 bits a weight) is predicted slower than q8_0"), timeout=180)
     add(pc, ["whatif", *e, "--tokens", "8", "--host", "epyc-9654@2s"], expect="ok",
         check=printed("--numa distribute"), timeout=180)
     return c
