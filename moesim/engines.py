@@ -25,7 +25,6 @@ from moesim.errors import MoesimError
 from moesim.fmt import nearest_hint, number
 from moesim.hardware import Figure, _FigureLookup, given_path, parse_figures, read_toml
 from moesim.models import DTYPES
-from moesim.policy import get_policy
 
 #: Figure name -> (unit, required, whether an integer, description).
 ENGINE_FIGURES: dict[str, tuple[str, bool, bool, str]] = {
@@ -170,22 +169,10 @@ class EngineProfile(_FigureLookup):
         return bool(self.get("pages_from_disk"))
 
     def runs(self, policy: str) -> bool:
-        """Whether the engine runs ``policy`` (an engine that lists none runs every one)."""
-        return not self.policies or get_policy(policy).name in self.policies
-
-    def default_policies(self, defaults) -> list[str]:
-        """The policies to compare when none is chosen: those of ``defaults`` the engine runs,
-        else every one it runs."""
-        return [p for p in defaults if self.runs(p)] or list(self.policies)
-
-    def only_runs(self, policies: list[str]) -> tuple[list[str], str | None]:
-        """(those of ``policies`` the engine runs, a note naming the others, or None); one line
-        when it runs none of them. What ``replay`` and ``whatif`` both do with an engine."""
-        dropped = [p for p in policies if not self.runs(p)]
-        if dropped and len(dropped) == len(policies):
-            raise MoesimError(f"{self.name} runs none of {', '.join(dropped)}; it runs {', '.join(self.policies)}")
-        note = f"{self.name} does not run {', '.join(dropped)} (it runs {', '.join(self.policies)}): left out"
-        return [p for p in policies if self.runs(p)], note if dropped else None
+        """Whether the engine runs the registered policy named ``policy``: its profile's names are
+        kept as written (an engine that lists none runs every one); :func:`moesim.policy.runs_on`
+        checks them against the registry, where both are known."""
+        return not self.policies or policy in self.policies
 
     def weight_efficiency(self, where: str, dtype: str) -> float:
         """Share of ``where``'s (``cpu`` or ``gpu``) bandwidth its kernels reach on ``dtype`` weights."""
@@ -435,7 +422,7 @@ def parse_engine(data: dict[str, Any], where: str) -> EngineProfile:
         raise MoesimError(f"{where}: policies must be a list of policy names")
     if "policies" in data and not pols:  # absent means every policy; an empty list would say the same silently
         raise MoesimError(f"{where}: policies must name at least one policy (leave it out: the engine runs every one)")
-    pols = tuple(get_policy(p).name for p in pols)
+    pols = tuple(p.strip().lower() for p in pols)  # policy names: moesim.policy.runs_on checks them
     placement = data.get("expert_placement", "frequency")
     if placement not in PLACEMENTS:
         raise MoesimError(f"{where}: expert_placement is one of {', '.join(PLACEMENTS)}, got {placement!r}")

@@ -8,11 +8,12 @@ keyword arguments, and a new knob is one field here."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from moesim.engines import EngineProfile
+if TYPE_CHECKING:  # an annotation only: the setting layer sits below the engines
+    from moesim.engines import EngineProfile
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -46,6 +46,7 @@ from moesim.hardware import get_host, get_machine
 from moesim.models import DTYPES, get_model
 from moesim.policy import get_policy
 from moesim.quant_recipes import RECIPES, canonical, file_type_in, has_recipe
+from moesim.sim import targets
 from moesim.sim.intervals import MIN_CLASS, Interval, calibrated_residuals, conformal
 from moesim.sim.published import Entry, predict, setting_spec
 from moesim.sim.sweep import bound_of
@@ -577,11 +578,10 @@ def _words(e: Entry) -> str:
 #: A source's entries on one machine calibrated on its first (the first the source lists in
 #: settings.toml) and judged on the others, when it has at least this many.
 MIN_CALIBRATED = 3
-#: The calibrated accuracy target: this share of predicted rows within +-15%.
-CALIBRATED_WITHIN = 0.15
-CALIBRATED_TARGET = 0.8
-#: The share of sweeps whose measured best setting must be predicted best.
-BEST_TARGET = 0.8
+#: The calibrated accuracy targets (:mod:`moesim.sim.targets`).
+CALIBRATED_WITHIN = targets.CALIBRATED_WITHIN
+CALIBRATED_TARGET = targets.CALIBRATED_SHARE
+BEST_TARGET = targets.BEST_SHARE
 
 
 def machine_groups(rows: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:

@@ -36,6 +36,7 @@ from typing import Any
 from moesim.engines import ENGINE_ALIASES
 from moesim.errors import MoesimError
 from moesim.fmt import number
+from moesim.sim import targets
 
 #: The interval's nominal coverage: it should hold this share of measurements.
 NOMINAL = 0.8
@@ -301,7 +302,7 @@ def how_sure(row: dict[str, Any]) -> str | None:
 def coverage(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """How often each leave-one-source-out row's interval, built from the *other* sources'
     residuals, holds its measurement: overall and per kind (kinds of at least
-    :data:`MIN_CLASS` entries; the target is 70-90% for a nominal 80%)."""
+    :data:`MIN_CLASS` entries; the target: :data:`moesim.sim.targets.COVERAGE`)."""
     pool = tuple(Residual(r["id"], r["source_id"], r["kind"], r["engine"], float(r["ln_error"])) for r in rows)
     hits: list[tuple[str, bool, Interval]] = []
     without = 0
@@ -323,7 +324,8 @@ def coverage(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     by_kind = {k: share([h for h in hits if h[0] == k]) for k in kinds
                if sum(1 for h in hits if h[0] == k) >= PER_KIND_MIN}
     overall = share(hits)
-    ok = overall["coverage"] is not None and 0.7 <= overall["coverage"] <= 0.9
-    return {"nominal": NOMINAL, "target": [0.7, 0.9], "overall": overall, "by_kind": by_kind,
+    lo, hi = targets.COVERAGE
+    ok = overall["coverage"] is not None and lo <= overall["coverage"] <= hi
+    return {"nominal": NOMINAL, "target": [lo, hi], "overall": overall, "by_kind": by_kind,
             "without_range": without, "meets_target": bool(ok and not without
-                                                            and all(0.7 <= k["coverage"] <= 0.9 for k in by_kind.values()))}
+                                                            and all(lo <= k["coverage"] <= hi for k in by_kind.values()))}

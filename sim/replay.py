@@ -25,7 +25,7 @@ from moesim.errors import MoesimError
 from moesim.fmt import number
 from moesim.hardware import DEFAULT_PROFILE, HardwareProfile, Machine, get_host, get_machine, get_profile
 from moesim.models import ModelSpec, get_model
-from moesim.policy import Policy, as_policy, get_policy
+from moesim.policy import Policy, as_policy, get_policy, runs_on
 from moesim.setting import Setting
 from moesim.sim.cpu_compute import load_calibration, separate_calibration
 from moesim.sim.intervals import kind_of, with_range
@@ -155,7 +155,7 @@ def replay(trace: Trace | str | Path, hw: str | Machine | None = None,
                           + ("0" if last == 0 else f"0 to {last}"))
     engine_note = None
     if engine_given:  # the policies the engine runs, as whatif keeps them
-        names, engine_note = given.engine.only_runs([p.name for p in policies])
+        names, engine_note = runs_on(given.engine, [p.name for p in policies])
         policies = [p for p in policies if p.name in names]
     budget.check(budget.replay_estimate(trace.model, trace.n_tokens, trace.batch, budget.runs_by_kind(policies),
                                         given.sim))

@@ -19,7 +19,17 @@ from moesim.engines import alias_note, get_engine
 from moesim.errors import MoesimError
 from moesim.hardware import Machine, get_machine
 from moesim.models import DTYPES, get_model
-from moesim.policy import QUEUES, WHATIF_POLICIES, Policy, as_policy, check_eviction, check_lookahead, get_policy
+from moesim.policy import (
+    QUEUES,
+    WHATIF_POLICIES,
+    Policy,
+    as_policy,
+    check_eviction,
+    check_lookahead,
+    default_policies,
+    get_policy,
+    runs_on,
+)
 from moesim.policy.placement import UNIFORM
 from moesim.quant_recipes import approximation_note, is_format
 from moesim.setting import HostKnobs
@@ -45,6 +55,8 @@ class WhatIf:
     best_by_hw: dict[str, dict[str, Any] | None]
     synthetic: bool  # some trace is synthetic
     notes: list[str] = field(default_factory=list)  # what the reader must know (synthetic calibration, optimism)
+    #: With several engines (``--engine A,B``, an axis): each engine's own sweep, in the order given.
+    by_engine: list[WhatIf] = field(default_factory=list)
 
     def ranked(self) -> list[dict[str, Any]]:
         """Fitting configurations first, then by the goal's figure."""
@@ -348,6 +360,28 @@ def whatif(o: WhatifOptions = WhatifOptions(), progress: Callable[[int, int], No
         return _whatif(o, progress)
 
 
+def whatif_engines(o: WhatifOptions, engines: list[str],
+                   progress: Callable[[int, int], None] | None = None) -> WhatIf:
+    """``whatif`` with the engine as an axis: the same sweep under each of ``engines`` (its
+    rows carry their engine), the best over all of them, and each engine's own result in
+    ``by_engine`` (its deployment answer and arguments are that engine's)."""
+    engines = list(dict.fromkeys(engines))
+    if len(engines) == 1:
+        return whatif(replace(o, engine=engines[0]), progress)
+    if o.rows_csv is not None:
+        raise MoesimError("--rows keeps one sweep's rows: give one --engine at a time with it")
+    labels = [get_engine(e).label for e in engines]  # each resolved (one line for a bad one) before any sweep
+    if len(set(labels)) < len(labels):
+        raise MoesimError(f"--engine {','.join(engines)}: two of them are the same engine "
+                          f"({', '.join(labels)}): give each once")
+    results = [whatif(replace(o, engine=e), progress) for e in engines]
+    rows = [r for res in results for r in res.rows]
+    first = results[0]
+    by_hw = {h.name: best([r for r in rows if r["hw"] == h.name], o.goal) for h in first.sweep.hws}
+    notes = list(dict.fromkeys(n for res in results for n in res.notes))
+    return WhatIf(first.sweep, o.goal, rows, best(rows, o.goal), by_hw, first.synthetic, notes, results)
+
+
 def _whatif(o: WhatifOptions, progress: Callable[[int, int], None] | None) -> WhatIf:
     policies = o.policies
     batches = _positive_ints([o.batch] if isinstance(o.batch, int) else list(o.batch), "--batch")
@@ -355,9 +389,9 @@ def _whatif(o: WhatifOptions, progress: Callable[[int, int], None] | None) -> Wh
     eng = get_engine(o.engine)  # an unknown engine: one line, before any work
     chosen = policies is not None
     if not chosen:  # the policies the engine runs (moesim's own defaults for PyTorch eager)
-        policies = eng.default_policies(DEFAULT_POLICIES)
+        policies = default_policies(eng, DEFAULT_POLICIES)
     pols = [as_policy(p) for p in policies]  # names checked before any work (the CLI's: resolved already)
-    policies, engine_note = eng.only_runs([p.name for p in pols])
+    policies, engine_note = runs_on(eng, [p.name for p in pols])
     pols = [p for p in pols if p.name in policies]
     if o.placement_from is not None and o.calibrate_on_replay:
         raise MoesimError("give a calibration trace (--placement-from) or --calibrate-on-replay, not both")

@@ -1,5 +1,6 @@
 """The docs stay true: every CLI option is documented, every example runs, the README's commands exist."""
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -127,3 +128,28 @@ def test_readme_quotes_are_the_committed_outputs():
     args = next(a for n, a, _ in COMMANDS if n == quoted[0][0])
     cut = args[:args.index("--out")] if "--out" in args else args
     assert "moesim " + " ".join(cut) in readme
+
+
+def test_readmes_benchmark_figures_are_the_committed_benchmarks():
+    """The README's figures from benchmarks the suite cannot run (a llama.cpp build, the
+    executor's three suites) are those of the committed results files they name: a rerun
+    benchmark whose README figure is left behind fails here."""
+    readme = (ROOT / "README.md").read_text()
+    cal = json.loads((ROOT / "bench" / "calibrate_llamacpp.json").read_text())
+    after, before = cal["calibrated"], cal["uncalibrated"]
+    assert (f"{after['within_15']} of {after['rows']} within +-15% after one row ({before['within_15']} before;"
+            in readme)
+    s = json.loads((ROOT / "bench" / "validation-epyc.json").read_text())["summary"]
+    pct = {k: f"{v['median_of_means']:.2%}" for k, v in s.items() if isinstance(v, dict)}
+    said = " ".join(readme.split("**The reference executor on this machine**")[1].split("\n\n")[0].split())
+    assert (f"median {pct['same-policy']} (copy policies" in said and f"by {pct['transfer from on-demand']} (18" in said
+            and f"policies {pct['CPU-compute policies, same-policy']} and "
+                f"{pct['CPU-compute policies, transfer from on-demand']}." in said), said
+
+
+def test_the_readme_is_read_top_down_in_at_most_6000_words():
+    """A newcomer's README: the workstation user's question and its answer first, at most
+    6,000 words (the rest lives in docs/ and CHANGELOG.md)."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.split()) <= 6000
+    assert readme.index("## Your machine, first") < readme.index("## What moesim is") < readme.index("## Install")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from cli_run import in_process, one_line_error
+from cli_run import ROOT, in_process, one_line_error
 
 from moesim.quant_recipes import approximation_note, canonical, is_format
 
@@ -182,3 +182,42 @@ def test_a_lighter_file_type_predicted_slower_says_why():
     assert note.startswith("iq1_s (1.65 bits a weight) is predicted slower than q8_0 (8.5)")
     assert f"iq1_s reach {eng.weight_efficiency('cpu', 'iq1_s'):.2g} (fitted)" in note
     assert lighter_but_slower([row("iq1_s", 40.0), row("q8_0", 68.7)], eng) == []
+
+
+def test_the_engine_is_a_whatif_axis(tmp_path):
+    """``--engine A,B`` sweeps the same deployments under each engine: the rows carry their
+    engine, each engine gets its own deployment answer and arguments, the best is over all; an
+    engine named twice (however spelled) or a resumable --rows file with several is one line."""
+    args = ("whatif", "--model", "qwen3-30b-a3b", "--expert-dtype", "q4_k_m", "--hw", "rtx4090", "--host", HOST,
+            "--policy", "all-resident,cpu-static", "--cpu-layers", "24", "--tokens", "8", "--jobs", "1")
+    r = in_process(*args, "--engine", "llama.cpp,ik_llama.cpp", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert {x["engine"] for x in out["rows"]} == {"llama.cpp", "ik_llama.cpp"}
+    assert {f["row"]["engine"] for d in out["deployment"] for f in d["families"] if f["row"]} == {"llama.cpp", "ik_llama.cpp"}
+    assert out["best"]["tpot_ms"] == min(x["tpot_ms"] for x in out["rows"] if x["fits"])
+    r = in_process(*args, "--engine", "llama.cpp,ik_llama.cpp", cwd=tmp_path, env={"COLUMNS": "200"})
+    assert "-- with llama.cpp --" in r.stdout and "-- with ik_llama.cpp --" in r.stdout
+    builtin = str(ROOT / "hwprofiles" / "engines" / "llama.cpp.toml")  # the built-in file, named by path
+    one_line_error(in_process(*args, "--engine", f"llama.cpp,{builtin}", cwd=tmp_path), "same engine")
+    one_line_error(in_process(*args, "--engine", "llama.cpp,vllm", "--rows", "r.csv", cwd=tmp_path), "--rows")
+
+
+def test_an_engines_policy_names_are_checked_where_policies_are_known(tmp_path):
+    """The engine layer keeps its profile's policy names as strings (it never imports the
+    policies: no import circle); moesim.policy resolves them, aliases included, and a name no
+    policy has is one line naming the engine, when a run uses it."""
+    from dataclasses import replace
+
+    from moesim.engines import builtin_engines, get_engine
+    from moesim.errors import MoesimError
+    from moesim.policy import engine_policies, runs_on
+
+    for name in builtin_engines():  # the shipped profiles name registered policies, as written
+        eng = get_engine(name)
+        assert engine_policies(eng) == eng.policies
+    llama = get_engine("llama.cpp")
+    assert runs_on(replace(llama, policies=("resident",)), ["all-resident", "on-demand"]) == (
+        ["all-resident"], "llama.cpp does not run on-demand (it runs all-resident): left out")
+    with pytest.raises(MoesimError, match="engine llama.cpp: its policies: unknown policy 'yolo'"):
+        runs_on(replace(llama, policies=("yolo",)), ["all-resident"])

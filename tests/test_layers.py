@@ -163,3 +163,62 @@ def test_executor_function_level_imports_only_keep_optional_dependencies_out():
                     if top not in allowed or not commented:
                         bad.append(f"{path.name}:{sub.lineno} imports {name} inside {node.name}")
     assert bad == []
+
+
+#: The rooms of layer 0 (``moesim/*.py`` and ``moesim/policy/``), lowest first: each names what
+#: its modules model, and a module imports its own room and those below, never one above
+#: (at the top or inside a function; an annotation under ``TYPE_CHECKING`` counts too). A new
+#: module joins one room here; docs/architecture.md draws the same order.
+ROOMS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("ground", ("errors", "fmt", "jit", "jsonout", "stop", "timing", "bounds", "selection", "inputs", "outputs",
+                "atomic", "gpu_detect", "host_detect", "measured")),
+    ("model", ("spec", "artefacts", "gguf_file", "hf_config", "models", "quant_recipes", "layout")),
+    ("machine", ("hardware",)),
+    ("engine", ("engines", "engine_args", "setting")),
+    ("cost", ("costmodel",)),
+    ("policy", ("policy", "memory", "budget")),
+)
+
+
+def room(module: str) -> int | None:
+    """The room (its index in :data:`ROOMS`) of a layer-0 module, None for any other."""
+    parts = module.split(".")
+    if len(parts) < 2 or layer(module)[1] != "moesim" or module == "moesim.__main__":
+        return None
+    for i, (_, names) in enumerate(ROOMS):
+        if parts[1] in names:
+            return i
+    return -1  # a module no room holds
+
+
+def room_violations(root: Path = ROOT) -> list[str]:
+    bad = []
+    for name, path in source_modules(root).items():
+        here = room(name)
+        if here is None:
+            continue
+        if here < 0:
+            bad.append(f"{path.relative_to(root)} is in no room (tests/test_layers.py ROOMS)")
+            continue
+        for target in imports(path):
+            there = room(target)
+            if there is not None and there > here:
+                bad.append(f"{path.relative_to(root)} ({ROOMS[here][0]}) imports {target} ({ROOMS[there][0]})")
+    return bad
+
+
+def test_arrows_point_down_inside_moesim():
+    """Inside ``moesim/`` the rooms are ordered as the folders are: ground, model, machine,
+    engine, cost, policy (the CLI above them all); no import runs up, so no circle can form."""
+    assert room_violations() == []
+    assert len(ROOMS) == len({n for n, _ in ROOMS}) and not set.intersection(*(set(m) for _, m in ROOMS))
+
+
+def test_the_room_check_sees_an_arrow_up(tmp_path):
+    (tmp_path / "moesim").mkdir()
+    (tmp_path / "moesim" / "engines.py").write_text("from moesim.policy import get_policy\n")
+    (tmp_path / "moesim" / "nowhere.py").write_text("")
+    for folder in FOLDERS:
+        (tmp_path / folder).mkdir(exist_ok=True)
+    bad = room_violations(tmp_path)
+    assert len(bad) == 2 and "engines.py (engine) imports moesim.policy (policy)" in bad[0] + bad[1], bad

@@ -481,7 +481,7 @@ def test_two_identical_sweeps_started_together_never_duplicate_or_lose_rows(tmp_
 def test_replay_keeps_the_policies_its_engine_runs_as_whatif_does(tmp_path, run):
     """`replay --engine llama.cpp --policy on-demand` timed on-demand as llama.cpp (which runs
     no copy policy) and exited 0; whatif refused the pairing. Both follow one rule now
-    (EngineProfile.only_runs): none run, one line; some, the others left out with a note."""
+    (moesim.policy.runs_on): none run, one line; some, the others left out with a note."""
     from moesim.models import get_model
     from moesim.sim.replay import replay, replay_setting
     from moesim.traces.synthetic import SyntheticParams, synthetic_trace

@@ -64,7 +64,6 @@ def _profile_files(what: str):
     at once, even where the run would not read it (``--host`` under a GPU-only policy)."""
     def check(value: str | None) -> str | None:
         if value:
-
             for item in value.split(","):
                 p = given_path(item.strip(), what) if item.strip() else None
                 if p is not None and not p.is_dir():
@@ -73,8 +72,10 @@ def _profile_files(what: str):
     return check
 
 
-Engine = Annotated[str | None, typer.Option(callback=_profile_files("engine profile"), help=f"The inference engine whose figures time the work: {ENGINES} or "
-                                                 "a .toml (`moesim hw --engines`).")]
+ENGINE_HELP = f"The inference engine whose figures time the work: {ENGINES} or a .toml (`moesim hw --engines`)."
+Engine = Annotated[str | None, typer.Option(callback=_profile_files("engine profile"), help=ENGINE_HELP)]
+EngineAxis = Annotated[str | None, typer.Option("--engine", callback=_profile_files("engine profile"),
+                                              help=ENGINE_HELP + " Comma-separated: an axis.")]
 SplitMode = Annotated[str, typer.Option("--split", help="Several GPUs: layer (whole layers per GPU, llama.cpp's "
                                                       "default) or tensor (every layer split over all).")]
 TensorSplit = Annotated[str | None, typer.Option(help="Several GPUs, layer split: comma-separated shares of the layers "
@@ -89,7 +90,6 @@ class HostOptions:
 
     threads: Threads = None
     amx: Amx = True
-
     host_knobs = HostKnobs.host_knobs  # the knobs by name, as the setting and the sweep hand them over
 
 

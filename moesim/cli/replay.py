@@ -20,6 +20,7 @@ from moesim.engines import get_engine  # imported with the CLI anyway (moesim.po
 from moesim.errors import MoesimError
 from moesim.hardware import get_machine
 from moesim.outputs import check_output_dir  # light (2 ms to import): checked before the lock
+from moesim.policy import default_policies
 from moesim.reports.replay import write_replay_report
 from moesim.sim.replay import check_trace_model
 from moesim.sim.replay import replay as run_replay
@@ -56,7 +57,7 @@ def replay(a: ReplayArgs) -> None:
         if a.engine is not None:
             setting = replace(setting, engine=get_engine(a.engine))
             if a.policy == REPLAY_POLICIES:  # none chosen: the defaults the engine runs (as whatif)
-                pols = policy_objects(",".join(setting.engine.default_policies([p.name for p in pols])))
+                pols = policy_objects(",".join(default_policies(setting.engine, [p.name for p in pols])))
         machine = get_machine(a.hw_name) if a.hw_name else None
         with progress_bar("replaying", "layer-steps", disable=a.as_json) as update:
             rep = run_replay(trace, machine, pols, setting, a.changes(), step=a.step, where=a.trace_path,

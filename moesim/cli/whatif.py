@@ -12,7 +12,7 @@ from moesim.cli.app import AsCsv, AsJson, auto_or, floats, ints, split
 from moesim.cli.lists import policy_objects
 from moesim.cli.options import (
     CachePerLayer,
-    Engine,
+    EngineAxis,
     GpuLayers,
     Host,
     HostOptions,
@@ -29,7 +29,7 @@ from moesim.errors import MoesimError
 from moesim.outputs import check_output_dir
 from moesim.policy import WHATIF_POLICIES as DEFAULT_POLICIES
 from moesim.sim.answer import CONTEXT_CAP
-from moesim.sim.whatif import WhatifOptions
+from moesim.sim.whatif import WhatifOptions, whatif_engines
 from moesim.sim.whatif import whatif as run_whatif
 
 
@@ -71,7 +71,7 @@ class WhatifArgs(HostOptions):
     calibrate_on_replay: Annotated[bool, typer.Option("--calibrate-on-replay", help="hot-experts: place from the "
                                                       "swept trace itself (rows marked optimistic).")] = False
     goal: Annotated[str, typer.Option(help="What 'best' means: tpot, p99, ttft or bytes.")] = "tpot"
-    engine: Engine = None
+    engine: EngineAxis = None
     split_mode: SplitMode = "layer"
     tensor_split: TensorSplit = None
     host_ram_gb: Annotated[float | None, typer.Option(help="The host's RAM, GB (default: the host profile's, if it "
@@ -144,5 +144,6 @@ def whatif(a: WhatifArgs) -> None:
 
     with holding(a.out_dir, "--out"):  # two runs on one report folder: the second refused in one line
         with progress_bar("simulating", "configurations", disable=a.as_json or a.as_csv) as update, ends_on_interrupt():
-            res = run_whatif(a.options(), update)
+            engines = split(a.engine, "--engine") if a.engine is not None else [None]
+            res = run_whatif(a.options(), update) if len(engines) == 1 else whatif_engines(a.options(), engines, update)
         show_whatif(res, a.goal, a.engine, a.top, a.as_json, a.as_csv, a.out_dir, a.ctx)

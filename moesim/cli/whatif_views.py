@@ -30,14 +30,17 @@ WHATIF_COLS = (("model", "model"), ("hw", "hw"), ("host", "host"), ("policy", "p
 
 
 def print_whatif(res, answers, crosses, goal: str, top: int) -> None:
+    """The text answer; ``answers``: (engine, its deployment answers), one pair an engine."""
 
     rows, winner = res.rows, res.winner
 
     shown = [{**r, "setting": configuration(r), "range": range_text(r)} for r in res.ranked()[:top]]
-    out.print(results_table(shown, f"what-if: {res.sweep.size} configurations, top "
+    cols = WHATIF_COLS if not res.by_engine else (*WHATIF_COLS[:4], ("engine", "engine"), *WHATIF_COLS[4:])
+    size = sum(each.sweep.size for each in res.by_engine) if res.by_engine else res.sweep.size
+    out.print(results_table(shown, f"what-if: {size} configurations, top "
                             f"{min(top, len(rows))} by {goal} (oracle: a bound, never best)"
                             f"{' (synthetic traces)' if res.synthetic else ''}",
-                            WHATIF_COLS))
+                            cols))
     for h in res.sweep.hws:
         b = res.best_by_hw[h.name]
         if b is not None:
@@ -52,9 +55,12 @@ def print_whatif(res, answers, crosses, goal: str, top: int) -> None:
                       f"on {h.name}: no configuration runs: {notes[0]}" if not mem and notes else
                       f"on {h.name}: no configuration fits in {mem} GB of device memory", markup=False,
                       highlight=False, soft_wrap=True)
-    for a in answers:
-        out.print()
-        out.print(format_answer(a), markup=False, highlight=False, soft_wrap=True)  # wrapped already; commands never
+    for label, group in answers:
+        if res.by_engine:
+            out.print(f"\n-- with {label} --", markup=False)
+        for a in group:
+            out.print()
+            out.print(format_answer(a), markup=False, highlight=False, soft_wrap=True)  # wrapped already; commands never
     changes = [describe_change(c, ch) for c in crosses for ch in c.changes]
     if changes:
         out.print("\nwhere the winner changes:", markup=False)
@@ -64,14 +70,23 @@ def print_whatif(res, answers, crosses, goal: str, top: int) -> None:
         out.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     if winner:
         out.print(f"[bold green]best for {GOALS[goal][1]}:[/bold green] {winner['model']} on {winner['hw']}, "
-                  f"{winner['policy']}, {fmt.link(winner['link_gbps'])}, cache {number(winner['cache_gib'])} GiB: "
+                  f"{winner['policy']}{' with ' + winner['engine'] if res.by_engine else ''}, {fmt.link(winner['link_gbps'])}, cache {number(winner['cache_gib'])} GiB: "
                   f"{number(winner['tpot_ms'])} ms/token ({number(winner['tokens_per_s'])} tok/s); compute: {winner['timing']}")
         if sure := how_sure(winner):
             out.print(f"how sure: {sure}", markup=False, highlight=False, soft_wrap=True)
-        cpu = res.sweep.resolved[winner["policy"]].uses_host or winner["bound"] == "CPU compute"
+        ran = next((e.sweep for e in res.by_engine if e.sweep.engine_profile.label == winner["engine"]), res.sweep)
+        cpu = ran.resolved[winner["policy"]].uses_host or winner["bound"] == "CPU compute"
         out.print(f"why: {bound_words(winner)}" if cpu else f"why: {why(winner)}")
     else:
         out.print("[bold red]no configuration fits or runs[/bold red] (each row's note says why: --json / --csv)")
+
+
+def engine_answer(res, goal: str, engine: str | None, context: int | None):
+    """One engine's deployment answer: each family's best and, where ``engine`` was named, the
+    arguments of the engine its sweep ran (a user's file: the engine its runs_as names)."""
+    eng = res.sweep.engine_profile
+    return deployment_answer(res.rows, goal, engine=engine and (eng.runs_as or eng.name),
+                             timed=Timed.of(res.sweep, context))
 
 
 def show_whatif(res, goal: str, engine: str | None, top: int, as_json: bool, as_csv: bool, out_dir,
@@ -80,11 +95,11 @@ def show_whatif(res, goal: str, engine: str | None, top: int, as_json: bool, as_
     ``context``: the context the user will serve (``--ctx``; None: the engine's default)."""
 
     rows, winner = res.rows, res.winner
-    eng = res.sweep.engine_profile  # a user's file prints the arguments of the engine its runs_as names
-    answers = deployment_answer(rows, goal, engine=engine and (eng.runs_as or eng.name), timed=Timed.of(res.sweep, context))
+    answers = [(each.sweep.engine_profile.label, engine_answer(each, goal, engine, context))
+               for each in (res.by_engine or [res])]
     crosses = crossovers(rows)
     if as_json or as_csv:
-        print_json({"goal": goal, "best": winner, "notes": res.notes, "deployment": [a.to_dict() for a in answers],
+        print_json({"goal": goal, "best": winner, "notes": res.notes, "deployment": [a.to_dict() for _, group in answers for a in group],
                     "crossovers": [c.__dict__ for c in crosses], "rows": rows}) if as_json else print_csv(rows)
     else:
         print_whatif(res, answers, crosses, goal, top)

@@ -26,9 +26,12 @@ from moesim.policy.families import (
     as_policy,
     check_eviction,
     check_lookahead,
+    default_policies,
+    engine_policies,
     expert_slots,
     get_policy,
     register,
+    runs_on,
 )
 from moesim.policy.planner import (
     PLAN_CHUNK,
@@ -44,4 +47,4 @@ from moesim.policy.planner import (
 __all__ = ["ALIASES", "EVICTIONS", "PLAN_CHUNK", "POLICIES", "QUEUES", "WHATIF_POLICIES", "CopyExperts", "CpuLayers",
            "CpuOnMiss", "ExpertCache", "GpuLayers", "HotExperts", "Key", "LayerCaches", "LayerPlan", "Planner", "Policy",
            "Resident", "WeightStreaming", "WithHost", "as_policy", "check_eviction", "check_lookahead", "cpu_or_copy",
-           "expert_slots", "get_policy", "register"]
+           "default_policies", "engine_policies", "expert_slots", "get_policy", "register", "runs_on"]

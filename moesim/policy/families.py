@@ -530,6 +530,36 @@ def get_policy(name: str | Policy) -> Policy:
     return _REGISTRY[key]
 
 
+def engine_policies(engine) -> tuple[str, ...]:
+    """The registered names of the policies an engine profile lists (its aliases resolved), or
+    one line naming the profile and the name it gives that no policy has; ``()``: every one.
+    Here, where the registry and the engine are both known (moesim.engines keeps names as
+    strings, so that the engine layer never imports the policies)."""
+    try:
+        return tuple(dict.fromkeys(get_policy(p).name for p in engine.policies))
+    except MoesimError as e:
+        raise MoesimError(f"engine {engine.name}: its policies: {e}") from None
+
+
+def runs_on(engine, policies: list[str]) -> tuple[list[str], str | None]:
+    """(those of ``policies`` (registered names) that ``engine`` runs, a note naming the others,
+    or None); one line when it runs none of them. What ``replay`` and ``whatif`` both do."""
+    runs = engine_policies(engine)
+    kept = [p for p in policies if not runs or p in runs]
+    dropped = [p for p in policies if p not in kept]
+    if dropped and not kept:
+        raise MoesimError(f"{engine.name} runs none of {', '.join(dropped)}; it runs {', '.join(runs)}")
+    return kept, (f"{engine.name} does not run {', '.join(dropped)} (it runs {', '.join(runs)}): left out"
+                  if dropped else None)
+
+
+def default_policies(engine, defaults) -> list[str]:
+    """The policies to compare when none is chosen: those of ``defaults`` ``engine`` runs, else
+    every one it runs."""
+    runs = engine_policies(engine)
+    return [p for p in defaults if not runs or p in runs] or list(runs)
+
+
 def as_policy(policy: str | Policy) -> Policy:
     """``policy`` itself when it is one (resolved once, above), else :func:`get_policy` of its name."""
     return policy if isinstance(policy, Policy) else get_policy(policy)

@@ -3,12 +3,14 @@
 Each output is a real ``moesim`` command run as a user runs it (``python -m moesim``, in
 a fresh folder, 200 columns): the README's bare ``moesim whatif`` (table, CSV, JSON),
 ``replay --json`` of every registered policy on one GPU and of the static layouts on two,
-and two deployment answers with an engine's arguments (the README's llama.cpp examples:
-one GPU, and two GPUs with ``--cpu-layers``). The traces are synthetic (``moesim synth``,
+two deployment answers with an engine's arguments (the README's llama.cpp examples:
+one GPU, and two GPUs with ``--cpu-layers``), and ``validate --published``, whose summary the
+README quotes as its accuracy figures. The traces are synthetic (``moesim synth``,
 fixed seeds).
 
     python tests/golden/outputs.py          # compare with the committed files (exit 1 on a difference)
     python tests/golden/outputs.py --write  # rewrite them (a change that means to move outputs says so)
+    python tests/golden/outputs.py --fast   # without validate --published (3 minutes)
 
 ``tests/test_golden.py`` runs the comparison in the suite.
 """
@@ -47,14 +49,22 @@ COMMANDS: tuple[tuple[str | None, tuple[str, ...], dict[str, str]], ...] = (
 )
 
 
-def generate(out: Path) -> dict[str, bytes]:
-    """Run every command in a fresh folder under ``out``; the outputs by file name."""
+#: Outputs too slow for the default suite (``-m slow`` compares them): ``validate --published``
+#: (leave one source out over every published source, about 3 minutes on 2 cores), whose
+#: summary lines the README quotes as the accuracy figures, with the targets of moesim.sim.targets.
+SLOW_COMMANDS: tuple[tuple[str | None, tuple[str, ...], dict[str, str]], ...] = (
+    ("validate-published.txt", ("validate", "--published"), {}),
+)
+
+
+def generate(out: Path, commands=COMMANDS) -> dict[str, bytes]:
+    """Run ``commands`` in a fresh folder under ``out``; the outputs by file name."""
     work = out / "work"
     work.mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg", "COLUMNS": "200", "LINES": "50"}
     got: dict[str, bytes] = {}
-    for stdout_name, args, files in COMMANDS:
-        r = subprocess.run([sys.executable, "-m", "moesim", *args], cwd=work, env=env, capture_output=True, timeout=600)
+    for stdout_name, args, files in commands:
+        r = subprocess.run([sys.executable, "-m", "moesim", *args], cwd=work, env=env, capture_output=True, timeout=900)
         if r.returncode != 0:
             raise RuntimeError(f"moesim {' '.join(args)} exited {r.returncode}: {r.stderr.decode()[-2000:]}")
         if stdout_name:
@@ -79,8 +89,9 @@ def differences(got: dict[str, bytes]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    commands = COMMANDS if "--fast" in argv else (*COMMANDS, *SLOW_COMMANDS)
     with tempfile.TemporaryDirectory() as tmp:
-        got = generate(Path(tmp))
+        got = generate(Path(tmp), commands)
     if "--write" in argv:
         for name, data in got.items():
             (HERE / name).write_bytes(data)

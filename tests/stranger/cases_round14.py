@@ -177,6 +177,11 @@ def round14_cases() -> list[Case]:
     add(pc, ["whatif", *e, "--tokens", "8", "--ctx", "32768"], expect="ok", check=printed("-c 32768"),
         timeout=180)
     add(pc, ["whatif", *e, "--ctx", "0"], words=("--ctx 0",))
+    # builds and engines people have: a release number is a date; the engine is an axis
+    add(pc, ["hw", "llama.cpp@b6000", "--engines"], expect="ok", check=printed("a build from 2025-07-26"))
+    add(pc, ["hw", "llama.cpp@b1", "--engines"], words=("b1 is outside",))
+    add(pc, ["whatif", *e, "--tokens", "8", "--engine", "llama.cpp,ik_llama.cpp"], expect="ok",
+        check=printed("-- with ik_llama.cpp --"), timeout=180)
     # a lighter file type predicted slower says why (the engine's kernel figures for both)
     add(pc, ["whatif", "--model", "qwen3-30b-a3b", "--expert-dtype", "iq1_s,q8_0", "--hw", "none", "--host",
              "ryzen-7950x", "--engine", "llama.cpp", "--tokens", "8", "--jobs", "1", "--out", "w"], expect="ok",
