@@ -490,8 +490,10 @@ class CostModel:
         return transfers * gpu.transfer_latency + nbytes / (gpu.link_bw * self.engine.get("link_efficiency", 1.0))
 
     def copy_expert(self) -> float:
-        """One routed expert's copy (one contiguous buffer): the link model's unit."""
-        return float(self.copy(self.spec.expert_bytes))
+        """One routed expert's copy (one contiguous buffer): the link model's unit; with the
+        engine's ``evicted_copy_back``, the evicted expert's copy back to the host before it, in
+        turn on the same stream (PCIe carries both directions at once, one stream does not)."""
+        return float(self.copy(self.spec.expert_bytes)) * (1 + self.engine.get("evicted_copy_back", 0))
 
     # -- several devices -----------------------------------------------------------------
     def peer_copy(self, nbytes, other: HardwareProfile) -> float:

@@ -48,6 +48,10 @@ ENGINE_FIGURES: dict[str, tuple[str, bool, bool, str]] = {
     "link_efficiency": ("fraction", False, False, "share of the GPU profile's pinned host-to-device bandwidth the "
                                                   "engine's expert copies reach (absent: 1; pageable or small copies "
                                                   "reach less)"),
+    "evicted_copy_back": ("0/1", False, True, "1: each expert copied in frees its cache slot by copying the expert "
+                                              "it evicts back to host memory over the link first, on the same "
+                                              "stream, so a miss moves an expert each way in turn (absent: 0: the "
+                                              "host copy is kept and an evicted expert is dropped)"),
     "cpu_layer_overhead_us": ("us", False, False, "fixed cost per layer with work on the CPU: thread-pool "
                                                   "barriers and graph scheduling (absent: 0)"),
     "cpu_expert_dispatch_us": ("us", False, False, "CPU cost to start one expert (absent: the host profile's)"),
@@ -93,7 +97,7 @@ LAYER_EFFICIENCY_KINDS = ("full", "mla", "sliding", "chunked", "linear")
 MIN_LAYER_EFFICIENCY = 1e-3
 TABLES = EFFICIENCY_TABLES + RATE_TABLES + LAYER_TABLES
 ZERO_OK = {"fused_experts", "layer_overhead_us", "cpu_layer_overhead_us", "numa_efficiency", "pages_from_disk",
-           "launch_overlap", "layer_split_graph_replay"}
+           "launch_overlap", "layer_split_graph_replay", "evicted_copy_back"}
 TOP_KEYS = {"name", "description", "runs_on", "policies", "figures", "expert_placement", "calibration", "runs_as",
             "before", "as_of", *TABLES}
 #: What a ``[[before]]`` entry holds: the build date it ends at and the figures (``figures`` or a

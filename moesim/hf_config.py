@@ -28,7 +28,16 @@ from typing import Any
 from moesim.artefacts import exact_bytes, formats_from_config
 from moesim.errors import MoesimError
 from moesim.inputs import kind_of
-from moesim.spec import HF_FAMILIES, SIZE_LIMITS, Attention, LinearAttention, ModelSpec, _int, read_config
+from moesim.spec import (
+    HF_FAMILIES,
+    LINEAR_MIXERS,
+    SIZE_LIMITS,
+    Attention,
+    LinearAttention,
+    ModelSpec,
+    _int,
+    read_config,
+)
 
 #: Families whose keys the hand parser knows (model_type values, after an ``architectures``
 #: fallback: Kimi-K2's ``kimi_k2`` is DeepseekV3ForCausalLM).
@@ -177,32 +186,9 @@ def _layer_types(cfg: dict[str, Any], path: Path, mtype: str, n_layers: int) -> 
 
 
 def _linear(cfg: dict[str, Any], path: Path, mtype: str, hidden: int) -> LinearAttention | None:
-    if mtype in QWEN_NEXT:
-        return LinearAttention(
-            "gated_deltanet", n_heads=_int(cfg, path, "linear_num_value_heads"),
-            n_k_heads=_int(cfg, path, "linear_num_key_heads"), head_k_dim=_int(cfg, path, "linear_key_head_dim"),
-            head_v_dim=_int(cfg, path, "linear_value_head_dim"),
-            conv_kernel=_int(cfg, path, "linear_conv_kernel_dim", default=4))
-    if mtype == "jamba":
-        d_inner = _int(cfg, path, "mamba_expand", default=2) * hidden
-        rank = cfg.get("mamba_dt_rank", "auto")
-        rank = -(-hidden // 16) if rank == "auto" else _int(cfg, path, "mamba_dt_rank")
-        if cfg.get("mamba_proj_bias") or not cfg.get("mamba_conv_bias", True):
-            raise MoesimError(f"{path}: Jamba with mamba_proj_bias or without mamba_conv_bias is not modelled")
-        return LinearAttention("mamba", d_inner=d_inner, d_state=_int(cfg, path, "mamba_d_state", default=16),
-                               dt_rank=rank, conv_kernel=_int(cfg, path, "mamba_d_conv", default=4))
-    if mtype == "granitemoehybrid":
-        heads, head = _int(cfg, path, "mamba_n_heads"), _int(cfg, path, "mamba_d_head")
-        if cfg.get("mamba_proj_bias") or not cfg.get("mamba_conv_bias", True):
-            raise MoesimError(f"{path}: Mamba-2 with mamba_proj_bias or without mamba_conv_bias is not modelled")
-        return LinearAttention("mamba2", n_heads=heads, head_v_dim=head, d_inner=heads * head,
-                               d_state=_int(cfg, path, "mamba_d_state"), n_groups=_int(cfg, path, "mamba_n_groups"),
-                               conv_kernel=_int(cfg, path, "mamba_d_conv", default=4))
-    if mtype == "minimax":
-        heads = _int(cfg, path, "num_attention_heads")
-        return LinearAttention("lightning", n_heads=heads, head_v_dim=_int(cfg, path, "head_dim",
-                                                                            default=hidden // heads))
-    return None
+    """The linear layers' geometry, read by the mixer kind whose model types hold ``mtype``."""
+    mixer = next((m for m in LINEAR_MIXERS.values() if mtype in m.model_types), None)
+    return mixer.from_config(cfg, path, hidden) if mixer is not None else None
 
 
 def geometry(cfg: dict[str, Any], path: Path, mtype: str, formats: tuple[str, str, str, str],

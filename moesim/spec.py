@@ -211,22 +211,156 @@ class Attention:
     sinks: bool = False  # one learned attention-sink logit per head (gpt-oss)
 
 
-#: Linear-attention / state-space mixers moesim sizes (``LinearAttention.kind``).
-LINEAR_KINDS = ("gated_deltanet", "mamba", "mamba2", "lightning")
+class LinearMixer:
+    """One kind of linear-attention or state-space token mixer, answering for a layer of it
+    (:class:`LinearAttention`: the geometry, read from ``config.json`` or a GGUF): its
+    projections (:meth:`matrices`, stored in the model's dense format), its small weights
+    (:meth:`small_params`: conv, gates, norms, bf16), and the recurrent state one sequence
+    keeps (:meth:`state_elements`, :meth:`conv_elements`). A new kind is one subclass and its
+    line in :data:`LINEAR_MIXERS`; ``model_types`` are the ``config.json`` model types whose
+    linear layers it is, read by :meth:`from_config`."""
+
+    name: str = ""
+    model_types: tuple[str, ...] = ()
+
+    def matrices(self, la: LinearAttention, h: int) -> list[tuple[int, int]]:
+        """The projections as (rows, cols) matrices, cols the input dimension."""
+        raise NotImplementedError
+
+    def small_params(self, la: LinearAttention, h: int) -> int:
+        """The mixer's weights that are not :meth:`matrices` (conv, gates, its own norms)."""
+        raise NotImplementedError
+
+    def state_elements(self, la: LinearAttention) -> int:
+        """Recurrent state elements of one sequence (the matrix state only)."""
+        raise NotImplementedError
+
+    def conv_elements(self, la: LinearAttention) -> int:
+        """The causal convolution's tail of one sequence (``conv_kernel - 1`` past inputs)."""
+        return 0
+
+    def from_config(self, cfg: dict[str, Any], path: Path, hidden: int) -> LinearAttention:
+        """The geometry from a ``config.json`` of one of ``model_types`` (a bad field: one line)."""
+        raise NotImplementedError
+
+
+class GatedDeltaNet(LinearMixer):
+    """Qwen3-Next, Qwen3.5/3.6 (Kimi-Linear style): ``n_k_heads`` key heads of ``head_k_dim``,
+    ``n_heads`` value heads of ``head_v_dim``; state ``head_k_dim x head_v_dim`` a value head,
+    plus a conv tail of ``conv_kernel - 1`` rows of q, k, v."""
+
+    name, model_types = "gated_deltanet", ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+
+    def matrices(self, la, h):
+        key, value = la.n_k_heads * la.head_k_dim, la.n_heads * la.head_v_dim
+        return [(2 * key + 2 * value, h), (2 * la.n_heads, h), (h, value)]
+
+    def small_params(self, la, h):
+        conv = 2 * la.n_k_heads * la.head_k_dim + la.n_heads * la.head_v_dim
+        return conv * la.conv_kernel + 2 * la.n_heads + la.head_v_dim
+
+    def state_elements(self, la):
+        return la.n_heads * la.head_k_dim * la.head_v_dim
+
+    def conv_elements(self, la):
+        return max(la.conv_kernel - 1, 0) * (2 * la.n_k_heads * la.head_k_dim + la.n_heads * la.head_v_dim)
+
+    def from_config(self, cfg, path, hidden):
+        return LinearAttention(self.name, n_heads=_int(cfg, path, "linear_num_value_heads"),
+                               n_k_heads=_int(cfg, path, "linear_num_key_heads"),
+                               head_k_dim=_int(cfg, path, "linear_key_head_dim"),
+                               head_v_dim=_int(cfg, path, "linear_value_head_dim"),
+                               conv_kernel=_int(cfg, path, "linear_conv_kernel_dim", default=4))
+
+
+class Mamba(LinearMixer):
+    """Jamba: ``d_inner`` channels of ``d_state``, ``dt_rank``, a conv tail."""
+
+    name, model_types = "mamba", ("jamba",)
+
+    def matrices(self, la, h):
+        return [(2 * la.d_inner, h), (la.dt_rank + 2 * la.d_state, la.d_inner), (la.d_inner, la.dt_rank),
+                (h, la.d_inner)]
+
+    def small_params(self, la, h):
+        d, s, r = la.d_inner, la.d_state, la.dt_rank
+        return d * la.conv_kernel + d + d + d * s + d + r + 2 * s  # conv, biases, A, D, Jamba's dt/B/C norms
+
+    def state_elements(self, la):
+        return la.d_inner * la.d_state
+
+    def conv_elements(self, la):
+        return max(la.conv_kernel - 1, 0) * la.d_inner
+
+    def from_config(self, cfg, path, hidden):
+        rank = cfg.get("mamba_dt_rank", "auto")
+        rank = -(-hidden // 16) if rank == "auto" else _int(cfg, path, "mamba_dt_rank")
+        if cfg.get("mamba_proj_bias") or not cfg.get("mamba_conv_bias", True):
+            raise MoesimError(f"{path}: Jamba with mamba_proj_bias or without mamba_conv_bias is not modelled")
+        return LinearAttention(self.name, d_inner=_int(cfg, path, "mamba_expand", default=2) * hidden,
+                               d_state=_int(cfg, path, "mamba_d_state", default=16), dt_rank=rank,
+                               conv_kernel=_int(cfg, path, "mamba_d_conv", default=4))
+
+
+class Mamba2(LinearMixer):
+    """Nemotron-H, Granite-4 hybrid: ``n_heads`` heads of ``head_v_dim``, ``n_groups`` B/C groups."""
+
+    name, model_types = "mamba2", ("granitemoehybrid",)
+
+    def matrices(self, la, h):
+        return [(2 * la.d_inner + 2 * la.n_groups * la.d_state + la.n_heads, h), (h, la.d_inner)]
+
+    def small_params(self, la, h):
+        conv = la.d_inner + 2 * la.n_groups * la.d_state
+        return conv * la.conv_kernel + conv + 3 * la.n_heads + la.d_inner
+
+    def state_elements(self, la):
+        return la.n_heads * la.head_v_dim * la.d_state
+
+    def conv_elements(self, la):
+        return max(la.conv_kernel - 1, 0) * (la.d_inner + 2 * la.n_groups * la.d_state)
+
+    def from_config(self, cfg, path, hidden):
+        heads, head = _int(cfg, path, "mamba_n_heads"), _int(cfg, path, "mamba_d_head")
+        if cfg.get("mamba_proj_bias") or not cfg.get("mamba_conv_bias", True):
+            raise MoesimError(f"{path}: Mamba-2 with mamba_proj_bias or without mamba_conv_bias is not modelled")
+        return LinearAttention(self.name, n_heads=heads, head_v_dim=head, d_inner=heads * head,
+                               d_state=_int(cfg, path, "mamba_d_state"), n_groups=_int(cfg, path, "mamba_n_groups"),
+                               conv_kernel=_int(cfg, path, "mamba_d_conv", default=4))
+
+
+class Lightning(LinearMixer):
+    """MiniMax-01/M1: ``n_heads`` heads, state ``head_v_dim x head_v_dim`` a head; fused qkv,
+    an output gate, an output norm and projection."""
+
+    name, model_types = "lightning", ("minimax",)
+
+    def matrices(self, la, h):
+        inner = la.n_heads * la.head_v_dim
+        return [(3 * inner, h), (inner, h), (h, inner)]
+
+    def small_params(self, la, h):
+        return la.n_heads * la.head_v_dim
+
+    def state_elements(self, la):
+        return la.n_heads * la.head_v_dim * la.head_v_dim
+
+    def from_config(self, cfg, path, hidden):
+        heads = _int(cfg, path, "num_attention_heads")
+        return LinearAttention(self.name, n_heads=heads, head_v_dim=_int(cfg, path, "head_dim", default=hidden // heads))
+
+
+#: Every linear-attention / state-space mixer moesim sizes, by ``LinearAttention.kind``.
+LINEAR_MIXERS: dict[str, LinearMixer] = {m.name: m for m in (GatedDeltaNet(), Mamba(), Mamba2(), Lightning())}
+LINEAR_KINDS = tuple(LINEAR_MIXERS)
 
 
 @dataclass(frozen=True)
 class LinearAttention:
-    """A linear-attention or state-space token mixer: a fixed recurrent state per sequence
-    instead of a KV cache.
-
-    - ``gated_deltanet`` (Qwen3-Next, Qwen3.5/3.6, Kimi-Linear style): ``n_k_heads`` key heads of
-      ``head_k_dim``, ``n_heads`` value heads of ``head_v_dim``; state per value head
-      ``head_k_dim x head_v_dim`` plus a causal-conv tail of ``conv_kernel - 1`` rows of q, k, v.
-    - ``mamba`` (Jamba): ``d_inner`` channels of ``d_state``, ``dt_rank``, conv tail.
-    - ``mamba2`` (Nemotron-H, Granite-4 hybrid): ``n_heads`` heads of ``head_v_dim``, ``n_groups`` B/C groups.
-    - ``lightning`` (MiniMax-01/M1): ``n_heads`` heads, state ``head_v_dim x head_v_dim`` a head.
-    """
+    """A linear-attention or state-space token mixer's geometry: a fixed recurrent state per
+    sequence instead of a KV cache. What each field means, and what a layer of it weighs and
+    keeps, is its kind's (:data:`LINEAR_MIXERS`: :class:`GatedDeltaNet`, :class:`Mamba`,
+    :class:`Mamba2`, :class:`Lightning`)."""
 
     kind: str = "gated_deltanet"
     n_heads: int = 0
@@ -239,48 +373,23 @@ class LinearAttention:
     n_groups: int = 1
     conv_kernel: int = 4
 
+    @property
+    def mixer(self) -> LinearMixer:
+        return LINEAR_MIXERS[self.kind]
+
     def params(self, hidden: int) -> int:
         """Weights of the mixer (projections, conv, gates, its own norms), without the layer's two norms."""
-        h = hidden
-        if self.kind == "gated_deltanet":
-            key, value = self.n_k_heads * self.head_k_dim, self.n_heads * self.head_v_dim
-            conv = 2 * key + value
-            return (h * (2 * key + 2 * value) + h * 2 * self.n_heads + conv * self.conv_kernel
-                    + 2 * self.n_heads + self.head_v_dim + value * h)
-        if self.kind == "mamba":
-            d, s, r = self.d_inner, self.d_state, self.dt_rank
-            return (h * 2 * d + d * self.conv_kernel + d + d * (r + 2 * s) + r * d + d + d * s + d + d * h
-                    + r + 2 * s)  # Jamba's dt/B/C layernorms
-        if self.kind == "mamba2":
-            d, s, g, nh = self.d_inner, self.d_state, self.n_groups, self.n_heads
-            conv = d + 2 * g * s
-            return h * (2 * d + 2 * g * s + nh) + conv * self.conv_kernel + conv + 3 * nh + d + d * h
-        # lightning: fused qkv, output gate, output norm and projection
-        inner = self.n_heads * self.head_v_dim
-        return h * 3 * inner + h * inner + inner + inner * h
+        return sum(r * c for r, c in self.mixer.matrices(self, hidden)) + self.mixer.small_params(self, hidden)
 
     @property
     def state_elements(self) -> int:
         """Recurrent state elements of one sequence (the matrix state only)."""
-        if self.kind == "gated_deltanet":
-            return self.n_heads * self.head_k_dim * self.head_v_dim
-        if self.kind == "mamba":
-            return self.d_inner * self.d_state
-        if self.kind == "mamba2":
-            return self.n_heads * self.head_v_dim * self.d_state
-        return self.n_heads * self.head_v_dim * self.head_v_dim
+        return self.mixer.state_elements(self)
 
     @property
     def conv_elements(self) -> int:
         """The causal convolution's tail of one sequence (``conv_kernel - 1`` past inputs)."""
-        tail = max(self.conv_kernel - 1, 0)
-        if self.kind == "gated_deltanet":
-            return tail * (2 * self.n_k_heads * self.head_k_dim + self.n_heads * self.head_v_dim)
-        if self.kind == "mamba":
-            return tail * self.d_inner
-        if self.kind == "mamba2":
-            return tail * (self.d_inner + 2 * self.n_groups * self.d_state)
-        return 0
+        return self.mixer.conv_elements(self)
 
 
 #: Upper limits of a geometry, each far past any released model (widths of 7,168-16,384, expert
@@ -533,17 +642,7 @@ class ModelSpec:
         if self.linear is None:
             return 0
         la, h = self.linear, self.hidden
-        if la.kind == "gated_deltanet":
-            key, value = la.n_k_heads * la.head_k_dim, la.n_heads * la.head_v_dim
-            mats = [(2 * key + 2 * value, h), (2 * la.n_heads, h), (h, value)]
-        elif la.kind == "mamba":
-            mats = [(2 * la.d_inner, h), (la.dt_rank + 2 * la.d_state, la.d_inner), (la.d_inner, la.dt_rank),
-                    (h, la.d_inner)]
-        elif la.kind == "mamba2":
-            mats = [(2 * la.d_inner + 2 * la.n_groups * la.d_state + la.n_heads, h), (h, la.d_inner)]
-        else:
-            inner = la.n_heads * la.head_v_dim
-            mats = [(3 * inner, h), (inner, h), (h, inner)]
+        mats = la.mixer.matrices(la, h)
         weights = sum(r * c for r, c in mats)
         small = la.params(h) - weights + 2 * self._norm_params
         return sum(self._linear(r, c) for r, c in mats) + 2 * small

@@ -33,7 +33,7 @@ from moesim.hardware import HostProfile, Machine, get_machine
 from moesim.layout import SPLITS, make_layout
 from moesim.memory import WORKSPACE_BYTES, layout_bytes
 from moesim.models import ModelSpec, model_file, model_named
-from moesim.policy import get_policy
+from moesim.policy import of_row
 from moesim.quant_recipes import store_as
 from moesim.setting import Setting
 from moesim.sim.intervals import NOMINAL, range_text
@@ -51,45 +51,13 @@ def _ok(x: Any) -> bool:
 
 def configuration(row: dict[str, Any]) -> str:
     """The knobs of ``row`` that its family has, in words (short: it goes in a table)."""
-    fam = row["family"]
     dtype = row["expert_dtype"]
-    if fam == "cpu-static":
-        what = f"{row['cpu_layers']} MoE layers on CPU"
-    elif fam == "gpu-layers":
-        what = f"{row['gpu_layers']} layers on GPU, the rest on CPU"
-    elif fam == "weight-streaming":
-        gib = _count(row["offload_gib"], float)
-        shown = row["offload_gib"] if gib is None else f"{gib:.1f}"
-        if isinstance(row["offload_gib"], str) and row["offload_gib"].startswith("auto"):
-            shown = f"auto ({shown})"
-        what = f"{shown} GiB of weights read over the link"
-    elif fam == "hot-experts":
-        gib = row["resident_experts"] * _expert_bytes(row) / 2**30 if _ok(row["resident_experts"]) else None
-        kind = "uniformly placed" if "uniform placement" in str(row.get("placement", "")) else "hot"
-        what = f"{row['resident_experts']} {kind} experts on GPU" + (f" ({number(gib)} GiB)" if _ok(gib) else "")
-    elif fam == "cpu-on-miss":
-        what = f"cache {number(row['cache_gib'])} GiB"
-    elif fam == "all-resident":
-        what = "every layer on the CPU" if row["hw"] == "none" else "all experts on GPU"
-    else:
-        what = f"{row['policy']}, cache {number(row['cache_gib'])} GiB"
-        if row["copy_queue"] not in ("fifo", "-"):
-            what += f", {row['copy_queue']}"
-        if row["prefetch_top"] != "-":
-            what += f", top {row['prefetch_top']}"
+    what = of_row(row).row_words(row)  # the family's own words
     if row.get("split") == "tensor":  # the multi-GPU knobs, where they were given (the table had no column)
         what += ", tensor split"
     elif row.get("tensor_split") not in (None, "-"):
         what += f", split {row['tensor_split']}"
     return f"{what}, {dtype}"
-
-
-def _expert_bytes(row: dict[str, Any]) -> float:
-    """Bytes of one expert in the row's format (hot-experts' budget in GiB, for the table)."""
-    try:
-        return store_as(model_named(row["base_model"]), row["expert_dtype"]).expert_bytes
-    except MoesimError:
-        return float("nan")
 
 
 def bound_words(row: dict[str, Any]) -> str:
@@ -248,15 +216,6 @@ def _in(rows: list[dict[str, Any]], model: str, hw: str, host: str, **fixed: Any
             and all(r[a] == v for a, v in fixed.items())]
 
 
-def _count(value: Any, kind: type = int) -> Any:
-    """A row's resolved count: ``12`` or ``"auto (12)"`` (None: neither)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return kind(value)
-    if isinstance(value, str) and value.startswith("auto (") and value.endswith(")"):
-        return kind(value[6:-1])
-    return None
-
-
 @dataclass(frozen=True)
 class Timed:
     """The machines and models a sweep's rows were timed on, by the names the rows carry:
@@ -299,24 +258,21 @@ def row_layout(row: dict[str, Any], timed: Timed = BY_NAME):
     """(spec, :class:`moesim.layout.Layout`) a what-if row of a static layout ran (on
     ``timed``'s machine and model): what an engine's arguments spell. None for a row that
     copies experts (no engine argument places a cache)."""
-    fam = row["family"]
-    spec = store_as(timed.spec(row), row["expert_dtype"])
-    machine = timed.machine(row)
-    if fam == "hot-experts":  # the same count of GPU experts in every layer (KTransformers' --kt-num-gpu-experts)
-        hot = np.zeros((spec.n_moe_layers, spec.n_experts), bool)
-        hot[:, :int(row["resident_experts"]) // spec.n_moe_layers] = True
-        return spec, make_layout(spec, machine.n_gpus, hot=hot, source=row["placement"])
-    counts = {"all-resident": {}, "cpu-static": {"cpu_layers": _count(row["cpu_layers"])},
-              "gpu-layers": {"gpu_layers": _count(row["gpu_layers"])},
-              "weight-streaming": {"offload_gib": _count(row["offload_gib"], float)}}.get(fam)
+    counts = of_row(row).row_knobs(row)  # the family's own knobs
     if counts is None or None in counts.values():
         return None
+    spec = store_as(timed.spec(row), row["expert_dtype"])
+    machine = timed.machine(row)
+    if "resident_experts" in counts:  # the same count of GPU experts in every layer (KTransformers' --kt-num-gpu-experts)
+        hot = np.zeros((spec.n_moe_layers, spec.n_experts), bool)
+        hot[:, :counts["resident_experts"] // spec.n_moe_layers] = True
+        return spec, make_layout(spec, machine.n_gpus, hot=hot, source=row["placement"])
     # The function the simulator laid the row out with (layers cut by their bytes over several
     # GPUs), so that the arguments spell the deployment that was timed, not a re-derived one.
     shares, split = row.get("tensor_split", "-"), row.get("split", "-")
     setting = Setting(split=split if split in SPLITS else "layer",  # "-": one GPU or none
                       ratios=None if shares in ("-", None) else [float(x) for x in str(shares).split(",")], **counts)
-    return spec, layout_for(get_policy(row["policy"]), spec, machine, setting, batch=int(row["batch"]),
+    return spec, layout_for(of_row(row), spec, machine, setting, batch=int(row["batch"]),
                             context=int(row["prompt_len"]) + int(row["tokens"]))
 
 
@@ -337,8 +293,9 @@ def invocation_of(row: dict[str, Any], engine: str, timed: Timed = BY_NAME):
         return None, f"moesim writes the arguments of {', '.join(FORMATTERS)}, not {engine}'s{advice}"
     spec, layout = found
     kw: dict[str, Any] = {}
-    if row["family"] == "hot-experts":
-        kw["gpu_experts_per_layer"] = int(row["resident_experts"]) // spec.n_moe_layers
+    hot = of_row(row).row_knobs(row).get("resident_experts")  # a hot set: the same count a layer
+    if hot is not None:
+        kw["gpu_experts_per_layer"] = hot // spec.n_moe_layers
     given = model_file(row["base_model"])  # the user's own file: what the arguments load, not a placeholder
     held = timed.spec(row).expert_dtype
     converted = given is not None and row["expert_dtype"] != held  # a plan in a format the file does not hold
@@ -361,7 +318,7 @@ def invocation_of(row: dict[str, Any], engine: str, timed: Timed = BY_NAME):
         notes.append(f"the context is the {timed.context:,} tokens of --ctx" if timed.context
                      else f"the context is {engine}'s default (moesim timed a {prompt}-token prompt and {steps} decode "
                           "steps; --ctx N prints the context you will serve and the memory it needs)")
-    extra = int(row["resident_experts"]) % spec.n_moe_layers if row["family"] == "hot-experts" else 0
+    extra = hot % spec.n_moe_layers if hot is not None else 0
     if extra:
         notes.append(f"--kt-num-gpu-experts is one count for every layer: the plan's {extra} experts beyond "
                      f"{kw['gpu_experts_per_layer']} a layer stay on the CPU")

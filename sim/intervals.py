@@ -36,6 +36,7 @@ from typing import Any
 from moesim.engines import ENGINE_ALIASES
 from moesim.errors import MoesimError
 from moesim.fmt import number
+from moesim.policy import family_range_kind
 from moesim.sim import targets
 
 #: The interval's nominal coverage: it should hold this share of measurements.
@@ -52,11 +53,6 @@ PER_KIND_MIN = 8
 #: Where the residuals are shipped (package data, beside the measurements they came from).
 RESIDUALS_FILE = "residuals.toml"
 
-#: The deployment kinds of :data:`moesim.sim.published.KINDS`, by policy family (a what-if
-#: row's ``family``); several GPUs are ``multi-GPU`` whatever the family, no GPU ``all-CPU``.
-FAMILY_KIND = {"all-resident": "all-GPU", "cpu-static": "experts on the CPU", "hot-experts": "experts on the CPU",
-               "cpu-on-miss": "experts on the CPU", "gpu-layers": "layer split", "weight-streaming": "copy offload",
-               "prefetching": "copy offload", "oracle (bound)": "copy offload"}
 
 
 @dataclass(frozen=True)
@@ -183,7 +179,7 @@ def kind_of(family: str, n_gpus: int, row: dict[str, Any] | None = None) -> str:
         return "all-CPU"
     if n_gpus > 1:
         return "multi-GPU"
-    kind = FAMILY_KIND.get(family, "other")
+    kind = family_range_kind(family)  # the family's own (moesim.policy), where the prediction does not say
     if not row or not row.get("tokens_per_s"):
         return kind
     cpu = (row.get("cpu_ms") or 0) > 0

@@ -31,6 +31,10 @@ class EveryOtherLayer(WithHost):
     """The experts of every other MoE layer on the CPU, the rest resident on one GPU."""
 
     rank: ClassVar[int] = 3
+    range_kind: ClassVar[str] = "experts on the CPU"  # the published class its range comes from
+
+    def row_words(self, row):  # its words in the answer's table
+        return "odd MoE layers on CPU"
 
     def layout(self, spec, machine, make, fits, knobs, hot_placement=None):
         on_gpu = np.zeros((spec.n_moe_layers, spec.n_experts), bool)
@@ -70,6 +74,11 @@ def test_whatif_sweeps_it_and_the_deployment_answer_names_it(every_other_layer, 
     families = {f["family"]: f for f in json.loads((tmp_path / "w" / "whatif.json").read_text())["deployment"][0]["families"]}
     assert families["every-other-layer"]["configurations"] == len(mine) and families["every-other-layer"]["row"]
     assert list(families).index("every-other-layer") > list(families).index("gpu-layers")  # ranked by its class's rank
+    from moesim.sim.answer import configuration
+    from moesim.sim.intervals import kind_of
+
+    assert configuration(mine[0]).startswith("odd MoE layers on CPU")  # the family's words, no table elsewhere
+    assert kind_of("every-other-layer", 1) == "experts on the CPU" and mine[0]["range_basis"]
 
 
 

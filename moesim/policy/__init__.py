@@ -29,7 +29,9 @@ from moesim.policy.families import (
     default_policies,
     engine_policies,
     expert_slots,
+    family_range_kind,
     get_policy,
+    of_row,
     register,
     runs_on,
 )
@@ -47,4 +49,4 @@ from moesim.policy.planner import (
 __all__ = ["ALIASES", "EVICTIONS", "PLAN_CHUNK", "POLICIES", "QUEUES", "WHATIF_POLICIES", "CopyExperts", "CpuLayers",
            "CpuOnMiss", "ExpertCache", "GpuLayers", "HotExperts", "Key", "LayerCaches", "LayerPlan", "Planner", "Policy",
            "Resident", "WeightStreaming", "WithHost", "as_policy", "check_eviction", "check_lookahead", "cpu_or_copy",
-           "default_policies", "engine_policies", "expert_slots", "get_policy", "register", "runs_on"]
+           "default_policies", "engine_policies", "expert_slots", "family_range_kind", "get_policy", "of_row", "register", "runs_on"]

@@ -32,8 +32,10 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 
 from moesim.errors import MoesimError
+from moesim.fmt import number
 from moesim.layout import Layout, first_layers_gib, stream_layers
-from moesim.models import ModelSpec, cache_capacity
+from moesim.models import ModelSpec, cache_capacity, model_named
+from moesim.quant_recipes import store_as
 
 EVICTIONS = ("lru", "lfu")
 
@@ -41,6 +43,27 @@ EVICTIONS = ("lru", "lfu")
 #: given to a run none of whose families reads it is noted as having changed nothing.
 HOST_KNOBS = frozenset({"--host", "--no-amx", "--threads", "--link-gbps"})
 CACHE_KNOBS = frozenset({"--cache-gib", "--eviction", "--cache-per-layer"})
+
+
+def resolved_count(value: Any, kind: type = int) -> Any:
+    """A result row's resolved count: ``12`` or ``"auto (12)"`` (None: neither)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return kind(value)
+    if isinstance(value, str) and value.startswith("auto (") and value.endswith(")"):
+        return kind(value[6:-1])
+    return None
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _expert_bytes(row: dict[str, Any]) -> float:
+    """Bytes of one expert in the row's format (hot-experts' budget in GiB, for the table)."""
+    try:
+        return store_as(model_named(row["base_model"]), row["expert_dtype"]).expert_bytes
+    except MoesimError:
+        return float("nan")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +107,27 @@ class Policy:
         """The deployment family it belongs to (the deployment answer's rows): its own name
         unless several policies share one."""
         return self.name
+
+    #: The class of published deployments whose residuals price its range (the published
+    #: suite's kinds, moesim.sim.published.KINDS), where the prediction does not say better
+    #: (moesim.sim.intervals.kind_of: several GPUs, none, no CPU time and no copy).
+    range_kind: ClassVar[str] = "copy offload"
+
+    def row_knobs(self, row: dict[str, Any]) -> dict[str, Any] | None:
+        """The layout knobs a result row of this family was laid out with, as
+        :class:`moesim.setting.Setting` takes them (``resident_experts``: a hot set of that many
+        experts), so that an engine's arguments spell the deployment timed; None for a family
+        that places no static layout (a copy family's cache is no engine argument)."""
+        return None
+
+    def row_words(self, row: dict[str, Any]) -> str:
+        """A result row's knobs of this family, in words (short: they go in a table)."""
+        what = f"{row['policy']}, cache {number(row['cache_gib'])} GiB"
+        if row["copy_queue"] not in ("fifo", "-"):
+            what += f", {row['copy_queue']}"
+        if row["prefetch_top"] != "-":
+            what += f", top {row['prefetch_top']}"
+        return what
 
     @property
     def copies_experts(self) -> bool:
@@ -204,6 +248,14 @@ class Policy:
 class Resident(Policy):
     """Every expert on the device; no copies (the reference without offloading)."""
 
+    range_kind = "all-GPU"
+
+    def row_knobs(self, row):
+        return {}
+
+    def row_words(self, row):
+        return "every layer on the CPU" if row["hw"] == "none" else "all experts on GPU"
+
     offload: ClassVar[bool] = False
     rank: ClassVar[int] = 0
 
@@ -318,6 +370,14 @@ class WithHost(Policy):
 class CpuLayers(WithHost):
     """The experts of N MoE layers in host memory, run on the CPU; the rest resident."""
 
+    range_kind = "experts on the CPU"
+
+    def row_knobs(self, row):
+        return {"cpu_layers": resolved_count(row["cpu_layers"])}
+
+    def row_words(self, row):
+        return f"{row['cpu_layers']} MoE layers on CPU"
+
     cpu: ClassVar[str] = "layers"
     rank: ClassVar[int] = 3
     knobs: ClassVar[frozenset[str]] = HOST_KNOBS | {"--cpu-layers"}
@@ -345,6 +405,17 @@ class CpuLayers(WithHost):
 @dataclass(frozen=True, kw_only=True)
 class HotExperts(WithHost):
     """The most frequently routed experts, up to a device budget, resident; the rest on the CPU."""
+
+    range_kind = "experts on the CPU"
+
+    def row_knobs(self, row):
+        return {"resident_experts": resolved_count(row["resident_experts"])}
+
+    def row_words(self, row):
+        n = row["resident_experts"]
+        gib = n * _expert_bytes(row) / 2**30 if _finite(n) else None
+        kind = "uniformly placed" if "uniform placement" in str(row.get("placement", "")) else "hot"
+        return f"{n} {kind} experts on GPU" + (f" ({number(gib)} GiB)" if _finite(gib) else "")
 
     cpu: ClassVar[str] = "hot"
     rank: ClassVar[int] = 4
@@ -376,6 +447,11 @@ class HotExperts(WithHost):
 @dataclass(frozen=True, kw_only=True)
 class CpuOnMiss(WithHost):
     """A device expert cache; a miss runs on the CPU or is copied, whichever ends first."""
+
+    range_kind = "experts on the CPU"
+
+    def row_words(self, row):
+        return f"cache {number(row['cache_gib'])} GiB"
 
     cpu: ClassVar[str] = "miss"
     rank: ClassVar[int] = 5
@@ -413,6 +489,14 @@ class CpuOnMiss(WithHost):
 class GpuLayers(WithHost):
     """The last N model layers wholly on the GPU(s), the rest (attention and experts) on the CPU."""
 
+    range_kind = "layer split"
+
+    def row_knobs(self, row):
+        return {"gpu_layers": resolved_count(row["gpu_layers"])}
+
+    def row_words(self, row):
+        return f"{row['gpu_layers']} layers on GPU, the rest on CPU"
+
     cpu: ClassVar[str] = "whole"
     rank: ClassVar[int] = 1
     executed: ClassVar[bool] = False
@@ -437,6 +521,18 @@ class GpuLayers(WithHost):
 class WeightStreaming(WithHost):
     """Every layer on the GPU(s); the first layers' weights stay in host memory and are read
     over the link at every step (nothing runs on the CPU)."""
+
+    range_kind = "copy offload"
+
+    def row_knobs(self, row):
+        return {"offload_gib": resolved_count(row["offload_gib"], float)}
+
+    def row_words(self, row):
+        gib = resolved_count(row["offload_gib"], float)
+        shown = row["offload_gib"] if gib is None else f"{gib:.1f}"
+        if isinstance(row["offload_gib"], str) and row["offload_gib"].startswith("auto"):
+            shown = f"auto ({shown})"
+        return f"{shown} GiB of weights read over the link"
 
     cpu: ClassVar[str] = "stream"
     rank: ClassVar[int] = 2
@@ -528,6 +624,19 @@ def get_policy(name: str | Policy) -> Policy:
         aliases = ", ".join(f"{a} = {n}" for a, n in _ALIASES.items())
         raise MoesimError(f"unknown policy {name!r}; known: {', '.join(_REGISTRY)} (aliases: {aliases})")
     return _REGISTRY[key]
+
+
+def of_row(row: dict[str, Any]) -> Policy:
+    """The registered policy a result row ran (its ``policy`` is a registered name already:
+    looked up, not resolved as a user's spelling is by :func:`get_policy`, which any other
+    name goes through: one line for a name no policy has)."""
+    return _REGISTRY.get(row["policy"]) or get_policy(row["policy"])
+
+
+def family_range_kind(family: str) -> str:
+    """The range class of a deployment family by name (a result row's ``family``):
+    :attr:`Policy.range_kind` of the registered policies of that family; "other" for none."""
+    return next((p.range_kind for p in _REGISTRY.values() if p.family == family), "other")
 
 
 def engine_policies(engine) -> tuple[str, ...]:
