@@ -221,3 +221,10 @@ def test_an_engines_policy_names_are_checked_where_policies_are_known(tmp_path):
         ["all-resident"], "llama.cpp does not run on-demand (it runs all-resident): left out")
     with pytest.raises(MoesimError, match="engine llama.cpp: its policies: unknown policy 'yolo'"):
         runs_on(replace(llama, policies=("yolo",)), ["all-resident"])
+
+
+def test_ctx_without_an_engine_changed_nothing_and_says_so(tmp_path):
+    r = in_process("whatif", "--model", "qwen3-30b-a3b", "--hw", "rtx4090", "--policy", "all-resident", "--ctx", "4096",
+                   "--tokens", "4", "--jobs", "1", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "--ctx was given, but without --engine no command is printed: it changed nothing" in json.loads(r.stdout)["notes"]

@@ -139,11 +139,11 @@ def whatif(a: WhatifArgs) -> None:
     if a.ctx is not None and not 1 <= a.ctx <= CONTEXT_CAP:
         raise MoesimError(f"--ctx {a.ctx}: a context is 1 to {CONTEXT_CAP:,} tokens")
     if a.out_dir is not None:
-
         check_output_dir(a.out_dir)
-
     with holding(a.out_dir, "--out"):  # two runs on one report folder: the second refused in one line
         with progress_bar("simulating", "configurations", disable=a.as_json or a.as_csv) as update, ends_on_interrupt():
             engines = split(a.engine, "--engine") if a.engine is not None else [None]
             res = run_whatif(a.options(), update) if len(engines) == 1 else whatif_engines(a.options(), engines, update)
+        if a.ctx is not None and a.engine is None:  # the context sizes printed commands, which need an engine
+            res.notes.append("--ctx was given, but without --engine no command is printed: it changed nothing")
         show_whatif(res, a.goal, a.engine, a.top, a.as_json, a.as_csv, a.out_dir, a.ctx)
