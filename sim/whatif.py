@@ -370,10 +370,12 @@ def whatif_engines(o: WhatifOptions, engines: list[str],
         return whatif(replace(o, engine=engines[0]), progress)
     if o.rows_csv is not None:
         raise MoesimError("--rows keeps one sweep's rows: give one --engine at a time with it")
-    labels = [get_engine(e).label for e in engines]  # each resolved (one line for a bad one) before any sweep
-    if len(set(labels)) < len(labels):
-        raise MoesimError(f"--engine {','.join(engines)}: two of them are the same engine "
-                          f"({', '.join(labels)}): give each once")
+    profiles = [get_engine(e) for e in engines]  # each resolved (one line for a bad one) before any sweep
+    names = [p.name for p in profiles]  # what a row's engine column says
+    if len(set(names)) < len(names):
+        same = "the same engine" if len({p.label for p in profiles}) < len(profiles) else "builds of one engine"
+        raise MoesimError(f"--engine {','.join(engines)}: two of them are {same} ({', '.join(p.label for p in profiles)}), "
+                          "which the rows would not tell apart: give each once, or sweep each build on its own")
     results = [whatif(replace(o, engine=e), progress) for e in engines]
     rows = [r for res in results for r in res.rows]
     first = results[0]

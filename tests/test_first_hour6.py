@@ -228,3 +228,10 @@ def test_ctx_without_an_engine_changed_nothing_and_says_so(tmp_path):
                    "--tokens", "4", "--jobs", "1", "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "--ctx was given, but without --engine no command is printed: it changed nothing" in json.loads(r.stdout)["notes"]
+
+
+def test_two_builds_of_one_engine_are_not_one_axis(tmp_path):
+    """Rows name their engine, not its build: two builds in one --engine axis would be rows no
+    one could tell apart, so it is one line."""
+    one_line_error(in_process("whatif", "--model", "qwen3-30b-a3b", "--hw", "rtx4090", "--tokens", "4", "--jobs", "1",
+                              "--engine", "llama.cpp,llama.cpp@2025-01-01", cwd=tmp_path), "builds of one engine")

@@ -7,6 +7,7 @@ from moesim import fmt
 from moesim.cli.app import err, out, print_csv, print_json, results_table
 from moesim.cli.running import writing_report
 from moesim.fmt import number
+from moesim.policy import of_row
 from moesim.reports.whatif import write_whatif_report
 from moesim.sim.analysis import why
 from moesim.sim.answer import (
@@ -74,8 +75,7 @@ def print_whatif(res, answers, crosses, goal: str, top: int) -> None:
                   f"{number(winner['tpot_ms'])} ms/token ({number(winner['tokens_per_s'])} tok/s); compute: {winner['timing']}")
         if sure := how_sure(winner):
             out.print(f"how sure: {sure}", markup=False, highlight=False, soft_wrap=True)
-        ran = next((e.sweep for e in res.by_engine if e.sweep.engine_profile.label == winner["engine"]), res.sweep)
-        cpu = ran.resolved[winner["policy"]].uses_host or winner["bound"] == "CPU compute"
+        cpu = of_row(winner).uses_host or winner["bound"] == "CPU compute"
         out.print(f"why: {bound_words(winner)}" if cpu else f"why: {why(winner)}")
     else:
         out.print("[bold red]no configuration fits or runs[/bold red] (each row's note says why: --json / --csv)")
