@@ -128,6 +128,7 @@ def test_whatif_and_hw_answer_for_this_machine(monkeypatch, tmp_path):
     ("NVIDIA GeForce RTX 5060 Ti", 16, 128, 14001, 5, "rtx5060ti", "pcie5"),
     ("NVIDIA GeForce RTX 3080", 10, 320, 9501, 4, "rtx3080", "pcie4"),
     ("NVIDIA GeForce RTX 3070 Ti", 8, 256, 9501, 4, "rtx3070", "pcie4"),
+    ("NVIDIA GeForce RTX 3060", 12, 192, 7501, 4, "rtx3060", "pcie4"),
     ("Tesla T4", 15, 256, 5001, 3, "t4", "pcie3"),
     ("NVIDIA B200", 180, 8192, 3996, 5, "b200", "pcie5"),
     ("NVIDIA GB10", 119, 256, 8533, 5, "gb10", "nvlink-c2c"),
